@@ -1,0 +1,339 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PauseMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAUSE_MODE_UNSPECIFIED: _ClassVar[PauseMode]
+    PAUSE_MODE_ABORT: _ClassVar[PauseMode]
+    PAUSE_MODE_WAIT: _ClassVar[PauseMode]
+    PAUSE_MODE_KEEP: _ClassVar[PauseMode]
+
+class WeightTransferBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WEIGHT_TRANSFER_BACKEND_UNSPECIFIED: _ClassVar[WeightTransferBackend]
+    WEIGHT_TRANSFER_BACKEND_GLOO: _ClassVar[WeightTransferBackend]
+    WEIGHT_TRANSFER_BACKEND_NCCL: _ClassVar[WeightTransferBackend]
+    WEIGHT_TRANSFER_BACKEND_GRPC_STREAM: _ClassVar[WeightTransferBackend]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    D_TYPE_UNSPECIFIED: _ClassVar[DType]
+    D_TYPE_FLOAT32: _ClassVar[DType]
+    D_TYPE_FLOAT16: _ClassVar[DType]
+    D_TYPE_BFLOAT16: _ClassVar[DType]
+    D_TYPE_FLOAT64: _ClassVar[DType]
+    D_TYPE_INT8: _ClassVar[DType]
+    D_TYPE_UINT8: _ClassVar[DType]
+    D_TYPE_INT32: _ClassVar[DType]
+    D_TYPE_INT64: _ClassVar[DType]
+    D_TYPE_BOOL: _ClassVar[DType]
+    D_TYPE_FLOAT8_E4M3FN: _ClassVar[DType]
+    D_TYPE_FLOAT8_E5M2: _ClassVar[DType]
+PAUSE_MODE_UNSPECIFIED: PauseMode
+PAUSE_MODE_ABORT: PauseMode
+PAUSE_MODE_WAIT: PauseMode
+PAUSE_MODE_KEEP: PauseMode
+WEIGHT_TRANSFER_BACKEND_UNSPECIFIED: WeightTransferBackend
+WEIGHT_TRANSFER_BACKEND_GLOO: WeightTransferBackend
+WEIGHT_TRANSFER_BACKEND_NCCL: WeightTransferBackend
+WEIGHT_TRANSFER_BACKEND_GRPC_STREAM: WeightTransferBackend
+D_TYPE_UNSPECIFIED: DType
+D_TYPE_FLOAT32: DType
+D_TYPE_FLOAT16: DType
+D_TYPE_BFLOAT16: DType
+D_TYPE_FLOAT64: DType
+D_TYPE_INT8: DType
+D_TYPE_UINT8: DType
+D_TYPE_INT32: DType
+D_TYPE_INT64: DType
+D_TYPE_BOOL: DType
+D_TYPE_FLOAT8_E4M3FN: DType
+D_TYPE_FLOAT8_E5M2: DType
+
+class PauseRequest(_message.Message):
+    __slots__ = ("mode", "clear_cache")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_CACHE_FIELD_NUMBER: _ClassVar[int]
+    mode: PauseMode
+    clear_cache: bool
+    def __init__(self, mode: _Optional[_Union[PauseMode, str]] = ..., clear_cache: _Optional[bool] = ...) -> None: ...
+
+class PauseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsPausedRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsPausedResponse(_message.Message):
+    __slots__ = ("paused",)
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    paused: bool
+    def __init__(self, paused: _Optional[bool] = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("level",)
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    def __init__(self, level: _Optional[int] = ...) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WakeUpResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsSleepingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsSleepingResponse(_message.Message):
+    __slots__ = ("sleeping",)
+    SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    sleeping: bool
+    def __init__(self, sleeping: _Optional[bool] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InitWeightTransferRequest(_message.Message):
+    __slots__ = ("backend", "master_address", "master_port", "rank_offset", "world_size", "group_name", "timeout_seconds")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    backend: WeightTransferBackend
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    timeout_seconds: int
+    def __init__(self, backend: _Optional[_Union[WeightTransferBackend, str]] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., group_name: _Optional[str] = ..., timeout_seconds: _Optional[int] = ...) -> None: ...
+
+class InitWeightTransferResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StartWeightUpdateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StartWeightUpdateResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ParameterSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    sha256: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+
+class PackedParameter(_message.Message):
+    __slots__ = ("parameter", "offset_bytes")
+    PARAMETER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    parameter: ParameterSpec
+    offset_bytes: int
+    def __init__(self, parameter: _Optional[_Union[ParameterSpec, _Mapping]] = ..., offset_bytes: _Optional[int] = ...) -> None: ...
+
+class WeightBucket(_message.Message):
+    __slots__ = ("parameters", "size_bytes")
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    parameters: _containers.RepeatedCompositeFieldContainer[PackedParameter]
+    size_bytes: int
+    def __init__(self, parameters: _Optional[_Iterable[_Union[PackedParameter, _Mapping]]] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("buckets",)
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    buckets: _containers.RepeatedCompositeFieldContainer[WeightBucket]
+    def __init__(self, buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("parameters_staged", "bytes_received")
+    PARAMETERS_STAGED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    parameters_staged: int
+    bytes_received: int
+    def __init__(self, parameters_staged: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class WeightManifest(_message.Message):
+    __slots__ = ("parameters",)
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    parameters: _containers.RepeatedCompositeFieldContainer[ParameterSpec]
+    def __init__(self, parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("name", "offset_bytes", "data", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset_bytes: int
+    data: bytes
+    sha256: bytes
+    def __init__(self, name: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+
+class PushWeightsRequest(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: WeightManifest
+    chunk: WeightChunk
+    def __init__(self, manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[WeightChunk, _Mapping]] = ...) -> None: ...
+
+class PushWeightsResponse(_message.Message):
+    __slots__ = ("parameters_staged", "bytes_received")
+    PARAMETERS_STAGED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    parameters_staged: int
+    bytes_received: int
+    def __init__(self, parameters_staged: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class FinishWeightUpdateRequest(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    def __init__(self, weight_version: _Optional[int] = ...) -> None: ...
+
+class FinishWeightUpdateResponse(_message.Message):
+    __slots__ = ("weight_version", "parameters_updated")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_UPDATED_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    parameters_updated: int
+    def __init__(self, weight_version: _Optional[int] = ..., parameters_updated: _Optional[int] = ...) -> None: ...
+
+class CancelWeightUpdateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CancelWeightUpdateResponse(_message.Message):
+    __slots__ = ("parameters_discarded",)
+    PARAMETERS_DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    parameters_discarded: int
+    def __init__(self, parameters_discarded: _Optional[int] = ...) -> None: ...
+
+class GetWeightChecksumsRequest(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ParameterChecksum(_message.Message):
+    __slots__ = ("name", "sha256", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sha256: bytes
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., sha256: _Optional[bytes] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetWeightChecksumsResponse(_message.Message):
+    __slots__ = ("checksums", "weight_version")
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    checksums: _containers.RepeatedCompositeFieldContainer[ParameterChecksum]
+    weight_version: int
+    def __init__(self, checksums: _Optional[_Iterable[_Union[ParameterChecksum, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Capabilities(_message.Message):
+    __slots__ = ("sleep", "weight_transfer_backends", "pause_modes", "prefix_caching")
+    SLEEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSFER_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MODES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    sleep: bool
+    weight_transfer_backends: _containers.RepeatedScalarFieldContainer[WeightTransferBackend]
+    pause_modes: _containers.RepeatedScalarFieldContainer[PauseMode]
+    prefix_caching: bool
+    def __init__(self, sleep: _Optional[bool] = ..., weight_transfer_backends: _Optional[_Iterable[_Union[WeightTransferBackend, str]]] = ..., pause_modes: _Optional[_Iterable[_Union[PauseMode, str]]] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+
+class GetServerInfoResponse(_message.Message):
+    __slots__ = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "capabilities", "weight_version", "engine", "engine_version", "server_version", "served_model_name", "device")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    capabilities: Capabilities
+    weight_version: int
+    engine: str
+    engine_version: str
+    server_version: str
+    served_model_name: str
+    device: str
+    def __init__(self, world_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., weight_version: _Optional[int] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., server_version: _Optional[str] = ..., served_model_name: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetLoadResponse(_message.Message):
+    __slots__ = ("running_requests", "waiting_requests", "kv_cache_usage", "paused")
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    running_requests: int
+    waiting_requests: int
+    kv_cache_usage: float
+    paused: bool
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,77 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class BackendState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BACKEND_STATE_UNSPECIFIED: _ClassVar[BackendState]
+    BACKEND_STATE_HEALTHY: _ClassVar[BackendState]
+    BACKEND_STATE_UNHEALTHY: _ClassVar[BackendState]
+    BACKEND_STATE_DRAINING: _ClassVar[BackendState]
+BACKEND_STATE_UNSPECIFIED: BackendState
+BACKEND_STATE_HEALTHY: BackendState
+BACKEND_STATE_UNHEALTHY: BackendState
+BACKEND_STATE_DRAINING: BackendState
+
+class Backend(_message.Message):
+    __slots__ = ("address", "state", "in_flight", "total_requests", "failed_requests")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    state: BackendState
+    in_flight: int
+    total_requests: int
+    failed_requests: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[BackendState, str]] = ..., in_flight: _Optional[int] = ..., total_requests: _Optional[int] = ..., failed_requests: _Optional[int] = ...) -> None: ...
+
+class ListBackendsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListBackendsResponse(_message.Message):
+    __slots__ = ("backends",)
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    backends: _containers.RepeatedCompositeFieldContainer[Backend]
+    def __init__(self, backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ...) -> None: ...
+
+class AddBackendRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class AddBackendResponse(_message.Message):
+    __slots__ = ("backend",)
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    backend: Backend
+    def __init__(self, backend: _Optional[_Union[Backend, _Mapping]] = ...) -> None: ...
+
+class RemoveBackendRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class RemoveBackendResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainBackendRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class DrainBackendResponse(_message.Message):
+    __slots__ = ("remaining_in_flight",)
+    REMAINING_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    remaining_in_flight: int
+    def __init__(self, remaining_in_flight: _Optional[int] = ...) -> None: ...
