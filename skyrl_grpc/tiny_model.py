@@ -1,0 +1,140 @@
+"""The embedded default model: a ~0.8M-parameter Llama built on the spot, with no download.
+
+Every command of the stack defaults to this model so the whole loop runs on a laptop CPU. The
+build is deterministic: a byte-level BPE tokenizer trained on ``data/tiny_corpus.txt`` (shipped
+with the package) and seeded random weights, saved in Hugging Face format that vLLM and
+``transformers`` load. The result is cached under the user cache directory, keyed by a hash of
+everything that shapes it, so a changed recipe never reuses a stale build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CORPUS_PATH = Path(__file__).with_name("data") / "tiny_corpus.txt"
+# Bump when the recipe changes in a way the spec's fields do not capture.
+RECIPE_VERSION = 1
+
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+PAD_TOKEN = "<|pad|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Everything that determines the built files (hashed into the cache key)."""
+
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2  # head_dim 64: CPU attention rejects head_dim 16.
+    num_key_value_heads: int = 1
+    max_position_embeddings: int = 512
+    seed: int = 0
+    initializer_range: float = 0.02
+
+
+def default_cache_dir() -> Path:
+    """Where built models are kept: ``$SKYRL_GRPC_CACHE``, else ``$XDG_CACHE_HOME`` or ~/.cache."""
+    if env := os.environ.get("SKYRL_GRPC_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "skyrl-grpc"
+
+
+def _cache_key(spec: TinyModelSpec) -> str:
+    digest = hashlib.sha256()
+    digest.update(json.dumps({"recipe": RECIPE_VERSION, **asdict(spec)}, sort_keys=True).encode())
+    digest.update(CORPUS_PATH.read_bytes())
+    digest.update(CHAT_TEMPLATE.encode())
+    return digest.hexdigest()[:16]
+
+
+def build_tiny_model(out_dir: Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Builds the model into ``out_dir`` (created; must not exist or be empty) and returns it."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS_PATH.read_text().splitlines(), trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, bos_id)]
+    )
+    hf_tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=spec.max_position_embeddings,
+    )
+    hf_tokenizer.save_pretrained(out_dir)
+
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        bos_token_id=bos_id,
+        eos_token_id=tokenizer.token_to_id(EOS_TOKEN),
+        pad_token_id=tokenizer.token_to_id(PAD_TOKEN),
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def ensure_tiny_model(cache_dir: Path | None = None, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Returns the cached build of ``spec``, building it first if needed (atomic: concurrent
+    callers never see a half-written directory)."""
+    root = cache_dir or default_cache_dir()
+    target = root / f"tiny-llama-{_cache_key(spec)}"
+    if (target / "model.safetensors").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+    try:
+        build_tiny_model(staging, spec)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
