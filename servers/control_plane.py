@@ -1,0 +1,123 @@
+"""ControlPlane servicer: pause/resume, sleep/wake, prefix cache, server info and load.
+
+Weight-transfer RPCs are served by ``servers.weight_transfer`` when it is enabled; without it
+they answer UNIMPLEMENTED (the generated base class's behaviour).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+import skyrl_grpc
+from skyrl_grpc.errors import InvalidArgument
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import control_plane_pb2_grpc
+
+from .engine import PauseModeName, VllmEngine
+from .serving_state import ServingState
+
+PAUSE_MODES: dict[int, PauseModeName] = {
+    cp.PAUSE_MODE_UNSPECIFIED: "abort",
+    cp.PAUSE_MODE_ABORT: "abort",
+    cp.PAUSE_MODE_WAIT: "wait",
+    cp.PAUSE_MODE_KEEP: "keep",
+}
+
+
+def pause_mode_name(mode: int) -> PauseModeName:
+    """The engine's name for a PauseMode value; unknown values are INVALID_ARGUMENT."""
+    try:
+        return PAUSE_MODES[mode]
+    except KeyError:
+        raise InvalidArgument(
+            f"mode = {mode} is not a PauseMode: use ABORT (1), WAIT (2) or KEEP (3)"
+        ) from None
+
+
+class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
+    """Serves control calls for one vLLM engine."""
+
+    def __init__(
+        self, state: ServingState[VllmEngine], weight_backends: list[int] | None = None
+    ) -> None:
+        self._state = state
+        self._weight_backends = weight_backends or []
+
+    async def Pause(
+        self, request: cp.PauseRequest, context: grpc.aio.ServicerContext
+    ) -> cp.PauseResponse:
+        mode = pause_mode_name(request.mode)
+        await self._state.engine().pause(mode, request.clear_cache)
+        return cp.PauseResponse()
+
+    async def Resume(
+        self, request: cp.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> cp.ResumeResponse:
+        await self._state.engine().resume()
+        return cp.ResumeResponse()
+
+    async def IsPaused(
+        self, request: cp.IsPausedRequest, context: grpc.aio.ServicerContext
+    ) -> cp.IsPausedResponse:
+        return cp.IsPausedResponse(paused=await self._state.engine().is_paused())
+
+    async def Sleep(
+        self, request: cp.SleepRequest, context: grpc.aio.ServicerContext
+    ) -> cp.SleepResponse:
+        level = request.level or 1
+        if level not in (1, 2):
+            raise InvalidArgument(f"level = {request.level}: sleep level must be 1 or 2")
+        await self._state.engine().sleep(level)
+        return cp.SleepResponse()
+
+    async def WakeUp(
+        self, request: cp.WakeUpRequest, context: grpc.aio.ServicerContext
+    ) -> cp.WakeUpResponse:
+        await self._state.engine().wake_up(list(request.tags) or None)
+        return cp.WakeUpResponse()
+
+    async def IsSleeping(
+        self, request: cp.IsSleepingRequest, context: grpc.aio.ServicerContext
+    ) -> cp.IsSleepingResponse:
+        return cp.IsSleepingResponse(sleeping=await self._state.engine().is_sleeping())
+
+    async def ResetPrefixCache(
+        self, request: cp.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+    ) -> cp.ResetPrefixCacheResponse:
+        await self._state.engine().reset_prefix_cache()
+        return cp.ResetPrefixCacheResponse()
+
+    async def GetServerInfo(
+        self, request: cp.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> cp.GetServerInfoResponse:
+        engine = self._state.engine()
+        return cp.GetServerInfoResponse(
+            world_size=engine.world_size,
+            tensor_parallel_size=engine.tensor_parallel_size,
+            pipeline_parallel_size=engine.pipeline_parallel_size,
+            data_parallel_size=engine.data_parallel_size,
+            capabilities=cp.Capabilities(
+                sleep=engine.sleep_supported,
+                weight_transfer_backends=self._weight_backends,
+                pause_modes=[cp.PAUSE_MODE_ABORT, cp.PAUSE_MODE_WAIT, cp.PAUSE_MODE_KEEP],
+                prefix_caching=engine.prefix_caching,
+            ),
+            weight_version=engine.weight_version,
+            engine="vllm",
+            engine_version=engine.engine_version,
+            server_version=skyrl_grpc.__version__,
+            served_model_name=engine.served_model_name,
+            device=engine.device,
+        )
+
+    async def GetLoad(
+        self, request: cp.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> cp.GetLoadResponse:
+        engine = self._state.engine()
+        load = engine.load()
+        return cp.GetLoadResponse(
+            running_requests=load.running,
+            waiting_requests=load.waiting,
+            kv_cache_usage=load.kv_cache_usage,
+            paused=await engine.is_paused(),
+        )

@@ -1,0 +1,178 @@
+"""DataPlane servicer: validate, call the engine, convert. Logic lives in converters/engine."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
+
+from .converters import (
+    ResponseAssembler,
+    StreamConverter,
+    build_sampling_params,
+    resolve_n,
+    validate_prompt,
+)
+from .engine import VllmEngine
+from .serving_state import ServingState
+
+GenerateLike = data_plane_pb2.GenerateRequest | data_plane_pb2.GenerateStreamRequest
+
+
+class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
+    """Serves generation and tokenizer calls from one vLLM engine."""
+
+    def __init__(self, state: ServingState[VllmEngine]) -> None:
+        self._state = state
+
+    async def _stream(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: generation_pb2.SamplingParams,
+        n: int,
+        include_text: bool,
+    ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
+        engine = self._state.engine()
+        request_id = request_id or uuid.uuid4().hex
+        params = build_sampling_params(
+            sampling,
+            n=resolve_n(n),
+            prompt_len=len(prompt_token_ids),
+            limits=engine.limits,
+            detokenize=include_text,
+        )
+        converter = StreamConverter(request_id, prompt_token_ids, params, include_text)
+        async for output in engine.generate(request_id, prompt_token_ids, params):
+            for chunk in converter.chunks(output, engine.weight_version):
+                yield chunk
+
+    def _token_stream(
+        self, request: GenerateLike
+    ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
+        engine = self._state.engine()
+        prompt = validate_prompt(request.prompt_token_ids, engine.limits, "prompt_token_ids")
+        return self._stream(
+            request.request_id, prompt, request.sampling_params, request.n, request.include_text
+        )
+
+    async def _collect(
+        self, stream: AsyncIterator[data_plane_pb2.GenerateStreamResponse]
+    ) -> ResponseAssembler:
+        assembler = ResponseAssembler()
+        async for chunk in stream:
+            assembler.add(chunk)
+        return assembler
+
+    async def GenerateStream(
+        self, request: data_plane_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
+        async for chunk in self._token_stream(request):
+            yield chunk
+
+    async def Generate(
+        self, request: data_plane_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> data_plane_pb2.GenerateResponse:
+        result = await self._collect(self._token_stream(request))
+        response = data_plane_pb2.GenerateResponse(
+            request_id=result.request_id, samples=result.samples(), usage=result.usage
+        )
+        if result.prompt_logprobs is not None:
+            response.prompt_logprobs.CopyFrom(result.prompt_logprobs)
+        return response
+
+    async def Chat(
+        self, request: data_plane_pb2.ChatRequest, context: grpc.aio.ServicerContext
+    ) -> data_plane_pb2.ChatResponse:
+        engine = self._state.engine()
+        add_generation_prompt = (
+            request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+        )
+        prompt = engine.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in request.messages],
+            add_generation_prompt,
+        )
+        prompt = validate_prompt(prompt, engine.limits, "the rendered chat prompt")
+        result = await self._collect(
+            self._stream(request.request_id, prompt, request.sampling_params, request.n, True)
+        )
+        return data_plane_pb2.ChatResponse(
+            request_id=result.request_id,
+            prompt_token_ids=prompt,
+            samples=result.samples(),
+            usage=result.usage,
+        )
+
+    async def Complete(
+        self, request: data_plane_pb2.CompleteRequest, context: grpc.aio.ServicerContext
+    ) -> data_plane_pb2.CompleteResponse:
+        engine = self._state.engine()
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        prompt = validate_prompt(
+            engine.encode(request.prompt, add_special), engine.limits, "the tokenized prompt"
+        )
+        result = await self._collect(
+            self._stream(request.request_id, prompt, request.sampling_params, request.n, True)
+        )
+        return data_plane_pb2.CompleteResponse(
+            request_id=result.request_id,
+            prompt_token_ids=prompt,
+            samples=result.samples(),
+            usage=result.usage,
+        )
+
+    async def Tokenize(
+        self, request: data_plane_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> data_plane_pb2.TokenizeResponse:
+        engine = self._state.engine()
+        if request.HasField("conversation"):
+            conversation = request.conversation
+            add_generation_prompt = (
+                conversation.add_generation_prompt
+                if conversation.HasField("add_generation_prompt")
+                else True
+            )
+            ids = engine.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in conversation.messages],
+                add_generation_prompt,
+            )
+        else:
+            add_special = (
+                request.add_special_tokens if request.HasField("add_special_tokens") else True
+            )
+            ids = engine.encode(request.text, add_special)
+        return data_plane_pb2.TokenizeResponse(token_ids=ids)
+
+    async def Detokenize(
+        self, request: data_plane_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> data_plane_pb2.DetokenizeResponse:
+        engine = self._state.engine()
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return data_plane_pb2.DetokenizeResponse(text=engine.decode(request.token_ids, skip))
+
+    async def GetModelInfo(
+        self, request: data_plane_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> data_plane_pb2.GetModelInfoResponse:
+        engine = self._state.engine()
+        tokenizer = engine.tokenizer
+        response = data_plane_pb2.GetModelInfoResponse(
+            served_model_name=engine.served_model_name,
+            vocab_size=engine.limits.vocab_size,
+            eos_token_ids=engine.eos_token_ids,
+            max_context_length=engine.limits.max_model_len,
+            has_chat_template=bool(tokenizer.chat_template),
+        )
+        if tokenizer.bos_token_id is not None:
+            response.bos_token_id = tokenizer.bos_token_id
+        if tokenizer.pad_token_id is not None:
+            response.pad_token_id = tokenizer.pad_token_id
+        return response
+
+    async def Abort(
+        self, request: data_plane_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> data_plane_pb2.AbortResponse:
+        aborted = await self._state.engine().abort(list(request.request_ids))
+        return data_plane_pb2.AbortResponse(aborted_request_ids=aborted)

@@ -1,0 +1,293 @@
+"""The engine behind a server: vLLM's in-process ``AsyncLLM`` plus the state the contract adds.
+
+``VllmEngine`` owns what the servicers need and vLLM does not track for us: the integer weight
+version stamped on outputs, request-id uniqueness, the latest scheduler load, tokenizer access
+and capability facts. Servicers translate protobuf to these calls and back; nothing here knows
+about gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from skyrl_grpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from skyrl_grpc.tiny_model import ensure_tiny_model
+
+from .converters import ModelLimits
+
+log = logging.getLogger(__name__)
+
+PauseModeName = Literal["abort", "wait", "keep"]
+TINY_MODEL_NAME = "skyrl-tiny-llama"
+
+
+@dataclass
+class EngineOptions:
+    """How to start the engine. ``model=None`` means the embedded tiny model."""
+
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # CPU only: GiB of host memory for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE). Small by
+    # default so several engines share one machine.
+    kv_cache_gib: float = 1.0
+    # GPU only: fraction of device memory the engine may take.
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    # CUDA graphs / torch.compile cost start-up time and give nothing on CPU.
+    enforce_eager: bool = True
+    # Module path of vLLM worker extension class (weight transfer lives there).
+    worker_extension_cls: str | None = None
+    extra_engine_args: dict[str, Any] = field(default_factory=dict)
+
+    def resolved_model(self) -> str:
+        return self.model or str(ensure_tiny_model())
+
+
+class _LoadTracker:
+    """A vLLM stat logger that keeps the latest scheduler figures (running, waiting, KV use)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+
+    def factory(self) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        tracker = self
+
+        class Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(
+                self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any
+            ) -> None:
+                if scheduler_stats is not None:
+                    tracker.running = scheduler_stats.num_running_reqs
+                    tracker.waiting = scheduler_stats.num_waiting_reqs
+                    tracker.kv_cache_usage = scheduler_stats.kv_cache_usage
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return Logger
+
+
+@dataclass(frozen=True)
+class Load:
+    running: int
+    waiting: int
+    kv_cache_usage: float
+
+
+class VllmEngine:
+    """A started vLLM engine with the contract's extra state. Build with ``VllmEngine.start``."""
+
+    def __init__(self, llm: Any, options: EngineOptions, model_path: str, load: _LoadTracker):
+        from transformers import AutoTokenizer
+
+        self.llm = llm
+        self.options = options
+        self.model_path = model_path
+        default_name = TINY_MODEL_NAME if options.model is None else Path(model_path).name
+        self.served_model_name = options.served_model_name or default_name
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model_config = llm.model_config
+        self.limits = ModelLimits(
+            vocab_size=model_config.get_vocab_size(),
+            max_model_len=model_config.max_model_len,
+            max_logprobs=model_config.max_logprobs,
+        )
+        parallel = llm.vllm_config.parallel_config
+        self.tensor_parallel_size = parallel.tensor_parallel_size
+        self.pipeline_parallel_size = parallel.pipeline_parallel_size
+        self.data_parallel_size = parallel.data_parallel_size
+        self.world_size = parallel.world_size * parallel.data_parallel_size
+        self.weight_version = 0
+        self._load = load
+        self._in_flight: set[str] = set()
+        from vllm.platforms import current_platform
+
+        self.device = current_platform.device_type
+        self.sleep_supported = bool(current_platform.is_sleep_mode_available())
+        self.prefix_caching = bool(llm.vllm_config.cache_config.enable_prefix_caching)
+
+    @classmethod
+    async def start(cls, options: EngineOptions) -> VllmEngine:
+        """Starts vLLM (about 15-30 s on CPU) without blocking the event loop."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        model_path = options.resolved_model()
+        is_cpu = current_platform.device_type == "cpu"
+        if is_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{options.kv_cache_gib:g}")
+        dtype = options.dtype
+        if dtype == "auto" and options.model is None:
+            dtype = "float32"  # the tiny model is saved in float32; keep outputs exact
+        args: dict[str, Any] = dict(
+            model=model_path,
+            served_model_name=options.served_model_name
+            or (TINY_MODEL_NAME if options.model is None else None),
+            dtype=dtype,
+            max_model_len=options.max_model_len,
+            tensor_parallel_size=options.tensor_parallel_size,
+            pipeline_parallel_size=options.pipeline_parallel_size,
+            max_num_seqs=options.max_num_seqs,
+            seed=options.seed,
+            enable_prefix_caching=options.enable_prefix_caching,
+            enforce_eager=options.enforce_eager,
+            worker_extension_cls=options.worker_extension_cls or "",
+            disable_log_stats=False,
+        )
+        if not is_cpu:
+            args["gpu_memory_utilization"] = options.gpu_memory_utilization
+            args["enable_sleep_mode"] = current_platform.is_sleep_mode_available()
+        args.update(options.extra_engine_args)
+        engine_args = AsyncEngineArgs(**args)
+        load = _LoadTracker()
+        llm = await asyncio.to_thread(
+            AsyncLLM.from_engine_args, engine_args, stat_loggers=[load.factory()]
+        )
+        return cls(llm, options, model_path, load)
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: Any
+    ) -> AsyncIterator[Any]:
+        """Streams vLLM ``RequestOutput`` deltas. Cancelling the iteration aborts the request."""
+        if request_id in self._in_flight:
+            raise AlreadyExists(
+                f"request_id {request_id!r} is already in flight: use a unique id, or leave it "
+                "empty for the server to assign one"
+            )
+        self._in_flight.add(request_id)
+        try:
+            async for output in self.llm.generate(
+                {"prompt_token_ids": prompt_token_ids}, sampling_params, request_id
+            ):
+                yield output
+        finally:
+            self._in_flight.discard(request_id)
+
+    async def abort(self, request_ids: Sequence[str]) -> list[str]:
+        known = [r for r in request_ids if r in self._in_flight]
+        if known:
+            await self.llm.abort(known)
+        return known
+
+    # -- tokenizer ----------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool
+    ) -> list[int]:
+        if not messages:
+            raise InvalidArgument("messages is empty: send at least one chat message")
+        if not self.tokenizer.chat_template:
+            raise FailedPrecondition(
+                f"model {self.served_model_name!r} has no chat template: use Complete or "
+                "Generate with your own prompt format"
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except Exception as exc:  # jinja errors: the template rejected these messages
+            raise InvalidArgument(f"the chat template rejected the messages: {exc}") from exc
+        # The template writes the special tokens (BOS, role markers) itself.
+        return self.encode(str(text), add_special_tokens=False)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
+        bad = [t for t in token_ids if t >= self.limits.vocab_size]
+        if bad:
+            raise InvalidArgument(
+                f"token_ids has {bad[0]}, outside the vocabulary 0..{self.limits.vocab_size - 1}"
+            )
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        generation_eos = getattr(self.llm.model_config.hf_config, "eos_token_id", None)
+        if isinstance(generation_eos, int):
+            ids.add(generation_eos)
+        elif isinstance(generation_eos, list):
+            ids.update(generation_eos)
+        return sorted(ids)
+
+    # -- control ------------------------------------------------------------------------------
+
+    async def pause(self, mode: PauseModeName, clear_cache: bool) -> None:
+        await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def is_paused(self) -> bool:
+        return bool(await self.llm.is_paused())
+
+    def _require_sleep(self) -> None:
+        if not self.sleep_supported:
+            raise FailedPrecondition(
+                f"sleep mode is not supported on {self.device}: vLLM can only free and restore "
+                "accelerator memory on CUDA/ROCm/XPU (ServerInfo.capabilities.sleep is false)"
+            )
+
+    async def sleep(self, level: int) -> None:
+        self._require_sleep()
+        await self.llm.sleep(level=level)
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        self._require_sleep()
+        await self.llm.wake_up(tags=tags)
+
+    async def is_sleeping(self) -> bool:
+        if not self.sleep_supported:
+            return False
+        return bool(await self.llm.is_sleeping())
+
+    async def reset_prefix_cache(self) -> None:
+        if not await self.llm.reset_prefix_cache():
+            raise FailedPrecondition(
+                "the prefix cache could not be reset while requests hold cached blocks: "
+                "pause the server first (Pause with clear_cache also resets it)"
+            )
+
+    def load(self) -> Load:
+        unfinished = self.llm.get_num_unfinished_requests()
+        if unfinished == 0:  # scheduler figures only refresh on engine steps
+            return Load(0, 0, self._load.kv_cache_usage)
+        running = min(self._load.running, unfinished)
+        return Load(running, max(unfinished - running, 0), self._load.kv_cache_usage)
+
+    @property
+    def engine_version(self) -> str:
+        import vllm
+
+        return str(vllm.__version__)
+
+    async def shutdown(self) -> None:
+        # Stop vLLM's output loop first: otherwise it sees the engine process exit and logs
+        # an EngineDeadError traceback on every clean shutdown.
+        handler = getattr(self.llm, "output_handler", None)
+        if handler is not None:
+            handler.cancel()
+        await asyncio.to_thread(self.llm.shutdown)

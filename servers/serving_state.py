@@ -1,0 +1,31 @@
+"""Whether a server may take calls: starting, serving or draining, and the engine once ready."""
+
+from __future__ import annotations
+
+from typing import Generic, TypeVar
+
+from skyrl_grpc.errors import Unavailable
+
+EngineT = TypeVar("EngineT")
+
+
+class ServingState(Generic[EngineT]):
+    """Holds the engine once it is ready; handlers ask for it and get UNAVAILABLE otherwise."""
+
+    def __init__(self) -> None:
+        self._engine: EngineT | None = None
+        self.draining = False
+
+    def set_ready(self, engine: EngineT) -> None:
+        self._engine = engine
+
+    @property
+    def ready(self) -> bool:
+        return self._engine is not None and not self.draining
+
+    def engine(self) -> EngineT:
+        if self.draining:
+            raise Unavailable("the server is draining (shutting down): send to another server")
+        if self._engine is None:
+            raise Unavailable("the engine is still starting: retry when health reports SERVING")
+        return self._engine

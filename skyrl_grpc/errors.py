@@ -1,0 +1,58 @@
+"""Domain errors and their gRPC status codes: the one mapping every server uses.
+
+Handlers raise these; ``servers.interceptors.ErrorMappingInterceptor`` turns them into a status
+with the exception's message, which must tell a person what to change. Anything else becomes
+INTERNAL with a generic message (the traceback goes to the server log, not the wire).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class SkyrlError(Exception):
+    """Base of the errors a server reports as a specific status code."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(SkyrlError):
+    """The request is malformed or out of range; the message names the field."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPrecondition(SkyrlError):
+    """The call is out of order or the server lacks the feature; the message says which."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotFound(SkyrlError):
+    """A named thing (backend, parameter, request) does not exist."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(SkyrlError):
+    """A thing with this name or id exists already."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Unavailable(SkyrlError):
+    """The server cannot serve now (starting, draining, no healthy backend); retry later."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class ResourceExhausted(SkyrlError):
+    """A size or capacity limit was hit."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceeded(SkyrlError):
+    """An internal wait (e.g. for other ranks) ran out of time."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED

@@ -1,0 +1,15 @@
+"""Request metadata keys every side of the stack agrees on (gRPC metadata keys are lowercase)."""
+
+from __future__ import annotations
+
+#: Conversation id: the router sends every call carrying the same id to the same server.
+SESSION_ID = "x-session-id"
+#: `Bearer <token>` for servers and routers started with a token.
+AUTHORIZATION = "authorization"
+#: Set by the router on calls it forwards: the backend the call went to (for logs and tests).
+ROUTED_TO = "x-skyrl-backend"
+
+
+def bearer(token: str) -> tuple[str, str]:
+    """The metadata pair that authenticates a call with ``token``."""
+    return (AUTHORIZATION, f"Bearer {token}")

@@ -1,0 +1,80 @@
+"""Shared fixtures: the tiny model, one in-process engine server per test session, channels."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from skyrl_grpc.tiny_model import ensure_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+# Engines share this machine: keep each one's KV cache small.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+REFERENCE_PROMPTS = [[1, 45, 722, 84], [1, 300, 301, 302, 303, 304], [1, 7, 900, 12, 1500]]
+REFERENCE_MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    return ensure_tiny_model()
+
+
+def offline_reference(
+    model_dir: Path, prompts: list[list[int]], sampling: dict[str, Any], tmp_dir: Path
+) -> list[dict[str, Any]]:
+    """Greedy/seeded outputs of vLLM's offline LLM in a fresh process (a fresh engine start)."""
+    spec = tmp_dir / f"spec-{os.getpid()}-{len(list(tmp_dir.iterdir()))}.json"
+    spec.write_text(json.dumps({"model": str(model_dir), "prompts": prompts, "sampling": sampling}))
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.offline_reference", str(spec)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result.returncode == 0 and lines, result.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, Any]]:
+    sampling = {
+        "temperature": 0.0,
+        "max_tokens": REFERENCE_MAX_TOKENS,
+        "logprobs": 0,
+        "ignore_eos": True,
+    }
+    return offline_reference(
+        tiny_model_dir, REFERENCE_PROMPTS, sampling, tmp_path_factory.mktemp("reference")
+    )
+
+
+@pytest.fixture(scope="session")
+async def engine_server(tiny_model_dir: Path) -> AsyncIterator[Any]:
+    """One real vLLM engine server for the whole session (engine start costs ~20 s)."""
+    from servers.engine_server import EngineServer, ServerOptions
+
+    server = EngineServer(ServerOptions())
+    await server.start()
+    await asyncio.wait_for(server.wait_ready(), timeout=300)
+    yield server
+    await server.drain(grace=1)
+
+
+@pytest.fixture(scope="session")
+async def engine_channel(engine_server: Any) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(engine_server.address) as channel:
+        yield channel

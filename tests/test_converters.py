@@ -1,0 +1,181 @@
+"""Validation and conversion rules, without an engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from servers.control_plane import pause_mode_name
+from servers.converters import (
+    ModelLimits,
+    ResponseAssembler,
+    build_sampling_params,
+    finish_to_proto,
+    logprobs_to_proto,
+    resolve_n,
+    validate_prompt,
+)
+from skyrl_grpc.errors import InvalidArgument
+from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
+
+LIMITS = ModelLimits(vocab_size=100, max_model_len=64, max_logprobs=5)
+SP = generation_pb2.SamplingParams
+
+
+def build(params: generation_pb2.SamplingParams, prompt_len: int = 4, n: int = 1):  # type: ignore[no-untyped-def]
+    return build_sampling_params(
+        params, n=n, prompt_len=prompt_len, limits=LIMITS, detokenize=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "fragment"),
+    [
+        ([], "is empty"),
+        ([1, 2, 100], "prompt_token_ids[2] = 100 is outside the vocabulary"),
+        (list(range(64)), "the model's context is 64 tokens"),
+    ],
+)
+def test_bad_prompts_are_rejected_with_a_reason(prompt: list[int], fragment: str) -> None:
+    with pytest.raises(InvalidArgument) as raised:
+        validate_prompt(prompt, LIMITS, "prompt_token_ids")
+    assert fragment in str(raised.value)
+
+
+def test_a_prompt_that_fits_passes() -> None:
+    assert validate_prompt([0, 99, 5], LIMITS, "prompt_token_ids") == [0, 99, 5]
+
+
+@pytest.mark.parametrize(
+    ("params", "fragment"),
+    [
+        (SP(max_tokens=0), "max_tokens = 0: must be >= 1"),
+        (SP(max_tokens=-3), "max_tokens = -3"),
+        (SP(max_tokens=61), "use max_tokens <= 60"),
+        (SP(temperature=-0.5), "temperature = -0.5: must be >= 0"),
+        (SP(top_p=0.0), "top_p = 0.0 is outside (0.0, 1.0]"),
+        (SP(top_p=1.5), "top_p = 1.5 is outside"),
+        (SP(top_k=-2), "top_k = -2"),
+        (SP(min_p=2.0), "min_p = 2.0 is outside"),
+        (SP(logprobs=6), "logprobs = 6: must be in 0..5"),
+        (SP(prompt_logprobs=-1), "prompt_logprobs = -1"),
+        (SP(presence_penalty=3.0), "presence_penalty = 3.0 is outside"),
+        (SP(repetition_penalty=0.0), "repetition_penalty = 0.0 is outside"),
+        (SP(stop_token_ids=[100]), "stop_token_ids has 100"),
+        (SP(stop_strings=[""]), "empty string"),
+        (SP(min_tokens=10, max_tokens=5), "min_tokens = 10"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(
+    params: generation_pb2.SamplingParams, fragment: str
+) -> None:
+    with pytest.raises(InvalidArgument) as raised:
+        build(params)
+    assert fragment in str(raised.value)
+
+
+def test_n_zero_means_one_and_negative_is_rejected() -> None:
+    assert resolve_n(0) == 1
+    assert resolve_n(4) == 4
+    with pytest.raises(InvalidArgument, match="n = -1"):
+        resolve_n(-1)
+
+
+def test_unset_fields_take_documented_defaults() -> None:
+    params = build(SP(), prompt_len=10)
+    assert params.temperature == 1.0 and params.top_p == 1.0 and params.top_k in (0, -1)
+    assert params.max_tokens == 54  # all the context leaves room for
+    assert params.logprobs is None and params.prompt_logprobs is None
+    assert params.detokenize is False
+
+
+def test_set_fields_reach_vllm() -> None:
+    params = build(
+        SP(
+            temperature=0.0,
+            top_k=-1,
+            max_tokens=7,
+            seed=11,
+            stop_token_ids=[3],
+            stop_strings=["x"],
+            logprobs=2,
+            ignore_eos=True,
+        )
+    )
+    assert (params.temperature, params.max_tokens, params.seed) == (0.0, 7, 11)
+    assert params.stop_token_ids == [3] and params.stop == ["x"] and params.logprobs == 2
+    assert params.top_k in (0, -1) and params.ignore_eos
+    assert params.detokenize is True  # stop strings are matched on text
+
+
+def test_unknown_pause_mode_is_rejected() -> None:
+    assert pause_mode_name(0) == "abort"
+    assert pause_mode_name(3) == "keep"
+    with pytest.raises(InvalidArgument, match="mode = 9"):
+        pause_mode_name(9)
+
+
+@dataclass
+class Entry:
+    logprob: float
+    rank: int | None
+
+
+def test_logprobs_keep_sampled_token_and_rank_ordered_alternatives() -> None:
+    positions = [
+        {5: Entry(-0.1, 1), 7: Entry(-2.0, 2), 9: Entry(-3.0, 3)},
+        {8: Entry(-4.0, 9), 1: Entry(-0.5, 1), 2: Entry(-1.0, 2)},
+    ]
+    result = logprobs_to_proto([5, 8], positions, top_k=2)
+    assert list(result.token_logprobs) == pytest.approx([-0.1, -4.0])
+    assert [list(t.token_ids) for t in result.top_logprobs] == [[5, 7], [1, 2]]
+    prompt = logprobs_to_proto([3, 5], [None, positions[0]], top_k=0)
+    assert list(prompt.token_logprobs) == pytest.approx([0.0, -0.1])
+    assert len(prompt.top_logprobs) == 0
+
+
+def test_finish_reasons_and_stop_matches() -> None:
+    assert finish_to_proto(None, None, [1]) == (generation_pb2.FINISH_REASON_UNSPECIFIED, None)
+    reason, stop = finish_to_proto("stop", None, [4, 2])
+    assert reason == generation_pb2.FINISH_REASON_STOP and stop is not None and stop.token_id == 2
+    reason, stop = finish_to_proto("stop", "END", [4])
+    assert stop is not None and stop.text == "END"
+    assert finish_to_proto("abort", None, [])[0] == generation_pb2.FINISH_REASON_ABORTED
+    assert finish_to_proto("length", None, [1])[0] == generation_pb2.FINISH_REASON_LENGTH
+
+
+def test_assembler_joins_chunks_and_splits_weight_version_spans() -> None:
+    chunk = data_plane_pb2.GenerateStreamResponse
+    assembler = ResponseAssembler()
+    assembler.add(chunk(request_id="r", sample_index=1, token_ids=[9], weight_version=0, text="a"))
+    assembler.add(chunk(request_id="r", sample_index=0, token_ids=[1, 2], weight_version=0))
+    assembler.add(chunk(request_id="r", sample_index=0, token_ids=[3], weight_version=0))
+    assembler.add(
+        chunk(
+            request_id="r",
+            sample_index=0,
+            token_ids=[4, 5],
+            weight_version=2,
+            finish_reason=generation_pb2.FINISH_REASON_LENGTH,
+        )
+    )
+    assembler.add(
+        chunk(
+            request_id="r",
+            sample_index=1,
+            token_ids=[],
+            weight_version=2,
+            text="b",
+            finish_reason=generation_pb2.FINISH_REASON_ABORTED,
+        )
+    )
+    first, second = assembler.samples()
+    assert list(first.token_ids) == [1, 2, 3, 4, 5]
+    assert [(s.weight_version, s.start, s.length) for s in first.weight_versions] == [
+        (0, 0, 3),
+        (2, 3, 2),
+    ]
+    assert first.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert list(second.token_ids) == [9] and second.text == "ab"
+    assert second.finish_reason == generation_pb2.FINISH_REASON_ABORTED

@@ -1,0 +1,149 @@
+"""The engine server as a real process: health through start and drain, SIGTERM, grpcurl."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
+from skyrl_grpc.v1 import generation_pb2 as gen
+
+pytestmark = [pytest.mark.engine]
+ROOT = Path(__file__).resolve().parents[1]
+GRPCURL = str(Path(sys.executable).with_name("grpcurl"))
+DATA_PLANE = "skyrl.inference.v1.DataPlane"
+CONTROL_PLANE = "skyrl.inference.v1.ControlPlane"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class ServerProcess:
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "servers.engine_server", "--port", "0", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        )
+        self.address = self.next_event("listening")["address"]
+
+    def next_event(self, name: str) -> dict[str, str]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                event = json.loads(line)
+                if event["event"] == name:
+                    return event  # type: ignore[no-any-return]
+        raise AssertionError(f"server exited before {name!r} (code {self.proc.wait()})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server_process() -> Iterator[ServerProcess]:
+    server = ServerProcess("--drain-grace-seconds", "20")
+    yield server
+    server.stop()
+
+
+def health_status(address: str, service: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status  # type: ignore[no-any-return]
+
+
+def test_health_not_serving_while_starting_then_serving(server_process: ServerProcess) -> None:
+    # The port opens before vLLM starts (which takes seconds): liveness up, services not ready.
+    assert health_status(server_process.address, "") == SERVING
+    assert health_status(server_process.address, DATA_PLANE) == NOT_SERVING
+    with grpc.insecure_channel(server_process.address) as channel:
+        with pytest.raises(grpc.RpcError) as raised:
+            data_plane_pb2_grpc.DataPlaneStub(channel).GetModelInfo(
+                data_plane_pb2.GetModelInfoRequest(), timeout=5
+            )
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        assert "starting" in raised.value.details()  # type: ignore[attr-defined]
+    server_process.next_event("ready")
+    assert health_status(server_process.address, DATA_PLANE) == SERVING
+    assert health_status(server_process.address, CONTROL_PLANE) == SERVING
+
+
+def grpcurl(*args: str) -> str:
+    result = subprocess.run(
+        [GRPCURL, "-plaintext", *args], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_grpcurl_lists_describes_and_calls(server_process: ServerProcess) -> None:
+    address = server_process.address
+    services = grpcurl(address, "list").split()
+    assert (
+        DATA_PLANE in services and CONTROL_PLANE in services and "grpc.health.v1.Health" in services
+    )
+    described = grpcurl(address, "describe", "skyrl.inference.v1.SamplingParams")
+    assert "optional float temperature = 1;" in described
+    generated = json.loads(
+        grpcurl(
+            "-d",
+            '{"prompt_token_ids": [1, 45, 722],'
+            ' "sampling_params": {"temperature": 0, "max_tokens": 5}}',
+            address,
+            f"{DATA_PLANE}/Generate",
+        )
+    )
+    assert len(generated["samples"][0]["tokenIds"]) == 5
+    assert generated["samples"][0]["finishReason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
+    grpcurl("-d", '{"mode": "PAUSE_MODE_KEEP"}', address, f"{CONTROL_PLANE}/Pause")
+    assert json.loads(grpcurl(address, f"{CONTROL_PLANE}/IsPaused")) == {"paused": True}
+    grpcurl(address, f"{CONTROL_PLANE}/Resume")
+    assert json.loads(grpcurl(address, f"{CONTROL_PLANE}/IsPaused")) == {}
+
+
+def test_sigterm_drains_in_flight_streams_then_exits(server_process: ServerProcess) -> None:
+    async def scenario() -> tuple[list[int], list[int], int]:
+        async with grpc.aio.insecure_channel(server_process.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=DATA_PLANE))
+            statuses: list[int] = [(await watch.read()).status]
+            stream = data_plane_pb2_grpc.DataPlaneStub(channel).GenerateStream(
+                data_plane_pb2.GenerateStreamRequest(
+                    prompt_token_ids=[1, 2, 3],
+                    sampling_params=gen.SamplingParams(
+                        temperature=0, max_tokens=300, ignore_eos=True
+                    ),
+                )
+            )
+            tokens: list[int] = []
+            finish = 0
+            async for chunk in stream:
+                if not tokens:
+                    server_process.proc.send_signal(signal.SIGTERM)
+                    statuses.append((await watch.read()).status)
+                tokens.extend(chunk.token_ids)
+                finish = chunk.finish_reason
+            return statuses, tokens, finish
+
+    statuses, tokens, finish = asyncio.run(scenario())
+    assert statuses == [SERVING, NOT_SERVING]  # routers learn first...
+    assert len(tokens) == 300 and finish == gen.FINISH_REASON_LENGTH  # ...then the stream completes
+    started = time.monotonic()
+    assert server_process.proc.wait(timeout=60) == 0
+    assert time.monotonic() - started < 60
