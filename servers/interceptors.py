@@ -92,12 +92,21 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Maps ``SkyrlError`` to its status code and anything unexpected to INTERNAL."""
+    """Maps ``SkyrlError`` to its status code and anything unexpected to INTERNAL.
+
+    ``services`` limits it to those services' methods (all methods when None).
+    """
+
+    def __init__(self, services: list[str] | None = None) -> None:
+        self._prefixes = None if services is None else tuple(f"/{s}/" for s in services)
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        return _wrap(handler, handler_call_details.method)
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        if handler is None or (
+            self._prefixes is not None and not method.startswith(self._prefixes)
+        ):
+            return handler
+        return _wrap(handler, method)

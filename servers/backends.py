@@ -1,0 +1,246 @@
+"""The router's backends: membership, health, load, and the routing decision.
+
+Each backend is watched with ``grpc.health.v1`` Watch on the DataPlane service: a backend that
+reports NOT_SERVING (draining), or whose connection drops (killed), is ejected at once, and
+re-admitted when a new Watch sees SERVING. A forwarded call that fails UNAVAILABLE ejects the
+backend passively and restarts its watch, so a recovered backend comes back on its own.
+
+``BackendPool.choose`` is where routing happens: a session id goes through the hash ring over
+eligible backends, anything else to the least-loaded eligible backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from skyrl_grpc.errors import AlreadyExists, NotFound
+from skyrl_grpc.v1 import router_pb2
+
+from .balancer import LeastOutstanding, RoundRobin
+from .hash_ring import HashRing
+
+log = logging.getLogger(__name__)
+
+DATA_PLANE_SERVICE = "skyrl.inference.v1.DataPlane"
+HEALTHY = router_pb2.BACKEND_STATE_HEALTHY
+UNHEALTHY = router_pb2.BACKEND_STATE_UNHEALTHY
+DRAINING = router_pb2.BACKEND_STATE_DRAINING
+UNKNOWN = router_pb2.BACKEND_STATE_UNSPECIFIED
+
+CHANNEL_OPTIONS = [
+    # Forwarded messages can be as large as the servers accept.
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    # Notice a silently dead backend (no RST) within seconds instead of a TCP timeout.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # Reconnect quickly once a restarted backend listens again.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+
+@dataclass(eq=False)
+class Backend:
+    """One engine server as the router sees it."""
+
+    address: str
+    channel: grpc.aio.Channel
+    state: int = UNKNOWN
+    in_flight: int = 0
+    total_requests: int = 0
+    failed_requests: int = 0
+    watch_task: asyncio.Task[None] | None = None
+    watch_call: grpc.aio.UnaryStreamCall | None = None  # type: ignore[type-arg]
+    recheck_requested: bool = False
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def eligible(self) -> bool:
+        return self.state == HEALTHY
+
+    def to_proto(self) -> router_pb2.Backend:
+        return router_pb2.Backend(
+            address=self.address,
+            state=self.state,  # type: ignore[arg-type]
+            in_flight=self.in_flight,
+            total_requests=self.total_requests,
+            failed_requests=self.failed_requests,
+        )
+
+
+ChannelFactory = Callable[[str], grpc.aio.Channel]
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class BackendPool:
+    """Backends, their health watches, and the routing decision."""
+
+    def __init__(
+        self,
+        addresses: Iterable[str] = (),
+        *,
+        check_interval: float = 1.0,
+        channel_factory: ChannelFactory = insecure_channel,
+        balancing: str = "least-outstanding",
+        on_change: Callable[[Backend], None] | None = None,
+    ) -> None:
+        self.check_interval = check_interval
+        self._channel_factory = channel_factory
+        self._backends: dict[str, Backend] = {}
+        self._ring = HashRing()
+        self._balancer = RoundRobin() if balancing == "round-robin" else LeastOutstanding()
+        self._on_change = on_change
+        self._initial = list(addresses)
+        self._started = False
+
+    # -- membership ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._started = True
+        for address in self._initial:
+            self.add(address)
+
+    def add(self, address: str) -> Backend:
+        if address in self._backends:
+            raise AlreadyExists(f"backend {address} is already a member")
+        backend = Backend(address, self._channel_factory(address))
+        backend.idle.set()
+        self._backends[address] = backend
+        self._ring.add(address)
+        backend.watch_task = asyncio.create_task(self._watch(backend))
+        log.info("backend %s added", address)
+        return backend
+
+    async def remove(self, address: str) -> None:
+        backend = self.get(address)
+        del self._backends[address]
+        self._ring.remove(address)
+        if backend.watch_task is not None:
+            backend.watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await backend.watch_task
+        backend.state = UNKNOWN
+        self._changed(backend)
+        # In-flight calls keep their own references and finish; close the channel after them.
+        asyncio.get_running_loop().create_task(self._close_when_idle(backend))
+        log.info("backend %s removed", address)
+
+    async def drain(self, address: str, timeout: float | None) -> int:
+        """No new calls to the backend; waits for its in-flight calls, then removes it."""
+        backend = self.get(address)
+        backend.state = DRAINING
+        self._changed(backend)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(backend.idle.wait(), timeout)
+        remaining = backend.in_flight
+        await self.remove(address)
+        return remaining
+
+    async def _close_when_idle(self, backend: Backend) -> None:
+        await backend.idle.wait()
+        await backend.channel.close()
+
+    def get(self, address: str) -> Backend:
+        try:
+            return self._backends[address]
+        except KeyError:
+            raise NotFound(f"backend {address} is not a member (see ListBackends)") from None
+
+    @property
+    def backends(self) -> list[Backend]:
+        return [self._backends[a] for a in sorted(self._backends)]
+
+    def healthy(self) -> list[Backend]:
+        return [b for b in self.backends if b.eligible]
+
+    # -- routing ------------------------------------------------------------------------------
+
+    def choose(
+        self, session_id: str | None, exclude: frozenset[str] = frozenset()
+    ) -> Backend | None:
+        """The backend for a call: by session on the ring, else the least loaded."""
+
+        def eligible(address: str) -> bool:
+            backend = self._backends.get(address)
+            return backend is not None and backend.eligible and address not in exclude
+
+        if session_id:
+            address = self._ring.lookup(session_id, eligible)
+            return None if address is None else self._backends[address]
+        candidates = [b for b in self.backends if eligible(b.address)]
+        return self._balancer.pick(candidates, lambda b: b.in_flight)
+
+    def owner(self, session_id: str) -> str | None:
+        """Which backend a session maps to now (for tests and debugging)."""
+        return self._ring.lookup(session_id, lambda a: self._backends[a].eligible)
+
+    def begin(self, backend: Backend) -> None:
+        backend.in_flight += 1
+        backend.total_requests += 1
+        backend.idle.clear()
+
+    def end(self, backend: Backend, failed: bool) -> None:
+        backend.in_flight -= 1
+        if failed:
+            backend.failed_requests += 1
+        if backend.in_flight == 0:
+            backend.idle.set()
+
+    # -- health -------------------------------------------------------------------------------
+
+    def mark_unavailable(self, backend: Backend) -> None:
+        """Passive ejection after a call failed UNAVAILABLE; the watch re-checks it."""
+        if backend.state == DRAINING or backend.address not in self._backends:
+            return
+        if backend.state != UNHEALTHY:
+            log.warning("backend %s ejected: a call failed UNAVAILABLE", backend.address)
+        self._set_state(backend, UNHEALTHY)
+        if backend.watch_call is not None:
+            backend.recheck_requested = True
+            backend.watch_call.cancel()
+
+    def _set_state(self, backend: Backend, state: int) -> None:
+        if backend.state == DRAINING or backend.state == state:
+            return
+        backend.state = state
+        log.info("backend %s is %s", backend.address, router_pb2.BackendState.Name(state))  # type: ignore[arg-type]
+        self._changed(backend)
+
+    def _changed(self, backend: Backend) -> None:
+        if self._on_change is not None:
+            self._on_change(backend)
+
+    async def _watch(self, backend: Backend) -> None:
+        stub = health_pb2_grpc.HealthStub(backend.channel)
+        request = health_pb2.HealthCheckRequest(service=DATA_PLANE_SERVICE)
+        while True:
+            try:
+                backend.watch_call = stub.Watch(request)
+                async for response in backend.watch_call:
+                    serving = response.status == health_pb2.HealthCheckResponse.SERVING
+                    self._set_state(backend, HEALTHY if serving else UNHEALTHY)
+            except grpc.aio.AioRpcError as error:
+                log.debug("health watch of %s ended: %s", backend.address, error.code())
+            except asyncio.CancelledError:
+                if not backend.recheck_requested:
+                    raise  # the pool removed the backend
+                backend.recheck_requested = False
+            self._set_state(backend, UNHEALTHY)
+            await asyncio.sleep(self.check_interval)
+
+    async def close(self) -> None:
+        for address in list(self._backends):
+            await self.remove(address)

@@ -1,0 +1,53 @@
+"""RouterAdmin servicer: backend membership at runtime, over the BackendPool."""
+
+from __future__ import annotations
+
+import grpc
+
+from skyrl_grpc.errors import InvalidArgument
+from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+
+from .backends import BackendPool
+
+
+def _address(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"address {value!r} is not host:port (e.g. 127.0.0.1:50051)")
+    return value
+
+
+class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
+    def __init__(self, pool: BackendPool) -> None:
+        self._pool = pool
+
+    async def ListBackends(
+        self,
+        request: router_pb2.ListBackendsRequest,
+        context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
+    ) -> router_pb2.ListBackendsResponse:
+        return router_pb2.ListBackendsResponse(backends=[b.to_proto() for b in self._pool.backends])
+
+    async def AddBackend(
+        self,
+        request: router_pb2.AddBackendRequest,
+        context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
+    ) -> router_pb2.AddBackendResponse:
+        backend = self._pool.add(_address(request.address))
+        return router_pb2.AddBackendResponse(backend=backend.to_proto())
+
+    async def RemoveBackend(
+        self,
+        request: router_pb2.RemoveBackendRequest,
+        context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
+    ) -> router_pb2.RemoveBackendResponse:
+        await self._pool.remove(request.address)
+        return router_pb2.RemoveBackendResponse()
+
+    async def DrainBackend(
+        self,
+        request: router_pb2.DrainBackendRequest,
+        context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
+    ) -> router_pb2.DrainBackendResponse:
+        remaining = await self._pool.drain(request.address, context.time_remaining())
+        return router_pb2.DrainBackendResponse(remaining_in_flight=remaining)

@@ -1,0 +1,155 @@
+"""A stand-in DataPlane backend for tests whose subject is the router or the client logic.
+
+It "generates" token i at step i with a fixed delay per token, records what it saw (metadata,
+deadlines, cancellations) and can be told to fail. Runs in-process (``FakeBackend``) or as a
+process: ``python -m tests.helpers.fake_backend --port P`` (for kill -9 tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
+
+DATA_PLANE = "skyrl.inference.v1.DataPlane"
+
+
+@dataclass
+class Observed:
+    calls: int = 0
+    in_flight: int = 0
+    cancelled: int = 0
+    completed: int = 0
+    metadata: list[dict[str, str]] = field(default_factory=list)
+    deadlines: list[float | None] = field(default_factory=list)
+
+
+class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
+    def __init__(self, name: str, delay: float) -> None:
+        self.name = name
+        self.delay = delay
+        self.observed = Observed()
+        self.fail_next_with: grpc.StatusCode | None = None
+        self.fail_after_tokens: int | None = None
+
+    def _begin(self, context: grpc.aio.ServicerContext) -> None:  # type: ignore[type-arg]
+        self.observed.calls += 1
+        self.observed.metadata.append({k: str(v) for k, v in context.invocation_metadata() or ()})
+        self.observed.deadlines.append(context.time_remaining())
+
+    async def _tokens(
+        self, request: data_plane_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:  # type: ignore[type-arg]
+        self._begin(context)
+        if self.fail_next_with is not None:
+            code, self.fail_next_with = self.fail_next_with, None
+            await context.abort(code, f"{self.name} told to fail")
+        max_tokens = request.sampling_params.max_tokens or 8
+        self.observed.in_flight += 1
+        try:
+            for i in range(max_tokens):
+                if self.fail_after_tokens is not None and i == self.fail_after_tokens:
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, f"{self.name} failed mid-stream"
+                    )
+                await asyncio.sleep(self.delay)
+                last = i == max_tokens - 1
+                yield data_plane_pb2.GenerateStreamResponse(
+                    request_id=request.request_id or self.name,
+                    token_ids=[i],
+                    finish_reason=generation_pb2.FINISH_REASON_LENGTH if last else 0,
+                    usage=generation_pb2.Usage(
+                        prompt_tokens=len(request.prompt_token_ids), completion_tokens=i + 1
+                    ),
+                )
+            self.observed.completed += 1
+        except asyncio.CancelledError:
+            self.observed.cancelled += 1
+            raise
+        finally:
+            self.observed.in_flight -= 1
+
+    async def GenerateStream(self, request, context):  # type: ignore[no-untyped-def]
+        async for chunk in self._tokens(request, context):
+            yield chunk
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        stream_request = data_plane_pb2.GenerateStreamRequest.FromString(
+            request.SerializeToString()
+        )
+        tokens = [t async for c in self._tokens(stream_request, context) for t in c.token_ids]
+        return data_plane_pb2.GenerateResponse(
+            request_id=request.request_id or self.name,
+            samples=[
+                generation_pb2.Sample(
+                    token_ids=tokens, finish_reason=generation_pb2.FINISH_REASON_LENGTH
+                )
+            ],
+        )
+
+    async def GetModelInfo(self, request, context):  # type: ignore[no-untyped-def]
+        self._begin(context)
+        return data_plane_pb2.GetModelInfoResponse(served_model_name=self.name, vocab_size=16)
+
+
+class FakeBackend:
+    """An in-process fake engine server with health; ``start()`` binds ``port`` (0: any)."""
+
+    def __init__(self, name: str = "fake", delay: float = 0.002, port: int = 0) -> None:
+        self.servicer = FakeDataPlane(name, delay)
+        self.health = health.aio.HealthServicer()
+        self.requested_port = port
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def observed(self) -> Observed:
+        return self.servicer.observed
+
+    async def start(self) -> FakeBackend:
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        data_plane_pb2_grpc.add_DataPlaneServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{self.port or self.requested_port}")
+        await self.server.start()
+        await self.health.set(DATA_PLANE, health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await self.health.set(DATA_PLANE, status)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(0)
+            self.server = None
+
+
+async def _main(port: int, name: str, delay: float) -> None:
+    backend = await FakeBackend(name, delay, port).start()
+    print(json.dumps({"event": "ready", "address": backend.address}), flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--name", default="fake")
+    parser.add_argument("--delay", type=float, default=0.002)
+    args = parser.parse_args()
+    asyncio.run(_main(args.port, args.name, args.delay))

@@ -1,0 +1,71 @@
+"""Consistent hashing and load-aware choice, without a network."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import Counter
+
+from servers.balancer import LeastOutstanding, RoundRobin
+from servers.hash_ring import HashRing, stable_hash
+
+BACKENDS = [f"10.0.0.{i}:50051" for i in range(1, 5)]
+SESSIONS = [f"session-{i}" for i in range(10_000)]
+
+
+def owners(ring: HashRing, eligible=lambda _: True) -> dict[str, str | None]:  # type: ignore[no-untyped-def]
+    return {s: ring.lookup(s, eligible) for s in SESSIONS}
+
+
+def test_stable_hash_is_process_independent() -> None:
+    # A fixed function of the bytes (not Python's per-process salted hash()).
+    expected = int.from_bytes(hashlib.blake2b(b"session-1", digest_size=8).digest(), "big")
+    assert stable_hash("session-1") == expected
+    assert stable_hash("a") != stable_hash("b")
+
+
+def test_sessions_spread_over_backends() -> None:
+    counts = Counter(owners(HashRing(BACKENDS)).values())
+    assert set(counts) == set(BACKENDS)
+    assert all(0.17 < c / len(SESSIONS) < 0.33 for c in counts.values()), counts
+
+
+def test_removing_a_backend_moves_only_its_sessions_and_readding_brings_them_back() -> None:
+    ring = HashRing(BACKENDS)
+    before = owners(ring)
+    removed = BACKENDS[2]
+    ring.remove(removed)
+    after = owners(ring)
+    moved = [s for s in SESSIONS if before[s] != after[s]]
+    assert all(before[s] == removed for s in moved)  # 0 sessions of surviving backends moved
+    assert all(after[s] != removed for s in SESSIONS)
+    fraction = len(moved) / len(SESSIONS)
+    print(f"moved fraction on removing 1 of 4 backends: {fraction:.4f}")
+    assert 0.18 < fraction < 0.32
+    ring.add(removed)
+    assert owners(ring) == before
+
+
+def test_ineligible_backend_sessions_fail_over_and_return() -> None:
+    ring = HashRing(BACKENDS)
+    before = owners(ring)
+    down = BACKENDS[0]
+    during = owners(ring, lambda b: b != down)
+    for s in SESSIONS:
+        if before[s] == down:
+            assert during[s] not in (None, down)
+        else:
+            assert during[s] == before[s]
+    assert owners(ring) == before
+    assert ring.lookup("x", lambda _: False) is None
+    assert HashRing().lookup("x") is None
+
+
+def test_least_outstanding_picks_the_idlest_and_breaks_ties_randomly() -> None:
+    load = {"a": 3, "b": 1, "c": 1, "d": 5}
+    balancer = LeastOutstanding(random.Random(0))
+    picks = Counter(balancer.pick(list(load), load.__getitem__) for _ in range(200))
+    assert set(picks) == {"b", "c"} and min(picks.values()) > 60
+    assert balancer.pick([], load.__getitem__) is None
+    rr = RoundRobin()
+    assert [rr.pick(["a", "b"], load.__getitem__) for _ in range(3)] == ["a", "b", "a"]

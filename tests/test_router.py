@@ -1,0 +1,372 @@
+"""The router's logic over real sockets, with stand-in backends (the router is the subject)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from servers.router import ForwardingHandler, RouterOptions, RouterServer
+from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
+from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, router_pb2, router_pb2_grpc
+from skyrl_grpc.v1 import generation_pb2 as gen
+from tests.helpers.fake_backend import FakeBackend
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def start_router(backends: list[FakeBackend], **kw: object) -> RouterServer:
+    options = RouterOptions(backends=[b.address for b in backends], health_check_interval=0.1, **kw)  # type: ignore[arg-type]
+    router = RouterServer(options)
+    await router.start()
+    await router.wait_healthy(len(backends))
+    return router
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[tuple[list[FakeBackend], RouterServer, grpc.aio.Channel]]:
+    backends = [await FakeBackend(f"b{i}").start() for i in range(4)]
+    router = await start_router(backends, metrics_port=0)
+    channel = grpc.aio.insecure_channel(router.address)
+    yield backends, router, channel
+    await channel.close()
+    await router.stop(0)
+    for b in backends:
+        await b.stop()
+
+
+def request(max_tokens: int = 4) -> data_plane_pb2.GenerateStreamRequest:
+    return data_plane_pb2.GenerateStreamRequest(
+        prompt_token_ids=[1, 2], sampling_params=gen.SamplingParams(max_tokens=max_tokens)
+    )
+
+
+async def routed_stream(
+    channel: grpc.aio.Channel, session: str | None = None, max_tokens: int = 4, **kw: object
+) -> tuple[str, list[int]]:
+    metadata = ((SESSION_ID, session),) if session else ()
+    call = data_plane_pb2_grpc.DataPlaneStub(channel).GenerateStream(
+        request(max_tokens), metadata=metadata, **kw
+    )  # type: ignore[arg-type]
+    tokens = [t async for chunk in call for t in chunk.token_ids]
+    backend = dict(await call.initial_metadata())[ROUTED_TO]
+    return str(backend), tokens
+
+
+async def health_status(channel: grpc.aio.Channel, service: str = "") -> int:
+    response = await health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=service)
+    )
+    return response.status  # type: ignore[no-any-return]
+
+
+async def test_streams_and_unary_are_forwarded_unchanged(fleet) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = fleet
+    address, tokens = await routed_stream(channel, max_tokens=5)
+    assert tokens == [0, 1, 2, 3, 4]
+    assert address in {b.address for b in backends}
+    stub = data_plane_pb2_grpc.DataPlaneStub(channel)
+    call = stub.Generate(
+        data_plane_pb2.GenerateRequest(
+            prompt_token_ids=[1], sampling_params=gen.SamplingParams(max_tokens=3)
+        )
+    )
+    response = await call
+    assert list(response.samples[0].token_ids) == [0, 1, 2]
+    assert dict(await call.initial_metadata())[ROUTED_TO] in {b.address for b in backends}
+
+
+async def test_session_affinity_and_metadata_forwarding(fleet) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = fleet
+    by_address = {b.address: b for b in backends}
+    landed: dict[str, set[str]] = {}
+    for _turn in range(3):
+        for session in [f"conv-{i}" for i in range(20)]:
+            address, _ = await routed_stream(channel, session)
+            landed.setdefault(session, set()).add(address)
+    assert all(len(addresses) == 1 for addresses in landed.values())
+    assert len({a for s in landed.values() for a in s}) >= 3  # sessions spread over backends
+    for session, (address,) in landed.items():
+        assert router.pool.owner(session) == address
+    # The backend sees the caller's metadata (session, auth, tracing) untouched.
+    stub = data_plane_pb2_grpc.DataPlaneStub(channel)
+    metadata = (
+        (SESSION_ID, "conv-0"),
+        ("authorization", "Bearer t0k"),
+        ("traceparent", "00-abc-def-01"),
+    )
+    call = stub.GetModelInfo(data_plane_pb2.GetModelInfoRequest(), metadata=metadata)
+    await call
+    seen = by_address[dict(await call.initial_metadata())[ROUTED_TO]].observed.metadata[-1]
+    assert seen[SESSION_ID] == "conv-0" and seen["authorization"] == "Bearer t0k"
+    assert seen["traceparent"] == "00-abc-def-01"
+
+
+async def test_no_session_goes_to_least_loaded(fleet) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = fleet
+    for b in backends:
+        b.servicer.delay = 0.05
+    long_calls = [asyncio.ensure_future(routed_stream(channel, max_tokens=40)) for _ in range(3)]
+    await asyncio.sleep(0.3)
+    busy = {b.address for b in backends if b.observed.in_flight}
+    assert len(busy) == 3  # three long calls spread over three backends
+    address, _ = await routed_stream(channel, max_tokens=1)
+    assert address not in busy
+    for call in long_calls:
+        call.cancel()
+
+
+async def test_unhealthy_backend_is_ejected_and_readmitted(fleet) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = fleet
+    sessions = [f"s{i}" for i in range(40)]
+    before = {s: router.pool.owner(s) for s in sessions}
+    victim = backends[1]
+    await victim.set_serving(False)  # e.g. draining
+    await asyncio.sleep(0.3)
+    assert victim.address not in {b.address for b in router.pool.healthy()}
+    calls_before = victim.observed.calls
+    for s in sessions:
+        address, _ = await routed_stream(channel, s)
+        assert address != victim.address
+        if before[s] != victim.address:
+            assert address == before[s]  # other sessions did not move
+    assert victim.observed.calls == calls_before
+    assert await health_status(channel) == SERVING
+    await victim.set_serving(True)
+    await router.wait_healthy(4, timeout=5)
+    for s in sessions:
+        assert (await routed_stream(channel, s))[0] == before[s]  # sessions came back
+
+
+async def test_stopped_backend_is_ejected_and_restarted_one_rejoins(fleet) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = fleet
+    victim = backends[3]
+    port = victim.port
+    await victim.stop()
+    deadline = time.monotonic() + 3
+    while victim.address in {b.address for b in router.pool.healthy()}:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    for i in range(30):
+        assert (await routed_stream(channel, f"k{i}"))[0] != victim.address
+    restarted = await FakeBackend("b3-again", port=port).start()
+    await router.wait_healthy(4, timeout=10)
+    owned = [s for s in (f"k{i}" for i in range(30)) if router.pool.owner(s) == restarted.address]
+    assert owned
+    for s in owned:
+        assert (await routed_stream(channel, s))[0] == restarted.address
+    await restarted.stop()
+
+
+async def test_no_healthy_backend_is_unavailable_with_reason(fleet) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = fleet
+    for b in backends:
+        await b.set_serving(False)
+    await asyncio.sleep(0.3)
+    assert await health_status(channel) == NOT_SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await routed_stream(channel, "any")
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no healthy backend" in (raised.value.details() or "")
+    for b in backends:
+        await b.set_serving(True)
+    await router.wait_healthy(4, timeout=5)
+    assert await health_status(channel) == SERVING
+
+
+async def test_retry_before_first_chunk_but_never_after(fleet) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = fleet
+    first_choice = router.pool.owner("retry-me")
+    by_address = {b.address: b for b in backends}
+    by_address[first_choice].servicer.fail_next_with = grpc.StatusCode.UNAVAILABLE
+    address, tokens = await routed_stream(channel, "retry-me")
+    assert address != first_choice and tokens == [0, 1, 2, 3]
+    await router.wait_healthy(4, timeout=5)  # the watch re-admits the backend that is fine
+    # INVALID_ARGUMENT is the request's fault: passed through, not retried.
+    owner = by_address[router.pool.owner("bad")]
+    owner.servicer.fail_next_with = grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await routed_stream(channel, "bad")
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # After the first chunk an UNAVAILABLE reaches the caller: replaying would duplicate tokens.
+    owner = by_address[router.pool.owner("mid")]
+    owner.servicer.fail_after_tokens = 2
+    calls = sum(b.observed.calls for b in backends)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await routed_stream(channel, "mid", max_tokens=6)
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert sum(b.observed.calls for b in backends) == calls + 1
+    owner.servicer.fail_after_tokens = None
+
+
+async def test_cancel_and_deadline_pass_through(fleet) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = fleet
+    for b in backends:
+        b.servicer.delay = 0.05
+    stub = data_plane_pb2_grpc.DataPlaneStub(channel)
+    call = stub.GenerateStream(request(200), metadata=((SESSION_ID, "c"),))
+    await call.read()
+    owner = {b.address: b for b in backends}[router.pool.owner("c")]
+    call.cancel()
+    deadline = time.monotonic() + 3
+    while owner.observed.cancelled == 0:
+        assert time.monotonic() < deadline, "the upstream call was not cancelled"
+        await asyncio.sleep(0.02)
+    assert owner.observed.in_flight == 0
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await routed_stream(channel, "d", max_tokens=200, timeout=0.4)
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    owner = {b.address: b for b in backends}[router.pool.owner("d")]
+    assert owner.observed.deadlines[-1] is not None and owner.observed.deadlines[-1] <= 0.4
+    await asyncio.sleep(0.2)
+    assert owner.observed.in_flight == 0
+
+
+async def test_admin_lists_adds_removes_and_drains(fleet) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = fleet
+    admin = router_pb2_grpc.RouterAdminStub(channel)
+    listed = await admin.ListBackends(router_pb2.ListBackendsRequest())
+    assert sorted(b.address for b in listed.backends) == sorted(b.address for b in backends)
+    assert all(b.state == router_pb2.BACKEND_STATE_HEALTHY for b in listed.backends)
+    extra = await FakeBackend("extra").start()
+    await admin.AddBackend(router_pb2.AddBackendRequest(address=extra.address))
+    await router.wait_healthy(5, timeout=5)
+    for code, call in [
+        (
+            grpc.StatusCode.ALREADY_EXISTS,
+            admin.AddBackend(router_pb2.AddBackendRequest(address=extra.address)),
+        ),
+        (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            admin.AddBackend(router_pb2.AddBackendRequest(address="nope")),
+        ),
+        (
+            grpc.StatusCode.NOT_FOUND,
+            admin.RemoveBackend(router_pb2.RemoveBackendRequest(address="1.2.3.4:5")),
+        ),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call
+        assert raised.value.code() == code
+    # Drain waits for the in-flight stream, which completes.
+    extra.servicer.delay = 0.02
+    owned = next(s for s in (f"z{i}" for i in range(200)) if router.pool.owner(s) == extra.address)
+    stream = asyncio.ensure_future(routed_stream(channel, owned, max_tokens=30))
+    await asyncio.sleep(0.1)
+    drained = await admin.DrainBackend(router_pb2.DrainBackendRequest(address=extra.address))
+    assert drained.remaining_in_flight == 0
+    address, tokens = await stream
+    assert address == extra.address and len(tokens) == 30
+    assert router.pool.owner(owned) != extra.address
+    await admin.RemoveBackend(router_pb2.RemoveBackendRequest(address=backends[0].address))
+    listed = await admin.ListBackends(router_pb2.ListBackendsRequest())
+    assert len(listed.backends) == 3
+    await extra.stop()
+
+
+async def test_metrics_endpoint(fleet) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = fleet
+    await routed_stream(channel, "m")
+    body = await asyncio.to_thread(
+        lambda: (
+            urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/metrics")
+            .read()
+            .decode()
+        )
+    )
+    for name in (
+        "skyrl_router_requests_total",
+        "skyrl_router_request_seconds_bucket",
+        "skyrl_router_in_flight",
+        "skyrl_router_backend_healthy",
+        "skyrl_router_errors_total",
+    ):
+        assert name in body
+    assert f'skyrl_router_backend_healthy{{backend="{backends[0].address}"}} 1.0' in body
+
+
+async def test_methods_unknown_to_the_router_are_relayed_as_raw_streams(fleet) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = fleet
+    # A router built from an older contract knows none of the methods: all are relayed raw.
+    handler = ForwardingHandler(router.proxy)
+    handler._streaming.clear()
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as old_router:
+        _, tokens = await routed_stream(old_router, "u", max_tokens=3)
+        assert tokens == [0, 1, 2]
+        info = await data_plane_pb2_grpc.DataPlaneStub(old_router).GetModelInfo(
+            data_plane_pb2.GetModelInfoRequest()
+        )
+        assert info.served_model_name.startswith("b")
+    await server.stop(0)
+
+
+def test_killed_backend_process_is_ejected_router_stays_serving() -> None:
+    async def scenario() -> None:
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.helpers.fake_backend",
+                    "--name",
+                    f"p{i}",
+                    "--delay",
+                    "0.01",
+                ],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(3)
+        ]
+        try:
+            addresses = [json.loads(p.stdout.readline())["address"] for p in procs]  # type: ignore[union-attr]
+            router = RouterServer(RouterOptions(backends=addresses, health_check_interval=0.2))
+            await router.start()
+            await router.wait_healthy(3)
+            async with grpc.aio.insecure_channel(router.address) as channel:
+                victim = addresses[0]
+                victim_sessions = [
+                    s for s in (f"v{i}" for i in range(100)) if router.pool.owner(s) == victim
+                ]
+                in_flight = asyncio.ensure_future(
+                    routed_stream(channel, victim_sessions[0], max_tokens=500)
+                )
+                await asyncio.sleep(0.2)
+                os.kill(procs[0].pid, signal.SIGKILL)
+                killed = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await in_flight  # the stream it was serving is cut (migration is another issue)
+                while victim in {b.address for b in router.pool.healthy()}:
+                    assert time.monotonic() - killed < 1.0, "not ejected within the check interval"
+                    await asyncio.sleep(0.01)
+                sent_after_ejection = router.pool.get(victim).total_requests
+                for s in victim_sessions + [f"n{i}" for i in range(20)]:
+                    address, tokens = await routed_stream(channel, s)
+                    assert address != victim and tokens == [0, 1, 2, 3]
+                assert router.pool.get(victim).total_requests == sent_after_ejection
+                assert await health_status(channel) == SERVING
+            await router.stop(0)
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+
+    asyncio.run(scenario())

@@ -1,0 +1,90 @@
+"""The router in front of a real vLLM engine server: cancel and deadline reach the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from servers.router import RouterOptions, RouterServer
+from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2, data_plane_pb2_grpc
+from skyrl_grpc.v1 import generation_pb2 as gen
+
+pytestmark = [pytest.mark.engine]
+
+
+@pytest.fixture(scope="module")
+async def routed(
+    engine_server: Any,
+) -> AsyncIterator[tuple[grpc.aio.Channel, control_plane_pb2_grpc.ControlPlaneStub]]:
+    router = RouterServer(
+        RouterOptions(backends=[engine_server.address], health_check_interval=0.2)
+    )
+    await router.start()
+    await router.wait_healthy(1)
+    async with (
+        grpc.aio.insecure_channel(router.address) as channel,
+        grpc.aio.insecure_channel(engine_server.address) as direct,
+    ):
+        yield channel, control_plane_pb2_grpc.ControlPlaneStub(direct)
+    await router.stop(0)
+
+
+async def engine_idle(control: control_plane_pb2_grpc.ControlPlaneStub, timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        load = await control.GetLoad(cp.GetLoadRequest())
+        if load.running_requests == 0 and load.waiting_requests == 0:
+            return
+        assert time.monotonic() < deadline, f"engine still busy: {load}"
+        await asyncio.sleep(0.05)
+
+
+LONG = gen.SamplingParams(temperature=0.0, max_tokens=450, ignore_eos=True)
+
+
+async def test_greedy_through_router_equals_direct(
+    routed: Any, engine_channel: grpc.aio.Channel
+) -> None:
+    channel, _ = routed
+    request = data_plane_pb2.GenerateRequest(
+        prompt_token_ids=[1, 45, 722, 84],
+        sampling_params=gen.SamplingParams(temperature=0.0, max_tokens=16),
+    )
+    call = data_plane_pb2_grpc.DataPlaneStub(channel).Generate(
+        request, metadata=((SESSION_ID, "s"),)
+    )
+    through_router = await call
+    assert ROUTED_TO in dict(await call.initial_metadata())
+    direct = await data_plane_pb2_grpc.DataPlaneStub(engine_channel).Generate(request)
+    assert list(through_router.samples[0].token_ids) == list(direct.samples[0].token_ids)
+
+
+async def test_cancel_through_router_aborts_on_engine(routed: Any) -> None:
+    channel, control = routed
+    call = data_plane_pb2_grpc.DataPlaneStub(channel).GenerateStream(
+        data_plane_pb2.GenerateStreamRequest(prompt_token_ids=[1, 2, 3], sampling_params=LONG)
+    )
+    await call.read()
+    load = await control.GetLoad(cp.GetLoadRequest())
+    assert load.running_requests + load.waiting_requests == 1
+    call.cancel()
+    await engine_idle(control)
+
+
+async def test_deadline_through_router_is_deadline_exceeded_and_engine_idle(routed: Any) -> None:
+    channel, control = routed
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async for _ in data_plane_pb2_grpc.DataPlaneStub(channel).GenerateStream(
+            data_plane_pb2.GenerateStreamRequest(prompt_token_ids=[1, 2, 3], sampling_params=LONG),
+            timeout=0.3,
+        ):
+            pass
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await engine_idle(control)
