@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from vllm import SamplingParams as VllmSamplingParams
@@ -221,66 +221,6 @@ def finish_to_proto(
         return reason, generation_pb2.StopMatch(token_id=stop_reason)
     # None with "stop" means EOS: the sample's last token is the EOS id.
     return reason, generation_pb2.StopMatch(token_id=token_ids[-1]) if token_ids else None
-
-
-@dataclass
-class _SampleState:
-    sample: generation_pb2.Sample
-    text_parts: list[str] = field(default_factory=list)
-
-
-class ResponseAssembler:
-    """Folds a request's stream chunks into whole samples (for the unary RPCs).
-
-    Consecutive chunks with the same weight version extend one WeightVersionSpan, so a sample
-    generated across a weight update reports which tokens came from which version.
-    """
-
-    def __init__(self) -> None:
-        self._samples: dict[int, _SampleState] = {}
-        self.request_id = ""
-        self.usage = generation_pb2.Usage()
-        self.prompt_logprobs: generation_pb2.Logprobs | None = None
-
-    def add(self, chunk: data_plane_pb2.GenerateStreamResponse) -> None:
-        self.request_id = chunk.request_id
-        self.usage.CopyFrom(chunk.usage)
-        if chunk.HasField("prompt_logprobs"):
-            self.prompt_logprobs = chunk.prompt_logprobs
-        state = self._samples.get(chunk.sample_index)
-        if state is None:
-            state = _SampleState(generation_pb2.Sample(index=chunk.sample_index))
-            self._samples[chunk.sample_index] = state
-        sample = state.sample
-        if chunk.token_ids:
-            spans = sample.weight_versions
-            if spans and spans[-1].weight_version == chunk.weight_version:
-                spans[-1].length += len(chunk.token_ids)
-            else:
-                spans.add(
-                    weight_version=chunk.weight_version,
-                    start=len(sample.token_ids),
-                    length=len(chunk.token_ids),
-                )
-            sample.token_ids.extend(chunk.token_ids)
-        if chunk.HasField("logprobs"):
-            sample.logprobs.token_logprobs.extend(chunk.logprobs.token_logprobs)
-            sample.logprobs.top_logprobs.extend(chunk.logprobs.top_logprobs)
-        if chunk.text:
-            state.text_parts.append(chunk.text)
-        if chunk.finish_reason:
-            sample.finish_reason = chunk.finish_reason
-            if chunk.HasField("stop"):
-                sample.stop.CopyFrom(chunk.stop)
-
-    def samples(self) -> list[generation_pb2.Sample]:
-        """The samples ordered by index, texts joined."""
-        result = []
-        for index in sorted(self._samples):
-            state = self._samples[index]
-            state.sample.text = "".join(state.text_parts)
-            result.append(state.sample)
-        return result
 
 
 class StreamConverter:

@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from skyrl_grpc.assembly import ResponseAssembler
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
 
 from .converters import (
-    ResponseAssembler,
     StreamConverter,
     build_sampling_params,
     resolve_n,

@@ -291,3 +291,6 @@ class VllmEngine:
         if handler is not None:
             handler.cancel()
         await asyncio.to_thread(self.llm.shutdown)
+        # AsyncLLM.__del__ shuts down again; at interpreter exit that second call finds module
+        # globals already torn down and prints a TypeError. It is done: make it a no-op.
+        self.llm.shutdown = lambda *args, **kwargs: None

@@ -78,3 +78,32 @@ async def engine_server(tiny_model_dir: Path) -> AsyncIterator[Any]:
 async def engine_channel(engine_server: Any) -> AsyncIterator[grpc.aio.Channel]:
     async with grpc.aio.insecure_channel(engine_server.address) as channel:
         yield channel
+
+
+@pytest.fixture(scope="session")
+async def second_engine_server(engine_server: Any) -> AsyncIterator[Any]:
+    """A second real engine server, for fan-out and multi-server tests."""
+    from servers.engine_server import EngineServer, ServerOptions
+
+    server = EngineServer(ServerOptions())
+    await server.start()
+    await asyncio.wait_for(server.wait_ready(), timeout=300)
+    yield server
+    await server.drain(grace=1)
+
+
+@pytest.fixture(scope="session")
+async def two_server_router(engine_server: Any, second_engine_server: Any) -> AsyncIterator[Any]:
+    """A router in front of both real engine servers."""
+    from servers.router import RouterOptions, RouterServer
+
+    router = RouterServer(
+        RouterOptions(
+            backends=[engine_server.address, second_engine_server.address],
+            health_check_interval=0.2,
+        )
+    )
+    await router.start()
+    await router.wait_healthy(2)
+    yield router
+    await router.stop(0)

@@ -9,13 +9,13 @@ import pytest
 from servers.control_plane import pause_mode_name
 from servers.converters import (
     ModelLimits,
-    ResponseAssembler,
     build_sampling_params,
     finish_to_proto,
     logprobs_to_proto,
     resolve_n,
     validate_prompt,
 )
+from skyrl_grpc.assembly import ResponseAssembler
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
 

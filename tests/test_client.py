@@ -1,0 +1,191 @@
+"""The trainer client against real engine servers behind a real router."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import pickle
+import socket
+from typing import Any
+
+import pytest
+
+from trainer_client import (
+    BlockingInferenceClient,
+    FanOutError,
+    FinishReason,
+    InferenceClient,
+    ServerError,
+)
+
+pytestmark = [pytest.mark.engine]
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def prompts(count: int, offset: int = 0) -> list[list[int]]:
+    return [[1, 40 + i + offset, 500 + 3 * i, 77] for i in range(count)]
+
+
+@pytest.fixture
+def client(
+    two_server_router: Any, engine_server: Any, second_engine_server: Any
+) -> InferenceClient:
+    return InferenceClient(
+        two_server_router.address, [engine_server.address, second_engine_server.address]
+    )
+
+
+async def test_batch_results_in_input_order_and_sessions_pinned(
+    client: InferenceClient, two_server_router: Any
+) -> None:
+    batch = prompts(6)
+    expected = [await client.generate(p, {**GREEDY, "max_tokens": 12}) for p in batch]
+    before = {b.address: b.total_requests for b in two_server_router.pool.backends}
+    results = await client.generate_batch(
+        batch, {**GREEDY, "max_tokens": 12}, session_ids=["rollout-7"] * 6
+    )
+    assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    assert [r.prompt_token_ids for r in results] == batch
+    after = {b.address: b.total_requests for b in two_server_router.pool.backends}
+    grown = [a for a in after if after[a] > before[a]]
+    assert grown == [two_server_router.pool.owner("rollout-7")]
+    assert after[grown[0]] - before[grown[0]] == 6
+
+
+async def test_sample_without_session_spreads_by_load(
+    client: InferenceClient, two_server_router: Any
+) -> None:
+    before = {b.address: b.total_requests for b in two_server_router.pool.backends}
+    samples = await client.sample(
+        prompts(1)[0], 8, {"temperature": 1.0, "max_tokens": 64, "ignore_eos": True}
+    )
+    assert len(samples) == 8 and all(len(s.token_ids) == 64 for s in samples)
+    assert len({tuple(s.token_ids) for s in samples}) > 1
+    after = {b.address: b.total_requests for b in two_server_router.pool.backends}
+    assert all(after[a] > before[a] for a in after)  # both servers took some
+
+
+async def test_pause_abort_mid_batch_then_resume_loses_and_duplicates_nothing(
+    client: InferenceClient,
+) -> None:
+    batch = prompts(8, offset=100)
+    sampling = {**GREEDY, "max_tokens": 150, "logprobs": 0}
+    uninterrupted = [await client.generate(p, sampling) for p in batch]
+    running = asyncio.ensure_future(
+        client.generate_batch(batch, sampling, session_ids=[f"s{i}" for i in range(8)])
+    )
+    await asyncio.sleep(0.4)
+    await client.pause("abort")
+    assert await client.all_paused()
+    await asyncio.sleep(0.3)
+    assert not running.done()  # aborted generations wait (resubmitted, queued) for resume
+    await client.resume()
+    results = await asyncio.wait_for(running, 60)
+    assert sum(r.abort_retries for r in results) > 0, "the pause aborted nothing"
+    for result, reference in zip(results, uninterrupted, strict=True):
+        assert result.token_ids == reference.token_ids
+        assert len(result.token_ids) == 150 and result.finish_reason == FinishReason.LENGTH
+        assert result.logprobs == pytest.approx(reference.logprobs, abs=1e-3)
+
+
+async def test_budget_used_up_by_aborted_tokens_ends_as_length(client: InferenceClient) -> None:
+    from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
+    from trainer_client.continuation import Continuation
+
+    continuation = Continuation([1, 2], generation_pb2.SamplingParams(max_tokens=3))
+    continuation.add(
+        data_plane_pb2.GenerateStreamResponse(
+            token_ids=[5, 6], finish_reason=generation_pb2.FINISH_REASON_ABORTED
+        )
+    )
+    assert continuation.should_resubmit()
+    request = continuation.request()
+    assert (
+        list(request.prompt_token_ids) == [1, 2, 5, 6] and request.sampling_params.max_tokens == 1
+    )
+    continuation.add(
+        data_plane_pb2.GenerateStreamResponse(
+            token_ids=[7], finish_reason=generation_pb2.FINISH_REASON_ABORTED
+        )
+    )
+    assert not continuation.should_resubmit()
+    assert continuation.sample().finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert list(continuation.sample().token_ids) == [5, 6, 7]
+
+
+def _unused_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+async def test_fan_out_to_three_servers_with_one_down_names_it(
+    two_server_router: Any, engine_server: Any, second_engine_server: Any
+) -> None:
+    dead = _unused_address()
+    live = [engine_server.address, second_engine_server.address]
+    client = InferenceClient(two_server_router.address, [*live, dead], control_timeout=3)
+    with pytest.raises(FanOutError) as raised:
+        await client.server_info()
+    error = raised.value
+    assert set(error.failures) == {dead} and set(error.results) == set(live)
+    assert dead in str(error) and all(a in str(error) for a in live)
+    assert error.failures[dead].code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+    assert all(info.world_size == 1 for info in error.results.values())
+    healthy = InferenceClient(two_server_router.address, live)
+    assert await healthy.world_size() == 2
+    assert (await healthy.is_paused()) == dict.fromkeys(live, False)
+
+
+async def test_chat_complete_tokenize_through_router(client: InferenceClient) -> None:
+    reply = await client.chat([{"role": "user", "content": "hello"}], {**GREEDY, "max_tokens": 6})
+    assert len(reply.token_ids) == 6 and reply.text is not None
+    assert reply.text == await client.detokenize(reply.token_ids)
+    done = await client.complete("The router", {**GREEDY, "max_tokens": 5})
+    assert done.prompt_token_ids == await client.tokenize("The router")
+    chunks = [c async for c in client.stream([1, 2, 3], {**GREEDY, "max_tokens": 7})]
+    assert sum(len(c.token_ids) for c in chunks) == 7
+    with pytest.raises(ServerError) as raised:
+        await client.generate([1, 99999])
+    assert (
+        raised.value.code.name == "INVALID_ARGUMENT"
+        and raised.value.address == client.config.router
+    )
+
+
+def _child(payload: bytes, queue: Any) -> None:
+    client = pickle.loads(payload)
+    result = client.generate([1, 2, 3], {"temperature": 0.0, "max_tokens": 5})
+    client.pause("keep")
+    paused = client.all_paused()
+    client.resume()
+    queue.put((result.token_ids, paused, client.all_paused()))
+
+
+async def test_pickled_client_generates_and_pauses_in_another_process(
+    two_server_router: Any, engine_server: Any, second_engine_server: Any
+) -> None:
+    client = BlockingInferenceClient(
+        two_server_router.address, [engine_server.address, second_engine_server.address]
+    )
+    payload = pickle.dumps(client)
+    assert len(payload) < 1000  # addresses and settings only
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_child, args=(payload, queue))
+    process.start()
+    tokens, paused, still_paused = await asyncio.to_thread(queue.get, True, 120)
+    await asyncio.to_thread(process.join, 30)
+    reference = await client.async_client.generate([1, 2, 3], {"temperature": 0.0, "max_tokens": 5})
+    assert tokens == reference.token_ids and paused is True and still_paused is False
+
+
+async def test_blocking_client_has_the_async_names(client: InferenceClient) -> None:
+    from trainer_client.blocking import BLOCKING_METHODS
+
+    public = {
+        n
+        for n in dir(InferenceClient)
+        if not n.startswith("_") and asyncio.iscoroutinefunction(getattr(InferenceClient, n))
+    }
+    assert public - {"close"} == set(BLOCKING_METHODS)

@@ -1,0 +1,355 @@
+"""``InferenceClient``: what a trainer uses to generate and to control the fleet (asyncio API).
+
+Data-plane calls go to the router (``x-session-id`` keeps a conversation on one server);
+control-plane calls fan out to every server directly and concurrently. The client holds only
+its ``ClientConfig``: channels open lazily, per process and event loop, and are never pickled,
+so a client can be handed to Ray actors and subprocesses as is. ``BlockingInferenceClient``
+(``trainer_client.blocking``) offers the same methods without ``await``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from skyrl_grpc.metadata import SESSION_ID
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import (
+    control_plane_pb2_grpc,
+    data_plane_pb2,
+    data_plane_pb2_grpc,
+    generation_pb2,
+)
+
+from .config import ClientConfig
+from .continuation import Continuation
+from .errors import RetriesExhausted, ServerError
+from .fanout import fan_out
+from .results import FinishReason, GenerationResult
+
+T = TypeVar("T")
+Sampling = generation_pb2.SamplingParams | Mapping[str, Any] | None
+Message = Mapping[str, str] | data_plane_pb2.ChatMessage
+
+PAUSE_MODES = {
+    "abort": cp.PAUSE_MODE_ABORT,
+    "wait": cp.PAUSE_MODE_WAIT,
+    "keep": cp.PAUSE_MODE_KEEP,
+}
+
+
+def sampling_params(sampling: Sampling = None, **overrides: Any) -> generation_pb2.SamplingParams:
+    """Builds SamplingParams from a message, a mapping of its field names, and overrides."""
+    params = generation_pb2.SamplingParams()
+    if isinstance(sampling, generation_pb2.SamplingParams):
+        params.CopyFrom(sampling)
+    elif sampling is not None:
+        overrides = {**sampling, **overrides}
+    for name, value in overrides.items():
+        if value is None:
+            continue
+        if name in ("stop_token_ids", "stop_strings"):
+            getattr(params, name)[:] = list(value)
+        else:
+            setattr(params, name, value)
+    return params
+
+
+def chat_messages(messages: Sequence[Message]) -> list[data_plane_pb2.ChatMessage]:
+    return [
+        m if isinstance(m, data_plane_pb2.ChatMessage) else data_plane_pb2.ChatMessage(**m)
+        for m in messages
+    ]
+
+
+class InferenceClient:
+    """Asyncio client of a skyrl-grpc fleet. See the module docstring."""
+
+    def __init__(self, router: str, servers: Sequence[str] = (), **settings: Any) -> None:
+        self.config = ClientConfig(router=router, servers=tuple(servers), **settings)
+        self._channels: dict[tuple[int, int, str], grpc.aio.Channel] = {}
+
+    @classmethod
+    def from_config(cls, config: ClientConfig) -> InferenceClient:
+        client = cls.__new__(cls)
+        client.config = config
+        client._channels = {}
+        return client
+
+    # Pickle the config only: channels belong to one process and event loop.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.config = state["config"]
+        self._channels = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        key = (os.getpid(), id(asyncio.get_running_loop()), address)
+        channel = self._channels.get(key)
+        if channel is None:
+            channel = self._channels[key] = self.config.open_channel(address)
+        return channel
+
+    async def close(self) -> None:
+        """Closes the channels this event loop opened."""
+        loop_id = id(asyncio.get_running_loop())
+        for key in [k for k in self._channels if k[1] == loop_id]:
+            await self._channels.pop(key).close()
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _metadata(self, session_id: str | None) -> tuple[tuple[str, str], ...]:
+        metadata = self.config.metadata()
+        return (*metadata, (SESSION_ID, session_id)) if session_id else metadata
+
+    @property
+    def _data(self) -> data_plane_pb2_grpc.DataPlaneStub:
+        return data_plane_pb2_grpc.DataPlaneStub(self.channel(self.config.router))
+
+    async def _unary(
+        self,
+        address: str,
+        call: Any,
+        request: Any,
+        timeout: float | None,
+        session_id: str | None = None,
+    ) -> Any:
+        try:
+            return await call(request, timeout=timeout, metadata=self._metadata(session_id))
+        except grpc.aio.AioRpcError as error:
+            raise ServerError.from_rpc_error(address, error) from error
+
+    # -- data plane ---------------------------------------------------------------------------
+
+    async def stream(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling = None,
+        *,
+        session_id: str | None = None,
+        n: int = 1,
+        include_text: bool = False,
+        request_id: str = "",
+    ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
+        """The raw stream of one generation (no retry on abort: chunks as the server sends)."""
+        request = data_plane_pb2.GenerateStreamRequest(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=sampling_params(sampling),
+            n=n,
+            include_text=include_text,
+        )
+        call = self._data.GenerateStream(
+            request, timeout=self.config.data_timeout, metadata=self._metadata(session_id)
+        )
+        try:
+            async for chunk in call:
+                yield chunk
+        except grpc.aio.AioRpcError as error:
+            raise ServerError.from_rpc_error(self.config.router, error) from error
+        finally:
+            call.cancel()
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling = None,
+        *,
+        session_id: str | None = None,
+        include_text: bool = False,
+    ) -> GenerationResult:
+        """One sample, resubmitted after aborts (pause for a weight update) until finished."""
+        params = sampling_params(sampling)
+        continuation = Continuation(
+            list(prompt_token_ids), params, include_text, self.config.max_abort_retries
+        )
+        while True:
+            call = self._data.GenerateStream(
+                continuation.request(),
+                timeout=self.config.data_timeout,
+                metadata=self._metadata(session_id),
+            )
+            try:
+                async for chunk in call:
+                    continuation.add(chunk)
+            except grpc.aio.AioRpcError as error:
+                raise ServerError.from_rpc_error(self.config.router, error) from error
+            finally:
+                call.cancel()
+            if not continuation.should_resubmit():
+                break
+        sample = continuation.sample()
+        result = GenerationResult.from_sample(
+            list(prompt_token_ids), sample, params.HasField("logprobs"), continuation.retries
+        )
+        if result.finish_reason == FinishReason.ABORTED and continuation.retries:
+            raise RetriesExhausted(continuation.retries, result)
+        if include_text and continuation.retries:
+            # Text deltas split at a retry boundary may cut a multi-byte character: decode the
+            # whole id sequence instead.
+            result.text = await self.detokenize(result.token_ids)
+        return result
+
+    async def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling = None,
+        *,
+        session_ids: Sequence[str | None] | None = None,
+        include_text: bool = False,
+    ) -> list[GenerationResult]:
+        """Generates for every prompt as concurrent streams; results in input order."""
+        if session_ids is not None and len(session_ids) != len(prompts):
+            raise ValueError(f"{len(session_ids)} session ids for {len(prompts)} prompts")
+        sessions = session_ids or [None] * len(prompts)
+        params = sampling_params(sampling)
+        return list(
+            await asyncio.gather(
+                *(
+                    self.generate(p, params, session_id=s, include_text=include_text)
+                    for p, s in zip(prompts, sessions, strict=True)
+                )
+            )
+        )
+
+    async def sample(
+        self,
+        prompt_token_ids: Sequence[int],
+        n: int,
+        sampling: Sampling = None,
+        *,
+        session_id: str | None = None,
+        include_text: bool = False,
+    ) -> list[GenerationResult]:
+        """``n`` independent samples of one prompt. Without a session they spread over servers
+        by load; with one, they all go to the session's server (sharing its prefix cache)."""
+        return await self.generate_batch(
+            [prompt_token_ids] * n,
+            sampling,
+            session_ids=[session_id] * n,
+            include_text=include_text,
+        )
+
+    async def chat(
+        self,
+        messages: Sequence[Message],
+        sampling: Sampling = None,
+        *,
+        session_id: str | None = None,
+    ) -> GenerationResult:
+        """Chat completion: the model's chat template, then ``generate`` (so aborts retry)."""
+        prompt = await self.tokenize(messages=messages, session_id=session_id)
+        return await self.generate(prompt, sampling, session_id=session_id, include_text=True)
+
+    async def complete(
+        self, prompt: str, sampling: Sampling = None, *, session_id: str | None = None
+    ) -> GenerationResult:
+        """Text completion: tokenize, then ``generate`` (so aborts retry)."""
+        tokens = await self.tokenize(prompt, session_id=session_id)
+        return await self.generate(tokens, sampling, session_id=session_id, include_text=True)
+
+    async def tokenize(
+        self,
+        text: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        add_special_tokens: bool = True,
+        session_id: str | None = None,
+    ) -> list[int]:
+        """Token ids of ``text``, or of ``messages`` through the chat template."""
+        if (text is None) == (messages is None):
+            raise ValueError("pass exactly one of text and messages")
+        if messages is not None:
+            request = data_plane_pb2.TokenizeRequest(
+                conversation=data_plane_pb2.ChatConversation(messages=chat_messages(messages))
+            )
+        else:
+            request = data_plane_pb2.TokenizeRequest(
+                text=text, add_special_tokens=add_special_tokens
+            )
+        response = await self._unary(
+            self.config.router, self._data.Tokenize, request, self.config.data_timeout, session_id
+        )
+        return list(response.token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        request = data_plane_pb2.DetokenizeRequest(
+            token_ids=list(token_ids), skip_special_tokens=skip_special_tokens
+        )
+        response = await self._unary(
+            self.config.router, self._data.Detokenize, request, self.config.data_timeout
+        )
+        return str(response.text)
+
+    async def model_info(self) -> data_plane_pb2.GetModelInfoResponse:
+        request = data_plane_pb2.GetModelInfoRequest()
+        return await self._unary(
+            self.config.router, self._data.GetModelInfo, request, self.config.data_timeout
+        )  # type: ignore[no-any-return]
+
+    # -- control plane (fan-out) --------------------------------------------------------------
+
+    def _control(self, address: str) -> control_plane_pb2_grpc.ControlPlaneStub:
+        return control_plane_pb2_grpc.ControlPlaneStub(self.channel(address))
+
+    async def _fan_out(self, operation: str, request: Any) -> dict[str, Any]:
+        async def call(address: str) -> Any:
+            method = getattr(self._control(address), operation)
+            return await self._unary(address, method, request, self.config.control_timeout)
+
+        return await fan_out(operation, self.config.servers, call)
+
+    async def pause(self, mode: str = "abort", clear_cache: bool = False) -> dict[str, None]:
+        """Pauses every server (mode "abort", "wait" or "keep"); returns once all are paused."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode {mode!r}: use one of {', '.join(PAUSE_MODES)}")
+        await self._fan_out(
+            "Pause", cp.PauseRequest(mode=PAUSE_MODES[mode], clear_cache=clear_cache)
+        )
+        return dict.fromkeys(self.config.servers)
+
+    async def resume(self) -> dict[str, None]:
+        await self._fan_out("Resume", cp.ResumeRequest())
+        return dict.fromkeys(self.config.servers)
+
+    async def is_paused(self) -> dict[str, bool]:
+        results = await self._fan_out("IsPaused", cp.IsPausedRequest())
+        return {a: bool(r.paused) for a, r in results.items()}
+
+    async def all_paused(self) -> bool:
+        return all((await self.is_paused()).values())
+
+    async def sleep(self, level: int = 1) -> dict[str, None]:
+        await self._fan_out("Sleep", cp.SleepRequest(level=level))
+        return dict.fromkeys(self.config.servers)
+
+    async def wake_up(self, tags: Sequence[str] = ()) -> dict[str, None]:
+        await self._fan_out("WakeUp", cp.WakeUpRequest(tags=list(tags)))
+        return dict.fromkeys(self.config.servers)
+
+    async def is_sleeping(self) -> dict[str, bool]:
+        results = await self._fan_out("IsSleeping", cp.IsSleepingRequest())
+        return {a: bool(r.sleeping) for a, r in results.items()}
+
+    async def reset_prefix_cache(self) -> dict[str, None]:
+        await self._fan_out("ResetPrefixCache", cp.ResetPrefixCacheRequest())
+        return dict.fromkeys(self.config.servers)
+
+    async def server_info(self) -> dict[str, cp.GetServerInfoResponse]:
+        return await self._fan_out("GetServerInfo", cp.GetServerInfoRequest())
+
+    async def load(self) -> dict[str, cp.GetLoadResponse]:
+        return await self._fan_out("GetLoad", cp.GetLoadRequest())
+
+    async def world_size(self) -> int:
+        """Devices across the fleet: the sum of every server's world size."""
+        return sum(info.world_size for info in (await self.server_info()).values())

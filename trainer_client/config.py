@@ -1,0 +1,75 @@
+"""What a client is made of: addresses and settings only, so it pickles in a few bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from skyrl_grpc.metadata import bearer
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS for every channel. Paths are read when a channel opens (in the process using it)."""
+
+    root_certificates: str | None = None  # CA bundle to verify servers; None: system roots
+    client_certificate: str | None = None  # for mutual TLS
+    client_key: str | None = None
+    server_name_override: str | None = None  # when certificates name a host other than the address
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str | None) -> bytes | None:
+            return Path(path).read_bytes() if path else None
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.root_certificates),
+            private_key=read(self.client_key),
+            certificate_chain=read(self.client_certificate),
+        )
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Where the stack is and how to talk to it.
+
+    ``router`` takes every data-plane call; ``servers`` are the engine servers the control plane
+    fans out to (the router is never in that path).
+    """
+
+    router: str
+    servers: tuple[str, ...] = ()
+    # Deadline of each control-plane call, per server, in seconds.
+    control_timeout: float = 60.0
+    # Deadline of each data-plane call (None: none; a generation may legitimately take long).
+    data_timeout: float | None = None
+    # Bearer token sent on every call (servers started with a token require it).
+    token: str | None = None
+    tls: TlsConfig | None = None
+    # How many times a generation aborted by a pause is resubmitted (None: until the budget of
+    # tokens is used up; each retry makes progress only if tokens were generated).
+    max_abort_retries: int | None = None
+    max_message_bytes: int = 64 * MiB
+    extra_metadata: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        pairs = list(self.extra_metadata)
+        if self.token:
+            pairs.append(bearer(self.token))
+        return tuple(pairs)
+
+    def open_channel(self, address: str) -> grpc.aio.Channel:
+        options = [
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+        if self.tls is None:
+            return grpc.aio.insecure_channel(address, options=options)
+        if self.tls.server_name_override:
+            options.append(("grpc.ssl_target_name_override", self.tls.server_name_override))
+        return grpc.aio.secure_channel(address, self.tls.credentials(), options=options)

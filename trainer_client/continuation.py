@@ -1,0 +1,82 @@
+"""Retry on abort, as a pure state machine (no I/O).
+
+When a pause in ABORT mode (a weight update) cuts a generation, the client resubmits the prompt
+plus every token generated so far, with the remaining token budget, to the same session. Tokens
+and logprobs accumulate as ids (never through text), so the final result looks exactly like an
+uninterrupted generation. ``Continuation`` decides what to send next and when to stop.
+"""
+
+from __future__ import annotations
+
+from skyrl_grpc.assembly import ResponseAssembler
+from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
+
+
+class Continuation:
+    """Accumulates one sample across resubmissions."""
+
+    def __init__(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: generation_pb2.SamplingParams,
+        include_text: bool = False,
+        max_abort_retries: int | None = None,
+    ) -> None:
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.include_text = include_text
+        self.max_abort_retries = max_abort_retries
+        self.retries = 0
+        self._assembler = ResponseAssembler()
+        self._budget = (
+            sampling_params.max_tokens if sampling_params.HasField("max_tokens") else None
+        )
+
+    @property
+    def token_ids(self) -> list[int]:
+        samples = self._assembler.samples()
+        return list(samples[0].token_ids) if samples else []
+
+    def request(self, request_id: str = "") -> data_plane_pb2.GenerateStreamRequest:
+        """The next request: prompt + generated tokens, with what is left of the budget."""
+        generated = self.token_ids
+        params = generation_pb2.SamplingParams()
+        params.CopyFrom(self.sampling_params)
+        if self._budget is not None:
+            params.max_tokens = self._budget - len(generated)
+        if generated and params.HasField("min_tokens"):
+            params.min_tokens = max(params.min_tokens - len(generated), 0)
+        return data_plane_pb2.GenerateStreamRequest(
+            request_id=request_id,
+            prompt_token_ids=self.prompt_token_ids + generated,
+            sampling_params=params,
+            include_text=self.include_text,
+        )
+
+    def add(self, chunk: data_plane_pb2.GenerateStreamResponse) -> None:
+        self._assembler.add(chunk)
+
+    def sample(self) -> generation_pb2.Sample:
+        samples = self._assembler.samples()
+        return samples[0] if samples else generation_pb2.Sample()
+
+    def should_resubmit(self) -> bool:
+        """After a stream ended: True if it was aborted and budget (and retries) remain.
+
+        An aborted sample whose budget is used up is finished: it becomes LENGTH, exactly as an
+        uninterrupted run would have ended.
+        """
+        sample = self.sample()
+        if sample.finish_reason != generation_pb2.FINISH_REASON_ABORTED:
+            return False
+        if self._budget is not None and len(sample.token_ids) >= self._budget:
+            self._assembler.add(
+                data_plane_pb2.GenerateStreamResponse(
+                    finish_reason=generation_pb2.FINISH_REASON_LENGTH
+                )
+            )
+            return False
+        if self.max_abort_retries is not None and self.retries >= self.max_abort_retries:
+            return False
+        self.retries += 1
+        return True

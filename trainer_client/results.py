@@ -1,0 +1,76 @@
+"""Plain results a trainer consumes (no protobuf needed downstream)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from skyrl_grpc.v1 import generation_pb2
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORTED = "aborted"
+    UNFINISHED = "unfinished"
+
+    @classmethod
+    def from_proto(cls, value: int) -> FinishReason:
+        return {
+            generation_pb2.FINISH_REASON_STOP: cls.STOP,
+            generation_pb2.FINISH_REASON_LENGTH: cls.LENGTH,
+            generation_pb2.FINISH_REASON_ABORTED: cls.ABORTED,
+        }.get(value, cls.UNFINISHED)
+
+
+@dataclass(frozen=True)
+class WeightSpan:
+    """Tokens ``start .. start + length - 1`` of the output came from ``weight_version``."""
+
+    weight_version: int
+    start: int
+    length: int
+
+
+@dataclass
+class GenerationResult:
+    """One finished sample."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[float] | None = None
+    # Per position, the most likely (token id, logprob) pairs, when asked for.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    stop_token_id: int | None = None
+    stop_text: str | None = None
+    text: str | None = None
+    weight_versions: list[WeightSpan] = field(default_factory=list)
+    # How many times the sample was resubmitted after an abort (0: uninterrupted).
+    abort_retries: int = 0
+
+    @classmethod
+    def from_sample(
+        cls, prompt: list[int], sample: generation_pb2.Sample, with_logprobs: bool, retries: int = 0
+    ) -> GenerationResult:
+        stop = sample.stop if sample.HasField("stop") else None
+        top = None
+        if with_logprobs and sample.logprobs.top_logprobs:
+            top = [
+                list(zip(t.token_ids, t.logprobs, strict=True))
+                for t in sample.logprobs.top_logprobs
+            ]
+        return cls(
+            prompt_token_ids=prompt,
+            token_ids=list(sample.token_ids),
+            finish_reason=FinishReason.from_proto(sample.finish_reason),
+            logprobs=list(sample.logprobs.token_logprobs) if with_logprobs else None,
+            top_logprobs=top,
+            stop_token_id=stop.token_id if stop is not None and stop.HasField("token_id") else None,
+            stop_text=stop.text if stop is not None and stop.HasField("text") else None,
+            text=sample.text or None,
+            weight_versions=[
+                WeightSpan(s.weight_version, s.start, s.length) for s in sample.weight_versions
+            ],
+            abort_retries=retries,
+        )
