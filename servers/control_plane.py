@@ -1,10 +1,9 @@
-"""ControlPlane servicer: pause/resume, sleep/wake, prefix cache, server info and load.
-
-Weight-transfer RPCs are served by ``servers.weight_transfer`` when it is enabled; without it
-they answer UNIMPLEMENTED (the generated base class's behaviour).
-"""
+"""ControlPlane servicer: pause/resume, sleep/wake, prefix cache, weight transfer (delegated to
+``servers.weight_transfer.WeightTransferManager``), server info and load."""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -37,11 +36,8 @@ def pause_mode_name(mode: int) -> PauseModeName:
 class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     """Serves control calls for one vLLM engine."""
 
-    def __init__(
-        self, state: ServingState[VllmEngine], weight_backends: list[int] | None = None
-    ) -> None:
+    def __init__(self, state: ServingState[VllmEngine]) -> None:
         self._state = state
-        self._weight_backends = weight_backends or []
 
     async def Pause(
         self, request: cp.PauseRequest, context: grpc.aio.ServicerContext
@@ -87,6 +83,53 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         await self._state.engine().reset_prefix_cache()
         return cp.ResetPrefixCacheResponse()
 
+    async def InitWeightTransfer(
+        self, request: cp.InitWeightTransferRequest, context: grpc.aio.ServicerContext
+    ) -> cp.InitWeightTransferResponse:
+        await self._state.engine().weights.init(request)
+        return cp.InitWeightTransferResponse()
+
+    async def StartWeightUpdate(
+        self, request: cp.StartWeightUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> cp.StartWeightUpdateResponse:
+        await self._state.engine().weights.start()
+        return cp.StartWeightUpdateResponse()
+
+    async def UpdateWeights(
+        self, request: cp.UpdateWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> cp.UpdateWeightsResponse:
+        staged, received = await self._state.engine().weights.update(request)
+        return cp.UpdateWeightsResponse(parameters_staged=staged, bytes_received=received)
+
+    async def PushWeights(
+        self,
+        request_iterator: AsyncIterator[cp.PushWeightsRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> cp.PushWeightsResponse:
+        staged, received = await self._state.engine().weights.push(request_iterator)
+        return cp.PushWeightsResponse(parameters_staged=staged, bytes_received=received)
+
+    async def FinishWeightUpdate(
+        self, request: cp.FinishWeightUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> cp.FinishWeightUpdateResponse:
+        version, count = await self._state.engine().weights.finish(request.weight_version)
+        return cp.FinishWeightUpdateResponse(weight_version=version, parameters_updated=count)
+
+    async def CancelWeightUpdate(
+        self, request: cp.CancelWeightUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> cp.CancelWeightUpdateResponse:
+        discarded = await self._state.engine().weights.cancel()
+        return cp.CancelWeightUpdateResponse(parameters_discarded=discarded)
+
+    async def GetWeightChecksums(
+        self, request: cp.GetWeightChecksumsRequest, context: grpc.aio.ServicerContext
+    ) -> cp.GetWeightChecksumsResponse:
+        engine = self._state.engine()
+        checksums = await engine.weights.checksums(list(request.names))
+        return cp.GetWeightChecksumsResponse(
+            checksums=checksums, weight_version=engine.weight_version
+        )
+
     async def GetServerInfo(
         self, request: cp.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> cp.GetServerInfoResponse:
@@ -98,7 +141,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             data_parallel_size=engine.data_parallel_size,
             capabilities=cp.Capabilities(
                 sleep=engine.sleep_supported,
-                weight_transfer_backends=self._weight_backends,
+                weight_transfer_backends=engine.weight_transfer_backends,  # type: ignore[arg-type]
                 pause_modes=[cp.PAUSE_MODE_ABORT, cp.PAUSE_MODE_WAIT, cp.PAUSE_MODE_KEEP],
                 prefix_caching=engine.prefix_caching,
             ),

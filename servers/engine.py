@@ -20,6 +20,7 @@ from skyrl_grpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from skyrl_grpc.tiny_model import ensure_tiny_model
 
 from .converters import ModelLimits
+from .weight_transfer import WeightTransferManager
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,8 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     # CUDA graphs / torch.compile cost start-up time and give nothing on CPU.
     enforce_eager: bool = True
-    # Module path of vLLM worker extension class (weight transfer lives there).
-    worker_extension_cls: str | None = None
+    # vLLM worker extension that receives weights (see servers/worker_extension.py).
+    worker_extension_cls: str = "servers.worker_extension.WeightTransferWorker"
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
     def resolved_model(self) -> str:
@@ -124,6 +125,33 @@ class VllmEngine:
         self.device = current_platform.device_type
         self.sleep_supported = bool(current_platform.is_sleep_mode_available())
         self.prefix_caching = bool(llm.vllm_config.cache_config.enable_prefix_caching)
+        self.weights = WeightTransferManager(
+            self._collective_rpc,
+            self._set_weight_version,
+            lambda: self.weight_version,
+            on_commit=self._drop_stale_prefixes,
+        )
+
+    async def _collective_rpc(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        return list(await self.llm.collective_rpc(method, args=args))
+
+    def _set_weight_version(self, version: int) -> None:
+        self.weight_version = version
+
+    async def _drop_stale_prefixes(self) -> None:
+        # Cached KV was computed by the old weights. Requests frozen by a KEEP pause still hold
+        # blocks, which makes the reset fail; they finish on the KV they have (KEEP's contract).
+        if not await self.llm.reset_prefix_cache():
+            log.warning("prefix cache not reset after the weight update: requests hold blocks")
+
+    @property
+    def weight_transfer_backends(self) -> list[int]:
+        from skyrl_grpc.v1 import control_plane_pb2 as cp
+
+        collective = [cp.WEIGHT_TRANSFER_BACKEND_GLOO]
+        if self.device == "cuda":
+            collective.insert(0, cp.WEIGHT_TRANSFER_BACKEND_NCCL)
+        return [*collective, cp.WEIGHT_TRANSFER_BACKEND_GRPC_STREAM]
 
     @classmethod
     async def start(cls, options: EngineOptions) -> VllmEngine:
@@ -151,7 +179,7 @@ class VllmEngine:
             seed=options.seed,
             enable_prefix_caching=options.enable_prefix_caching,
             enforce_eager=options.enforce_eager,
-            worker_extension_cls=options.worker_extension_cls or "",
+            worker_extension_cls=options.worker_extension_cls,
             disable_log_stats=False,
         )
         if not is_cpu:

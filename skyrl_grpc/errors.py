@@ -56,3 +56,9 @@ class DeadlineExceeded(SkyrlError):
     """An internal wait (e.g. for other ranks) ran out of time."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class DataLoss(SkyrlError):
+    """Bytes arrived corrupted (a checksum did not match)."""
+
+    code = grpc.StatusCode.DATA_LOSS

@@ -107,8 +107,11 @@ class StreamWatcher:
 
 
 async def test_greedy_equals_vllm_offline_generate(
-    data: data_plane_pb2_grpc.DataPlaneStub, greedy_reference: list[dict[str, Any]]
+    data: data_plane_pb2_grpc.DataPlaneStub,
+    control: control_plane_pb2_grpc.ControlPlaneStub,
+    greedy_reference: list[dict[str, Any]],
 ) -> None:
+    version = (await control.GetServerInfo(cp.GetServerInfoRequest())).weight_version
     for prompt, reference in zip(REFERENCE_PROMPTS, greedy_reference, strict=True):
         response = await data.Generate(
             data_plane_pb2.GenerateRequest(
@@ -125,7 +128,7 @@ async def test_greedy_equals_vllm_offline_generate(
         )
         assert sample.finish_reason == gen.FINISH_REASON_LENGTH
         assert [(s.weight_version, s.start, s.length) for s in sample.weight_versions] == [
-            (0, 0, REFERENCE_MAX_TOKENS)
+            (version, 0, REFERENCE_MAX_TOKENS)
         ]
         assert response.usage.prompt_tokens == len(prompt)
         assert response.usage.completion_tokens == REFERENCE_MAX_TOKENS

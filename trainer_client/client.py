@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+import socket
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -30,11 +31,20 @@ from .continuation import Continuation
 from .errors import RetriesExhausted, ServerError
 from .fanout import fan_out
 from .results import FinishReason, GenerationResult
+from .weights import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_CHUNK_BYTES,
+    CollectiveSender,
+    plan_buckets,
+    push_messages,
+    rank_offsets,
+)
 
 T = TypeVar("T")
 Sampling = generation_pb2.SamplingParams | Mapping[str, Any] | None
 Message = Mapping[str, str] | data_plane_pb2.ChatMessage
 
+PUSH_WEIGHTS = "/skyrl.inference.v1.ControlPlane/PushWeights"
 PAUSE_MODES = {
     "abort": cp.PAUSE_MODE_ABORT,
     "wait": cp.PAUSE_MODE_WAIT,
@@ -59,6 +69,12 @@ def sampling_params(sampling: Sampling = None, **overrides: Any) -> generation_p
     return params
 
 
+def free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
 def chat_messages(messages: Sequence[Message]) -> list[data_plane_pb2.ChatMessage]:
     return [
         m if isinstance(m, data_plane_pb2.ChatMessage) else data_plane_pb2.ChatMessage(**m)
@@ -72,12 +88,15 @@ class InferenceClient:
     def __init__(self, router: str, servers: Sequence[str] = (), **settings: Any) -> None:
         self.config = ClientConfig(router=router, servers=tuple(servers), **settings)
         self._channels: dict[tuple[int, int, str], grpc.aio.Channel] = {}
+        # Rank 0 of the collective weight-transfer group (process-local, never pickled).
+        self._sender: CollectiveSender | None = None
 
     @classmethod
     def from_config(cls, config: ClientConfig) -> InferenceClient:
         client = cls.__new__(cls)
         client.config = config
         client._channels = {}
+        client._sender = None
         return client
 
     # Pickle the config only: channels belong to one process and event loop.
@@ -87,6 +106,7 @@ class InferenceClient:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.config = state["config"]
         self._channels = {}
+        self._sender = None
 
     def channel(self, address: str) -> grpc.aio.Channel:
         key = (os.getpid(), id(asyncio.get_running_loop()), address)
@@ -353,3 +373,135 @@ class InferenceClient:
     async def world_size(self) -> int:
         """Devices across the fleet: the sum of every server's world size."""
         return sum(info.world_size for info in (await self.server_info()).values())
+
+    # -- weight transfer ----------------------------------------------------------------------
+
+    async def init_weight_transfer(
+        self,
+        backend: str = "gloo",
+        *,
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        group_name: str = "skyrl",
+        timeout_seconds: float = 300.0,
+    ) -> dict[str, int]:
+        """Forms the collective group: this process is rank 0, each server joins with its own
+        rank offset (computed from the servers' world sizes). Returns each server's offset."""
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend {backend!r}: use 'gloo' or 'nccl' (in-band needs no group)")
+        infos = await self.server_info()
+        servers = list(self.config.servers)
+        offsets, world_size = rank_offsets([infos[a].world_size for a in servers])
+        port = master_port or free_port(master_address)
+        sender = CollectiveSender(
+            backend, master_address, port, world_size, group_name, timeout_seconds
+        )
+        by_server = dict(zip(servers, offsets, strict=True))
+        proto_backend = (
+            cp.WEIGHT_TRANSFER_BACKEND_GLOO
+            if backend == "gloo"
+            else cp.WEIGHT_TRANSFER_BACKEND_NCCL
+        )
+
+        async def init(address: str) -> Any:
+            request = cp.InitWeightTransferRequest(
+                backend=proto_backend,
+                master_address=master_address,
+                master_port=port,
+                rank_offset=by_server[address],
+                world_size=world_size,
+                group_name=group_name,
+                timeout_seconds=int(timeout_seconds),
+            )
+            return await self._unary(
+                address, self._control(address).InitWeightTransfer, request, timeout_seconds
+            )
+
+        # Both sides block until every rank joined: run the trainer's join beside the servers'.
+        join = asyncio.ensure_future(asyncio.to_thread(sender.join))
+        await fan_out("InitWeightTransfer", servers, init)
+        await join
+        self._sender = sender
+        return by_server
+
+    async def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        weight_version: int,
+        *,
+        transport: str = "collective",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        checksums: bool = True,
+        timeout: float = 600.0,
+    ) -> dict[str, cp.FinishWeightUpdateResponse]:
+        """Pushes new weights to every server and commits ``weight_version`` on all of them.
+
+        ``transport``: "collective" (the group from ``init_weight_transfer``) or "grpc" (in-band
+        streams, no group needed). On any failure every server's update is cancelled, so the
+        previous weights keep serving everywhere, and the error says which servers failed.
+        """
+        tensors = list(named_tensors)
+        servers = list(self.config.servers)
+        if transport not in ("collective", "grpc"):
+            raise ValueError(f"transport {transport!r}: use 'collective' or 'grpc'")
+        sender = self._sender
+        if transport == "collective" and sender is None:
+            raise ValueError(
+                "no collective group: call init_weight_transfer() or use transport='grpc'"
+            )
+        await self._fan_out("StartWeightUpdate", cp.StartWeightUpdateRequest())
+        try:
+            if sender is not None and transport == "collective":
+                buckets = plan_buckets(tensors, bucket_bytes, checksums)
+                request = cp.UpdateWeightsRequest(buckets=[b.layout for b in buckets])
+
+                async def update(address: str) -> Any:
+                    return await self._unary(
+                        address, self._control(address).UpdateWeights, request, timeout
+                    )
+
+                broadcast = asyncio.ensure_future(asyncio.to_thread(sender.broadcast, buckets))
+                await fan_out("UpdateWeights", servers, update)
+                await broadcast
+            else:
+                messages = push_messages(tensors, chunk_bytes, checksums)
+
+                async def push(address: str) -> Any:
+                    method = self.channel(address).stream_unary(
+                        PUSH_WEIGHTS,
+                        request_serializer=None,
+                        response_deserializer=cp.PushWeightsResponse.FromString,
+                    )
+                    return await self._unary(address, method, iter(messages), timeout)
+
+                await fan_out("PushWeights", servers, push)
+        except BaseException:
+            await self._cancel_quietly()
+            raise
+        return await self._fan_out(
+            "FinishWeightUpdate", cp.FinishWeightUpdateRequest(weight_version=weight_version)
+        )
+
+    async def _cancel_quietly(self) -> None:
+        async def cancel(address: str) -> None:
+            try:
+                await self._control(address).CancelWeightUpdate(
+                    cp.CancelWeightUpdateRequest(),
+                    timeout=self.config.control_timeout,
+                    metadata=self._metadata(None),
+                )
+            except grpc.aio.AioRpcError:
+                pass  # not open there (already rejected) or unreachable: nothing to undo
+
+        await asyncio.gather(*(cancel(a) for a in self.config.servers))
+
+    async def weight_checksums(self, names: Sequence[str] = ()) -> dict[str, dict[str, bytes]]:
+        """SHA-256 of every server's serving weights, per parameter (checkpoint names)."""
+        results = await self._fan_out(
+            "GetWeightChecksums", cp.GetWeightChecksumsRequest(names=list(names))
+        )
+        return {a: {c.name: c.sha256 for c in r.checksums} for a, r in results.items()}
+
+    async def weight_versions(self) -> dict[str, int]:
+        return {a: info.weight_version for a, info in (await self.server_info()).items()}

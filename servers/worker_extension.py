@@ -1,0 +1,174 @@
+"""The part of weight transfer that runs inside vLLM's worker processes.
+
+vLLM mixes ``WeightTransferWorker`` into its Worker (engine argument ``worker_extension_cls``);
+the server calls these methods through ``collective_rpc``, whose arguments are serialized
+without pickle: only plain values and bytes cross (tensors are rebuilt from bytes here).
+
+Received parameters are staged on the host; nothing touches the serving weights before
+``skyrl_commit``. The worker keeps a host copy of the serving weights in checkpoint format (the
+"shadow", first read from the model's safetensors files): a commit reloads shadow + staged as a
+complete checkpoint, because vLLM fuses parameters (q/k/v, gate/up) and a partial reload would
+reinitialise the fused halves it was not given. ``reload_weights`` re-runs vLLM's post-load
+processing, which plain ``load_weights`` after start-up does not. If the reload fails, the shadow
+(the previous weights) is loaded back. Checksums are computed from the shadow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from datetime import timedelta
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+class WeightTransferWorker:
+    """Mixin for vLLM's Worker. All state lives in ``_skyrl_*`` attributes."""
+
+    _skyrl_group: Any = None
+    _skyrl_staged: dict[str, Any] | None = None
+    _skyrl_shadow: dict[str, Any] | None = None
+    _skyrl_timeout: float = 300.0
+
+    def _skyrl_weights(self) -> dict[str, Any]:
+        """The serving weights in checkpoint format (host tensors), loaded on first use."""
+        if self._skyrl_shadow is None:
+            from pathlib import Path
+
+            from safetensors.torch import load_file
+
+            model_dir = Path(self.model_runner.model_config.model)  # type: ignore[attr-defined]
+            shadow: dict[str, Any] = {}
+            for path in sorted(model_dir.glob("*.safetensors")):
+                shadow.update(load_file(str(path), device="cpu"))
+            if not shadow:
+                raise RuntimeError(f"no safetensors weights in {model_dir} to update")
+            self._skyrl_shadow = shadow
+        return self._skyrl_shadow
+
+    def skyrl_layout(self) -> dict[str, list[Any]]:
+        """``{name: [torch dtype name, shape]}`` of every checkpoint parameter."""
+        return {
+            name: [str(t.dtype).removeprefix("torch."), list(t.shape)]
+            for name, t in self._skyrl_weights().items()
+        }
+
+    def skyrl_checksums(self, names: list[str]) -> list[list[Any]]:
+        """``[name, sha256, dtype, shape]`` of the serving weights (all when ``names`` empty)."""
+        weights = self._skyrl_weights()
+        result = []
+        for name in names or sorted(weights):
+            tensor = weights[name].contiguous()
+            digest = hashlib.sha256(tensor.view(-1).view(torch_uint8()).numpy().tobytes()).digest()
+            result.append(
+                [name, digest, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
+            )
+        return result
+
+    def _skyrl_staging(self) -> dict[str, Any]:
+        if self._skyrl_staged is None:
+            self._skyrl_staged = {}
+        return self._skyrl_staged
+
+    def skyrl_join_group(
+        self,
+        backend: str,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        timeout_seconds: float,
+    ) -> int:
+        """Joins the trainer's group as ``rank_offset + this worker's rank``; returns the rank."""
+        from skyrl_grpc.process_group import join_group
+
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        self._skyrl_group = join_group(
+            backend, master_address, master_port, rank, world_size, group_name, timeout_seconds
+        )
+        self._skyrl_timeout = timeout_seconds
+        return rank
+
+    def skyrl_leave_group(self) -> None:
+        self._skyrl_group = None
+
+    def skyrl_receive_buckets(self, buckets: list[dict[str, Any]]) -> dict[str, Any]:
+        """Receives each bucket by broadcast from rank 0 and stages its parameters.
+
+        ``buckets``: ``[{"size": n, "params": [{"name", "dtype", "shape", "offset", "sha256"}]}]``
+        (validated by the server). Every bucket is received even after a checksum mismatch, so
+        the trainer's broadcasts never hang; the mismatches are returned and nothing of this
+        call is staged then.
+        """
+        import torch
+
+        if self._skyrl_group is None:
+            raise RuntimeError("not in a weight-transfer group: call InitWeightTransfer first")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        received: dict[str, Any] = {}
+        mismatches: list[str] = []
+        total = 0
+        for bucket in buckets:
+            buffer = torch.empty(int(bucket["size"]), dtype=torch.uint8, device=device)
+            work = self._skyrl_group.broadcast(buffer, 0)
+            work.wait(timedelta(seconds=self._skyrl_timeout))
+            host = buffer.cpu()
+            total += host.numel()
+            for param in bucket["params"]:
+                start = int(param["offset"])
+                dtype = getattr(torch, param["dtype"])
+                count = 1
+                for dim in param["shape"]:
+                    count *= int(dim)
+                size = count * torch.empty(0, dtype=dtype).element_size()
+                raw = host[start : start + size]
+                if param.get("sha256"):
+                    digest = hashlib.sha256(raw.numpy().tobytes()).digest()
+                    if digest != param["sha256"]:
+                        mismatches.append(param["name"])
+                        continue
+                received[param["name"]] = raw.clone().view(dtype).reshape(param["shape"])
+        if not mismatches:
+            self._skyrl_staging().update(received)
+        return {"bytes": total, "params": len(received), "mismatches": mismatches}
+
+    def skyrl_stage(self, params: list[list[Any]]) -> int:
+        """Stages ``[name, dtype, shape, raw bytes]`` items (in-band path; already verified)."""
+        import torch
+
+        staging = self._skyrl_staging()
+        for name, dtype_name, shape, raw in params:
+            dtype = getattr(torch, dtype_name)
+            staging[name] = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+        return len(params)
+
+    def skyrl_discard(self) -> int:
+        count = len(self._skyrl_staging())
+        self._skyrl_staged = {}
+        return count
+
+    def skyrl_commit(self) -> int:
+        """Loads the staged parameters (completed by the shadow) into the serving model."""
+        staged = self._skyrl_staging()
+        if not staged:
+            return 0
+        previous = self._skyrl_weights()
+        merged = {**previous, **staged}
+        try:
+            self.model_runner.reload_weights(weights_iterator=iter(merged.items()))  # type: ignore[attr-defined]
+        except Exception:
+            log.exception("reloading the new weights failed; restoring the previous ones")
+            self.model_runner.reload_weights(weights_iterator=iter(previous.items()))  # type: ignore[attr-defined]
+            self._skyrl_staged = {}
+            raise
+        self._skyrl_shadow = merged
+        self._skyrl_staged = {}
+        return len(staged)

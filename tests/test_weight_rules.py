@@ -1,0 +1,160 @@
+"""Weight-transfer rules without an engine: validation, in-band assembly, ordering."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+import torch
+
+from servers.weight_transfer import InBandAssembler, ParamLayout, WeightTransferManager, bucket_layout
+from skyrl_grpc import dtypes
+from skyrl_grpc.errors import DataLoss, FailedPrecondition, InvalidArgument
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from trainer_client.weights import plan_buckets, push_messages, rank_offsets
+
+LAYOUT = {
+    "a.weight": ParamLayout(dtypes.BY_TORCH["float32"], (4, 3)),
+    "b.bias": ParamLayout(dtypes.BY_TORCH["float32"], (5,)),
+}
+TENSORS = [("a.weight", torch.arange(12, dtype=torch.float32).reshape(4, 3)), ("b.bias", torch.ones(5))]
+
+
+def messages(chunk_bytes: int = 16) -> list[cp.PushWeightsRequest]:
+    return [cp.PushWeightsRequest.FromString(m) for m in push_messages(TENSORS, chunk_bytes)]
+
+
+def test_a_complete_push_reassembles_every_tensor() -> None:
+    assembler = InBandAssembler(LAYOUT)
+    for message in messages():
+        assembler.add(message)
+    items = {name: (dtype, shape, raw) for name, dtype, shape, raw in assembler.finish()}
+    for name, tensor in TENSORS:
+        dtype, shape, raw = items[name]
+        assert dtype == "float32" and shape == list(tensor.shape)
+        assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape), tensor)
+    assert assembler.bytes_received == (12 + 5) * 4
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "fragment"),
+    [
+        (lambda ms: ms[1:], InvalidArgument, "first PushWeights message must be the manifest"),
+        (lambda ms: ms[:-1], InvalidArgument, "truncated push"),
+        (lambda ms: [ms[0], ms[2], ms[1], *ms[3:]], InvalidArgument, "must arrive in order"),
+        (lambda ms: [ms[0], *ms], InvalidArgument, "second manifest"),
+    ],
+)
+def test_malformed_streams_are_rejected(mutate: Any, error: type[Exception], fragment: str) -> None:
+    assembler = InBandAssembler(LAYOUT)
+    with pytest.raises(error, match=fragment):
+        for message in mutate(messages()):
+            assembler.add(message)
+        assembler.finish()
+
+
+def test_a_corrupted_chunk_is_data_loss() -> None:
+    stream = messages()
+    data = stream[2].chunk.data
+    stream[2].chunk.data = bytes([data[0] ^ 0xFF]) + data[1:]
+    assembler = InBandAssembler(LAYOUT)
+    with pytest.raises(DataLoss, match="checksum mismatch in the chunk of a.weight"):
+        for message in stream:
+            assembler.add(message)
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        (cp.ParameterSpec(name="nope", dtype=cp.D_TYPE_FLOAT32, shape=[1]), "unknown parameter 'nope'"),
+        (cp.ParameterSpec(name="b.bias", dtype=cp.D_TYPE_FLOAT16, shape=[5]), "dtype mismatch for b.bias"),
+        (cp.ParameterSpec(name="b.bias", dtype=cp.D_TYPE_FLOAT32, shape=[6]), "shape mismatch for b.bias"),
+        (cp.ParameterSpec(name="b.bias", dtype=99, shape=[5]), "not a supported DType"),  # type: ignore[arg-type]
+    ],
+)
+def test_manifest_entries_must_match_the_model(spec: cp.ParameterSpec, fragment: str) -> None:
+    manifest = cp.PushWeightsRequest(manifest=cp.WeightManifest(parameters=[spec]))
+    with pytest.raises(InvalidArgument, match=fragment):
+        InBandAssembler(LAYOUT).add(manifest)
+
+
+def test_buckets_pack_at_their_offsets_and_overlaps_are_rejected() -> None:
+    (bucket,) = plan_buckets(TENSORS, bucket_bytes=1 << 20)
+    assert [p.offset_bytes for p in bucket.layout.parameters] == [0, 48]
+    packed = bucket.pack()
+    assert torch.equal(packed[48:].view(torch.float32), torch.ones(5))
+    assert bucket.layout.parameters[0].parameter.sha256 == hashlib.sha256(TENSORS[0][1].numpy().tobytes()).digest()
+    assert len(plan_buckets(TENSORS, bucket_bytes=40)) == 2
+    validated = bucket_layout(bucket.layout, LAYOUT)
+    assert [p["offset"] for p in validated["params"]] == [0, 48]
+    bucket.layout.parameters[1].offset_bytes = 40
+    with pytest.raises(InvalidArgument, match="overlap"):
+        bucket_layout(bucket.layout, LAYOUT)
+    bucket.layout.parameters[1].offset_bytes = 60
+    with pytest.raises(InvalidArgument, match="spans bytes"):
+        bucket_layout(bucket.layout, LAYOUT)
+
+
+def test_rank_offsets_follow_server_world_sizes() -> None:
+    assert rank_offsets([1, 1]) == ([1, 2], 3)
+    assert rank_offsets([2, 4, 1]) == ([1, 3, 7], 8)
+
+
+class FakeWorkers:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def __call__(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        self.calls.append(method)
+        answers = {
+            "skyrl_layout": {n: [p.dtype.torch_name, list(p.shape)] for n, p in LAYOUT.items()},
+            "skyrl_commit": 2,
+            "skyrl_discard": 0,
+            "skyrl_stage": len(args[0]) if args else 0,
+        }
+        return [answers.get(method)]
+
+
+async def _messages() -> Any:
+    for m in messages():
+        yield m
+
+
+async def test_calls_out_of_order_are_failed_precondition() -> None:
+    versions = [0]
+    workers = FakeWorkers()
+    manager = WeightTransferManager(workers, versions.append, lambda: versions[-1])
+    with pytest.raises(FailedPrecondition, match="before InitWeightTransfer"):
+        await manager.update(cp.UpdateWeightsRequest())
+    with pytest.raises(FailedPrecondition, match="FinishWeightUpdate before StartWeightUpdate"):
+        await manager.finish(1)
+    with pytest.raises(FailedPrecondition, match="PushWeights before StartWeightUpdate"):
+        await manager.push(_messages())
+    await manager.start()
+    with pytest.raises(FailedPrecondition, match="already open"):
+        await manager.start()
+    assert await manager.push(_messages()) == (2, 68)
+    with pytest.raises(InvalidArgument, match="not newer than the serving version 0"):
+        await manager.finish(0)
+    assert await manager.finish(3) == (3, 2)
+    assert versions[-1] == 3 and "skyrl_commit" in workers.calls
+    with pytest.raises(InvalidArgument, match="InitWeightTransfer takes GLOO"):
+        await manager.init(cp.InitWeightTransferRequest(backend=cp.WEIGHT_TRANSFER_BACKEND_GRPC_STREAM))
+
+
+async def test_a_failed_push_closes_the_update_without_touching_weights() -> None:
+    workers = FakeWorkers()
+    manager = WeightTransferManager(workers, lambda v: None, lambda: 0)
+    await manager.start()
+
+    async def truncated() -> Any:
+        for m in messages()[:-1]:
+            yield m
+
+    with pytest.raises(InvalidArgument, match="truncated push; update rejected"):
+        await manager.push(truncated())
+    assert "skyrl_commit" not in workers.calls and "skyrl_stage" not in workers.calls
+    assert not manager.update_open
+    with pytest.raises(FailedPrecondition):
+        await manager.finish(1)

@@ -1,0 +1,272 @@
+"""Weight transfer into two real vLLM servers: both transports, verified, atomic, versioned."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2, data_plane_pb2_grpc
+from skyrl_grpc.v1 import generation_pb2 as gen
+from tests.conftest import REFERENCE_PROMPTS, offline_reference
+from trainer_client import FanOutError, InferenceClient
+from trainer_client.weights import push_messages, sha256_of
+
+pytestmark = [pytest.mark.engine]
+MAX_TOKENS = 16
+_versions = itertools.count(100)
+
+
+def next_version() -> int:
+    return next(_versions)
+
+
+@pytest.fixture(scope="module")
+async def fleet(two_server_router: Any, engine_server: Any, second_engine_server: Any, tiny_model_dir: Path) -> AsyncIterator[dict[str, Any]]:
+    servers = [engine_server.address, second_engine_server.address]
+    client = InferenceClient(two_server_router.address, servers)
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+    yield {"client": client, "servers": servers, "original": original}
+    # Leave the shared engines with their original weights.
+    await client.update_weights(original.items(), next_version(), transport="grpc")
+
+
+def perturbed(original: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {n: t + 0.05 * torch.randn(t.shape, generator=generator, dtype=t.dtype) for n, t in original.items()}
+
+
+async def greedy_per_server(servers: list[str]) -> dict[str, list[list[int]]]:
+    result = {}
+    for address in servers:
+        direct = InferenceClient(address)
+        outputs = []
+        for prompt in REFERENCE_PROMPTS:
+            r = await direct.generate(prompt, {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True})
+            outputs.append(r.token_ids)
+        result[address] = outputs
+    return result
+
+
+@pytest.fixture(scope="module")
+def new_weights(fleet: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return perturbed(fleet["original"], seed=1)
+
+
+@pytest.fixture(scope="module")
+def new_weights_reference(new_weights: dict[str, torch.Tensor], tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    """Greedy outputs of a fresh vLLM engine started from the new weights saved to disk."""
+    saved = tmp_path_factory.mktemp("new-weights")
+    for path in tiny_model_dir.iterdir():
+        if path.name != "model.safetensors":
+            shutil.copy(path, saved / path.name)
+    save_file({n: t.contiguous() for n, t in new_weights.items()}, str(saved / "model.safetensors"), metadata={"format": "pt"})
+    sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    return [r["token_ids"] for r in offline_reference(saved, REFERENCE_PROMPTS, sampling, tmp_path_factory.mktemp("ref"))]
+
+
+@pytest.fixture(scope="module")
+async def original_greedy(fleet: dict[str, Any]) -> dict[str, list[list[int]]]:
+    return await greedy_per_server(fleet["servers"])
+
+
+def sender_checksums(weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    return {n: sha256_of(t) for n, t in weights.items()}
+
+
+async def assert_serving(fleet: dict[str, Any], weights: dict[str, torch.Tensor], greedy: dict[str, list[list[int]]] | list[list[int]]) -> None:
+    client: InferenceClient = fleet["client"]
+    checksums = await client.weight_checksums()
+    for address in fleet["servers"]:
+        assert checksums[address] == sender_checksums(weights), f"checksums differ on {address}"
+    outputs = await greedy_per_server(fleet["servers"])
+    for address in fleet["servers"]:
+        expected = greedy[address] if isinstance(greedy, dict) else greedy
+        assert outputs[address] == expected, f"greedy output differs on {address}"
+
+
+async def test_in_band_push_serves_exactly_the_new_weights_and_back(
+    fleet: dict[str, Any], new_weights: dict[str, torch.Tensor], new_weights_reference: list[list[int]],
+    original_greedy: dict[str, list[list[int]]],
+) -> None:
+    client: InferenceClient = fleet["client"]
+    assert all(o != r for o, r in zip(original_greedy[fleet["servers"][0]], new_weights_reference, strict=True))
+    version = next_version()
+    finished = await client.update_weights(new_weights.items(), version, transport="grpc", chunk_bytes=64 << 10)
+    assert {r.weight_version for r in finished.values()} == {version}
+    assert all(r.parameters_updated == len(new_weights) for r in finished.values())
+    await assert_serving(fleet, new_weights, new_weights_reference)
+    result = await client.generate(REFERENCE_PROMPTS[0], {"temperature": 0.0, "max_tokens": 4})
+    assert [(s.weight_version, s.length) for s in result.weight_versions] == [(version, 4)]
+    assert set((await client.weight_versions()).values()) == {version}
+    # Pushing the original weights back restores the original output exactly.
+    await client.update_weights(fleet["original"].items(), next_version(), transport="grpc")
+    await assert_serving(fleet, fleet["original"], original_greedy)
+
+
+async def test_collective_gloo_updates_two_servers_with_their_own_rank_offsets(
+    fleet: dict[str, Any], new_weights: dict[str, torch.Tensor], new_weights_reference: list[list[int]],
+    original_greedy: dict[str, list[list[int]]],
+) -> None:
+    client: InferenceClient = fleet["client"]
+    offsets = await client.init_weight_transfer("gloo", timeout_seconds=30)
+    assert offsets == {fleet["servers"][0]: 1, fleet["servers"][1]: 2}
+    # Small buckets: several broadcasts, parameters packed several to a bucket.
+    await client.update_weights(new_weights.items(), next_version(), transport="collective", bucket_bytes=300_000)
+    await assert_serving(fleet, new_weights, new_weights_reference)
+    await client.update_weights(fleet["original"].items(), next_version(), transport="collective")
+    await assert_serving(fleet, fleet["original"], original_greedy)
+    # A corrupted bucket (checksums disagree with the bytes) is rejected everywhere.
+    corrupt = dict(fleet["original"])
+    from trainer_client import weights as sender_module
+
+    real_spec = sender_module.parameter_spec
+
+    def lying_spec(name: str, tensor: Any, with_checksum: bool) -> cp.ParameterSpec:
+        spec = real_spec(name, tensor, with_checksum)
+        if name == "lm_head.weight":
+            spec.sha256 = hashlib.sha256(b"something else").digest()
+        return spec
+
+    sender_module.parameter_spec = lying_spec  # type: ignore[assignment]
+    try:
+        with pytest.raises(FanOutError) as raised:
+            await client.update_weights(perturbed(corrupt, 5).items(), next_version(), transport="collective")
+    finally:
+        sender_module.parameter_spec = real_spec  # type: ignore[assignment]
+    assert {e.code for e in raised.value.failures.values()} == {grpc.StatusCode.DATA_LOSS}
+    assert "lm_head.weight" in str(raised.value)
+    await assert_serving(fleet, fleet["original"], original_greedy)
+
+
+def control(address: str) -> control_plane_pb2_grpc.ControlPlaneStub:
+    return control_plane_pb2_grpc.ControlPlaneStub(grpc.aio.insecure_channel(address))
+
+
+async def push_raw(address: str, messages: list[cp.PushWeightsRequest]) -> grpc.StatusCode:
+    stub = control(address)
+    await stub.StartWeightUpdate(cp.StartWeightUpdateRequest())
+    try:
+        await stub.PushWeights(iter(messages))
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+def stream_of(weights: dict[str, torch.Tensor]) -> list[cp.PushWeightsRequest]:
+    return [cp.PushWeightsRequest.FromString(m) for m in push_messages(weights.items(), chunk_bytes=100_000)]
+
+
+async def test_every_rejected_update_leaves_the_old_weights_serving(
+    fleet: dict[str, Any], original_greedy: dict[str, list[list[int]]]
+) -> None:
+    address = fleet["servers"][0]
+    original = fleet["original"]
+    changed = perturbed(original, 9)
+    cases: dict[str, tuple[list[cp.PushWeightsRequest], grpc.StatusCode]] = {}
+    unknown = stream_of({**changed, "model.no_such.weight": torch.zeros(2)})
+    cases["unknown name"] = (unknown, grpc.StatusCode.INVALID_ARGUMENT)
+    cases["shape mismatch"] = (stream_of({**changed, "lm_head.weight": torch.zeros(3, 3)}), grpc.StatusCode.INVALID_ARGUMENT)
+    cases["dtype mismatch"] = (stream_of({**changed, "lm_head.weight": changed["lm_head.weight"].half()}), grpc.StatusCode.INVALID_ARGUMENT)
+    cases["truncated"] = (stream_of(changed)[:-3], grpc.StatusCode.INVALID_ARGUMENT)
+    corrupted = stream_of(changed)
+    data = corrupted[5].chunk.data
+    corrupted[5].chunk.data = bytes([data[0] ^ 1]) + data[1:]
+    cases["checksum mismatch"] = (corrupted, grpc.StatusCode.DATA_LOSS)
+    for name, (messages, code) in cases.items():
+        assert await push_raw(address, messages) == code, name
+        with pytest.raises(grpc.aio.AioRpcError) as raised:  # the update was closed
+            await control(address).FinishWeightUpdate(cp.FinishWeightUpdateRequest(weight_version=next_version()))
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION, name
+
+    # The sender goes away mid-stream.
+    stub = control(address)
+    await stub.StartWeightUpdate(cp.StartWeightUpdateRequest())
+    messages = stream_of(changed)
+
+    async def then_vanish() -> AsyncIterator[cp.PushWeightsRequest]:
+        for message in messages[:4]:
+            yield message
+        await asyncio.sleep(30)
+
+    call = stub.PushWeights(then_vanish())
+    await asyncio.sleep(0.5)
+    call.cancel()
+    await asyncio.sleep(0.3)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await stub.FinishWeightUpdate(cp.FinishWeightUpdateRequest(weight_version=next_version()))
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    await assert_serving(fleet, original, original_greedy)
+
+
+async def test_out_of_order_calls_are_failed_precondition(fleet: dict[str, Any]) -> None:
+    stub = control(fleet["servers"][1])
+    for call in (
+        stub.FinishWeightUpdate(cp.FinishWeightUpdateRequest(weight_version=next_version())),
+        stub.PushWeights(iter(stream_of({"lm_head.weight": fleet["original"]["lm_head.weight"]}))),
+        stub.CancelWeightUpdate(cp.CancelWeightUpdateRequest()),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "StartWeightUpdate" in (raised.value.details() or "")
+    await stub.StartWeightUpdate(cp.StartWeightUpdateRequest())
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await stub.FinishWeightUpdate(cp.FinishWeightUpdateRequest(weight_version=0))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "versions must increase" in (raised.value.details() or "")
+    assert (await stub.CancelWeightUpdate(cp.CancelWeightUpdateRequest())).parameters_discarded == 0
+
+
+async def test_update_while_paused_abort_then_retried_rollouts_report_both_versions(fleet: dict[str, Any]) -> None:
+    client: InferenceClient = fleet["client"]
+    before = (await client.weight_versions())[fleet["servers"][0]]
+    prompts = [[1, 60 + i, 61, 62] for i in range(6)]
+    running = asyncio.ensure_future(
+        client.generate_batch(prompts, {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}, session_ids=[f"w{i}" for i in range(6)])
+    )
+    await asyncio.sleep(0.4)
+    await client.pause("abort")
+    version = next_version()
+    await client.update_weights(perturbed(fleet["original"], 3).items(), version, transport="grpc")
+    await client.resume()
+    results = await asyncio.wait_for(running, 60)
+    for result in results:
+        assert len(result.token_ids) == 200
+        versions = [s.weight_version for s in result.weight_versions]
+        assert versions == [before, version], result.weight_versions
+        assert sum(s.length for s in result.weight_versions) == 200
+    await client.update_weights(fleet["original"].items(), next_version(), transport="grpc")
+
+
+async def test_update_while_paused_keep_spans_report_both_versions(fleet: dict[str, Any]) -> None:
+    client: InferenceClient = fleet["client"]
+    address = fleet["servers"][1]
+    before = (await client.weight_versions())[address]
+    data = data_plane_pb2_grpc.DataPlaneStub(grpc.aio.insecure_channel(address))
+    requests = [
+        data.Generate(data_plane_pb2.GenerateRequest(prompt_token_ids=[1, 70 + i, 3], sampling_params=gen.SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)))
+        for i in range(4)
+    ]
+    pending = [asyncio.ensure_future(r) for r in requests]
+    await asyncio.sleep(0.3)
+    await client.pause("keep")
+    version = next_version()
+    await client.update_weights(perturbed(fleet["original"], 4).items(), version, transport="grpc")
+    await client.resume()
+    responses = await asyncio.wait_for(asyncio.gather(*pending), 60)
+    for response in responses:
+        sample = response.samples[0]
+        spans = [(s.weight_version, s.start, s.length) for s in sample.weight_versions]
+        assert [s[0] for s in spans] == [before, version], spans
+        assert spans[1][1] == spans[0][2] and spans[0][2] + spans[1][2] == 150
+    await client.update_weights(fleet["original"].items(), next_version(), transport="grpc")
