@@ -8,7 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from servers.weight_transfer import InBandAssembler, ParamLayout, WeightTransferManager, bucket_layout
+from servers.weight_transfer import (
+    InBandAssembler,
+    ParamLayout,
+    WeightTransferManager,
+    bucket_layout,
+)
 from skyrl_grpc import dtypes
 from skyrl_grpc.errors import DataLoss, FailedPrecondition, InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
@@ -18,7 +23,10 @@ LAYOUT = {
     "a.weight": ParamLayout(dtypes.BY_TORCH["float32"], (4, 3)),
     "b.bias": ParamLayout(dtypes.BY_TORCH["float32"], (5,)),
 }
-TENSORS = [("a.weight", torch.arange(12, dtype=torch.float32).reshape(4, 3)), ("b.bias", torch.ones(5))]
+TENSORS = [
+    ("a.weight", torch.arange(12, dtype=torch.float32).reshape(4, 3)),
+    ("b.bias", torch.ones(5)),
+]
 
 
 def messages(chunk_bytes: int = 16) -> list[cp.PushWeightsRequest]:
@@ -33,7 +41,9 @@ def test_a_complete_push_reassembles_every_tensor() -> None:
     for name, tensor in TENSORS:
         dtype, shape, raw = items[name]
         assert dtype == "float32" and shape == list(tensor.shape)
-        assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape), tensor)
+        assert torch.equal(
+            torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape), tensor
+        )
     assert assembler.bytes_received == (12 + 5) * 4
 
 
@@ -67,9 +77,18 @@ def test_a_corrupted_chunk_is_data_loss() -> None:
 @pytest.mark.parametrize(
     ("spec", "fragment"),
     [
-        (cp.ParameterSpec(name="nope", dtype=cp.D_TYPE_FLOAT32, shape=[1]), "unknown parameter 'nope'"),
-        (cp.ParameterSpec(name="b.bias", dtype=cp.D_TYPE_FLOAT16, shape=[5]), "dtype mismatch for b.bias"),
-        (cp.ParameterSpec(name="b.bias", dtype=cp.D_TYPE_FLOAT32, shape=[6]), "shape mismatch for b.bias"),
+        (
+            cp.ParameterSpec(name="nope", dtype=cp.D_TYPE_FLOAT32, shape=[1]),
+            "unknown parameter 'nope'",
+        ),
+        (
+            cp.ParameterSpec(name="b.bias", dtype=cp.D_TYPE_FLOAT16, shape=[5]),
+            "dtype mismatch for b.bias",
+        ),
+        (
+            cp.ParameterSpec(name="b.bias", dtype=cp.D_TYPE_FLOAT32, shape=[6]),
+            "shape mismatch for b.bias",
+        ),
         (cp.ParameterSpec(name="b.bias", dtype=99, shape=[5]), "not a supported DType"),  # type: ignore[arg-type]
     ],
 )
@@ -84,7 +103,10 @@ def test_buckets_pack_at_their_offsets_and_overlaps_are_rejected() -> None:
     assert [p.offset_bytes for p in bucket.layout.parameters] == [0, 48]
     packed = bucket.pack()
     assert torch.equal(packed[48:].view(torch.float32), torch.ones(5))
-    assert bucket.layout.parameters[0].parameter.sha256 == hashlib.sha256(TENSORS[0][1].numpy().tobytes()).digest()
+    assert (
+        bucket.layout.parameters[0].parameter.sha256
+        == hashlib.sha256(TENSORS[0][1].numpy().tobytes()).digest()
+    )
     assert len(plan_buckets(TENSORS, bucket_bytes=40)) == 2
     validated = bucket_layout(bucket.layout, LAYOUT)
     assert [p["offset"] for p in validated["params"]] == [0, 48]
@@ -140,7 +162,9 @@ async def test_calls_out_of_order_are_failed_precondition() -> None:
     assert await manager.finish(3) == (3, 2)
     assert versions[-1] == 3 and "skyrl_commit" in workers.calls
     with pytest.raises(InvalidArgument, match="InitWeightTransfer takes GLOO"):
-        await manager.init(cp.InitWeightTransferRequest(backend=cp.WEIGHT_TRANSFER_BACKEND_GRPC_STREAM))
+        await manager.init(
+            cp.InitWeightTransferRequest(backend=cp.WEIGHT_TRANSFER_BACKEND_GRPC_STREAM)
+        )
 
 
 async def test_a_failed_push_closes_the_update_without_touching_weights() -> None:

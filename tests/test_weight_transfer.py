@@ -32,7 +32,9 @@ def next_version() -> int:
 
 
 @pytest.fixture(scope="module")
-async def fleet(two_server_router: Any, engine_server: Any, second_engine_server: Any, tiny_model_dir: Path) -> AsyncIterator[dict[str, Any]]:
+async def fleet(
+    two_server_router: Any, engine_server: Any, second_engine_server: Any, tiny_model_dir: Path
+) -> AsyncIterator[dict[str, Any]]:
     servers = [engine_server.address, second_engine_server.address]
     client = InferenceClient(two_server_router.address, servers)
     original = load_file(str(tiny_model_dir / "model.safetensors"))
@@ -43,7 +45,10 @@ async def fleet(two_server_router: Any, engine_server: Any, second_engine_server
 
 def perturbed(original: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return {n: t + 0.05 * torch.randn(t.shape, generator=generator, dtype=t.dtype) for n, t in original.items()}
+    return {
+        n: t + 0.05 * torch.randn(t.shape, generator=generator, dtype=t.dtype)
+        for n, t in original.items()
+    }
 
 
 async def greedy_per_server(servers: list[str]) -> dict[str, list[list[int]]]:
@@ -52,7 +57,9 @@ async def greedy_per_server(servers: list[str]) -> dict[str, list[list[int]]]:
         direct = InferenceClient(address)
         outputs = []
         for prompt in REFERENCE_PROMPTS:
-            r = await direct.generate(prompt, {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True})
+            r = await direct.generate(
+                prompt, {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+            )
             outputs.append(r.token_ids)
         result[address] = outputs
     return result
@@ -64,15 +71,28 @@ def new_weights(fleet: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def new_weights_reference(new_weights: dict[str, torch.Tensor], tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+def new_weights_reference(
+    new_weights: dict[str, torch.Tensor],
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> list[list[int]]:
     """Greedy outputs of a fresh vLLM engine started from the new weights saved to disk."""
     saved = tmp_path_factory.mktemp("new-weights")
     for path in tiny_model_dir.iterdir():
         if path.name != "model.safetensors":
             shutil.copy(path, saved / path.name)
-    save_file({n: t.contiguous() for n, t in new_weights.items()}, str(saved / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {n: t.contiguous() for n, t in new_weights.items()},
+        str(saved / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-    return [r["token_ids"] for r in offline_reference(saved, REFERENCE_PROMPTS, sampling, tmp_path_factory.mktemp("ref"))]
+    return [
+        r["token_ids"]
+        for r in offline_reference(
+            saved, REFERENCE_PROMPTS, sampling, tmp_path_factory.mktemp("ref")
+        )
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +104,11 @@ def sender_checksums(weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
     return {n: sha256_of(t) for n, t in weights.items()}
 
 
-async def assert_serving(fleet: dict[str, Any], weights: dict[str, torch.Tensor], greedy: dict[str, list[list[int]]] | list[list[int]]) -> None:
+async def assert_serving(
+    fleet: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    greedy: dict[str, list[list[int]]] | list[list[int]],
+) -> None:
     client: InferenceClient = fleet["client"]
     checksums = await client.weight_checksums()
     for address in fleet["servers"]:
@@ -96,13 +120,20 @@ async def assert_serving(fleet: dict[str, Any], weights: dict[str, torch.Tensor]
 
 
 async def test_in_band_push_serves_exactly_the_new_weights_and_back(
-    fleet: dict[str, Any], new_weights: dict[str, torch.Tensor], new_weights_reference: list[list[int]],
+    fleet: dict[str, Any],
+    new_weights: dict[str, torch.Tensor],
+    new_weights_reference: list[list[int]],
     original_greedy: dict[str, list[list[int]]],
 ) -> None:
     client: InferenceClient = fleet["client"]
-    assert all(o != r for o, r in zip(original_greedy[fleet["servers"][0]], new_weights_reference, strict=True))
+    assert all(
+        o != r
+        for o, r in zip(original_greedy[fleet["servers"][0]], new_weights_reference, strict=True)
+    )
     version = next_version()
-    finished = await client.update_weights(new_weights.items(), version, transport="grpc", chunk_bytes=64 << 10)
+    finished = await client.update_weights(
+        new_weights.items(), version, transport="grpc", chunk_bytes=64 << 10
+    )
     assert {r.weight_version for r in finished.values()} == {version}
     assert all(r.parameters_updated == len(new_weights) for r in finished.values())
     await assert_serving(fleet, new_weights, new_weights_reference)
@@ -115,14 +146,18 @@ async def test_in_band_push_serves_exactly_the_new_weights_and_back(
 
 
 async def test_collective_gloo_updates_two_servers_with_their_own_rank_offsets(
-    fleet: dict[str, Any], new_weights: dict[str, torch.Tensor], new_weights_reference: list[list[int]],
+    fleet: dict[str, Any],
+    new_weights: dict[str, torch.Tensor],
+    new_weights_reference: list[list[int]],
     original_greedy: dict[str, list[list[int]]],
 ) -> None:
     client: InferenceClient = fleet["client"]
     offsets = await client.init_weight_transfer("gloo", timeout_seconds=30)
     assert offsets == {fleet["servers"][0]: 1, fleet["servers"][1]: 2}
     # Small buckets: several broadcasts, parameters packed several to a bucket.
-    await client.update_weights(new_weights.items(), next_version(), transport="collective", bucket_bytes=300_000)
+    await client.update_weights(
+        new_weights.items(), next_version(), transport="collective", bucket_bytes=300_000
+    )
     await assert_serving(fleet, new_weights, new_weights_reference)
     await client.update_weights(fleet["original"].items(), next_version(), transport="collective")
     await assert_serving(fleet, fleet["original"], original_greedy)
@@ -141,7 +176,9 @@ async def test_collective_gloo_updates_two_servers_with_their_own_rank_offsets(
     sender_module.parameter_spec = lying_spec  # type: ignore[assignment]
     try:
         with pytest.raises(FanOutError) as raised:
-            await client.update_weights(perturbed(corrupt, 5).items(), next_version(), transport="collective")
+            await client.update_weights(
+                perturbed(corrupt, 5).items(), next_version(), transport="collective"
+            )
     finally:
         sender_module.parameter_spec = real_spec  # type: ignore[assignment]
     assert {e.code for e in raised.value.failures.values()} == {grpc.StatusCode.DATA_LOSS}
@@ -164,7 +201,10 @@ async def push_raw(address: str, messages: list[cp.PushWeightsRequest]) -> grpc.
 
 
 def stream_of(weights: dict[str, torch.Tensor]) -> list[cp.PushWeightsRequest]:
-    return [cp.PushWeightsRequest.FromString(m) for m in push_messages(weights.items(), chunk_bytes=100_000)]
+    return [
+        cp.PushWeightsRequest.FromString(m)
+        for m in push_messages(weights.items(), chunk_bytes=100_000)
+    ]
 
 
 async def test_every_rejected_update_leaves_the_old_weights_serving(
@@ -176,8 +216,14 @@ async def test_every_rejected_update_leaves_the_old_weights_serving(
     cases: dict[str, tuple[list[cp.PushWeightsRequest], grpc.StatusCode]] = {}
     unknown = stream_of({**changed, "model.no_such.weight": torch.zeros(2)})
     cases["unknown name"] = (unknown, grpc.StatusCode.INVALID_ARGUMENT)
-    cases["shape mismatch"] = (stream_of({**changed, "lm_head.weight": torch.zeros(3, 3)}), grpc.StatusCode.INVALID_ARGUMENT)
-    cases["dtype mismatch"] = (stream_of({**changed, "lm_head.weight": changed["lm_head.weight"].half()}), grpc.StatusCode.INVALID_ARGUMENT)
+    cases["shape mismatch"] = (
+        stream_of({**changed, "lm_head.weight": torch.zeros(3, 3)}),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+    cases["dtype mismatch"] = (
+        stream_of({**changed, "lm_head.weight": changed["lm_head.weight"].half()}),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
     cases["truncated"] = (stream_of(changed)[:-3], grpc.StatusCode.INVALID_ARGUMENT)
     corrupted = stream_of(changed)
     data = corrupted[5].chunk.data
@@ -186,7 +232,9 @@ async def test_every_rejected_update_leaves_the_old_weights_serving(
     for name, (messages, code) in cases.items():
         assert await push_raw(address, messages) == code, name
         with pytest.raises(grpc.aio.AioRpcError) as raised:  # the update was closed
-            await control(address).FinishWeightUpdate(cp.FinishWeightUpdateRequest(weight_version=next_version()))
+            await control(address).FinishWeightUpdate(
+                cp.FinishWeightUpdateRequest(weight_version=next_version())
+            )
         assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION, name
 
     # The sender goes away mid-stream.
@@ -223,16 +271,24 @@ async def test_out_of_order_calls_are_failed_precondition(fleet: dict[str, Any])
     await stub.StartWeightUpdate(cp.StartWeightUpdateRequest())
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await stub.FinishWeightUpdate(cp.FinishWeightUpdateRequest(weight_version=0))
-    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "versions must increase" in (raised.value.details() or "")
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "versions must increase" in (
+        raised.value.details() or ""
+    )
     assert (await stub.CancelWeightUpdate(cp.CancelWeightUpdateRequest())).parameters_discarded == 0
 
 
-async def test_update_while_paused_abort_then_retried_rollouts_report_both_versions(fleet: dict[str, Any]) -> None:
+async def test_update_while_paused_abort_then_retried_rollouts_report_both_versions(
+    fleet: dict[str, Any],
+) -> None:
     client: InferenceClient = fleet["client"]
     before = (await client.weight_versions())[fleet["servers"][0]]
     prompts = [[1, 60 + i, 61, 62] for i in range(6)]
     running = asyncio.ensure_future(
-        client.generate_batch(prompts, {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}, session_ids=[f"w{i}" for i in range(6)])
+        client.generate_batch(
+            prompts,
+            {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True},
+            session_ids=[f"w{i}" for i in range(6)],
+        )
     )
     await asyncio.sleep(0.4)
     await client.pause("abort")
@@ -254,7 +310,12 @@ async def test_update_while_paused_keep_spans_report_both_versions(fleet: dict[s
     before = (await client.weight_versions())[address]
     data = data_plane_pb2_grpc.DataPlaneStub(grpc.aio.insecure_channel(address))
     requests = [
-        data.Generate(data_plane_pb2.GenerateRequest(prompt_token_ids=[1, 70 + i, 3], sampling_params=gen.SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)))
+        data.Generate(
+            data_plane_pb2.GenerateRequest(
+                prompt_token_ids=[1, 70 + i, 3],
+                sampling_params=gen.SamplingParams(temperature=0, max_tokens=150, ignore_eos=True),
+            )
+        )
         for i in range(4)
     ]
     pending = [asyncio.ensure_future(r) for r in requests]

@@ -1,0 +1,145 @@
+"""Starting a stack on this machine: N engine-server processes and a router process.
+
+``LocalStack`` launches each piece with ``python -m`` and reads the JSON lifecycle lines they
+print (``listening``, ``ready``), so it knows addresses without guessing ports. Teardown sends
+SIGTERM (drain), then SIGKILL to anything left, so no process outlives the stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class _Process:
+    name: str
+    popen: subprocess.Popen[str]
+    events: list[dict[str, str]] = field(default_factory=list)
+    ready: threading.Event = field(default_factory=threading.Event)
+    listening: threading.Event = field(default_factory=threading.Event)
+
+    def pump(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            if not line.startswith("{"):
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            self.events.append(event)
+            if event.get("event") == "listening":
+                self.listening.set()
+            if event.get("event") in ("ready", "failed"):
+                self.ready.set()
+        self.listening.set()
+        self.ready.set()
+
+    def event(self, name: str) -> dict[str, str] | None:
+        return next((e for e in self.events if e.get("event") == name), None)
+
+
+class LocalStack:
+    """N engine servers + a router as local processes. Use as a context manager."""
+
+    def __init__(
+        self,
+        num_servers: int = 2,
+        engine_args: list[str] | None = None,
+        router_args: list[str] | None = None,
+        log_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.num_servers = num_servers
+        self.engine_args = engine_args or []
+        self.router_args = router_args or []
+        self.log_dir = log_dir
+        self.env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            **(env or {}),
+        }
+        self._processes: list[_Process] = []
+        self.server_addresses: list[str] = []
+        self.router_address = ""
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> _Process:
+        stderr: int | object = subprocess.DEVNULL
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            stderr = open(self.log_dir / f"{name}.log", "w")
+        popen = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=self.env,  # type: ignore[arg-type]
+            start_new_session=True,  # SIGTERM/SIGKILL reach the engine's own child processes
+        )
+        process = _Process(name, popen)
+        threading.Thread(target=process.pump, daemon=True).start()
+        self._processes.append(process)
+        return process
+
+    def start(self, timeout: float = 600) -> LocalStack:
+        servers = [
+            self._spawn(f"server-{i}", "servers.engine_server", ["--port", "0", *self.engine_args])
+            for i in range(self.num_servers)
+        ]
+        deadline = time.monotonic() + timeout
+        for server in servers:
+            server.ready.wait(max(deadline - time.monotonic(), 0))
+            ready = server.event("ready")
+            if ready is None:
+                self.close()
+                raise RuntimeError(
+                    f"{server.name} did not become ready (exit code {server.popen.poll()})"
+                )
+            self.server_addresses.append(ready["address"])
+        router = self._spawn(
+            "router",
+            "servers.router",
+            ["--port", "0", "--backends", ",".join(self.server_addresses), *self.router_args],
+        )
+        router.listening.wait(max(deadline - time.monotonic(), 0))
+        listening = router.event("listening")
+        if listening is None:
+            self.close()
+            raise RuntimeError(f"the router did not start (exit code {router.popen.poll()})")
+        self.router_address = listening["address"]
+        return self
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.popen.pid for p in self._processes]
+
+    def close(self, grace: float = 15) -> None:
+        for process in reversed(self._processes):
+            if process.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for process in self._processes:
+            try:
+                process.popen.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.popen.pid, signal.SIGKILL)  # the engine's children too
+            process.popen.wait()
+        self._processes.clear()
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

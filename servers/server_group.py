@@ -1,0 +1,218 @@
+"""ServerGroup: N engine servers as Ray actors on a placement group, plus a router.
+
+Each engine gets ``tensor_parallel_size x pipeline_parallel_size`` bundles (one per device:
+``{"GPU": 1, "CPU": 1}``, or ``{"CPU": cpus_per_engine}`` in CPU mode) and its server actor is
+pinned to the engine's first bundle. Pass an existing placement group (``placement_group=`` and
+``bundle_offset=``) to colocate inference with training. ``start()`` waits until every server
+is healthy and the router is up, then returns the addresses; ``shutdown()`` drains the servers,
+kills the actors and removes the placement group it created, so no process outlives it.
+
+    group = ServerGroup(num_servers=2, cpu_only=True)
+    router, servers = group.start()
+    ...
+    group.shutdown()
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+def _node_ip() -> str:
+    import ray
+
+    return str(ray.util.get_node_ip_address())
+
+
+class EngineServerActor:
+    """Runs one EngineServer inside a Ray actor (an async actor: the server shares its loop)."""
+
+    def __init__(self, engine: dict[str, Any], host: str, env: dict[str, str]) -> None:
+        os.environ.update(env)
+        from .engine import EngineOptions
+        from .engine_server import EngineServer, ServerOptions
+
+        self._server = EngineServer(
+            ServerOptions(host=host, port=0, engine=EngineOptions(**engine))
+        )
+
+    async def start(self) -> str:
+        await self._server.start()
+        await self._server.wait_ready()
+        return self._server.address
+
+    async def stop(self) -> None:
+        await self._server.drain(grace=5)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RouterActor:
+    """Runs the router inside a Ray actor."""
+
+    def __init__(self, backends: list[str], host: str) -> None:
+        from .router import RouterOptions, RouterServer
+
+        self._router = RouterServer(RouterOptions(backends=backends, host=host, port=0))
+
+    async def start(self) -> str:
+        await self._router.start()
+        await self._router.wait_healthy(len(self._router.options.backends), timeout=120)
+        return self._router.address
+
+    async def stop(self) -> None:
+        await self._router.stop(grace=2)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@dataclass
+class ServerGroupOptions:
+    num_servers: int = 2
+    cpu_only: bool = False
+    cpus_per_engine: float = 1.0
+    # Engine options (servers.engine.EngineOptions fields) for every server.
+    engine: dict[str, Any] = field(default_factory=dict)
+    # Bind address: loopback for a single machine, 0.0.0.0 (advertised as the node IP) for many.
+    host: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class ServerGroup:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        num_servers: int = 2,
+        *,
+        cpu_only: bool = False,
+        engine: dict[str, Any] | None = None,
+        placement_group: Any = None,
+        bundle_offset: int = 0,
+        **options: Any,
+    ) -> None:
+        self.options = ServerGroupOptions(
+            num_servers=num_servers, cpu_only=cpu_only, engine=engine or {}, **options
+        )
+        self._external_pg = placement_group
+        self._bundle_offset = bundle_offset
+        self._pg: Any = None
+        self._servers: list[Any] = []
+        self._router: Any = None
+        self.server_addresses: list[str] = []
+        self.router_address = ""
+
+    @property
+    def devices_per_engine(self) -> int:
+        engine = self.options.engine
+        return int(engine.get("tensor_parallel_size", 1)) * int(
+            engine.get("pipeline_parallel_size", 1)
+        )
+
+    def bundles(self) -> list[dict[str, float]]:
+        if self.options.cpu_only:
+            return [{"CPU": self.options.cpus_per_engine}] * self.options.num_servers
+        return [{"GPU": 1, "CPU": 1}] * (self.options.num_servers * self.devices_per_engine)
+
+    def start(self, timeout: float = 600) -> tuple[str, list[str]]:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            ray.init()
+        if self._external_pg is None:
+            self._pg = placement_group(self.bundles(), strategy="PACK")
+            ray.get(self._pg.ready(), timeout=timeout)
+        pg = self._external_pg or self._pg
+        per_engine = 1 if self.options.cpu_only else self.devices_per_engine
+        env = (
+            {"VLLM_CPU_KVCACHE_SPACE": "1", **self.options.env}
+            if self.options.cpu_only
+            else dict(self.options.env)
+        )
+        engine_actor = ray.remote(EngineServerActor)
+        for index in range(self.options.num_servers):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=pg,
+                placement_group_bundle_index=self._bundle_offset + index * per_engine,
+            )
+            resources: dict[str, Any] = (
+                {"num_cpus": self.options.cpus_per_engine}
+                if self.options.cpu_only
+                else {"num_gpus": 1, "num_cpus": 1}
+            )
+            self._servers.append(
+                engine_actor.options(scheduling_strategy=strategy, **resources).remote(
+                    self.options.engine, self._bind_host(), env
+                )
+            )
+        try:
+            self.server_addresses = [
+                self._advertised(a)
+                for a in ray.get([s.start.remote() for s in self._servers], timeout=timeout)
+            ]
+            self._router = (
+                ray.remote(RouterActor)
+                .options(num_cpus=0)
+                .remote(self.server_addresses, self._bind_host())
+            )
+            self.router_address = self._advertised(
+                ray.get(self._router.start.remote(), timeout=timeout)
+            )
+        except Exception:
+            self.shutdown()
+            raise
+        return self.router_address, list(self.server_addresses)
+
+    def _bind_host(self) -> str:
+        return self.options.host
+
+    def _advertised(self, address: str) -> str:
+        host, _, port = address.rpartition(":")
+        return f"{_node_ip()}:{port}" if host == "0.0.0.0" else address
+
+    def pids(self) -> list[int]:
+        import ray
+
+        actors = [*self._servers, *([self._router] if self._router is not None else [])]
+        return list(ray.get([a.pid.remote() for a in actors]))
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        stops = []
+        if self._router is not None:
+            stops.append(self._router.stop.remote())
+        stops.extend(s.stop.remote() for s in self._servers)
+        for stop in stops:
+            try:
+                ray.get(stop, timeout=60)
+            except Exception:  # an actor that already died has nothing to drain
+                pass
+        for actor in [*self._servers, *([self._router] if self._router is not None else [])]:
+            ray.kill(actor)
+        self._servers.clear()
+        self._router = None
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+
+    def __enter__(self) -> ServerGroup:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "options": asdict(self.options),
+            "router": self.router_address,
+            "servers": self.server_addresses,
+        }

@@ -1,0 +1,67 @@
+"""ServerGroup on a local Ray cluster: 2 CPU servers + router, a client in a Ray actor, teardown."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from servers.server_group import ServerGroup
+from trainer_client import BlockingInferenceClient
+
+pytestmark = [pytest.mark.engine]
+
+
+def engine_processes() -> set[int]:
+    found = set()
+    for process in psutil.process_iter(["pid", "name"]):
+        if (process.info["name"] or "").startswith("VLLM::"):
+            found.add(process.info["pid"])
+    return found
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    import ray
+
+    ray.init(
+        num_cpus=4, include_dashboard=False, object_store_memory=256 << 20, log_to_driver=False
+    )
+    yield
+    ray.shutdown()
+
+
+def test_server_group_serves_through_its_router_and_leaves_no_processes(ray_cluster: None) -> None:
+    import ray
+
+    before = engine_processes()
+    group = ServerGroup(2, cpu_only=True)
+    router, servers = group.start()
+    actor_pids = group.pids()
+    try:
+        assert len(servers) == 2 and router not in servers
+        client = BlockingInferenceClient(router, servers)
+        result = client.generate([1, 2, 3], {"temperature": 0.0, "max_tokens": 6})
+        assert len(result.token_ids) == 6
+        assert client.world_size() == 2
+        assert len(engine_processes() - before) >= 4  # an engine core and a worker per server
+
+        @ray.remote(num_cpus=0)
+        class Rollouts:
+            def run(self, client: BlockingInferenceClient) -> tuple[list[int], bool, bool]:
+                tokens = client.generate([1, 2, 3], {"temperature": 0.0, "max_tokens": 6}).token_ids
+                client.pause("keep")
+                paused = client.all_paused()
+                client.resume()
+                return tokens, paused, client.all_paused()
+
+        tokens, paused, still_paused = ray.get(Rollouts.remote().run.remote(client), timeout=120)
+        assert tokens == result.token_ids and paused and not still_paused
+    finally:
+        group.shutdown()
+    deadline = time.monotonic() + 30
+    while (engine_processes() - before) or any(psutil.pid_exists(p) for p in actor_pids):
+        assert time.monotonic() < deadline, "processes left behind"
+        time.sleep(0.5)

@@ -1,0 +1,165 @@
+"""A small but real RL loop against a running fleet: the demo behind the README's first command.
+
+Task: reward = share of generated tokens that fall in a fixed target set (every 16th token id,
+6.25% of the vocabulary, so a random policy scores ~0.06). Each step:
+rollouts through the router with session ids -> rewards -> the next step's rollouts start ->
+one policy-gradient step on a CPU copy of the policy (torch) -> pause(ABORT) -> push the new
+weights to every server -> resume (the client resubmits the aborted rollouts) -> repeat.
+The reward can only rise if the new weights really reach the servers: ``sync=False`` is the
+control run, where it stays flat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .client import InferenceClient
+from .results import GenerationResult
+
+TARGET_STRIDE = 16
+
+
+@dataclass
+class DemoConfig:
+    steps: int = 30
+    batch_size: int = 16
+    max_tokens: int = 16
+    learning_rate: float = 1e-2
+    seed: int = 0
+    sync: bool = True  # push weights after every step (False: the control run)
+    transport: str = "grpc"  # "grpc" (in-band) or "collective" (gloo)
+    overlap: bool = True  # start the next rollouts before syncing, so the pause aborts them
+    progress: bool = True
+
+
+@dataclass
+class DemoResult:
+    rewards: list[float] = field(default_factory=list)
+    sync_seconds: list[float] = field(default_factory=list)
+    abort_retries: int = 0
+
+    def summary(self, window: int = 3) -> tuple[float, float]:
+        first = sum(self.rewards[:window]) / min(window, len(self.rewards))
+        last = sum(self.rewards[-window:]) / min(window, len(self.rewards))
+        return first, last
+
+
+def reward(tokens: list[int]) -> float:
+    return sum(1 for t in tokens if t % TARGET_STRIDE == 0) / max(len(tokens), 1)
+
+
+class Policy:
+    """The trainer's copy of the model and its REINFORCE update."""
+
+    def __init__(self, model_dir: Path, learning_rate: float, seed: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.model.train()
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=learning_rate)
+
+    def step(self, results: list[GenerationResult], baseline: float) -> float:
+        """One policy-gradient step with per-token rewards (1 for a target token, else 0) minus
+        the batch's mean reward as baseline: lower variance than one reward per sequence."""
+        torch = self.torch
+        self.optimizer.zero_grad()
+        total_tokens = sum(len(r.token_ids) for r in results) or 1
+        total = 0.0
+        for result in results:
+            if not result.token_ids:
+                continue
+            sequence = torch.tensor([result.prompt_token_ids + result.token_ids])
+            logits = self.model(sequence[:, :-1]).logits.float()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            token_logprobs = logprobs.gather(-1, sequence[:, 1:].unsqueeze(-1)).squeeze(-1)
+            completion = token_logprobs[0, len(result.prompt_token_ids) - 1 :]
+            advantages = torch.tensor(
+                [(1.0 if t % TARGET_STRIDE == 0 else 0.0) - baseline for t in result.token_ids]
+            )
+            loss = -(advantages * completion).sum() / total_tokens
+            loss.backward()
+            total += float(loss.detach())
+        self.optimizer.step()
+        return total
+
+    def state_dict(self) -> list[tuple[str, Any]]:
+        return [(name, tensor.detach()) for name, tensor in self.model.state_dict().items()]
+
+
+async def run_rl_loop(client: InferenceClient, model_dir: Path, config: DemoConfig) -> DemoResult:
+    """Runs ``config.steps`` RL steps against the fleet behind ``client``."""
+    from tqdm import tqdm
+
+    rng = random.Random(config.seed)
+    policy = Policy(model_dir, config.learning_rate, config.seed)
+    version = max((await client.weight_versions()).values())
+    if config.sync and config.transport == "collective":
+        await client.init_weight_transfer("gloo")
+    sampling = {"temperature": 1.0, "max_tokens": config.max_tokens, "ignore_eos": True}
+    result = DemoResult()
+
+    def launch(step: int) -> asyncio.Future[list[GenerationResult]]:
+        prompts = [
+            [1, *(rng.randrange(3, 2048) for _ in range(4))] for _ in range(config.batch_size)
+        ]
+        sessions = [f"step{step}-episode{i}" for i in range(config.batch_size)]
+        return asyncio.ensure_future(client.generate_batch(prompts, sampling, session_ids=sessions))
+
+    bar = tqdm(total=config.steps, disable=not config.progress, desc="RL steps", unit="step")
+    pending = launch(0)
+    for step in range(config.steps):
+        rollouts = await pending
+        rewards = [reward(r.token_ids) for r in rollouts]
+        result.rewards.append(sum(rewards) / len(rewards))
+        result.abort_retries += sum(r.abort_retries for r in rollouts)
+        # The next rollouts generate (from the current weights) while the trainer learns; the
+        # pause below aborts them mid-flight and the client finishes them on the new weights.
+        pending = launch(step + 1) if step + 1 < config.steps and config.overlap else None
+        policy.step(rollouts, baseline=result.rewards[-1])
+        sync_seconds = 0.0
+        if config.sync:
+            started = time.perf_counter()
+            await client.pause("abort")
+            version += 1
+            await client.update_weights(policy.state_dict(), version, transport=config.transport)
+            await client.resume()
+            sync_seconds = time.perf_counter() - started
+        result.sync_seconds.append(sync_seconds)
+        if pending is None and step + 1 < config.steps:
+            pending = launch(step + 1)
+        bar.set_postfix(
+            reward=f"{result.rewards[-1]:.3f}",
+            sync=f"{sync_seconds:.2f}s",
+            retries=result.abort_retries,
+        )
+        bar.update(1)
+    bar.close()
+    return result
+
+
+def plot_rewards(result: DemoResult, path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.plot(range(1, len(result.rewards) + 1), result.rewards, marker="o")
+    axis.axhline(1 / TARGET_STRIDE, linestyle="--", color="gray", label="random policy")
+    axis.set_xlabel("RL step")
+    axis.set_ylabel("mean reward (share of target tokens)")
+    axis.set_title(title)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return path
