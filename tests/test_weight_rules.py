@@ -69,7 +69,7 @@ def test_a_corrupted_chunk_is_data_loss() -> None:
     data = stream[2].chunk.data
     stream[2].chunk.data = bytes([data[0] ^ 0xFF]) + data[1:]
     assembler = InBandAssembler(LAYOUT)
-    with pytest.raises(DataLoss, match="checksum mismatch in the chunk of a.weight"):
+    with pytest.raises(DataLoss, match=r"checksum mismatch in the chunk of a\.weight"):
         for message in stream:
             assembler.add(message)
 
