@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from skyrl_grpc.v1 import (
 from .control_plane import ControlPlaneServicer
 from .data_plane import DataPlaneServicer
 from .engine import EngineOptions, VllmEngine
-from .interceptors import ErrorMappingInterceptor
+from .interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
 from .serving_state import ServingState
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class ServerOptions:
     # Weight chunks and long prompts are the largest messages; anything above this limit is
     # refused with RESOURCE_EXHAUSTED before it is decoded.
     max_message_bytes: int = 64 * MiB
+    # Bearer tokens: when set, the service answers UNAUTHENTICATED without it.
+    control_token: str | None = None
+    data_token: str | None = None
 
 
 def grpc_server_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -79,8 +83,9 @@ class EngineServer:
         self.options = options
         self.state: ServingState[VllmEngine] = ServingState()
         self.health = health.aio.HealthServicer()
+        tokens = {CONTROL_PLANE: options.control_token or "", DATA_PLANE: options.data_token or ""}
         self.server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor()],
+            interceptors=[BearerTokenInterceptor(tokens), ErrorMappingInterceptor()],
             options=grpc_server_options(options.max_message_bytes),
         )
         self.port = 0
@@ -192,6 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     parser.add_argument("--drain-grace-seconds", type=float, default=10.0)
     parser.add_argument("--max-message-mib", type=int, default=64)
+    parser.add_argument(
+        "--control-token",
+        default=os.environ.get("SKYRL_CONTROL_TOKEN"),
+        help="require this bearer token on ControlPlane (default: $SKYRL_CONTROL_TOKEN)",
+    )
+    parser.add_argument(
+        "--data-token",
+        default=os.environ.get("SKYRL_DATA_TOKEN"),
+        help="require this bearer token on DataPlane (default: $SKYRL_DATA_TOKEN)",
+    )
     add_engine_arguments(parser)
     return parser
 
@@ -203,6 +218,8 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         engine=engine_options_from_args(args),
         drain_grace_seconds=args.drain_grace_seconds,
         max_message_bytes=args.max_message_mib * MiB,
+        control_token=args.control_token,
+        data_token=args.data_token,
     )
 
 

@@ -1,11 +1,13 @@
 """Server interceptors: cross-cutting concerns kept out of the handlers.
 
 ``ErrorMappingInterceptor`` is the single place where exceptions become gRPC statuses; handlers
-just raise ``skyrl_grpc.errors`` exceptions.
+just raise ``skyrl_grpc.errors`` exceptions. ``BearerTokenInterceptor`` guards services that
+were given a token.
 """
 
 from __future__ import annotations
 
+import hmac
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -14,6 +16,7 @@ from typing import Any
 import grpc
 
 from skyrl_grpc.errors import SkyrlError
+from skyrl_grpc.metadata import AUTHORIZATION
 
 log = logging.getLogger(__name__)
 
@@ -110,3 +113,60 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         ):
             return handler
         return _wrap(handler, method)
+
+
+def _rejecting_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED."""
+
+    async def reject(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def reject_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - abort raises
+
+    deserialize, serialize = handler.request_deserializer, handler.response_serializer
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(reject, deserialize, serialize)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(reject_stream, deserialize, serialize)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(reject, deserialize, serialize)
+    return grpc.stream_stream_rpc_method_handler(reject_stream, deserialize, serialize)
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Requires ``authorization: Bearer <token>`` on the methods of the given services.
+
+    ``tokens`` maps a full service name to its token. Tokens are compared in constant time;
+    services not listed (health, reflection) stay open so probes and grpcurl discovery work.
+    """
+
+    def __init__(self, tokens: dict[str, str]) -> None:
+        self._tokens = {
+            f"/{service}/": token.encode() for service, token in tokens.items() if token
+        }
+
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        expected = next(
+            (t for prefix, t in self._tokens.items() if method.startswith(prefix)), None
+        )
+        handler = await continuation(handler_call_details)
+        if expected is None or handler is None:
+            return handler
+        presented = b""
+        for key, value in handler_call_details.invocation_metadata or ():  # type: ignore[attr-defined]
+            if key == AUTHORIZATION and isinstance(value, str) and value.startswith("Bearer "):
+                presented = value[len("Bearer ") :].encode()
+        if hmac.compare_digest(presented, expected):
+            return handler
+        service = method.split("/")[1]
+        reason = "missing" if not presented else "wrong"
+        return _rejecting_handler(
+            handler,
+            f"{reason} bearer token for {service}: send metadata 'authorization: Bearer <token>' "
+            "with the token this server was started with",
+        )

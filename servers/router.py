@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -36,7 +37,7 @@ from skyrl_grpc.v1 import data_plane_pb2, router_pb2, router_pb2_grpc
 
 from .backends import Backend, BackendPool
 from .engine_server import announce, grpc_server_options
-from .interceptors import ErrorMappingInterceptor
+from .interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
 from .router_admin import RouterAdminServicer
 from .router_metrics import RouterMetrics
 
@@ -289,6 +290,8 @@ class RouterOptions:
     balancing: str = "least-outstanding"
     proxy: ProxyOptions = field(default_factory=ProxyOptions)
     drain_grace_seconds: float = 10.0
+    # Bearer token required on RouterAdmin (membership changes); None leaves it open.
+    admin_token: str | None = None
 
 
 class RouterServer:
@@ -307,7 +310,10 @@ class RouterServer:
         self.proxy = Proxy(self.pool, self.metrics, options.proxy)
         self.server = grpc.aio.server(
             # Only admin calls raise domain errors; forwarded calls skip the interceptor.
-            interceptors=[ErrorMappingInterceptor(services=[ROUTER_ADMIN])],
+            interceptors=[
+                BearerTokenInterceptor({ROUTER_ADMIN: options.admin_token or ""}),
+                ErrorMappingInterceptor(services=[ROUTER_ADMIN]),
+            ],
             options=grpc_server_options(64 << 20),
         )
         self.port = 0
@@ -386,6 +392,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--balancing", choices=["least-outstanding", "round-robin"], default="least-outstanding"
     )
     parser.add_argument("--max-retries", type=int, default=2)
+    parser.add_argument(
+        "--admin-token",
+        default=os.environ.get("SKYRL_ROUTER_ADMIN_TOKEN"),
+        help="require this bearer token on RouterAdmin (default: $SKYRL_ROUTER_ADMIN_TOKEN)",
+    )
     return parser
 
 
@@ -398,6 +409,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         health_check_interval=args.health_check_interval,
         balancing=args.balancing,
         proxy=ProxyOptions(max_retries=args.max_retries),
+        admin_token=args.admin_token,
     )
 
 

@@ -32,9 +32,13 @@ class Observed:
 
 
 class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
-    def __init__(self, name: str, delay: float) -> None:
+    """``delay``: seconds per token. ``per_stream_delay``: extra seconds per token for every
+    stream in flight, modelling batched decoding whose step time grows with the batch."""
+
+    def __init__(self, name: str, delay: float, per_stream_delay: float = 0.0) -> None:
         self.name = name
         self.delay = delay
+        self.per_stream_delay = per_stream_delay
         self.observed = Observed()
         self.fail_next_with: grpc.StatusCode | None = None
         self.fail_after_tokens: int | None = None
@@ -59,7 +63,7 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
                     await context.abort(
                         grpc.StatusCode.UNAVAILABLE, f"{self.name} failed mid-stream"
                     )
-                await asyncio.sleep(self.delay)
+                await asyncio.sleep(self.delay + self.per_stream_delay * self.observed.in_flight)
                 last = i == max_tokens - 1
                 yield data_plane_pb2.GenerateStreamResponse(
                     request_id=request.request_id or self.name,
@@ -102,8 +106,10 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
 class FakeBackend:
     """An in-process fake engine server with health; ``start()`` binds ``port`` (0: any)."""
 
-    def __init__(self, name: str = "fake", delay: float = 0.002, port: int = 0) -> None:
-        self.servicer = FakeDataPlane(name, delay)
+    def __init__(
+        self, name: str = "fake", delay: float = 0.002, port: int = 0, per_stream_delay: float = 0.0
+    ) -> None:
+        self.servicer = FakeDataPlane(name, delay, per_stream_delay)
         self.health = health.aio.HealthServicer()
         self.requested_port = port
         self.server: grpc.aio.Server | None = None
