@@ -38,6 +38,7 @@ from skyrl_grpc.v1 import data_plane_pb2, router_pb2, router_pb2_grpc
 from .backends import Backend, BackendPool
 from .engine_server import announce, grpc_server_options
 from .interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
+from .migration import StreamMigration
 from .router_admin import RouterAdminServicer
 from .router_metrics import RouterMetrics
 
@@ -70,6 +71,8 @@ def session_of(metadata: Sequence[tuple[str, Any]]) -> str | None:
 class ProxyOptions:
     max_retries: int = 2  # extra backends to try for a call that failed before any response
     retry_backoff_seconds: float = 0.05
+    # How often one GenerateStream may move to another backend when its backend dies (0: off).
+    max_migrations: int = 2
 
 
 @dataclass
@@ -153,32 +156,53 @@ class Proxy:
     ) -> AsyncIterator[bytes]:
         metadata = forwarded_metadata(context)
         session = session_of(metadata)
+        migration = StreamMigration.for_call(method, request, self.options.max_migrations)
+        payload = request
         tried: set[str] = set()
+        retries = 0
+        committed = False  # a message reached the caller: headers are sent
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         call = None
         try:
-            for attempt in range(self.options.max_retries + 1):
+            while True:
                 backend = self._pick(session, tried)
                 tried.add(backend.address)
                 self._begin(backend, method)
                 failed = True
                 try:
                     call = backend.channel.unary_stream(method)(
-                        request, timeout=context.time_remaining(), metadata=metadata
+                        payload, timeout=context.time_remaining(), metadata=metadata
                     )
                     try:
-                        first = await call.read()
-                    except grpc.aio.AioRpcError as error:
-                        code = error.code()
-                        await self._retry_or_raise(error, backend, method, attempt)
-                        continue
-                    # Committed to this backend: from here on errors go to the caller.
-                    await context.send_initial_metadata(((ROUTED_TO, backend.address),))
-                    message = first
-                    while message is not grpc.aio.EOF:
-                        yield message  # type: ignore[misc]
                         message = await call.read()
+                    except grpc.aio.AioRpcError as error:
+                        # Nothing of this upstream reached the caller: safe to try elsewhere.
+                        code = error.code()
+                        await self._retry_or_raise(error, backend, method, retries)
+                        retries += 1
+                        continue
+                    if not committed:
+                        await context.send_initial_metadata(((ROUTED_TO, backend.address),))
+                    try:
+                        while message is not grpc.aio.EOF:
+                            committed = True
+                            yield message if migration is None else migration.observe(message)  # type: ignore[arg-type,misc]
+                            message = await call.read()
+                    except grpc.aio.AioRpcError as error:
+                        if error.code() != grpc.StatusCode.UNAVAILABLE:
+                            raise
+                        self.pool.mark_unavailable(backend)
+                        if migration is None or not migration.can_migrate():
+                            why = "migration is off" if migration is None else "no migrations left"
+                            raise _LostBackend(
+                                f"backend {backend.address} was lost mid-stream "
+                                f"({error.details()}); {why}"
+                            ) from error
+                        payload = migration.continuation(backend.address)
+                        self.metrics.migrations.labels(method).inc()
+                        log.warning("migrating a stream from lost backend %s", backend.address)
+                        continue
                     failed = False
                     return
                 finally:
@@ -186,7 +210,7 @@ class Proxy:
         except grpc.aio.AioRpcError as error:
             code = error.code()
             await context.abort(code, error.details() or "", tuple(error.trailing_metadata() or ()))
-        except _NoBackend as error:
+        except (_NoBackend, _LostBackend) as error:
             code = grpc.StatusCode.UNAVAILABLE
             await context.abort(code, f"router: {error}")
         except asyncio.CancelledError:
@@ -250,6 +274,10 @@ class Proxy:
 
 class _NoBackend(Exception):
     """No backend can take the call; the message says why."""
+
+
+class _LostBackend(Exception):
+    """The backend serving a stream died and the stream could not move."""
 
 
 class ForwardingHandler(grpc.GenericRpcHandler):
@@ -393,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-retries", type=int, default=2)
     parser.add_argument(
+        "--max-migrations", type=int, default=2, help="0 turns stream migration off"
+    )
+    parser.add_argument(
         "--admin-token",
         default=os.environ.get("SKYRL_ROUTER_ADMIN_TOKEN"),
         help="require this bearer token on RouterAdmin (default: $SKYRL_ROUTER_ADMIN_TOKEN)",
@@ -408,7 +439,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         metrics_port=args.metrics_port,
         health_check_interval=args.health_check_interval,
         balancing=args.balancing,
-        proxy=ProxyOptions(max_retries=args.max_retries),
+        proxy=ProxyOptions(max_retries=args.max_retries, max_migrations=args.max_migrations),
         admin_token=args.admin_token,
     )
 

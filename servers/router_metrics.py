@@ -47,6 +47,12 @@ class RouterMetrics:
             ["method"],
             registry=self.registry,
         )
+        self.migrations = Counter(
+            "skyrl_router_migrations",
+            "Streams moved to another backend after theirs died",
+            ["method"],
+            registry=self.registry,
+        )
         self.latency = Histogram(
             "skyrl_router_request_seconds",
             "Time from call start to its end (whole stream)",

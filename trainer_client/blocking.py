@@ -39,6 +39,10 @@ BLOCKING_METHODS = (
     "server_info",
     "load",
     "world_size",
+    "init_weight_transfer",
+    "update_weights",
+    "weight_checksums",
+    "weight_versions",
 )
 
 

@@ -1,0 +1,70 @@
+"""Request migration: a generation cut by a dying server continues on a healthy one.
+
+The router forwards raw bytes, except for GenerateStream calls it may migrate: it reads each
+chunk (without changing it) to remember the tokens generated so far. When the backend is lost
+mid-stream, ``StreamMigration`` builds the continuation request (prompt + tokens so far, with the
+remaining budget) for another backend, and rewrites the continuation's chunks so the caller sees
+one uninterrupted stream (usage counted from the original prompt). Only single-sample streams
+migrate; others fail UNAVAILABLE naming the lost server.
+"""
+
+from __future__ import annotations
+
+from skyrl_grpc.v1 import data_plane_pb2
+
+GENERATE_STREAM = "/skyrl.inference.v1.DataPlane/GenerateStream"
+
+
+class StreamMigration:
+    """Tracks one GenerateStream call so it can be resubmitted elsewhere."""
+
+    def __init__(self, request: data_plane_pb2.GenerateStreamRequest, max_migrations: int) -> None:
+        self._request = request
+        self._prompt_tokens = len(request.prompt_token_ids)
+        self.max_migrations = max_migrations
+        self.tokens: list[int] = []
+        self.lost: list[str] = []
+        self.finished = False
+
+    @classmethod
+    def for_call(cls, method: str, request: bytes, max_migrations: int) -> StreamMigration | None:
+        if method != GENERATE_STREAM or max_migrations <= 0:
+            return None
+        try:
+            parsed = data_plane_pb2.GenerateStreamRequest.FromString(request)
+        except Exception:
+            return None  # the backend will answer INVALID_ARGUMENT; nothing to migrate
+        return cls(parsed, max_migrations) if parsed.n <= 1 else None
+
+    def observe(self, raw: bytes) -> bytes:
+        """Records a chunk; returns what to send the caller (rewritten after a migration)."""
+        chunk = data_plane_pb2.GenerateStreamResponse.FromString(raw)
+        if chunk.finish_reason:
+            self.finished = True
+        if not self.lost:
+            self.tokens.extend(chunk.token_ids)
+            return raw
+        generated_before = len(self.tokens)
+        self.tokens.extend(chunk.token_ids)
+        chunk.request_id = self._request.request_id or chunk.request_id
+        chunk.usage.prompt_tokens = self._prompt_tokens
+        chunk.usage.completion_tokens = generated_before + len(chunk.token_ids)
+        chunk.ClearField("prompt_logprobs")  # the continuation's "prompt" includes our tokens
+        return chunk.SerializeToString()
+
+    def can_migrate(self) -> bool:
+        return not self.finished and len(self.lost) < self.max_migrations
+
+    def continuation(self, lost_backend: str) -> bytes:
+        """The request for the next backend: prompt + tokens so far, the budget that is left."""
+        self.lost.append(lost_backend)
+        request = data_plane_pb2.GenerateStreamRequest()
+        request.CopyFrom(self._request)
+        request.prompt_token_ids.extend(self.tokens)
+        params = request.sampling_params
+        if params.HasField("max_tokens"):
+            params.max_tokens = params.max_tokens - len(self.tokens)
+        if params.HasField("min_tokens"):
+            params.min_tokens = max(params.min_tokens - len(self.tokens), 0)
+        params.ClearField("prompt_logprobs")
+        return request.SerializeToString()
