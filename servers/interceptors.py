@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from skyrl_grpc.errors import SkyrlError
+from skyrl_grpc.errors import InvalidArgument, SkyrlError
 from skyrl_grpc.metadata import AUTHORIZATION
 
 log = logging.getLogger(__name__)
@@ -30,11 +30,49 @@ async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, meth
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see server log")
 
 
+class _Malformed:
+    """Stands in for a request that did not decode, so the handler can answer for it."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _lenient(deserializer: Any) -> Any:
+    if deserializer is None:
+        return None
+
+    def decode(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as error:
+            return _Malformed(error)
+
+    return decode
+
+
+async def _reject_malformed(request: Any, context: grpc.aio.ServicerContext, method: str) -> None:
+    if isinstance(request, _Malformed):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request is not a valid message for {method}: {request.error}",
+        )
+
+
+async def _checked(requests: Any, method: str) -> AsyncIterator[Any]:
+    # Raised, not aborted: the handler consuming the stream must see it to undo its work.
+    async for request in requests:
+        if isinstance(request, _Malformed):
+            raise InvalidArgument(f"a message is not valid for {method}: {request.error}")
+        yield request
+
+
 def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    decode = _lenient(handler.request_deserializer)
     if handler.unary_unary:
         inner_uu = handler.unary_unary
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await _reject_malformed(request, context, method)
             try:
                 return await inner_uu(request, context)
             except grpc.aio.AbortError:
@@ -42,14 +80,13 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
             except Exception as exc:
                 await _abort_for(exc, context, method)
 
-        return grpc.unary_unary_rpc_method_handler(
-            unary_unary, handler.request_deserializer, handler.response_serializer
-        )
+        return grpc.unary_unary_rpc_method_handler(unary_unary, decode, handler.response_serializer)
     if handler.unary_stream and not inspect.isasyncgenfunction(handler.unary_stream):
         # Streams written with context.write (grpc's own health Watch): a coroutine.
         inner_uw = handler.unary_stream
 
         async def unary_write(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await _reject_malformed(request, context, method)
             try:
                 await inner_uw(request, context)
             except grpc.aio.AbortError:
@@ -58,7 +95,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
                 await _abort_for(exc, context, method)
 
         return grpc.unary_stream_rpc_method_handler(
-            unary_write, handler.request_deserializer, handler.response_serializer
+            unary_write, decode, handler.response_serializer
         )
     if handler.unary_stream:
         inner_us = handler.unary_stream
@@ -66,6 +103,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         async def unary_stream(
             request: Any, context: grpc.aio.ServicerContext
         ) -> AsyncIterator[Any]:
+            await _reject_malformed(request, context, method)
             try:
                 async for item in inner_us(request, context):
                     yield item
@@ -75,21 +113,21 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
                 await _abort_for(exc, context, method)
 
         return grpc.unary_stream_rpc_method_handler(
-            unary_stream, handler.request_deserializer, handler.response_serializer
+            unary_stream, decode, handler.response_serializer
         )
     if handler.stream_unary:
         inner_su = handler.stream_unary
 
         async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                return await inner_su(requests, context)
+                return await inner_su(_checked(requests, method), context)
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
                 await _abort_for(exc, context, method)
 
         return grpc.stream_unary_rpc_method_handler(
-            stream_unary, handler.request_deserializer, handler.response_serializer
+            stream_unary, decode, handler.response_serializer
         )
     return handler  # stream_stream: none in our services (health Watch is unary_stream)
 

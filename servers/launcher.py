@@ -118,6 +118,28 @@ class LocalStack:
         self.router_address = listening["address"]
         return self
 
+    def kill_server(self, index: int) -> None:
+        """SIGKILL one engine server and its engine processes (for fault tests)."""
+        process = self._processes[index]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.popen.pid, signal.SIGKILL)
+        process.popen.wait()
+
+    def restart_server(self, index: int, timeout: float = 600) -> str:
+        """Starts engine server ``index`` again on its old port; returns once it is ready."""
+        port = self.server_addresses[index].rpartition(":")[2]
+        process = self._spawn(
+            f"server-{index}-restarted",
+            "servers.engine_server",
+            ["--port", port, *self.engine_args],
+        )
+        process.ready.wait(timeout)
+        if process.event("ready") is None:
+            raise RuntimeError(
+                f"server {index} did not come back (exit code {process.popen.poll()})"
+            )
+        return self.server_addresses[index]
+
     @property
     def pids(self) -> list[int]:
         return [p.popen.pid for p in self._processes]

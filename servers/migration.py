@@ -22,9 +22,29 @@ class StreamMigration:
         self._request = request
         self._prompt_tokens = len(request.prompt_token_ids)
         self.max_migrations = max_migrations
-        self.tokens: list[int] = []
+        # Chunks before the first migration are kept as bytes and parsed only if one happens:
+        # the hot path (no failure) pays one list append per chunk.
+        self._unparsed: list[bytes] = []
+        self._tokens: list[int] = []
         self.lost: list[str] = []
-        self.finished = False
+        self._finished = False
+
+    def _parse_backlog(self) -> None:
+        for raw in self._unparsed:
+            chunk = data_plane_pb2.GenerateStreamResponse.FromString(raw)
+            self._tokens.extend(chunk.token_ids)
+            self._finished = self._finished or bool(chunk.finish_reason)
+        self._unparsed.clear()
+
+    @property
+    def tokens(self) -> list[int]:
+        self._parse_backlog()
+        return self._tokens
+
+    @property
+    def finished(self) -> bool:
+        self._parse_backlog()
+        return self._finished
 
     @classmethod
     def for_call(cls, method: str, request: bytes, max_migrations: int) -> StreamMigration | None:
@@ -38,14 +58,13 @@ class StreamMigration:
 
     def observe(self, raw: bytes) -> bytes:
         """Records a chunk; returns what to send the caller (rewritten after a migration)."""
-        chunk = data_plane_pb2.GenerateStreamResponse.FromString(raw)
-        if chunk.finish_reason:
-            self.finished = True
         if not self.lost:
-            self.tokens.extend(chunk.token_ids)
+            self._unparsed.append(raw)
             return raw
-        generated_before = len(self.tokens)
-        self.tokens.extend(chunk.token_ids)
+        chunk = data_plane_pb2.GenerateStreamResponse.FromString(raw)
+        self._finished = self._finished or bool(chunk.finish_reason)
+        generated_before = len(self._tokens)
+        self._tokens.extend(chunk.token_ids)
         chunk.request_id = self._request.request_id or chunk.request_id
         chunk.usage.prompt_tokens = self._prompt_tokens
         chunk.usage.completion_tokens = generated_before + len(chunk.token_ids)

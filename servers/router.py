@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -246,9 +247,11 @@ class Proxy:
             failed = False
         except grpc.aio.AioRpcError as error:
             code = error.code()
+            await _read_rest(requests)
             await context.abort(code, error.details() or "", tuple(error.trailing_metadata() or ()))
         except _NoBackend as error:
             code = grpc.StatusCode.UNAVAILABLE
+            await _read_rest(requests)
             await context.abort(code, f"router: {error}")
         finally:
             if call is not None and not call.done():
@@ -270,6 +273,18 @@ class Proxy:
         self.metrics.latency.labels(method).observe(time.perf_counter() - started)
         if code != grpc.StatusCode.OK:
             self.metrics.errors.labels(method, code.name).inc()
+
+
+async def _read_rest(requests: AsyncIterator[bytes], limit_seconds: float = 5.0) -> None:
+    """Reads what the caller still sends before answering with an error: a call rejected
+    before its messages were read otherwise ends with a transport error at the caller."""
+
+    async def drain() -> None:
+        async for _ in requests:
+            pass
+
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(drain(), limit_seconds)
 
 
 class _NoBackend(Exception):

@@ -1,0 +1,77 @@
+"""Fault test: 3 real servers, 64 concurrent sessions, kill -9 of one server mid-generation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from servers.launcher import LocalStack
+from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
+from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, router_pb2, router_pb2_grpc
+from trainer_client import InferenceClient
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+SESSIONS = [f"fault-session-{i}" for i in range(64)]
+MAX_TOKENS = 160
+
+
+async def routed_to(channel: grpc.aio.Channel, session: str) -> str:
+    call = data_plane_pb2_grpc.DataPlaneStub(channel).Tokenize(
+        data_plane_pb2.TokenizeRequest(text="x"), metadata=((SESSION_ID, session),)
+    )
+    await call
+    return str(dict(await call.initial_metadata())[ROUTED_TO])
+
+
+async def backend_states(channel: grpc.aio.Channel) -> dict[str, int]:
+    listed = await router_pb2_grpc.RouterAdminStub(channel).ListBackends(
+        router_pb2.ListBackendsRequest()
+    )
+    return {b.address: b.state for b in listed.backends}
+
+
+def test_killed_server_mid_generation_loses_nothing_and_rejoins() -> None:
+    async def scenario(stack: LocalStack) -> None:
+        client = InferenceClient(stack.router_address, stack.server_addresses)
+        victim = stack.server_addresses[0]
+        async with grpc.aio.insecure_channel(stack.router_address) as channel:
+            homes = {s: await routed_to(channel, s) for s in SESSIONS}
+            affected = [s for s in SESSIONS if homes[s] == victim]
+            assert affected, "no session lives on the victim"
+            prompts = [[1, 100 + i, 7, 9] for i in range(len(SESSIONS))]
+            batch = asyncio.ensure_future(
+                client.generate_batch(
+                    prompts,
+                    {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True},
+                    session_ids=SESSIONS,
+                )
+            )
+            await asyncio.sleep(1.5)
+            assert not batch.done(), "generation finished before the fault"
+            await asyncio.to_thread(stack.kill_server, 0)
+            results = await asyncio.wait_for(batch, 300)
+            assert [len(r.token_ids) for r in results] == [MAX_TOKENS] * len(SESSIONS)
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="")
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            assert (await backend_states(channel))[victim] == router_pb2.BACKEND_STATE_UNHEALTHY
+            for session in SESSIONS:
+                now = await routed_to(channel, session)
+                assert now != victim
+                if session not in affected:
+                    assert now == homes[session]  # only the lost server's sessions moved
+            await asyncio.to_thread(stack.restart_server, 0)
+            deadline = time.monotonic() + 30
+            while (await backend_states(channel))[victim] != router_pb2.BACKEND_STATE_HEALTHY:
+                assert time.monotonic() < deadline, "the restarted server did not rejoin"
+                await asyncio.sleep(0.2)
+            for session in affected:
+                assert await routed_to(channel, session) == victim  # sessions came home
+
+    with LocalStack(3) as stack:
+        asyncio.run(scenario(stack))
