@@ -157,7 +157,7 @@ def gloo_receiver(port: int, mode: str, plan: list[dict[str, Any]], done: Any) -
                 raw = buffer[param["offset"] : param["offset"] + param["bytes"]]
                 if param["sha256"]:
                     assert hashlib.sha256(raw.numpy()).digest() == param["sha256"]
-                staged[param["name"]] = raw.clone().view(torch.float32)
+                staged[param["name"]] = raw.view(torch.float32)  # as the worker: a view, no copy
     done.put(len(staged))
 
 
@@ -201,8 +201,9 @@ def collective(tensors: list[tuple[str, Any]], mode: str, checksums: bool) -> fl
         for buffer in raw_buffers:
             group.broadcast(buffer, 0).wait()
     else:
+        scratch = torch.empty(max(b.layout.size_bytes for b in buckets), dtype=torch.uint8)
         for bucket in buckets:
-            group.broadcast(bucket.pack(), 0).wait()
+            group.broadcast(bucket.pack(into=scratch), 0).wait()
     done.get(timeout=300)
     elapsed = time.perf_counter() - started
     receiver.join()

@@ -116,7 +116,29 @@ class LocalStack:
             self.close()
             raise RuntimeError(f"the router did not start (exit code {router.popen.poll()})")
         self.router_address = listening["address"]
+        self._wait_router_serving(deadline)
         return self
+
+    def _wait_router_serving(self, deadline: float) -> None:
+        """Waits until the router's health watches see every backend healthy."""
+        import grpc
+
+        from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+
+        with grpc.insecure_channel(self.router_address) as channel:
+            admin = router_pb2_grpc.RouterAdminStub(channel)
+            while True:
+                try:
+                    listed = admin.ListBackends(router_pb2.ListBackendsRequest(), timeout=5)
+                    states = [b.state for b in listed.backends]
+                    if states and all(s == router_pb2.BACKEND_STATE_HEALTHY for s in states):
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError("the router never saw a healthy backend")
+                time.sleep(0.1)
 
     def kill_server(self, index: int) -> None:
         """SIGKILL one engine server and its engine processes (for fault tests)."""

@@ -78,7 +78,11 @@ def check_parameter(spec: cp.ParameterSpec, layout: dict[str, ParamLayout]) -> P
 class _Incoming:
     layout: ParamLayout
     sha256: bytes
-    data: bytearray = field(default_factory=bytearray)
+    received: int = 0
+    data: bytearray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.data = bytearray(self.layout.num_bytes)  # filled in place, one copy per byte
 
 
 class InBandAssembler:
@@ -110,22 +114,25 @@ class InBandAssembler:
         incoming = self._incoming.get(chunk.name)
         if incoming is None:
             raise InvalidArgument(f"chunk for {chunk.name!r}, which the manifest does not list")
-        if chunk.offset_bytes != len(incoming.data):
+        data = chunk.data  # each access of a bytes field copies it: read it once
+        if chunk.offset_bytes != incoming.received:
             raise InvalidArgument(
                 f"chunk of {chunk.name} at offset {chunk.offset_bytes}, expected "
-                f"{len(incoming.data)} (chunks of a parameter must arrive in order)"
+                f"{incoming.received} (chunks of a parameter must arrive in order)"
             )
-        if len(incoming.data) + len(chunk.data) > incoming.layout.num_bytes:
+        end = incoming.received + len(data)
+        if end > incoming.layout.num_bytes:
             raise InvalidArgument(
                 f"chunks of {chunk.name} exceed its {incoming.layout.num_bytes} bytes"
             )
-        if hashlib.sha256(chunk.data).digest() != chunk.sha256:
+        if hashlib.sha256(data).digest() != chunk.sha256:
             raise DataLoss(
                 f"checksum mismatch in the chunk of {chunk.name} at offset {chunk.offset_bytes}: "
                 "the bytes were corrupted in transit"
             )
-        incoming.data += chunk.data
-        self.bytes_received += len(chunk.data)
+        incoming.data[incoming.received : end] = data
+        incoming.received = end
+        self.bytes_received += len(data)
 
     def finish(self) -> list[list[Any]]:
         """Checks the stream was complete; returns ``[name, dtype, shape, bytes]`` items."""
@@ -134,9 +141,9 @@ class InBandAssembler:
         items = []
         for name, incoming in self._incoming.items():
             expected = incoming.layout.num_bytes
-            if len(incoming.data) != expected:
+            if incoming.received != expected:
                 raise InvalidArgument(
-                    f"the stream ended before {name} was complete ({len(incoming.data)} of "
+                    f"the stream ended before {name} was complete ({incoming.received} of "
                     f"{expected} bytes): truncated push"
                 )
             if incoming.sha256 and hashlib.sha256(incoming.data).digest() != incoming.sha256:

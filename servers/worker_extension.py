@@ -135,7 +135,8 @@ class WeightTransferWorker:
                     if digest != param["sha256"]:
                         mismatches.append(param["name"])
                         continue
-                received[param["name"]] = raw.clone().view(dtype).reshape(param["shape"])
+                # A view: the bucket buffer is fresh per bucket, so no copy is needed.
+                received[param["name"]] = raw.view(dtype).reshape(param["shape"])
         if not mismatches:
             self._skyrl_staging().update(received)
         return {"bytes": total, "params": len(received), "mismatches": mismatches}

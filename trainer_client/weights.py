@@ -47,10 +47,15 @@ class Bucket:
     layout: cp.WeightBucket
     tensors: list[tuple[str, Any]]
 
-    def pack(self) -> Any:
+    def pack(self, into: Any = None) -> Any:
+        """The bucket's bytes, written into ``into`` (a uint8 tensor at least that large) when
+        given: reusing one buffer avoids touching fresh memory for every bucket."""
         import torch
 
-        buffer = torch.empty(self.layout.size_bytes, dtype=torch.uint8)
+        if into is None:
+            buffer = torch.empty(self.layout.size_bytes, dtype=torch.uint8)
+        else:
+            buffer = into[: self.layout.size_bytes]
         for packed, (_, tensor) in zip(self.layout.parameters, self.tensors, strict=True):
             data = raw_bytes(tensor)
             buffer[packed.offset_bytes : packed.offset_bytes + data.numel()].copy_(data)
@@ -96,10 +101,14 @@ def push_messages(
         data = raw_bytes(tensor).numpy()
         for offset in range(0, max(len(data), 1), chunk_bytes):
             piece = data[offset : offset + chunk_bytes].tobytes()
-            chunk = cp.WeightChunk(
-                name=name, offset_bytes=offset, data=piece, sha256=hashlib.sha256(piece).digest()
-            )
-            messages.append(cp.PushWeightsRequest(chunk=chunk).SerializeToString())
+            # Filled in place: nested constructors copy the bytes once more.
+            message = cp.PushWeightsRequest()
+            chunk = message.chunk
+            chunk.name = name
+            chunk.offset_bytes = offset
+            chunk.data = piece
+            chunk.sha256 = hashlib.sha256(piece).digest()
+            messages.append(message.SerializeToString())
     return messages
 
 
@@ -145,13 +154,16 @@ class CollectiveSender:
             raise RuntimeError("join() first")
         sent = 0
         device = "cuda" if self.backend == "nccl" else "cpu"
+        # One staging buffer for every bucket: broadcast() completes before the next pack.
+        scratch = torch.empty(
+            max((b.layout.size_bytes for b in buckets), default=0), dtype=torch.uint8
+        )
         for bucket in buckets:
-            buffer = bucket.pack()
+            buffer = bucket.pack(into=scratch)
             if device != "cpu":
                 buffer = buffer.to(device)
             self._group.broadcast(buffer, 0).wait(timedelta(seconds=self.timeout_seconds))
             sent += buffer.numel()
-            del buffer
         if device != "cpu":
             torch.cuda.synchronize()
         return sent
