@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from . import engine_server, router
+from .lifecycle import configure_logging
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -198,11 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING if args.command in ("demo", "up") else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(logging.WARNING if args.command in ("demo", "up") else logging.INFO)
     args.func(args)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 
@@ -20,6 +20,11 @@ from .engine import VllmEngine
 from .serving_state import ServingState
 
 GenerateLike = data_plane_pb2.GenerateRequest | data_plane_pb2.GenerateStreamRequest
+
+
+def _as_dicts(messages: Iterable[data_plane_pb2.ChatMessage]) -> list[dict[str, str]]:
+    """Chat messages as the tokenizer's chat template takes them."""
+    return [{"role": m.role, "content": m.content} for m in messages]
 
 
 class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
@@ -92,7 +97,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         )
         prompt = engine.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in request.messages],
+            _as_dicts(request.messages),
             add_generation_prompt,
         )
         prompt = validate_prompt(prompt, engine.limits, "the rendered chat prompt")
@@ -136,7 +141,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
                 else True
             )
             ids = engine.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in conversation.messages],
+                _as_dicts(conversation.messages),
                 add_generation_prompt,
             )
         else:

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
-import sys
 from dataclasses import dataclass, field
 
 import grpc
@@ -37,6 +35,7 @@ from .control_plane import ControlPlaneServicer
 from .data_plane import DataPlaneServicer
 from .engine import EngineOptions, VllmEngine
 from .interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
+from .lifecycle import announce, configure_logging
 from .serving_state import ServingState
 
 log = logging.getLogger(__name__)
@@ -223,11 +222,6 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     )
 
 
-def announce(event: str, **fields: object) -> None:
-    """One JSON line on stdout per lifecycle event, for scripts and tests to read."""
-    print(json.dumps({"event": event, **fields}), flush=True)
-
-
 async def serve(options: ServerOptions) -> None:
     server = EngineServer(options)
     await server.start()
@@ -247,11 +241,7 @@ async def serve(options: ServerOptions) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging()
     asyncio.run(serve(options_from_args(args)))
 
 

@@ -22,7 +22,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -37,8 +36,9 @@ from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
 from skyrl_grpc.v1 import data_plane_pb2, router_pb2, router_pb2_grpc
 
 from .backends import Backend, BackendPool
-from .engine_server import announce, grpc_server_options
+from .engine_server import grpc_server_options
 from .interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
+from .lifecycle import announce, configure_logging
 from .migration import StreamMigration
 from .router_admin import RouterAdminServicer
 from .router_metrics import RouterMetrics
@@ -472,11 +472,7 @@ async def serve(options: RouterOptions) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging()
     asyncio.run(serve(options_from_args(args)))
 
 
