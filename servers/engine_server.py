@@ -35,7 +35,7 @@ from .control_plane import ControlPlaneServicer
 from .data_plane import DataPlaneServicer
 from .engine import EngineOptions, VllmEngine
 from .interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
-from .lifecycle import announce, configure_logging
+from .lifecycle import announce, configure_logging, grpc_server_options
 from .serving_state import ServingState
 
 log = logging.getLogger(__name__)
@@ -59,20 +59,6 @@ class ServerOptions:
     # Bearer tokens: when set, the service answers UNAUTHENTICATED without it.
     control_token: str | None = None
     data_token: str | None = None
-
-
-def grpc_server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        # A port already in use must fail loudly rather than be shared with another process.
-        ("grpc.so_reuseport", 0),
-        # Long generations keep streams idle between tokens only briefly, but a paused server
-        # can hold streams for minutes: ping so dead peers are noticed and proxies keep them.
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    ]
 
 
 class EngineServer:

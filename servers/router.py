@@ -36,9 +36,8 @@ from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
 from skyrl_grpc.v1 import data_plane_pb2, router_pb2, router_pb2_grpc
 
 from .backends import Backend, BackendPool
-from .engine_server import grpc_server_options
 from .interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
-from .lifecycle import announce, configure_logging
+from .lifecycle import announce, configure_logging, grpc_server_options
 from .migration import StreamMigration
 from .router_admin import RouterAdminServicer
 from .router_metrics import RouterMetrics
