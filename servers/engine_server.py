@@ -35,7 +35,15 @@ from .control_plane import ControlPlaneServicer
 from .data_plane import DataPlaneServicer
 from .engine import EngineOptions, VllmEngine
 from .interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
-from .lifecycle import announce, configure_logging, grpc_server_options
+from .lifecycle import (
+    ServerTls,
+    add_tls_arguments,
+    announce,
+    bind,
+    configure_logging,
+    grpc_server_options,
+    tls_from_args,
+)
 from .serving_state import ServingState
 
 log = logging.getLogger(__name__)
@@ -59,6 +67,7 @@ class ServerOptions:
     # Bearer tokens: when set, the service answers UNAUTHENTICATED without it.
     control_token: str | None = None
     data_token: str | None = None
+    tls: ServerTls | None = None
 
 
 class EngineServer:
@@ -95,9 +104,7 @@ class EngineServer:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         for service in (DATA_PLANE, CONTROL_PLANE):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self.server.add_insecure_port(f"{self.options.host}:{self.options.port}")
-        if self.port == 0:
-            raise OSError(f"could not bind {self.options.host}:{self.options.port}")
+        self.port = bind(self.server, f"{self.options.host}:{self.options.port}", self.options.tls)
         await self.server.start()
         log.info("listening on %s; starting the engine", self.address)
         self._engine_task = asyncio.create_task(self._start_engine())
@@ -192,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("SKYRL_DATA_TOKEN"),
         help="require this bearer token on DataPlane (default: $SKYRL_DATA_TOKEN)",
     )
+    add_tls_arguments(parser)
     add_engine_arguments(parser)
     return parser
 
@@ -205,6 +213,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         max_message_bytes=args.max_message_mib * MiB,
         control_token=args.control_token,
         data_token=args.data_token,
+        tls=tls_from_args(args),
     )
 
 

@@ -33,11 +33,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
+from skyrl_grpc.tls import TlsConfig
 from skyrl_grpc.v1 import data_plane_pb2, router_pb2, router_pb2_grpc
 
-from .backends import Backend, BackendPool
+from .backends import CHANNEL_OPTIONS, Backend, BackendPool, ChannelFactory, insecure_channel
 from .interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
-from .lifecycle import announce, configure_logging, grpc_server_options
+from .lifecycle import (
+    ServerTls,
+    add_tls_arguments,
+    announce,
+    bind,
+    configure_logging,
+    grpc_server_options,
+    tls_from_args,
+)
 from .migration import StreamMigration
 from .router_admin import RouterAdminServicer
 from .router_metrics import RouterMetrics
@@ -322,6 +331,20 @@ class ForwardingHandler(grpc.GenericRpcHandler):
         return grpc.stream_stream_rpc_method_handler(partial(self._proxy.stream_stream, method))
 
 
+def backend_channel_factory(tls: TlsConfig | None) -> ChannelFactory:
+    """Plain channels to backends, or TLS ones (with a client certificate for mTLS backends)."""
+    if tls is None:
+        return insecure_channel
+    options = list(CHANNEL_OPTIONS)
+    if tls.server_name_override:
+        options.append(("grpc.ssl_target_name_override", tls.server_name_override))
+
+    def secure(address: str) -> grpc.aio.Channel:
+        return grpc.aio.secure_channel(address, tls.credentials(), options=options)
+
+    return secure
+
+
 @dataclass
 class RouterOptions:
     backends: list[str] = field(default_factory=list)
@@ -334,6 +357,9 @@ class RouterOptions:
     drain_grace_seconds: float = 10.0
     # Bearer token required on RouterAdmin (membership changes); None leaves it open.
     admin_token: str | None = None
+    # TLS on the router's own port, and (backend_tls) on its connections to the servers.
+    tls: ServerTls | None = None
+    backend_tls: TlsConfig | None = None
 
 
 class RouterServer:
@@ -345,6 +371,7 @@ class RouterServer:
         self.health = health.aio.HealthServicer()
         self.pool = BackendPool(
             options.backends,
+            channel_factory=backend_channel_factory(options.backend_tls),
             check_interval=options.health_check_interval,
             balancing=options.balancing,
             on_change=self._backend_changed,
@@ -392,9 +419,7 @@ class RouterServer:
         reflection.enable_server_reflection(
             [DATA_PLANE, ROUTER_ADMIN, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
-        self.port = self.server.add_insecure_port(f"{self.options.host}:{self.options.port}")
-        if self.port == 0:
-            raise OSError(f"could not bind {self.options.host}:{self.options.port}")
+        self.port = bind(self.server, f"{self.options.host}:{self.options.port}", self.options.tls)
         await self.server.start()
         await self.pool.start()
         if self.options.metrics_port is not None:
@@ -437,6 +462,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-migrations", type=int, default=2, help="0 turns stream migration off"
     )
+    add_tls_arguments(parser)
+    parser.add_argument("--backend-tls-ca", default=None, help="PEM CA to verify TLS backends")
+    parser.add_argument(
+        "--backend-tls-cert", default=None, help="client certificate for mTLS backends"
+    )
+    parser.add_argument("--backend-tls-key", default=None, help="its private key")
     parser.add_argument(
         "--admin-token",
         default=os.environ.get("SKYRL_ROUTER_ADMIN_TOKEN"),
@@ -455,6 +486,12 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         balancing=args.balancing,
         proxy=ProxyOptions(max_retries=args.max_retries, max_migrations=args.max_migrations),
         admin_token=args.admin_token,
+        tls=tls_from_args(args),
+        backend_tls=(
+            TlsConfig(args.backend_tls_ca, args.backend_tls_cert, args.backend_tls_key)
+            if args.backend_tls_ca or args.backend_tls_cert
+            else None
+        ),
     )
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from servers.lifecycle import ServerTls, bind
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
 
 DATA_PLANE = "skyrl.inference.v1.DataPlane"
@@ -123,11 +124,11 @@ class FakeBackend:
     def observed(self) -> Observed:
         return self.servicer.observed
 
-    async def start(self) -> FakeBackend:
+    async def start(self, tls: ServerTls | None = None) -> FakeBackend:
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         data_plane_pb2_grpc.add_DataPlaneServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"127.0.0.1:{self.port or self.requested_port}")
+        self.port = bind(self.server, f"127.0.0.1:{self.port or self.requested_port}", tls)
         await self.server.start()
         await self.health.set(DATA_PLANE, health_pb2.HealthCheckResponse.SERVING)
         return self

@@ -1,0 +1,134 @@
+"""TLS and mutual TLS on the engine server and the router, and the client's TLS channels."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from servers import engine_server
+from servers.lifecycle import ServerTls
+from servers.router import RouterOptions, RouterServer
+from skyrl_grpc.tls import TlsConfig
+from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
+from skyrl_grpc.v1 import generation_pb2 as gen
+from tests.helpers.certs import Certificates, make_certificates
+from tests.helpers.fake_backend import FakeBackend
+from trainer_client import InferenceClient
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    return make_certificates(tmp_path_factory.mktemp("certs"))
+
+
+async def liveness(channel: grpc.aio.Channel) -> int:
+    response = await health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=""), timeout=5
+    )
+    return response.status  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+async def tls_server(
+    certs: Certificates, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[engine_server.EngineServer]:
+    # The subject is the transport: the engine never needs to start.
+    async def never_ready(options: object) -> None:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(engine_server.VllmEngine, "start", never_ready)
+    server = engine_server.EngineServer(
+        engine_server.ServerOptions(
+            tls=ServerTls(certs.server_cert, certs.server_key, client_ca=certs.ca)
+        )
+    )
+    await server.start()
+    yield server
+    await server.drain(grace=0)
+
+
+async def test_mutual_tls_server_accepts_only_clients_with_a_certificate(
+    tls_server: engine_server.EngineServer, certs: Certificates
+) -> None:
+    address = tls_server.address
+    with_cert = TlsConfig(
+        root_certificates=certs.ca,
+        client_certificate=certs.client_cert,
+        client_key=certs.client_key,
+    )
+    async with with_cert_channel(address, with_cert) as channel:
+        assert await liveness(channel) == health_pb2.HealthCheckResponse.SERVING
+    for refused in (TlsConfig(root_certificates=certs.ca), None):
+        async with with_cert_channel(address, refused) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await liveness(channel)
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def with_cert_channel(address: str, tls: TlsConfig | None) -> grpc.aio.Channel:
+    if tls is None:
+        return grpc.aio.insecure_channel(address)
+    return grpc.aio.secure_channel(address, tls.credentials())
+
+
+async def test_router_serves_tls_and_reaches_mtls_backends(certs: Certificates) -> None:
+    server_tls = ServerTls(certs.server_cert, certs.server_key, client_ca=certs.ca)
+    backend = await FakeBackend("secure").start(tls=server_tls)
+    router = RouterServer(
+        RouterOptions(
+            backends=[backend.address],
+            health_check_interval=0.1,
+            tls=ServerTls(certs.server_cert, certs.server_key),
+            backend_tls=TlsConfig(certs.ca, certs.client_cert, certs.client_key),
+        )
+    )
+    await router.start()
+    await router.wait_healthy(1)  # the health watch itself runs over mutual TLS
+    client = InferenceClient(router.address, tls=TlsConfig(root_certificates=certs.ca))
+    result = await client.generate([1, 2], gen.SamplingParams(max_tokens=4))
+    assert result.token_ids == [0, 1, 2, 3]
+    await client.close()
+    async with grpc.aio.insecure_channel(router.address) as plain:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await data_plane_pb2_grpc.DataPlaneStub(plain).GetModelInfo(
+                data_plane_pb2.GetModelInfoRequest(), timeout=5
+            )
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    await router.stop(0)
+    await backend.stop()
+
+
+def test_tls_flags_reach_the_options(certs: Certificates, tmp_path: Path) -> None:
+    args = engine_server.build_parser().parse_args(
+        [
+            "--tls-cert",
+            certs.server_cert,
+            "--tls-key",
+            certs.server_key,
+            "--tls-client-ca",
+            certs.ca,
+        ]
+    )
+    assert engine_server.options_from_args(args).tls == ServerTls(
+        certs.server_cert, certs.server_key, certs.ca
+    )
+    from servers import router
+
+    routed = router.options_from_args(
+        router.build_parser().parse_args(
+            [
+                "--tls-cert",
+                certs.server_cert,
+                "--tls-key",
+                certs.server_key,
+                "--backend-tls-ca",
+                certs.ca,
+            ]
+        )
+    )
+    assert routed.tls is not None and routed.backend_tls == TlsConfig(certs.ca, None, None)
