@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.waits import running_on_engines
 from trainer_client import (
     BlockingInferenceClient,
     FanOutError,
@@ -69,12 +70,12 @@ async def test_pause_abort_mid_batch_then_resume_loses_and_duplicates_nothing(
     client: InferenceClient,
 ) -> None:
     batch = prompts(8, offset=100)
-    sampling = {**GREEDY, "max_tokens": 150, "logprobs": 0}
+    sampling = {**GREEDY, "max_tokens": 300, "logprobs": 0}
     uninterrupted = [await client.generate(p, sampling) for p in batch]
     running = asyncio.ensure_future(
         client.generate_batch(batch, sampling, session_ids=[f"s{i}" for i in range(8)])
     )
-    await asyncio.sleep(0.4)
+    await running_on_engines(client, 8, running)
     await client.pause("abort")
     assert await client.all_paused()
     await asyncio.sleep(0.3)
@@ -84,7 +85,7 @@ async def test_pause_abort_mid_batch_then_resume_loses_and_duplicates_nothing(
     assert sum(r.abort_retries for r in results) > 0, "the pause aborted nothing"
     for result, reference in zip(results, uninterrupted, strict=True):
         assert result.token_ids == reference.token_ids
-        assert len(result.token_ids) == 150 and result.finish_reason == FinishReason.LENGTH
+        assert len(result.token_ids) == 300 and result.finish_reason == FinishReason.LENGTH
         assert result.logprobs == pytest.approx(reference.logprobs, abs=1e-3)
 
 

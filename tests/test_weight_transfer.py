@@ -19,6 +19,7 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
 from tests.conftest import REFERENCE_PROMPTS, offline_reference
+from tests.helpers.waits import running_on_engines
 from trainer_client import FanOutError, InferenceClient
 from trainer_client.weights import push_messages, sha256_of
 
@@ -286,21 +287,21 @@ async def test_update_while_paused_abort_then_retried_rollouts_report_both_versi
     running = asyncio.ensure_future(
         client.generate_batch(
             prompts,
-            {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True},
+            {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True},
             session_ids=[f"w{i}" for i in range(6)],
         )
     )
-    await asyncio.sleep(0.4)
+    await running_on_engines(client, 6, running)
     await client.pause("abort")
     version = next_version()
     await client.update_weights(perturbed(fleet["original"], 3).items(), version, transport="grpc")
     await client.resume()
     results = await asyncio.wait_for(running, 60)
     for result in results:
-        assert len(result.token_ids) == 200
+        assert len(result.token_ids) == 400
         versions = [s.weight_version for s in result.weight_versions]
         assert versions == [before, version], result.weight_versions
-        assert sum(s.length for s in result.weight_versions) == 200
+        assert sum(s.length for s in result.weight_versions) == 400
     await client.update_weights(fleet["original"].items(), next_version(), transport="grpc")
 
 
@@ -308,26 +309,33 @@ async def test_update_while_paused_keep_spans_report_both_versions(fleet: dict[s
     client: InferenceClient = fleet["client"]
     address = fleet["servers"][1]
     before = (await client.weight_versions())[address]
-    data = data_plane_pb2_grpc.DataPlaneStub(grpc.aio.insecure_channel(address))
+    channel = grpc.aio.insecure_channel(address)
+    data = data_plane_pb2_grpc.DataPlaneStub(channel)
     requests = [
         data.Generate(
             data_plane_pb2.GenerateRequest(
                 prompt_token_ids=[1, 70 + i, 3],
-                sampling_params=gen.SamplingParams(temperature=0, max_tokens=150, ignore_eos=True),
+                sampling_params=gen.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
             )
         )
         for i in range(4)
     ]
     pending = [asyncio.ensure_future(r) for r in requests]
-    await asyncio.sleep(0.3)
+    # Pause as soon as the engine runs them all (the tiny model is fast: waiting risks their end).
+    load_stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
+    while (await load_stub.GetLoad(cp.GetLoadRequest())).running_requests < 4:
+        assert not any(p.done() for p in pending)
+        await asyncio.sleep(0.01)
     await client.pause("keep")
+    assert not any(p.done() for p in pending), "the requests ended before the pause"
     version = next_version()
     await client.update_weights(perturbed(fleet["original"], 4).items(), version, transport="grpc")
     await client.resume()
-    responses = await asyncio.wait_for(asyncio.gather(*pending), 60)
+    responses = await asyncio.wait_for(asyncio.gather(*pending), 120)
     for response in responses:
         sample = response.samples[0]
         spans = [(s.weight_version, s.start, s.length) for s in sample.weight_versions]
         assert [s[0] for s in spans] == [before, version], spans
-        assert spans[1][1] == spans[0][2] and spans[0][2] + spans[1][2] == 150
+        assert spans[1][1] == spans[0][2] and spans[0][2] + spans[1][2] == 400
+    await channel.close()
     await client.update_weights(fleet["original"].items(), next_version(), transport="grpc")
