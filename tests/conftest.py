@@ -62,9 +62,8 @@ def greedy_reference(
     )
 
 
-@pytest.fixture(scope="session")
-async def engine_server(tiny_model_dir: Path) -> AsyncIterator[Any]:
-    """One real vLLM engine server for the whole session (engine start costs ~20 s)."""
+async def running_engine_server() -> AsyncIterator[Any]:
+    """A real vLLM engine server on the tiny model, in this process, drained afterwards."""
     from servers.engine_server import EngineServer, ServerOptions
 
     server = EngineServer(ServerOptions())
@@ -72,6 +71,13 @@ async def engine_server(tiny_model_dir: Path) -> AsyncIterator[Any]:
     await asyncio.wait_for(server.wait_ready(), timeout=300)
     yield server
     await server.drain(grace=1)
+
+
+@pytest.fixture(scope="session")
+async def engine_server(tiny_model_dir: Path) -> AsyncIterator[Any]:
+    """One real vLLM engine server for the whole session (engine start costs ~20 s)."""
+    async for server in running_engine_server():
+        yield server
 
 
 @pytest.fixture(scope="session")
@@ -83,13 +89,8 @@ async def engine_channel(engine_server: Any) -> AsyncIterator[grpc.aio.Channel]:
 @pytest.fixture(scope="session")
 async def second_engine_server(engine_server: Any) -> AsyncIterator[Any]:
     """A second real engine server, for fan-out and multi-server tests."""
-    from servers.engine_server import EngineServer, ServerOptions
-
-    server = EngineServer(ServerOptions())
-    await server.start()
-    await asyncio.wait_for(server.wait_ready(), timeout=300)
-    yield server
-    await server.drain(grace=1)
+    async for server in running_engine_server():
+        yield server
 
 
 @pytest.fixture(scope="session")
