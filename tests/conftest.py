@@ -108,3 +108,17 @@ async def two_server_router(engine_server: Any, second_engine_server: Any) -> As
     await router.wait_healthy(2)
     yield router
     await router.stop(0)
+
+
+@pytest.fixture(scope="session")
+async def one_server_router(engine_server: Any) -> AsyncIterator[Any]:
+    """A router in front of the session's engine server."""
+    from servers.router import RouterOptions, RouterServer
+
+    router = RouterServer(
+        RouterOptions(backends=[engine_server.address], health_check_interval=0.2)
+    )
+    await router.start()
+    await router.wait_healthy(1)
+    yield router
+    await router.stop(0)

@@ -10,13 +10,12 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from servers.router import RouterOptions, RouterServer
+from servers.router import RouterServer
 from trainer_client import InferenceClient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,20 +42,9 @@ def typescript_client() -> Path:
     return TS_DIR
 
 
-@pytest.fixture(scope="module")
-async def routed_engine(engine_server: Any) -> AsyncIterator[RouterServer]:
-    router = RouterServer(
-        RouterOptions(backends=[engine_server.address], health_check_interval=0.2)
-    )
-    await router.start()
-    await router.wait_healthy(1)
-    yield router
-    await router.stop(0)
-
-
 @pytest.mark.engine
 async def test_typescript_client_streams_through_router_and_controls_a_server(
-    typescript_client: Path, routed_engine: RouterServer, engine_server: Any
+    typescript_client: Path, one_server_router: RouterServer, engine_server: Any
 ) -> None:
     prompt = [1, 45, 722, 84]
     result = await asyncio.to_thread(
@@ -64,7 +52,7 @@ async def test_typescript_client_streams_through_router_and_controls_a_server(
         "npx",
         "tsx",
         "client.ts",
-        routed_engine.address,
+        one_server_router.address,
         engine_server.address,
         ",".join(map(str, prompt)),
         "12",
@@ -72,7 +60,7 @@ async def test_typescript_client_streams_through_router_and_controls_a_server(
     )
     assert result.returncode == 0, result.stderr[-3000:]
     output = json.loads(result.stdout.strip().splitlines()[-1])
-    python = await InferenceClient(routed_engine.address).generate(
+    python = await InferenceClient(one_server_router.address).generate(
         prompt,
         {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True},
         session_id="typescript-session",

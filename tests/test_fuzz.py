@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -14,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from servers.router import RouterOptions, RouterServer
+from servers.router import RouterServer
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2, data_plane_pb2_grpc, router_pb2
 from skyrl_grpc.v1 import generation_pb2 as gen
@@ -130,30 +129,19 @@ async def assert_healthy(address: str) -> None:
         assert len(result.samples[0].token_ids) == 3
 
 
-@pytest.fixture(scope="module")
-async def fuzz_router(engine_server: Any) -> AsyncIterator[RouterServer]:
-    router = RouterServer(
-        RouterOptions(backends=[engine_server.address], health_check_interval=0.2)
-    )
-    await router.start()
-    await router.wait_healthy(1)
-    yield router
-    await router.stop(0)
-
-
 def on_loop(loop: asyncio.AbstractEventLoop, coroutine: Any) -> Any:
     """Hypothesis drives a thread; the calls run on the loop that serves the engine."""
     return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
 
 
 async def test_property_based_generation_requests(
-    engine_server: Any, fuzz_router: RouterServer
+    engine_server: Any, one_server_router: RouterServer
 ) -> None:
     loop = asyncio.get_running_loop()
     tally = Tally()
     channels = [
         grpc.aio.insecure_channel(engine_server.address),
-        grpc.aio.insecure_channel(fuzz_router.address),
+        grpc.aio.insecure_channel(one_server_router.address),
     ]
 
     @settings(
@@ -248,10 +236,12 @@ METHODS = [
 ]
 
 
-async def test_random_bytes_on_the_wire(engine_server: Any, fuzz_router: RouterServer) -> None:
+async def test_random_bytes_on_the_wire(
+    engine_server: Any, one_server_router: RouterServer
+) -> None:
     rng = random.Random(1234)
     tally = Tally()
-    targets = [engine_server.address, fuzz_router.address]
+    targets = [engine_server.address, one_server_router.address]
     async with (
         grpc.aio.insecure_channel(targets[0]) as direct,
         grpc.aio.insecure_channel(targets[1]) as routed,

@@ -10,7 +10,6 @@ from typing import Any
 import grpc
 import pytest
 
-from servers.router import RouterOptions, RouterServer
 from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2, data_plane_pb2_grpc
@@ -21,19 +20,13 @@ pytestmark = [pytest.mark.engine]
 
 @pytest.fixture(scope="module")
 async def routed(
-    engine_server: Any,
+    engine_server: Any, one_server_router: Any
 ) -> AsyncIterator[tuple[grpc.aio.Channel, control_plane_pb2_grpc.ControlPlaneStub]]:
-    router = RouterServer(
-        RouterOptions(backends=[engine_server.address], health_check_interval=0.2)
-    )
-    await router.start()
-    await router.wait_healthy(1)
     async with (
-        grpc.aio.insecure_channel(router.address) as channel,
+        grpc.aio.insecure_channel(one_server_router.address) as channel,
         grpc.aio.insecure_channel(engine_server.address) as direct,
     ):
         yield channel, control_plane_pb2_grpc.ControlPlaneStub(direct)
-    await router.stop(0)
 
 
 async def engine_idle(control: control_plane_pb2_grpc.ControlPlaneStub, timeout: float = 5) -> None:
