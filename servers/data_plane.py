@@ -11,6 +11,7 @@ from skyrl_grpc.assembly import ResponseAssembler
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
 
 from .converters import (
+    ChunkCoalescer,
     StreamConverter,
     build_sampling_params,
     resolve_n,
@@ -40,6 +41,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         sampling: generation_pb2.SamplingParams,
         n: int,
         include_text: bool,
+        stream_interval: int = 0,
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
         engine = self._state.engine()
         request_id = request_id or uuid.uuid4().hex
@@ -51,17 +53,24 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             detokenize=include_text,
         )
         converter = StreamConverter(request_id, prompt_token_ids, params, include_text)
+        coalescer = ChunkCoalescer(stream_interval)
         async for output in engine.generate(request_id, prompt_token_ids, params):
             for chunk in converter.chunks(output, engine.weight_version):
-                yield chunk
+                for ready in coalescer.push(chunk):
+                    yield ready
 
     def _token_stream(
-        self, request: GenerateLike
+        self, request: GenerateLike, stream_interval: int = 0
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
         engine = self._state.engine()
         prompt = validate_prompt(request.prompt_token_ids, engine.limits, "prompt_token_ids")
         return self._stream(
-            request.request_id, prompt, request.sampling_params, request.n, request.include_text
+            request.request_id,
+            prompt,
+            request.sampling_params,
+            request.n,
+            request.include_text,
+            stream_interval,
         )
 
     async def _collect(
@@ -75,7 +84,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     async def GenerateStream(
         self, request: data_plane_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
-        async for chunk in self._token_stream(request):
+        async for chunk in self._token_stream(request, request.stream_interval):
             yield chunk
 
     async def Generate(

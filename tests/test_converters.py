@@ -8,6 +8,7 @@ import pytest
 
 from servers.control_plane import pause_mode_name
 from servers.converters import (
+    ChunkCoalescer,
     ModelLimits,
     build_sampling_params,
     finish_to_proto,
@@ -179,3 +180,63 @@ def test_assembler_joins_chunks_and_splits_weight_version_spans() -> None:
     assert first.finish_reason == generation_pb2.FINISH_REASON_LENGTH
     assert list(second.token_ids) == [9] and second.text == "ab"
     assert second.finish_reason == generation_pb2.FINISH_REASON_ABORTED
+
+
+def _chunk(
+    tokens: list[int], version: int = 1, sample: int = 0, **fields: object
+) -> data_plane_pb2.GenerateStreamResponse:
+    return data_plane_pb2.GenerateStreamResponse(
+        request_id="r",
+        sample_index=sample,
+        token_ids=tokens,
+        weight_version=version,
+        logprobs=generation_pb2.Logprobs(token_logprobs=[-0.5] * len(tokens)),
+        text="".join(f"<{t}>" for t in tokens),
+        usage=generation_pb2.Usage(prompt_tokens=3, completion_tokens=tokens[-1] if tokens else 0),
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def test_coalescer_sends_first_token_then_every_interval_then_the_end() -> None:
+    coalescer = ChunkCoalescer(4)
+    sent = []
+    for token in range(1, 11):
+        finish = generation_pb2.FINISH_REASON_LENGTH if token == 10 else 0
+        sent += coalescer.push(_chunk([token], finish_reason=finish))
+    assert [list(c.token_ids) for c in sent] == [[1], [2, 3, 4, 5], [6, 7, 8, 9], [10]]
+    merged = sent[1]
+    assert list(merged.logprobs.token_logprobs) == [-0.5] * 4
+    assert merged.text == "<2><3><4><5>"
+    assert merged.usage.completion_tokens == 5  # cumulative usage: the newest wins
+    assert sent[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
+
+
+def test_coalescer_never_mixes_weight_versions_or_samples() -> None:
+    coalescer = ChunkCoalescer(8)
+    sent = []
+    sent += coalescer.push(_chunk([1], version=1, sample=0))
+    sent += coalescer.push(_chunk([1], version=1, sample=1))
+    sent += coalescer.push(_chunk([2], version=1, sample=0))
+    sent += coalescer.push(_chunk([3], version=2, sample=0))  # flushes [2] at version 1
+    sent += coalescer.push(
+        _chunk([4], version=2, sample=0, finish_reason=generation_pb2.FINISH_REASON_STOP)
+    )
+    sent += coalescer.push(
+        _chunk([2], version=1, sample=1, finish_reason=generation_pb2.FINISH_REASON_STOP)
+    )
+    spans = [(c.sample_index, c.weight_version, list(c.token_ids)) for c in sent]
+    assert spans == [(0, 1, [1]), (1, 1, [1]), (0, 1, [2]), (0, 2, [3, 4]), (1, 1, [2])]
+    assembler = ResponseAssembler()
+    for c in sent:
+        assembler.add(c)
+    assert [list(s.token_ids) for s in assembler.samples()] == [[1, 2, 3, 4], [1, 2]]
+
+
+def test_coalescer_interval_zero_or_one_passes_every_chunk() -> None:
+    for interval in (0, 1):
+        coalescer = ChunkCoalescer(interval)
+        assert [list(c.token_ids) for t in (1, 2, 3) for c in coalescer.push(_chunk([t]))] == [
+            [1],
+            [2],
+            [3],
+        ]

@@ -148,6 +148,23 @@ async def test_streamed_tokens_equal_unary_result(data: data_plane_pb2_grpc.Data
     assert streamed == await greedy(data, prompt, 20)
 
 
+async def test_stream_interval_coalesces_chunks_without_changing_tokens(
+    data: data_plane_pb2_grpc.DataPlaneStub,
+) -> None:
+    prompt = REFERENCE_PROMPTS[1]
+    params = SP(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0)
+    chunks = [
+        c async for c in data.GenerateStream(stream_request(prompt, params, stream_interval=8))
+    ]
+    sizes = [len(c.token_ids) for c in chunks]
+    # The first token at once, then messages of at least 8 until the last one.
+    assert sizes[0] >= 1 and all(size >= 8 for size in sizes[1:-1]), sizes
+    assert len(chunks) <= 1 + 30 // 8 + 1
+    assert chunks[-1].finish_reason == gen.FINISH_REASON_LENGTH
+    assert [t for c in chunks for t in c.token_ids] == await greedy(data, prompt, 30)
+    assert sum(len(c.logprobs.token_logprobs) for c in chunks) == 30
+
+
 async def test_seeded_sampling_is_reproducible(data: data_plane_pb2_grpc.DataPlaneStub) -> None:
     async def sample(seed: int) -> list[int]:
         response = await data.Generate(

@@ -159,14 +159,20 @@ class InferenceClient:
         n: int = 1,
         include_text: bool = False,
         request_id: str = "",
+        stream_interval: int = 0,
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
-        """The raw stream of one generation (no retry on abort: chunks as the server sends)."""
+        """The raw stream of one generation (no retry on abort: chunks as the server sends).
+
+        ``stream_interval``: tokens per message after the first (0: one per engine step); larger
+        values trade per-token latency for throughput.
+        """
         request = data_plane_pb2.GenerateStreamRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=sampling_params(sampling),
             n=n,
             include_text=include_text,
+            stream_interval=stream_interval,
         )
         call = self._data.GenerateStream(
             request, timeout=self.config.data_timeout, metadata=self._metadata(session_id)

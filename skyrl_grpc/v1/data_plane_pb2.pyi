@@ -34,18 +34,20 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[_generation_pb2.Sample, _Mapping]]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_generation_pb2.Logprobs, _Mapping]] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "n", "include_text")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "n", "include_text", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_TEXT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _generation_pb2.SamplingParams
     n: int
     include_text: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., include_text: _Optional[bool] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., include_text: _Optional[bool] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("request_id", "sample_index", "token_ids", "logprobs", "finish_reason", "stop", "usage", "weight_version", "prompt_logprobs", "text")
