@@ -159,6 +159,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-parallel-size", type=int, default=1)
     group.add_argument("--pipeline-parallel-size", type=int, default=1)
     group.add_argument("--kv-cache-gib", type=float, default=1.0, help="CPU: KV cache size in GiB")
+    group.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="CPU: model threads (default: 1 for the embedded tiny model, else vLLM's binding)",
+    )
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--seed", type=int, default=0)
@@ -174,6 +180,7 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         kv_cache_gib=args.kv_cache_gib,
+        cpu_threads=args.cpu_threads,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
