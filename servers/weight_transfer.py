@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import itertools
 import logging
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,10 +80,15 @@ class _Incoming:
     layout: ParamLayout
     sha256: bytes
     received: int = 0
-    data: bytearray = field(init=False)
+    # The chunks as received: the worker copies them into the parameter's buffer, so joining
+    # them here would only add a pass over fresh memory (costly: first-touch page faults).
+    chunks: list[bytes] = field(default_factory=list)
+    # Running SHA-256 of the chunks, when the manifest gave one to check.
+    digest: Any = None
 
     def __post_init__(self) -> None:
-        self.data = bytearray(self.layout.num_bytes)  # filled in place, one copy per byte
+        if self.sha256:
+            self.digest = hashlib.sha256()
 
 
 class InBandAssembler:
@@ -125,17 +131,27 @@ class InBandAssembler:
             raise InvalidArgument(
                 f"chunks of {chunk.name} exceed its {incoming.layout.num_bytes} bytes"
             )
-        if hashlib.sha256(data).digest() != chunk.sha256:
+        if not chunk.sha256 and not chunk.HasField("crc32"):
+            raise InvalidArgument(
+                f"the chunk of {chunk.name} at offset {chunk.offset_bytes} has no checksum: set "
+                "crc32 (zlib.crc32 of data) or sha256"
+            )
+        if (chunk.HasField("crc32") and zlib.crc32(data) != chunk.crc32) or (
+            chunk.sha256 and hashlib.sha256(data).digest() != chunk.sha256
+        ):
             raise DataLoss(
                 f"checksum mismatch in the chunk of {chunk.name} at offset {chunk.offset_bytes}: "
                 "the bytes were corrupted in transit"
             )
-        incoming.data[incoming.received : end] = data
+        incoming.chunks.append(data)
+        if incoming.digest is not None:
+            incoming.digest.update(data)
         incoming.received = end
         self.bytes_received += len(data)
 
     def finish(self) -> list[list[Any]]:
-        """Checks the stream was complete; returns ``[name, dtype, shape, bytes]`` items."""
+        """Checks the stream was complete; returns ``[name, dtype, shape, chunks]`` items (the
+        parameter's bytes as the list of received chunks, in order)."""
         if self._incoming is None:
             raise InvalidArgument("the PushWeights stream was empty (no manifest)")
         items = []
@@ -146,12 +162,12 @@ class InBandAssembler:
                     f"the stream ended before {name} was complete ({incoming.received} of "
                     f"{expected} bytes): truncated push"
                 )
-            if incoming.sha256 and hashlib.sha256(incoming.data).digest() != incoming.sha256:
+            if incoming.digest is not None and incoming.digest.digest() != incoming.sha256:
                 raise DataLoss(
                     f"checksum mismatch for {name}: the assembled bytes differ from the sender's"
                 )
             layout = incoming.layout
-            items.append([name, layout.dtype.torch_name, list(layout.shape), bytes(incoming.data)])
+            items.append([name, layout.dtype.torch_name, list(layout.shape), incoming.chunks])
         return items
 
 
@@ -325,7 +341,7 @@ class WeightTransferManager:
             size = 0
             for item in items:
                 batch.append(item)
-                size += len(item[3])
+                size += sum(len(chunk) for chunk in item[3])
                 if size >= STAGE_BATCH_BYTES:
                     await self._rpc("skyrl_stage", (batch,))
                     batch, size = [], 0

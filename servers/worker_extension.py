@@ -142,13 +142,18 @@ class WeightTransferWorker:
         return {"bytes": total, "params": len(received), "mismatches": mismatches}
 
     def skyrl_stage(self, params: list[list[Any]]) -> int:
-        """Stages ``[name, dtype, shape, raw bytes]`` items (in-band path; already verified)."""
+        """Stages ``[name, dtype, shape, chunks]`` items (in-band path; already verified)."""
         import torch
 
         staging = self._skyrl_staging()
-        for name, dtype_name, shape, raw in params:
+        for name, dtype_name, shape, chunks in params:
+            buffer = bytearray(sum(len(chunk) for chunk in chunks))
+            offset = 0
+            for chunk in chunks:
+                buffer[offset : offset + len(chunk)] = chunk
+                offset += len(chunk)
             dtype = getattr(torch, dtype_name)
-            staging[name] = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+            staging[name] = torch.frombuffer(buffer, dtype=dtype).reshape(shape)
         return len(params)
 
     def skyrl_discard(self) -> int:

@@ -37,7 +37,7 @@ def test_a_complete_push_reassembles_every_tensor() -> None:
     assembler = InBandAssembler(LAYOUT)
     for message in messages():
         assembler.add(message)
-    items = {name: (dtype, shape, raw) for name, dtype, shape, raw in assembler.finish()}
+    items = {name: (dtype, shape, b"".join(raw)) for name, dtype, shape, raw in assembler.finish()}
     for name, tensor in TENSORS:
         dtype, shape, raw = items[name]
         assert dtype == "float32" and shape == list(tensor.shape)
@@ -72,6 +72,34 @@ def test_a_corrupted_chunk_is_data_loss() -> None:
     with pytest.raises(DataLoss, match=r"checksum mismatch in the chunk of a\.weight"):
         for message in stream:
             assembler.add(message)
+
+
+def test_chunks_may_carry_sha256_instead_of_crc32_but_not_neither() -> None:
+    stream = messages()
+    for message in stream[1:]:
+        message.chunk.sha256 = hashlib.sha256(message.chunk.data).digest()
+        message.chunk.ClearField("crc32")
+    assembler = InBandAssembler(LAYOUT)
+    for message in stream:
+        assembler.add(message)
+    assert len(assembler.finish()) == len(TENSORS)
+
+    stream = messages()
+    stream[1].chunk.ClearField("crc32")
+    assembler = InBandAssembler(LAYOUT)
+    assembler.add(stream[0])
+    with pytest.raises(InvalidArgument, match="has no checksum: set crc32"):
+        assembler.add(stream[1])
+
+
+def test_a_parameter_whose_bytes_differ_from_its_manifest_sha256_is_data_loss() -> None:
+    stream = messages()
+    stream[0].manifest.parameters[0].sha256 = hashlib.sha256(b"other bytes").digest()
+    assembler = InBandAssembler(LAYOUT)
+    for message in stream:
+        assembler.add(message)
+    with pytest.raises(DataLoss, match=r"checksum mismatch for a\.weight"):
+        assembler.finish()
 
 
 @pytest.mark.parametrize(

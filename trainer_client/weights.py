@@ -8,6 +8,7 @@ checksummed chunks after a manifest, serialized once and streamed to every serve
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -107,7 +108,7 @@ def push_messages(
             chunk.name = name
             chunk.offset_bytes = offset
             chunk.data = piece
-            chunk.sha256 = hashlib.sha256(piece).digest()
+            chunk.crc32 = zlib.crc32(piece)
             messages.append(message.SerializeToString())
     return messages
 
@@ -131,6 +132,9 @@ class CollectiveSender:
         self.group_name = group_name
         self.timeout_seconds = timeout_seconds
         self._group: Any = None
+        # The bucket staging buffer, kept across updates: memory touched for the first time
+        # costs page faults that can take longer than the broadcast itself.
+        self._scratch: Any = None
 
     def join(self) -> None:
         """Blocks until every server worker has joined (run it concurrently with their init)."""
@@ -155,11 +159,11 @@ class CollectiveSender:
         sent = 0
         device = "cuda" if self.backend == "nccl" else "cpu"
         # One staging buffer for every bucket: broadcast() completes before the next pack.
-        scratch = torch.empty(
-            max((b.layout.size_bytes for b in buckets), default=0), dtype=torch.uint8
-        )
+        largest = max((b.layout.size_bytes for b in buckets), default=0)
+        if self._scratch is None or self._scratch.numel() < largest:
+            self._scratch = torch.empty(largest, dtype=torch.uint8)
         for bucket in buckets:
-            buffer = bucket.pack(into=scratch)
+            buffer = bucket.pack(into=self._scratch)
             if device != "cpu":
                 buffer = buffer.to(device)
             self._group.broadcast(buffer, 0).wait(timedelta(seconds=self.timeout_seconds))

@@ -203,16 +203,18 @@ class WeightManifest(_message.Message):
     def __init__(self, parameters: _Optional[_Iterable[_Union[ParameterSpec, _Mapping]]] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("name", "offset_bytes", "data", "sha256")
+    __slots__ = ("name", "offset_bytes", "data", "sha256", "crc32")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     name: str
     offset_bytes: int
     data: bytes
     sha256: bytes
-    def __init__(self, name: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+    crc32: int
+    def __init__(self, name: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class PushWeightsRequest(_message.Message):
     __slots__ = ("manifest", "chunk")
