@@ -2,7 +2,8 @@
 
 1. Router cost: streaming generation against one real vLLM engine server (tiny model), through
    the router vs directly, at 1, 16 and 64 concurrent streams, alternating the two paths:
-   output tokens/s, p50/p99 request latency, p50 time to first token.
+   output tokens/s, p50/p99 time to first token, p50 inter-token latency (load code shared
+   with scripts/bench_stack.py).
 2. Balancing: a workload of uneven request lengths (every other request is 20x longer) over two
    stand-in backends whose step time grows with their batch, least-outstanding vs round robin:
    makespan and p50/p99 latency. (Stand-ins: the subject is the router's choice, not vLLM.)
@@ -23,88 +24,43 @@ import grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_stack import GrpcContender, Workload, compare, percentile  # noqa: E402
 
 from servers.launcher import LocalStack  # noqa: E402
 from servers.router import RouterOptions, RouterServer  # noqa: E402
-from skyrl_grpc.metadata import SESSION_ID  # noqa: E402
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc  # noqa: E402
 from skyrl_grpc.v1 import generation_pb2 as gen  # noqa: E402
 from tests.helpers.fake_backend import FakeBackend  # noqa: E402
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
-
-
-async def stream_load(
-    address: str, concurrency: int, per_stream: int, max_tokens: int
-) -> dict[str, float]:
-    channel = grpc.aio.insecure_channel(address)
-    stub = data_plane_pb2_grpc.DataPlaneStub(channel)
-    latencies: list[float] = []
-    first_tokens: list[float] = []
-    tokens = 0
-
-    async def worker(index: int) -> None:
-        nonlocal tokens
-        for turn in range(per_stream):
-            request = data_plane_pb2.GenerateStreamRequest(
-                prompt_token_ids=[1, 10 + index % 500, 20 + turn, 30],
-                sampling_params=gen.SamplingParams(
-                    temperature=0.0, max_tokens=max_tokens, ignore_eos=True
-                ),
-            )
-            started = time.perf_counter()
-            first = None
-            async for chunk in stub.GenerateStream(request, metadata=((SESSION_ID, f"s{index}"),)):
-                if first is None:
-                    first = time.perf_counter() - started
-                tokens += len(chunk.token_ids)
-            latencies.append(time.perf_counter() - started)
-            first_tokens.append(first or 0.0)
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    elapsed = time.perf_counter() - started
-    await channel.close()
-    return {
-        "tokens_per_s": tokens / elapsed,
-        "p50": statistics.median(latencies),
-        "p99": percentile(latencies, 0.99),
-        "ttft_p50": statistics.median(first_tokens),
-    }
-
-
 async def router_cost(per_stream: int, max_tokens: int, rounds: int) -> list[str]:
     rows = [
-        "| streams | path | output tok/s | p50 latency (s) | p99 latency (s) | p50 TTFT (ms) |",
+        "| streams | path | output tok/s | p50 TTFT (ms) | p99 TTFT (ms) | p50 ITL (ms) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     ratios = []
     with LocalStack(1) as stack:
-        server, router = stack.server_addresses[0], stack.router_address
-        await stream_load(server, 8, 2, 16)  # warm-up (first generations are slow)
+        contenders = [
+            GrpcContender("direct", stack.server_addresses[0]),
+            GrpcContender("router", stack.router_address),
+        ]
+        for contender in contenders:  # first generations are slow
+            await contender.run(Workload(8, 2, 16, 1))
         for concurrency in (1, 16, 64):
-            results: dict[str, list[dict[str, float]]] = {"direct": [], "router": []}
-            for _ in range(rounds):  # alternate the paths so drift hits both
-                results["direct"].append(
-                    await stream_load(server, concurrency, per_stream, max_tokens)
-                )
-                results["router"].append(
-                    await stream_load(router, concurrency, per_stream, max_tokens)
-                )
-            summary = {}
-            for path, runs in results.items():
-                summary[path] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                s = summary[path]
+            workload = Workload(concurrency, per_stream, max_tokens, stream_interval=1)
+            summary = await compare(contenders, workload, rounds)
+            for path, s in summary.items():
                 rows.append(
-                    f"| {concurrency} | {path} | {s['tokens_per_s']:.0f} | {s['p50']:.3f} | {s['p99']:.3f} | {s['ttft_p50'] * 1000:.1f} |"
+                    f"| {concurrency} | {path} | {s['tokens_per_s']:.0f} | {s['ttft_p50'] * 1e3:.1f} "
+                    f"| {s['ttft_p99'] * 1e3:.1f} | {s['itl_p50'] * 1e3:.2f} |"
                 )
             ratio = summary["router"]["tokens_per_s"] / summary["direct"]["tokens_per_s"]
-            added = (summary["router"]["p50"] - summary["direct"]["p50"]) * 1000
+            added = (summary["router"]["ttft_p50"] - summary["direct"]["ttft_p50"]) * 1000
             ratios.append(
-                f"- {concurrency} streams: router / direct throughput = **{ratio:.2f}x**; p50 latency added by the router: {added:+.1f} ms"
+                f"- {concurrency} streams: router / direct throughput = **{ratio:.2f}x**; "
+                f"p50 time to first token added by the router: {added:+.1f} ms"
             )
     return rows + [""] + ratios
 
@@ -154,9 +110,9 @@ async def balancing(policy: str, requests: int, concurrency: int) -> dict[str, f
 
 async def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--requests-per-stream", type=int, default=3)
+    parser.add_argument("--requests-per-stream", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output", default=str(ROOT / "docs" / "bench-router.md"))
     args = parser.parse_args()
 
@@ -164,8 +120,9 @@ async def main() -> None:
         "# Router benchmarks",
         "",
         f"Command: `.venv/bin/python scripts/bench_router.py` (one run; "
-        f"{args.requests_per_stream} requests per stream, {args.max_tokens} tokens each, median of "
-        f"{args.rounds} alternating rounds). Machine: 2 cores; client, router and server share them.",
+        f"{args.requests_per_stream} requests per stream, {args.max_tokens} tokens each, a message per engine step, median of "
+        f"{args.rounds} alternating rounds). Machine: 2 cores; client, router and server share them. "
+        "docs/benchmarks.md has the same comparison at 256 streams and with coalesced messages.",
         "",
         "## Router cost (real vLLM engine server, tiny model)",
         "",

@@ -212,17 +212,16 @@ def collective(tensors: list[tuple[str, Any]], mode: str, checksums: bool) -> fl
     if _SCRATCH is None:
         _SCRATCH = torch.empty(0, dtype=torch.uint8)
 
-    # Raw: the same bytes, already in place. Ours: packed during the measurement into the
-    # sender's staging buffer, which persists across updates (CollectiveSender keeps it), so
-    # a training run's steady state packs into memory touched before.
-    raw_buffers = [b.pack() for b in buckets] if mode == "raw" else []
+    # Both send from the sender's staging buffer, which persists across updates
+    # (CollectiveSender keeps it): raw broadcasts the buckets' sizes from it as it is, ours
+    # first packs each bucket's tensors into it during the measurement.
     largest = max(b.layout.size_bytes for b in buckets)
     if _SCRATCH.numel() < largest:
         _SCRATCH.resize_(largest).fill_(0)
     started = time.perf_counter()
     if mode == "raw":
-        for buffer in raw_buffers:
-            group.broadcast(buffer, 0).wait()
+        for bucket in buckets:
+            group.broadcast(_SCRATCH[: bucket.layout.size_bytes], 0).wait()
     else:
         for bucket in buckets:
             group.broadcast(bucket.pack(into=_SCRATCH), 0).wait()
