@@ -196,7 +196,11 @@ class InferenceClient:
         """One sample, resubmitted after aborts (pause for a weight update) until finished."""
         params = sampling_params(sampling)
         continuation = Continuation(
-            list(prompt_token_ids), params, include_text, self.config.max_abort_retries
+            list(prompt_token_ids),
+            params,
+            include_text,
+            self.config.max_abort_retries,
+            self.config.stream_interval,
         )
         while True:
             call = self._data.GenerateStream(

@@ -32,6 +32,10 @@ class ClientConfig:
     # How many times a generation aborted by a pause is resubmitted (None: until the budget of
     # tokens is used up; each retry makes progress only if tokens were generated).
     max_abort_retries: int | None = None
+    # Tokens per streamed message for generate() / generate_batch(), which return whole
+    # samples: fewer, larger messages cost the server, router and client less CPU per token
+    # (docs/performance.md). A pause, a weight-version change and the end flush at once.
+    stream_interval: int = 16
     max_message_bytes: int = 64 * MiB
     extra_metadata: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 

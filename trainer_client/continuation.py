@@ -21,11 +21,13 @@ class Continuation:
         sampling_params: generation_pb2.SamplingParams,
         include_text: bool = False,
         max_abort_retries: int | None = None,
+        stream_interval: int = 0,
     ) -> None:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.include_text = include_text
         self.max_abort_retries = max_abort_retries
+        self.stream_interval = stream_interval
         self.retries = 0
         self._assembler = ResponseAssembler()
         self._budget = (
@@ -51,6 +53,7 @@ class Continuation:
             prompt_token_ids=self.prompt_token_ids + generated,
             sampling_params=params,
             include_text=self.include_text,
+            stream_interval=self.stream_interval,
         )
 
     def add(self, chunk: data_plane_pb2.GenerateStreamResponse) -> None:
