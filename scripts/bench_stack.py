@@ -8,6 +8,8 @@ the bottleneck), same engine settings, same prompts, same concurrency, contender
 - ``vllm-http``  vLLM's OpenAI server (python -m vllm.entrypoints.openai.api_server), streaming
                  /v1/completions with token-id prompts to an aiohttp client
 - ``in-process`` AsyncLLM.generate called directly in its own process (the limit)
+- ``trainer-client`` (whole samples only) InferenceClient.generate through the router, as a
+                 trainer calls it
 
 at 1, 16, 64 and 256 concurrent streams: output tokens/s, p50/p99 time to first token, p50
 inter-token latency; each once with a message per engine step (stream interval 1) and once with
@@ -161,6 +163,30 @@ class GrpcContender:
                         first = time.perf_counter() - started
                     tokens += len(chunk.token_ids)
                 return Timing(first, time.perf_counter() - started, tokens)
+
+            return await run_closed_loop(one, workload)
+
+
+class TrainerClientContender:
+    """What an RL trainer calls: InferenceClient.generate through the router, whole samples
+    (streamed underneath in the client's default 16-token messages, resubmitted on aborts)."""
+
+    name = "trainer-client"
+
+    def __init__(self, router: str) -> None:
+        self.router = router
+
+    async def run(self, workload: Workload) -> dict[str, float]:
+        async with InferenceClient(self.router) as client:
+            sampling = {"temperature": 0.0, "max_tokens": workload.max_tokens, "ignore_eos": True}
+
+            async def one(index: int, turn: int) -> Timing:
+                started = time.perf_counter()
+                result = await client.generate(
+                    prompt_for(index, turn), sampling, session_id=f"session-{index}"
+                )
+                ended = time.perf_counter() - started
+                return Timing(ended, ended, len(result.token_ids))
 
             return await run_closed_loop(one, workload)
 
@@ -372,7 +398,7 @@ def vllm_http_server(stream_interval: int) -> Iterator[HttpContender]:
 # -- sections -----------------------------------------------------------------------------------
 
 
-Contender = GrpcContender | HttpContender | InProcessContender
+Contender = GrpcContender | TrainerClientContender | HttpContender | InProcessContender
 
 
 async def compare(
@@ -417,6 +443,8 @@ async def throughput_section(args: argparse.Namespace) -> list[str]:
                     http_interval = max(interval, 1)
                     http = http_servers.enter_context(vllm_http_server(http_interval))
                 contenders = [*stack_contenders, http, in_process]
+                if interval == 0:
+                    contenders.insert(2, TrainerClientContender(stack.router_address))
                 warm = Workload(16, 1, 16, interval)
                 for contender in contenders:  # first generations are slow everywhere
                     await contender.run(warm)
