@@ -13,5 +13,7 @@ async def running_on_engines(
 ) -> None:
     """Waits until the engines run ``count`` requests (a fixed sleep races the fast tiny model)."""
     while sum(load.running_requests for load in (await client.load()).values()) < count:
-        assert not pending.done(), "the requests ended before they were seen running"
+        if pending.done():
+            error = pending.exception()
+            raise AssertionError(f"the requests ended before they were seen running: {error!r}")
         await asyncio.sleep(0.01)
