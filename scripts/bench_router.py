@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_stack import GrpcContender, Workload, compare, percentile  # noqa: E402
+from bench_stack import GrpcContender, Workload, compare, percentile, write_report  # noqa: E402
 
 from servers.launcher import LocalStack  # noqa: E402
 from servers.router import RouterOptions, RouterServer  # noqa: E402
@@ -149,10 +149,7 @@ async def main() -> None:
         f"Least-outstanding finishes the workload **{speedup:.2f}x** faster than round robin "
         "(round robin over 2 backends sends every long request to the same one).",
     ]
-    text = "\n".join(lines) + "\n"
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(text)
-    print(text)
+    write_report(args.output, lines)
 
 
 if __name__ == "__main__":

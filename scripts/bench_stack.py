@@ -86,6 +86,14 @@ def prompt_for(stream: int, turn: int) -> list[int]:
     return [1] + [3 + (stream * 31 + turn * 17 + k * 7) % 2000 for k in range(PROMPT_TOKENS - 1)]
 
 
+def write_report(output: str, lines: list[str]) -> None:
+    """Writes a benchmark's markdown report and prints it."""
+    text = "\n".join(lines) + "\n"
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(output).write_text(text)
+    print(text)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
@@ -627,10 +635,7 @@ async def main() -> None:
         lines += ["", *await fan_out_section(args)]
     if "weights" in sections and args.weights_gib > 0:
         lines += ["", *weights_section(args)]
-    text = "\n".join(lines) + "\n"
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(text)
-    print(text)
+    write_report(args.output, lines)
 
 
 if __name__ == "__main__":
