@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
-from servers.engine import EngineOptions  # noqa: E402
+from servers.engine import EngineOptions, cpu_layout  # noqa: E402
 from servers.launcher import LocalStack  # noqa: E402
 from skyrl_grpc.metadata import SESSION_ID  # noqa: E402
 from skyrl_grpc.tiny_model import ensure_tiny_model  # noqa: E402
@@ -359,8 +359,6 @@ def vllm_http_server(stream_interval: int) -> Iterator[HttpContender]:
         str(options.max_num_seqs),
         "--seed",
         str(options.seed),
-        "--distributed-executor-backend",
-        "uni",
         "--stream-interval",
         str(stream_interval),
         "--host",
@@ -370,13 +368,14 @@ def vllm_http_server(stream_interval: int) -> Iterator[HttpContender]:
         "--uvicorn-log-level",
         "warning",
     ]
-    # The environment servers.engine gives the embedded model's engine (see _cpu_layout).
+    # The CPU layout servers.engine gives the embedded model's engine, as flags and environment.
+    layout_args, layout_env = cpu_layout(options)
+    for name, value in layout_args.items():
+        command += [f"--{name.replace('_', '-')}", str(value)]
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": f"{options.kv_cache_gib:g}",
-        "OMP_NUM_THREADS": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        **layout_env,
     }
     log = tempfile.NamedTemporaryFile("w+", prefix="vllm-http-", suffix=".log", delete=False)
     process = subprocess.Popen(

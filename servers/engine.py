@@ -60,26 +60,28 @@ class EngineOptions:
         return self.model or str(ensure_tiny_model())
 
 
-def _cpu_layout(options: EngineOptions) -> dict[str, Any]:
-    """Engine arguments (and the environment the engine process inherits) for CPU serving.
+def cpu_layout(options: EngineOptions) -> tuple[dict[str, Any], dict[str, str]]:
+    """Engine arguments, and the environment the engine process must inherit, for CPU serving.
 
     With one worker, the model runs inside the engine-core process (vLLM's uni executor) rather
     than in a separate worker process: on CPU the two processes busy-wait on each other through
     a shared-memory ring, which costs a whole core on a small machine. Measured on 2 cores
-    (scripts/bench_stack.py): about twice the streaming throughput.
+    (scripts/bench_stack.py): about twice the streaming throughput. The benchmark starts vLLM's
+    own HTTP server with the same layout.
     """
+    env: dict[str, str] = {}
     threads = options.cpu_threads
     if threads is None and options.model is None:
         threads = 1
     if threads is not None:
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        env["OMP_NUM_THREADS"] = str(threads)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     if options.tensor_parallel_size * options.pipeline_parallel_size != 1:
-        return {}
+        return {}, env
     # vLLM's CPU platform switches "uni" back to its multiprocess executor unless this is 0;
     # AsyncLLM still runs the engine core in its own process.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    return {"distributed_executor_backend": "uni"}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return {"distributed_executor_backend": "uni"}, env
 
 
 class _LoadTracker:
@@ -212,7 +214,9 @@ class VllmEngine:
             args["gpu_memory_utilization"] = options.gpu_memory_utilization
             args["enable_sleep_mode"] = current_platform.is_sleep_mode_available()
         if is_cpu:
-            args.update(_cpu_layout(options))
+            layout_args, layout_env = cpu_layout(options)
+            args.update(layout_args)
+            os.environ.update(layout_env)
         args.update(options.extra_engine_args)
         engine_args = AsyncEngineArgs(**args)
         load = _LoadTracker()
