@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servers.launcher import LocalStack
 from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, router_pb2, router_pb2_grpc
+from tests.helpers.waits import running_on_engines
 from trainer_client import InferenceClient
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -50,10 +51,7 @@ def test_killed_server_mid_generation_loses_nothing_and_rejoins() -> None:
                     session_ids=SESSIONS,
                 )
             )
-            # Kill once the victim is generating (a fixed sleep races the fast tiny model).
-            while (await client.load())[victim].running_requests == 0:
-                assert not batch.done(), "generation finished before the fault"
-                await asyncio.sleep(0.01)
+            await running_on_engines(client, 1, batch, servers=[victim])
             await asyncio.to_thread(stack.kill_server, 0)
             assert not batch.done(), "generation finished before the fault"
             results = await asyncio.wait_for(batch, 300)

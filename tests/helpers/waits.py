@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from trainer_client import InferenceClient
 
 
 async def running_on_engines(
-    client: InferenceClient, count: int, pending: asyncio.Future[Any]
+    client: InferenceClient,
+    count: int,
+    pending: asyncio.Future[Any],
+    servers: Sequence[str] | None = None,
 ) -> None:
-    """Waits until the engines run ``count`` requests (a fixed sleep races the fast tiny model)."""
-    while sum(load.running_requests for load in (await client.load()).values()) < count:
+    """Waits until the engines (``servers``, default all the client's) run ``count`` requests
+    (a fixed sleep races the fast tiny model)."""
+
+    async def running() -> int:
+        loads = await client.load()
+        return sum(loads[s].running_requests for s in (servers or loads))
+
+    while await running() < count:
         if pending.done():
             error = pending.exception()
             raise AssertionError(f"the requests ended before they were seen running: {error!r}")
