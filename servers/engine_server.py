@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from skyrl_grpc.host_memory import keep_freed_memory
 from skyrl_grpc.v1 import (
     control_plane_pb2,
     control_plane_pb2_grpc,
@@ -68,6 +69,9 @@ class ServerOptions:
     control_token: str | None = None
     data_token: str | None = None
     tls: ServerTls | None = None
+    # Keep freed host memory for reuse (skyrl_grpc.host_memory): weight updates then stop
+    # page-faulting through fresh memory, at the price of resident memory staying at its peak.
+    keep_freed_memory: bool = True
 
 
 class EngineServer:
@@ -110,6 +114,8 @@ class EngineServer:
         self._engine_task = asyncio.create_task(self._start_engine())
 
     async def _start_engine(self) -> None:
+        if self.options.keep_freed_memory:  # before vLLM starts its engine-core process
+            keep_freed_memory()
         try:
             engine = await VllmEngine.start(self.options.engine)
         except Exception:
@@ -197,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drain-grace-seconds", type=float, default=10.0)
     parser.add_argument("--max-message-mib", type=int, default=64)
     parser.add_argument(
+        "--return-freed-memory",
+        action="store_true",
+        help="let the C library unmap freed buffers (lower resident memory, slower weight "
+        "updates; by default freed memory is kept for reuse)",
+    )
+    parser.add_argument(
         "--control-token",
         default=os.environ.get("SKYRL_CONTROL_TOKEN"),
         help="require this bearer token on ControlPlane (default: $SKYRL_CONTROL_TOKEN)",
@@ -221,6 +233,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         control_token=args.control_token,
         data_token=args.data_token,
         tls=tls_from_args(args),
+        keep_freed_memory=not args.return_freed_memory,
     )
 
 
