@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import zlib
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from servers.weight_transfer import (
 from skyrl_grpc import dtypes
 from skyrl_grpc.errors import DataLoss, FailedPrecondition, InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
-from trainer_client.weights import plan_buckets, push_messages, rank_offsets
+from trainer_client.weights import chunk_message, plan_buckets, push_messages, rank_offsets
 
 LAYOUT = {
     "a.weight": ParamLayout(dtypes.BY_TORCH["float32"], (4, 3)),
@@ -45,6 +46,18 @@ def test_a_complete_push_reassembles_every_tensor() -> None:
             torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape), tensor
         )
     assert assembler.bytes_received == (12 + 5) * 4
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 20_000, 3_000_000])
+def test_a_hand_encoded_chunk_is_the_message_protobuf_would_build(size: int) -> None:
+    data = bytes(i % 251 for i in range(size))
+    wire = chunk_message("layers.0.mlp.weight", 4 << 20, memoryview(data))
+    expected = cp.PushWeightsRequest(
+        chunk=cp.WeightChunk(
+            name="layers.0.mlp.weight", offset_bytes=4 << 20, data=data, crc32=zlib.crc32(data)
+        )
+    )
+    assert cp.PushWeightsRequest.FromString(wire) == expected
 
 
 @pytest.mark.parametrize(

@@ -101,16 +101,42 @@ def push_messages(
     for name, tensor in tensors:
         data = raw_bytes(tensor).numpy()
         for offset in range(0, max(len(data), 1), chunk_bytes):
-            piece = data[offset : offset + chunk_bytes].tobytes()
-            # Filled in place: nested constructors copy the bytes once more.
-            message = cp.PushWeightsRequest()
-            chunk = message.chunk
-            chunk.name = name
-            chunk.offset_bytes = offset
-            chunk.data = piece
-            chunk.crc32 = zlib.crc32(piece)
-            messages.append(message.SerializeToString())
+            piece = memoryview(data[offset : offset + chunk_bytes])
+            messages.append(chunk_message(name, offset, piece))
     return messages
+
+
+_CHUNK_FIELD = cp.PushWeightsRequest.DESCRIPTOR.fields_by_name["chunk"].number
+_DATA_FIELD = cp.WeightChunk.DESCRIPTOR.fields_by_name["data"].number
+
+
+def chunk_message(name: str, offset: int, piece: memoryview) -> bytes:
+    """A serialized ``PushWeightsRequest`` carrying one chunk, copying ``piece`` only once.
+
+    Building it through protobuf copies the data three times (to bytes, into the message, out
+    to the wire), which made preparing the stream slower than sending it. The small fields are
+    serialized by protobuf; the data field is appended in wire format (fields may come in any
+    order), straight from the tensor's memory.
+    """
+    head = cp.WeightChunk(name=name, offset_bytes=offset, crc32=zlib.crc32(piece))
+    head_bytes = head.SerializeToString()
+    data_prefix = _field_prefix(_DATA_FIELD, len(piece))
+    inner_length = len(head_bytes) + len(data_prefix) + len(piece)
+    return b"".join((_field_prefix(_CHUNK_FIELD, inner_length), head_bytes, data_prefix, piece))
+
+
+def _field_prefix(number: int, length: int) -> bytes:
+    """Tag and length of a length-delimited protobuf field."""
+    return _varint(number << 3 | 2) + _varint(length)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 class CollectiveSender:
