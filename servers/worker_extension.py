@@ -29,6 +29,50 @@ def torch_uint8() -> Any:
     return torch.uint8
 
 
+def receive_buckets(
+    group: Any, buckets: list[dict[str, Any]], timeout_seconds: float
+) -> tuple[dict[str, Any], int, list[str]]:
+    """Receives ``buckets`` (laid out as in ``skyrl_receive_buckets``) from rank 0 of ``group``.
+
+    Returns the parameters as host tensors (views of their bucket: each bucket has a buffer of
+    its own, so no copy), the bytes received and the names whose SHA-256 did not match. The
+    receive of the next bucket is posted before the current one is sliced and verified, so
+    checksumming overlaps the transfer.
+    """
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    timeout = timedelta(seconds=timeout_seconds)
+
+    def post(bucket: dict[str, Any]) -> tuple[Any, Any]:
+        buffer = torch.empty(int(bucket["size"]), dtype=torch.uint8, device=device)
+        return buffer, group.broadcast(buffer, 0)
+
+    received: dict[str, Any] = {}
+    mismatches: list[str] = []
+    total = 0
+    pending = post(buckets[0]) if buckets else None
+    for index, bucket in enumerate(buckets):
+        assert pending is not None
+        buffer, work = pending
+        work.wait(timeout)
+        pending = post(buckets[index + 1]) if index + 1 < len(buckets) else None
+        host = buffer.cpu()
+        total += host.numel()
+        for param in bucket["params"]:
+            start = int(param["offset"])
+            dtype = getattr(torch, param["dtype"])
+            count = 1
+            for dim in param["shape"]:
+                count *= int(dim)
+            raw = host[start : start + count * dtype.itemsize]
+            if param.get("sha256") and hashlib.sha256(raw.numpy()).digest() != param["sha256"]:
+                mismatches.append(param["name"])
+                continue
+            received[param["name"]] = raw.view(dtype).reshape(param["shape"])
+    return received, total, mismatches
+
+
 class WeightTransferWorker:
     """Mixin for vLLM's Worker. All state lives in ``_skyrl_*`` attributes."""
 
@@ -108,35 +152,11 @@ class WeightTransferWorker:
         the trainer's broadcasts never hang; the mismatches are returned and nothing of this
         call is staged then.
         """
-        import torch
-
         if self._skyrl_group is None:
             raise RuntimeError("not in a weight-transfer group: call InitWeightTransfer first")
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        received: dict[str, Any] = {}
-        mismatches: list[str] = []
-        total = 0
-        for bucket in buckets:
-            buffer = torch.empty(int(bucket["size"]), dtype=torch.uint8, device=device)
-            work = self._skyrl_group.broadcast(buffer, 0)
-            work.wait(timedelta(seconds=self._skyrl_timeout))
-            host = buffer.cpu()
-            total += host.numel()
-            for param in bucket["params"]:
-                start = int(param["offset"])
-                dtype = getattr(torch, param["dtype"])
-                count = 1
-                for dim in param["shape"]:
-                    count *= int(dim)
-                size = count * torch.empty(0, dtype=dtype).element_size()
-                raw = host[start : start + size]
-                if param.get("sha256"):
-                    digest = hashlib.sha256(raw.numpy().tobytes()).digest()
-                    if digest != param["sha256"]:
-                        mismatches.append(param["name"])
-                        continue
-                # A view: the bucket buffer is fresh per bucket, so no copy is needed.
-                received[param["name"]] = raw.view(dtype).reshape(param["shape"])
+        received, total, mismatches = receive_buckets(
+            self._skyrl_group, buckets, self._skyrl_timeout
+        )
         if not mismatches:
             self._skyrl_staging().update(received)
         return {"bytes": total, "params": len(received), "mismatches": mismatches}
