@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 import skyrl_grpc
+from skyrl_grpc.chunk_wire import WireChunk, decode_push_request
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
@@ -31,6 +33,38 @@ def pause_mode_name(mode: int) -> PauseModeName:
         raise InvalidArgument(
             f"mode = {mode} is not a PauseMode: use ABORT (1), WAIT (2) or KEEP (3)"
         ) from None
+
+
+SERVICE = cp.DESCRIPTOR.services_by_name["ControlPlane"].full_name
+
+
+def add_control_plane(
+    servicer: control_plane_pb2_grpc.ControlPlaneServicer, server: grpc.aio.Server
+) -> None:
+    """Registers the ControlPlane as the generated code does, except that PushWeights reads
+    its chunks with ``decode_push_request``: their data stays a view of the received bytes
+    instead of being copied twice by protobuf (see ``skyrl_grpc.chunk_wire``)."""
+
+    class Capture:
+        def __init__(self) -> None:
+            self.handlers: dict[str, Any] = {}
+
+        def add_generic_rpc_handlers(self, _: Any) -> None:
+            pass
+
+        def add_registered_method_handlers(self, _: str, handlers: dict[str, Any]) -> None:
+            self.handlers = dict(handlers)
+
+    capture = Capture()
+    control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(servicer, capture)
+    handlers = capture.handlers
+    handlers["PushWeights"] = grpc.stream_unary_rpc_method_handler(
+        servicer.PushWeights,
+        request_deserializer=decode_push_request,
+        response_serializer=handlers["PushWeights"].response_serializer,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
 
 
 class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
@@ -103,7 +137,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
 
     async def PushWeights(
         self,
-        request_iterator: AsyncIterator[cp.PushWeightsRequest],
+        request_iterator: AsyncIterator[cp.PushWeightsRequest | WireChunk],
         context: grpc.aio.ServicerContext,
     ) -> cp.PushWeightsResponse:
         staged, received = await self._state.engine().weights.push(request_iterator)

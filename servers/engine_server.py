@@ -27,12 +27,11 @@ from grpc_reflection.v1alpha import reflection
 from skyrl_grpc.host_memory import keep_freed_memory
 from skyrl_grpc.v1 import (
     control_plane_pb2,
-    control_plane_pb2_grpc,
     data_plane_pb2,
     data_plane_pb2_grpc,
 )
 
-from .control_plane import ControlPlaneServicer
+from .control_plane import ControlPlaneServicer, add_control_plane
 from .data_plane import DataPlaneServicer
 from .engine import EngineOptions, VllmEngine
 from .interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
@@ -98,9 +97,7 @@ class EngineServer:
         data_plane_pb2_grpc.add_DataPlaneServicer_to_server(
             DataPlaneServicer(self.state), self.server
         )
-        control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(
-            ControlPlaneServicer(self.state), self.server
-        )
+        add_control_plane(ControlPlaneServicer(self.state), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [DATA_PLANE, CONTROL_PLANE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skyrl_grpc import dtypes
+from skyrl_grpc.chunk_wire import WireChunk
 from skyrl_grpc.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -80,9 +81,9 @@ class _Incoming:
     layout: ParamLayout
     sha256: bytes
     received: int = 0
-    # The chunks as received: the worker copies them into the parameter's buffer, so joining
-    # them here would only add a pass over fresh memory (costly: first-touch page faults).
-    chunks: list[bytes] = field(default_factory=list)
+    # The chunks as received (views into the received messages): the worker copies them into
+    # the parameter's buffer, so joining them here would only add a pass over memory.
+    chunks: list[bytes | memoryview] = field(default_factory=list)
     # Running SHA-256 of the chunks, when the manifest gave one to check.
     digest: Any = None
 
@@ -99,7 +100,11 @@ class InBandAssembler:
         self._incoming: dict[str, _Incoming] | None = None
         self.bytes_received = 0
 
-    def add(self, message: cp.PushWeightsRequest) -> None:
+    def add(self, message: cp.PushWeightsRequest | WireChunk) -> None:
+        """Takes the next message, as protobuf parsed it or as ``decode_push_request`` read it."""
+        if isinstance(message, WireChunk):
+            self._add_chunk(message)
+            return
         kind = message.WhichOneof("item")
         if kind == "manifest":
             if self._incoming is not None:
@@ -114,13 +119,15 @@ class InBandAssembler:
             return
         if kind != "chunk":
             raise InvalidArgument("a PushWeights message must carry a manifest or a chunk")
+        self._add_chunk(WireChunk.from_proto(message.chunk))
+
+    def _add_chunk(self, chunk: WireChunk) -> None:
         if self._incoming is None:
             raise InvalidArgument("the first PushWeights message must be the manifest")
-        chunk = message.chunk
         incoming = self._incoming.get(chunk.name)
         if incoming is None:
             raise InvalidArgument(f"chunk for {chunk.name!r}, which the manifest does not list")
-        data = chunk.data  # each access of a bytes field copies it: read it once
+        data = chunk.data
         if chunk.offset_bytes != incoming.received:
             raise InvalidArgument(
                 f"chunk of {chunk.name} at offset {chunk.offset_bytes}, expected "
@@ -131,12 +138,12 @@ class InBandAssembler:
             raise InvalidArgument(
                 f"chunks of {chunk.name} exceed its {incoming.layout.num_bytes} bytes"
             )
-        if not chunk.sha256 and not chunk.HasField("crc32"):
+        if not chunk.sha256 and chunk.crc32 is None:
             raise InvalidArgument(
                 f"the chunk of {chunk.name} at offset {chunk.offset_bytes} has no checksum: set "
                 "crc32 (zlib.crc32 of data) or sha256"
             )
-        if (chunk.HasField("crc32") and zlib.crc32(data) != chunk.crc32) or (
+        if (chunk.crc32 is not None and zlib.crc32(data) != chunk.crc32) or (
             chunk.sha256 and hashlib.sha256(data).digest() != chunk.sha256
         ):
             raise DataLoss(
@@ -311,7 +318,9 @@ class WeightTransferManager:
             self._staged.update(p["name"] for b in buckets for p in b["params"])
             return results[0]["params"], results[0]["bytes"]
 
-    async def push(self, messages: AsyncIterator[cp.PushWeightsRequest]) -> tuple[int, int]:
+    async def push(
+        self, messages: AsyncIterator[cp.PushWeightsRequest | WireChunk]
+    ) -> tuple[int, int]:
         try:
             return await self._push(messages)
         except SkyrlError:
@@ -321,7 +330,9 @@ class WeightTransferManager:
                 await asyncio.wait_for(_drain(messages), DRAIN_SECONDS)
             raise
 
-    async def _push(self, messages: AsyncIterator[cp.PushWeightsRequest]) -> tuple[int, int]:
+    async def _push(
+        self, messages: AsyncIterator[cp.PushWeightsRequest | WireChunk]
+    ) -> tuple[int, int]:
         async with self._lock:
             self._require_open("PushWeights")
             assembler = InBandAssembler(await self.layout())
