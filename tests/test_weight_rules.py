@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import zlib
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ from servers.weight_transfer import (
 from skyrl_grpc import dtypes
 from skyrl_grpc.errors import DataLoss, FailedPrecondition, InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
-from trainer_client.weights import chunk_message, plan_buckets, push_messages, rank_offsets
+from trainer_client.weights import plan_buckets, push_messages, rank_offsets
 
 LAYOUT = {
     "a.weight": ParamLayout(dtypes.BY_TORCH["float32"], (4, 3)),
@@ -46,18 +45,6 @@ def test_a_complete_push_reassembles_every_tensor() -> None:
             torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape), tensor
         )
     assert assembler.bytes_received == (12 + 5) * 4
-
-
-@pytest.mark.parametrize("size", [0, 1, 127, 128, 20_000, 3_000_000])
-def test_a_hand_encoded_chunk_is_the_message_protobuf_would_build(size: int) -> None:
-    data = bytes(i % 251 for i in range(size))
-    wire = chunk_message("layers.0.mlp.weight", 4 << 20, memoryview(data))
-    expected = cp.PushWeightsRequest(
-        chunk=cp.WeightChunk(
-            name="layers.0.mlp.weight", offset_bytes=4 << 20, data=data, crc32=zlib.crc32(data)
-        )
-    )
-    assert cp.PushWeightsRequest.FromString(wire) == expected
 
 
 @pytest.mark.parametrize(
@@ -137,6 +124,17 @@ def test_manifest_entries_must_match_the_model(spec: cp.ParameterSpec, fragment:
     manifest = cp.PushWeightsRequest(manifest=cp.WeightManifest(parameters=[spec]))
     with pytest.raises(InvalidArgument, match=fragment):
         InBandAssembler(LAYOUT).add(manifest)
+
+
+def test_large_tensors_are_sent_from_their_own_memory_and_small_ones_packed() -> None:
+    big, small = plan_buckets(TENSORS, bucket_bytes=1 << 20, direct_bytes=48)
+    assert big.direct and not small.direct
+    assert [p.parameter.name for p in big.layout.parameters] == ["a.weight"]
+    assert big.layout.size_bytes == 48 and big.layout.parameters[0].offset_bytes == 0
+    assert big.pack().data_ptr() == TENSORS[0][1].data_ptr()  # no copy
+    assert torch.equal(small.pack().view(torch.float32), torch.ones(5))
+    validated = bucket_layout(big.layout, LAYOUT)
+    assert [p["name"] for p in validated["params"]] == ["a.weight"]
 
 
 def test_buckets_pack_at_their_offsets_and_overlaps_are_rejected() -> None:

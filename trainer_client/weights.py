@@ -8,24 +8,33 @@ checksummed chunks after a manifest, serialized once and streamed to every serve
 from __future__ import annotations
 
 import hashlib
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from skyrl_grpc import dtypes
+from skyrl_grpc.chunk_wire import encode_chunk
 from skyrl_grpc.process_group import join_group
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_CHUNK_BYTES = 4 << 20
+# A tensor at least this large is broadcast from its own memory instead of being copied into a
+# bucket: on two cores that copy was a third of the work (the kernel's send and receive copies
+# are the rest), while one more broadcast costs well under a millisecond.
+DEFAULT_DIRECT_BYTES = 4 << 20
 
 
 def raw_bytes(tensor: Any) -> Any:
     """A tensor's bytes as a flat uint8 CPU tensor (no copy when already contiguous on CPU)."""
+    return flat_bytes(tensor).cpu()
+
+
+def flat_bytes(tensor: Any) -> Any:
+    """A tensor's bytes as a flat uint8 tensor on the tensor's own device."""
     import torch
 
-    return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def sha256_of(tensor: Any) -> bytes:
@@ -43,22 +52,29 @@ def parameter_spec(name: str, tensor: Any, with_checksum: bool) -> cp.ParameterS
 
 @dataclass
 class Bucket:
-    """Tensors packed back to back; ``layout`` tells the servers where each one lies."""
+    """Tensors packed back to back; ``layout`` tells the servers where each one lies.
+
+    A ``direct`` bucket holds one large tensor and is sent from that tensor's own memory.
+    """
 
     layout: cp.WeightBucket
     tensors: list[tuple[str, Any]]
+    direct: bool = False
 
     def pack(self, into: Any = None) -> Any:
         """The bucket's bytes, written into ``into`` (a uint8 tensor at least that large) when
-        given: reusing one buffer avoids touching fresh memory for every bucket."""
+        given: reusing one buffer avoids touching fresh memory for every bucket. A direct
+        bucket returns its tensor's own bytes and ignores ``into``."""
         import torch
 
+        if self.direct:
+            return flat_bytes(self.tensors[0][1])
         if into is None:
             buffer = torch.empty(self.layout.size_bytes, dtype=torch.uint8)
         else:
             buffer = into[: self.layout.size_bytes]
         for packed, (_, tensor) in zip(self.layout.parameters, self.tensors, strict=True):
-            data = raw_bytes(tensor)
+            data = flat_bytes(tensor)  # copy_ crosses devices when the buffer is elsewhere
             buffer[packed.offset_bytes : packed.offset_bytes + data.numel()].copy_(data)
         return buffer
 
@@ -67,19 +83,24 @@ def plan_buckets(
     named_tensors: Iterable[tuple[str, Any]],
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     with_checksums: bool = True,
+    direct_bytes: int = DEFAULT_DIRECT_BYTES,
 ) -> list[Bucket]:
-    """Groups tensors into buckets of at most ``bucket_bytes`` (a larger tensor gets its own)."""
+    """Groups tensors into buckets of at most ``bucket_bytes``; a tensor of ``direct_bytes`` or
+    more (or larger than a bucket) gets a direct bucket of its own."""
     buckets: list[Bucket] = []
     current = Bucket(cp.WeightBucket(), [])
     for name, tensor in named_tensors:
         size = tensor.numel() * tensor.element_size()
+        spec = parameter_spec(name, tensor, with_checksums)
+        if size >= min(direct_bytes, bucket_bytes):
+            layout = cp.WeightBucket(size_bytes=size)
+            layout.parameters.add(parameter=spec, offset_bytes=0)
+            buckets.append(Bucket(layout, [(name, tensor)], direct=True))
+            continue
         if current.tensors and current.layout.size_bytes + size > bucket_bytes:
             buckets.append(current)
             current = Bucket(cp.WeightBucket(), [])
-        current.layout.parameters.add(
-            parameter=parameter_spec(name, tensor, with_checksums),
-            offset_bytes=current.layout.size_bytes,
-        )
+        current.layout.parameters.add(parameter=spec, offset_bytes=current.layout.size_bytes)
         current.layout.size_bytes += size
         current.tensors.append((name, tensor))
     if current.tensors:
@@ -102,41 +123,8 @@ def push_messages(
         data = raw_bytes(tensor).numpy()
         for offset in range(0, max(len(data), 1), chunk_bytes):
             piece = memoryview(data[offset : offset + chunk_bytes])
-            messages.append(chunk_message(name, offset, piece))
+            messages.append(encode_chunk(name, offset, piece))
     return messages
-
-
-_CHUNK_FIELD = cp.PushWeightsRequest.DESCRIPTOR.fields_by_name["chunk"].number
-_DATA_FIELD = cp.WeightChunk.DESCRIPTOR.fields_by_name["data"].number
-
-
-def chunk_message(name: str, offset: int, piece: memoryview) -> bytes:
-    """A serialized ``PushWeightsRequest`` carrying one chunk, copying ``piece`` only once.
-
-    Building it through protobuf copies the data three times (to bytes, into the message, out
-    to the wire), which made preparing the stream slower than sending it. The small fields are
-    serialized by protobuf; the data field is appended in wire format (fields may come in any
-    order), straight from the tensor's memory.
-    """
-    head = cp.WeightChunk(name=name, offset_bytes=offset, crc32=zlib.crc32(piece))
-    head_bytes = head.SerializeToString()
-    data_prefix = _field_prefix(_DATA_FIELD, len(piece))
-    inner_length = len(head_bytes) + len(data_prefix) + len(piece)
-    return b"".join((_field_prefix(_CHUNK_FIELD, inner_length), head_bytes, data_prefix, piece))
-
-
-def _field_prefix(number: int, length: int) -> bytes:
-    """Tag and length of a length-delimited protobuf field."""
-    return _varint(number << 3 | 2) + _varint(length)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 class CollectiveSender:
@@ -158,9 +146,15 @@ class CollectiveSender:
         self.group_name = group_name
         self.timeout_seconds = timeout_seconds
         self._group: Any = None
-        # The bucket staging buffer, kept across updates: memory touched for the first time
-        # costs page faults that can take longer than the broadcast itself.
-        self._scratch: Any = None
+        # Two bucket buffers, kept across updates: one is packed while the other is broadcast,
+        # and memory touched for the first time costs page faults that can take longer than
+        # the broadcast itself.
+        self._scratch: list[Any] = [None, None]
+
+    @property
+    def group(self) -> Any:
+        """The joined process group (``None`` before ``join()``)."""
+        return self._group
 
     def join(self) -> None:
         """Blocks until every server worker has joined (run it concurrently with their init)."""
@@ -175,25 +169,38 @@ class CollectiveSender:
         )
 
     def broadcast(self, buckets: list[Bucket]) -> int:
-        """Broadcasts each packed bucket in order; returns the bytes sent."""
+        """Broadcasts each packed bucket in order; returns the bytes sent.
+
+        Packing a bucket overlaps the broadcast of the one before it (two buffers in turn).
+        """
         from datetime import timedelta
 
         import torch
 
         if self._group is None:
             raise RuntimeError("join() first")
-        sent = 0
         device = "cuda" if self.backend == "nccl" else "cpu"
-        # One staging buffer for every bucket: broadcast() completes before the next pack.
-        largest = max((b.layout.size_bytes for b in buckets), default=0)
-        if self._scratch is None or self._scratch.numel() < largest:
-            self._scratch = torch.empty(largest, dtype=torch.uint8)
-        for bucket in buckets:
-            buffer = bucket.pack(into=self._scratch)
-            if device != "cpu":
-                buffer = buffer.to(device)
-            self._group.broadcast(buffer, 0).wait(timedelta(seconds=self.timeout_seconds))
+        timeout = timedelta(seconds=self.timeout_seconds)
+        largest = max((b.layout.size_bytes for b in buckets if not b.direct), default=0)
+        in_flight: list[Any] = [None, None]
+        sent = 0
+        for index, bucket in enumerate(buckets):
+            slot = index % 2
+            if in_flight[slot] is not None:
+                in_flight[slot].wait(timeout)  # its buffer may be about to be packed again
+            if bucket.direct:
+                buffer = bucket.pack().to(device)  # no copy when it is already there
+            else:
+                scratch = self._scratch[slot]
+                if scratch is None or scratch.numel() < largest:
+                    scratch = torch.empty(largest, dtype=torch.uint8, device=device)
+                    self._scratch[slot] = scratch
+                buffer = bucket.pack(into=scratch)
+            in_flight[slot] = self._group.broadcast(buffer, 0)
             sent += buffer.numel()
+        for work in in_flight:
+            if work is not None:
+                work.wait(timeout)
         if device != "cpu":
             torch.cuda.synchronize()
         return sent
