@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -37,6 +36,7 @@ from skyrl_grpc.tls import TlsConfig
 from skyrl_grpc.v1 import data_plane_pb2, router_pb2, router_pb2_grpc
 
 from .backends import CHANNEL_OPTIONS, Backend, BackendPool, ChannelFactory, insecure_channel
+from .early_answer import read_rest
 from .interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
 from .lifecycle import (
     ServerTls,
@@ -57,6 +57,8 @@ DATA_PLANE_DESCRIPTOR = data_plane_pb2.DESCRIPTOR.services_by_name["DataPlane"]
 DATA_PLANE = DATA_PLANE_DESCRIPTOR.full_name
 ROUTER_ADMIN = router_pb2.DESCRIPTOR.services_by_name["RouterAdmin"].full_name
 # Metadata the transport owns; everything else is forwarded as is.
+# How long a call answered with an error keeps reading what the caller still sends.
+READ_REST_SECONDS = 5.0
 _NOT_FORWARDED = ("grpc-", ":")
 _NOT_FORWARDED_KEYS = {"user-agent", "te", "content-type"}
 
@@ -255,11 +257,11 @@ class Proxy:
             failed = False
         except grpc.aio.AioRpcError as error:
             code = error.code()
-            await _read_rest(requests)
+            await read_rest(requests, READ_REST_SECONDS)
             await context.abort(code, error.details() or "", tuple(error.trailing_metadata() or ()))
         except _NoBackend as error:
             code = grpc.StatusCode.UNAVAILABLE
-            await _read_rest(requests)
+            await read_rest(requests, READ_REST_SECONDS)
             await context.abort(code, f"router: {error}")
         finally:
             if call is not None and not call.done():
@@ -281,18 +283,6 @@ class Proxy:
         self.metrics.latency.labels(method).observe(time.perf_counter() - started)
         if code != grpc.StatusCode.OK:
             self.metrics.errors.labels(method, code.name).inc()
-
-
-async def _read_rest(requests: AsyncIterator[bytes], limit_seconds: float = 5.0) -> None:
-    """Reads what the caller still sends before answering with an error: a call rejected
-    before its messages were read otherwise ends with a transport error at the caller."""
-
-    async def drain() -> None:
-        async for _ in requests:
-            pass
-
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(drain(), limit_seconds)
 
 
 class _NoBackend(Exception):

@@ -12,7 +12,6 @@ whole update (staging is discarded, the serving weights never change) and says s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import itertools
 import logging
@@ -32,6 +31,8 @@ from skyrl_grpc.errors import (
     Unavailable,
 )
 from skyrl_grpc.v1 import control_plane_pb2 as cp
+
+from .early_answer import read_rest
 
 log = logging.getLogger(__name__)
 
@@ -324,10 +325,7 @@ class WeightTransferManager:
         try:
             return await self._push(messages)
         except SkyrlError:
-            # Read what the sender still sends before answering: a client-streaming call
-            # rejected mid-send sees a transport error instead of this status otherwise.
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(_drain(messages), DRAIN_SECONDS)
+            await read_rest(messages, DRAIN_SECONDS)
             raise
 
     async def _push(
@@ -417,11 +415,6 @@ class WeightTransferManager:
                 await self._rpc("skyrl_discard", ())
             except Exception:
                 log.exception("discarding staged weights failed")
-
-
-async def _drain(messages: AsyncIterator[Any]) -> None:
-    async for _ in messages:
-        pass
 
 
 def _transport_error(what: str, exc: Exception) -> SkyrlError:
