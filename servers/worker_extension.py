@@ -167,11 +167,7 @@ class WeightTransferWorker:
 
         staging = self._skyrl_staging()
         for name, dtype_name, shape, chunks in params:
-            buffer = bytearray(sum(len(chunk) for chunk in chunks))
-            offset = 0
-            for chunk in chunks:
-                buffer[offset : offset + len(chunk)] = chunk
-                offset += len(chunk)
+            buffer = bytearray().join(chunks)  # one copy, into memory torch may keep writable
             dtype = getattr(torch, dtype_name)
             staging[name] = torch.frombuffer(buffer, dtype=dtype).reshape(shape)
         return len(params)
