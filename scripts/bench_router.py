@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_stack import GrpcContender, Workload, compare, percentile, write_report  # noqa: E402
 
-from servers.launcher import LocalStack  # noqa: E402
-from servers.router import RouterOptions, RouterServer  # noqa: E402
+from servers.fleet.local import LocalFleet  # noqa: E402
+from servers.router.server import RouterOptions, RouterServer  # noqa: E402
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc  # noqa: E402
 from skyrl_grpc.v1 import generation_pb2 as gen  # noqa: E402
 from tests.helpers.fake_backend import FakeBackend  # noqa: E402
@@ -41,10 +41,10 @@ async def router_cost(per_stream: int, max_tokens: int, rounds: int) -> list[str
         "| --- | --- | --- | --- | --- | --- |",
     ]
     ratios = []
-    with LocalStack(1) as stack:
+    with LocalFleet(1) as stack:
         contenders = [
-            GrpcContender("direct", stack.server_addresses[0]),
-            GrpcContender("router", stack.router_address),
+            GrpcContender("direct", stack.addresses.servers[0]),
+            GrpcContender("router", stack.addresses.router),
         ]
         for contender in contenders:  # first generations are slow
             await contender.run(Workload(8, 2, 16, 1))

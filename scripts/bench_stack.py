@@ -47,8 +47,9 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
-from servers.engine import EngineOptions, cpu_layout  # noqa: E402
-from servers.launcher import LocalStack  # noqa: E402
+from servers.engine.options import EngineOptions  # noqa: E402
+from servers.engine.vllm_engine import cpu_layout  # noqa: E402
+from servers.fleet.local import LocalFleet  # noqa: E402
 from skyrl_grpc.metadata import SESSION_ID  # noqa: E402
 from skyrl_grpc.tiny_model import ensure_tiny_model  # noqa: E402
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc  # noqa: E402
@@ -292,7 +293,7 @@ async def in_process_worker() -> None:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from servers.engine import VllmEngine
+    from servers.engine.vllm_engine import VllmEngine
 
     engine = await VllmEngine.start(EngineOptions())
     llm = engine.llm
@@ -437,10 +438,10 @@ async def throughput_section(args: argparse.Namespace) -> list[str]:
     ratios: list[str] = []
     in_process = InProcessContender()
     try:
-        with LocalStack(1) as stack, contextlib.ExitStack() as http_servers:
+        with LocalFleet(1) as stack, contextlib.ExitStack() as http_servers:
             stack_contenders: list[Contender] = [
-                GrpcContender("stack", stack.router_address),
-                GrpcContender("direct", stack.server_addresses[0]),
+                GrpcContender("stack", stack.addresses.router),
+                GrpcContender("direct", stack.addresses.servers[0]),
             ]
             http: HttpContender | None = None
             http_interval = 0
@@ -451,7 +452,7 @@ async def throughput_section(args: argparse.Namespace) -> list[str]:
                     http = http_servers.enter_context(vllm_http_server(http_interval))
                 contenders = [*stack_contenders, http, in_process]
                 if interval == 0:
-                    contenders.insert(2, TrainerClientContender(stack.router_address))
+                    contenders.insert(2, TrainerClientContender(stack.addresses.router))
                 warm = Workload(16, 1, 16, interval)
                 for contender in contenders:  # first generations are slow everywhere
                     await contender.run(warm)
@@ -553,12 +554,12 @@ async def fan_out_section(args: argparse.Namespace) -> list[str]:
         "| servers | mode | p50 round trip (ms) | p99 round trip (ms) |",
         "| --- | --- | --- | --- |",
     ]
-    with LocalStack(max(sizes)) as stack:
+    with LocalFleet(max(sizes)) as stack:
         stop = asyncio.Event()
-        load = asyncio.create_task(background_load(stack.router_address, stop))
+        load = asyncio.create_task(background_load(stack.addresses.router, stop))
         await asyncio.sleep(2)
         for size in sizes:
-            client = InferenceClient(stack.router_address, stack.server_addresses[:size])
+            client = InferenceClient(stack.addresses.router, stack.addresses.servers[:size])
             for mode in ("keep", "abort"):
                 times = []
                 for _ in range(args.fan_out_repeats):

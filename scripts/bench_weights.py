@@ -96,8 +96,8 @@ def in_band_receiver(port_queue: Any, layout: dict[str, Any]) -> None:
     a bare client-streaming method that only counts the bytes it receives."""
     import grpc
 
-    from servers.control_plane import add_control_plane
-    from servers.weight_transfer import InBandAssembler, ParamLayout
+    from servers.engine.control_plane import add_control_plane
+    from servers.engine.weights.assembly import InBandAssembler, ParamLayout
     from skyrl_grpc import dtypes
     from skyrl_grpc.host_memory import keep_freed_memory
     from skyrl_grpc.v1 import control_plane_pb2 as cp
@@ -178,7 +178,7 @@ def gloo_receiver(
     """
     import torch
 
-    from servers.worker_extension import receive_buckets
+    from servers.engine.weights.worker import receive_buckets
     from skyrl_grpc.host_memory import keep_freed_memory
     from skyrl_grpc.process_group import join_group
 
@@ -272,14 +272,14 @@ def collective(tensors: list[tuple[str, Any]], rounds: int) -> dict[str, list[fl
 async def end_to_end() -> dict[str, float]:
     from safetensors.torch import load_file
 
-    from servers.launcher import LocalStack
+    from servers.fleet.local import LocalFleet
     from skyrl_grpc.tiny_model import ensure_tiny_model
     from trainer_client import InferenceClient
 
     weights = load_file(str(ensure_tiny_model() / "model.safetensors"))
     times: dict[str, float] = {}
-    with LocalStack(1) as stack:
-        client = InferenceClient(stack.router_address, stack.server_addresses)
+    with LocalFleet(1) as stack:
+        client = InferenceClient(stack.addresses.router, stack.addresses.servers)
         await client.init_weight_transfer("gloo")
         version = 1
         for transport in ("grpc", "collective", "grpc", "collective"):

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from safetensors.torch import load_file  # noqa: E402
 
-from servers.launcher import LocalStack  # noqa: E402
+from servers.fleet.local import LocalFleet  # noqa: E402
 from skyrl_grpc.tiny_model import ensure_tiny_model  # noqa: E402
 from trainer_client import InferenceClient  # noqa: E402
 
@@ -36,8 +36,8 @@ def tree_rss(pid: int) -> int:
     return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
 
 
-async def soak(stack: LocalStack, seconds: float, workers: int) -> dict[str, float]:
-    client = InferenceClient(stack.router_address, stack.server_addresses, max_abort_retries=50)
+async def soak(stack: LocalFleet, seconds: float, workers: int) -> dict[str, float]:
+    client = InferenceClient(stack.addresses.router, stack.addresses.servers, max_abort_retries=50)
     original = load_file(str(ensure_tiny_model() / "model.safetensors"))
     import torch
 
@@ -118,8 +118,8 @@ def main() -> int:
         help="allowed RSS growth after warm-up, per server",
     )
     args = parser.parse_args()
-    with LocalStack(2) as stack:
-        servers = stack.pids[: len(stack.server_addresses)]
+    with LocalFleet(2) as stack:
+        servers = stack.pids[: len(stack.addresses.servers)]
         started = time.perf_counter()
         asyncio.run(
             soak(stack, args.warmup_seconds, args.workers)

@@ -64,7 +64,8 @@ def greedy_reference(
 
 async def running_engine_server() -> AsyncIterator[Any]:
     """A real vLLM engine server on the tiny model, in this process, drained afterwards."""
-    from servers.engine_server import EngineServer, ServerOptions
+    from servers.engine.options import ServerOptions
+    from servers.engine.server import EngineServer
 
     server = EngineServer(ServerOptions())
     await server.start()
@@ -96,7 +97,7 @@ async def second_engine_server(engine_server: Any) -> AsyncIterator[Any]:
 @pytest.fixture(scope="session")
 async def two_server_router(engine_server: Any, second_engine_server: Any) -> AsyncIterator[Any]:
     """A router in front of both real engine servers."""
-    from servers.router import RouterOptions, RouterServer
+    from servers.router.server import RouterOptions, RouterServer
 
     router = RouterServer(
         RouterOptions(
@@ -113,7 +114,7 @@ async def two_server_router(engine_server: Any, second_engine_server: Any) -> As
 @pytest.fixture(scope="session")
 async def one_server_router(engine_server: Any) -> AsyncIterator[Any]:
     """A router in front of the session's engine server."""
-    from servers.router import RouterOptions, RouterServer
+    from servers.router.server import RouterOptions, RouterServer
 
     router = RouterServer(
         RouterOptions(backends=[engine_server.address], health_check_interval=0.2)

@@ -1,4 +1,5 @@
-"""Validation and conversion rules, without an engine."""
+"""Validation (``servers.engine.validate``) and conversion (``servers.engine.convert``) rules,
+without an engine."""
 
 from __future__ import annotations
 
@@ -6,16 +7,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from servers.control_plane import pause_mode_name
-from servers.converters import (
+from servers.engine import validate
+from servers.engine.convert import (
     ChunkCoalescer,
-    ModelLimits,
     build_sampling_params,
     finish_to_proto,
     logprobs_to_proto,
-    resolve_n,
-    validate_prompt,
 )
+from servers.engine.validate import ModelLimits
 from skyrl_grpc.assembly import ResponseAssembler
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
@@ -25,9 +24,8 @@ SP = generation_pb2.SamplingParams
 
 
 def build(params: generation_pb2.SamplingParams, prompt_len: int = 4, n: int = 1):  # type: ignore[no-untyped-def]
-    return build_sampling_params(
-        params, n=n, prompt_len=prompt_len, limits=LIMITS, detokenize=False
-    )
+    max_tokens = validate.sampling(params, prompt_len=prompt_len, limits=LIMITS)
+    return build_sampling_params(params, n=n, max_tokens=max_tokens, detokenize=False)
 
 
 @pytest.mark.parametrize(
@@ -40,12 +38,12 @@ def build(params: generation_pb2.SamplingParams, prompt_len: int = 4, n: int = 1
 )
 def test_bad_prompts_are_rejected_with_a_reason(prompt: list[int], fragment: str) -> None:
     with pytest.raises(InvalidArgument) as raised:
-        validate_prompt(prompt, LIMITS, "prompt_token_ids")
+        validate.prompt(prompt, LIMITS, "prompt_token_ids")
     assert fragment in str(raised.value)
 
 
 def test_a_prompt_that_fits_passes() -> None:
-    assert validate_prompt([0, 99, 5], LIMITS, "prompt_token_ids") == [0, 99, 5]
+    assert validate.prompt([0, 99, 5], LIMITS, "prompt_token_ids") == [0, 99, 5]
 
 
 @pytest.mark.parametrize(
@@ -63,7 +61,7 @@ def test_a_prompt_that_fits_passes() -> None:
         (SP(prompt_logprobs=-1), "prompt_logprobs = -1"),
         (SP(presence_penalty=3.0), "presence_penalty = 3.0 is outside"),
         (SP(repetition_penalty=0.0), "repetition_penalty = 0.0 is outside"),
-        (SP(stop_token_ids=[100]), "stop_token_ids has 100"),
+        (SP(stop_token_ids=[100]), "stop_token_ids[0] = 100 is outside the vocabulary"),
         (SP(stop_strings=[""]), "empty string"),
         (SP(min_tokens=10, max_tokens=5), "min_tokens = 10"),
     ],
@@ -77,10 +75,10 @@ def test_bad_sampling_params_name_the_field(
 
 
 def test_n_zero_means_one_and_negative_is_rejected() -> None:
-    assert resolve_n(0) == 1
-    assert resolve_n(4) == 4
+    assert validate.sample_count(0) == 1
+    assert validate.sample_count(4) == 4
     with pytest.raises(InvalidArgument, match="n = -1"):
-        resolve_n(-1)
+        validate.sample_count(-1)
 
 
 def test_unset_fields_take_documented_defaults() -> None:
@@ -111,10 +109,10 @@ def test_set_fields_reach_vllm() -> None:
 
 
 def test_unknown_pause_mode_is_rejected() -> None:
-    assert pause_mode_name(0) == "abort"
-    assert pause_mode_name(3) == "keep"
+    assert validate.pause_mode(0) == "abort"
+    assert validate.pause_mode(3) == "keep"
     with pytest.raises(InvalidArgument, match="mode = 9"):
-        pause_mode_name(9)
+        validate.pause_mode(9)
 
 
 @dataclass

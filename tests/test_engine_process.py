@@ -32,7 +32,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class ServerProcess:
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "servers.engine_server", "--port", "0", *args],
+            [sys.executable, "-m", "servers.engine", "--port", "0", *args],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servers.launcher import LocalStack
+from servers.fleet.local import LocalFleet
 from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.helpers.waits import running_on_engines
@@ -36,10 +36,10 @@ async def backend_states(channel: grpc.aio.Channel) -> dict[str, int]:
 
 
 def test_killed_server_mid_generation_loses_nothing_and_rejoins() -> None:
-    async def scenario(stack: LocalStack) -> None:
-        client = InferenceClient(stack.router_address, stack.server_addresses)
-        victim = stack.server_addresses[0]
-        async with grpc.aio.insecure_channel(stack.router_address) as channel:
+    async def scenario(stack: LocalFleet) -> None:
+        client = InferenceClient(stack.addresses.router, stack.addresses.servers)
+        victim = stack.addresses.servers[0]
+        async with grpc.aio.insecure_channel(stack.addresses.router) as channel:
             homes = {s: await routed_to(channel, s) for s in SESSIONS}
             affected = [s for s in SESSIONS if homes[s] == victim]
             assert affected, "no session lives on the victim"
@@ -74,5 +74,5 @@ def test_killed_server_mid_generation_loses_nothing_and_rejoins() -> None:
             for session in affected:
                 assert await routed_to(channel, session) == victim  # sessions came home
 
-    with LocalStack(3) as stack:
+    with LocalFleet(3) as stack:
         asyncio.run(scenario(stack))

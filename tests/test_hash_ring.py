@@ -6,8 +6,8 @@ import hashlib
 import random
 from collections import Counter
 
-from servers.balancer import LeastOutstanding, RoundRobin
-from servers.hash_ring import HashRing, stable_hash
+from servers.router.balancer import LeastOutstanding, RoundRobin
+from servers.router.hash_ring import HashRing, stable_hash
 
 BACKENDS = [f"10.0.0.{i}:50051" for i in range(1, 5)]
 SESSIONS = [f"session-{i}" for i in range(10_000)]

@@ -12,8 +12,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servers import engine_server
-from servers.router import RouterOptions, RouterServer
+from servers.engine import options as engine_options
+from servers.engine import server as engine_server
+from servers.router.server import RouterOptions, RouterServer
 from skyrl_grpc.metadata import bearer
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import (
@@ -40,7 +41,7 @@ async def guarded_server(
 
     monkeypatch.setattr(engine_server.VllmEngine, "start", never_ready)
     server = engine_server.EngineServer(
-        engine_server.ServerOptions(control_token="control-s3cret", data_token="data-s3cret")
+        engine_options.ServerOptions(control_token="control-s3cret", data_token="data-s3cret")
     )
     await server.start()
     yield server

@@ -10,9 +10,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servers import engine_server
-from servers.lifecycle import ServerTls
-from servers.router import RouterOptions, RouterServer
+from servers.common.listener import ServerTls
+from servers.engine import options as engine_options
+from servers.engine import server as engine_server
+from servers.router.server import RouterOptions, RouterServer
 from skyrl_grpc.tls import TlsConfig
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
@@ -43,7 +44,7 @@ async def tls_server(
 
     monkeypatch.setattr(engine_server.VllmEngine, "start", never_ready)
     server = engine_server.EngineServer(
-        engine_server.ServerOptions(
+        engine_options.ServerOptions(
             tls=ServerTls(certs.server_cert, certs.server_key, client_ca=certs.ca)
         )
     )
@@ -104,7 +105,7 @@ async def test_router_serves_tls_and_reaches_mtls_backends(certs: Certificates) 
 
 
 def test_tls_flags_reach_the_options(certs: Certificates, tmp_path: Path) -> None:
-    args = engine_server.build_parser().parse_args(
+    args = engine_options.build_parser().parse_args(
         [
             "--tls-cert",
             certs.server_cert,
@@ -114,10 +115,10 @@ def test_tls_flags_reach_the_options(certs: Certificates, tmp_path: Path) -> Non
             certs.ca,
         ]
     )
-    assert engine_server.options_from_args(args).tls == ServerTls(
+    assert engine_options.options_from_args(args).tls == ServerTls(
         certs.server_cert, certs.server_key, certs.ca
     )
-    from servers import router
+    from servers.router import server as router
 
     routed = router.options_from_args(
         router.build_parser().parse_args(

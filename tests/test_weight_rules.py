@@ -8,12 +8,11 @@ from typing import Any
 import pytest
 import torch
 
-from servers.weight_transfer import (
-    InBandAssembler,
-    ParamLayout,
-    WeightTransferManager,
-    bucket_layout,
-)
+from servers.engine import validate
+from servers.engine.weights import protocol
+from servers.engine.weights.assembly import InBandAssembler, ParamLayout, bucket_layout
+from servers.engine.weights.transaction import WeightTransferManager
+from servers.engine.weights.worker import WeightTransferWorker
 from skyrl_grpc import dtypes
 from skyrl_grpc.errors import DataLoss, FailedPrecondition, InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
@@ -37,7 +36,9 @@ def test_a_complete_push_reassembles_every_tensor() -> None:
     assembler = InBandAssembler(LAYOUT)
     for message in messages():
         assembler.add(message)
-    items = {name: (dtype, shape, b"".join(raw)) for name, dtype, shape, raw in assembler.finish()}
+    items = {
+        p["name"]: (p["dtype"], p["shape"], b"".join(p["chunks"])) for p in assembler.finish()
+    }
     for name, tensor in TENSORS:
         dtype, shape, raw = items[name]
         assert dtype == "float32" and shape == list(tensor.shape)
@@ -169,10 +170,13 @@ class FakeWorkers:
     async def __call__(self, method: str, args: tuple[Any, ...]) -> list[Any]:
         self.calls.append(method)
         answers = {
-            "skyrl_layout": {n: [p.dtype.torch_name, list(p.shape)] for n, p in LAYOUT.items()},
-            "skyrl_commit": 2,
-            "skyrl_discard": 0,
-            "skyrl_stage": len(args[0]) if args else 0,
+            protocol.LAYOUT: {
+                n: {"dtype": p.dtype.torch_name, "shape": list(p.shape)} for n, p in LAYOUT.items()
+            },
+            protocol.COMMIT: 2,
+            protocol.DISCARD: 0,
+            protocol.JOIN_GROUP: 1,
+            protocol.STAGE: len(args[0]) if args else 0,
         }
         return [answers.get(method)]
 
@@ -185,7 +189,9 @@ async def _messages() -> Any:
 async def test_calls_out_of_order_are_failed_precondition() -> None:
     versions = [0]
     workers = FakeWorkers()
-    manager = WeightTransferManager(workers, versions.append, lambda: versions[-1])
+    manager = WeightTransferManager(
+        protocol.WorkerCalls(workers), versions.append, lambda: versions[-1]
+    )
     with pytest.raises(FailedPrecondition, match="before InitWeightTransfer"):
         await manager.update(cp.UpdateWeightsRequest())
     with pytest.raises(FailedPrecondition, match="FinishWeightUpdate before StartWeightUpdate"):
@@ -199,16 +205,16 @@ async def test_calls_out_of_order_are_failed_precondition() -> None:
     with pytest.raises(InvalidArgument, match="not newer than the serving version 0"):
         await manager.finish(0)
     assert await manager.finish(3) == (3, 2)
-    assert versions[-1] == 3 and "skyrl_commit" in workers.calls
+    assert versions[-1] == 3 and protocol.COMMIT in workers.calls
     with pytest.raises(InvalidArgument, match="InitWeightTransfer takes GLOO"):
-        await manager.init(
+        validate.weight_transfer_group(
             cp.InitWeightTransferRequest(backend=cp.WEIGHT_TRANSFER_BACKEND_GRPC_STREAM)
         )
 
 
 async def test_a_failed_push_closes_the_update_without_touching_weights() -> None:
     workers = FakeWorkers()
-    manager = WeightTransferManager(workers, lambda v: None, lambda: 0)
+    manager = WeightTransferManager(protocol.WorkerCalls(workers), lambda v: None, lambda: 0)
     await manager.start()
 
     async def truncated() -> Any:
@@ -217,7 +223,34 @@ async def test_a_failed_push_closes_the_update_without_touching_weights() -> Non
 
     with pytest.raises(InvalidArgument, match="truncated push; update rejected"):
         await manager.push(truncated())
-    assert "skyrl_commit" not in workers.calls and "skyrl_stage" not in workers.calls
+    assert protocol.COMMIT not in workers.calls and protocol.STAGE not in workers.calls
     assert not manager.update_open
     with pytest.raises(FailedPrecondition):
         await manager.finish(1)
+
+
+def test_every_protocol_method_is_a_method_of_the_worker_extension() -> None:
+    """The server calls workers by these names: a renamed worker method must fail here, not
+    inside vLLM at the first weight update."""
+    for name in protocol.METHODS:
+        assert callable(getattr(WeightTransferWorker, name, None)), name
+    assert sorted(protocol.METHODS) == sorted(
+        n for n in vars(WeightTransferWorker) if n.startswith("skyrl_")
+    )
+
+
+async def test_leaving_a_group_before_joining_another() -> None:
+    workers = FakeWorkers()
+    manager = WeightTransferManager(protocol.WorkerCalls(workers), lambda v: None, lambda: 0)
+    spec = validate.weight_transfer_group(
+        cp.InitWeightTransferRequest(
+            backend=cp.WEIGHT_TRANSFER_BACKEND_GLOO,
+            master_address="127.0.0.1",
+            master_port=1234,
+            rank_offset=1,
+            world_size=2,
+        )
+    )
+    await manager.init(spec)
+    await manager.init(spec)
+    assert workers.calls == [protocol.JOIN_GROUP, protocol.LEAVE_GROUP, protocol.JOIN_GROUP]

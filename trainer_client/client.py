@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import grpc
 
 from skyrl_grpc.metadata import SESSION_ID
+from skyrl_grpc.names import PUSH_WEIGHTS
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import (
     control_plane_pb2_grpc,
@@ -44,7 +45,6 @@ T = TypeVar("T")
 Sampling = generation_pb2.SamplingParams | Mapping[str, Any] | None
 Message = Mapping[str, str] | data_plane_pb2.ChatMessage
 
-PUSH_WEIGHTS = "/skyrl.inference.v1.ControlPlane/PushWeights"
 PAUSE_MODES = {
     "abort": cp.PAUSE_MODE_ABORT,
     "wait": cp.PAUSE_MODE_WAIT,

@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, open_channel
 from skyrl_grpc.metadata import bearer
 from skyrl_grpc.tls import TlsConfig
 
-MiB = 1 << 20
+__all__ = ["ClientConfig", "TlsConfig"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class ClientConfig:
     # samples: fewer, larger messages cost the server, router and client less CPU per token
     # (docs/performance.md). A pause, a weight-version change and the end flush at once.
     stream_interval: int = 16
-    max_message_bytes: int = 64 * MiB
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     extra_metadata: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -46,14 +47,4 @@ class ClientConfig:
         return tuple(pairs)
 
     def open_channel(self, address: str) -> grpc.aio.Channel:
-        options = [
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.max_send_message_length", self.max_message_bytes),
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-        ]
-        if self.tls is None:
-            return grpc.aio.insecure_channel(address, options=options)
-        if self.tls.server_name_override:
-            options.append(("grpc.ssl_target_name_override", self.tls.server_name_override))
-        return grpc.aio.secure_channel(address, self.tls.credentials(), options=options)
+        return open_channel(address, tls=self.tls, max_message_bytes=self.max_message_bytes)

@@ -1,14 +1,16 @@
 """Retry on abort, as a pure state machine (no I/O).
 
 When a pause in ABORT mode (a weight update) cuts a generation, the client resubmits the prompt
-plus every token generated so far, with the remaining token budget, to the same session. Tokens
-and logprobs accumulate as ids (never through text), so the final result looks exactly like an
+plus every token generated so far, with the remaining token budget, to the same session
+(``skyrl_grpc.continuation``, the rule the router's migration follows too). Tokens and logprobs
+accumulate as ids (never through text), so the final result looks exactly like an
 uninterrupted generation. ``Continuation`` decides what to send next and when to stop.
 """
 
 from __future__ import annotations
 
 from skyrl_grpc.assembly import ResponseAssembler
+from skyrl_grpc.continuation import continue_request
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
 
 
@@ -41,20 +43,15 @@ class Continuation:
 
     def request(self, request_id: str = "") -> data_plane_pb2.GenerateStreamRequest:
         """The next request: prompt + generated tokens, with what is left of the budget."""
-        generated = self.token_ids
-        params = generation_pb2.SamplingParams()
-        params.CopyFrom(self.sampling_params)
-        if self._budget is not None:
-            params.max_tokens = self._budget - len(generated)
-        if generated and params.HasField("min_tokens"):
-            params.min_tokens = max(params.min_tokens - len(generated), 0)
-        return data_plane_pb2.GenerateStreamRequest(
+        first = data_plane_pb2.GenerateStreamRequest(
             request_id=request_id,
-            prompt_token_ids=self.prompt_token_ids + generated,
-            sampling_params=params,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling_params=self.sampling_params,
             include_text=self.include_text,
             stream_interval=self.stream_interval,
         )
+        generated = self.token_ids
+        return continue_request(first, generated) if generated else first
 
     def add(self, chunk: data_plane_pb2.GenerateStreamResponse) -> None:
         self._assembler.add(chunk)

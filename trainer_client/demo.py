@@ -7,10 +7,14 @@ one policy-gradient step on a CPU copy of the policy (torch) -> pause(ABORT) -> 
 weights to every server -> resume (the client resubmits the aborted rollouts) -> repeat.
 The reward can only rise if the new weights really reach the servers: ``sync=False`` is the
 control run, where it stays flat.
+
+Run against a running fleet: ``python -m trainer_client.demo --router R --servers S1,S2``
+(``skyrl-grpc demo`` starts a fleet, then runs exactly this).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 import time
@@ -114,8 +118,9 @@ async def run_rl_loop(client: InferenceClient, model_dir: Path, config: DemoConf
         return asyncio.ensure_future(client.generate_batch(prompts, sampling, session_ids=sessions))
 
     bar = tqdm(total=config.steps, disable=not config.progress, desc="RL steps", unit="step")
-    pending = launch(0)
+    pending: asyncio.Future[list[GenerationResult]] | None = launch(0)
     for step in range(config.steps):
+        assert pending is not None
         rollouts = await pending
         rewards = [reward(r.token_ids) for r in rollouts]
         result.rewards.append(sum(rewards) / len(rewards))
@@ -163,3 +168,54 @@ def plot_rewards(result: DemoResult, path: Path, title: str) -> Path:
     figure.savefig(path)
     plt.close(figure)
     return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer_client.demo",
+        description="The RL demo's trainer: trains the embedded tiny model against a fleet.",
+    )
+    parser.add_argument("--router", required=True, help="the router's host:port")
+    parser.add_argument("--servers", required=True, help="comma-separated engine servers")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--learning-rate", type=float, default=1e-2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--transport", choices=["grpc", "collective"], default="grpc")
+    parser.add_argument("--no-sync", action="store_true", help="control run: never push weights")
+    parser.add_argument(
+        "--output", default="artifacts/demo-reward.png", help="where to write the reward curve"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    from skyrl_grpc.tiny_model import ensure_tiny_model
+
+    args = build_parser().parse_args(argv)
+    config = DemoConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
+        sync=not args.no_sync,
+        transport=args.transport,
+    )
+    client = InferenceClient(args.router, args.servers.split(","))
+    result = asyncio.run(run_rl_loop(client, ensure_tiny_model(), config))
+    first, last = result.summary()
+    title = "reward per step" + ("" if config.sync else " (weight sync off)")
+    path = plot_rewards(result, Path(args.output), title)
+    syncs = [s for s in result.sync_seconds if s]
+    mean_sync = sum(syncs) / len(syncs) if syncs else 0.0
+    print(
+        f"reward: first steps {first:.3f} -> last steps {last:.3f}; "
+        f"{result.abort_retries} rollouts resubmitted after aborts; mean sync {mean_sync:.2f}s"
+    )
+    print(f"reward curve written to {path.resolve()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from servers.lifecycle import ServerTls, bind
+from servers.common.listener import ServerTls, bind
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
 
 DATA_PLANE = "skyrl.inference.v1.DataPlane"

@@ -1,6 +1,6 @@
-"""Starting a stack on this machine: N engine-server processes and a router process.
+"""A fleet on this machine: N engine-server processes and a router process.
 
-``LocalStack`` launches each piece with ``python -m`` and reads the JSON lifecycle lines they
+``LocalFleet`` launches each piece with ``python -m`` and reads the JSON lifecycle lines they
 print (``listening``, ``ready``), so it knows addresses without guessing ports. Teardown sends
 SIGTERM (drain), then SIGKILL to anything left, so no process outlives the stack.
 """
@@ -17,6 +17,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
+
+from . import Fleet, FleetAddresses
+
+ENGINE_MODULE = "servers.engine"
+ROUTER_MODULE = "servers.router"
 
 
 @dataclass
@@ -48,7 +54,7 @@ class _Process:
         return next((e for e in self.events if e.get("event") == name), None)
 
 
-class LocalStack:
+class LocalFleet(Fleet):
     """N engine servers + a router as local processes. Use as a context manager."""
 
     def __init__(
@@ -69,11 +75,9 @@ class LocalStack:
             **(env or {}),
         }
         self._processes: list[_Process] = []
-        self.server_addresses: list[str] = []
-        self.router_address = ""
 
     def _spawn(self, name: str, module: str, args: list[str]) -> _Process:
-        stderr: int | object = subprocess.DEVNULL
+        stderr: int | IO[str] = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             stderr = open(self.log_dir / f"{name}.log", "w")
@@ -82,7 +86,7 @@ class LocalStack:
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
-            env=self.env,  # type: ignore[arg-type]
+            env=self.env,
             start_new_session=True,  # SIGTERM/SIGKILL reach the engine's own child processes
         )
         process = _Process(name, popen)
@@ -90,12 +94,13 @@ class LocalStack:
         self._processes.append(process)
         return process
 
-    def start(self, timeout: float = 600) -> LocalStack:
+    def start(self, timeout: float = 600) -> FleetAddresses:
         servers = [
-            self._spawn(f"server-{i}", "servers.engine_server", ["--port", "0", *self.engine_args])
+            self._spawn(f"server-{i}", ENGINE_MODULE, ["--port", "0", *self.engine_args])
             for i in range(self.num_servers)
         ]
         deadline = time.monotonic() + timeout
+        server_addresses = []
         for server in servers:
             server.ready.wait(max(deadline - time.monotonic(), 0))
             ready = server.event("ready")
@@ -104,20 +109,20 @@ class LocalStack:
                 raise RuntimeError(
                     f"{server.name} did not become ready (exit code {server.popen.poll()})"
                 )
-            self.server_addresses.append(ready["address"])
+            server_addresses.append(ready["address"])
         router = self._spawn(
             "router",
-            "servers.router",
-            ["--port", "0", "--backends", ",".join(self.server_addresses), *self.router_args],
+            ROUTER_MODULE,
+            ["--port", "0", "--backends", ",".join(server_addresses), *self.router_args],
         )
         router.listening.wait(max(deadline - time.monotonic(), 0))
         listening = router.event("listening")
         if listening is None:
             self.close()
             raise RuntimeError(f"the router did not start (exit code {router.popen.poll()})")
-        self.router_address = listening["address"]
+        self.addresses = FleetAddresses(listening["address"], tuple(server_addresses))
         self._wait_router_serving(deadline)
-        return self
+        return self.addresses
 
     def _wait_router_serving(self, deadline: float) -> None:
         """Waits until the router's health watches see every backend healthy."""
@@ -125,7 +130,7 @@ class LocalStack:
 
         from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
 
-        with grpc.insecure_channel(self.router_address) as channel:
+        with grpc.insecure_channel(self.addresses.router) as channel:
             admin = router_pb2_grpc.RouterAdminStub(channel)
             while True:
                 try:
@@ -149,10 +154,10 @@ class LocalStack:
 
     def restart_server(self, index: int, timeout: float = 600) -> str:
         """Starts engine server ``index`` again on its old port; returns once it is ready."""
-        port = self.server_addresses[index].rpartition(":")[2]
+        port = self.addresses.servers[index].rpartition(":")[2]
         process = self._spawn(
             f"server-{index}-restarted",
-            "servers.engine_server",
+            ENGINE_MODULE,
             ["--port", port, *self.engine_args],
         )
         process.ready.wait(timeout)
@@ -160,7 +165,7 @@ class LocalStack:
             raise RuntimeError(
                 f"server {index} did not come back (exit code {process.popen.poll()})"
             )
-        return self.server_addresses[index]
+        return self.addresses.servers[index]
 
     @property
     def pids(self) -> list[int]:
@@ -181,9 +186,3 @@ class LocalStack:
                 os.killpg(process.popen.pid, signal.SIGKILL)  # the engine's children too
             process.popen.wait()
         self._processes.clear()
-
-    def __enter__(self) -> LocalStack:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import grpc
 
-from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
 
+from ..common.validate import host_port
 from .backends import BackendPool
-
-
-def _address(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgument(f"address {value!r} is not host:port (e.g. 127.0.0.1:50051)")
-    return value
 
 
 class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
@@ -33,7 +26,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         request: router_pb2.AddBackendRequest,
         context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
     ) -> router_pb2.AddBackendResponse:
-        backend = self._pool.add(_address(request.address))
+        backend = self._pool.add(host_port(request.address))
         return router_pb2.AddBackendResponse(backend=backend.to_proto())
 
     async def RemoveBackend(

@@ -1,15 +1,14 @@
-"""Pure conversions between the contract's messages and vLLM's types, with request validation.
+"""Pure conversions between the contract's messages and vLLM's types.
 
-No engine and no gRPC context here: every function takes plain values, so each rule is unit
-tested directly. Validation raises ``InvalidArgument`` with a message that names the field, the
-value and what would be accepted.
+No engine, no gRPC context and no request rules here (those are in ``validate``): every
+function takes values that already passed validation, so each conversion is unit tested
+directly. ``StreamConverter`` and ``ChunkCoalescer`` turn vLLM's output deltas into the
+contract's stream messages.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from vllm import SamplingParams as VllmSamplingParams
@@ -24,149 +23,46 @@ FINISH_REASONS = {
     "length": generation_pb2.FINISH_REASON_LENGTH,
     "abort": generation_pb2.FINISH_REASON_ABORTED,
 }
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What the served model accepts."""
-
-    vocab_size: int
-    max_model_len: int
-    max_logprobs: int
-
-
-def validate_prompt(token_ids: Sequence[int], limits: ModelLimits, field_name: str) -> list[int]:
-    """Checks a tokenized prompt against the model and returns it as a list."""
-    if not token_ids:
-        raise InvalidArgument(f"{field_name} is empty: send at least one token id")
-    ids = list(token_ids)
-    if max(ids) >= limits.vocab_size:
-        position = next(i for i, t in enumerate(ids) if t >= limits.vocab_size)
-        raise InvalidArgument(
-            f"{field_name}[{position}] = {ids[position]} is outside the vocabulary: "
-            f"token ids must be in 0..{limits.vocab_size - 1}"
-        )
-    if len(ids) >= limits.max_model_len:
-        raise InvalidArgument(
-            f"the prompt has {len(ids)} tokens but the model's context is "
-            f"{limits.max_model_len} tokens (prompt plus at least one output token): "
-            "shorten the prompt"
-        )
-    return ids
-
-
-def resolve_n(n: int) -> int:
-    """The contract's ``n`` (0 means 1) as a sample count."""
-    if n < 0:
-        raise InvalidArgument(f"n = {n}: the number of samples must be >= 1 (0 means 1)")
-    return n or 1
-
-
-def _check_range(
-    name: str, value: float, low: float, high: float, *, low_open: bool = False
-) -> None:
-    too_low = value <= low if low_open else value < low
-    if math.isnan(value) or too_low or value > high:
-        bracket = "(" if low_open else "["
-        raise InvalidArgument(
-            f"sampling_params.{name} = {value} is outside {bracket}{low}, {high}]"
-        )
+# Optional sampling fields passed to vLLM under the same name when set.
+_PASSED_WHEN_SET = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "min_tokens",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "prompt_logprobs",
+    "skip_special_tokens",
+)
 
 
 def build_sampling_params(
-    params: generation_pb2.SamplingParams,
-    *,
-    n: int,
-    prompt_len: int,
-    limits: ModelLimits,
-    detokenize: bool,
+    params: generation_pb2.SamplingParams, *, n: int, max_tokens: int, detokenize: bool
 ) -> VllmSamplingParams:
-    """Validates the contract's sampling parameters and builds vLLM's (streaming deltas)."""
-    room = limits.max_model_len - prompt_len
+    """vLLM's sampling parameters (streaming deltas) for validated contract parameters."""
     kwargs: dict[str, Any] = {
         "n": n,
         "output_kind": RequestOutputKind.DELTA,
+        "max_tokens": max_tokens,
         "stop_token_ids": list(params.stop_token_ids),
         "ignore_eos": params.ignore_eos,
         # Stop strings are matched on text, so they need detokenization even for token-out.
         "detokenize": detokenize or bool(params.stop_strings),
     }
     if params.stop_strings:
-        if any(not s for s in params.stop_strings):
-            raise InvalidArgument("sampling_params.stop_strings contains an empty string")
         kwargs["stop"] = list(params.stop_strings)
-    bad_stop = [t for t in params.stop_token_ids if t >= limits.vocab_size]
-    if bad_stop:
-        raise InvalidArgument(
-            f"sampling_params.stop_token_ids has {bad_stop[0]}, outside the vocabulary "
-            f"0..{limits.vocab_size - 1}"
-        )
-    if params.HasField("temperature"):
-        if math.isnan(params.temperature) or params.temperature < 0:
-            raise InvalidArgument(
-                f"sampling_params.temperature = {params.temperature}: must be >= 0 (0 = greedy)"
-            )
-        kwargs["temperature"] = params.temperature
-    if params.HasField("top_p"):
-        _check_range("top_p", params.top_p, 0.0, 1.0, low_open=True)
-        kwargs["top_p"] = params.top_p
     if params.HasField("top_k"):
-        if params.top_k < -1:
-            raise InvalidArgument(
-                f"sampling_params.top_k = {params.top_k}: must be >= 1, or 0 / -1 to disable"
-            )
         kwargs["top_k"] = 0 if params.top_k == -1 else params.top_k
-    if params.HasField("min_p"):
-        _check_range("min_p", params.min_p, 0.0, 1.0)
-        kwargs["min_p"] = params.min_p
-    if params.HasField("max_tokens"):
-        if params.max_tokens <= 0:
-            raise InvalidArgument(
-                f"sampling_params.max_tokens = {params.max_tokens}: must be >= 1 "
-                f"(unset means as many as the context allows, here {room})"
-            )
-        if params.max_tokens > room:
-            raise InvalidArgument(
-                f"sampling_params.max_tokens = {params.max_tokens} plus the {prompt_len}-token "
-                f"prompt exceeds the model's {limits.max_model_len}-token context: "
-                f"use max_tokens <= {room}"
-            )
-        kwargs["max_tokens"] = params.max_tokens
-    else:
-        kwargs["max_tokens"] = room
-    if params.HasField("min_tokens"):
-        if params.min_tokens < 0 or params.min_tokens > kwargs["max_tokens"]:
-            raise InvalidArgument(
-                f"sampling_params.min_tokens = {params.min_tokens}: must be in "
-                f"0..max_tokens ({kwargs['max_tokens']})"
-            )
-        kwargs["min_tokens"] = params.min_tokens
-    if params.HasField("seed"):
-        kwargs["seed"] = params.seed
-    for name in ("presence_penalty", "frequency_penalty"):
+    for name in _PASSED_WHEN_SET:
         if params.HasField(name):
-            value = getattr(params, name)
-            _check_range(name, value, -2.0, 2.0)
-            kwargs[name] = value
-    if params.HasField("repetition_penalty"):
-        _check_range("repetition_penalty", params.repetition_penalty, 0.0, 1e6, low_open=True)
-        kwargs["repetition_penalty"] = params.repetition_penalty
-    for name in ("logprobs", "prompt_logprobs"):
-        if params.HasField(name):
-            value = getattr(params, name)
-            if value < 0 or value > limits.max_logprobs:
-                raise InvalidArgument(
-                    f"sampling_params.{name} = {value}: must be in 0..{limits.max_logprobs}"
-                )
-            kwargs[name] = value
-    if params.HasField("skip_special_tokens"):
-        kwargs["skip_special_tokens"] = params.skip_special_tokens
+            kwargs[name] = getattr(params, name)
     try:
         return VllmSamplingParams(**kwargs)
-    except (
-        ValueError,
-        VLLMValidationError,
-    ) as exc:  # vLLM's own checks, for anything we do not pre-validate
+    except (ValueError, VLLMValidationError) as exc:
+        # vLLM's own checks, for any combination the contract's ranges do not cover.
         raise InvalidArgument(f"sampling_params rejected: {exc}") from exc
 
 

@@ -1,5 +1,5 @@
 """ControlPlane servicer: pause/resume, sleep/wake, prefix cache, weight transfer (delegated to
-``servers.weight_transfer.WeightTransferManager``), server info and load."""
+``weights.transaction.WeightTransferManager``), server info and load."""
 
 from __future__ import annotations
 
@@ -10,32 +10,13 @@ import grpc
 
 import skyrl_grpc
 from skyrl_grpc.chunk_wire import WireChunk, decode_push_request
-from skyrl_grpc.errors import InvalidArgument
+from skyrl_grpc.names import CONTROL_PLANE
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
 
-from .engine import PauseModeName, VllmEngine
+from . import validate
 from .serving_state import ServingState
-
-PAUSE_MODES: dict[int, PauseModeName] = {
-    cp.PAUSE_MODE_UNSPECIFIED: "abort",
-    cp.PAUSE_MODE_ABORT: "abort",
-    cp.PAUSE_MODE_WAIT: "wait",
-    cp.PAUSE_MODE_KEEP: "keep",
-}
-
-
-def pause_mode_name(mode: int) -> PauseModeName:
-    """The engine's name for a PauseMode value; unknown values are INVALID_ARGUMENT."""
-    try:
-        return PAUSE_MODES[mode]
-    except KeyError:
-        raise InvalidArgument(
-            f"mode = {mode} is not a PauseMode: use ABORT (1), WAIT (2) or KEEP (3)"
-        ) from None
-
-
-SERVICE = cp.DESCRIPTOR.services_by_name["ControlPlane"].full_name
+from .vllm_engine import VllmEngine
 
 
 def add_control_plane(
@@ -63,8 +44,10 @@ def add_control_plane(
         request_deserializer=decode_push_request,
         response_serializer=handlers["PushWeights"].response_serializer,
     )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    server.add_registered_method_handlers(SERVICE, handlers)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(CONTROL_PLANE, handlers),)
+    )
+    server.add_registered_method_handlers(CONTROL_PLANE, handlers)
 
 
 class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
@@ -76,7 +59,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     async def Pause(
         self, request: cp.PauseRequest, context: grpc.aio.ServicerContext
     ) -> cp.PauseResponse:
-        mode = pause_mode_name(request.mode)
+        mode = validate.pause_mode(request.mode)
         await self._state.engine().pause(mode, request.clear_cache)
         return cp.PauseResponse()
 
@@ -94,10 +77,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     async def Sleep(
         self, request: cp.SleepRequest, context: grpc.aio.ServicerContext
     ) -> cp.SleepResponse:
-        level = request.level or 1
-        if level not in (1, 2):
-            raise InvalidArgument(f"level = {request.level}: sleep level must be 1 or 2")
-        await self._state.engine().sleep(level)
+        await self._state.engine().sleep(validate.sleep_level(request.level))
         return cp.SleepResponse()
 
     async def WakeUp(
@@ -120,7 +100,8 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     async def InitWeightTransfer(
         self, request: cp.InitWeightTransferRequest, context: grpc.aio.ServicerContext
     ) -> cp.InitWeightTransferResponse:
-        await self._state.engine().weights.init(request)
+        group = validate.weight_transfer_group(request)
+        await self._state.engine().weights.init(group)
         return cp.InitWeightTransferResponse()
 
     async def StartWeightUpdate(

@@ -1,41 +1,45 @@
-"""What every process entry point shares: gRPC server options, logging setup and the JSON
-lifecycle lines on stdout. Kept free of vLLM imports so the router starts fast."""
+"""How a server process listens: gRPC server options from one message-size setting, TLS
+credentials and their flags, and binding the port. Free of vLLM imports (the router uses it)."""
 
 from __future__ import annotations
 
-import json
-import logging
-import sys
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB
 
-def configure_logging(level: int = logging.INFO) -> None:
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+ServerOption = tuple[str, int | str]
 
 
-def announce(event: str, **fields: object) -> None:
-    """One JSON line on stdout per lifecycle event (listening, ready, stopped), for launchers
-    and tests to read."""
-    print(json.dumps({"event": event, **fields}), flush=True)
-
-
-def grpc_server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[ServerOption]:
+    """Options of every gRPC server of the stack (engine servers and the router)."""
     return [
+        # Anything larger is refused with RESOURCE_EXHAUSTED before it is decoded.
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         # A port already in use must fail loudly rather than be shared with another process.
         ("grpc.so_reuseport", 0),
-        # Long generations keep streams idle between tokens only briefly, but a paused server
-        # can hold streams for minutes: ping so dead peers are noticed and proxies keep them.
+        # A paused server can hold streams for minutes: ping so dead peers are noticed and
+        # proxies keep the connection.
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        # Accept the keepalive pings of clients and routers (every 10 s, see
+        # skyrl_grpc.channels) with margin, even on an idle connection, instead of answering
+        # them with GOAWAY "too many pings".
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ]
+
+
+def add_message_size_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-message-mib",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES // MiB,
+        help="largest message accepted or sent, in MiB (larger ones: RESOURCE_EXHAUSTED)",
+    )
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,8 @@ def bind(server: grpc.aio.Server, address: str, tls: ServerTls | None) -> int:
     return port
 
 
-def add_tls_arguments(parser: object) -> None:
-    group = parser.add_argument_group("TLS")  # type: ignore[attr-defined]
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("TLS")
     group.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve with TLS")
     group.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     group.add_argument(
@@ -77,10 +81,10 @@ def add_tls_arguments(parser: object) -> None:
     )
 
 
-def tls_from_args(args: object) -> ServerTls | None:
-    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
+def tls_from_args(args: argparse.Namespace) -> ServerTls | None:
+    cert, key = args.tls_cert, args.tls_key
     if not cert and not key:
         return None
     if not (cert and key):
         raise SystemExit("--tls-cert and --tls-key go together")
-    return ServerTls(cert, key, getattr(args, "tls_client_ca", None))
+    return ServerTls(cert, key, args.tls_client_ca)

@@ -13,19 +13,15 @@ class ServingState(Generic[EngineT]):
     """Holds the engine once it is ready; handlers ask for it and get UNAVAILABLE otherwise."""
 
     def __init__(self) -> None:
-        self._engine: EngineT | None = None
+        self.started: EngineT | None = None  # the engine once it is up, whatever the state
         self.draining = False
 
     def set_ready(self, engine: EngineT) -> None:
-        self._engine = engine
-
-    @property
-    def ready(self) -> bool:
-        return self._engine is not None and not self.draining
+        self.started = engine
 
     def engine(self) -> EngineT:
         if self.draining:
             raise Unavailable("the server is draining (shutting down): send to another server")
-        if self._engine is None:
+        if self.started is None:
             raise Unavailable("the engine is still starting: retry when health reports SERVING")
-        return self._engine
+        return self.started

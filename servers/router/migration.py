@@ -3,16 +3,17 @@
 The router forwards raw bytes, except for GenerateStream calls it may migrate: it reads each
 chunk (without changing it) to remember the tokens generated so far. When the backend is lost
 mid-stream, ``StreamMigration`` builds the continuation request (prompt + tokens so far, with the
-remaining budget) for another backend, and rewrites the continuation's chunks so the caller sees
-one uninterrupted stream (usage counted from the original prompt). Only single-sample streams
-migrate; others fail UNAVAILABLE naming the lost server.
+remaining budget: ``skyrl_grpc.continuation``) for another backend, and rewrites the
+continuation's chunks so the caller sees one uninterrupted stream (usage counted from the
+original prompt). Only single-sample streams migrate; others fail UNAVAILABLE naming the lost
+server.
 """
 
 from __future__ import annotations
 
+from skyrl_grpc.continuation import continue_request
+from skyrl_grpc.names import GENERATE_STREAM
 from skyrl_grpc.v1 import data_plane_pb2
-
-GENERATE_STREAM = "/skyrl.inference.v1.DataPlane/GenerateStream"
 
 
 class StreamMigration:
@@ -77,13 +78,4 @@ class StreamMigration:
     def continuation(self, lost_backend: str) -> bytes:
         """The request for the next backend: prompt + tokens so far, the budget that is left."""
         self.lost.append(lost_backend)
-        request = data_plane_pb2.GenerateStreamRequest()
-        request.CopyFrom(self._request)
-        request.prompt_token_ids.extend(self.tokens)
-        params = request.sampling_params
-        if params.HasField("max_tokens"):
-            params.max_tokens = params.max_tokens - len(self.tokens)
-        if params.HasField("min_tokens"):
-            params.min_tokens = max(params.min_tokens - len(self.tokens), 0)
-        params.ClearField("prompt_logprobs")
-        return request.SerializeToString()
+        return continue_request(self._request, self.tokens).SerializeToString()

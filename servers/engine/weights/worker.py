@@ -1,8 +1,9 @@
 """The part of weight transfer that runs inside vLLM's worker processes.
 
 vLLM mixes ``WeightTransferWorker`` into its Worker (engine argument ``worker_extension_cls``);
-the server calls these methods through ``collective_rpc``, whose arguments are serialized
-without pickle: only plain values and bytes cross (tensors are rebuilt from bytes here).
+the server calls its ``skyrl_*`` methods through ``collective_rpc`` with the names and payloads
+of ``protocol``, serialized without pickle: only plain values and bytes cross (tensors are
+rebuilt from bytes here).
 
 Received parameters are staged on the host; nothing touches the serving weights before
 ``skyrl_commit``. The worker keeps a host copy of the serving weights in checkpoint format (the
@@ -20,7 +21,20 @@ import logging
 from datetime import timedelta
 from typing import Any
 
+from .protocol import (
+    Bucket,
+    Checksum,
+    Group,
+    ParameterShape,
+    Received,
+    StagedParameter,
+)
+
 log = logging.getLogger(__name__)
+
+
+def _dtype_name(tensor: Any) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 def torch_uint8() -> Any:
@@ -30,9 +44,9 @@ def torch_uint8() -> Any:
 
 
 def receive_buckets(
-    group: Any, buckets: list[dict[str, Any]], timeout_seconds: float
+    group: Any, buckets: list[Bucket], timeout_seconds: float
 ) -> tuple[dict[str, Any], int, list[str]]:
-    """Receives ``buckets`` (laid out as in ``skyrl_receive_buckets``) from rank 0 of ``group``.
+    """Receives ``buckets`` from rank 0 of ``group``.
 
     Returns the parameters as host tensors (views of their bucket: each bucket has a buffer of
     its own, so no copy), the bytes received and the names whose SHA-256 did not match. The
@@ -44,7 +58,7 @@ def receive_buckets(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     timeout = timedelta(seconds=timeout_seconds)
 
-    def post(bucket: dict[str, Any]) -> tuple[Any, Any]:
+    def post(bucket: Bucket) -> tuple[Any, Any]:
         buffer = torch.empty(int(bucket["size"]), dtype=torch.uint8, device=device)
         return buffer, group.broadcast(buffer, 0)
 
@@ -97,22 +111,24 @@ class WeightTransferWorker:
             self._skyrl_shadow = shadow
         return self._skyrl_shadow
 
-    def skyrl_layout(self) -> dict[str, list[Any]]:
-        """``{name: [torch dtype name, shape]}`` of every checkpoint parameter."""
+    def skyrl_layout(self) -> dict[str, ParameterShape]:
+        """Element type and shape of every checkpoint parameter."""
         return {
-            name: [str(t.dtype).removeprefix("torch."), list(t.shape)]
+            name: ParameterShape(dtype=_dtype_name(t), shape=list(t.shape))
             for name, t in self._skyrl_weights().items()
         }
 
-    def skyrl_checksums(self, names: list[str]) -> list[list[Any]]:
-        """``[name, sha256, dtype, shape]`` of the serving weights (all when ``names`` empty)."""
+    def skyrl_checksums(self, names: list[str]) -> list[Checksum]:
+        """SHA-256 of the serving weights (all when ``names`` is empty), sorted by name."""
         weights = self._skyrl_weights()
         result = []
         for name in names or sorted(weights):
             tensor = weights[name].contiguous()
             digest = hashlib.sha256(tensor.view(-1).view(torch_uint8()).numpy().tobytes()).digest()
             result.append(
-                [name, digest, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
+                Checksum(
+                    name=name, sha256=digest, dtype=_dtype_name(tensor), shape=list(tensor.shape)
+                )
             )
         return result
 
@@ -121,36 +137,33 @@ class WeightTransferWorker:
             self._skyrl_staged = {}
         return self._skyrl_staged
 
-    def skyrl_join_group(
-        self,
-        backend: str,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        timeout_seconds: float,
-    ) -> int:
+    def skyrl_join_group(self, group: Group) -> int:
         """Joins the trainer's group as ``rank_offset + this worker's rank``; returns the rank."""
         from skyrl_grpc.process_group import join_group
 
-        rank = rank_offset + int(getattr(self, "rank", 0))
+        rank = group["rank_offset"] + int(getattr(self, "rank", 0))
         self._skyrl_group = join_group(
-            backend, master_address, master_port, rank, world_size, group_name, timeout_seconds
+            group["backend"],
+            group["master_address"],
+            group["master_port"],
+            rank,
+            group["world_size"],
+            group["group_name"],
+            group["timeout_seconds"],
         )
-        self._skyrl_timeout = timeout_seconds
+        self._skyrl_timeout = group["timeout_seconds"]
         return rank
 
     def skyrl_leave_group(self) -> None:
+        """Drops the group (its connections close with it)."""
         self._skyrl_group = None
 
-    def skyrl_receive_buckets(self, buckets: list[dict[str, Any]]) -> dict[str, Any]:
-        """Receives each bucket by broadcast from rank 0 and stages its parameters.
+    def skyrl_receive_buckets(self, buckets: list[Bucket]) -> Received:
+        """Receives each bucket (validated by the server) by broadcast from rank 0 and stages
+        its parameters.
 
-        ``buckets``: ``[{"size": n, "params": [{"name", "dtype", "shape", "offset", "sha256"}]}]``
-        (validated by the server). Every bucket is received even after a checksum mismatch, so
-        the trainer's broadcasts never hang; the mismatches are returned and nothing of this
-        call is staged then.
+        Every bucket is received even after a checksum mismatch, so the trainer's broadcasts
+        never hang; the mismatches are returned and nothing of this call is staged then.
         """
         if self._skyrl_group is None:
             raise RuntimeError("not in a weight-transfer group: call InitWeightTransfer first")
@@ -159,17 +172,18 @@ class WeightTransferWorker:
         )
         if not mismatches:
             self._skyrl_staging().update(received)
-        return {"bytes": total, "params": len(received), "mismatches": mismatches}
+        return Received(bytes=total, params=len(received), mismatches=mismatches)
 
-    def skyrl_stage(self, params: list[list[Any]]) -> int:
-        """Stages ``[name, dtype, shape, chunks]`` items (in-band path; already verified)."""
+    def skyrl_stage(self, params: list[StagedParameter]) -> int:
+        """Stages in-band parameters (already verified by the server)."""
         import torch
 
         staging = self._skyrl_staging()
-        for name, dtype_name, shape, chunks in params:
-            buffer = bytearray().join(chunks)  # one copy, into memory torch may keep writable
-            dtype = getattr(torch, dtype_name)
-            staging[name] = torch.frombuffer(buffer, dtype=dtype).reshape(shape)
+        for param in params:
+            # One copy, into memory torch may keep writable.
+            buffer = bytearray().join(param["chunks"])
+            dtype = getattr(torch, param["dtype"])
+            staging[param["name"]] = torch.frombuffer(buffer, dtype=dtype).reshape(param["shape"])
         return len(params)
 
     def skyrl_discard(self) -> int:

@@ -20,33 +20,21 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from skyrl_grpc.channels import open_channel
 from skyrl_grpc.errors import AlreadyExists, NotFound
+from skyrl_grpc.names import DATA_PLANE
 from skyrl_grpc.v1 import router_pb2
 
+from ..common.tasks import BackgroundTasks
 from .balancer import LeastOutstanding, RoundRobin
 from .hash_ring import HashRing
 
 log = logging.getLogger(__name__)
 
-DATA_PLANE_SERVICE = "skyrl.inference.v1.DataPlane"
 HEALTHY = router_pb2.BACKEND_STATE_HEALTHY
 UNHEALTHY = router_pb2.BACKEND_STATE_UNHEALTHY
 DRAINING = router_pb2.BACKEND_STATE_DRAINING
 UNKNOWN = router_pb2.BACKEND_STATE_UNSPECIFIED
-
-CHANNEL_OPTIONS = [
-    # Forwarded messages can be as large as the servers accept.
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-    # Notice a silently dead backend (no RST) within seconds instead of a TCP timeout.
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    # Reconnect quickly once a restarted backend listens again.
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-]
 
 
 @dataclass(eq=False)
@@ -81,10 +69,6 @@ class Backend:
 ChannelFactory = Callable[[str], grpc.aio.Channel]
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-
-
 class BackendPool:
     """Backends, their health watches, and the routing decision."""
 
@@ -93,7 +77,7 @@ class BackendPool:
         addresses: Iterable[str] = (),
         *,
         check_interval: float = 1.0,
-        channel_factory: ChannelFactory = insecure_channel,
+        channel_factory: ChannelFactory = open_channel,
         balancing: str = "least-outstanding",
         on_change: Callable[[Backend], None] | None = None,
     ) -> None:
@@ -104,12 +88,11 @@ class BackendPool:
         self._balancer = RoundRobin() if balancing == "round-robin" else LeastOutstanding()
         self._on_change = on_change
         self._initial = list(addresses)
-        self._started = False
+        self._tasks = BackgroundTasks()
 
     # -- membership ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._started = True
         for address in self._initial:
             self.add(address)
 
@@ -120,7 +103,7 @@ class BackendPool:
         backend.idle.set()
         self._backends[address] = backend
         self._ring.add(address)
-        backend.watch_task = asyncio.create_task(self._watch(backend))
+        backend.watch_task = self._tasks.spawn(self._watch(backend), name=f"watch {address}")
         log.info("backend %s added", address)
         return backend
 
@@ -135,7 +118,7 @@ class BackendPool:
         backend.state = UNKNOWN
         self._changed(backend)
         # In-flight calls keep their own references and finish; close the channel after them.
-        asyncio.get_running_loop().create_task(self._close_when_idle(backend))
+        self._tasks.spawn(self._close_when_idle(backend), name=f"close {address}")
         log.info("backend %s removed", address)
 
     async def drain(self, address: str, timeout: float | None) -> int:
@@ -225,7 +208,7 @@ class BackendPool:
 
     async def _watch(self, backend: Backend) -> None:
         stub = health_pb2_grpc.HealthStub(backend.channel)
-        request = health_pb2.HealthCheckRequest(service=DATA_PLANE_SERVICE)
+        request = health_pb2.HealthCheckRequest(service=DATA_PLANE)
         while True:
             try:
                 backend.watch_call = stub.Watch(request)
@@ -242,5 +225,10 @@ class BackendPool:
             await asyncio.sleep(self.check_interval)
 
     async def close(self) -> None:
-        for address in list(self._backends):
-            await self.remove(address)
+        """Removes every backend and closes its channel (in-flight calls are cut)."""
+        backends = list(self._backends.values())
+        for backend in backends:
+            await self.remove(backend.address)
+        await self._tasks.close()
+        for backend in backends:
+            await backend.channel.close()

@@ -1,4 +1,5 @@
-"""DataPlane servicer: validate, call the engine, convert. Logic lives in converters/engine."""
+"""DataPlane servicer: validate, call the engine, convert. The rules live in ``validate``,
+the conversions in ``convert``, the engine calls in ``vllm_engine``."""
 
 from __future__ import annotations
 
@@ -10,15 +11,10 @@ import grpc
 from skyrl_grpc.assembly import ResponseAssembler
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
 
-from .converters import (
-    ChunkCoalescer,
-    StreamConverter,
-    build_sampling_params,
-    resolve_n,
-    validate_prompt,
-)
-from .engine import VllmEngine
+from . import validate
+from .convert import ChunkCoalescer, StreamConverter, build_sampling_params
 from .serving_state import ServingState
+from .vllm_engine import VllmEngine
 
 GenerateLike = data_plane_pb2.GenerateRequest | data_plane_pb2.GenerateStreamRequest
 
@@ -45,12 +41,11 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
         engine = self._state.engine()
         request_id = request_id or uuid.uuid4().hex
+        max_tokens = validate.sampling(
+            sampling, prompt_len=len(prompt_token_ids), limits=engine.limits
+        )
         params = build_sampling_params(
-            sampling,
-            n=resolve_n(n),
-            prompt_len=len(prompt_token_ids),
-            limits=engine.limits,
-            detokenize=include_text,
+            sampling, n=validate.sample_count(n), max_tokens=max_tokens, detokenize=include_text
         )
         converter = StreamConverter(request_id, prompt_token_ids, params, include_text)
         coalescer = ChunkCoalescer(stream_interval)
@@ -63,7 +58,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         self, request: GenerateLike, stream_interval: int = 0
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
         engine = self._state.engine()
-        prompt = validate_prompt(request.prompt_token_ids, engine.limits, "prompt_token_ids")
+        prompt = validate.prompt(request.prompt_token_ids, engine.limits, "prompt_token_ids")
         return self._stream(
             request.request_id,
             prompt,
@@ -102,14 +97,12 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         self, request: data_plane_pb2.ChatRequest, context: grpc.aio.ServicerContext
     ) -> data_plane_pb2.ChatResponse:
         engine = self._state.engine()
+        validate.chat_messages(request.messages)
         add_generation_prompt = (
             request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         )
-        prompt = engine.apply_chat_template(
-            _as_dicts(request.messages),
-            add_generation_prompt,
-        )
-        prompt = validate_prompt(prompt, engine.limits, "the rendered chat prompt")
+        prompt = engine.apply_chat_template(_as_dicts(request.messages), add_generation_prompt)
+        prompt = validate.prompt(prompt, engine.limits, "the rendered chat prompt")
         result = await self._collect(
             self._stream(request.request_id, prompt, request.sampling_params, request.n, True)
         )
@@ -125,7 +118,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     ) -> data_plane_pb2.CompleteResponse:
         engine = self._state.engine()
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        prompt = validate_prompt(
+        prompt = validate.prompt(
             engine.encode(request.prompt, add_special), engine.limits, "the tokenized prompt"
         )
         result = await self._collect(
@@ -144,14 +137,14 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         engine = self._state.engine()
         if request.HasField("conversation"):
             conversation = request.conversation
+            validate.chat_messages(conversation.messages)
             add_generation_prompt = (
                 conversation.add_generation_prompt
                 if conversation.HasField("add_generation_prompt")
                 else True
             )
             ids = engine.apply_chat_template(
-                _as_dicts(conversation.messages),
-                add_generation_prompt,
+                _as_dicts(conversation.messages), add_generation_prompt
             )
         else:
             add_special = (
@@ -164,6 +157,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         self, request: data_plane_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> data_plane_pb2.DetokenizeResponse:
         engine = self._state.engine()
+        validate.token_ids(request.token_ids, engine.limits, "token_ids")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         return data_plane_pb2.DetokenizeResponse(text=engine.decode(request.token_ids, skip))
 

@@ -11,7 +11,7 @@ import hmac
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn, TypeAlias
 
 import grpc
 
@@ -23,10 +23,16 @@ log = logging.getLogger(__name__)
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 
 
-async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+async def abort_with_status(exc: BaseException, context: Context, method: str) -> NoReturn:
+    """Ends the call with ``exc``'s status: a ``SkyrlError``'s code and message, or INTERNAL
+    with a generic message for anything unexpected (its traceback goes to the log, not the
+    wire). The one mapping every handler's errors go through."""
     if isinstance(exc, SkyrlError):
         await context.abort(exc.code, str(exc))
-    log.exception("unexpected error in %s", method, exc_info=exc)
+    log.error("unexpected error in %s", method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see server log")
 
 
@@ -50,7 +56,7 @@ def _lenient(deserializer: Any) -> Any:
     return decode
 
 
-async def _reject_malformed(request: Any, context: grpc.aio.ServicerContext, method: str) -> None:
+async def _reject_malformed(request: Any, context: Context, method: str) -> None:
     if isinstance(request, _Malformed):
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,
@@ -71,28 +77,28 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     if handler.unary_unary:
         inner_uu = handler.unary_unary
 
-        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def unary_unary(request: Any, context: Context) -> Any:
             await _reject_malformed(request, context, method)
             try:
                 return await inner_uu(request, context)
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                await _abort_for(exc, context, method)
+                await abort_with_status(exc, context, method)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, decode, handler.response_serializer)
     if handler.unary_stream and not inspect.isasyncgenfunction(handler.unary_stream):
         # Streams written with context.write (grpc's own health Watch): a coroutine.
         inner_uw = handler.unary_stream
 
-        async def unary_write(request: Any, context: grpc.aio.ServicerContext) -> None:
+        async def unary_write(request: Any, context: Context) -> None:
             await _reject_malformed(request, context, method)
             try:
                 await inner_uw(request, context)
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                await _abort_for(exc, context, method)
+                await abort_with_status(exc, context, method)
 
         return grpc.unary_stream_rpc_method_handler(
             unary_write, decode, handler.response_serializer
@@ -100,9 +106,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     if handler.unary_stream:
         inner_us = handler.unary_stream
 
-        async def unary_stream(
-            request: Any, context: grpc.aio.ServicerContext
-        ) -> AsyncIterator[Any]:
+        async def unary_stream(request: Any, context: Context) -> AsyncIterator[Any]:
             await _reject_malformed(request, context, method)
             try:
                 async for item in inner_us(request, context):
@@ -110,7 +114,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                await _abort_for(exc, context, method)
+                await abort_with_status(exc, context, method)
 
         return grpc.unary_stream_rpc_method_handler(
             unary_stream, decode, handler.response_serializer
@@ -118,13 +122,13 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     if handler.stream_unary:
         inner_su = handler.stream_unary
 
-        async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def stream_unary(requests: Any, context: Context) -> Any:
             try:
                 return await inner_su(_checked(requests, method), context)
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                await _abort_for(exc, context, method)
+                await abort_with_status(exc, context, method)
 
         return grpc.stream_unary_rpc_method_handler(
             stream_unary, decode, handler.response_serializer
@@ -156,10 +160,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 def _rejecting_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED."""
 
-    async def reject(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def reject(request: Any, context: Context) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    async def reject_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def reject_stream(request: Any, context: Context) -> AsyncIterator[Any]:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - abort raises
 

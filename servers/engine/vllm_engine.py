@@ -12,52 +12,24 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from skyrl_grpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from skyrl_grpc.tiny_model import ensure_tiny_model
 
-from .converters import ModelLimits
-from .weight_transfer import WeightTransferManager
+from .options import TINY_MODEL_NAME, EngineOptions
+from .validate import ModelLimits, PauseModeName
+from .weights.protocol import WorkerCalls
+from .weights.transaction import WeightTransferManager
 
 log = logging.getLogger(__name__)
 
-PauseModeName = Literal["abort", "wait", "keep"]
-TINY_MODEL_NAME = "skyrl-tiny-llama"
 
-
-@dataclass
-class EngineOptions:
-    """How to start the engine. ``model=None`` means the embedded tiny model."""
-
-    model: str | None = None
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    # CPU only: GiB of host memory for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE). Small by
-    # default so several engines share one machine.
-    kv_cache_gib: float = 1.0
-    # CPU only: threads the model runs on. None: 1 for the embedded tiny model (its matrices are
-    # too small to gain from threads, and idle OpenMP threads spin on the cores the serving
-    # layer needs), vLLM's own per-core binding for any other model.
-    cpu_threads: int | None = None
-    # GPU only: fraction of device memory the engine may take.
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    # CUDA graphs / torch.compile cost start-up time and give nothing on CPU.
-    enforce_eager: bool = True
-    # vLLM worker extension that receives weights (see servers/worker_extension.py).
-    worker_extension_cls: str = "servers.worker_extension.WeightTransferWorker"
-    extra_engine_args: dict[str, Any] = field(default_factory=dict)
-
-    def resolved_model(self) -> str:
-        return self.model or str(ensure_tiny_model())
+def resolved_model(options: EngineOptions) -> str:
+    """The model directory to serve (the embedded tiny model's, built on first use, by default)."""
+    return options.model or str(ensure_tiny_model())
 
 
 def cpu_layout(options: EngineOptions) -> tuple[dict[str, Any], dict[str, str]]:
@@ -154,7 +126,7 @@ class VllmEngine:
         self.sleep_supported = bool(current_platform.is_sleep_mode_available())
         self.prefix_caching = bool(llm.vllm_config.cache_config.enable_prefix_caching)
         self.weights = WeightTransferManager(
-            self._collective_rpc,
+            WorkerCalls(self._collective_rpc),
             self._set_weight_version,
             lambda: self.weight_version,
             on_commit=self._drop_stale_prefixes,
@@ -188,7 +160,7 @@ class VllmEngine:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        model_path = options.resolved_model()
+        model_path = resolved_model(options)
         is_cpu = current_platform.device_type == "cpu"
         if is_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{options.kv_cache_gib:g}")
@@ -259,8 +231,6 @@ class VllmEngine:
     def apply_chat_template(
         self, messages: Sequence[dict[str, str]], add_generation_prompt: bool
     ) -> list[int]:
-        if not messages:
-            raise InvalidArgument("messages is empty: send at least one chat message")
         if not self.tokenizer.chat_template:
             raise FailedPrecondition(
                 f"model {self.served_model_name!r} has no chat template: use Complete or "
@@ -276,11 +246,6 @@ class VllmEngine:
         return self.encode(str(text), add_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
-        bad = [t for t in token_ids if t >= self.limits.vocab_size]
-        if bad:
-            raise InvalidArgument(
-                f"token_ids has {bad[0]}, outside the vocabulary 0..{self.limits.vocab_size - 1}"
-            )
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     @property

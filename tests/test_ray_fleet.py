@@ -1,4 +1,4 @@
-"""ServerGroup on a local Ray cluster: 2 CPU servers + router, a client in a Ray actor, teardown."""
+"""RayFleet on a local Ray cluster: 2 CPU servers + router, a client in a Ray actor, teardown."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from servers.server_group import ServerGroup
+from servers.fleet.ray_group import RayFleet
 from trainer_client import BlockingInferenceClient
 
 pytestmark = [pytest.mark.engine]
@@ -37,11 +37,12 @@ def ray_cluster() -> Iterator[None]:
     ray.shutdown()
 
 
-def test_server_group_serves_through_its_router_and_leaves_no_processes(ray_cluster: None) -> None:
+def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(ray_cluster: None) -> None:
     import ray
 
-    group = ServerGroup(2, cpu_only=True)
-    router, servers = group.start()
+    group = RayFleet(2, cpu_only=True)
+    addresses = group.start()
+    router, servers = addresses.router, list(addresses.servers)
     actor_pids = group.pids()
     tree = process_tree(actor_pids)
     try:
@@ -64,7 +65,7 @@ def test_server_group_serves_through_its_router_and_leaves_no_processes(ray_clus
         tokens, paused, still_paused = ray.get(Rollouts.remote().run.remote(client), timeout=120)
         assert tokens == result.token_ids and paused and not still_paused
     finally:
-        group.shutdown()
+        group.close()
     deadline = time.monotonic() + 30
     while alive := [
         p

@@ -1,23 +1,23 @@
-"""ServerGroup: N engine servers as Ray actors on a placement group, plus a router.
+"""RayFleet: N engine servers as Ray actors on a placement group, plus a router.
 
 Each engine gets ``tensor_parallel_size x pipeline_parallel_size`` bundles (one per device:
 ``{"GPU": 1, "CPU": 1}``, or ``{"CPU": cpus_per_engine}`` in CPU mode) and its server actor is
 pinned to the engine's first bundle. Pass an existing placement group (``placement_group=`` and
 ``bundle_offset=``) to colocate inference with training. ``start()`` waits until every server
-is healthy and the router is up, then returns the addresses; ``shutdown()`` drains the servers,
+is healthy and the router is up, then returns the addresses; ``close()`` drains the servers,
 kills the actors and removes the placement group it created, so no process outlives it.
 
-    group = ServerGroup(num_servers=2, cpu_only=True)
-    router, servers = group.start()
-    ...
-    group.shutdown()
+    with RayFleet(num_servers=2, cpu_only=True) as fleet:
+        router = fleet.addresses.router
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
+
+from . import Fleet, FleetAddresses
 
 
 def _node_ip() -> str:
@@ -31,8 +31,8 @@ class EngineServerActor:
 
     def __init__(self, engine: dict[str, Any], host: str, env: dict[str, str]) -> None:
         os.environ.update(env)
-        from .engine import EngineOptions
-        from .engine_server import EngineServer, ServerOptions
+        from ..engine.options import EngineOptions, ServerOptions
+        from ..engine.server import EngineServer
 
         self._server = EngineServer(
             ServerOptions(host=host, port=0, engine=EngineOptions(**engine))
@@ -54,7 +54,7 @@ class RouterActor:
     """Runs the router inside a Ray actor."""
 
     def __init__(self, backends: list[str], host: str) -> None:
-        from .router import RouterOptions, RouterServer
+        from ..router.server import RouterOptions, RouterServer
 
         self._router = RouterServer(RouterOptions(backends=backends, host=host, port=0))
 
@@ -75,14 +75,14 @@ class ServerGroupOptions:
     num_servers: int = 2
     cpu_only: bool = False
     cpus_per_engine: float = 1.0
-    # Engine options (servers.engine.EngineOptions fields) for every server.
+    # Engine options (servers.engine.options.EngineOptions fields) for every server.
     engine: dict[str, Any] = field(default_factory=dict)
     # Bind address: loopback for a single machine, 0.0.0.0 (advertised as the node IP) for many.
     host: str = "127.0.0.1"
     env: dict[str, str] = field(default_factory=dict)
 
 
-class ServerGroup:
+class RayFleet(Fleet):
     """See the module docstring."""
 
     def __init__(
@@ -103,8 +103,6 @@ class ServerGroup:
         self._pg: Any = None
         self._servers: list[Any] = []
         self._router: Any = None
-        self.server_addresses: list[str] = []
-        self.router_address = ""
 
     @property
     def devices_per_engine(self) -> int:
@@ -118,7 +116,7 @@ class ServerGroup:
             return [{"CPU": self.options.cpus_per_engine}] * self.options.num_servers
         return [{"GPU": 1, "CPU": 1}] * (self.options.num_servers * self.devices_per_engine)
 
-    def start(self, timeout: float = 600) -> tuple[str, list[str]]:
+    def start(self, timeout: float = 600) -> FleetAddresses:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -148,29 +146,23 @@ class ServerGroup:
             )
             self._servers.append(
                 engine_actor.options(scheduling_strategy=strategy, **resources).remote(
-                    self.options.engine, self._bind_host(), env
+                    self.options.engine, self.options.host, env
                 )
             )
         try:
-            self.server_addresses = [
+            servers = [
                 self._advertised(a)
                 for a in ray.get([s.start.remote() for s in self._servers], timeout=timeout)
             ]
             self._router = (
-                ray.remote(RouterActor)
-                .options(num_cpus=0)
-                .remote(self.server_addresses, self._bind_host())
+                ray.remote(RouterActor).options(num_cpus=0).remote(servers, self.options.host)
             )
-            self.router_address = self._advertised(
-                ray.get(self._router.start.remote(), timeout=timeout)
-            )
+            router = self._advertised(ray.get(self._router.start.remote(), timeout=timeout))
         except Exception:
-            self.shutdown()
+            self.close()
             raise
-        return self.router_address, list(self.server_addresses)
-
-    def _bind_host(self) -> str:
-        return self.options.host
+        self.addresses = FleetAddresses(router, tuple(servers))
+        return self.addresses
 
     def _advertised(self, address: str) -> str:
         host, _, port = address.rpartition(":")
@@ -182,7 +174,7 @@ class ServerGroup:
         actors = [*self._servers, *([self._router] if self._router is not None else [])]
         return list(ray.get([a.pid.remote() for a in actors]))
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -202,17 +194,3 @@ class ServerGroup:
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
-
-    def __enter__(self) -> ServerGroup:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "options": asdict(self.options),
-            "router": self.router_address,
-            "servers": self.server_addresses,
-        }

@@ -1,0 +1,53 @@
+"""What every process entry point shares: logging setup, the JSON lifecycle lines on stdout,
+and running a server until a signal asks it to stop. Free of vLLM imports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """Logs go to stderr: stdout carries only the lifecycle lines launchers read."""
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
+def announce(event: str, **fields: object) -> None:
+    """One JSON line on stdout per lifecycle event (listening, ready, failed, stopped), for
+    launchers and tests to read."""
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def on_stop_signals(stop: Callable[[], Awaitable[None]]) -> Callable[[], None]:
+    """Runs ``stop()`` once on the first SIGTERM or SIGINT of this event loop's process.
+
+    Returns a function that removes the handlers. The stop task is kept referenced until it
+    ends (a bare ``ensure_future`` may be collected mid-drain).
+    """
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[None]] = set()
+
+    def handle() -> None:
+        if tasks:
+            return  # already stopping
+
+        async def run() -> None:
+            await stop()
+
+        task = loop.create_task(run())
+        tasks.add(task)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, handle)
+
+    def remove() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+    return remove

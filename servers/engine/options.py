@@ -1,0 +1,150 @@
+"""How to run an engine server: its options and command-line flags.
+
+Light on purpose (no vLLM, no torch): ``skyrl-grpc --help`` and launchers read these without
+paying for the engine's imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB
+
+from ..common.listener import ServerTls, add_message_size_argument, add_tls_arguments, tls_from_args
+
+TINY_MODEL_NAME = "skyrl-tiny-llama"
+WORKER_EXTENSION = "servers.engine.weights.worker.WeightTransferWorker"
+
+
+@dataclass
+class EngineOptions:
+    """How to start the engine. ``model=None`` means the embedded tiny model."""
+
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # CPU only: GiB of host memory for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE). Small by
+    # default so several engines share one machine.
+    kv_cache_gib: float = 1.0
+    # CPU only: threads the model runs on. None: 1 for the embedded tiny model (its matrices are
+    # too small to gain from threads, and idle OpenMP threads spin on the cores the serving
+    # layer needs), vLLM's own per-core binding for any other model.
+    cpu_threads: int | None = None
+    # GPU only: fraction of device memory the engine may take.
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    # CUDA graphs / torch.compile cost start-up time and give nothing on CPU.
+    enforce_eager: bool = True
+    # vLLM worker extension that receives weights (see servers/engine/weights/worker.py).
+    worker_extension_cls: str = WORKER_EXTENSION
+    extra_engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ServerOptions:
+    """How to run one engine server."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port (see EngineServer.port)
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    drain_grace_seconds: float = 10.0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # Bearer tokens: when set, the service answers UNAUTHENTICATED without it.
+    control_token: str | None = None
+    data_token: str | None = None
+    tls: ServerTls | None = None
+    # Keep freed host memory for reuse (skyrl_grpc.host_memory): weight updates then stop
+    # page-faulting through fresh memory, at the price of resident memory staying at its peak.
+    keep_freed_memory: bool = True
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine options shared by every command that starts engines."""
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model", default=None, help="model directory (default: embedded tiny model)"
+    )
+    group.add_argument("--served-model-name", default=None)
+    group.add_argument("--dtype", default="auto")
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--tensor-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-parallel-size", type=int, default=1)
+    group.add_argument("--kv-cache-gib", type=float, default=1.0, help="CPU: KV cache size in GiB")
+    group.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="CPU: model threads (default: 1 for the embedded tiny model, else vLLM's binding)",
+    )
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
+    return EngineOptions(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        kv_cache_gib=args.kv_cache_gib,
+        cpu_threads=args.cpu_threads,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="skyrl-grpc-server", description="Serve one vLLM engine over gRPC."
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    parser.add_argument("--drain-grace-seconds", type=float, default=10.0)
+    add_message_size_argument(parser)
+    parser.add_argument(
+        "--return-freed-memory",
+        action="store_true",
+        help="let the C library unmap freed buffers (lower resident memory, slower weight "
+        "updates; by default freed memory is kept for reuse)",
+    )
+    parser.add_argument(
+        "--control-token",
+        default=os.environ.get("SKYRL_CONTROL_TOKEN"),
+        help="require this bearer token on ControlPlane (default: $SKYRL_CONTROL_TOKEN)",
+    )
+    parser.add_argument(
+        "--data-token",
+        default=os.environ.get("SKYRL_DATA_TOKEN"),
+        help="require this bearer token on DataPlane (default: $SKYRL_DATA_TOKEN)",
+    )
+    add_tls_arguments(parser)
+    add_engine_arguments(parser)
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(
+        host=args.host,
+        port=args.port,
+        engine=engine_options_from_args(args),
+        drain_grace_seconds=args.drain_grace_seconds,
+        max_message_bytes=args.max_message_mib * MiB,
+        control_token=args.control_token,
+        data_token=args.data_token,
+        tls=tls_from_args(args),
+        keep_freed_memory=not args.return_freed_memory,
+    )

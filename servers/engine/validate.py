@@ -1,0 +1,209 @@
+"""Every check an engine server applies to a request, before anything reaches the engine.
+
+Pure functions of plain values and protobuf messages (no engine, no gRPC context), each raising
+``InvalidArgument`` with a message that names the field, the value and what would be accepted.
+Servicers call these; ``convert`` then builds engine types from requests that passed, and the
+vLLM adapter (``vllm_engine``) knows no request rules. Checks shared with the router (addresses,
+ports) are in ``servers.common.validate``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from servers.common import validate as common
+from skyrl_grpc.errors import InvalidArgument
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
+
+PauseModeName = Literal["abort", "wait", "keep"]
+CollectiveBackend = Literal["gloo", "nccl"]
+
+PAUSE_MODES: dict[int, PauseModeName] = {
+    cp.PAUSE_MODE_UNSPECIFIED: "abort",
+    cp.PAUSE_MODE_ABORT: "abort",
+    cp.PAUSE_MODE_WAIT: "wait",
+    cp.PAUSE_MODE_KEEP: "keep",
+}
+COLLECTIVE_BACKENDS: dict[int, CollectiveBackend] = {
+    cp.WEIGHT_TRANSFER_BACKEND_GLOO: "gloo",
+    cp.WEIGHT_TRANSFER_BACKEND_NCCL: "nccl",
+}
+DEFAULT_GROUP_TIMEOUT_SECONDS = 300.0
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the served model accepts."""
+
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int
+
+
+# -- data plane ------------------------------------------------------------------------------
+
+
+def token_ids(ids: Sequence[int], limits: ModelLimits, field: str) -> None:
+    """Every id is inside the vocabulary."""
+    for position, token in enumerate(ids):
+        if token >= limits.vocab_size:
+            raise InvalidArgument(
+                f"{field}[{position}] = {token} is outside the vocabulary: "
+                f"token ids must be in 0..{limits.vocab_size - 1}"
+            )
+
+
+def prompt(ids: Sequence[int], limits: ModelLimits, field: str) -> list[int]:
+    """A tokenized prompt: non-empty, in the vocabulary, shorter than the context."""
+    if not ids:
+        raise InvalidArgument(f"{field} is empty: send at least one token id")
+    result = list(ids)
+    if max(result) >= limits.vocab_size:
+        token_ids(result, limits, field)
+    if len(result) >= limits.max_model_len:
+        raise InvalidArgument(
+            f"the prompt has {len(result)} tokens but the model's context is "
+            f"{limits.max_model_len} tokens (prompt plus at least one output token): "
+            "shorten the prompt"
+        )
+    return result
+
+
+def sample_count(n: int) -> int:
+    """The contract's ``n`` (0 means 1) as a sample count."""
+    if n < 0:
+        raise InvalidArgument(f"n = {n}: the number of samples must be >= 1 (0 means 1)")
+    return n or 1
+
+
+def chat_messages(messages: Sequence[data_plane_pb2.ChatMessage]) -> None:
+    if not messages:
+        raise InvalidArgument("messages is empty: send at least one chat message")
+
+
+def _in_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
+    too_low = value <= low if low_open else value < low
+    if math.isnan(value) or too_low or value > high:
+        bracket = "(" if low_open else "["
+        raise InvalidArgument(
+            f"sampling_params.{name} = {value} is outside {bracket}{low}, {high}]"
+        )
+
+
+def sampling(params: generation_pb2.SamplingParams, *, prompt_len: int, limits: ModelLimits) -> int:
+    """Checks every sampling field against its documented range; returns the ``max_tokens``
+    to generate (the context's room when unset)."""
+    room = limits.max_model_len - prompt_len
+    if any(not s for s in params.stop_strings):
+        raise InvalidArgument("sampling_params.stop_strings contains an empty string")
+    token_ids(params.stop_token_ids, limits, "sampling_params.stop_token_ids")
+    if params.HasField("temperature") and (
+        math.isnan(params.temperature) or params.temperature < 0
+    ):
+        raise InvalidArgument(
+            f"sampling_params.temperature = {params.temperature}: must be >= 0 (0 = greedy)"
+        )
+    if params.HasField("top_p"):
+        _in_range("top_p", params.top_p, 0.0, 1.0, low_open=True)
+    if params.HasField("top_k") and params.top_k < -1:
+        raise InvalidArgument(
+            f"sampling_params.top_k = {params.top_k}: must be >= 1, or 0 / -1 to disable"
+        )
+    if params.HasField("min_p"):
+        _in_range("min_p", params.min_p, 0.0, 1.0)
+    max_tokens = room
+    if params.HasField("max_tokens"):
+        if params.max_tokens <= 0:
+            raise InvalidArgument(
+                f"sampling_params.max_tokens = {params.max_tokens}: must be >= 1 "
+                f"(unset means as many as the context allows, here {room})"
+            )
+        if params.max_tokens > room:
+            raise InvalidArgument(
+                f"sampling_params.max_tokens = {params.max_tokens} plus the {prompt_len}-token "
+                f"prompt exceeds the model's {limits.max_model_len}-token context: "
+                f"use max_tokens <= {room}"
+            )
+        max_tokens = params.max_tokens
+    if params.HasField("min_tokens") and not 0 <= params.min_tokens <= max_tokens:
+        raise InvalidArgument(
+            f"sampling_params.min_tokens = {params.min_tokens}: must be in "
+            f"0..max_tokens ({max_tokens})"
+        )
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        if params.HasField(penalty):
+            _in_range(penalty, getattr(params, penalty), -2.0, 2.0)
+    if params.HasField("repetition_penalty"):
+        _in_range("repetition_penalty", params.repetition_penalty, 0.0, 1e6, low_open=True)
+    for name in ("logprobs", "prompt_logprobs"):
+        if params.HasField(name):
+            value = getattr(params, name)
+            if value < 0 or value > limits.max_logprobs:
+                raise InvalidArgument(
+                    f"sampling_params.{name} = {value}: must be in 0..{limits.max_logprobs}"
+                )
+    return max_tokens
+
+
+# -- control plane ---------------------------------------------------------------------------
+
+
+def pause_mode(mode: int) -> PauseModeName:
+    """The engine's name for a PauseMode value (unset means ABORT)."""
+    try:
+        return PAUSE_MODES[mode]
+    except KeyError:
+        raise InvalidArgument(
+            f"mode = {mode} is not a PauseMode: use ABORT (1), WAIT (2) or KEEP (3)"
+        ) from None
+
+
+def sleep_level(level: int) -> int:
+    """The contract's sleep level (0 means 1)."""
+    resolved = level or 1
+    if resolved not in (1, 2):
+        raise InvalidArgument(f"level = {level}: sleep level must be 1 or 2")
+    return resolved
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A validated InitWeightTransfer request: how this server's workers join the group."""
+
+    backend: CollectiveBackend
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    timeout_seconds: float
+
+
+def weight_transfer_group(request: cp.InitWeightTransferRequest) -> GroupSpec:
+    backend = COLLECTIVE_BACKENDS.get(request.backend)
+    if backend is None:
+        raise InvalidArgument(
+            f"backend = {request.backend}: InitWeightTransfer takes GLOO (1) or NCCL (2); "
+            "GRPC_STREAM needs no group: use PushWeights"
+        )
+    if not request.master_address:
+        raise InvalidArgument("master_address is required: the trainer's rendezvous host")
+    common.port(request.master_port, "master_port")
+    if request.rank_offset < 1 or request.world_size <= request.rank_offset:
+        raise InvalidArgument(
+            f"rank_offset = {request.rank_offset}, world_size = {request.world_size}: "
+            "rank 0 is the trainer, so rank_offset >= 1 and world_size > rank_offset"
+        )
+    return GroupSpec(
+        backend=backend,
+        master_address=request.master_address,
+        master_port=request.master_port,
+        rank_offset=request.rank_offset,
+        world_size=request.world_size,
+        group_name=request.group_name or "default",
+        timeout_seconds=float(request.timeout_seconds or DEFAULT_GROUP_TIMEOUT_SECONDS),
+    )

@@ -1,0 +1,202 @@
+"""Checking what a weight update carries against the model: parameter specs, in-band streams
+(manifest, then in-order checksummed chunks) and collective bucket layouts.
+
+Pure: no engine, no gRPC. ``transaction`` feeds these with what arrives and hands the results to
+the workers; anything that does not match the model is rejected here, before a worker sees it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from skyrl_grpc import dtypes
+from skyrl_grpc.chunk_wire import WireChunk
+from skyrl_grpc.errors import DataLoss, InvalidArgument
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+
+from .protocol import Bucket, BucketParameter, ParameterShape, StagedParameter
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    dtype: dtypes.DTypeInfo
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return dtypes.num_bytes(self.shape, self.dtype)
+
+
+def check_parameter(spec: cp.ParameterSpec, layout: dict[str, ParamLayout]) -> ParamLayout:
+    """The model's layout of ``spec.name``, if the spec matches it exactly."""
+    expected = layout.get(spec.name)
+    if expected is None:
+        examples = ", ".join(sorted(layout)[:3])
+        raise InvalidArgument(
+            f"unknown parameter {spec.name!r}: the model has {len(layout)} parameters "
+            f"(checkpoint names, e.g. {examples})"
+        )
+    sent = dtypes.from_proto(spec.dtype, f"dtype of {spec.name}")
+    if sent.proto != expected.dtype.proto:
+        raise InvalidArgument(
+            f"dtype mismatch for {spec.name}: sent {sent.torch_name}, the model's is "
+            f"{expected.dtype.torch_name}"
+        )
+    if tuple(spec.shape) != expected.shape:
+        raise InvalidArgument(
+            f"shape mismatch for {spec.name}: sent {list(spec.shape)}, the model's is "
+            f"{list(expected.shape)}"
+        )
+    if spec.sha256 and len(spec.sha256) != 32:
+        raise InvalidArgument(f"sha256 of {spec.name} has {len(spec.sha256)} bytes, not 32")
+    return expected
+
+
+@dataclass
+class _Incoming:
+    layout: ParamLayout
+    sha256: bytes
+    received: int = 0
+    # The chunks as received (views into the received messages): the worker copies them into
+    # the parameter's buffer, so joining them here would only add a pass over memory.
+    chunks: list[bytes | memoryview] = field(default_factory=list)
+    # Running SHA-256 of the chunks, when the manifest gave one to check.
+    digest: Any = None
+
+    def __post_init__(self) -> None:
+        if self.sha256:
+            self.digest = hashlib.sha256()
+
+
+class InBandAssembler:
+    """Reassembles one PushWeights stream: manifest first, then in-order checksummed chunks."""
+
+    def __init__(self, layout: dict[str, ParamLayout]) -> None:
+        self._layout = layout
+        self._incoming: dict[str, _Incoming] | None = None
+        self.bytes_received = 0
+
+    def add(self, message: cp.PushWeightsRequest | WireChunk) -> None:
+        """Takes the next message, as protobuf parsed it or as ``decode_push_request`` read it."""
+        if isinstance(message, WireChunk):
+            self._add_chunk(message)
+            return
+        kind = message.WhichOneof("item")
+        if kind == "manifest":
+            if self._incoming is not None:
+                raise InvalidArgument("a second manifest in one PushWeights stream")
+            self._incoming = {}
+            for spec in message.manifest.parameters:
+                if spec.name in self._incoming:
+                    raise InvalidArgument(f"parameter {spec.name} is listed twice in the manifest")
+                self._incoming[spec.name] = _Incoming(
+                    check_parameter(spec, self._layout), spec.sha256
+                )
+            return
+        if kind != "chunk":
+            raise InvalidArgument("a PushWeights message must carry a manifest or a chunk")
+        self._add_chunk(WireChunk.from_proto(message.chunk))
+
+    def _add_chunk(self, chunk: WireChunk) -> None:
+        if self._incoming is None:
+            raise InvalidArgument("the first PushWeights message must be the manifest")
+        incoming = self._incoming.get(chunk.name)
+        if incoming is None:
+            raise InvalidArgument(f"chunk for {chunk.name!r}, which the manifest does not list")
+        data = chunk.data
+        if chunk.offset_bytes != incoming.received:
+            raise InvalidArgument(
+                f"chunk of {chunk.name} at offset {chunk.offset_bytes}, expected "
+                f"{incoming.received} (chunks of a parameter must arrive in order)"
+            )
+        end = incoming.received + len(data)
+        if end > incoming.layout.num_bytes:
+            raise InvalidArgument(
+                f"chunks of {chunk.name} exceed its {incoming.layout.num_bytes} bytes"
+            )
+        if not chunk.sha256 and chunk.crc32 is None:
+            raise InvalidArgument(
+                f"the chunk of {chunk.name} at offset {chunk.offset_bytes} has no checksum: set "
+                "crc32 (zlib.crc32 of data) or sha256"
+            )
+        if (chunk.crc32 is not None and zlib.crc32(data) != chunk.crc32) or (
+            chunk.sha256 and hashlib.sha256(data).digest() != chunk.sha256
+        ):
+            raise DataLoss(
+                f"checksum mismatch in the chunk of {chunk.name} at offset {chunk.offset_bytes}: "
+                "the bytes were corrupted in transit"
+            )
+        incoming.chunks.append(data)
+        if incoming.digest is not None:
+            incoming.digest.update(data)
+        incoming.received = end
+        self.bytes_received += len(data)
+
+    def finish(self) -> list[StagedParameter]:
+        """Checks the stream was complete; returns its parameters, each with its bytes as the
+        list of received chunks, in order."""
+        if self._incoming is None:
+            raise InvalidArgument("the PushWeights stream was empty (no manifest)")
+        items: list[StagedParameter] = []
+        for name, incoming in self._incoming.items():
+            expected = incoming.layout.num_bytes
+            if incoming.received != expected:
+                raise InvalidArgument(
+                    f"the stream ended before {name} was complete ({incoming.received} of "
+                    f"{expected} bytes): truncated push"
+                )
+            if incoming.digest is not None and incoming.digest.digest() != incoming.sha256:
+                raise DataLoss(
+                    f"checksum mismatch for {name}: the assembled bytes differ from the sender's"
+                )
+            layout = incoming.layout
+            items.append(
+                StagedParameter(
+                    name=name,
+                    dtype=layout.dtype.torch_name,
+                    shape=list(layout.shape),
+                    chunks=incoming.chunks,
+                )
+            )
+        return items
+
+
+def bucket_layout(bucket: cp.WeightBucket, layout: dict[str, ParamLayout]) -> Bucket:
+    """A validated bucket as the worker receives it."""
+    params: list[BucketParameter] = []
+    spans = []
+    for packed in bucket.parameters:
+        expected = check_parameter(packed.parameter, layout)
+        end = packed.offset_bytes + expected.num_bytes
+        if end > bucket.size_bytes:
+            raise InvalidArgument(
+                f"{packed.parameter.name} spans bytes {packed.offset_bytes}..{end} of a "
+                f"{bucket.size_bytes}-byte bucket"
+            )
+        spans.append((packed.offset_bytes, end, packed.parameter.name))
+        params.append(
+            BucketParameter(
+                name=packed.parameter.name,
+                dtype=expected.dtype.torch_name,
+                shape=list(expected.shape),
+                offset=packed.offset_bytes,
+                sha256=packed.parameter.sha256,
+            )
+        )
+    spans.sort()
+    for (_, end, name), (start, _, other) in itertools.pairwise(spans):
+        if start < end:
+            raise InvalidArgument(f"{name} and {other} overlap in a bucket")
+    return Bucket(size=bucket.size_bytes, params=params)
+
+
+def model_layout(shapes: dict[str, ParameterShape]) -> dict[str, ParamLayout]:
+    """The workers' parameter shapes as layouts."""
+    return {
+        name: ParamLayout(dtypes.BY_TORCH[shape["dtype"]], tuple(shape["shape"]))
+        for name, shape in shapes.items()
+    }

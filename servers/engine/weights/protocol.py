@@ -1,0 +1,128 @@
+"""The calls between the engine server and the worker extension inside vLLM's workers.
+
+The server reaches the workers only through vLLM's ``collective_rpc(method_name, args)``, whose
+arguments and results are serialized without pickle: plain values, lists, dicts and bytes.
+This module is the one definition both sides import: the method names, the typed payloads, and
+``WorkerCalls``, the server's typed view of the calls (``transaction`` never names a method by
+string). Every method runs on every worker of the engine (one per tensor/pipeline rank); the
+results come back one per worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypedDict
+
+# Method names of ``servers.engine.weights.worker.WeightTransferWorker``.
+LAYOUT = "skyrl_layout"
+CHECKSUMS = "skyrl_checksums"
+JOIN_GROUP = "skyrl_join_group"
+LEAVE_GROUP = "skyrl_leave_group"
+RECEIVE_BUCKETS = "skyrl_receive_buckets"
+STAGE = "skyrl_stage"
+DISCARD = "skyrl_discard"
+COMMIT = "skyrl_commit"
+METHODS = (LAYOUT, CHECKSUMS, JOIN_GROUP, LEAVE_GROUP, RECEIVE_BUCKETS, STAGE, DISCARD, COMMIT)
+
+
+class ParameterShape(TypedDict):
+    """A checkpoint parameter's element type (torch's name, e.g. "float32") and shape."""
+
+    dtype: str
+    shape: list[int]
+
+
+class StagedParameter(TypedDict):
+    """An in-band parameter, verified by the server: its bytes as the chunks received."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    chunks: list[bytes | memoryview]
+
+
+class BucketParameter(TypedDict):
+    """Where one parameter lies in a broadcast bucket, and its expected SHA-256 (or b"")."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    sha256: bytes
+
+
+class Bucket(TypedDict):
+    """One broadcast of ``size`` bytes holding ``params`` (validated against the model)."""
+
+    size: int
+    params: list[BucketParameter]
+
+
+class Received(TypedDict):
+    """What one worker received by broadcast; ``mismatches`` names parameters whose SHA-256
+    did not match (nothing of the call is staged then)."""
+
+    bytes: int
+    params: int
+    mismatches: list[str]
+
+
+class Checksum(TypedDict):
+    name: str
+    sha256: bytes
+    dtype: str
+    shape: list[int]
+
+
+class Group(TypedDict):
+    """How the workers join the trainer's process group (see ``skyrl_grpc.process_group``)."""
+
+    backend: str
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    timeout_seconds: float
+
+
+Rpc = Callable[[str, tuple[Any, ...]], Awaitable[list[Any]]]
+
+
+class WorkerCalls:
+    """The server's typed calls to every worker, over an ``rpc(method, args)`` callable
+    (``collective_rpc`` on a real engine; a plain function in tests)."""
+
+    def __init__(self, rpc: Rpc) -> None:
+        self._rpc = rpc
+
+    async def layout(self) -> dict[str, ParameterShape]:
+        """Every checkpoint parameter (the first worker's view: all hold the same names)."""
+        result: dict[str, ParameterShape] = (await self._rpc(LAYOUT, ()))[0]
+        return result
+
+    async def checksums(self, names: list[str]) -> list[Checksum]:
+        result: list[Checksum] = (await self._rpc(CHECKSUMS, (names,)))[0]
+        return result
+
+    async def join_group(self, group: Group) -> list[int]:
+        """Joins every worker; returns their ranks."""
+        return [int(rank) for rank in await self._rpc(JOIN_GROUP, (group,))]
+
+    async def leave_group(self) -> None:
+        await self._rpc(LEAVE_GROUP, ())
+
+    async def receive_buckets(self, buckets: list[Bucket]) -> list[Received]:
+        results: list[Received] = await self._rpc(RECEIVE_BUCKETS, (buckets,))
+        return results
+
+    async def stage(self, params: list[StagedParameter]) -> None:
+        await self._rpc(STAGE, (params,))
+
+    async def discard(self) -> int:
+        """Drops staged parameters; returns how many there were."""
+        return int((await self._rpc(DISCARD, ()))[0])
+
+    async def commit(self) -> int:
+        """Makes the staged parameters serve; returns how many were replaced."""
+        return int((await self._rpc(COMMIT, ()))[0])

@@ -1,0 +1,5 @@
+"""``python -m servers.router``: the router (the same as ``skyrl-grpc route``)."""
+
+from .server import main
+
+main()

@@ -1,0 +1,314 @@
+"""The proxy: every DataPlane call forwarded to one backend as raw bytes, along one path.
+
+The router never decodes a payload it does not need (so contract additions need no router
+change): a generic handler relays request and response messages, all metadata
+(``x-session-id``, auth, tracing), the deadline and the final status. Every call, whatever its
+shape, takes the same path (``Proxy.relay``): pick a backend (``BackendPool.choose``), count it
+in flight, read its first message, announce the backend in the ``x-skyrl-backend`` header,
+relay the rest, count it out. A call that fails UNAVAILABLE before any message of its upstream
+reached the caller is retried on another backend (bounded, with backoff) when its request can
+be sent again; a GenerateStream cut mid-way by a lost backend migrates (``migration``).
+Errors of the router's own go through ``skyrl_grpc.errors`` and the shared status mapping;
+a backend's status is passed through as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import aclosing
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Protocol
+
+import grpc
+
+from skyrl_grpc.errors import SkyrlError, Unavailable
+from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
+from skyrl_grpc.names import DATA_PLANE, DATA_PLANE_SERVICE
+from skyrl_grpc.v1 import router_pb2
+
+from ..common.early_answer import read_rest
+from ..common.interceptors import Context, abort_with_status
+from .backends import Backend, BackendPool
+from .metrics import RouterMetrics
+from .migration import StreamMigration
+
+log = logging.getLogger(__name__)
+
+# How long a call answered with an error keeps reading what the caller still sends.
+READ_REST_SECONDS = 5.0
+# Metadata the transport owns; everything else is forwarded as is.
+_NOT_FORWARDED = ("grpc-", ":")
+_NOT_FORWARDED_KEYS = {"user-agent", "te", "content-type"}
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+
+def forwarded_metadata(context: Context) -> Metadata:
+    return tuple(
+        (key, value)
+        for key, value in (context.invocation_metadata() or ())
+        if not key.startswith(_NOT_FORWARDED) and key not in _NOT_FORWARDED_KEYS
+    )
+
+
+def session_of(metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
+    for key, value in metadata:
+        if key == SESSION_ID:
+            return value if isinstance(value, str) else value.decode()
+    return None
+
+
+@dataclass
+class ProxyOptions:
+    max_retries: int = 2  # extra backends to try for a call that failed before any response
+    retry_backoff_seconds: float = 0.05
+    # How often one GenerateStream may move to another backend when its backend dies (0: off).
+    max_migrations: int = 2
+
+
+class Upstream(Protocol):
+    """A call started on a backend, read as a stream of raw messages."""
+
+    async def read(self) -> Any: ...  # a message, or grpc.aio.EOF
+
+    def cancel(self) -> bool: ...
+
+    def done(self) -> bool: ...
+
+
+class _UnaryUpstream:
+    """A unary call read as a stream of one message."""
+
+    def __init__(self, call: grpc.aio.UnaryUnaryCall[bytes, bytes]) -> None:
+        self._call = call
+        self._read = False
+
+    async def read(self) -> Any:
+        if self._read:
+            return grpc.aio.EOF
+        self._read = True
+        return await self._call
+
+    def cancel(self) -> bool:
+        return self._call.cancel()
+
+    def done(self) -> bool:
+        return self._call.done()
+
+
+# Starts the call on a backend with the request to send there (the caller's, or a continuation).
+Starter = Callable[[Backend, bytes, Metadata, float | None], Upstream]
+
+
+def _start_unary(
+    method: str, backend: Backend, request: bytes, metadata: Metadata, timeout: float | None
+) -> Upstream:
+    call = backend.channel.unary_unary(method)(request, timeout=timeout, metadata=metadata)
+    return _UnaryUpstream(call)
+
+
+def _start_server_stream(
+    method: str, backend: Backend, request: bytes, metadata: Metadata, timeout: float | None
+) -> Upstream:
+    return backend.channel.unary_stream(method)(request, timeout=timeout, metadata=metadata)
+
+
+@dataclass
+class Proxy:
+    """Forwards calls to the backend ``pool.choose`` picks."""
+
+    pool: BackendPool
+    metrics: RouterMetrics
+    options: ProxyOptions = field(default_factory=ProxyOptions)
+
+    def _pick(self, session: str | None, tried: set[str]) -> Backend:
+        backend = self.pool.choose(session, frozenset(tried))
+        if backend is not None:
+            return backend
+        members = self.pool.backends
+        if not members:
+            detail = "the router has no backends: add one with RouterAdmin/AddBackend"
+        elif tried:
+            detail = f"every backend tried failed ({', '.join(sorted(tried))})"
+        else:
+            states = ", ".join(
+                f"{b.address} {router_pb2.BackendState.Name(b.state)}" for b in members
+            )
+            detail = f"no healthy backend ({states})"
+        raise Unavailable(f"router: {detail}")
+
+    def _may_retry(self, error: grpc.aio.AioRpcError, retries: int) -> bool:
+        return error.code() == grpc.StatusCode.UNAVAILABLE and retries < self.options.max_retries
+
+    async def relay(
+        self,
+        method: str,
+        request: bytes,
+        context: Context,
+        start: Starter,
+        *,
+        replayable: bool = True,
+        migration: StreamMigration | None = None,
+        unread: AsyncIterator[bytes] | None = None,
+    ) -> AsyncIterator[bytes]:
+        """The one forwarding path; yields the upstream's messages for the caller.
+
+        ``replayable``: the request may be sent to another backend after a failure (not when
+        the caller streams it). ``unread``: the caller's request stream, read to its end before
+        an error status is sent (otherwise a caller still sending sees a transport error
+        instead of the status that explains it).
+        """
+        metadata = forwarded_metadata(context)
+        session = session_of(metadata)
+        tried: set[str] = set()
+        retries = 0
+        headers_sent = False
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            while True:
+                backend = self._pick(session, tried)
+                tried.add(backend.address)
+                self._begin(backend, method)
+                failed = True
+                upstream = start(backend, request, metadata, context.time_remaining())
+                try:
+                    try:
+                        message = await upstream.read()
+                    except grpc.aio.AioRpcError as error:
+                        # Nothing of this upstream reached the caller: safe to try elsewhere.
+                        if not (replayable and self._may_retry(error, retries)):
+                            raise
+                        self.pool.mark_unavailable(backend)
+                        self.metrics.retries.labels(method).inc()
+                        await asyncio.sleep(self.options.retry_backoff_seconds * 2**retries)
+                        retries += 1
+                        continue
+                    if not headers_sent:
+                        await context.send_initial_metadata(((ROUTED_TO, backend.address),))
+                        headers_sent = True
+                    try:
+                        while message is not grpc.aio.EOF:
+                            yield message if migration is None else migration.observe(message)
+                            message = await upstream.read()
+                    except grpc.aio.AioRpcError as error:
+                        if error.code() != grpc.StatusCode.UNAVAILABLE:
+                            raise
+                        self.pool.mark_unavailable(backend)
+                        if migration is None or not migration.can_migrate():
+                            why = "migration is off" if migration is None else "no migrations left"
+                            raise Unavailable(
+                                f"router: backend {backend.address} was lost mid-stream "
+                                f"({error.details()}); {why}"
+                            ) from error
+                        request = migration.continuation(backend.address)
+                        self.metrics.migrations.labels(method).inc()
+                        log.warning("migrating a stream from lost backend %s", backend.address)
+                        continue
+                    failed = False
+                    return
+                finally:
+                    if not upstream.done():
+                        upstream.cancel()  # the caller went away: stop the work upstream
+                    self._end(backend, failed)
+        except grpc.aio.AioRpcError as error:
+            code = error.code()
+            if unread is not None:
+                await read_rest(unread, READ_REST_SECONDS)
+            await context.abort(code, error.details() or "", tuple(error.trailing_metadata() or ()))
+        except SkyrlError as error:
+            code = error.code
+            if unread is not None:
+                await read_rest(unread, READ_REST_SECONDS)
+            await abort_with_status(error, context, method)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self._finish(method, code, started)
+
+    async def unary_unary(self, method: str, request: bytes, context: Context) -> bytes:
+        response = b""
+        # Read to the end (not just the first message): the path's bookkeeping runs there.
+        async for message in self.relay(method, request, context, partial(_start_unary, method)):
+            response = message
+        return response
+
+    # grpc drives async generator functions only; aclosing() closes the path as soon as the
+    # handler is closed (a cancelled call), not when the collector gets to it.
+
+    async def unary_stream(
+        self, method: str, request: bytes, context: Context
+    ) -> AsyncIterator[bytes]:
+        migration = StreamMigration.for_call(method, request, self.options.max_migrations)
+        start = partial(_start_server_stream, method)
+        async with aclosing(
+            self.relay(method, request, context, start, migration=migration)
+        ) as relayed:
+            async for message in relayed:
+                yield message
+
+    async def stream_stream(
+        self, method: str, requests: AsyncIterator[bytes], context: Context
+    ) -> AsyncIterator[bytes]:
+        """Methods the router does not know yet: relayed both ways, never retried (the
+        requests cannot be sent twice)."""
+
+        def start(
+            backend: Backend, _: bytes, metadata: Metadata, timeout: float | None
+        ) -> Upstream:
+            call: Upstream = backend.channel.stream_stream(method)(
+                requests, timeout=timeout, metadata=metadata
+            )
+            return call
+
+        async with aclosing(
+            self.relay(method, b"", context, start, replayable=False, unread=requests)
+        ) as relayed:
+            async for message in relayed:
+                yield message
+
+    def _begin(self, backend: Backend, method: str) -> None:
+        self.pool.begin(backend)
+        self.metrics.requests.labels(method, backend.address).inc()
+        self.metrics.in_flight.labels(backend.address).set(backend.in_flight)
+
+    def _end(self, backend: Backend, failed: bool) -> None:
+        self.pool.end(backend, failed)
+        self.metrics.in_flight.labels(backend.address).set(backend.in_flight)
+
+    def _finish(self, method: str, code: grpc.StatusCode, started: float) -> None:
+        self.metrics.latency.labels(method).observe(time.perf_counter() - started)
+        if code != grpc.StatusCode.OK:
+            self.metrics.errors.labels(method, code.name).inc()
+
+
+class ForwardingHandler(grpc.GenericRpcHandler):
+    """Routes every method of the proxied services to the Proxy, as raw bytes."""
+
+    def __init__(self, proxy: Proxy, services: Sequence[str] = (DATA_PLANE,)) -> None:
+        self._proxy = proxy
+        self._prefixes = tuple(f"/{s}/" for s in services)
+        # Known methods keep their real shape (cheaper than a bidi stream); unknown methods of
+        # a proxied service (a newer contract than this router) are relayed as bidi streams.
+        self._streaming = {
+            f"/{DATA_PLANE}/{m.name}": (m.client_streaming, m.server_streaming)
+            for m in DATA_PLANE_SERVICE.methods
+        }
+
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        method: str = handler_call_details.method
+        if not method.startswith(self._prefixes):
+            return None
+        shape = self._streaming.get(method, (True, True))
+        # partial keeps the coroutine / async-generator nature grpc inspects to drive the call.
+        if shape == (False, False):
+            return grpc.unary_unary_rpc_method_handler(partial(self._proxy.unary_unary, method))
+        if shape == (False, True):
+            return grpc.unary_stream_rpc_method_handler(partial(self._proxy.unary_stream, method))
+        return grpc.stream_stream_rpc_method_handler(partial(self._proxy.stream_stream, method))

@@ -1,0 +1,223 @@
+"""The routing proxy: one address in front of many engine servers.
+
+``RouterServer`` serves DataPlane (every call forwarded to one backend by ``proxy``; the choice
+is ``BackendPool.choose`` in ``backends``), RouterAdmin (membership at runtime, ``admin``),
+grpc.health.v1 (SERVING iff a backend is healthy), reflection, and Prometheus metrics over HTTP
+(``metrics``).
+
+Run: ``skyrl-grpc-router --backends host:port,host:port`` or ``python -m servers.router``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB, open_channel
+from skyrl_grpc.names import DATA_PLANE, ROUTER_ADMIN
+from skyrl_grpc.tls import TlsConfig
+from skyrl_grpc.v1 import router_pb2_grpc
+
+from ..common.interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
+from ..common.listener import (
+    ServerTls,
+    add_message_size_argument,
+    add_tls_arguments,
+    bind,
+    server_options,
+    tls_from_args,
+)
+from ..common.process import announce, configure_logging, on_stop_signals
+from ..common.tasks import BackgroundTasks
+from .admin import RouterAdminServicer
+from .backends import Backend, BackendPool
+from .metrics import RouterMetrics
+from .proxy import ForwardingHandler, Proxy, ProxyOptions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterOptions:
+    backends: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
+    health_check_interval: float = 1.0
+    balancing: str = "least-outstanding"
+    proxy: ProxyOptions = field(default_factory=ProxyOptions)
+    drain_grace_seconds: float = 10.0
+    # Bearer token required on RouterAdmin (membership changes); None leaves it open.
+    admin_token: str | None = None
+    # TLS on the router's own port, and (backend_tls) on its connections to the servers.
+    tls: ServerTls | None = None
+    backend_tls: TlsConfig | None = None
+    # Largest message accepted from callers and relayed to backends: set it as the servers'.
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+
+class RouterServer:
+    """Builds and runs the router; ``start()`` returns once the port is open."""
+
+    def __init__(self, options: RouterOptions) -> None:
+        self.options = options
+        self.metrics = RouterMetrics()
+        self.health = health.aio.HealthServicer()
+        self.pool = BackendPool(
+            options.backends,
+            channel_factory=partial(
+                open_channel, tls=options.backend_tls, max_message_bytes=options.max_message_bytes
+            ),
+            check_interval=options.health_check_interval,
+            balancing=options.balancing,
+            on_change=self._backend_changed,
+        )
+        self.proxy = Proxy(self.pool, self.metrics, options.proxy)
+        self.server = grpc.aio.server(
+            # Only admin calls raise domain errors; forwarded calls skip the interceptor.
+            interceptors=[
+                BearerTokenInterceptor({ROUTER_ADMIN: options.admin_token or ""}),
+                ErrorMappingInterceptor(services=[ROUTER_ADMIN]),
+            ],
+            options=server_options(options.max_message_bytes),
+        )
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._serving: bool | None = None
+        self._tasks = BackgroundTasks()
+        self._stopped = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        return f"{self.options.host}:{self.port}"
+
+    def _backend_changed(self, backend: Backend) -> None:
+        self.metrics.healthy.labels(backend.address).set(1 if backend.eligible else 0)
+        serving = bool(self.pool.healthy())
+        if serving != self._serving:
+            self._serving = serving
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if serving
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            for service in ("", DATA_PLANE):
+                self._tasks.spawn(self.health.set(service, status))
+
+    async def start(self) -> None:
+        self.server.add_generic_rpc_handlers((ForwardingHandler(self.proxy),))
+        router_pb2_grpc.add_RouterAdminServicer_to_server(
+            RouterAdminServicer(self.pool), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        for service in ("", DATA_PLANE):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set(ROUTER_ADMIN, health_pb2.HealthCheckResponse.SERVING)
+        reflection.enable_server_reflection(
+            [DATA_PLANE, ROUTER_ADMIN, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+        self.port = bind(self.server, f"{self.options.host}:{self.options.port}", self.options.tls)
+        await self.server.start()
+        await self.pool.start()
+        if self.options.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.options.metrics_port, self.options.host)
+        log.info("router listening on %s for %s", self.address, ", ".join(self.options.backends))
+
+    async def wait_healthy(self, count: int = 1, timeout: float = 30) -> None:
+        """Waits until ``count`` backends are healthy."""
+        deadline = time.monotonic() + timeout
+        while len(self.pool.healthy()) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.pool.healthy())} of {count} backends healthy")
+            await asyncio.sleep(0.05)
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.options.drain_grace_seconds if grace is None else grace)
+        await self.pool.close()
+        await self._tasks.close()
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="skyrl-grpc-router", description="Route DataPlane calls to engine servers."
+    )
+    parser.add_argument(
+        "--backends", default="", help="comma-separated host:port of engine servers"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50050, help="0 picks a free port")
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    parser.add_argument("--health-check-interval", type=float, default=1.0)
+    parser.add_argument(
+        "--balancing", choices=["least-outstanding", "round-robin"], default="least-outstanding"
+    )
+    parser.add_argument("--max-retries", type=int, default=2)
+    add_message_size_argument(parser)
+    parser.add_argument(
+        "--max-migrations", type=int, default=2, help="0 turns stream migration off"
+    )
+    add_tls_arguments(parser)
+    parser.add_argument("--backend-tls-ca", default=None, help="PEM CA to verify TLS backends")
+    parser.add_argument(
+        "--backend-tls-cert", default=None, help="client certificate for mTLS backends"
+    )
+    parser.add_argument("--backend-tls-key", default=None, help="its private key")
+    parser.add_argument(
+        "--admin-token",
+        default=os.environ.get("SKYRL_ROUTER_ADMIN_TOKEN"),
+        help="require this bearer token on RouterAdmin (default: $SKYRL_ROUTER_ADMIN_TOKEN)",
+    )
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> RouterOptions:
+    return RouterOptions(
+        backends=[b for b in args.backends.split(",") if b],
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        health_check_interval=args.health_check_interval,
+        balancing=args.balancing,
+        proxy=ProxyOptions(max_retries=args.max_retries, max_migrations=args.max_migrations),
+        admin_token=args.admin_token,
+        max_message_bytes=args.max_message_mib * MiB,
+        tls=tls_from_args(args),
+        backend_tls=(
+            TlsConfig(args.backend_tls_ca, args.backend_tls_cert, args.backend_tls_key)
+            if args.backend_tls_ca or args.backend_tls_cert
+            else None
+        ),
+    )
+
+
+async def serve(options: RouterOptions) -> None:
+    router = RouterServer(options)
+    await router.start()
+    announce("listening", address=router.address, metrics_port=router.metrics_port)
+    on_stop_signals(router.stop)
+    await router.wait_stopped()
+    announce("stopped", address=router.address)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    configure_logging()
+    asyncio.run(serve(options_from_args(args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Resuming a generation elsewhere: the request that continues one sample after some tokens.
+
+Two places resubmit a sample that was cut short: the trainer client after a pause in ABORT mode
+(``trainer_client.continuation``) and the router when a server dies mid-stream
+(``servers.router.migration``). Both send the prompt plus every token generated so far with
+what is left of the budget, so the result reads like one uninterrupted generation; this module
+is that rule, written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from skyrl_grpc.v1 import data_plane_pb2
+
+
+def continue_request(
+    request: data_plane_pb2.GenerateStreamRequest, generated: Sequence[int]
+) -> data_plane_pb2.GenerateStreamRequest:
+    """``request`` continued after ``generated`` tokens of its (single) sample.
+
+    The prompt grows by the generated tokens; ``max_tokens`` and ``min_tokens`` shrink by their
+    count (an unset ``max_tokens`` stays unset: the server fills the context, as before). Prompt
+    logprobs are not asked for again: the continuation's "prompt" includes generated tokens,
+    and the caller received the real prompt's logprobs with the first attempt.
+    """
+    continued = data_plane_pb2.GenerateStreamRequest()
+    continued.CopyFrom(request)
+    continued.prompt_token_ids.extend(generated)
+    params = continued.sampling_params
+    done = len(generated)
+    if params.HasField("max_tokens"):
+        params.max_tokens = params.max_tokens - done
+    if params.HasField("min_tokens"):
+        params.min_tokens = max(params.min_tokens - done, 0)
+    params.ClearField("prompt_logprobs")
+    return continued
