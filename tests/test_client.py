@@ -179,14 +179,3 @@ async def test_pickled_client_generates_and_pauses_in_another_process(
     await asyncio.to_thread(process.join, 30)
     reference = await client.async_client.generate([1, 2, 3], {"temperature": 0.0, "max_tokens": 5})
     assert tokens == reference.token_ids and paused is True and still_paused is False
-
-
-async def test_blocking_client_has_the_async_names(client: InferenceClient) -> None:
-    from trainer_client.blocking import BLOCKING_METHODS
-
-    public = {
-        n
-        for n in dir(InferenceClient)
-        if not n.startswith("_") and asyncio.iscoroutinefunction(getattr(InferenceClient, n))
-    }
-    assert public - {"close"} == set(BLOCKING_METHODS)

@@ -2,52 +2,32 @@
 
 It runs the asyncio client on a private event loop in a daemon thread, so there is one
 implementation of every behaviour (retry on abort, fan-out) and only the calling convention
-differs. Pickles like the async client (its config only).
+differs. Each method below is a typed one-line forward, so IDEs, ``help()`` and type checkers
+see the real signatures; ``tests/test_blocking_client.py`` checks that the two surfaces match
+exactly. Pickles like the async client (its config only).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from .client import InferenceClient
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import data_plane_pb2
+
+from .client import InferenceClient, Message, Sampling
 from .config import ClientConfig
+from .results import GenerationResult
+from .weights import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES
 
 T = TypeVar("T")
 
-# Every coroutine method of InferenceClient that the blocking twin exposes under the same name.
-BLOCKING_METHODS = (
-    "generate",
-    "generate_batch",
-    "sample",
-    "chat",
-    "complete",
-    "tokenize",
-    "detokenize",
-    "model_info",
-    "pause",
-    "resume",
-    "is_paused",
-    "all_paused",
-    "sleep",
-    "wake_up",
-    "is_sleeping",
-    "reset_prefix_cache",
-    "server_info",
-    "load",
-    "world_size",
-    "init_weight_transfer",
-    "update_weights",
-    "weight_checksums",
-    "weight_versions",
-)
-
 
 class BlockingInferenceClient:
-    """Blocking twin of ``InferenceClient``; see the module docstring."""
+    """Blocking twin of ``InferenceClient``; see the module docstring and the async methods'
+    docstrings for what each call does."""
 
     def __init__(
         self, router: str, servers: tuple[str, ...] | list[str] = (), **settings: Any
@@ -59,9 +39,7 @@ class BlockingInferenceClient:
     @classmethod
     def from_config(cls, config: ClientConfig) -> BlockingInferenceClient:
         client = cls.__new__(cls)
-        client._client = InferenceClient.from_config(config)
-        client._loop = None
-        client._lock = threading.Lock()
+        client.__setstate__({"config": config})
         return client
 
     @property
@@ -89,18 +67,6 @@ class BlockingInferenceClient:
                 ).start()
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        """Blocking iterator over ``InferenceClient.stream``."""
-        chunks = self._client.stream(*args, **kwargs)
-        try:
-            while True:
-                try:
-                    yield self._run(chunks.__anext__())
-                except StopAsyncIteration:
-                    return
-        finally:
-            self._run(chunks.aclose())
-
     def close(self) -> None:
         if self._loop is not None:
             self._run(self._client.close())
@@ -113,16 +79,198 @@ class BlockingInferenceClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- data plane ---------------------------------------------------------------------------
 
-def _blocking(name: str) -> Callable[..., Any]:
-    method = getattr(InferenceClient, name)
+    def stream(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling = None,
+        *,
+        session_id: str | None = None,
+        n: int = 1,
+        include_text: bool = False,
+        request_id: str = "",
+        stream_interval: int = 0,
+    ) -> Iterator[data_plane_pb2.GenerateStreamResponse]:
+        chunks = self._client.stream(
+            prompt_token_ids,
+            sampling,
+            session_id=session_id,
+            n=n,
+            include_text=include_text,
+            request_id=request_id,
+            stream_interval=stream_interval,
+        )
+        try:
+            while True:
+                try:
+                    yield self._run(chunks.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(chunks.aclose())
 
-    @functools.wraps(method)
-    def call(self: BlockingInferenceClient, *args: Any, **kwargs: Any) -> Any:
-        return self._run(getattr(self._client, name)(*args, **kwargs))
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling = None,
+        *,
+        session_id: str | None = None,
+        include_text: bool = False,
+    ) -> GenerationResult:
+        return self._run(
+            self._client.generate(
+                prompt_token_ids, sampling, session_id=session_id, include_text=include_text
+            )
+        )
 
-    return call
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling = None,
+        *,
+        session_ids: Sequence[str | None] | None = None,
+        include_text: bool = False,
+    ) -> list[GenerationResult]:
+        return self._run(
+            self._client.generate_batch(
+                prompts, sampling, session_ids=session_ids, include_text=include_text
+            )
+        )
 
+    def sample(
+        self,
+        prompt_token_ids: Sequence[int],
+        n: int,
+        sampling: Sampling = None,
+        *,
+        session_id: str | None = None,
+        include_text: bool = False,
+    ) -> list[GenerationResult]:
+        return self._run(
+            self._client.sample(
+                prompt_token_ids, n, sampling, session_id=session_id, include_text=include_text
+            )
+        )
 
-for _name in BLOCKING_METHODS:
-    setattr(BlockingInferenceClient, _name, _blocking(_name))
+    def chat(
+        self,
+        messages: Sequence[Message],
+        sampling: Sampling = None,
+        *,
+        session_id: str | None = None,
+    ) -> GenerationResult:
+        return self._run(self._client.chat(messages, sampling, session_id=session_id))
+
+    def complete(
+        self, prompt: str, sampling: Sampling = None, *, session_id: str | None = None
+    ) -> GenerationResult:
+        return self._run(self._client.complete(prompt, sampling, session_id=session_id))
+
+    def tokenize(
+        self,
+        text: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        add_special_tokens: bool = True,
+        session_id: str | None = None,
+    ) -> list[int]:
+        return self._run(
+            self._client.tokenize(
+                text,
+                messages=messages,
+                add_special_tokens=add_special_tokens,
+                session_id=session_id,
+            )
+        )
+
+    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._run(self._client.detokenize(token_ids, skip_special_tokens))
+
+    def model_info(self) -> data_plane_pb2.GetModelInfoResponse:
+        return self._run(self._client.model_info())
+
+    # -- control plane ------------------------------------------------------------------------
+
+    def pause(self, mode: str = "abort", clear_cache: bool = False) -> dict[str, None]:
+        return self._run(self._client.pause(mode, clear_cache))
+
+    def resume(self) -> dict[str, None]:
+        return self._run(self._client.resume())
+
+    def is_paused(self) -> dict[str, bool]:
+        return self._run(self._client.is_paused())
+
+    def all_paused(self) -> bool:
+        return self._run(self._client.all_paused())
+
+    def sleep(self, level: int = 1) -> dict[str, None]:
+        return self._run(self._client.sleep(level))
+
+    def wake_up(self, tags: Sequence[str] = ()) -> dict[str, None]:
+        return self._run(self._client.wake_up(tags))
+
+    def is_sleeping(self) -> dict[str, bool]:
+        return self._run(self._client.is_sleeping())
+
+    def reset_prefix_cache(self) -> dict[str, None]:
+        return self._run(self._client.reset_prefix_cache())
+
+    def server_info(self) -> dict[str, cp.GetServerInfoResponse]:
+        return self._run(self._client.server_info())
+
+    def load(self) -> dict[str, cp.GetLoadResponse]:
+        return self._run(self._client.load())
+
+    def world_size(self) -> int:
+        return self._run(self._client.world_size())
+
+    # -- weight transfer ----------------------------------------------------------------------
+
+    def init_weight_transfer(
+        self,
+        backend: str = "gloo",
+        *,
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        group_name: str = "skyrl",
+        timeout_seconds: float = 300.0,
+    ) -> dict[str, int]:
+        return self._run(
+            self._client.init_weight_transfer(
+                backend,
+                master_address=master_address,
+                master_port=master_port,
+                group_name=group_name,
+                timeout_seconds=timeout_seconds,
+            )
+        )
+
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        weight_version: int,
+        *,
+        transport: str = "collective",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        checksums: bool = True,
+        timeout: float = 600.0,
+    ) -> dict[str, cp.FinishWeightUpdateResponse]:
+        return self._run(
+            self._client.update_weights(
+                named_tensors,
+                weight_version,
+                transport=transport,
+                bucket_bytes=bucket_bytes,
+                chunk_bytes=chunk_bytes,
+                checksums=checksums,
+                timeout=timeout,
+            )
+        )
+
+    def weight_checksums(self, names: Sequence[str] = ()) -> dict[str, dict[str, bytes]]:
+        return self._run(self._client.weight_checksums(names))
+
+    def weight_versions(self) -> dict[str, int]:
+        return self._run(self._client.weight_versions())
