@@ -1,4 +1,5 @@
-"""Consistent hashing and load-aware choice, without a network."""
+"""Where calls go (``servers.router.placement``): consistent hashing and load-aware choice,
+without a network."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections import Counter
 
 from servers.router.balancer import LeastOutstanding, RoundRobin
 from servers.router.hash_ring import HashRing, stable_hash
+from servers.router.placement import Placement
 
 BACKENDS = [f"10.0.0.{i}:50051" for i in range(1, 5)]
 SESSIONS = [f"session-{i}" for i in range(10_000)]
@@ -69,3 +71,54 @@ def test_least_outstanding_picks_the_idlest_and_breaks_ties_randomly() -> None:
     assert balancer.pick([], load.__getitem__) is None
     rr = RoundRobin()
     assert [rr.pick(["a", "b"], load.__getitem__) for _ in range(3)] == ["a", "b", "a"]
+
+
+class View:
+    """A backend as placement reads it."""
+
+    def __init__(self, address: str, eligible: bool = True, in_flight: int = 0) -> None:
+        self.address = address
+        self.eligible = eligible
+        self.in_flight = in_flight
+
+
+def placed(backends: list[View]) -> tuple[Placement, dict[str, View]]:
+    placement = Placement()
+    for backend in backends:
+        placement.add(backend.address)
+    return placement, {b.address: b for b in backends}
+
+
+def test_a_session_goes_to_its_ring_owner_and_follows_it_back() -> None:
+    placement, backends = placed([View(a) for a in BACKENDS])
+    ring = HashRing(BACKENDS)
+    for session in SESSIONS[:200]:
+        chosen = placement.choose(session, backends)
+        assert chosen is not None and chosen.address == ring.lookup(session)
+    session = SESSIONS[0]
+    home = ring.lookup(session)
+    assert home is not None
+    backends[home].eligible = False  # unhealthy or draining
+    moved = placement.choose(session, backends)
+    assert moved is not None and moved.address != home
+    backends[home].eligible = True
+    back = placement.choose(session, backends)
+    assert back is not None and back.address == home
+
+
+def test_without_a_session_the_least_loaded_eligible_backend_is_chosen() -> None:
+    views = [View(a, in_flight=n) for a, n in zip(BACKENDS, [5, 2, 0, 1], strict=True)]
+    placement, backends = placed(views)
+    assert placement.choose(None, backends) is views[2]
+    views[2].eligible = False
+    assert placement.choose(None, backends) is views[3]
+    assert placement.choose(None, backends, exclude=frozenset({views[3].address})) is views[1]
+
+
+def test_no_eligible_backend_means_no_choice() -> None:
+    placement, backends = placed([View(a, eligible=False) for a in BACKENDS])
+    assert placement.choose("s", backends) is None
+    assert placement.choose(None, backends) is None
+    placement, backends = placed([View(a) for a in BACKENDS])
+    assert placement.choose("s", backends, exclude=frozenset(BACKENDS)) is None
+    assert placement.choose(None, backends, exclude=frozenset(BACKENDS)) is None

@@ -1,7 +1,7 @@
 """The router: one address in front of many engine servers.
 
-``server`` (process, options, health), ``proxy`` (the one forwarding path), ``backends``
-(membership, health watches and where routing is decided), ``hash_ring`` and ``balancer``
-(the placement rules), ``migration`` (streams that outlive their server), ``admin``
-(RouterAdmin) and ``metrics``. Never imports ``servers.engine``.
+``server`` (process, options, health), ``proxy`` (the one forwarding path), ``placement``
+(where routing is decided, over ``hash_ring`` and ``balancer``), ``backends`` (membership and
+health watches), ``migration`` (streams that outlive their server), ``admin`` (RouterAdmin)
+and ``metrics``. Never imports ``servers.engine``.
 """

@@ -1,12 +1,12 @@
-"""The router's backends: membership, health, load, and the routing decision.
+"""The router's backends: membership, health and load.
 
 Each backend is watched with ``grpc.health.v1`` Watch on the DataPlane service: a backend that
 reports NOT_SERVING (draining), or whose connection drops (killed), is ejected at once, and
 re-admitted when a new Watch sees SERVING. A forwarded call that fails UNAVAILABLE ejects the
 backend passively and restarts its watch, so a recovered backend comes back on its own.
 
-``BackendPool.choose`` is where routing happens: a session id goes through the hash ring over
-eligible backends, anything else to the least-loaded eligible backend.
+``BackendPool.choose`` asks ``placement`` where a call goes (a session's backend on the hash
+ring, anything else the least-loaded eligible backend).
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from skyrl_grpc.names import DATA_PLANE
 from skyrl_grpc.v1 import router_pb2
 
 from ..common.tasks import BackgroundTasks
-from .balancer import LeastOutstanding, RoundRobin
-from .hash_ring import HashRing
+from .placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +42,15 @@ class Backend:
 
     address: str
     channel: grpc.aio.Channel
-    state: int = UNKNOWN
+    state: router_pb2.BackendState = UNKNOWN
     in_flight: int = 0
     total_requests: int = 0
     failed_requests: int = 0
     watch_task: asyncio.Task[None] | None = None
-    watch_call: grpc.aio.UnaryStreamCall | None = None  # type: ignore[type-arg]
+    watch_call: (
+        grpc.aio.UnaryStreamCall[health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse]
+        | None
+    ) = None
     recheck_requested: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -59,7 +61,7 @@ class Backend:
     def to_proto(self) -> router_pb2.Backend:
         return router_pb2.Backend(
             address=self.address,
-            state=self.state,  # type: ignore[arg-type]
+            state=self.state,
             in_flight=self.in_flight,
             total_requests=self.total_requests,
             failed_requests=self.failed_requests,
@@ -84,8 +86,7 @@ class BackendPool:
         self.check_interval = check_interval
         self._channel_factory = channel_factory
         self._backends: dict[str, Backend] = {}
-        self._ring = HashRing()
-        self._balancer = RoundRobin() if balancing == "round-robin" else LeastOutstanding()
+        self.placement = Placement(balancing)
         self._on_change = on_change
         self._initial = list(addresses)
         self._tasks = BackgroundTasks()
@@ -102,7 +103,7 @@ class BackendPool:
         backend = Backend(address, self._channel_factory(address))
         backend.idle.set()
         self._backends[address] = backend
-        self._ring.add(address)
+        self.placement.add(address)
         backend.watch_task = self._tasks.spawn(self._watch(backend), name=f"watch {address}")
         log.info("backend %s added", address)
         return backend
@@ -110,7 +111,7 @@ class BackendPool:
     async def remove(self, address: str) -> None:
         backend = self.get(address)
         del self._backends[address]
-        self._ring.remove(address)
+        self.placement.remove(address)
         if backend.watch_task is not None:
             backend.watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -154,21 +155,13 @@ class BackendPool:
     def choose(
         self, session_id: str | None, exclude: frozenset[str] = frozenset()
     ) -> Backend | None:
-        """The backend for a call: by session on the ring, else the least loaded."""
-
-        def eligible(address: str) -> bool:
-            backend = self._backends.get(address)
-            return backend is not None and backend.eligible and address not in exclude
-
-        if session_id:
-            address = self._ring.lookup(session_id, eligible)
-            return None if address is None else self._backends[address]
-        candidates = [b for b in self.backends if eligible(b.address)]
-        return self._balancer.pick(candidates, lambda b: b.in_flight)
+        """The backend for a call (see ``placement``)."""
+        return self.placement.choose(session_id, self._backends, exclude)
 
     def owner(self, session_id: str) -> str | None:
         """Which backend a session maps to now (for tests and debugging)."""
-        return self._ring.lookup(session_id, lambda a: self._backends[a].eligible)
+        backend = self.placement.choose(session_id, self._backends)
+        return None if backend is None else backend.address
 
     def begin(self, backend: Backend) -> None:
         backend.in_flight += 1
@@ -195,11 +188,11 @@ class BackendPool:
             backend.recheck_requested = True
             backend.watch_call.cancel()
 
-    def _set_state(self, backend: Backend, state: int) -> None:
+    def _set_state(self, backend: Backend, state: router_pb2.BackendState) -> None:
         if backend.state == DRAINING or backend.state == state:
             return
         backend.state = state
-        log.info("backend %s is %s", backend.address, router_pb2.BackendState.Name(state))  # type: ignore[arg-type]
+        log.info("backend %s is %s", backend.address, router_pb2.BackendState.Name(state))
         self._changed(backend)
 
     def _changed(self, backend: Backend) -> None:
