@@ -1,0 +1,92 @@
+"""Resuming a cut generation (``skyrl_grpc.continuation``) and the router's stream migration
+(``servers.router.migration``), without a network."""
+
+from __future__ import annotations
+
+from servers.router.migration import StreamMigration
+from skyrl_grpc.continuation import continue_request
+from skyrl_grpc.names import GENERATE_STREAM
+from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
+
+Request = data_plane_pb2.GenerateStreamRequest
+Chunk = data_plane_pb2.GenerateStreamResponse
+
+
+def request(**params: object) -> Request:
+    return Request(
+        request_id="r-1",
+        prompt_token_ids=[1, 2, 3],
+        sampling_params=generation_pb2.SamplingParams(**params),  # type: ignore[arg-type]
+        include_text=True,
+        stream_interval=16,
+    )
+
+
+def chunk(tokens: list[int], finish: int = 0, request_id: str = "r-1") -> bytes:
+    return Chunk(
+        request_id=request_id,
+        token_ids=tokens,
+        finish_reason=finish,  # type: ignore[arg-type]
+        usage=generation_pb2.Usage(prompt_tokens=3, completion_tokens=len(tokens)),
+        prompt_logprobs=generation_pb2.Logprobs(token_logprobs=[0.0, -1.0, -2.0]),
+    ).SerializeToString()
+
+
+def test_a_continuation_extends_the_prompt_and_spends_the_budget() -> None:
+    original = request(max_tokens=10, min_tokens=4, prompt_logprobs=2, temperature=0.5)
+    continued = continue_request(original, [7, 8, 9])
+    assert list(continued.prompt_token_ids) == [1, 2, 3, 7, 8, 9]
+    assert continued.sampling_params.max_tokens == 7
+    assert continued.sampling_params.min_tokens == 1
+    assert not continued.sampling_params.HasField("prompt_logprobs")
+    assert continued.sampling_params.temperature == 0.5
+    assert continued.request_id == "r-1" and continued.include_text
+    assert continued.stream_interval == 16
+    # The original is left as it was.
+    assert list(original.prompt_token_ids) == [1, 2, 3]
+    assert original.sampling_params.max_tokens == 10
+    unbounded = continue_request(request(min_tokens=2), [5, 5, 5])
+    assert not unbounded.sampling_params.HasField("max_tokens")  # the context bounds it
+    assert unbounded.sampling_params.min_tokens == 0
+
+
+def test_only_single_sample_generate_streams_migrate() -> None:
+    raw = request(max_tokens=5).SerializeToString()
+    assert StreamMigration.for_call(GENERATE_STREAM, raw, 2) is not None
+    assert StreamMigration.for_call(GENERATE_STREAM, raw, 0) is None
+    assert StreamMigration.for_call("/skyrl.inference.v1.DataPlane/Generate", raw, 2) is None
+    several = Request(prompt_token_ids=[1], n=3).SerializeToString()
+    assert StreamMigration.for_call(GENERATE_STREAM, several, 2) is None
+    assert StreamMigration.for_call(GENERATE_STREAM, b"\xff\xff", 2) is None
+
+
+def test_a_migrated_stream_reads_as_one_uninterrupted_stream() -> None:
+    migration = StreamMigration.for_call(
+        GENERATE_STREAM, request(max_tokens=6, prompt_logprobs=1).SerializeToString(), 2
+    )
+    assert migration is not None
+    first, second = chunk([10, 11]), chunk([12])
+    # Before a migration, chunks pass through untouched (the hot path parses nothing).
+    assert migration.observe(first) is first and migration.observe(second) is second
+    assert migration.can_migrate()
+    continuation = Request.FromString(migration.continuation("10.0.0.1:1"))
+    assert list(continuation.prompt_token_ids) == [1, 2, 3, 10, 11, 12]
+    assert continuation.sampling_params.max_tokens == 3
+    assert not continuation.sampling_params.HasField("prompt_logprobs")
+    # The new backend numbers its own usage and may name the request differently: rewritten.
+    rewritten = Chunk.FromString(migration.observe(chunk([13], request_id="server-assigned-id")))
+    assert rewritten.request_id == "r-1"
+    assert rewritten.usage.prompt_tokens == 3 and rewritten.usage.completion_tokens == 4
+    assert not rewritten.HasField("prompt_logprobs")
+    assert migration.tokens == [10, 11, 12, 13]
+    assert migration.can_migrate()
+    Request.FromString(migration.continuation("10.0.0.2:1"))
+    assert not migration.can_migrate()  # two migrations were allowed, both used
+    assert migration.lost == ["10.0.0.1:1", "10.0.0.2:1"]
+
+
+def test_a_finished_stream_does_not_migrate() -> None:
+    migration = StreamMigration.for_call(GENERATE_STREAM, request().SerializeToString(), 2)
+    assert migration is not None
+    migration.observe(chunk([1, 2], finish=generation_pb2.FINISH_REASON_LENGTH))
+    assert not migration.can_migrate()
