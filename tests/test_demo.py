@@ -47,19 +47,6 @@ async def test_reward_rises_with_weight_sync_and_stays_flat_without(
     await restore()
 
 
-def test_every_command_has_help() -> None:
-    for command in ("serve", "route", "up", "demo"):
-        result = subprocess.run(
-            [sys.executable, "-m", "servers.cli", command, "--help"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert result.returncode == 0, result.stderr
-        assert "usage:" in result.stdout
-
-
 def test_cli_demo_runs_end_to_end(tmp_path: Path) -> None:
     """The README's first command, shortened: starts its own stack, trains, writes the PNG."""
     output = tmp_path / "reward.png"

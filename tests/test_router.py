@@ -23,6 +23,7 @@ from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, router_pb2, router_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
 from tests.helpers.fake_backend import FakeBackend
+from tests.helpers.waits import until
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -121,7 +122,7 @@ async def test_no_session_goes_to_least_loaded(fleet) -> None:  # type: ignore[n
     for b in backends:
         b.servicer.delay = 0.05
     long_calls = [asyncio.ensure_future(routed_stream(channel, max_tokens=40)) for _ in range(3)]
-    await asyncio.sleep(0.3)
+    await until(lambda: sum(b.observed.in_flight for b in backends) == 3, what="3 calls running")
     busy = {b.address for b in backends if b.observed.in_flight}
     assert len(busy) == 3  # three long calls spread over three backends
     address, _ = await routed_stream(channel, max_tokens=1)
@@ -136,8 +137,10 @@ async def test_unhealthy_backend_is_ejected_and_readmitted(fleet) -> None:  # ty
     before = {s: router.pool.owner(s) for s in sessions}
     victim = backends[1]
     await victim.set_serving(False)  # e.g. draining
-    await asyncio.sleep(0.3)
-    assert victim.address not in {b.address for b in router.pool.healthy()}
+    await until(
+        lambda: victim.address not in {b.address for b in router.pool.healthy()},
+        what="the not-serving backend ejected",
+    )
     calls_before = victim.observed.calls
     for s in sessions:
         address, _ = await routed_stream(channel, s)
@@ -176,8 +179,11 @@ async def test_no_healthy_backend_is_unavailable_with_reason(fleet) -> None:  # 
     backends, router, channel = fleet
     for b in backends:
         await b.set_serving(False)
-    await asyncio.sleep(0.3)
-    assert await health_status(channel) == NOT_SERVING
+    await until(lambda: not router.pool.healthy(), what="every backend ejected")
+    deadline = time.monotonic() + 5
+    while await health_status(channel) != NOT_SERVING:
+        assert time.monotonic() < deadline, "router health still SERVING"
+        await asyncio.sleep(0.01)
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await routed_stream(channel, "any")
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -259,8 +265,7 @@ async def test_cancel_and_deadline_pass_through(fleet) -> None:  # type: ignore[
     owner = {b.address: b for b in backends}[router.pool.owner("d")]
     # Propagated (not the default of none); timer granularity allows a hair over the 0.4 s.
     assert owner.observed.deadlines[-1] is not None and owner.observed.deadlines[-1] <= 0.45
-    await asyncio.sleep(0.2)
-    assert owner.observed.in_flight == 0
+    await until(lambda: owner.observed.in_flight == 0, what="the upstream call to end")
 
 
 async def test_admin_lists_adds_removes_and_drains(fleet) -> None:  # type: ignore[no-untyped-def]
@@ -293,7 +298,7 @@ async def test_admin_lists_adds_removes_and_drains(fleet) -> None:  # type: igno
     extra.servicer.delay = 0.02
     owned = next(s for s in (f"z{i}" for i in range(200)) if router.pool.owner(s) == extra.address)
     stream = asyncio.ensure_future(routed_stream(channel, owned, max_tokens=30))
-    await asyncio.sleep(0.1)
+    await until(lambda: extra.observed.in_flight == 1, what="the stream to reach the backend")
     drained = await admin.DrainBackend(router_pb2.DrainBackendRequest(address=extra.address))
     assert drained.remaining_in_flight == 0
     address, tokens = await stream
@@ -374,13 +379,17 @@ def test_killed_backend_process_is_ejected_router_stays_serving() -> None:
                 victim_sessions = [
                     s for s in (f"v{i}" for i in range(100)) if router.pool.owner(s) == victim
                 ]
-                in_flight = asyncio.ensure_future(
-                    routed_stream(channel, victim_sessions[0], max_tokens=500)
+                call = data_plane_pb2_grpc.DataPlaneStub(channel).GenerateStream(
+                    request(500), metadata=((SESSION_ID, victim_sessions[0]),)
                 )
-                await asyncio.sleep(0.2)
+                first = await call.read()  # the stream runs on the victim
+                assert dict(await call.initial_metadata())[ROUTED_TO] == victim
                 os.kill(procs[0].pid, signal.SIGKILL)
                 killed = time.monotonic()
-                _, streamed = await in_flight  # migrated to a live backend, so it completes
+                # Migrated to a live backend, so it completes.
+                streamed = list(first.token_ids)
+                while (chunk := await call.read()) is not grpc.aio.EOF:
+                    streamed.extend(chunk.token_ids)
                 assert len(streamed) == 500
                 while victim in {b.address for b in router.pool.healthy()}:
                     assert time.monotonic() - killed < 1.0, "not ejected within the check interval"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from trainer_client import InferenceClient
@@ -26,4 +26,14 @@ async def running_on_engines(
         if pending.done():
             error = pending.exception()
             raise AssertionError(f"the requests ended before they were seen running: {error!r}")
+        await asyncio.sleep(0.01)
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
+    """Waits until ``condition()`` holds (checked every 10 ms); fails the test after
+    ``timeout`` seconds, naming ``what`` it waited for."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
         await asyncio.sleep(0.01)
