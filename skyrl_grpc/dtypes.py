@@ -1,4 +1,4 @@
-"""Element types of weights: the contract's DType, torch's names and safetensors' codes.
+"""Element types of weights: the contract's DType and torch's names.
 
 One table so the trainer, the server and the worker agree on how bytes are typed.
 """
@@ -13,35 +13,33 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 @dataclass(frozen=True)
 class DTypeInfo:
-    proto: int
+    proto: cp.DType
     torch_name: str  # attribute of the torch module
-    safetensors: str  # dtype code in a safetensors header
     itemsize: int
 
 
 DTYPES = (
-    DTypeInfo(cp.D_TYPE_FLOAT32, "float32", "F32", 4),
-    DTypeInfo(cp.D_TYPE_FLOAT16, "float16", "F16", 2),
-    DTypeInfo(cp.D_TYPE_BFLOAT16, "bfloat16", "BF16", 2),
-    DTypeInfo(cp.D_TYPE_FLOAT64, "float64", "F64", 8),
-    DTypeInfo(cp.D_TYPE_INT8, "int8", "I8", 1),
-    DTypeInfo(cp.D_TYPE_UINT8, "uint8", "U8", 1),
-    DTypeInfo(cp.D_TYPE_INT32, "int32", "I32", 4),
-    DTypeInfo(cp.D_TYPE_INT64, "int64", "I64", 8),
-    DTypeInfo(cp.D_TYPE_BOOL, "bool", "BOOL", 1),
-    DTypeInfo(cp.D_TYPE_FLOAT8_E4M3FN, "float8_e4m3fn", "F8_E4M3", 1),
-    DTypeInfo(cp.D_TYPE_FLOAT8_E5M2, "float8_e5m2", "F8_E5M2", 1),
+    DTypeInfo(cp.D_TYPE_FLOAT32, "float32", 4),
+    DTypeInfo(cp.D_TYPE_FLOAT16, "float16", 2),
+    DTypeInfo(cp.D_TYPE_BFLOAT16, "bfloat16", 2),
+    DTypeInfo(cp.D_TYPE_FLOAT64, "float64", 8),
+    DTypeInfo(cp.D_TYPE_INT8, "int8", 1),
+    DTypeInfo(cp.D_TYPE_UINT8, "uint8", 1),
+    DTypeInfo(cp.D_TYPE_INT32, "int32", 4),
+    DTypeInfo(cp.D_TYPE_INT64, "int64", 8),
+    DTypeInfo(cp.D_TYPE_BOOL, "bool", 1),
+    DTypeInfo(cp.D_TYPE_FLOAT8_E4M3FN, "float8_e4m3fn", 1),
+    DTypeInfo(cp.D_TYPE_FLOAT8_E5M2, "float8_e5m2", 1),
 )
-BY_PROTO = {d.proto: d for d in DTYPES}
+BY_PROTO: dict[int, DTypeInfo] = {d.proto: d for d in DTYPES}
 BY_TORCH = {d.torch_name: d for d in DTYPES}
-BY_SAFETENSORS = {d.safetensors: d for d in DTYPES}
 
 
 def from_proto(value: int, where: str = "dtype") -> DTypeInfo:
     try:
         return BY_PROTO[value]
     except KeyError:
-        names = ", ".join(cp.DType.Name(d.proto) for d in DTYPES)  # type: ignore[arg-type]
+        names = ", ".join(cp.DType.Name(d.proto) for d in DTYPES)
         raise InvalidArgument(
             f"{where} = {value} is not a supported DType: use one of {names}"
         ) from None

@@ -46,12 +46,6 @@ class Unavailable(SkyrlError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-class ResourceExhausted(SkyrlError):
-    """A size or capacity limit was hit."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
 class DeadlineExceeded(SkyrlError):
     """An internal wait (e.g. for other ranks) ran out of time."""
 

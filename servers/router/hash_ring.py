@@ -30,10 +30,6 @@ class HashRing:
         for member in members:
             self.add(member)
 
-    @property
-    def members(self) -> frozenset[str]:
-        return frozenset(self._members)
-
     def add(self, member: str) -> None:
         if member in self._members:
             return
