@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 
 def configure_logging(level: int = logging.INFO) -> None:
@@ -51,3 +52,37 @@ def on_stop_signals(stop: Callable[[], Awaitable[None]]) -> Callable[[], None]:
             loop.remove_signal_handler(sig)
 
     return remove
+
+
+class Serving(Protocol):
+    """What a server process runs: started, maybe ready later, stopped by a signal."""
+
+    @property
+    def address(self) -> str: ...
+
+    async def start(self) -> None: ...
+
+    async def wait_ready(self) -> object: ...
+
+    async def wait_stopped(self) -> None: ...
+
+
+async def serve_until_stopped(
+    server: Serving,
+    stop: Callable[[], Awaitable[None]],
+    describe: Callable[[], dict[str, object]] = dict,
+) -> None:
+    """Starts ``server``, announces ``listening`` (with the fields ``describe()`` gives once it
+    has started), then ``ready`` (or ``failed``, re-raising), and runs until ``stop()``, which
+    SIGTERM or SIGINT calls, has stopped it."""
+    await server.start()
+    announce("listening", address=server.address, **describe())
+    on_stop_signals(stop)
+    try:
+        await server.wait_ready()
+    except Exception:
+        announce("failed", address=server.address)
+        raise
+    announce("ready", address=server.address)
+    await server.wait_stopped()
+    announce("stopped", address=server.address)

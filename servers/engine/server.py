@@ -26,7 +26,7 @@ from skyrl_grpc.v1 import data_plane_pb2_grpc
 
 from ..common.interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
 from ..common.listener import bind, server_options
-from ..common.process import announce, configure_logging, on_stop_signals
+from ..common.process import configure_logging, serve_until_stopped
 from .control_plane import ControlPlaneServicer, add_control_plane
 from .data_plane import DataPlaneServicer
 from .options import ServerOptions, build_parser, options_from_args
@@ -115,17 +115,7 @@ class EngineServer:
 
 async def serve(options: ServerOptions) -> None:
     server = EngineServer(options)
-    await server.start()
-    announce("listening", address=server.address)
-    on_stop_signals(server.drain)
-    try:
-        await server.wait_ready()
-        announce("ready", address=server.address)
-    except Exception:
-        announce("failed", address=server.address)
-        raise
-    await server.wait_stopped()
-    announce("stopped", address=server.address)
+    await serve_until_stopped(server, server.drain)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,7 +36,7 @@ from ..common.listener import (
     server_options,
     tls_from_args,
 )
-from ..common.process import announce, configure_logging, on_stop_signals
+from ..common.process import configure_logging, serve_until_stopped
 from ..common.tasks import BackgroundTasks
 from .admin import RouterAdminServicer
 from .backends import Backend, BackendPool
@@ -132,6 +132,10 @@ class RouterServer:
             self.metrics_port = self.metrics.serve(self.options.metrics_port, self.options.host)
         log.info("router listening on %s for %s", self.address, ", ".join(self.options.backends))
 
+    async def wait_ready(self) -> None:
+        """The router is ready once it listens: until a backend is healthy its health says
+        NOT_SERVING and calls answer UNAVAILABLE."""
+
     async def wait_healthy(self, count: int = 1, timeout: float = 30) -> None:
         """Waits until ``count`` backends are healthy."""
         deadline = time.monotonic() + timeout
@@ -206,11 +210,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
 
 async def serve(options: RouterOptions) -> None:
     router = RouterServer(options)
-    await router.start()
-    announce("listening", address=router.address, metrics_port=router.metrics_port)
-    on_stop_signals(router.stop)
-    await router.wait_stopped()
-    announce("stopped", address=router.address)
+    await serve_until_stopped(router, router.stop, lambda: {"metrics_port": router.metrics_port})
 
 
 def main(argv: list[str] | None = None) -> None:
