@@ -111,7 +111,7 @@ def build_tiny_model(out_dir: Path, spec: TinyModelSpec = TinyModelSpec()) -> Pa
         eos_token_id=tokenizer.token_to_id(EOS_TOKEN),
         pad_token_id=tokenizer.token_to_id(PAD_TOKEN),
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config).to(torch.float32)

@@ -36,9 +36,7 @@ def test_a_complete_push_reassembles_every_tensor() -> None:
     assembler = InBandAssembler(LAYOUT)
     for message in messages():
         assembler.add(message)
-    items = {
-        p["name"]: (p["dtype"], p["shape"], b"".join(p["chunks"])) for p in assembler.finish()
-    }
+    items = {p["name"]: (p["dtype"], p["shape"], b"".join(p["chunks"])) for p in assembler.finish()}
     for name, tensor in TENSORS:
         dtype, shape, raw = items[name]
         assert dtype == "float32" and shape == list(tensor.shape)

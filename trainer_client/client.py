@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -132,17 +132,17 @@ class InferenceClient:
         return (*metadata, (SESSION_ID, session_id)) if session_id else metadata
 
     @property
-    def _data(self) -> data_plane_pb2_grpc.DataPlaneStub:
+    def _data(self) -> data_plane_pb2_grpc.DataPlaneAsyncStub:
         return data_plane_pb2_grpc.DataPlaneStub(self.channel(self.config.router))
 
     async def _unary(
         self,
         address: str,
-        call: Any,
+        call: Callable[..., Awaitable[T]],
         request: Any,
         timeout: float | None,
         session_id: str | None = None,
-    ) -> Any:
+    ) -> T:
         try:
             return await call(request, timeout=timeout, metadata=self._metadata(session_id))
         except grpc.aio.AioRpcError as error:
@@ -160,7 +160,7 @@ class InferenceClient:
         include_text: bool = False,
         request_id: str = "",
         stream_interval: int = 0,
-    ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
+    ) -> AsyncGenerator[data_plane_pb2.GenerateStreamResponse, None]:
         """The raw stream of one generation (no retry on abort: chunks as the server sends).
 
         ``stream_interval``: tokens per message after the first (0: one per engine step); larger
@@ -324,11 +324,11 @@ class InferenceClient:
         request = data_plane_pb2.GetModelInfoRequest()
         return await self._unary(
             self.config.router, self._data.GetModelInfo, request, self.config.data_timeout
-        )  # type: ignore[no-any-return]
+        )
 
     # -- control plane (fan-out) --------------------------------------------------------------
 
-    def _control(self, address: str) -> control_plane_pb2_grpc.ControlPlaneStub:
+    def _control(self, address: str) -> control_plane_pb2_grpc.ControlPlaneAsyncStub:
         return control_plane_pb2_grpc.ControlPlaneStub(self.channel(address))
 
     async def _fan_out(self, operation: str, request: Any) -> dict[str, Any]:
@@ -478,6 +478,7 @@ class InferenceClient:
                 messages = push_messages(tensors, chunk_bytes, checksums)
 
                 async def push(address: str) -> Any:
+                    method: grpc.aio.StreamUnaryMultiCallable[bytes, cp.PushWeightsResponse]
                     method = self.channel(address).stream_unary(
                         PUSH_WEIGHTS,
                         request_serializer=None,

@@ -16,11 +16,14 @@ class FinishReason(str, Enum):
 
     @classmethod
     def from_proto(cls, value: int) -> FinishReason:
-        return {
-            generation_pb2.FINISH_REASON_STOP: cls.STOP,
-            generation_pb2.FINISH_REASON_LENGTH: cls.LENGTH,
-            generation_pb2.FINISH_REASON_ABORTED: cls.ABORTED,
-        }.get(value, cls.UNFINISHED)
+        return _FROM_PROTO.get(value, cls.UNFINISHED)
+
+
+_FROM_PROTO: dict[int, FinishReason] = {
+    generation_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    generation_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    generation_pb2.FINISH_REASON_ABORTED: FinishReason.ABORTED,
+}
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ def sha256_of(tensor: Any) -> bytes:
 def parameter_spec(name: str, tensor: Any, with_checksum: bool) -> cp.ParameterSpec:
     return cp.ParameterSpec(
         name=name,
-        dtype=dtypes.from_torch(tensor.dtype).proto,  # type: ignore[arg-type]
+        dtype=dtypes.from_torch(tensor.dtype).proto,
         shape=list(tensor.shape),
         sha256=sha256_of(tensor) if with_checksum else b"",
     )

@@ -18,12 +18,11 @@ import grpc
 from skyrl_grpc.errors import InvalidArgument, SkyrlError
 from skyrl_grpc.metadata import AUTHORIZATION
 
+from .grpc_types import Context, Handler
+
 log = logging.getLogger(__name__)
 
-Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
-
-
-Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+Continuation: TypeAlias = Callable[[grpc.HandlerCallDetails], Awaitable["Handler | None"]]
 
 
 async def abort_with_status(exc: BaseException, context: Context, method: str) -> NoReturn:
@@ -72,10 +71,13 @@ async def _checked(requests: Any, method: str) -> AsyncIterator[Any]:
         yield request
 
 
-def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+def _wrap(handler: Handler, method: str) -> Handler:
     decode = _lenient(handler.request_deserializer)
+    # grpc's stubs type handler behaviours as synchronous; on an asyncio server they are
+    # coroutine and async generator functions.
+    behaviours: Any = handler
     if handler.unary_unary:
-        inner_uu = handler.unary_unary
+        inner_uu = behaviours.unary_unary
 
         async def unary_unary(request: Any, context: Context) -> Any:
             await _reject_malformed(request, context, method)
@@ -89,7 +91,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(unary_unary, decode, handler.response_serializer)
     if handler.unary_stream and not inspect.isasyncgenfunction(handler.unary_stream):
         # Streams written with context.write (grpc's own health Watch): a coroutine.
-        inner_uw = handler.unary_stream
+        inner_uw = behaviours.unary_stream
 
         async def unary_write(request: Any, context: Context) -> None:
             await _reject_malformed(request, context, method)
@@ -104,7 +106,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
             unary_write, decode, handler.response_serializer
         )
     if handler.unary_stream:
-        inner_us = handler.unary_stream
+        inner_us = behaviours.unary_stream
 
         async def unary_stream(request: Any, context: Context) -> AsyncIterator[Any]:
             await _reject_malformed(request, context, method)
@@ -120,7 +122,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
             unary_stream, decode, handler.response_serializer
         )
     if handler.stream_unary:
-        inner_su = handler.stream_unary
+        inner_su = behaviours.stream_unary
 
         async def stream_unary(requests: Any, context: Context) -> Any:
             try:
@@ -147,9 +149,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> Handler | None:
         handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        method = handler_call_details.method
         if handler is None or (
             self._prefixes is not None and not method.startswith(self._prefixes)
         ):
@@ -157,7 +159,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         return _wrap(handler, method)
 
 
-def _rejecting_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+def _rejecting_handler(handler: Handler, message: str) -> Handler:
     """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED."""
 
     async def reject(request: Any, context: Context) -> Any:
@@ -191,8 +193,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler | None:
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+    ) -> Handler | None:
+        method = handler_call_details.method
         expected = next(
             (t for prefix, t in self._tokens.items() if method.startswith(prefix)), None
         )
@@ -200,7 +202,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if expected is None or handler is None:
             return handler
         presented = b""
-        for key, value in handler_call_details.invocation_metadata or ():  # type: ignore[attr-defined]
+        for key, value in handler_call_details.invocation_metadata or ():
             if key == AUTHORIZATION and isinstance(value, str) and value.startswith("Bearer "):
                 presented = value[len("Bearer ") :].encode()
         if hmac.compare_digest(presented, expected):

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -14,6 +14,7 @@ from skyrl_grpc.names import CONTROL_PLANE
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
 
+from ..common.grpc_types import Context
 from . import validate
 from .serving_state import ServingState
 from .vllm_engine import VllmEngine
@@ -37,7 +38,10 @@ def add_control_plane(
             self.handlers = dict(handlers)
 
     capture = Capture()
-    control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(servicer, capture)
+    # Capture has the two methods the generated function calls on a server.
+    control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(
+        servicer, cast(grpc.aio.Server, capture)
+    )
     handlers = capture.handlers
     handlers["PushWeights"] = grpc.stream_unary_rpc_method_handler(
         servicer.PushWeights,
@@ -56,62 +60,52 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     def __init__(self, state: ServingState[VllmEngine]) -> None:
         self._state = state
 
-    async def Pause(
-        self, request: cp.PauseRequest, context: grpc.aio.ServicerContext
-    ) -> cp.PauseResponse:
+    async def Pause(self, request: cp.PauseRequest, context: Context) -> cp.PauseResponse:
         mode = validate.pause_mode(request.mode)
         await self._state.engine().pause(mode, request.clear_cache)
         return cp.PauseResponse()
 
-    async def Resume(
-        self, request: cp.ResumeRequest, context: grpc.aio.ServicerContext
-    ) -> cp.ResumeResponse:
+    async def Resume(self, request: cp.ResumeRequest, context: Context) -> cp.ResumeResponse:
         await self._state.engine().resume()
         return cp.ResumeResponse()
 
-    async def IsPaused(
-        self, request: cp.IsPausedRequest, context: grpc.aio.ServicerContext
-    ) -> cp.IsPausedResponse:
+    async def IsPaused(self, request: cp.IsPausedRequest, context: Context) -> cp.IsPausedResponse:
         return cp.IsPausedResponse(paused=await self._state.engine().is_paused())
 
-    async def Sleep(
-        self, request: cp.SleepRequest, context: grpc.aio.ServicerContext
-    ) -> cp.SleepResponse:
+    async def Sleep(self, request: cp.SleepRequest, context: Context) -> cp.SleepResponse:
         await self._state.engine().sleep(validate.sleep_level(request.level))
         return cp.SleepResponse()
 
-    async def WakeUp(
-        self, request: cp.WakeUpRequest, context: grpc.aio.ServicerContext
-    ) -> cp.WakeUpResponse:
+    async def WakeUp(self, request: cp.WakeUpRequest, context: Context) -> cp.WakeUpResponse:
         await self._state.engine().wake_up(list(request.tags) or None)
         return cp.WakeUpResponse()
 
     async def IsSleeping(
-        self, request: cp.IsSleepingRequest, context: grpc.aio.ServicerContext
+        self, request: cp.IsSleepingRequest, context: Context
     ) -> cp.IsSleepingResponse:
         return cp.IsSleepingResponse(sleeping=await self._state.engine().is_sleeping())
 
     async def ResetPrefixCache(
-        self, request: cp.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+        self, request: cp.ResetPrefixCacheRequest, context: Context
     ) -> cp.ResetPrefixCacheResponse:
         await self._state.engine().reset_prefix_cache()
         return cp.ResetPrefixCacheResponse()
 
     async def InitWeightTransfer(
-        self, request: cp.InitWeightTransferRequest, context: grpc.aio.ServicerContext
+        self, request: cp.InitWeightTransferRequest, context: Context
     ) -> cp.InitWeightTransferResponse:
         group = validate.weight_transfer_group(request)
         await self._state.engine().weights.init(group)
         return cp.InitWeightTransferResponse()
 
     async def StartWeightUpdate(
-        self, request: cp.StartWeightUpdateRequest, context: grpc.aio.ServicerContext
+        self, request: cp.StartWeightUpdateRequest, context: Context
     ) -> cp.StartWeightUpdateResponse:
         await self._state.engine().weights.start()
         return cp.StartWeightUpdateResponse()
 
     async def UpdateWeights(
-        self, request: cp.UpdateWeightsRequest, context: grpc.aio.ServicerContext
+        self, request: cp.UpdateWeightsRequest, context: Context
     ) -> cp.UpdateWeightsResponse:
         staged, received = await self._state.engine().weights.update(request)
         return cp.UpdateWeightsResponse(parameters_staged=staged, bytes_received=received)
@@ -119,25 +113,25 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     async def PushWeights(
         self,
         request_iterator: AsyncIterator[cp.PushWeightsRequest | WireChunk],
-        context: grpc.aio.ServicerContext,
+        context: Context,
     ) -> cp.PushWeightsResponse:
         staged, received = await self._state.engine().weights.push(request_iterator)
         return cp.PushWeightsResponse(parameters_staged=staged, bytes_received=received)
 
     async def FinishWeightUpdate(
-        self, request: cp.FinishWeightUpdateRequest, context: grpc.aio.ServicerContext
+        self, request: cp.FinishWeightUpdateRequest, context: Context
     ) -> cp.FinishWeightUpdateResponse:
         version, count = await self._state.engine().weights.finish(request.weight_version)
         return cp.FinishWeightUpdateResponse(weight_version=version, parameters_updated=count)
 
     async def CancelWeightUpdate(
-        self, request: cp.CancelWeightUpdateRequest, context: grpc.aio.ServicerContext
+        self, request: cp.CancelWeightUpdateRequest, context: Context
     ) -> cp.CancelWeightUpdateResponse:
         discarded = await self._state.engine().weights.cancel()
         return cp.CancelWeightUpdateResponse(parameters_discarded=discarded)
 
     async def GetWeightChecksums(
-        self, request: cp.GetWeightChecksumsRequest, context: grpc.aio.ServicerContext
+        self, request: cp.GetWeightChecksumsRequest, context: Context
     ) -> cp.GetWeightChecksumsResponse:
         engine = self._state.engine()
         checksums = await engine.weights.checksums(list(request.names))
@@ -146,7 +140,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         )
 
     async def GetServerInfo(
-        self, request: cp.GetServerInfoRequest, context: grpc.aio.ServicerContext
+        self, request: cp.GetServerInfoRequest, context: Context
     ) -> cp.GetServerInfoResponse:
         engine = self._state.engine()
         return cp.GetServerInfoResponse(
@@ -156,7 +150,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             data_parallel_size=engine.data_parallel_size,
             capabilities=cp.Capabilities(
                 sleep=engine.sleep_supported,
-                weight_transfer_backends=engine.weight_transfer_backends,  # type: ignore[arg-type]
+                weight_transfer_backends=engine.weight_transfer_backends,
                 pause_modes=[cp.PAUSE_MODE_ABORT, cp.PAUSE_MODE_WAIT, cp.PAUSE_MODE_KEEP],
                 prefix_caching=engine.prefix_caching,
             ),
@@ -168,9 +162,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             device=engine.device,
         )
 
-    async def GetLoad(
-        self, request: cp.GetLoadRequest, context: grpc.aio.ServicerContext
-    ) -> cp.GetLoadResponse:
+    async def GetLoad(self, request: cp.GetLoadRequest, context: Context) -> cp.GetLoadResponse:
         engine = self._state.engine()
         load = engine.load()
         return cp.GetLoadResponse(

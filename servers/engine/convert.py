@@ -18,7 +18,7 @@ from vllm.sampling_params import RequestOutputKind
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
 
-FINISH_REASONS = {
+FINISH_REASONS: dict[str, generation_pb2.FinishReason] = {
     "stop": generation_pb2.FINISH_REASON_STOP,
     "length": generation_pb2.FINISH_REASON_LENGTH,
     "abort": generation_pb2.FINISH_REASON_ABORTED,
@@ -104,7 +104,7 @@ def logprobs_to_proto(
 
 def finish_to_proto(
     finish_reason: str | None, stop_reason: int | str | None, token_ids: Sequence[int]
-) -> tuple[int, generation_pb2.StopMatch | None]:
+) -> tuple[generation_pb2.FinishReason, generation_pb2.StopMatch | None]:
     """vLLM's finish/stop reasons as the contract's FinishReason and StopMatch."""
     if finish_reason is None:
         return generation_pb2.FINISH_REASON_UNSPECIFIED, None
@@ -161,7 +161,7 @@ class StreamConverter:
             reason, stop = finish_to_proto(
                 completion.finish_reason, completion.stop_reason, completion.token_ids
             )
-            chunk.finish_reason = reason  # type: ignore[assignment]
+            chunk.finish_reason = reason
             if stop is not None:
                 chunk.stop.CopyFrom(stop)
             if self._include_text and completion.text:

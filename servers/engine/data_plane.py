@@ -6,11 +6,10 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Iterable
 
-import grpc
-
 from skyrl_grpc.assembly import ResponseAssembler
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
 
+from ..common.grpc_types import Context
 from . import validate
 from .convert import ChunkCoalescer, StreamConverter, build_sampling_params
 from .serving_state import ServingState
@@ -77,13 +76,13 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         return assembler
 
     async def GenerateStream(
-        self, request: data_plane_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
+        self, request: data_plane_pb2.GenerateStreamRequest, context: Context
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
         async for chunk in self._token_stream(request, request.stream_interval):
             yield chunk
 
     async def Generate(
-        self, request: data_plane_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: data_plane_pb2.GenerateRequest, context: Context
     ) -> data_plane_pb2.GenerateResponse:
         result = await self._collect(self._token_stream(request))
         response = data_plane_pb2.GenerateResponse(
@@ -94,7 +93,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         return response
 
     async def Chat(
-        self, request: data_plane_pb2.ChatRequest, context: grpc.aio.ServicerContext
+        self, request: data_plane_pb2.ChatRequest, context: Context
     ) -> data_plane_pb2.ChatResponse:
         engine = self._state.engine()
         validate.chat_messages(request.messages)
@@ -114,7 +113,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         )
 
     async def Complete(
-        self, request: data_plane_pb2.CompleteRequest, context: grpc.aio.ServicerContext
+        self, request: data_plane_pb2.CompleteRequest, context: Context
     ) -> data_plane_pb2.CompleteResponse:
         engine = self._state.engine()
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
@@ -132,7 +131,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         )
 
     async def Tokenize(
-        self, request: data_plane_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+        self, request: data_plane_pb2.TokenizeRequest, context: Context
     ) -> data_plane_pb2.TokenizeResponse:
         engine = self._state.engine()
         if request.HasField("conversation"):
@@ -154,7 +153,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         return data_plane_pb2.TokenizeResponse(token_ids=ids)
 
     async def Detokenize(
-        self, request: data_plane_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+        self, request: data_plane_pb2.DetokenizeRequest, context: Context
     ) -> data_plane_pb2.DetokenizeResponse:
         engine = self._state.engine()
         validate.token_ids(request.token_ids, engine.limits, "token_ids")
@@ -162,7 +161,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         return data_plane_pb2.DetokenizeResponse(text=engine.decode(request.token_ids, skip))
 
     async def GetModelInfo(
-        self, request: data_plane_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+        self, request: data_plane_pb2.GetModelInfoRequest, context: Context
     ) -> data_plane_pb2.GetModelInfoResponse:
         engine = self._state.engine()
         tokenizer = engine.tokenizer
@@ -180,7 +179,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         return response
 
     async def Abort(
-        self, request: data_plane_pb2.AbortRequest, context: grpc.aio.ServicerContext
+        self, request: data_plane_pb2.AbortRequest, context: Context
     ) -> data_plane_pb2.AbortResponse:
         aborted = await self._state.engine().abort(list(request.request_ids))
         return data_plane_pb2.AbortResponse(aborted_request_ids=aborted)

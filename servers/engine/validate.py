@@ -19,6 +19,8 @@ from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
 
+from .weights.protocol import Group
+
 PauseModeName = Literal["abort", "wait", "keep"]
 CollectiveBackend = Literal["gloo", "nccl"]
 
@@ -170,20 +172,8 @@ def sleep_level(level: int) -> int:
     return resolved
 
 
-@dataclass(frozen=True)
-class GroupSpec:
-    """A validated InitWeightTransfer request: how this server's workers join the group."""
-
-    backend: CollectiveBackend
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str
-    timeout_seconds: float
-
-
-def weight_transfer_group(request: cp.InitWeightTransferRequest) -> GroupSpec:
+def weight_transfer_group(request: cp.InitWeightTransferRequest) -> Group:
+    """How this server's workers join the trainer's group, from a valid InitWeightTransfer."""
     backend = COLLECTIVE_BACKENDS.get(request.backend)
     if backend is None:
         raise InvalidArgument(
@@ -198,7 +188,7 @@ def weight_transfer_group(request: cp.InitWeightTransferRequest) -> GroupSpec:
             f"rank_offset = {request.rank_offset}, world_size = {request.world_size}: "
             "rank 0 is the trainer, so rank_offset >= 1 and world_size > rank_offset"
         )
-    return GroupSpec(
+    return Group(
         backend=backend,
         master_address=request.master_address,
         master_port=request.master_port,

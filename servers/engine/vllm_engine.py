@@ -18,6 +18,7 @@ from typing import Any
 
 from skyrl_grpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from skyrl_grpc.tiny_model import ensure_tiny_model
+from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from .options import TINY_MODEL_NAME, EngineOptions
 from .validate import ModelLimits, PauseModeName
@@ -145,9 +146,7 @@ class VllmEngine:
             log.warning("prefix cache not reset after the weight update: requests hold blocks")
 
     @property
-    def weight_transfer_backends(self) -> list[int]:
-        from skyrl_grpc.v1 import control_plane_pb2 as cp
-
+    def weight_transfer_backends(self) -> list[cp.WeightTransferBackend]:
         collective = [cp.WEIGHT_TRANSFER_BACKEND_GLOO]
         if self.device == "cuda":
             collective.insert(0, cp.WEIGHT_TRANSFER_BACKEND_NCCL)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import grpc
-
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
 
+from ..common.grpc_types import Context
 from ..common.validate import host_port
 from .backends import BackendPool
 
@@ -17,14 +16,14 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
     async def ListBackends(
         self,
         request: router_pb2.ListBackendsRequest,
-        context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
+        context: Context,
     ) -> router_pb2.ListBackendsResponse:
         return router_pb2.ListBackendsResponse(backends=[b.to_proto() for b in self._pool.backends])
 
     async def AddBackend(
         self,
         request: router_pb2.AddBackendRequest,
-        context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
+        context: Context,
     ) -> router_pb2.AddBackendResponse:
         backend = self._pool.add(host_port(request.address))
         return router_pb2.AddBackendResponse(backend=backend.to_proto())
@@ -32,7 +31,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
     async def RemoveBackend(
         self,
         request: router_pb2.RemoveBackendRequest,
-        context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
+        context: Context,
     ) -> router_pb2.RemoveBackendResponse:
         await self._pool.remove(request.address)
         return router_pb2.RemoveBackendResponse()
@@ -40,7 +39,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
     async def DrainBackend(
         self,
         request: router_pb2.DrainBackendRequest,
-        context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
+        context: Context,
     ) -> router_pb2.DrainBackendResponse:
         remaining = await self._pool.drain(request.address, context.time_remaining())
         return router_pb2.DrainBackendResponse(remaining_in_flight=remaining)

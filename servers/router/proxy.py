@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
-from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -31,7 +31,8 @@ from skyrl_grpc.names import DATA_PLANE, DATA_PLANE_SERVICE
 from skyrl_grpc.v1 import router_pb2
 
 from ..common.early_answer import read_rest
-from ..common.interceptors import Context, abort_with_status
+from ..common.grpc_types import Context, Handler
+from ..common.interceptors import abort_with_status
 from .backends import Backend, BackendPool
 from .metrics import RouterMetrics
 from .migration import StreamMigration
@@ -106,14 +107,19 @@ Starter = Callable[[Backend, bytes, Metadata, float | None], Upstream]
 def _start_unary(
     method: str, backend: Backend, request: bytes, metadata: Metadata, timeout: float | None
 ) -> Upstream:
-    call = backend.channel.unary_unary(method)(request, timeout=timeout, metadata=metadata)
-    return _UnaryUpstream(call)
+    multicallable: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = backend.channel.unary_unary(
+        method
+    )
+    return _UnaryUpstream(multicallable(request, timeout=timeout, metadata=metadata))
 
 
 def _start_server_stream(
     method: str, backend: Backend, request: bytes, metadata: Metadata, timeout: float | None
 ) -> Upstream:
-    return backend.channel.unary_stream(method)(request, timeout=timeout, metadata=metadata)
+    multicallable: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = backend.channel.unary_stream(
+        method
+    )
+    return multicallable(request, timeout=timeout, metadata=metadata)
 
 
 @dataclass
@@ -153,7 +159,7 @@ class Proxy:
         replayable: bool = True,
         migration: StreamMigration | None = None,
         unread: AsyncIterator[bytes] | None = None,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """The one forwarding path; yields the upstream's messages for the caller.
 
         ``replayable``: the request may be sent to another backend after a failure (not when
@@ -260,10 +266,10 @@ class Proxy:
         def start(
             backend: Backend, _: bytes, metadata: Metadata, timeout: float | None
         ) -> Upstream:
-            call: Upstream = backend.channel.stream_stream(method)(
-                requests, timeout=timeout, metadata=metadata
+            multicallable: grpc.aio.StreamStreamMultiCallable[bytes, bytes] = (
+                backend.channel.stream_stream(method)
             )
-            return call
+            return multicallable(requests, timeout=timeout, metadata=metadata)
 
         async with aclosing(
             self.relay(method, b"", context, start, replayable=False, unread=requests)
@@ -299,9 +305,7 @@ class ForwardingHandler(grpc.GenericRpcHandler):
             for m in DATA_PLANE_SERVICE.methods
         }
 
-    def service(
-        self, handler_call_details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
         method: str = handler_call_details.method
         if not method.startswith(self._prefixes):
             return None

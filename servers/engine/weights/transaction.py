@@ -29,7 +29,6 @@ from skyrl_grpc.errors import (
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from ...common.early_answer import read_rest
-from ..validate import GroupSpec
 from .assembly import InBandAssembler, ParamLayout, bucket_layout, model_layout
 from .protocol import Bucket, Group, StagedParameter, WorkerCalls
 
@@ -54,7 +53,7 @@ class WeightTransferManager:
         self._get_version = get_version
         self._on_commit = on_commit
         self._layout: dict[str, ParamLayout] | None = None
-        self.group: GroupSpec | None = None
+        self.group: Group | None = None
         self.update_open = False
         self._lock = asyncio.Lock()
 
@@ -63,7 +62,7 @@ class WeightTransferManager:
             self._layout = model_layout(await self._workers.layout())
         return self._layout
 
-    async def init(self, group: GroupSpec) -> None:
+    async def init(self, group: Group) -> None:
         """Joins the trainer's group, leaving a previous group first."""
         async with self._lock:
             if self.group is not None:
@@ -71,20 +70,10 @@ class WeightTransferManager:
                 self.group = None
             started = time.monotonic()
             try:
-                await self._workers.join_group(
-                    Group(
-                        backend=group.backend,
-                        master_address=group.master_address,
-                        master_port=group.master_port,
-                        rank_offset=group.rank_offset,
-                        world_size=group.world_size,
-                        group_name=group.group_name,
-                        timeout_seconds=group.timeout_seconds,
-                    )
-                )
+                await self._workers.join_group(group)
             except Exception as exc:
                 raise _transport_error(
-                    "joining the weight-transfer group", exc, started, group.timeout_seconds
+                    "joining the weight-transfer group", exc, started, group["timeout_seconds"]
                 ) from exc
             self.group = group
 
@@ -128,7 +117,7 @@ class WeightTransferManager:
                 await self._abandon(None)
                 await self._leave_broken_group()
                 raise _transport_error(
-                    "receiving weight buckets", exc, started, group.timeout_seconds
+                    "receiving weight buckets", exc, started, group["timeout_seconds"]
                 ) from exc
             mismatches = sorted({m for r in results for m in r["mismatches"]})
             if mismatches:

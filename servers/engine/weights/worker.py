@@ -90,6 +90,8 @@ def receive_buckets(
 class WeightTransferWorker:
     """Mixin for vLLM's Worker. All state lives in ``_skyrl_*`` attributes."""
 
+    # vLLM's Worker, which this class is mixed into, provides the model runner.
+    model_runner: Any
     _skyrl_group: Any = None
     _skyrl_staged: dict[str, Any] | None = None
     _skyrl_shadow: dict[str, Any] | None = None
@@ -102,7 +104,7 @@ class WeightTransferWorker:
 
             from safetensors.torch import load_file
 
-            model_dir = Path(self.model_runner.model_config.model)  # type: ignore[attr-defined]
+            model_dir = Path(self.model_runner.model_config.model)
             shadow: dict[str, Any] = {}
             for path in sorted(model_dir.glob("*.safetensors")):
                 shadow.update(load_file(str(path), device="cpu"))
@@ -199,10 +201,10 @@ class WeightTransferWorker:
         previous = self._skyrl_weights()
         merged = {**previous, **staged}
         try:
-            self.model_runner.reload_weights(weights_iterator=iter(merged.items()))  # type: ignore[attr-defined]
+            self.model_runner.reload_weights(weights_iterator=iter(merged.items()))
         except Exception:
             log.exception("reloading the new weights failed; restoring the previous ones")
-            self.model_runner.reload_weights(weights_iterator=iter(previous.items()))  # type: ignore[attr-defined]
+            self.model_runner.reload_weights(weights_iterator=iter(previous.items()))
             self._skyrl_staged = {}
             raise
         self._skyrl_shadow = merged

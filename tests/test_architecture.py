@@ -1,0 +1,73 @@
+"""The architecture's boundaries are enforced: a deliberate violation fails the checks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
+PACKAGES = ("servers", "trainer_client", "skyrl_grpc")
+
+
+def _copy_tree(target: Path) -> Path:
+    for package in PACKAGES:
+        shutil.copytree(
+            ROOT / package, target / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    shutil.copy(ROOT / "pyproject.toml", target / "pyproject.toml")
+    return target
+
+
+def _lint_imports(tree: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [LINT_IMPORTS, "--no-cache"],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "violation", "contract"),
+    [
+        (
+            "servers/router/proxy.py",
+            "import servers.engine.validate",
+            "the engine server and the router never import each other",
+        ),
+        (
+            "servers/engine/data_plane.py",
+            "from servers.router import hash_ring",
+            "the engine server and the router never import each other",
+        ),
+        (
+            "trainer_client/client.py",
+            "import servers.fleet",
+            "what a trainer imports never imports the servers",
+        ),
+        (
+            "servers/cli.py",
+            "import trainer_client.demo",
+            "the servers never import the trainer client",
+        ),
+    ],
+)
+def test_a_forbidden_import_breaks_its_contract(
+    tmp_path: Path, module: str, violation: str, contract: str
+) -> None:
+    tree = _copy_tree(tmp_path)
+    clean = _lint_imports(tree)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    path = tree / module
+    path.write_text(path.read_text() + f"\n{violation}  # deliberate violation\n")
+    broken = _lint_imports(tree)
+    assert broken.returncode != 0
+    assert f"{contract} BROKEN" in broken.stdout
