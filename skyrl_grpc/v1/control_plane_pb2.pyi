@@ -147,12 +147,24 @@ class InitWeightTransferResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class StartWeightUpdateRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("weight_version", "allow_same_version", "owner", "lease_seconds")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_SAME_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    allow_same_version: bool
+    owner: str
+    lease_seconds: int
+    def __init__(self, weight_version: _Optional[int] = ..., allow_same_version: _Optional[bool] = ..., owner: _Optional[str] = ..., lease_seconds: _Optional[int] = ...) -> None: ...
 
 class StartWeightUpdateResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("serving_weight_version", "lease_seconds")
+    SERVING_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    serving_weight_version: int
+    lease_seconds: int
+    def __init__(self, serving_weight_version: _Optional[int] = ..., lease_seconds: _Optional[int] = ...) -> None: ...
 
 class ParameterSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape", "sha256")
@@ -256,6 +268,18 @@ class CancelWeightUpdateResponse(_message.Message):
     parameters_discarded: int
     def __init__(self, parameters_discarded: _Optional[int] = ...) -> None: ...
 
+class RollbackWeightUpdateRequest(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    def __init__(self, weight_version: _Optional[int] = ...) -> None: ...
+
+class RollbackWeightUpdateResponse(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    def __init__(self, weight_version: _Optional[int] = ...) -> None: ...
+
 class GetWeightChecksumsRequest(_message.Message):
     __slots__ = ("names",)
     NAMES_FIELD_NUMBER: _ClassVar[int]
@@ -299,7 +323,7 @@ class Capabilities(_message.Message):
     def __init__(self, sleep: _Optional[bool] = ..., weight_transfer_backends: _Optional[_Iterable[_Union[WeightTransferBackend, str]]] = ..., pause_modes: _Optional[_Iterable[_Union[PauseMode, str]]] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "capabilities", "weight_version", "engine", "engine_version", "server_version", "served_model_name", "device")
+    __slots__ = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "capabilities", "weight_version", "engine", "engine_version", "server_version", "served_model_name", "device", "open_weight_update", "rollback_weight_version")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +335,8 @@ class GetServerInfoResponse(_message.Message):
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    OPEN_WEIGHT_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     tensor_parallel_size: int
     pipeline_parallel_size: int
@@ -322,7 +348,27 @@ class GetServerInfoResponse(_message.Message):
     server_version: str
     served_model_name: str
     device: str
-    def __init__(self, world_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., weight_version: _Optional[int] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., server_version: _Optional[str] = ..., served_model_name: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    open_weight_update: OpenWeightUpdate
+    rollback_weight_version: int
+    def __init__(self, world_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., weight_version: _Optional[int] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., server_version: _Optional[str] = ..., served_model_name: _Optional[str] = ..., device: _Optional[str] = ..., open_weight_update: _Optional[_Union[OpenWeightUpdate, _Mapping]] = ..., rollback_weight_version: _Optional[int] = ...) -> None: ...
+
+class OpenWeightUpdate(_message.Message):
+    __slots__ = ("owner", "age_seconds", "idle_seconds", "lease_seconds", "weight_version", "parameters_staged", "bytes_received")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_STAGED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    age_seconds: float
+    idle_seconds: float
+    lease_seconds: int
+    weight_version: int
+    parameters_staged: int
+    bytes_received: int
+    def __init__(self, owner: _Optional[str] = ..., age_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., lease_seconds: _Optional[int] = ..., weight_version: _Optional[int] = ..., parameters_staged: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

@@ -36,6 +36,13 @@ class ControlPlaneStub:
     feature this server lacks (the message says which, e.g. sleep on CPU), UNAVAILABLE while
     starting or draining, INTERNAL for anything unexpected. A rejected weight update never
     changes the weights being served.
+
+    Weight updates are transactions a trainer can run on a whole fleet: StartWeightUpdate names
+    the target version (checked before any weight byte travels) and takes a lease, the weights
+    travel (UpdateWeights or PushWeights), FinishWeightUpdate commits; if another server of the
+    fleet failed, RollbackWeightUpdate restores the previous weights where the commit succeeded.
+    An update whose trainer went away expires with its lease. Prefix-cache blocks are never
+    shared across weight versions: every commit or rollback starts a new cache namespace.
     """
 
     def __init__(self, channel):
@@ -109,6 +116,11 @@ class ControlPlaneStub:
                 request_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.CancelWeightUpdateRequest.SerializeToString,
                 response_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.CancelWeightUpdateResponse.FromString,
                 _registered_method=True)
+        self.RollbackWeightUpdate = channel.unary_unary(
+                '/skyrl.inference.v1.ControlPlane/RollbackWeightUpdate',
+                request_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.RollbackWeightUpdateRequest.SerializeToString,
+                response_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.RollbackWeightUpdateResponse.FromString,
+                _registered_method=True)
         self.GetWeightChecksums = channel.unary_unary(
                 '/skyrl.inference.v1.ControlPlane/GetWeightChecksums',
                 request_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.GetWeightChecksumsRequest.SerializeToString,
@@ -137,6 +149,13 @@ class ControlPlaneServicer:
     feature this server lacks (the message says which, e.g. sleep on CPU), UNAVAILABLE while
     starting or draining, INTERNAL for anything unexpected. A rejected weight update never
     changes the weights being served.
+
+    Weight updates are transactions a trainer can run on a whole fleet: StartWeightUpdate names
+    the target version (checked before any weight byte travels) and takes a lease, the weights
+    travel (UpdateWeights or PushWeights), FinishWeightUpdate commits; if another server of the
+    fleet failed, RollbackWeightUpdate restores the previous weights where the commit succeeded.
+    An update whose trainer went away expires with its lease. Prefix-cache blocks are never
+    shared across weight versions: every commit or rollback starts a new cache namespace.
     """
 
     def Pause(self, request, context):
@@ -200,7 +219,11 @@ class ControlPlaneServicer:
 
     def StartWeightUpdate(self, request, context):
         """Opens a weight update: what UpdateWeights and PushWeights receive is staged, and only
-        FinishWeightUpdate makes it serve.
+        FinishWeightUpdate makes it serve. INVALID_ARGUMENT if the target version is not newer
+        than the serving one; FAILED_PRECONDITION if another owner's update is open and its lease
+        has not expired (the message names the owner). An open update of the same owner is
+        replaced (a trainer retrying its start). Opening an update ends the window in which the
+        last commit could be rolled back.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -232,6 +255,16 @@ class ControlPlaneServicer:
 
     def CancelWeightUpdate(self, request, context):
         """Discards the open update's staged parameters; the serving weights are untouched.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RollbackWeightUpdate(self, request, context):
+        """Undoes the last committed update: the weights and version that served before it serve
+        again. Possible until the next StartWeightUpdate (the previous weights are kept until
+        then). FAILED_PRECONDITION if the serving version is not the one named, or nothing can be
+        rolled back.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -326,6 +359,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     request_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.CancelWeightUpdateRequest.FromString,
                     response_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.CancelWeightUpdateResponse.SerializeToString,
             ),
+            'RollbackWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RollbackWeightUpdate,
+                    request_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.RollbackWeightUpdateRequest.FromString,
+                    response_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.RollbackWeightUpdateResponse.SerializeToString,
+            ),
             'GetWeightChecksums': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWeightChecksums,
                     request_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.GetWeightChecksumsRequest.FromString,
@@ -360,6 +398,13 @@ class ControlPlane:
     feature this server lacks (the message says which, e.g. sleep on CPU), UNAVAILABLE while
     starting or draining, INTERNAL for anything unexpected. A rejected weight update never
     changes the weights being served.
+
+    Weight updates are transactions a trainer can run on a whole fleet: StartWeightUpdate names
+    the target version (checked before any weight byte travels) and takes a lease, the weights
+    travel (UpdateWeights or PushWeights), FinishWeightUpdate commits; if another server of the
+    fleet failed, RollbackWeightUpdate restores the previous weights where the commit succeeded.
+    An update whose trainer went away expires with its lease. Prefix-cache blocks are never
+    shared across weight versions: every commit or rollback starts a new cache namespace.
     """
 
     @staticmethod
@@ -703,6 +748,33 @@ class ControlPlane:
             '/skyrl.inference.v1.ControlPlane/CancelWeightUpdate',
             skyrl_dot_inference_dot_v1_dot_control__plane__pb2.CancelWeightUpdateRequest.SerializeToString,
             skyrl_dot_inference_dot_v1_dot_control__plane__pb2.CancelWeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RollbackWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skyrl.inference.v1.ControlPlane/RollbackWeightUpdate',
+            skyrl_dot_inference_dot_v1_dot_control__plane__pb2.RollbackWeightUpdateRequest.SerializeToString,
+            skyrl_dot_inference_dot_v1_dot_control__plane__pb2.RollbackWeightUpdateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,13 @@ class ControlPlaneStub:
     feature this server lacks (the message says which, e.g. sleep on CPU), UNAVAILABLE while
     starting or draining, INTERNAL for anything unexpected. A rejected weight update never
     changes the weights being served.
+
+    Weight updates are transactions a trainer can run on a whole fleet: StartWeightUpdate names
+    the target version (checked before any weight byte travels) and takes a lease, the weights
+    travel (UpdateWeights or PushWeights), FinishWeightUpdate commits; if another server of the
+    fleet failed, RollbackWeightUpdate restores the previous weights where the commit succeeded.
+    An update whose trainer went away expires with its lease. Prefix-cache blocks are never
+    shared across weight versions: every commit or rollback starts a new cache namespace.
     """
 
     @_typing.overload
@@ -69,7 +76,11 @@ class ControlPlaneStub:
     """
     StartWeightUpdate: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.StartWeightUpdateRequest, _control_plane_pb2.StartWeightUpdateResponse]
     """Opens a weight update: what UpdateWeights and PushWeights receive is staged, and only
-    FinishWeightUpdate makes it serve.
+    FinishWeightUpdate makes it serve. INVALID_ARGUMENT if the target version is not newer
+    than the serving one; FAILED_PRECONDITION if another owner's update is open and its lease
+    has not expired (the message names the owner). An open update of the same owner is
+    replaced (a trainer retrying its start). Opening an update ends the window in which the
+    last commit could be rolled back.
     """
     UpdateWeights: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.UpdateWeightsRequest, _control_plane_pb2.UpdateWeightsResponse]
     """Collective path: announces packed buckets, then receives each bucket by broadcast from the
@@ -85,6 +96,12 @@ class ControlPlaneStub:
     """
     CancelWeightUpdate: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.CancelWeightUpdateRequest, _control_plane_pb2.CancelWeightUpdateResponse]
     """Discards the open update's staged parameters; the serving weights are untouched."""
+    RollbackWeightUpdate: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.RollbackWeightUpdateRequest, _control_plane_pb2.RollbackWeightUpdateResponse]
+    """Undoes the last committed update: the weights and version that served before it serve
+    again. Possible until the next StartWeightUpdate (the previous weights are kept until
+    then). FAILED_PRECONDITION if the serving version is not the one named, or nothing can be
+    rolled back.
+    """
     GetWeightChecksums: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.GetWeightChecksumsRequest, _control_plane_pb2.GetWeightChecksumsResponse]
     """SHA-256 of the serving weights, per parameter, as raw bytes in the model's dtype."""
     GetServerInfo: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.GetServerInfoRequest, _control_plane_pb2.GetServerInfoResponse]
@@ -104,6 +121,13 @@ class ControlPlaneAsyncStub(ControlPlaneStub):
     feature this server lacks (the message says which, e.g. sleep on CPU), UNAVAILABLE while
     starting or draining, INTERNAL for anything unexpected. A rejected weight update never
     changes the weights being served.
+
+    Weight updates are transactions a trainer can run on a whole fleet: StartWeightUpdate names
+    the target version (checked before any weight byte travels) and takes a lease, the weights
+    travel (UpdateWeights or PushWeights), FinishWeightUpdate commits; if another server of the
+    fleet failed, RollbackWeightUpdate restores the previous weights where the commit succeeded.
+    An update whose trainer went away expires with its lease. Prefix-cache blocks are never
+    shared across weight versions: every commit or rollback starts a new cache namespace.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -131,7 +155,11 @@ class ControlPlaneAsyncStub(ControlPlaneStub):
     """
     StartWeightUpdate: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.StartWeightUpdateRequest, _control_plane_pb2.StartWeightUpdateResponse]  # type: ignore[assignment]
     """Opens a weight update: what UpdateWeights and PushWeights receive is staged, and only
-    FinishWeightUpdate makes it serve.
+    FinishWeightUpdate makes it serve. INVALID_ARGUMENT if the target version is not newer
+    than the serving one; FAILED_PRECONDITION if another owner's update is open and its lease
+    has not expired (the message names the owner). An open update of the same owner is
+    replaced (a trainer retrying its start). Opening an update ends the window in which the
+    last commit could be rolled back.
     """
     UpdateWeights: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.UpdateWeightsRequest, _control_plane_pb2.UpdateWeightsResponse]  # type: ignore[assignment]
     """Collective path: announces packed buckets, then receives each bucket by broadcast from the
@@ -147,6 +175,12 @@ class ControlPlaneAsyncStub(ControlPlaneStub):
     """
     CancelWeightUpdate: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.CancelWeightUpdateRequest, _control_plane_pb2.CancelWeightUpdateResponse]  # type: ignore[assignment]
     """Discards the open update's staged parameters; the serving weights are untouched."""
+    RollbackWeightUpdate: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.RollbackWeightUpdateRequest, _control_plane_pb2.RollbackWeightUpdateResponse]  # type: ignore[assignment]
+    """Undoes the last committed update: the weights and version that served before it serve
+    again. Possible until the next StartWeightUpdate (the previous weights are kept until
+    then). FAILED_PRECONDITION if the serving version is not the one named, or nothing can be
+    rolled back.
+    """
     GetWeightChecksums: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.GetWeightChecksumsRequest, _control_plane_pb2.GetWeightChecksumsResponse]  # type: ignore[assignment]
     """SHA-256 of the serving weights, per parameter, as raw bytes in the model's dtype."""
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.GetServerInfoRequest, _control_plane_pb2.GetServerInfoResponse]  # type: ignore[assignment]
@@ -165,6 +199,13 @@ class ControlPlaneServicer(metaclass=_abc_1.ABCMeta):
     feature this server lacks (the message says which, e.g. sleep on CPU), UNAVAILABLE while
     starting or draining, INTERNAL for anything unexpected. A rejected weight update never
     changes the weights being served.
+
+    Weight updates are transactions a trainer can run on a whole fleet: StartWeightUpdate names
+    the target version (checked before any weight byte travels) and takes a lease, the weights
+    travel (UpdateWeights or PushWeights), FinishWeightUpdate commits; if another server of the
+    fleet failed, RollbackWeightUpdate restores the previous weights where the commit succeeded.
+    An update whose trainer went away expires with its lease. Prefix-cache blocks are never
+    shared across weight versions: every commit or rollback starts a new cache namespace.
     """
 
     @_abc_1.abstractmethod
@@ -244,7 +285,11 @@ class ControlPlaneServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_control_plane_pb2.StartWeightUpdateResponse, _abc.Awaitable[_control_plane_pb2.StartWeightUpdateResponse]]:
         """Opens a weight update: what UpdateWeights and PushWeights receive is staged, and only
-        FinishWeightUpdate makes it serve.
+        FinishWeightUpdate makes it serve. INVALID_ARGUMENT if the target version is not newer
+        than the serving one; FAILED_PRECONDITION if another owner's update is open and its lease
+        has not expired (the message names the owner). An open update of the same owner is
+        replaced (a trainer retrying its start). Opening an update ends the window in which the
+        last commit could be rolled back.
         """
 
     @_abc_1.abstractmethod
@@ -284,6 +329,18 @@ class ControlPlaneServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_control_plane_pb2.CancelWeightUpdateResponse, _abc.Awaitable[_control_plane_pb2.CancelWeightUpdateResponse]]:
         """Discards the open update's staged parameters; the serving weights are untouched."""
+
+    @_abc_1.abstractmethod
+    def RollbackWeightUpdate(
+        self,
+        request: _control_plane_pb2.RollbackWeightUpdateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_control_plane_pb2.RollbackWeightUpdateResponse, _abc.Awaitable[_control_plane_pb2.RollbackWeightUpdateResponse]]:
+        """Undoes the last committed update: the weights and version that served before it serve
+        again. Possible until the next StartWeightUpdate (the previous weights are kept until
+        then). FAILED_PRECONDITION if the serving version is not the one named, or nothing can be
+        rolled back.
+        """
 
     @_abc_1.abstractmethod
     def GetWeightChecksums(
