@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from typing import Any
 
@@ -174,6 +175,7 @@ class FakeWorkers:
             protocol.COMMIT: 2,
             protocol.DISCARD: 0,
             protocol.JOIN_GROUP: 1,
+            protocol.ROLLBACK: 2,
             protocol.STAGE: len(args[0]) if args else 0,
         }
         return [answers.get(method)]
@@ -200,8 +202,10 @@ async def test_calls_out_of_order_are_failed_precondition() -> None:
     with pytest.raises(FailedPrecondition, match="already open"):
         await manager.start()
     assert await manager.push(_messages()) == (2, 68)
-    with pytest.raises(InvalidArgument, match="not newer than the serving version 0"):
+    with pytest.raises(InvalidArgument, match="StartWeightUpdate named no version"):
         await manager.finish(0)
+    with pytest.raises(InvalidArgument, match="not newer than the serving version 0"):
+        await manager.finish(-1)
     assert await manager.finish(3) == (3, 2)
     assert versions[-1] == 3 and protocol.COMMIT in workers.calls
     with pytest.raises(InvalidArgument, match="InitWeightTransfer takes GLOO"):
@@ -252,3 +256,148 @@ async def test_leaving_a_group_before_joining_another() -> None:
     await manager.init(spec)
     await manager.init(spec)
     assert workers.calls == [protocol.JOIN_GROUP, protocol.LEAVE_GROUP, protocol.JOIN_GROUP]
+
+
+def manager_at(version: int, **options: Any) -> tuple[WeightTransferManager, FakeWorkers, list[int]]:
+    versions = [version]
+    workers = FakeWorkers()
+    manager = WeightTransferManager(
+        protocol.WorkerCalls(workers), versions.append, lambda: versions[-1], **options
+    )
+    return manager, workers, versions
+
+
+async def test_the_target_version_is_checked_before_any_weight_is_sent() -> None:
+    manager, workers, versions = manager_at(4)
+    for stale in (4, 3):
+        with pytest.raises(InvalidArgument, match="not newer than the serving version 4"):
+            await manager.start(stale)
+    assert not manager.update_open and protocol.DISCARD not in workers.calls
+    update = await manager.start(4, allow_same_version=True)  # re-pushing version 4
+    assert update.target_version == 4
+    await manager.cancel()
+    await manager.start(5)
+    await manager.push(_messages())
+    with pytest.raises(InvalidArgument, match="opened the update for version 5"):
+        await manager.finish(6)
+    assert await manager.finish(0) == (5, 2)  # 0: the version Start named
+    assert versions[-1] == 5
+
+
+async def test_an_open_update_locks_out_other_owners_until_its_lease_expires() -> None:
+    manager, workers, _ = manager_at(0)
+    await manager.start(1, owner="trainer-a", lease_seconds=0.3)
+    with pytest.raises(FailedPrecondition, match="owner trainer-a"):
+        await manager.start(1, owner="trainer-b")
+    with pytest.raises(FailedPrecondition, match="owner trainer-a"):
+        await manager.start(1)  # an anonymous caller cannot take it over either
+    restarted = await manager.start(1, owner="trainer-a", lease_seconds=0.3)  # same owner
+    assert manager.open is restarted
+    # Nobody calls: the lease expires on its own and the staging is dropped.
+    discards = workers.calls.count(protocol.DISCARD)
+    deadline = asyncio.get_running_loop().time() + 3
+    while manager.update_open:
+        assert asyncio.get_running_loop().time() < deadline, "the lease never expired"
+        await asyncio.sleep(0.02)
+    assert workers.calls.count(protocol.DISCARD) == discards + 1
+    taken = await manager.start(1, owner="trainer-b")
+    assert taken.owner == "trainer-b"
+    await manager.close()
+
+
+async def test_calls_renew_the_lease() -> None:
+    manager, _, _ = manager_at(0)
+    await manager.start(1, owner="slow", lease_seconds=0.3)
+    for _ in range(4):  # 0.6 s in all, but never 0.3 s without a call
+        await asyncio.sleep(0.15)
+        await manager.push(_messages())
+    assert manager.update_open
+    assert await manager.finish() == (1, 2)
+    await manager.close()
+
+
+async def test_a_commit_can_be_rolled_back_until_the_next_update_starts() -> None:
+    manager, workers, versions = manager_at(2)
+    with pytest.raises(FailedPrecondition, match="nothing to roll back"):
+        await manager.rollback(2)
+    await manager.start(3)
+    await manager.push(_messages())
+    await manager.finish()
+    assert manager.rollback_version == 2
+    with pytest.raises(FailedPrecondition, match="is not the serving version 3"):
+        await manager.rollback(4)
+    assert await manager.rollback(3) == 2
+    assert versions[-1] == 2 and protocol.ROLLBACK in workers.calls
+    with pytest.raises(FailedPrecondition, match="nothing to roll back"):
+        await manager.rollback(2)
+    await manager.start(3)
+    await manager.push(_messages())
+    await manager.finish()
+    await manager.start(4)  # a new update: the weights before 3 are no longer kept
+    assert protocol.RELEASE_ROLLBACK in workers.calls
+    with pytest.raises(FailedPrecondition, match="nothing to roll back"):
+        await manager.rollback(3)
+    await manager.close()
+
+
+def _poisoned(name: str, value: float, chunk_bytes: int = 16) -> list[cp.PushWeightsRequest]:
+    tensors = [(n, t.clone()) for n, t in TENSORS]
+    dict(tensors)[name].view(-1)[3] = value
+    return [cp.PushWeightsRequest.FromString(m) for m in push_messages(tensors, chunk_bytes)]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_refused_naming_the_parameter(value: float) -> None:
+    assembler = InBandAssembler(LAYOUT)
+    with pytest.raises(InvalidArgument, match=r"b\.bias holds a NaN or an infinity"):
+        for message in _poisoned("b.bias", value):
+            assembler.add(message)
+    allowing = InBandAssembler(LAYOUT, allow_non_finite=True)
+    for message in _poisoned("b.bias", value):
+        allowing.add(message)
+    assert len(allowing.finish()) == 2 and allowing.non_finite == ["b.bias"]
+
+
+def test_a_value_split_by_a_chunk_boundary_is_still_checked() -> None:
+    # 6-byte chunks cut float32 values in two; the poisoned one (bytes 12..15) spans chunks.
+    with pytest.raises(InvalidArgument, match=r"a\.weight holds"):
+        assembler = InBandAssembler(LAYOUT)
+        for message in _poisoned("a.weight", float("nan"), chunk_bytes=6):
+            assembler.add(message)
+    assembler = InBandAssembler(LAYOUT)
+    for message in messages(chunk_bytes=6):
+        assembler.add(message)
+    assert len(assembler.finish()) == 2
+
+
+async def test_replacing_non_finite_weights_asks_the_engine_to_clear_their_traces() -> None:
+    changes: list[bool] = []
+
+    async def changed(replaced_non_finite: bool) -> None:
+        changes.append(replaced_non_finite)
+
+    versions = [0]
+    manager = WeightTransferManager(
+        protocol.WorkerCalls(FakeWorkers()),
+        versions.append,
+        lambda: versions[-1],
+        changed,
+        allow_non_finite=True,
+    )
+
+    async def push(stream: list[cp.PushWeightsRequest], version: int) -> None:
+        async def each() -> Any:
+            for m in stream:
+                yield m
+
+        await manager.start(version)
+        await manager.push(each())
+        await manager.finish()
+
+    await push(_poisoned("a.weight", float("nan")), 1)  # allowed, recorded
+    await push(messages(), 2)  # replaces the poisoned weights
+    await push(messages(), 3)
+    assert changes == [False, True, False]
+    await manager.rollback(3)  # back to 2: finite, replacing finite
+    assert changes[-1] is False
+    await manager.close()

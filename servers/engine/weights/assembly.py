@@ -18,6 +18,7 @@ from skyrl_grpc.chunk_wire import WireChunk
 from skyrl_grpc.errors import DataLoss, InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
+from .finite import FiniteCheck
 from .protocol import Bucket, BucketParameter, ParameterShape, StagedParameter
 
 
@@ -56,6 +57,17 @@ def check_parameter(spec: cp.ParameterSpec, layout: dict[str, ParamLayout]) -> P
     return expected
 
 
+NON_FINITE_FLAG = "--allow-non-finite-weights"
+
+
+def non_finite_error(name: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"{name} holds a NaN or an infinity: weights must be finite (a non-finite value "
+        f"poisons every generation); fix the trainer's weights, or start the server with "
+        f"{NON_FINITE_FLAG} to accept them"
+    )
+
+
 @dataclass
 class _Incoming:
     layout: ParamLayout
@@ -66,17 +78,27 @@ class _Incoming:
     chunks: list[bytes | memoryview] = field(default_factory=list)
     # Running SHA-256 of the chunks, when the manifest gave one to check.
     digest: Any = None
+    # Checks values as chunks arrive.
+    finite: FiniteCheck = field(init=False)
 
     def __post_init__(self) -> None:
         if self.sha256:
             self.digest = hashlib.sha256()
+        self.finite = FiniteCheck(self.layout.dtype.torch_name, self.layout.dtype.itemsize)
 
 
 class InBandAssembler:
-    """Reassembles one PushWeights stream: manifest first, then in-order checksummed chunks."""
+    """Reassembles one PushWeights stream: manifest first, then in-order checksummed chunks.
 
-    def __init__(self, layout: dict[str, ParamLayout]) -> None:
+    Values are checked as they arrive: unless ``allow_non_finite``, a chunk holding a NaN or
+    infinity rejects the stream, naming the first parameter where one arrived; with it, the
+    parameters are recorded in ``non_finite``.
+    """
+
+    def __init__(self, layout: dict[str, ParamLayout], allow_non_finite: bool = False) -> None:
         self._layout = layout
+        self._allow_non_finite = allow_non_finite
+        self.non_finite: list[str] = []
         self._incoming: dict[str, _Incoming] | None = None
         self.bytes_received = 0
 
@@ -130,6 +152,10 @@ class InBandAssembler:
                 f"checksum mismatch in the chunk of {chunk.name} at offset {chunk.offset_bytes}: "
                 "the bytes were corrupted in transit"
             )
+        if incoming.finite.finite and not incoming.finite.add(data):
+            if not self._allow_non_finite:
+                raise non_finite_error(chunk.name)
+            self.non_finite.append(chunk.name)
         incoming.chunks.append(data)
         if incoming.digest is not None:
             incoming.digest.update(data)
