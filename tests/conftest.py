@@ -62,12 +62,13 @@ def greedy_reference(
     )
 
 
-async def running_engine_server() -> AsyncIterator[Any]:
-    """A real vLLM engine server on the tiny model, in this process, drained afterwards."""
-    from servers.engine.options import ServerOptions
+async def running_engine_server(**engine: Any) -> AsyncIterator[Any]:
+    """A real vLLM engine server on the tiny model (``engine``: EngineOptions fields), in this
+    process, drained afterwards."""
+    from servers.engine.options import EngineOptions, ServerOptions
     from servers.engine.server import EngineServer
 
-    server = EngineServer(ServerOptions())
+    server = EngineServer(ServerOptions(engine=EngineOptions(**engine)))
     await server.start()
     await asyncio.wait_for(server.wait_ready(), timeout=300)
     yield server

@@ -101,8 +101,17 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     async def StartWeightUpdate(
         self, request: cp.StartWeightUpdateRequest, context: Context
     ) -> cp.StartWeightUpdateResponse:
-        await self._state.engine().weights.start()
-        return cp.StartWeightUpdateResponse()
+        engine = self._state.engine()
+        update = await engine.weights.start(
+            request.weight_version,
+            allow_same_version=request.allow_same_version,
+            owner=request.owner,
+            lease_seconds=request.lease_seconds,
+        )
+        return cp.StartWeightUpdateResponse(
+            serving_weight_version=engine.weight_version,
+            lease_seconds=round(update.lease_seconds),
+        )
 
     async def UpdateWeights(
         self, request: cp.UpdateWeightsRequest, context: Context
@@ -130,6 +139,12 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         discarded = await self._state.engine().weights.cancel()
         return cp.CancelWeightUpdateResponse(parameters_discarded=discarded)
 
+    async def RollbackWeightUpdate(
+        self, request: cp.RollbackWeightUpdateRequest, context: Context
+    ) -> cp.RollbackWeightUpdateResponse:
+        version = await self._state.engine().weights.rollback(request.weight_version)
+        return cp.RollbackWeightUpdateResponse(weight_version=version)
+
     async def GetWeightChecksums(
         self, request: cp.GetWeightChecksumsRequest, context: Context
     ) -> cp.GetWeightChecksumsResponse:
@@ -143,7 +158,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         self, request: cp.GetServerInfoRequest, context: Context
     ) -> cp.GetServerInfoResponse:
         engine = self._state.engine()
-        return cp.GetServerInfoResponse(
+        info = cp.GetServerInfoResponse(
             world_size=engine.world_size,
             tensor_parallel_size=engine.tensor_parallel_size,
             pipeline_parallel_size=engine.pipeline_parallel_size,
@@ -161,6 +176,22 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             served_model_name=engine.served_model_name,
             device=engine.device,
         )
+        update = engine.weights.open
+        if update is not None:
+            info.open_weight_update.CopyFrom(
+                cp.OpenWeightUpdate(
+                    owner=update.owner,
+                    age_seconds=update.age_seconds,
+                    idle_seconds=update.idle_seconds,
+                    lease_seconds=round(update.lease_seconds),
+                    weight_version=update.target_version,
+                    parameters_staged=update.parameters_staged,
+                    bytes_received=update.bytes_received,
+                )
+            )
+        if engine.weights.rollback_version is not None:
+            info.rollback_weight_version = engine.weights.rollback_version
+        return info
 
     async def GetLoad(self, request: cp.GetLoadRequest, context: Context) -> cp.GetLoadResponse:
         engine = self._state.engine()

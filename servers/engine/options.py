@@ -45,6 +45,11 @@ class EngineOptions:
     enforce_eager: bool = True
     # vLLM worker extension that receives weights (see servers/engine/weights/worker.py).
     worker_extension_cls: str = WORKER_EXTENSION
+    # Seconds an open weight update lives without a call before it expires (a trainer that
+    # died must not lock the next one out); StartWeightUpdate may ask for another lease.
+    weight_update_lease_seconds: float = 600.0
+    # Accept weights holding NaN or infinity (refused by default: they poison generation).
+    allow_non_finite_weights: bool = False
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -88,6 +93,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument(
+        "--weight-update-lease-seconds",
+        type=float,
+        default=600.0,
+        help="an open weight update without a call for this long expires (default 600)",
+    )
+    group.add_argument(
+        "--allow-non-finite-weights",
+        action="store_true",
+        help="accept pushed weights holding NaN or infinity (refused by default)",
+    )
 
 
 def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
@@ -104,6 +120,8 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
         enable_prefix_caching=not args.no_prefix_caching,
+        weight_update_lease_seconds=args.weight_update_lease_seconds,
+        allow_non_finite_weights=args.allow_non_finite_weights,
     )
 
 

@@ -119,6 +119,9 @@ class VllmEngine:
         self.data_parallel_size = parallel.data_parallel_size
         self.world_size = parallel.world_size * parallel.data_parallel_size
         self.weight_version = 0
+        # Counts every change of the serving weights (commit or rollback): the prefix-cache
+        # namespace of requests, so no request reuses KV computed under other weights.
+        self.weights_epoch = 0
         self._load = load
         self._in_flight: set[str] = set()
         from vllm.platforms import current_platform
@@ -126,11 +129,14 @@ class VllmEngine:
         self.device = current_platform.device_type
         self.sleep_supported = bool(current_platform.is_sleep_mode_available())
         self.prefix_caching = bool(llm.vllm_config.cache_config.enable_prefix_caching)
+        self.weights_workers = WorkerCalls(self._collective_rpc)
         self.weights = WeightTransferManager(
-            WorkerCalls(self._collective_rpc),
+            self.weights_workers,
             self._set_weight_version,
             lambda: self.weight_version,
-            on_commit=self._drop_stale_prefixes,
+            self._weights_changed,
+            default_lease_seconds=options.weight_update_lease_seconds,
+            allow_non_finite=options.allow_non_finite_weights,
         )
 
     async def _collective_rpc(self, method: str, args: tuple[Any, ...]) -> list[Any]:
@@ -139,11 +145,43 @@ class VllmEngine:
     def _set_weight_version(self, version: int) -> None:
         self.weight_version = version
 
-    async def _drop_stale_prefixes(self) -> None:
-        # Cached KV was computed by the old weights. Requests frozen by a KEEP pause still hold
-        # blocks, which makes the reset fail; they finish on the KV they have (KEEP's contract).
+    async def _weights_changed(self, replaced_non_finite: bool) -> None:
+        # Requests from now on hash their prompt blocks in a new namespace (cache_salt), so a
+        # block computed under the previous weights is never reused, even where the reset
+        # below fails because requests frozen by a KEEP pause still hold blocks (those finish
+        # on the KV they have: KEEP's contract). The reset frees the stale blocks early.
+        self.weights_epoch += 1
         if not await self.llm.reset_prefix_cache():
-            log.warning("prefix cache not reset after the weight update: requests hold blocks")
+            log.info("prefix cache not reset after the weight change: requests hold blocks")
+        if replaced_non_finite:
+            await self._clear_kv_memory()
+
+    async def _clear_kv_memory(self) -> None:
+        """After weights holding NaN or infinity: zero the KV cache memory. Attention reads
+        whole blocks and weighs unwritten slots by 0, and 0 x NaN is NaN, so values those
+        weights left in freed blocks poison the next requests that get the blocks (measured:
+        the first 32-request batch after restoring good weights was 0 of 32 correct, with the
+        prefix cache reset). Only safe while no request holds KV."""
+        if self.llm.get_num_unfinished_requests():
+            log.warning(
+                "the replaced weights held NaN or infinity and requests still hold KV: the KV "
+                "cache memory is not cleared, so requests may see traces of them"
+            )
+            return
+        paused = await self.llm.is_paused()
+        if not paused:  # hold new requests back while the memory is cleared
+            await self.llm.pause_generation(mode="abort")
+        try:
+            cleared = await self.weights_workers.clear_kv_cache()
+        finally:
+            if not paused:
+                await self.llm.resume_generation()
+        log.warning("replaced weights held NaN or infinity: %d bytes of KV cache cleared", cleared)
+
+    @property
+    def cache_salt(self) -> str:
+        """The prefix-cache namespace of requests submitted now."""
+        return f"skyrl-weights-{self.weights_epoch}"
 
     @property
     def weight_transfer_backends(self) -> list[cp.WeightTransferBackend]:
@@ -209,9 +247,8 @@ class VllmEngine:
             )
         self._in_flight.add(request_id)
         try:
-            async for output in self.llm.generate(
-                {"prompt_token_ids": prompt_token_ids}, sampling_params, request_id
-            ):
+            prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": self.cache_salt}
+            async for output in self.llm.generate(prompt, sampling_params, request_id):
                 yield output
         finally:
             self._in_flight.discard(request_id)
@@ -309,6 +346,7 @@ class VllmEngine:
         return str(vllm.__version__)
 
     async def shutdown(self) -> None:
+        await self.weights.close()
         # Stop vLLM's output loop first: otherwise it sees the engine process exit and logs
         # an EngineDeadError traceback on every clean shutdown.
         handler = getattr(self.llm, "output_handler", None)

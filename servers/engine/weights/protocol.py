@@ -22,7 +22,22 @@ RECEIVE_BUCKETS = "skyrl_receive_buckets"
 STAGE = "skyrl_stage"
 DISCARD = "skyrl_discard"
 COMMIT = "skyrl_commit"
-METHODS = (LAYOUT, CHECKSUMS, JOIN_GROUP, LEAVE_GROUP, RECEIVE_BUCKETS, STAGE, DISCARD, COMMIT)
+ROLLBACK = "skyrl_rollback"
+RELEASE_ROLLBACK = "skyrl_release_rollback"
+CLEAR_KV_CACHE = "skyrl_clear_kv_cache"
+METHODS = (
+    LAYOUT,
+    CHECKSUMS,
+    JOIN_GROUP,
+    LEAVE_GROUP,
+    RECEIVE_BUCKETS,
+    STAGE,
+    DISCARD,
+    COMMIT,
+    ROLLBACK,
+    RELEASE_ROLLBACK,
+    CLEAR_KV_CACHE,
+)
 
 
 class ParameterShape(TypedDict):
@@ -60,11 +75,13 @@ class Bucket(TypedDict):
 
 class Received(TypedDict):
     """What one worker received by broadcast; ``mismatches`` names parameters whose SHA-256
-    did not match (nothing of the call is staged then)."""
+    did not match, ``non_finite`` those holding a NaN or infinity (when checked); nothing of
+    the call is staged if either is non-empty."""
 
     bytes: int
     params: int
     mismatches: list[str]
+    non_finite: list[str]
 
 
 class Checksum(TypedDict):
@@ -112,8 +129,8 @@ class WorkerCalls:
     async def leave_group(self) -> None:
         await self._rpc(LEAVE_GROUP, ())
 
-    async def receive_buckets(self, buckets: list[Bucket]) -> list[Received]:
-        results: list[Received] = await self._rpc(RECEIVE_BUCKETS, (buckets,))
+    async def receive_buckets(self, buckets: list[Bucket], check_finite: bool) -> list[Received]:
+        results: list[Received] = await self._rpc(RECEIVE_BUCKETS, (buckets, check_finite))
         return results
 
     async def stage(self, params: list[StagedParameter]) -> None:
@@ -124,5 +141,19 @@ class WorkerCalls:
         return int((await self._rpc(DISCARD, ()))[0])
 
     async def commit(self) -> int:
-        """Makes the staged parameters serve; returns how many were replaced."""
+        """Makes the staged parameters serve, keeping the previous weights for a rollback;
+        returns how many were replaced."""
         return int((await self._rpc(COMMIT, ()))[0])
+
+    async def rollback(self) -> int:
+        """Serves the weights from before the last commit again; returns how many parameters
+        were restored."""
+        return int((await self._rpc(ROLLBACK, ()))[0])
+
+    async def release_rollback(self) -> None:
+        """Drops the weights kept for a rollback (their memory)."""
+        await self._rpc(RELEASE_ROLLBACK, ())
+
+    async def clear_kv_cache(self) -> int:
+        """Zeroes the KV cache memory (only while no request holds KV); returns its bytes."""
+        return int(sum(await self._rpc(CLEAR_KV_CACHE, ())))

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
 from skyrl_grpc import dtypes
 from skyrl_grpc.chunk_wire import WireChunk
@@ -29,7 +30,8 @@ from skyrl_grpc.errors import (
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from ...common.early_answer import read_rest
-from .assembly import InBandAssembler, ParamLayout, bucket_layout, model_layout
+from ...common.tasks import BackgroundTasks
+from .assembly import InBandAssembler, ParamLayout, bucket_layout, model_layout, non_finite_error
 from .protocol import Bucket, Group, StagedParameter, WorkerCalls
 
 log = logging.getLogger(__name__)
@@ -38,24 +40,72 @@ STAGE_BATCH_BYTES = 32 << 20  # bytes per worker call when shipping in-band weig
 DRAIN_SECONDS = 10.0  # how long a rejected push keeps reading before answering
 
 
+@dataclass
+class OpenUpdate:
+    """The update in progress: who opened it, for which version, and its lease."""
+
+    owner: str
+    target_version: int  # 0: named at FinishWeightUpdate
+    allow_same_version: bool
+    lease_seconds: float
+    opened: float = field(default_factory=time.monotonic)
+    last_call: float = field(default_factory=time.monotonic)
+    parameters_staged: int = 0
+    bytes_received: int = 0
+    # Whether anything staged holds a NaN or infinity (only possible when they are allowed).
+    non_finite: bool = False
+
+    def touch(self) -> None:
+        self.last_call = time.monotonic()
+
+    @property
+    def idle_seconds(self) -> float:
+        return time.monotonic() - self.last_call
+
+    @property
+    def age_seconds(self) -> float:
+        return time.monotonic() - self.opened
+
+
 class WeightTransferManager:
-    """The weight-update transaction of one server."""
+    """The weight-update transaction of one server.
+
+    Every weight RPC runs under one lock, so calls of an update never interleave. An open
+    update holds a lease: when no call of it has come for ``lease_seconds``, it expires (its
+    staging is dropped) and another trainer may start one. A commit keeps the previous weights
+    until the next update starts, for ``rollback``.
+    """
 
     def __init__(
         self,
         workers: WorkerCalls,
         set_version: Callable[[int], None],
         get_version: Callable[[], int],
-        on_commit: Callable[[], Awaitable[None]] | None = None,
+        on_weights_changed: Callable[[bool], Awaitable[None]] | None = None,
+        *,
+        default_lease_seconds: float = 600.0,
+        allow_non_finite: bool = False,
     ) -> None:
         self._workers = workers
         self._set_version = set_version
         self._get_version = get_version
-        self._on_commit = on_commit
+        self._on_weights_changed = on_weights_changed
+        self.default_lease_seconds = default_lease_seconds
+        self.allow_non_finite = allow_non_finite
         self._layout: dict[str, ParamLayout] | None = None
         self.group: Group | None = None
-        self.update_open = False
+        self.open: OpenUpdate | None = None
+        # The version a rollback returns to (None: nothing kept to roll back to).
+        self.rollback_version: int | None = None
+        # Whether the serving weights, and those a rollback returns to, hold NaN or infinity.
+        self._serving_non_finite = False
+        self._rollback_non_finite = False
         self._lock = asyncio.Lock()
+        self._tasks = BackgroundTasks()
+
+    @property
+    def update_open(self) -> bool:
+        return self.open is not None
 
     async def layout(self) -> dict[str, ParamLayout]:
         if self._layout is None:
@@ -77,20 +127,85 @@ class WeightTransferManager:
                 ) from exc
             self.group = group
 
-    async def start(self) -> None:
+    def _check_version(self, version: int, allow_same: bool) -> None:
+        current = self._get_version()
+        if version > current or (allow_same and version == current):
+            return
+        rule = "newer than or equal to" if allow_same else "newer than"
+        raise InvalidArgument(
+            f"weight_version = {version} is not {rule} the serving version {current}: versions "
+            f"must increase (use {current + 1}, or allow_same_version to re-push {current})"
+        )
+
+    async def start(
+        self,
+        weight_version: int = 0,
+        *,
+        allow_same_version: bool = False,
+        owner: str = "",
+        lease_seconds: float = 0,
+    ) -> OpenUpdate:
+        """Opens an update for ``weight_version`` (0: named at finish), checked now."""
+        owner = owner or "unknown"
         async with self._lock:
-            if self.update_open:
-                raise FailedPrecondition(
-                    "a weight update is already open: finish it (FinishWeightUpdate) or cancel it "
-                    "(CancelWeightUpdate) first"
-                )
+            current = self.open
+            if current is not None:
+                if current.idle_seconds >= current.lease_seconds:
+                    log.warning(
+                        "the weight update of %s expired (idle %.0f s): discarded",
+                        current.owner,
+                        current.idle_seconds,
+                    )
+                elif owner == "unknown" or current.owner != owner:
+                    left = current.lease_seconds - current.idle_seconds
+                    raise FailedPrecondition(
+                        f"a weight update is already open (owner {current.owner}, open "
+                        f"{current.age_seconds:.0f} s): finish it (FinishWeightUpdate) or cancel "
+                        f"it (CancelWeightUpdate) first, or wait {left:.0f} s for its lease "
+                        "to expire"
+                    )
+                else:
+                    log.info("%s restarts its weight update", owner)
+                await self._close()
+            if weight_version:
+                self._check_version(weight_version, allow_same_version)
             await self.layout()
             await self._workers.discard()
-            self.update_open = True
+            await self._workers.release_rollback()
+            self.rollback_version = None
+            update = OpenUpdate(
+                owner=owner,
+                target_version=weight_version,
+                allow_same_version=allow_same_version,
+                lease_seconds=lease_seconds or self.default_lease_seconds,
+            )
+            self.open = update
+            self._tasks.spawn(self._expire_when_idle(update), name="weight update lease")
+            return update
 
-    def _require_open(self, what: str) -> None:
-        if not self.update_open:
-            raise FailedPrecondition(f"{what} before StartWeightUpdate: open an update first")
+    async def _expire_when_idle(self, update: OpenUpdate) -> None:
+        while self.open is update:
+            remaining = update.lease_seconds - update.idle_seconds
+            if remaining > 0:
+                await asyncio.sleep(remaining)
+                continue
+            async with self._lock:  # waits for a call in progress, which renews the lease
+                if self.open is update and update.idle_seconds >= update.lease_seconds:
+                    log.warning(
+                        "the weight update of %s expired after %.0f s without a call: discarded",
+                        update.owner,
+                        update.idle_seconds,
+                    )
+                    await self._close()
+
+    def _require_open(self, what: str) -> OpenUpdate:
+        if self.open is None:
+            raise FailedPrecondition(
+                f"{what} before StartWeightUpdate: open an update first (an update also "
+                "closes when it is rejected, cancelled or its lease expires)"
+            )
+        self.open.touch()
+        return self.open
 
     async def update(self, request: cp.UpdateWeightsRequest) -> tuple[int, int]:
         async with self._lock:
@@ -100,7 +215,7 @@ class WeightTransferManager:
                     "UpdateWeights before InitWeightTransfer: join the trainer's process group "
                     "first (or push in-band with PushWeights)"
                 )
-            self._require_open("UpdateWeights")
+            update = self._require_open("UpdateWeights")
             layout = await self.layout()
             try:
                 buckets = [bucket_layout(b, layout) for b in request.buckets]
@@ -108,17 +223,19 @@ class WeightTransferManager:
                 # The trainer broadcasts regardless: receive and drop the bytes so neither side
                 # hangs, then reject.
                 empty = [Bucket(size=b.size_bytes, params=[]) for b in request.buckets]
-                await self._abandon(self._workers.receive_buckets(empty))
+                await self._abandon(self._workers.receive_buckets(empty, False))
                 raise
             started = time.monotonic()
             try:
-                results = await self._workers.receive_buckets(buckets)
+                results = await self._workers.receive_buckets(buckets, True)
             except Exception as exc:
                 await self._abandon(None)
                 await self._leave_broken_group()
                 raise _transport_error(
                     "receiving weight buckets", exc, started, group["timeout_seconds"]
                 ) from exc
+            finally:
+                update.touch()
             mismatches = sorted({m for r in results for m in r["mismatches"]})
             if mismatches:
                 await self._abandon(None)
@@ -126,6 +243,16 @@ class WeightTransferManager:
                     f"checksum mismatch for {', '.join(mismatches)}: update rejected, the serving "
                     "weights are unchanged; start a new update"
                 )
+            non_finite = [n for r in results for n in r["non_finite"]]
+            if non_finite and not self.allow_non_finite:
+                await self._abandon(None)
+                error = non_finite_error(non_finite[0])
+                raise InvalidArgument(
+                    f"{error}; update rejected, the serving weights are unchanged"
+                )
+            update.non_finite = update.non_finite or bool(non_finite)
+            update.parameters_staged += results[0]["params"]
+            update.bytes_received += results[0]["bytes"]
             return results[0]["params"], results[0]["bytes"]
 
     async def _leave_broken_group(self) -> None:
@@ -150,11 +277,14 @@ class WeightTransferManager:
         self, messages: AsyncIterator[cp.PushWeightsRequest | WireChunk]
     ) -> tuple[int, int]:
         async with self._lock:
-            self._require_open("PushWeights")
-            assembler = InBandAssembler(await self.layout())
+            update = self._require_open("PushWeights")
+            assembler = InBandAssembler(await self.layout(), self.allow_non_finite)
             try:
+                received_before = update.bytes_received
                 async for message in messages:
                     assembler.add(message)
+                    update.bytes_received = received_before + assembler.bytes_received
+                    update.touch()
                 params = assembler.finish()
             except SkyrlError as error:
                 await self._abandon(None)
@@ -166,17 +296,28 @@ class WeightTransferManager:
                 raise
             for batch in _batches(params, STAGE_BATCH_BYTES):
                 await self._workers.stage(batch)
+            update.parameters_staged += len(params)
+            update.non_finite = update.non_finite or bool(assembler.non_finite)
+            update.touch()
             return len(params), assembler.bytes_received
 
-    async def finish(self, weight_version: int) -> tuple[int, int]:
+    async def finish(self, weight_version: int = 0) -> tuple[int, int]:
         async with self._lock:
-            self._require_open("FinishWeightUpdate")
-            current = self._get_version()
-            if weight_version <= current:
+            update = self._require_open("FinishWeightUpdate")
+            target = update.target_version
+            if target and weight_version and weight_version != target:
                 raise InvalidArgument(
-                    f"weight_version = {weight_version} is not newer than the serving version "
-                    f"{current}: versions must increase"
+                    f"weight_version = {weight_version}, but StartWeightUpdate opened the update "
+                    f"for version {target}: send {target} or 0"
                 )
+            version = weight_version or target
+            if not version:
+                raise InvalidArgument(
+                    "weight_version = 0 and StartWeightUpdate named no version: name the version "
+                    "the new weights serve as"
+                )
+            self._check_version(version, update.allow_same_version)
+            previous = self._get_version()
             try:
                 replaced = await self._workers.commit()
             except Exception as exc:
@@ -184,18 +325,58 @@ class WeightTransferManager:
                 raise Unavailable(
                     f"applying the new weights failed (previous weights restored): {exc}"
                 ) from exc
-            self.update_open = False
-            self._set_version(weight_version)
-            if self._on_commit is not None:
-                await self._on_commit()
-            return weight_version, replaced
+            await self._close(discard=False)
+            self.rollback_version = previous
+            self._set_version(version)
+            replaced_non_finite = self._serving_non_finite
+            self._rollback_non_finite = replaced_non_finite
+            self._serving_non_finite = update.non_finite
+            await self._weights_changed(replaced_non_finite)
+            return version, replaced
+
+    async def rollback(self, weight_version: int) -> int:
+        """Serves the weights from before the last commit again, if ``weight_version`` (what
+        that commit made serve) still serves; returns the version serving now."""
+        async with self._lock:
+            current = self._get_version()
+            if self.rollback_version is None:
+                raise FailedPrecondition(
+                    "nothing to roll back: no update was committed since the last "
+                    "StartWeightUpdate (the previous weights are kept only until then)"
+                )
+            if weight_version != current:
+                raise FailedPrecondition(
+                    f"weight_version = {weight_version} is not the serving version {current}: "
+                    "only the last commit can be rolled back"
+                )
+            try:
+                await self._workers.rollback()
+            except Exception as exc:
+                raise Unavailable(f"restoring the previous weights failed: {exc}") from exc
+            restored = self.rollback_version
+            self.rollback_version = None
+            self._set_version(restored)
+            replaced_non_finite = self._serving_non_finite
+            self._serving_non_finite = self._rollback_non_finite
+            await self._weights_changed(replaced_non_finite)
+            log.warning("weights rolled back from version %d to %d", current, restored)
+            return restored
+
+    async def _weights_changed(self, replaced_non_finite: bool) -> None:
+        """Tells the engine the serving weights changed, and whether the ones they replaced
+        held non-finite values (whose traces in KV cache memory must be cleared)."""
+        if self._on_weights_changed is not None:
+            await self._on_weights_changed(replaced_non_finite)
 
     async def cancel(self) -> int:
         async with self._lock:
             self._require_open("CancelWeightUpdate")
-            discarded = await self._workers.discard()
-            self.update_open = False
-            return discarded
+            return await self._close()
+
+    async def _close(self, discard: bool = True) -> int:
+        """Closes the open update, dropping what it staged; returns how much that was."""
+        self.open = None
+        return await self._workers.discard() if discard else 0
 
     async def checksums(self, names: list[str]) -> list[cp.ParameterChecksum]:
         layout = await self.layout()
@@ -218,11 +399,15 @@ class WeightTransferManager:
             if pending is not None:
                 await pending
         finally:
-            self.update_open = False
+            self.open = None
             try:
                 await self._workers.discard()
             except Exception:
                 log.exception("discarding staged weights failed")
+
+    async def close(self) -> None:
+        """Stops the lease timer (server shutdown)."""
+        await self._tasks.close()
 
 
 def _batches(params: list[StagedParameter], batch_bytes: int) -> list[list[StagedParameter]]:

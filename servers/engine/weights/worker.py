@@ -12,6 +12,10 @@ complete checkpoint, because vLLM fuses parameters (q/k/v, gate/up) and a partia
 reinitialise the fused halves it was not given. ``reload_weights`` re-runs vLLM's post-load
 processing, which plain ``load_weights`` after start-up does not. If the reload fails, the shadow
 (the previous weights) is loaded back. Checksums are computed from the shadow.
+
+After a commit the previous shadow is kept (only the replaced tensors cost memory: the rest are
+shared) until the next update starts, so ``skyrl_rollback`` can serve it again when another
+server of the fleet failed to commit.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import logging
 from datetime import timedelta
 from typing import Any
 
+from .finite import all_finite
 from .protocol import (
     Bucket,
     Checksum,
@@ -44,8 +49,8 @@ def torch_uint8() -> Any:
 
 
 def receive_buckets(
-    group: Any, buckets: list[Bucket], timeout_seconds: float
-) -> tuple[dict[str, Any], int, list[str]]:
+    group: Any, buckets: list[Bucket], timeout_seconds: float, check_finite: bool = False
+) -> tuple[dict[str, Any], int, list[str], list[str]]:
     """Receives ``buckets`` from rank 0 of ``group``.
 
     Returns the parameters as host tensors (views of their bucket: each bucket has a buffer of
@@ -64,6 +69,7 @@ def receive_buckets(
 
     received: dict[str, Any] = {}
     mismatches: list[str] = []
+    non_finite: list[str] = []
     total = 0
     pending = post(buckets[0]) if buckets else None
     for index, bucket in enumerate(buckets):
@@ -83,8 +89,11 @@ def receive_buckets(
             if param.get("sha256") and hashlib.sha256(raw.numpy()).digest() != param["sha256"]:
                 mismatches.append(param["name"])
                 continue
+            if check_finite and not all_finite(raw.numpy(), param["dtype"]):
+                non_finite.append(param["name"])
+                continue
             received[param["name"]] = raw.view(dtype).reshape(param["shape"])
-    return received, total, mismatches
+    return received, total, mismatches, non_finite
 
 
 class WeightTransferWorker:
@@ -95,6 +104,8 @@ class WeightTransferWorker:
     _skyrl_group: Any = None
     _skyrl_staged: dict[str, Any] | None = None
     _skyrl_shadow: dict[str, Any] | None = None
+    # The shadow before the last commit, kept for a rollback until the next update starts.
+    _skyrl_previous: dict[str, Any] | None = None
     _skyrl_timeout: float = 300.0
 
     def _skyrl_weights(self) -> dict[str, Any]:
@@ -160,21 +171,24 @@ class WeightTransferWorker:
         """Drops the group (its connections close with it)."""
         self._skyrl_group = None
 
-    def skyrl_receive_buckets(self, buckets: list[Bucket]) -> Received:
+    def skyrl_receive_buckets(self, buckets: list[Bucket], check_finite: bool) -> Received:
         """Receives each bucket (validated by the server) by broadcast from rank 0 and stages
         its parameters.
 
-        Every bucket is received even after a checksum mismatch, so the trainer's broadcasts
-        never hang; the mismatches are returned and nothing of this call is staged then.
+        Every bucket is received even after a checksum mismatch or a non-finite value, so the
+        trainer's broadcasts never hang; those are returned and nothing of this call is staged
+        then.
         """
         if self._skyrl_group is None:
             raise RuntimeError("not in a weight-transfer group: call InitWeightTransfer first")
-        received, total, mismatches = receive_buckets(
-            self._skyrl_group, buckets, self._skyrl_timeout
+        received, total, mismatches, non_finite = receive_buckets(
+            self._skyrl_group, buckets, self._skyrl_timeout, check_finite
         )
-        if not mismatches:
+        if not mismatches and not non_finite:
             self._skyrl_staging().update(received)
-        return Received(bytes=total, params=len(received), mismatches=mismatches)
+        return Received(
+            bytes=total, params=len(received), mismatches=mismatches, non_finite=non_finite
+        )
 
     def skyrl_stage(self, params: list[StagedParameter]) -> int:
         """Stages in-band parameters (already verified by the server)."""
@@ -207,6 +221,31 @@ class WeightTransferWorker:
             self.model_runner.reload_weights(weights_iterator=iter(previous.items()))
             self._skyrl_staged = {}
             raise
+        self._skyrl_previous = previous
         self._skyrl_shadow = merged
         self._skyrl_staged = {}
         return len(staged)
+
+    def skyrl_rollback(self) -> int:
+        """Serves the weights from before the last commit again."""
+        previous = self._skyrl_previous
+        if previous is None:
+            raise RuntimeError("no previous weights kept: nothing to roll back")
+        current = self._skyrl_weights()
+        self.model_runner.reload_weights(weights_iterator=iter(previous.items()))
+        self._skyrl_shadow = previous
+        self._skyrl_previous = None
+        return sum(1 for name, tensor in previous.items() if current.get(name) is not tensor)
+
+    def skyrl_release_rollback(self) -> None:
+        self._skyrl_previous = None
+
+    def skyrl_clear_kv_cache(self) -> int:
+        """Zeroes every KV cache tensor; returns the bytes cleared. Only while no request holds
+        KV: non-finite values left in a block by non-finite weights reach the next requests
+        that get that block (attention reads whole blocks, and 0 x NaN is NaN)."""
+        cleared = 0
+        for tensor in self.model_runner.kv_caches:
+            tensor.zero_()
+            cleared += tensor.numel() * tensor.element_size()
+        return cleared
