@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,17 +18,14 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
 from tests.conftest import REFERENCE_PROMPTS, offline_reference
-from tests.helpers.waits import running_on_engines
-from trainer_client import FanOutError, InferenceClient
+from tests.helpers.waits import running_on_engines, until
+from tests.helpers.weights import MAX_TOKENS, greedy_per_server, next_version, perturbed
+from trainer_client import InferenceClient, WeightUpdateError
 from trainer_client.weights import push_messages, sha256_of
 
 pytestmark = [pytest.mark.engine]
-MAX_TOKENS = 16
-_versions = itertools.count(100)
-
-
-def next_version() -> int:
-    return next(_versions)
+# Any version: the calls using it are refused before the version matters.
+UNUSED_VERSION = 1 << 40
 
 
 @pytest.fixture(scope="module")
@@ -41,29 +37,7 @@ async def fleet(
     original = load_file(str(tiny_model_dir / "model.safetensors"))
     yield {"client": client, "servers": servers, "original": original}
     # Leave the shared engines with their original weights.
-    await client.update_weights(original.items(), next_version(), transport="grpc")
-
-
-def perturbed(original: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        n: t + 0.05 * torch.randn(t.shape, generator=generator, dtype=t.dtype)
-        for n, t in original.items()
-    }
-
-
-async def greedy_per_server(servers: list[str]) -> dict[str, list[list[int]]]:
-    result = {}
-    for address in servers:
-        direct = InferenceClient(address)
-        outputs = []
-        for prompt in REFERENCE_PROMPTS:
-            r = await direct.generate(
-                prompt, {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-            )
-            outputs.append(r.token_ids)
-        result[address] = outputs
-    return result
+    await client.update_weights(original.items(), transport="grpc")
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +105,7 @@ async def test_in_band_push_serves_exactly_the_new_weights_and_back(
         o != r
         for o, r in zip(original_greedy[fleet["servers"][0]], new_weights_reference, strict=True)
     )
-    version = next_version()
+    version = await next_version(client)
     finished = await client.update_weights(
         new_weights.items(), version, transport="grpc", chunk_bytes=64 << 10
     )
@@ -142,7 +116,7 @@ async def test_in_band_push_serves_exactly_the_new_weights_and_back(
     assert [(s.weight_version, s.length) for s in result.weight_versions] == [(version, 4)]
     assert set((await client.weight_versions()).values()) == {version}
     # Pushing the original weights back restores the original output exactly.
-    await client.update_weights(fleet["original"].items(), next_version(), transport="grpc")
+    await client.update_weights(fleet["original"].items(), transport="grpc")
     await assert_serving(fleet, fleet["original"], original_greedy)
 
 
@@ -157,10 +131,10 @@ async def test_collective_gloo_updates_two_servers_with_their_own_rank_offsets(
     assert offsets == {fleet["servers"][0]: 1, fleet["servers"][1]: 2}
     # Small buckets: several broadcasts, parameters packed several to a bucket.
     await client.update_weights(
-        new_weights.items(), next_version(), transport="collective", bucket_bytes=300_000
+        new_weights.items(), transport="collective", bucket_bytes=300_000
     )
     await assert_serving(fleet, new_weights, new_weights_reference)
-    await client.update_weights(fleet["original"].items(), next_version(), transport="collective")
+    await client.update_weights(fleet["original"].items(), transport="collective")
     await assert_serving(fleet, fleet["original"], original_greedy)
     # A corrupted bucket (checksums disagree with the bytes) is rejected everywhere.
     corrupt = dict(fleet["original"])
@@ -176,14 +150,15 @@ async def test_collective_gloo_updates_two_servers_with_their_own_rank_offsets(
 
     sender_module.parameter_spec = lying_spec  # type: ignore[assignment]
     try:
-        with pytest.raises(FanOutError) as raised:
+        with pytest.raises(WeightUpdateError) as raised:
             await client.update_weights(
-                perturbed(corrupt, 5).items(), next_version(), transport="collective"
+                perturbed(corrupt, 5).items(), transport="collective"
             )
     finally:
         sender_module.parameter_spec = real_spec  # type: ignore[assignment]
-    assert {e.code for e in raised.value.failures.values()} == {grpc.StatusCode.DATA_LOSS}
-    assert "lm_head.weight" in str(raised.value)
+    assert raised.value.consistent
+    for outcome in raised.value.outcomes.values():
+        assert "DATA_LOSS: checksum mismatch for lm_head.weight" in outcome.what
     await assert_serving(fleet, fleet["original"], original_greedy)
 
 
@@ -234,7 +209,7 @@ async def test_every_rejected_update_leaves_the_old_weights_serving(
         assert await push_raw(address, messages) == code, name
         with pytest.raises(grpc.aio.AioRpcError) as raised:  # the update was closed
             await control(address).FinishWeightUpdate(
-                cp.FinishWeightUpdateRequest(weight_version=next_version())
+                cp.FinishWeightUpdateRequest(weight_version=UNUSED_VERSION)
             )
         assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION, name
 
@@ -249,11 +224,21 @@ async def test_every_rejected_update_leaves_the_old_weights_serving(
         await asyncio.sleep(30)
 
     call = stub.PushWeights(then_vanish())
-    await asyncio.sleep(0.5)
+
+    async def server_state() -> cp.GetServerInfoResponse:
+        return await stub.GetServerInfo(cp.GetServerInfoRequest())
+
+    async def receiving() -> bool:
+        return (await server_state()).open_weight_update.bytes_received > 0
+
+    async def abandoned() -> bool:
+        return not (await server_state()).HasField("open_weight_update")
+
+    await until(receiving, what="the server to receive chunks of the stream")
     call.cancel()
-    await asyncio.sleep(0.3)
+    await until(abandoned, what="the server to abandon the update when the stream broke")
     with pytest.raises(grpc.aio.AioRpcError) as raised:
-        await stub.FinishWeightUpdate(cp.FinishWeightUpdateRequest(weight_version=next_version()))
+        await stub.FinishWeightUpdate(cp.FinishWeightUpdateRequest(weight_version=UNUSED_VERSION))
     assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     await assert_serving(fleet, original, original_greedy)
 
@@ -261,7 +246,7 @@ async def test_every_rejected_update_leaves_the_old_weights_serving(
 async def test_out_of_order_calls_are_failed_precondition(fleet: dict[str, Any]) -> None:
     stub = control(fleet["servers"][1])
     for call in (
-        stub.FinishWeightUpdate(cp.FinishWeightUpdateRequest(weight_version=next_version())),
+        stub.FinishWeightUpdate(cp.FinishWeightUpdateRequest(weight_version=UNUSED_VERSION)),
         stub.PushWeights(iter(stream_of({"lm_head.weight": fleet["original"]["lm_head.weight"]}))),
         stub.CancelWeightUpdate(cp.CancelWeightUpdateRequest()),
     ):
@@ -272,9 +257,12 @@ async def test_out_of_order_calls_are_failed_precondition(fleet: dict[str, Any])
     await stub.StartWeightUpdate(cp.StartWeightUpdateRequest())
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await stub.FinishWeightUpdate(cp.FinishWeightUpdateRequest(weight_version=0))
-    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "versions must increase" in (
-        raised.value.details() or ""
-    )
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "StartWeightUpdate named no version" in (raised.value.details() or "")
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await stub.FinishWeightUpdate(cp.FinishWeightUpdateRequest(weight_version=-1))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "versions must increase" in (raised.value.details() or "")
     assert (await stub.CancelWeightUpdate(cp.CancelWeightUpdateRequest())).parameters_discarded == 0
 
 
@@ -293,7 +281,7 @@ async def test_update_while_paused_abort_then_retried_rollouts_report_both_versi
     )
     await running_on_engines(client, 6, running)
     await client.pause("abort")
-    version = next_version()
+    version = await next_version(client)
     await client.update_weights(perturbed(fleet["original"], 3).items(), version, transport="grpc")
     await client.resume()
     results = await asyncio.wait_for(running, 60)
@@ -302,7 +290,7 @@ async def test_update_while_paused_abort_then_retried_rollouts_report_both_versi
         versions = [s.weight_version for s in result.weight_versions]
         assert versions == [before, version], result.weight_versions
         assert sum(s.length for s in result.weight_versions) == 400
-    await client.update_weights(fleet["original"].items(), next_version(), transport="grpc")
+    await client.update_weights(fleet["original"].items(), transport="grpc")
 
 
 async def test_update_while_paused_keep_spans_report_both_versions(fleet: dict[str, Any]) -> None:
@@ -328,7 +316,7 @@ async def test_update_while_paused_keep_spans_report_both_versions(fleet: dict[s
         await asyncio.sleep(0.01)
     await client.pause("keep")
     assert not any(p.done() for p in pending), "the requests ended before the pause"
-    version = next_version()
+    version = await next_version(client)
     await client.update_weights(perturbed(fleet["original"], 4).items(), version, transport="grpc")
     await client.resume()
     responses = await asyncio.wait_for(asyncio.gather(*pending), 120)
@@ -338,4 +326,4 @@ async def test_update_while_paused_keep_spans_report_both_versions(fleet: dict[s
         assert [s[0] for s in spans] == [before, version], spans
         assert spans[1][1] == spans[0][2] and spans[0][2] + spans[1][2] == 400
     await channel.close()
-    await client.update_weights(fleet["original"].items(), next_version(), transport="grpc")
+    await client.update_weights(fleet["original"].items(), transport="grpc")

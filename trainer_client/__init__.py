@@ -10,6 +10,7 @@ from .client import InferenceClient, sampling_params
 from .config import ClientConfig, TlsConfig
 from .errors import FanOutError, InferenceError, RetriesExhausted, ServerError
 from .results import FinishReason, GenerationResult, WeightSpan
+from .weight_transaction import WeightUpdateError
 
 __all__ = [
     "BlockingInferenceClient",
@@ -23,5 +24,6 @@ __all__ = [
     "ServerError",
     "TlsConfig",
     "WeightSpan",
+    "WeightUpdateError",
     "sampling_params",
 ]

@@ -249,13 +249,14 @@ class BlockingInferenceClient:
     def update_weights(
         self,
         named_tensors: Iterable[tuple[str, Any]],
-        weight_version: int,
+        weight_version: int | None = None,
         *,
         transport: str = "collective",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         checksums: bool = True,
         timeout: float = 600.0,
+        lease_seconds: int = 0,
     ) -> dict[str, cp.FinishWeightUpdateResponse]:
         return self._run(
             self._client.update_weights(
@@ -266,8 +267,15 @@ class BlockingInferenceClient:
                 chunk_bytes=chunk_bytes,
                 checksums=checksums,
                 timeout=timeout,
+                lease_seconds=lease_seconds,
             )
         )
+
+    def cancel_weight_update(self) -> dict[str, int]:
+        return self._run(self._client.cancel_weight_update())
+
+    def rollback_weights(self, weight_version: int) -> dict[str, int]:
+        return self._run(self._client.rollback_weights(weight_version))
 
     def weight_checksums(self, names: Sequence[str] = ()) -> dict[str, dict[str, bytes]]:
         return self._run(self._client.weight_checksums(names))

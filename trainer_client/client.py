@@ -30,8 +30,9 @@ from skyrl_grpc.v1 import (
 from .config import ClientConfig
 from .continuation import Continuation
 from .errors import RetriesExhausted, ServerError
-from .fanout import fan_out
+from .fanout import failures_of, fan_out
 from .results import FinishReason, GenerationResult
+from .weight_transaction import run_weight_transaction
 from .weights import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHUNK_BYTES,
@@ -437,19 +438,29 @@ class InferenceClient:
     async def update_weights(
         self,
         named_tensors: Iterable[tuple[str, Any]],
-        weight_version: int,
+        weight_version: int | None = None,
         *,
         transport: str = "collective",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         checksums: bool = True,
         timeout: float = 600.0,
+        lease_seconds: int = 0,
     ) -> dict[str, cp.FinishWeightUpdateResponse]:
-        """Pushes new weights to every server and commits ``weight_version`` on all of them.
+        """Pushes new weights to every server and commits ``weight_version`` on all of them,
+        or on none: a fleet-wide transaction (``trainer_client.weight_transaction``).
 
-        ``transport``: "collective" (the group from ``init_weight_transfer``) or "grpc" (in-band
-        streams, no group needed). On any failure every server's update is cancelled, so the
-        previous weights keep serving everywhere, and the error says which servers failed.
+        ``weight_version``: what the new weights serve as; must be newer than what every server
+        serves, and is checked before any weight is sent. None: one more than the newest
+        version any server serves. ``transport``: "collective" (the group from
+        ``init_weight_transfer``) or "grpc" (in-band streams, no group needed). ``timeout``:
+        seconds for the transfer. ``lease_seconds``: how long the servers keep the update open
+        if this process dies mid-way (0: their default).
+
+        On any failure (a server unreachable, a rejected chunk or version, a timeout) the update
+        is cancelled on every server and rolled back where it was already committed, then
+        ``WeightUpdateError`` names each server, what happened there and the version it serves
+        now. Returns each server's answer to the commit (the version, parameters replaced).
         """
         tensors = list(named_tensors)
         servers = list(self.config.servers)
@@ -460,52 +471,101 @@ class InferenceClient:
             raise ValueError(
                 "no collective group: call init_weight_transfer() or use transport='grpc'"
             )
-        await self._fan_out("StartWeightUpdate", cp.StartWeightUpdateRequest())
-        try:
+        if not servers:
+            raise ValueError("update_weights: the client has no server addresses")
+        calls = _TransactionCalls(self, lease_seconds)
+        if weight_version is None:
+            # From the servers that answer: one that does not fails the update at its start,
+            # where the error reports every server.
+            versions = await asyncio.gather(
+                *(calls.serving_version(a) for a in servers), return_exceptions=True
+            )
+            weight_version = 1 + max((v for v in versions if isinstance(v, int)), default=0)
+
+        async def transfer(addresses: Sequence[str]) -> dict[str, BaseException]:
             if sender is not None and transport == "collective":
-                buckets = plan_buckets(tensors, bucket_bytes, checksums)
-                request = cp.UpdateWeightsRequest(buckets=[b.layout for b in buckets])
-
-                async def update(address: str) -> Any:
-                    return await self._unary(
-                        address, self._control(address).UpdateWeights, request, timeout
-                    )
-
-                broadcast = asyncio.ensure_future(asyncio.to_thread(sender.broadcast, buckets))
-                await fan_out("UpdateWeights", servers, update)
-                await broadcast
-            else:
-                messages = push_messages(tensors, chunk_bytes, checksums)
-
-                async def push(address: str) -> Any:
-                    method: grpc.aio.StreamUnaryMultiCallable[bytes, cp.PushWeightsResponse]
-                    method = self.channel(address).stream_unary(
-                        PUSH_WEIGHTS,
-                        request_serializer=None,
-                        response_deserializer=cp.PushWeightsResponse.FromString,
-                    )
-                    return await self._unary(address, method, iter(messages), timeout)
-
-                await fan_out("PushWeights", servers, push)
-        except BaseException:
-            await self._cancel_quietly()
-            raise
-        return await self._fan_out(
-            "FinishWeightUpdate", cp.FinishWeightUpdateRequest(weight_version=weight_version)
-        )
-
-    async def _cancel_quietly(self) -> None:
-        async def cancel(address: str) -> None:
-            try:
-                await self._control(address).CancelWeightUpdate(
-                    cp.CancelWeightUpdateRequest(),
-                    timeout=self.config.control_timeout,
-                    metadata=self._metadata(None),
+                return await self._broadcast(
+                    sender, addresses, tensors, bucket_bytes, checksums, timeout
                 )
-            except grpc.aio.AioRpcError:
-                pass  # not open there (already rejected) or unreachable: nothing to undo
+            return await self._push(addresses, tensors, chunk_bytes, checksums, timeout)
 
-        await asyncio.gather(*(cancel(a) for a in self.config.servers))
+        return await run_weight_transaction(servers, weight_version, calls, transfer)
+
+    async def _broadcast(
+        self,
+        sender: CollectiveSender,
+        addresses: Sequence[str],
+        tensors: list[tuple[str, Any]],
+        bucket_bytes: int,
+        checksums: bool,
+        timeout: float,
+    ) -> dict[str, BaseException]:
+        buckets = plan_buckets(tensors, bucket_bytes, checksums)
+        request = cp.UpdateWeightsRequest(buckets=[b.layout for b in buckets])
+
+        async def update(address: str) -> object:
+            return await self._unary(
+                address, self._control(address).UpdateWeights, request, timeout
+            )
+
+        # Every server receives while rank 0 broadcasts; a server that rejects the layout still
+        # receives (and drops) the bytes, so the broadcast completes.
+        broadcast = asyncio.ensure_future(asyncio.to_thread(sender.broadcast, buckets))
+        failures = await failures_of(addresses, update)
+        try:
+            await broadcast
+        except Exception as error:
+            failures.update({a: error for a in addresses if a not in failures})
+        return failures
+
+    async def _push(
+        self,
+        addresses: Sequence[str],
+        tensors: list[tuple[str, Any]],
+        chunk_bytes: int,
+        checksums: bool,
+        timeout: float,
+    ) -> dict[str, BaseException]:
+        messages = push_messages(tensors, chunk_bytes, checksums)  # serialized once for all
+
+        async def push(address: str) -> object:
+            method: grpc.aio.StreamUnaryMultiCallable[bytes, cp.PushWeightsResponse]
+            method = self.channel(address).stream_unary(
+                PUSH_WEIGHTS,
+                request_serializer=None,
+                response_deserializer=cp.PushWeightsResponse.FromString,
+            )
+            return await self._unary(address, method, iter(messages), timeout)
+
+        return await failures_of(addresses, push)
+
+    async def cancel_weight_update(self) -> dict[str, int]:
+        """Cancels the weight update open on any server (e.g. one a crashed trainer left);
+        returns the parameters each server dropped (0 where none was open)."""
+
+        async def cancel(address: str) -> int:
+            try:
+                response = await self._unary(
+                    address,
+                    self._control(address).CancelWeightUpdate,
+                    cp.CancelWeightUpdateRequest(),
+                    self.config.control_timeout,
+                )
+            except ServerError as error:
+                if error.code == grpc.StatusCode.FAILED_PRECONDITION:
+                    return 0  # nothing open there
+                raise
+            return int(response.parameters_discarded)
+
+        return await fan_out("CancelWeightUpdate", self.config.servers, cancel)
+
+    async def rollback_weights(self, weight_version: int) -> dict[str, int]:
+        """On every server, undoes the commit of ``weight_version`` (possible until the next
+        update starts); returns the version each server serves again."""
+        results = await self._fan_out(
+            "RollbackWeightUpdate", cp.RollbackWeightUpdateRequest(weight_version=weight_version)
+        )
+        return {a: int(r.weight_version) for a, r in results.items()}
 
     async def weight_checksums(self, names: Sequence[str] = ()) -> dict[str, dict[str, bytes]]:
         """SHA-256 of every server's serving weights, per parameter (checkpoint names)."""
@@ -516,3 +576,47 @@ class InferenceClient:
 
     async def weight_versions(self) -> dict[str, int]:
         return {a: info.weight_version for a, info in (await self.server_info()).items()}
+
+
+def owner_name() -> str:
+    """How this process names itself to the servers (in weight-update leases)."""
+    return f"trainer@{socket.gethostname()}:{os.getpid()}"
+
+
+class _TransactionCalls:
+    """The per-server calls of a fleet weight update, over the client's channels."""
+
+    def __init__(self, client: InferenceClient, lease_seconds: int) -> None:
+        self._client = client
+        self._lease_seconds = lease_seconds
+        self._owner = owner_name()
+
+    async def _call(self, address: str, method: str, request: Any) -> Any:
+        client = self._client
+        rpc = getattr(client._control(address), method)
+        return await client._unary(address, rpc, request, client.config.control_timeout)
+
+    async def start(self, address: str, version: int) -> None:
+        request = cp.StartWeightUpdateRequest(
+            weight_version=version, owner=self._owner, lease_seconds=self._lease_seconds
+        )
+        await self._call(address, "StartWeightUpdate", request)
+
+    async def finish(self, address: str, version: int) -> cp.FinishWeightUpdateResponse:
+        request = cp.FinishWeightUpdateRequest(weight_version=version)
+        response: cp.FinishWeightUpdateResponse = await self._call(
+            address, "FinishWeightUpdate", request
+        )
+        return response
+
+    async def cancel(self, address: str) -> None:
+        await self._call(address, "CancelWeightUpdate", cp.CancelWeightUpdateRequest())
+
+    async def rollback(self, address: str, version: int) -> int:
+        request = cp.RollbackWeightUpdateRequest(weight_version=version)
+        response = await self._call(address, "RollbackWeightUpdate", request)
+        return int(response.weight_version)
+
+    async def serving_version(self, address: str) -> int:
+        info = await self._call(address, "GetServerInfo", cp.GetServerInfoRequest())
+        return int(info.weight_version)

@@ -40,3 +40,18 @@ async def fan_out(
     if failures:
         raise FanOutError(operation, failures, results)
     return results
+
+
+async def failures_of(
+    addresses: Sequence[str], call: Callable[[str], Awaitable[object]]
+) -> dict[str, BaseException]:
+    """Runs ``call(address)`` for every address concurrently; returns the failures by address
+    (for callers that decide per server what a failure means, like a weight transaction)."""
+    outcomes = await asyncio.gather(*(call(a) for a in addresses), return_exceptions=True)
+    failures: dict[str, BaseException] = {}
+    for address, outcome in zip(addresses, outcomes, strict=True):
+        if isinstance(outcome, asyncio.CancelledError | KeyboardInterrupt | SystemExit):
+            raise outcome
+        if isinstance(outcome, BaseException):
+            failures[address] = outcome
+    return failures

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from trainer_client import InferenceClient
@@ -29,11 +30,18 @@ async def running_on_engines(
         await asyncio.sleep(0.01)
 
 
-async def until(condition: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
-    """Waits until ``condition()`` holds (checked every 10 ms); fails the test after
-    ``timeout`` seconds, naming ``what`` it waited for."""
+async def until(
+    condition: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0, what: str = ""
+) -> None:
+    """Waits until ``condition()`` (a function, or a coroutine function) holds, checked every
+    10 ms; fails the test after ``timeout`` seconds, naming ``what`` it waited for."""
+
+    async def holds() -> bool:
+        result = condition()
+        return await result if inspect.isawaitable(result) else bool(result)
+
     deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
+    while not await holds():
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
         await asyncio.sleep(0.01)

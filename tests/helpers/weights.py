@@ -1,0 +1,35 @@
+"""Weights for tests: perturbed copies of the tiny model and greedy outputs per server."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.conftest import REFERENCE_PROMPTS
+from trainer_client import InferenceClient
+
+MAX_TOKENS = 16
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+
+
+def perturbed(original: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """The weights plus seeded noise: different greedy outputs, still finite."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        n: t + 0.05 * torch.randn(t.shape, generator=generator, dtype=t.dtype)
+        for n, t in original.items()
+    }
+
+
+async def greedy_per_server(servers: list[str]) -> dict[str, list[list[int]]]:
+    """Greedy outputs of the reference prompts on each server, asked directly."""
+    result = {}
+    for address in servers:
+        direct = InferenceClient(address)
+        result[address] = [(await direct.generate(p, GREEDY)).token_ids for p in REFERENCE_PROMPTS]
+        await direct.close()
+    return result
+
+
+async def next_version(client: InferenceClient) -> int:
+    """One more than the newest version any of the client's servers serves."""
+    return max((await client.weight_versions()).values()) + 1

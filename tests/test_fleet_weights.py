@@ -1,0 +1,276 @@
+"""Weight updates that can neither wedge a fleet nor poison it, against real vLLM servers.
+
+One fleet-wide transaction (a failure anywhere leaves every server on its previous weights and
+the next update succeeds), versions checked before any weight travels, leases that free a fleet
+an exited trainer left locked, non-finite weights refused, and no stale KV after pushing weights
+back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from safetensors.torch import load_file
+
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import control_plane_pb2_grpc
+from tests.conftest import running_engine_server
+from tests.helpers.faulty_proxy import Fault, FaultyProxy
+from tests.helpers.waits import running_on_engines, until
+from tests.helpers.weights import greedy_per_server, next_version, perturbed
+from trainer_client import InferenceClient, WeightUpdateError
+
+pytestmark = [pytest.mark.engine]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+async def fleet(
+    engine_server: Any, second_engine_server: Any, tiny_model_dir: Path
+) -> AsyncIterator[dict[str, Any]]:
+    servers = [engine_server.address, second_engine_server.address]
+    client = InferenceClient(servers[0], servers)
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+    await client.update_weights(original.items(), transport="grpc")
+    reference = await greedy_per_server(servers)
+    yield {"client": client, "servers": servers, "original": original, "reference": reference}
+    await client.cancel_weight_update()
+    await client.update_weights(original.items(), transport="grpc")
+
+
+def control(address: str) -> control_plane_pb2_grpc.ControlPlaneStub:
+    return control_plane_pb2_grpc.ControlPlaneStub(grpc.aio.insecure_channel(address))
+
+
+async def info(address: str) -> cp.GetServerInfoResponse:
+    return await control(address).GetServerInfo(cp.GetServerInfoRequest())
+
+
+async def assert_on_previous_weights(fleet: dict[str, Any], versions: dict[str, int]) -> None:
+    """Every server serves the version it served before, with the same greedy outputs, and
+    holds no open update."""
+    for address in fleet["servers"]:
+        state = await info(address)
+        assert state.weight_version == versions[address], address
+        assert not state.HasField("open_weight_update"), address
+    assert await greedy_per_server(fleet["servers"]) == fleet["reference"]
+
+
+async def test_a_version_refused_by_one_server_leaves_the_fleet_on_its_previous_weights(
+    fleet: dict[str, Any],
+) -> None:
+    client: InferenceClient = fleet["client"]
+    first, second = fleet["servers"]
+    # The second server is ahead (e.g. it was updated alone): it refuses the fleet's version.
+    ahead = await next_version(client) + 5
+    alone = InferenceClient(second, [second])
+    await alone.update_weights(fleet["original"].items(), ahead, transport="grpc")
+    before = await client.weight_versions()
+    with pytest.raises(WeightUpdateError) as raised:
+        await client.update_weights(
+            perturbed(fleet["original"], 11).items(), ahead - 1, transport="grpc"
+        )
+    error = raised.value
+    assert error.phase == "StartWeightUpdate"
+    assert "INVALID_ARGUMENT" in error.outcomes[second].what
+    assert error.outcomes[first].serving_version == before[first]
+    await assert_on_previous_weights(fleet, before)
+    # The next update goes through on both (the newest version + 1 by default).
+    finished = await client.update_weights(fleet["original"].items(), transport="grpc")
+    assert {r.weight_version for r in finished.values()} == {ahead + 1}
+    assert await greedy_per_server(fleet["servers"]) == fleet["reference"]
+
+
+async def test_an_unreachable_server_leaves_no_update_open_on_the_others(
+    fleet: dict[str, Any], unused_tcp_port: int
+) -> None:
+    reachable = fleet["servers"][0]
+    gone = f"127.0.0.1:{unused_tcp_port}"
+    client = InferenceClient(reachable, [reachable, gone], control_timeout=5)
+    version = await InferenceClient(reachable, [reachable]).weight_versions()
+    with pytest.raises(WeightUpdateError) as raised:
+        await client.update_weights(perturbed(fleet["original"], 12).items(), transport="grpc")
+    assert "UNAVAILABLE" in raised.value.outcomes[gone].what
+    assert raised.value.outcomes[gone].serving_version is None  # it could not be asked
+    state = await info(reachable)
+    assert not state.HasField("open_weight_update")
+    assert state.weight_version == version[reachable]
+    # An update of the reachable server alone succeeds.
+    alone = InferenceClient(reachable, [reachable])
+    finished = await alone.update_weights(fleet["original"].items(), transport="grpc")
+    assert finished[reachable].weight_version == version[reachable] + 1
+
+
+ABANDONING_TRAINER = """
+import asyncio, sys
+from skyrl_grpc.v1 import control_plane_pb2 as cp, control_plane_pb2_grpc
+import grpc
+
+async def main() -> None:
+    for address in sys.argv[1].split(","):
+        async with grpc.aio.insecure_channel(address) as channel:
+            await control_plane_pb2_grpc.ControlPlaneStub(channel).StartWeightUpdate(
+                cp.StartWeightUpdateRequest(owner="crashing-trainer", lease_seconds=2)
+            )
+
+asyncio.run(main())
+"""
+
+
+async def test_an_update_whose_trainer_exited_expires_with_its_lease(
+    fleet: dict[str, Any],
+) -> None:
+    servers = fleet["servers"]
+    exited = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", ABANDONING_TRAINER, ",".join(servers)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert exited.returncode == 0, exited.stderr
+    state = await info(servers[0])
+    assert state.open_weight_update.owner == "crashing-trainer"
+    assert state.open_weight_update.lease_seconds == 2
+    client: InferenceClient = fleet["client"]
+    with pytest.raises(WeightUpdateError, match="owner crashing-trainer"):
+        await client.update_weights(fleet["original"].items(), transport="grpc")
+
+    async def expired() -> bool:
+        return not any([(await info(a)).HasField("open_weight_update") for a in servers])
+
+    await until(expired, timeout=10, what="the lease to expire")
+    await client.update_weights(fleet["original"].items(), transport="grpc")
+    assert await greedy_per_server(servers) == fleet["reference"]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+async def test_non_finite_weights_are_refused_and_change_nothing(
+    fleet: dict[str, Any], value: float
+) -> None:
+    client: InferenceClient = fleet["client"]
+    before = await client.weight_versions()
+    poisoned = perturbed(fleet["original"], 13)
+    poisoned["model.layers.1.mlp.down_proj.weight"].view(-1)[17] = value
+    for transport in ("grpc", "collective"):
+        if transport == "collective":
+            await client.init_weight_transfer("gloo")
+        with pytest.raises(WeightUpdateError) as raised:
+            await client.update_weights(poisoned.items(), transport=transport)
+        for outcome in raised.value.outcomes.values():
+            assert "INVALID_ARGUMENT" in outcome.what
+            assert "model.layers.1.mlp.down_proj.weight holds a NaN or an infinity" in outcome.what
+        await assert_on_previous_weights(fleet, before)
+
+
+FAULTS = [
+    Fault("StartWeightUpdate", "before"),
+    Fault("StartWeightUpdate", "after"),
+    Fault("PushWeights", "before"),
+    Fault("PushWeights", "midway"),
+    Fault("PushWeights", "after"),
+    Fault("FinishWeightUpdate", "before"),
+    Fault("FinishWeightUpdate", "after"),
+]
+
+
+async def test_each_call_of_an_update_failing_on_one_server_leaves_the_fleet_consistent(
+    fleet: dict[str, Any],
+) -> None:
+    first, second = fleet["servers"]
+    proxy = await FaultyProxy(second).start()
+    try:
+        client = InferenceClient(first, [first, proxy.address])
+        for number, fault in enumerate(FAULTS):
+            before = {first: (await info(first)).weight_version}
+            before[second] = (await info(second)).weight_version
+            proxy.fault = fault
+            with pytest.raises(WeightUpdateError) as raised:
+                await client.update_weights(
+                    perturbed(fleet["original"], 20 + number).items(), transport="grpc"
+                )
+            assert proxy.faults_injected[-1] == f"{fault.method}:{fault.when}"
+            assert raised.value.consistent, str(raised.value)
+            await assert_on_previous_weights(fleet, before)
+            # The next update succeeds on both.
+            finished = await client.update_weights(fleet["original"].items(), transport="grpc")
+            assert len({r.weight_version for r in finished.values()}) == 1, str(fault)
+    finally:
+        await proxy.stop()
+
+
+async def test_no_stale_prefix_blocks_after_pushing_the_original_weights_back(
+    fleet: dict[str, Any],
+) -> None:
+    """The prefix cache cannot be reset while paused requests hold blocks; requests after the
+    update must still never reuse blocks computed under the weights it replaced."""
+    address = fleet["servers"][0]
+    client = InferenceClient(address, [address])
+    prefix = [1, *range(100, 400)]  # several full cache blocks (128 tokens each on CPU)
+    prompts = [[*prefix, 500 + i] for i in range(32)]
+    greedy = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    reference = [r.token_ids for r in await client.generate_batch(prompts, greedy)]
+    await client.update_weights(perturbed(fleet["original"], 30).items(), transport="grpc")
+    changed = [r.token_ids for r in await client.generate_batch(prompts, greedy)]
+    assert changed != reference
+    # Requests sharing the prefix hold its blocks while paused in KEEP mode.
+    holding = asyncio.ensure_future(
+        client.generate_batch(
+            [[*prefix, 900 + i] for i in range(4)],
+            {"temperature": 0.0, "max_tokens": 150, "ignore_eos": True},
+        )
+    )
+    await running_on_engines(client, 4, holding)
+    await client.pause("keep")
+    await client.update_weights(fleet["original"].items(), transport="grpc")
+    await client.resume()
+    restored = [r.token_ids for r in await client.generate_batch(prompts, greedy)]
+    await holding
+    assert sum(r == e for r, e in zip(restored, reference, strict=True)) == 32
+
+
+async def test_readme_loop_from_step_zero_on_a_fresh_fleet(tiny_model_dir: Path) -> None:
+    """The README's trainer loop, verbatim in what it calls, on a server that has never been
+    updated (it serves version 0)."""
+    async for server in running_engine_server():
+        client = InferenceClient(server.address, [server.address])
+        assert await client.weight_versions() == {server.address: 0}
+        model = load_file(str(tiny_model_dir / "model.safetensors"))
+        for step in range(2):
+            await client.pause("abort")
+            await client.update_weights(model.items(), weight_version=step + 1, transport="grpc")
+            await client.resume()
+        assert await client.weight_versions() == {server.address: 2}
+        await client.close()
+
+
+async def test_allowed_non_finite_weights_leave_no_trace_once_replaced(
+    tiny_model_dir: Path,
+) -> None:
+    """With --allow-non-finite-weights, NaN weights serve (garbage); once good weights are
+    back, the very first batch is exact: their traces in KV cache memory are cleared."""
+    async for server in running_engine_server(allow_non_finite_weights=True):
+        client = InferenceClient(server.address, [server.address])
+        original = load_file(str(tiny_model_dir / "model.safetensors"))
+        prompts = [[1, 100 + i, 200 + i, *range(300, 315)] for i in range(32)]
+        greedy = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
+        reference = [r.token_ids for r in await client.generate_batch(prompts, greedy)]
+        poisoned = {n: t.clone() for n, t in original.items()}
+        poisoned["model.layers.0.self_attn.q_proj.weight"].view(-1)[5] = float("nan")
+        await client.update_weights(poisoned.items(), transport="grpc")
+        garbage = [r.token_ids for r in await client.generate_batch(prompts, greedy)]
+        assert sum(g == r for g, r in zip(garbage, reference, strict=True)) == 0
+        await client.update_weights(original.items(), transport="grpc")
+        first = [r.token_ids for r in await client.generate_batch(prompts, greedy)]
+        assert sum(f == r for f, r in zip(first, reference, strict=True)) == 32
+        await client.close()

@@ -1,0 +1,139 @@
+"""The fleet weight transaction's rules (``trainer_client.weight_transaction``) against
+stand-in servers: every failure, in every phase, on any server, leaves the whole fleet on its
+previous version with nothing open, and the next update succeeds."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from trainer_client.errors import ServerError
+from trainer_client.weight_transaction import WeightUpdateError, run_weight_transaction
+
+SERVERS = ["s1:1", "s2:2", "s3:3"]
+PHASES = ["start", "transfer", "finish", "finish-after-commit"]
+
+
+@dataclass
+class StandIn:
+    """A server's weight transaction state, and a fault to inject once."""
+
+    version: int = 7
+    previous: int | None = None
+    open: bool = False
+    fail: str = ""  # a phase of PHASES
+    calls: list[str] = field(default_factory=list)
+
+
+def lost(address: str) -> ServerError:
+    return ServerError(address, grpc.StatusCode.UNAVAILABLE, "connection reset")
+
+
+class Fleet:
+    def __init__(self) -> None:
+        self.servers = {a: StandIn() for a in SERVERS}
+
+    def _take_fault(self, address: str, phase: str) -> bool:
+        server = self.servers[address]
+        if server.fail == phase:
+            server.fail = ""
+            return True
+        return False
+
+    async def start(self, address: str, version: int) -> None:
+        server = self.servers[address]
+        server.calls.append("start")
+        if self._take_fault(address, "start"):
+            raise lost(address)
+        if version <= server.version:
+            raise ServerError(address, grpc.StatusCode.INVALID_ARGUMENT, "not newer")
+        server.open, server.previous = True, None
+
+    async def transfer(self, addresses: Sequence[str]) -> dict[str, BaseException]:
+        failures: dict[str, BaseException] = {}
+        for address in addresses:
+            if self._take_fault(address, "transfer"):
+                self.servers[address].open = False  # a rejected push closes the update
+                failures[address] = ServerError(address, grpc.StatusCode.DATA_LOSS, "crc")
+        return failures
+
+    async def finish(self, address: str, version: int) -> None:
+        server = self.servers[address]
+        server.calls.append("finish")
+        if self._take_fault(address, "finish"):
+            raise lost(address)
+        server.previous, server.version, server.open = server.version, version, False
+        if self._take_fault(address, "finish-after-commit"):
+            raise lost(address)  # committed, but the answer was lost
+
+    async def cancel(self, address: str) -> None:
+        server = self.servers[address]
+        server.calls.append("cancel")
+        if not server.open:
+            raise ServerError(address, grpc.StatusCode.FAILED_PRECONDITION, "nothing open")
+        server.open = False
+
+    async def rollback(self, address: str, version: int) -> int:
+        server = self.servers[address]
+        server.calls.append("rollback")
+        assert server.previous is not None and server.version == version
+        server.version, server.previous = server.previous, None
+        return server.version
+
+    async def serving_version(self, address: str) -> int:
+        return self.servers[address].version
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("failing", SERVERS)
+async def test_a_failure_anywhere_leaves_every_server_on_its_previous_weights(
+    phase: str, failing: str
+) -> None:
+    fleet = Fleet()
+    fleet.servers[failing].fail = phase
+    with pytest.raises(WeightUpdateError) as raised:
+        await run_weight_transaction(SERVERS, 8, fleet, fleet.transfer)
+    error = raised.value
+    assert error.consistent, str(error)
+    assert {a: s.version for a, s in fleet.servers.items()} == dict.fromkeys(SERVERS, 7)
+    assert not any(s.open for s in fleet.servers.values())
+    assert {a: o.serving_version for a, o in error.outcomes.items()} == dict.fromkeys(SERVERS, 7)
+    assert "failed" in error.outcomes[failing].what and failing in str(error)
+    if phase in ("start", "transfer"):
+        assert not any("finish" in s.calls for s in fleet.servers.values())
+    # The next update goes through.
+    await run_weight_transaction(SERVERS, 8, fleet, fleet.transfer)
+    assert {s.version for s in fleet.servers.values()} == {8}
+
+
+async def test_a_stale_version_is_refused_everywhere_before_anything_moves() -> None:
+    fleet = Fleet()
+    fleet.servers[SERVERS[1]].version = 9
+    moved: list[str] = []
+
+    async def transfer(addresses: Sequence[str]) -> dict[str, BaseException]:
+        moved.extend(addresses)
+        return {}
+
+    with pytest.raises(WeightUpdateError, match="StartWeightUpdate") as raised:
+        await run_weight_transaction(SERVERS, 8, fleet, transfer)
+    assert not moved
+    assert not raised.value.consistent  # the servers served different versions to begin with
+    assert "INVALID_ARGUMENT: not newer" in raised.value.outcomes[SERVERS[1]].what
+
+
+async def test_a_rollback_that_fails_is_reported_as_inconsistent() -> None:
+    fleet = Fleet()
+    fleet.servers[SERVERS[0]].fail = "finish"
+
+    async def broken_rollback(address: str, version: int) -> int:
+        raise lost(address)
+
+    fleet.rollback = broken_rollback  # type: ignore[method-assign]
+    with pytest.raises(WeightUpdateError, match="do not all serve the same weights") as raised:
+        await run_weight_transaction(SERVERS, 8, fleet, fleet.transfer)
+    assert raised.value.outcomes[SERVERS[1]].serving_version == 8
+    assert "rollback failed" in raised.value.outcomes[SERVERS[1]].what
