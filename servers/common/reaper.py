@@ -1,0 +1,64 @@
+"""No orphans: the processes a server starts die with it, whatever kills it.
+
+vLLM runs its engine in child processes (the engine core, a resource tracker). If the server is
+killed with SIGKILL, or by the kernel for memory, nothing in it runs to stop them: they are
+re-parented to init and keep their memory (1.7 GB resident for the tiny model's engine core;
+GPU memory on a GPU machine) for good.
+
+``reap_children_on_exit`` makes this process the leader of its own process group (which its
+children inherit) and starts a tiny watchdog process outside that group, holding the read end
+of a pipe whose write end only this process holds. When this process dies for any reason, the
+kernel closes the pipe; the watchdog sees end-of-file and ends the group: SIGTERM (vLLM's
+processes clean up their shared memory on it), then SIGKILL to whatever is left after a grace.
+It costs one sleeping process of a few MB and no polling.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+# The watchdog's whole program: wait for the pipe to close, then end the process group.
+_WATCHDOG = """
+import os, signal, sys, time
+group, grace = int(sys.argv[1]), float(sys.argv[2])
+sys.stdin.buffer.read()  # returns when the server's end of the pipe closes: it is gone
+def signal_group(sig):
+    try:
+        os.killpg(group, sig)
+        return True
+    except ProcessLookupError:
+        return False
+if signal_group(signal.SIGTERM):
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and signal_group(0):
+        time.sleep(0.05)
+    signal_group(signal.SIGKILL)
+"""
+
+
+def reap_children_on_exit(grace_seconds: float = 2.0) -> subprocess.Popen[bytes] | None:
+    """Ends every process of this process's group once this process has died (see the module
+    docstring); returns the watchdog, or None where process groups do not exist."""
+    if os.name != "posix":
+        return None
+    try:
+        if os.getpgrp() != os.getpid():
+            os.setpgid(0, 0)  # a group of our own, so the watchdog ends only what we started
+    except PermissionError:  # a session leader already leads its own group
+        pass
+    # A raw pipe, not a file object: nothing closes the write end until the kernel does, when
+    # this process has exited (a file object could be closed by the interpreter's own
+    # teardown, and the watchdog would then signal us while our exit code is being set).
+    # os.pipe() descriptors are not inherited (O_CLOEXEC): only this process holds the end.
+    read_end, _write_end = os.pipe()
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(os.getpgrp()), str(grace_seconds)],
+            stdin=read_end,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,  # outside our group: it must outlive it
+        )
+    finally:
+        os.close(read_end)
