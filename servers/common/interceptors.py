@@ -7,6 +7,7 @@ were given a token.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import inspect
 import logging
@@ -71,7 +72,45 @@ async def _checked(requests: Any, method: str) -> AsyncIterator[Any]:
         yield request
 
 
-def _wrap(handler: Handler, method: str) -> Handler:
+class CallCounter:
+    """Counts the calls in progress, so a draining server waits for real work only (not for
+    long-lived watch streams, which would hold every drain for its whole grace)."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def begin(self) -> None:
+        self.active += 1
+        self._idle.clear()
+
+    def end(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float | None) -> bool:
+        """True once no counted call is in progress; False if ``timeout`` ran out first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+class _NoCounter(CallCounter):
+    def begin(self) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+_NOT_COUNTED = _NoCounter()
+
+
+def _wrap(handler: Handler, method: str, counter: CallCounter) -> Handler:
     decode = _lenient(handler.request_deserializer)
     # grpc's stubs type handler behaviours as synchronous; on an asyncio server they are
     # coroutine and async generator functions.
@@ -81,12 +120,15 @@ def _wrap(handler: Handler, method: str) -> Handler:
 
         async def unary_unary(request: Any, context: Context) -> Any:
             await _reject_malformed(request, context, method)
+            counter.begin()
             try:
                 return await inner_uu(request, context)
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
                 await abort_with_status(exc, context, method)
+            finally:
+                counter.end()
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, decode, handler.response_serializer)
     if handler.unary_stream and not inspect.isasyncgenfunction(handler.unary_stream):
@@ -95,12 +137,15 @@ def _wrap(handler: Handler, method: str) -> Handler:
 
         async def unary_write(request: Any, context: Context) -> None:
             await _reject_malformed(request, context, method)
+            counter.begin()
             try:
                 await inner_uw(request, context)
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
                 await abort_with_status(exc, context, method)
+            finally:
+                counter.end()
 
         return grpc.unary_stream_rpc_method_handler(
             unary_write, decode, handler.response_serializer
@@ -110,6 +155,7 @@ def _wrap(handler: Handler, method: str) -> Handler:
 
         async def unary_stream(request: Any, context: Context) -> AsyncIterator[Any]:
             await _reject_malformed(request, context, method)
+            counter.begin()
             try:
                 async for item in inner_us(request, context):
                     yield item
@@ -117,6 +163,8 @@ def _wrap(handler: Handler, method: str) -> Handler:
                 raise
             except Exception as exc:
                 await abort_with_status(exc, context, method)
+            finally:
+                counter.end()
 
         return grpc.unary_stream_rpc_method_handler(
             unary_stream, decode, handler.response_serializer
@@ -125,12 +173,15 @@ def _wrap(handler: Handler, method: str) -> Handler:
         inner_su = behaviours.stream_unary
 
         async def stream_unary(requests: Any, context: Context) -> Any:
+            counter.begin()
             try:
                 return await inner_su(_checked(requests, method), context)
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
                 await abort_with_status(exc, context, method)
+            finally:
+                counter.end()
 
         return grpc.stream_unary_rpc_method_handler(
             stream_unary, decode, handler.response_serializer
@@ -141,11 +192,20 @@ def _wrap(handler: Handler, method: str) -> Handler:
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Maps ``SkyrlError`` to its status code and anything unexpected to INTERNAL.
 
-    ``services`` limits it to those services' methods (all methods when None).
+    ``services`` limits it to those services' methods (all methods when None). Calls of
+    ``counted_services`` are counted in ``counter`` while they run.
     """
 
-    def __init__(self, services: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        services: list[str] | None = None,
+        *,
+        counter: CallCounter | None = None,
+        counted_services: tuple[str, ...] = (),
+    ) -> None:
         self._prefixes = None if services is None else tuple(f"/{s}/" for s in services)
+        self._counter = counter
+        self._counted = tuple(f"/{s}/" for s in counted_services)
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
@@ -156,7 +216,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             self._prefixes is not None and not method.startswith(self._prefixes)
         ):
             return handler
-        return _wrap(handler, method)
+        counter = self._counter
+        if counter is None or not method.startswith(self._counted):
+            counter = _NOT_COUNTED
+        return _wrap(handler, method, counter)
 
 
 def _rejecting_handler(handler: Handler, message: str) -> Handler:

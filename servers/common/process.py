@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 
 def configure_logging(level: int = logging.INFO) -> None:
@@ -80,9 +81,19 @@ async def serve_until_stopped(
     on_stop_signals(stop)
     try:
         await server.wait_ready()
-    except Exception:
-        announce("failed", address=server.address)
+    except Exception as error:
+        announce("failed", address=server.address, error=str(error))
         raise
     announce("ready", address=server.address)
     await server.wait_stopped()
     announce("stopped", address=server.address)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Ends the process once its work is done (the server stopped, its engine shut down),
+    skipping the interpreter's teardown: with torch and vLLM loaded it took ~1.7 s here, every
+    one of them between a supervisor's SIGTERM and the exit it waits for."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
