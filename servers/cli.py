@@ -17,10 +17,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from .common.process import configure_logging
 from .engine import options as engine_options
 from .fleet import Fleet
+from .fleet.local import LocalFleet
 from .router import server as router
 
 
@@ -43,6 +45,19 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def _server_ports(args: argparse.Namespace) -> list[int]:
+    if args.server_ports:
+        ports = [int(p) for p in args.server_ports.split(",")]
+        if len(ports) != args.servers:
+            raise SystemExit(
+                f"--server-ports lists {len(ports)} ports for --servers {args.servers}"
+            )
+        return ports
+    if args.base_port == 0:
+        return [0] * args.servers
+    return [args.base_port + i for i in range(args.servers)]
+
+
 def make_fleet(args: argparse.Namespace) -> Fleet:
     """The fleet the stack flags describe (not started)."""
     if args.ray:
@@ -58,12 +73,23 @@ def make_fleet(args: argparse.Namespace) -> Fleet:
             "kv_cache_gib": args.kv_cache_gib,
         }
         return RayFleet(args.servers, cpu_only=args.cpu_only, engine=engine)
-    from .fleet.local import LocalFleet
+    router_args = []
+    if args.metrics_port is not None:
+        router_args += ["--metrics-port", str(args.metrics_port)]
+    return LocalFleet(
+        args.servers,
+        engine_args=_engine_flags(args),
+        router_args=router_args,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        host=args.host,
+        server_ports=_server_ports(args),
+        router_port=args.router_port,
+    )
 
-    return LocalFleet(args.servers, engine_args=_engine_flags(args))
 
-
-def _add_stack_arguments(parser: argparse.ArgumentParser, servers: int) -> None:
+def _add_stack_arguments(
+    parser: argparse.ArgumentParser, servers: int, router_port: int = 0, base_port: int = 0
+) -> None:
     parser.add_argument("--servers", type=int, default=servers, help="number of engine servers")
     parser.add_argument(
         "--model", default=None, help="model directory (default: embedded tiny model)"
@@ -75,13 +101,33 @@ def _add_stack_arguments(parser: argparse.ArgumentParser, servers: int) -> None:
         "--ray-address", default=None, help="Ray cluster to join (default: start one)"
     )
     parser.add_argument("--cpu-only", action="store_true", help="Ray placement without GPUs")
+    ports = parser.add_argument_group("addresses and logs (local processes)")
+    ports.add_argument("--host", default="127.0.0.1", help="address every process binds")
+    ports.add_argument("--router-port", type=int, default=router_port, help="0: any free port")
+    ports.add_argument(
+        "--base-port",
+        type=int,
+        default=base_port,
+        help="servers listen on this port and the next ones (0: any free ports)",
+    )
+    ports.add_argument("--server-ports", default=None, help="comma-separated, one per server")
+    ports.add_argument("--metrics-port", type=int, default=None, help="router's /metrics port")
+    ports.add_argument(
+        "--log-dir", default=None, help="one log file per process here (default: none kept)"
+    )
 
 
 def _up(args: argparse.Namespace, _: list[str]) -> None:
     with make_fleet(args) as fleet:
         print(f"router: {fleet.addresses.router}")
-        for address in fleet.addresses.servers:
-            print(f"server: {address}")
+        for index, address in enumerate(fleet.addresses.servers):
+            print(f"server {index}: {address}")
+        if isinstance(fleet, LocalFleet):
+            if fleet.metrics_port is not None:
+                print(f"router metrics: http://{args.host}:{fleet.metrics_port}/metrics")
+            if args.log_dir:
+                print(f"logs: {Path(args.log_dir).resolve()}")
+            fleet.supervise()  # a server that dies is reported and started again
         print("Ctrl-C to stop", flush=True)
         stopping = False
 
@@ -149,8 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     route.set_defaults(func=_route)
 
-    up = commands.add_parser("up", help="start N engine servers and a router (locally or on Ray)")
-    _add_stack_arguments(up, servers=2)
+    up = commands.add_parser(
+        "up",
+        help="start N engine servers and a router (locally or on Ray) and keep them running",
+        description="Starts N engine servers and a router and supervises them: a server that "
+        "dies is reported and restarted on its address (with backoff); the router re-admits "
+        "it. A restarted server serves its initial weights (version 0): push weights again.",
+    )
+    _add_stack_arguments(up, servers=2, router_port=50050, base_port=50051)
     up.set_defaults(func=_up)
 
     demo = commands.add_parser(

@@ -9,14 +9,13 @@ contract's stream messages.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
-
-from vllm import SamplingParams as VllmSamplingParams
-from vllm.exceptions import VLLMValidationError
-from vllm.sampling_params import RequestOutputKind
+from typing import TYPE_CHECKING, Any, Protocol
 
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams as VllmSamplingParams
 
 FINISH_REASONS: dict[str, generation_pb2.FinishReason] = {
     "stop": generation_pb2.FINISH_REASON_STOP,
@@ -43,6 +42,11 @@ def build_sampling_params(
     params: generation_pb2.SamplingParams, *, n: int, max_tokens: int, detokenize: bool
 ) -> VllmSamplingParams:
     """vLLM's sampling parameters (streaming deltas) for validated contract parameters."""
+    # Imported here: the server opens its port before vLLM (seconds of imports) is loaded.
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import RequestOutputKind
+
     kwargs: dict[str, Any] = {
         "n": n,
         "output_kind": RequestOutputKind.DELTA,

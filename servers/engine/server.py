@@ -2,11 +2,21 @@
 reflection.
 
 Lifecycle (each step is visible in ``grpc.health.v1``):
-1. the gRPC port opens at once; liveness (service ``""``) is SERVING, the DataPlane and
-   ControlPlane services are NOT_SERVING and their calls answer UNAVAILABLE;
-2. the engine starts in the background; when it is up both services turn SERVING;
-3. on SIGTERM (or ``drain()``), every service turns NOT_SERVING first (routers stop sending),
-   in-flight calls get ``drain_grace_seconds`` to finish, then the engine shuts down.
+1. the gRPC port opens at once, before vLLM is even imported; liveness (service ``""``) is
+   SERVING, the DataPlane and ControlPlane services are NOT_SERVING and their calls answer
+   UNAVAILABLE;
+2. the engine starts in the background and generates a few tokens (warm-up); only then do both
+   services turn SERVING. A model it cannot run fails here: the process exits non-zero with the
+   cause as its last log line, never having reported SERVING;
+3. if the engine dies later (its process killed, a kernel crash), every service turns
+   NOT_SERVING at once, calls answer UNAVAILABLE naming the cause, the server drains and exits
+   non-zero, so a supervisor restarts it and routers stop feeding it;
+4. on SIGTERM (or ``drain()``), every service turns NOT_SERVING first (routers stop sending),
+   in-flight calls get ``drain_grace_seconds`` to finish (health watches are not waited for),
+   then the engine shuts down.
+
+vLLM's logs go to stderr (``engine_logs``); stdout carries only the JSON lifecycle lines. The
+engine's processes die with the server whatever kills it (``servers.common.reaper``).
 
 Run: ``skyrl-grpc-server --port 50051`` or ``python -m servers.engine``.
 """
@@ -15,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,32 +35,53 @@ from skyrl_grpc.host_memory import keep_freed_memory
 from skyrl_grpc.names import CONTROL_PLANE, DATA_PLANE
 from skyrl_grpc.v1 import data_plane_pb2_grpc
 
-from ..common.interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
+from ..common.interceptors import BearerTokenInterceptor, CallCounter, ErrorMappingInterceptor
 from ..common.listener import bind, server_options
-from ..common.process import configure_logging, serve_until_stopped
+from ..common.process import announce, configure_logging, exit_now, serve_until_stopped
+from ..common.reaper import reap_children_on_exit
+from ..common.tasks import BackgroundTasks
 from .control_plane import ControlPlaneServicer, add_control_plane
 from .data_plane import DataPlaneServicer
+from .engine_logs import root_cause, route_vllm_logs
 from .options import ServerOptions, build_parser, options_from_args
 from .serving_state import ServingState
-from .vllm_engine import VllmEngine
+from .vllm_engine import EngineCannotRun, VllmEngine
 
 log = logging.getLogger(__name__)
+# How often the engine's liveness is checked (vLLM notices its process exit at once).
+ENGINE_WATCH_SECONDS = 0.2
+# In-flight calls of a dead engine fail at once; this only lets their answers go out.
+DEAD_ENGINE_GRACE_SECONDS = 2.0
 
 
 class EngineServer:
-    """Builds and runs the server; ``start()`` returns once the port is open."""
+    """Builds and runs the server; ``start()`` returns once the port is open.
 
-    def __init__(self, options: ServerOptions) -> None:
+    ``failure`` is set when the engine could not start, failed its warm-up or died; the
+    process then exits non-zero (``serve``).
+    """
+
+    def __init__(self, options: ServerOptions, errors: Path | None = None) -> None:
         self.options = options
+        # vLLM's error records (engine_logs), read to name why an engine failed or died.
+        self.errors = errors
         self.state: ServingState[VllmEngine] = ServingState()
         self.health = health.aio.HealthServicer()
+        self.calls = CallCounter()
         tokens = {CONTROL_PLANE: options.control_token or "", DATA_PLANE: options.data_token or ""}
         self.server = grpc.aio.server(
-            interceptors=[BearerTokenInterceptor(tokens), ErrorMappingInterceptor()],
+            interceptors=[
+                BearerTokenInterceptor(tokens),
+                ErrorMappingInterceptor(
+                    counter=self.calls, counted_services=(DATA_PLANE, CONTROL_PLANE)
+                ),
+            ],
             options=server_options(options.max_message_bytes),
         )
         self.port = 0
+        self.failure: str | None = None
         self._engine_task: asyncio.Task[None] | None = None
+        self._tasks = BackgroundTasks()
         self._stopped = asyncio.Event()
 
     @property
@@ -76,33 +108,64 @@ class EngineServer:
     async def _start_engine(self) -> None:
         if self.options.keep_freed_memory:  # before vLLM starts its engine-core process
             keep_freed_memory()
+        engine: VllmEngine | None = None
         try:
-            engine = await VllmEngine.start(self.options.engine)
-        except Exception:
-            log.exception("the engine failed to start")
+            engine = await VllmEngine.start(self.options.engine, self.errors)
+            self.state.set_ready(engine)  # so a drain shuts it down
+            await engine.warm_up()
+        except Exception as error:
+            self.failure = (
+                str(error)
+                if isinstance(error, EngineCannotRun)
+                else f"the engine failed to start: {root_cause(self.errors) or error}"
+            )
+            log.debug("engine start failed", exc_info=error)
             await self.drain(grace=0)
             raise
-        self.state.set_ready(engine)
         for service in (DATA_PLANE, CONTROL_PLANE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._tasks.spawn(self._watch_engine(engine), name="engine watch")
         log.info("engine ready: %s serving %s", self.address, engine.served_model_name)
 
+    async def _watch_engine(self, engine: VllmEngine) -> None:
+        """Turns the server NOT_SERVING and drains it as soon as the engine dies: a server
+        whose engine is gone must not look healthy to the routers feeding it."""
+        # vLLM sets the flag from its own monitor thread: there is no event to wait on.
+        while not engine.dead:  # noqa: ASYNC110
+            await asyncio.sleep(ENGINE_WATCH_SECONDS)
+        if self.state.draining:
+            return  # a shutdown in progress stops the engine on purpose
+        self.failure = f"the engine died: {engine.death_cause()}"
+        self.state.dead = self.failure
+        await self.health.enter_graceful_shutdown()  # every service NOT_SERVING at once
+        log.error("%s; draining and exiting", self.failure)
+        await self.drain(grace=DEAD_ENGINE_GRACE_SECONDS)
+
     async def wait_ready(self) -> VllmEngine:
-        """Waits for the engine; raises if it failed to start."""
+        """Waits for the engine (started and warmed up); raises if it failed."""
         assert self._engine_task is not None, "start() first"
         await asyncio.shield(self._engine_task)
         return self.state.engine()
 
     async def drain(self, grace: float | None = None) -> None:
-        """Health NOT_SERVING, then let in-flight calls finish within ``grace``, then stop."""
+        """Health NOT_SERVING, then let in-flight calls finish within ``grace``, then stop.
+
+        Only calls of the DataPlane and ControlPlane are waited for: long-lived health watches
+        (every router holds one) are ended with the server, not waited on.
+        """
         if self.state.draining:
             await self._stopped.wait()
             return
         self.state.draining = True
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.options.drain_grace_seconds if grace is None else grace)
-        if self._engine_task is not None and not self._engine_task.done():
-            self._engine_task.cancel()
+        grace = self.options.drain_grace_seconds if grace is None else grace
+        if not await self.calls.wait_idle(grace):
+            log.warning("%d calls still running after the %.0f s grace", self.calls.active, grace)
+        await self.server.stop(0)
+        task = self._engine_task
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+        await self._tasks.close()
         engine = self.state.started
         if engine is not None:
             await engine.shutdown()
@@ -113,15 +176,45 @@ class EngineServer:
         await self._stopped.wait()
 
 
-async def serve(options: ServerOptions) -> None:
-    server = EngineServer(options)
-    await serve_until_stopped(server, server.drain)
+async def serve(options: ServerOptions, errors: Path | None = None) -> None:
+    """Runs a server until it is stopped; exits non-zero, with the cause as the last log
+    line, if its engine failed to start, failed its warm-up or died."""
+    server = EngineServer(options, errors)
+    try:
+        await serve_until_stopped(server, server.drain)
+    except Exception:
+        if server.failure is None:
+            raise
+    else:
+        if server.failure is not None:  # it was serving, then its engine died
+            announce("failed", address=server.address, error=server.failure)
+    if server.failure is not None:
+        _stop_resource_tracker()
+        log.error("%s", server.failure)  # the last line of the log says why
+        raise SystemExit(1)
+
+
+def _stop_resource_tracker() -> None:
+    """multiprocessing's resource tracker (vLLM starts one) prints its warnings as it exits,
+    after this process; stopping it first keeps the failure's cause the log's last line."""
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)  # private, since 3.8
+    if stop is not None:
+        stop()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure_logging()
-    asyncio.run(serve(options_from_args(args)))
+    errors = route_vllm_logs()  # before vLLM is imported: its logs go to stderr
+    reap_children_on_exit()  # the engine's processes die with this one, however it dies
+    code = 0
+    try:
+        asyncio.run(serve(options_from_args(args), errors))
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    exit_now(code)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,14 @@ class ServingState(Generic[EngineT]):
     def __init__(self) -> None:
         self.started: EngineT | None = None  # the engine once it is up, whatever the state
         self.draining = False
+        self.dead: str | None = None  # why the engine died, once it has
 
     def set_ready(self, engine: EngineT) -> None:
         self.started = engine
 
     def engine(self) -> EngineT:
+        if self.dead is not None:
+            raise Unavailable(f"{self.dead}; this server is shutting down: send to another server")
         if self.draining:
             raise Unavailable("the server is draining (shutting down): send to another server")
         if self.started is None:

@@ -11,21 +11,38 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+import signal
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from skyrl_grpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from skyrl_grpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from skyrl_grpc.tiny_model import ensure_tiny_model
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
+from .engine_logs import root_cause
 from .options import TINY_MODEL_NAME, EngineOptions
 from .validate import ModelLimits, PauseModeName
 from .weights.protocol import WorkerCalls
 from .weights.transaction import WeightTransferManager
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+# How long an idle engine process gets to exit on shutdown before it is killed.
+ENGINE_EXIT_SECONDS = 0.5
+
+
+class EngineCannotRun(Exception):
+    """The engine started but fails to generate; the message says why and what to try."""
+
+
+def _import_engine_modules() -> None:
+    import transformers  # noqa: F401
+    import vllm.engine.arg_utils
+    import vllm.v1.engine.async_llm  # noqa: F401
 
 
 def resolved_model(options: EngineOptions) -> str:
@@ -98,10 +115,19 @@ class Load:
 class VllmEngine:
     """A started vLLM engine with the contract's extra state. Build with ``VllmEngine.start``."""
 
-    def __init__(self, llm: Any, options: EngineOptions, model_path: str, load: _LoadTracker):
+    def __init__(
+        self,
+        llm: Any,
+        options: EngineOptions,
+        model_path: str,
+        load: _LoadTracker,
+        errors: Path | None = None,
+    ):
         from transformers import AutoTokenizer
 
         self.llm = llm
+        # Where vLLM's processes log their errors (engine_logs), to name why the engine died.
+        self._errors = errors
         self.options = options
         self.model_path = model_path
         default_name = TINY_MODEL_NAME if options.model is None else Path(model_path).name
@@ -140,7 +166,76 @@ class VllmEngine:
         )
 
     async def _collective_rpc(self, method: str, args: tuple[Any, ...]) -> list[Any]:
-        return list(await self.llm.collective_rpc(method, args=args))
+        return list(await self._call(self.llm.collective_rpc(method, args=args)))
+
+    # -- life and death -----------------------------------------------------------------------
+
+    @property
+    def dead(self) -> bool:
+        """The engine process is gone (vLLM watches it) or its output loop ended."""
+        return bool(self.llm.errored)
+
+    def death_cause(self) -> str:
+        """Why the engine died, from what its processes logged, or how its process ended."""
+        cause = root_cause(self._errors)
+        if cause:
+            return cause
+        for code in self._engine_exit_codes():
+            if code < 0:
+                name = signal.Signals(-code).name
+                return f"the engine process was killed by {name} (out of memory, or by a person)"
+            return f"the engine process exited with code {code}"
+        return "the engine process exited"
+
+    def _engine_exit_codes(self) -> list[int]:
+        """Exit codes of vLLM's engine processes that have ended (vLLM internals: none if they
+        are laid out differently in another version)."""
+        manager = getattr(getattr(self.llm.engine_core, "resources", None), "engine_manager", None)
+        processes = getattr(manager, "processes", None) or []
+        return [p.exitcode for p in processes if getattr(p, "exitcode", None) is not None]
+
+    def _death(self, error: BaseException) -> Unavailable | None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(error, EngineDeadError) or self.dead:
+            return Unavailable(
+                f"the engine died ({self.death_cause()}); this server is shutting down: send "
+                "to another server"
+            )
+        return None
+
+    async def _call(self, call: Awaitable[T]) -> T:
+        """Awaits a call into vLLM; its engine's death is UNAVAILABLE, naming the cause."""
+        try:
+            return await call
+        except Exception as error:
+            death = self._death(error)
+            if death is not None:
+                raise death from error
+            raise
+
+    async def warm_up(self, timeout: float = 300.0) -> None:
+        """Generates a few tokens, so a model/dtype/kernel combination that cannot run fails
+        now, at start, instead of on the first request (the first generation on a fresh
+        machine also takes seconds; it is paid here)."""
+        from vllm import SamplingParams
+
+        prompt = self.encode("warm up", add_special_tokens=True) or [0]
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+        async def generate() -> None:
+            async for _ in self.generate("skyrl-warm-up", prompt, params):
+                pass
+
+        try:
+            await asyncio.wait_for(generate(), timeout)
+        except Exception as error:
+            cause = root_cause(self._errors) or f"{type(error).__name__}: {error}"
+            raise EngineCannotRun(
+                f"the engine started but cannot generate with this model and these settings: "
+                f"{cause}. If the engine's dtype is the problem on this machine (e.g. a CPU "
+                "whose bfloat16 kernels fail), start it with --dtype float32"
+            ) from error
 
     def _set_weight_version(self, version: int) -> None:
         self.weight_version = version
@@ -191,8 +286,10 @@ class VllmEngine:
         return [*collective, cp.WEIGHT_TRANSFER_BACKEND_GRPC_STREAM]
 
     @classmethod
-    async def start(cls, options: EngineOptions) -> VllmEngine:
+    async def start(cls, options: EngineOptions, errors: Path | None = None) -> VllmEngine:
         """Starts vLLM (about 15-30 s on CPU) without blocking the event loop."""
+        # Seconds of imports: in a thread, so the open port keeps answering (health: starting).
+        await asyncio.to_thread(_import_engine_modules)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -232,7 +329,7 @@ class VllmEngine:
         llm = await asyncio.to_thread(
             AsyncLLM.from_engine_args, engine_args, stat_loggers=[load.factory()]
         )
-        return cls(llm, options, model_path, load)
+        return cls(llm, options, model_path, load, errors)
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -250,13 +347,18 @@ class VllmEngine:
             prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": self.cache_salt}
             async for output in self.llm.generate(prompt, sampling_params, request_id):
                 yield output
+        except Exception as error:
+            death = self._death(error)
+            if death is not None:
+                raise death from error
+            raise
         finally:
             self._in_flight.discard(request_id)
 
     async def abort(self, request_ids: Sequence[str]) -> list[str]:
         known = [r for r in request_ids if r in self._in_flight]
         if known:
-            await self.llm.abort(known)
+            await self._call(self.llm.abort(known))
         return known
 
     # -- tokenizer ----------------------------------------------------------------------------
@@ -297,13 +399,13 @@ class VllmEngine:
     # -- control ------------------------------------------------------------------------------
 
     async def pause(self, mode: PauseModeName, clear_cache: bool) -> None:
-        await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
+        await self._call(self.llm.pause_generation(mode=mode, clear_cache=clear_cache))
 
     async def resume(self) -> None:
-        await self.llm.resume_generation()
+        await self._call(self.llm.resume_generation())
 
     async def is_paused(self) -> bool:
-        return bool(await self.llm.is_paused())
+        return bool(await self._call(self.llm.is_paused()))
 
     def _require_sleep(self) -> None:
         if not self.sleep_supported:
@@ -314,19 +416,19 @@ class VllmEngine:
 
     async def sleep(self, level: int) -> None:
         self._require_sleep()
-        await self.llm.sleep(level=level)
+        await self._call(self.llm.sleep(level=level))
 
     async def wake_up(self, tags: list[str] | None) -> None:
         self._require_sleep()
-        await self.llm.wake_up(tags=tags)
+        await self._call(self.llm.wake_up(tags=tags))
 
     async def is_sleeping(self) -> bool:
         if not self.sleep_supported:
             return False
-        return bool(await self.llm.is_sleeping())
+        return bool(await self._call(self.llm.is_sleeping()))
 
     async def reset_prefix_cache(self) -> None:
-        if not await self.llm.reset_prefix_cache():
+        if not await self._call(self.llm.reset_prefix_cache()):
             raise FailedPrecondition(
                 "the prefix cache could not be reset while requests hold cached blocks: "
                 "pause the server first (Pause with clear_cache also resets it)"
@@ -352,7 +454,9 @@ class VllmEngine:
         handler = getattr(self.llm, "output_handler", None)
         if handler is not None:
             handler.cancel()
-        await asyncio.to_thread(self.llm.shutdown)
+        # The engine process leaves its loop at once when idle (the server drained it first);
+        # its interpreter's teardown then takes seconds more, for nothing: kill it after this.
+        await asyncio.to_thread(self.llm.shutdown, ENGINE_EXIT_SECONDS)
         # AsyncLLM.__del__ shuts down again; at interpreter exit that second call finds module
         # globals already torn down and prints a TypeError. It is done: make it a no-op.
         self.llm.shutdown = lambda *args, **kwargs: None

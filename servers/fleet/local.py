@@ -1,8 +1,17 @@
-"""A fleet on this machine: N engine-server processes and a router process.
+"""A fleet on this machine: N engine-server processes and a router process, supervised.
 
 ``LocalFleet`` launches each piece with ``python -m`` and reads the JSON lifecycle lines they
-print (``listening``, ``ready``), so it knows addresses without guessing ports. Teardown sends
-SIGTERM (drain), then SIGKILL to anything left, so no process outlives the stack.
+print on stdout (``listening``, ``ready``, ``failed``), so it knows addresses without guessing
+ports. Each process's log (its stderr, and its lifecycle lines) goes to a file of its own when
+a log directory is given.
+
+With ``supervise()``, a server that dies (its engine died, it was killed, it ran out of memory)
+is reported and started again on the same address, with backoff; the router re-admits it when
+its health check passes and moves the server's sessions back. A restarted server serves the
+weights it started from (version 0): the trainer must push its weights again
+(``client.weight_versions()`` shows which servers are behind).
+
+Teardown sends SIGTERM (drain), then SIGKILL to anything left, so no process outlives the fleet.
 """
 
 from __future__ import annotations
@@ -15,27 +24,38 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from . import Fleet, FleetAddresses
 
 ENGINE_MODULE = "servers.engine"
 ROUTER_MODULE = "servers.router"
+# Restart backoff: the first restart waits this long, each further one twice as long, up to
+# the maximum; a server that stayed up for RESET_AFTER seconds starts from the first again.
+RESTART_DELAY_SECONDS = 1.0
+RESTART_MAX_DELAY_SECONDS = 30.0
+RESTART_RESET_AFTER_SECONDS = 60.0
 
 
 @dataclass
 class _Process:
     name: str
     popen: subprocess.Popen[str]
-    events: list[dict[str, str]] = field(default_factory=list)
+    log: IO[str] | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
     ready: threading.Event = field(default_factory=threading.Event)
     listening: threading.Event = field(default_factory=threading.Event)
+    started: float = field(default_factory=time.monotonic)
 
     def pump(self) -> None:
         assert self.popen.stdout is not None
         for line in self.popen.stdout:
+            if self.log is not None:
+                self.log.write(line)
+                self.log.flush()
             if not line.startswith("{"):
                 continue
             try:
@@ -50,12 +70,16 @@ class _Process:
         self.listening.set()
         self.ready.set()
 
-    def event(self, name: str) -> dict[str, str] | None:
+    def event(self, name: str) -> dict[str, Any] | None:
         return next((e for e in self.events if e.get("event") == name), None)
 
 
 class LocalFleet(Fleet):
-    """N engine servers + a router as local processes. Use as a context manager."""
+    """N engine servers + a router as local processes. Use as a context manager.
+
+    ``server_ports``: one port per server (0: any free port, the default); ``router_port``
+    likewise. ``on_event`` receives one line per supervision event (a server died, is back).
+    """
 
     def __init__(
         self,
@@ -64,23 +88,43 @@ class LocalFleet(Fleet):
         router_args: list[str] | None = None,
         log_dir: Path | None = None,
         env: dict[str, str] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        server_ports: Sequence[int] | None = None,
+        router_port: int = 0,
+        on_event: Callable[[str], None] | None = None,
     ) -> None:
         self.num_servers = num_servers
         self.engine_args = engine_args or []
         self.router_args = router_args or []
         self.log_dir = log_dir
+        self.host = host
+        self.server_ports = list(server_ports or [0] * num_servers)
+        if len(self.server_ports) != num_servers:
+            raise ValueError(f"{len(self.server_ports)} server ports for {num_servers} servers")
+        self.router_port = router_port
+        self.on_event = on_event or (lambda line: print(line, flush=True))
         self.env = {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             **(env or {}),
         }
-        self._processes: list[_Process] = []
+        self._servers: list[_Process] = []
+        self._router: _Process | None = None
+        self._closing = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self.restarts = [0] * num_servers
+        self.metrics_port: int | None = None
 
     def _spawn(self, name: str, module: str, args: list[str]) -> _Process:
+        log: IO[str] | None = None
         stderr: int | IO[str] = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            stderr = open(self.log_dir / f"{name}.log", "w")
+            log = open(self.log_dir / f"{name}.log", "a")  # closed with the fleet
+            log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {name}\n")
+            log.flush()
+            stderr = log
         popen = subprocess.Popen(
             [sys.executable, "-m", module, *args],
             stdout=subprocess.PIPE,
@@ -89,38 +133,56 @@ class LocalFleet(Fleet):
             env=self.env,
             start_new_session=True,  # SIGTERM/SIGKILL reach the engine's own child processes
         )
-        process = _Process(name, popen)
+        process = _Process(name, popen, log)
         threading.Thread(target=process.pump, daemon=True).start()
-        self._processes.append(process)
         return process
 
+    def _spawn_server(self, index: int) -> _Process:
+        args = ["--host", self.host, "--port", str(self.server_ports[index]), *self.engine_args]
+        return self._spawn(f"server-{index}", ENGINE_MODULE, args)
+
+    def _await_ready(self, server: _Process, deadline: float) -> str:
+        server.ready.wait(max(deadline - time.monotonic(), 0))
+        ready = server.event("ready")
+        if ready is None:
+            failed = server.event("failed")
+            why = f": {failed.get('error')}" if failed and failed.get("error") else ""
+            raise RuntimeError(
+                f"{server.name} did not become ready (exit code {server.popen.poll()}){why}"
+            )
+        return str(ready["address"])
+
     def start(self, timeout: float = 600) -> FleetAddresses:
-        servers = [
-            self._spawn(f"server-{i}", ENGINE_MODULE, ["--port", "0", *self.engine_args])
-            for i in range(self.num_servers)
-        ]
+        self._servers = [self._spawn_server(i) for i in range(self.num_servers)]
         deadline = time.monotonic() + timeout
-        server_addresses = []
-        for server in servers:
-            server.ready.wait(max(deadline - time.monotonic(), 0))
-            ready = server.event("ready")
-            if ready is None:
-                self.close()
-                raise RuntimeError(
-                    f"{server.name} did not become ready (exit code {server.popen.poll()})"
-                )
-            server_addresses.append(ready["address"])
+        try:
+            addresses = [self._await_ready(s, deadline) for s in self._servers]
+        except RuntimeError:
+            self.close()
+            raise
+        # Restarts reuse each server's address, so a router keeps it as the same backend.
+        self.server_ports = [int(a.rpartition(":")[2]) for a in addresses]
         router = self._spawn(
             "router",
             ROUTER_MODULE,
-            ["--port", "0", "--backends", ",".join(server_addresses), *self.router_args],
+            [
+                "--host",
+                self.host,
+                "--port",
+                str(self.router_port),
+                "--backends",
+                ",".join(addresses),
+                *self.router_args,
+            ],
         )
+        self._router = router
         router.listening.wait(max(deadline - time.monotonic(), 0))
         listening = router.event("listening")
         if listening is None:
             self.close()
             raise RuntimeError(f"the router did not start (exit code {router.popen.poll()})")
-        self.addresses = FleetAddresses(listening["address"], tuple(server_addresses))
+        self.addresses = FleetAddresses(listening["address"], tuple(addresses))
+        self.metrics_port = listening.get("metrics_port")
         self._wait_router_serving(deadline)
         return self.addresses
 
@@ -145,44 +207,86 @@ class LocalFleet(Fleet):
                     raise RuntimeError("the router never saw a healthy backend")
                 time.sleep(0.1)
 
+    # -- supervision --------------------------------------------------------------------------
+
+    def supervise(self) -> None:
+        """Starts restarting servers that die (in a background thread) until ``close()``."""
+        if self._supervisor is None:
+            self._supervisor = threading.Thread(
+                target=self._supervise, name="fleet supervisor", daemon=True
+            )
+            self._supervisor.start()
+
+    def _supervise(self) -> None:
+        delays = [RESTART_DELAY_SECONDS] * self.num_servers
+        while not self._closing.wait(0.2):
+            for index, server in enumerate(self._servers):
+                code = server.popen.poll()
+                if code is None or self._closing.is_set():
+                    continue
+                address = self.addresses.servers[index]
+                if time.monotonic() - server.started > RESTART_RESET_AFTER_SECONDS:
+                    delays[index] = RESTART_DELAY_SECONDS
+                failed = server.event("failed")
+                why = f": {failed['error']}" if failed and failed.get("error") else ""
+                self.on_event(
+                    f"server {index} ({address}) died (exit code {code}){why}; restarting in "
+                    f"{delays[index]:.0f} s"
+                )
+                if self._closing.wait(delays[index]):
+                    return
+                delays[index] = min(delays[index] * 2, RESTART_MAX_DELAY_SECONDS)
+                self._servers[index] = self._spawn_server(index)
+                self.restarts[index] += 1
+                threading.Thread(
+                    target=self._announce_back, args=(index, self._servers[index]), daemon=True
+                ).start()
+
+    def _announce_back(self, index: int, server: _Process) -> None:
+        server.ready.wait()
+        if server.event("ready") is not None and not self._closing.is_set():
+            self.on_event(
+                f"server {index} ({self.addresses.servers[index]}) is back; it serves its "
+                "initial weights (version 0): push the trainer's weights again"
+            )
+
+    # -- for tests and tools ------------------------------------------------------------------
+
     def kill_server(self, index: int) -> None:
         """SIGKILL one engine server and its engine processes (for fault tests)."""
-        process = self._processes[index]
+        process = self._servers[index]
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.popen.pid, signal.SIGKILL)
         process.popen.wait()
 
     def restart_server(self, index: int, timeout: float = 600) -> str:
         """Starts engine server ``index`` again on its old port; returns once it is ready."""
-        port = self.addresses.servers[index].rpartition(":")[2]
-        process = self._spawn(
-            f"server-{index}-restarted",
-            ENGINE_MODULE,
-            ["--port", port, *self.engine_args],
-        )
-        process.ready.wait(timeout)
-        if process.event("ready") is None:
-            raise RuntimeError(
-                f"server {index} did not come back (exit code {process.popen.poll()})"
-            )
-        return self.addresses.servers[index]
+        self._servers[index] = self._spawn_server(index)
+        return self._await_ready(self._servers[index], time.monotonic() + timeout)
 
     @property
     def pids(self) -> list[int]:
-        return [p.popen.pid for p in self._processes]
+        """Process ids of the servers (in order), then the router."""
+        processes = [*self._servers, *([self._router] if self._router else [])]
+        return [p.popen.pid for p in processes]
 
     def close(self, grace: float = 15) -> None:
-        for process in reversed(self._processes):
+        self._closing.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=5)
+        processes = [*([self._router] if self._router else []), *self._servers]
+        for process in processes:
             if process.popen.poll() is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(process.popen.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        for process in self._processes:
-            try:
+        for process in processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.popen.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                pass
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.popen.pid, signal.SIGKILL)  # the engine's children too
             process.popen.wait()
-        self._processes.clear()
+            if process.log is not None:
+                process.log.close()
+        self._servers.clear()
+        self._router = None
