@@ -36,7 +36,7 @@ async def guarded_server(
 ) -> AsyncIterator[engine_server.EngineServer]:
     # The subject is the auth layer in front of the servicers: the engine never needs to start
     # (calls that pass auth meet UNAVAILABLE "starting", which proves they got through).
-    async def never_ready(options: object) -> None:
+    async def never_ready(*_: object) -> None:
         await asyncio.Event().wait()
 
     monkeypatch.setattr(engine_server.VllmEngine, "start", never_ready)

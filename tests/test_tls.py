@@ -39,7 +39,7 @@ async def tls_server(
     certs: Certificates, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[engine_server.EngineServer]:
     # The subject is the transport: the engine never needs to start.
-    async def never_ready(options: object) -> None:
+    async def never_ready(*_: object) -> None:
         await asyncio.Event().wait()
 
     monkeypatch.setattr(engine_server.VllmEngine, "start", never_ready)

@@ -9,7 +9,7 @@ from .blocking import BlockingInferenceClient
 from .client import InferenceClient, sampling_params
 from .config import ClientConfig, TlsConfig
 from .errors import FanOutError, InferenceError, RetriesExhausted, ServerError
-from .results import FinishReason, GenerationResult, WeightSpan
+from .results import FinishReason, GenerationResult, WeightSpan, WeightVersions
 from .weight_transaction import WeightUpdateError
 
 __all__ = [
@@ -25,5 +25,6 @@ __all__ = [
     "TlsConfig",
     "WeightSpan",
     "WeightUpdateError",
+    "WeightVersions",
     "sampling_params",
 ]

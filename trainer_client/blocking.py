@@ -19,7 +19,7 @@ from skyrl_grpc.v1 import data_plane_pb2
 
 from .client import InferenceClient, Message, Sampling
 from .config import ClientConfig
-from .results import GenerationResult
+from .results import GenerationResult, WeightVersions
 from .weights import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES
 
 T = TypeVar("T")
@@ -280,5 +280,5 @@ class BlockingInferenceClient:
     def weight_checksums(self, names: Sequence[str] = ()) -> dict[str, dict[str, bytes]]:
         return self._run(self._client.weight_checksums(names))
 
-    def weight_versions(self) -> dict[str, int]:
+    def weight_versions(self) -> WeightVersions:
         return self._run(self._client.weight_versions())

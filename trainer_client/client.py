@@ -31,7 +31,7 @@ from .config import ClientConfig
 from .continuation import Continuation
 from .errors import RetriesExhausted, ServerError
 from .fanout import failures_of, fan_out
-from .results import FinishReason, GenerationResult
+from .results import FinishReason, GenerationResult, WeightVersions
 from .weight_transaction import run_weight_transaction
 from .weights import (
     DEFAULT_BUCKET_BYTES,
@@ -574,8 +574,11 @@ class InferenceClient:
         )
         return {a: {c.name: c.sha256 for c in r.checksums} for a, r in results.items()}
 
-    async def weight_versions(self) -> dict[str, int]:
-        return {a: info.weight_version for a, info in (await self.server_info()).items()}
+    async def weight_versions(self) -> WeightVersions:
+        """The version each server serves; ``.consistent`` / ``.behind()`` show a mismatch
+        (e.g. a restarted server back on its initial weights)."""
+        infos = await self.server_info()
+        return WeightVersions({a: int(info.weight_version) for a, info in infos.items()})
 
 
 def owner_name() -> str:

@@ -77,3 +77,22 @@ class GenerationResult:
             ],
             abort_retries=retries,
         )
+
+
+class WeightVersions(dict[str, int]):
+    """The weight version each server serves. Servers can differ: a server that restarted
+    serves the weights it started from (version 0) until the trainer pushes again."""
+
+    @property
+    def newest(self) -> int:
+        return max(self.values(), default=0)
+
+    @property
+    def consistent(self) -> bool:
+        """Every server serves the same version."""
+        return len(set(self.values())) <= 1
+
+    def behind(self) -> list[str]:
+        """Servers serving an older version than the newest, sorted."""
+        newest = self.newest
+        return sorted(address for address, version in self.items() if version < newest)

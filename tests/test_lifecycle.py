@@ -1,0 +1,304 @@
+"""Process lifecycle you can trust, against real engine-server processes: a dead engine is
+never SERVING and the server exits; a model that cannot run fails at start; no orphaned engine
+processes; prompt drain; the port opens before the engine loads; ``up`` supervises."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from skyrl_grpc.names import DATA_PLANE
+from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from tests.helpers.waits import running_on_engines
+from trainer_client import InferenceClient
+
+pytestmark = [pytest.mark.engine]
+ROOT = Path(__file__).resolve().parents[1]
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+
+
+class ServerProcess:
+    """``python -m servers.engine`` with its lifecycle lines read as they come."""
+
+    def __init__(self, *args: str, stderr: Path | None = None) -> None:
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "servers.engine", "--port", "0", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=open(stderr, "w") if stderr else subprocess.DEVNULL,
+            text=True,
+            env=ENV,
+        )
+        self.events: list[tuple[float, dict[str, Any]]] = []
+
+    def next_event(self) -> dict[str, Any] | None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                event = json.loads(line)
+                self.events.append((time.monotonic() - self.started, event))
+                return event  # type: ignore[no-any-return]
+        return None
+
+    def until(self, name: str) -> dict[str, Any]:
+        while (event := self.next_event()) is not None:
+            if event["event"] == name:
+                return event
+        raise AssertionError(f"exited before {name!r} (code {self.proc.wait()}): {self.events}")
+
+    def descendants(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def server() -> Iterator[ServerProcess]:
+    process = ServerProcess()
+    yield process
+    process.kill()
+
+
+def alive(processes: list[psutil.Process]) -> list[int]:
+    found = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def health(address: str, service: str = DATA_PLANE) -> int:
+    with grpc.insecure_channel(address) as channel:
+        request = health_pb2.HealthCheckRequest(service=service)
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status  # type: ignore[no-any-return]
+
+
+def test_the_port_opens_before_the_engine_loads(server: ServerProcess) -> None:
+    listening = server.until("listening")
+    opened = server.events[-1][0]
+    # The engine (vLLM imports, model load, warm-up) takes seconds; the port is open well before.
+    assert health(listening["address"], "") == SERVING
+    assert health(listening["address"]) == NOT_SERVING
+    server.until("ready")
+    assert server.events[-1][0] - opened > 3 * opened, server.events
+    assert health(listening["address"]) == SERVING
+
+
+def test_a_model_the_engine_cannot_run_fails_at_start(tmp_path: Path) -> None:
+    """A checkpoint vLLM loads but cannot generate with on CPU (head_dim 16: its CPU attention
+    kernels take 32 and up): the server must not report SERVING, must exit non-zero and say
+    why in its last log line."""
+    model = tmp_path / "model"
+    built = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.unrunnable_model", str(model)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert built.returncode == 0, built.stderr
+    log = tmp_path / "server.log"
+    process = ServerProcess("--model", str(model), stderr=log)
+    try:
+        failed = process.until("failed")
+        assert process.proc.wait(timeout=60) == 1
+    finally:
+        process.kill()
+    assert "ready" not in [event["event"] for _, event in process.events]
+    assert "head_dim=16" in failed["error"]
+    last = log.read_text().strip().splitlines()[-1]
+    assert "cannot generate with this model" in last and "head_dim=16" in last, last
+    assert "--dtype float32" in last
+
+
+def test_a_killed_server_leaves_no_process_behind(server: ServerProcess) -> None:
+    server.until("ready")
+    started = server.descendants()
+    assert any("EngineCore" in p.name() for p in started), [p.name() for p in started]
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait()
+    deadline = time.monotonic() + 5
+    while alive(started):
+        assert time.monotonic() < deadline, f"still alive 5 s later: {alive(started)}"
+        time.sleep(0.05)
+
+
+def test_sigterm_of_an_idle_server_with_a_router_attached_exits_promptly(
+    server: ServerProcess,
+) -> None:
+    address = server.until("ready")["address"]
+    router = subprocess.Popen(
+        [sys.executable, "-m", "servers.router", "--port", "0", "--backends", address],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=ENV,
+    )
+    try:
+        assert router.stdout is not None
+        router_address = json.loads(router.stdout.readline())["address"]
+        with grpc.insecure_channel(router_address) as channel:  # its health watch is on
+            admin = router_pb2_grpc.RouterAdminStub(channel)
+            deadline = time.monotonic() + 30
+            while (
+                admin.ListBackends(router_pb2.ListBackendsRequest()).backends[0].state
+                != router_pb2.BACKEND_STATE_HEALTHY
+            ):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        signalled = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0
+        assert time.monotonic() - signalled < 2.0
+    finally:
+        router.kill()
+        router.wait()
+
+
+class Up:
+    """``skyrl-grpc up`` as a process, its output lines collected by a thread."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "servers.cli",
+                "up",
+                "--servers",
+                "2",
+                "--router-port",
+                "0",
+                "--base-port",
+                "0",
+                "--log-dir",
+                str(log_dir),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=ENV,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._new_line = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._new_line:
+                self.lines.append(line.rstrip())
+                self._new_line.notify_all()
+
+    def wait_for(self, fragment: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        with self._new_line:
+            while not any(fragment in line for line in self.lines):
+                left = deadline - time.monotonic()
+                assert left > 0, f"no {fragment!r} from up in {timeout} s: {self.lines}"
+                self._new_line.wait(left)
+            return next(line for line in self.lines if fragment in line)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+async def test_up_survives_an_engine_death_under_load_and_restarts_the_server(
+    tmp_path: Path,
+) -> None:
+    up = Up(tmp_path / "logs")
+    try:
+        await asyncio.to_thread(up.wait_for, "Ctrl-C to stop", 300)
+        router = up.wait_for("router: ", 1).split(": ", 1)[1]
+        servers = [up.wait_for(f"server {i}: ", 1).split(": ", 1)[1] for i in range(2)]
+        victim = servers[0]
+        victim_server = next(
+            p
+            for p in psutil.Process(up.proc.pid).children(recursive=True)
+            if "servers.engine" in " ".join(p.cmdline()) and victim.rpartition(":")[2] in str(
+                [c.laddr.port for c in p.net_connections(kind="tcp")]
+            )
+        )
+        engine_core = next(p for p in victim_server.children() if "EngineCore" in p.name())
+        client = InferenceClient(router, servers)
+        sessions = [f"lifecycle-{i}" for i in range(32)]
+        batch = asyncio.ensure_future(
+            client.generate_batch(
+                [[1, 200 + i, 7] for i in range(32)],
+                {"temperature": 0.0, "max_tokens": 300, "ignore_eos": True},
+                session_ids=sessions,
+            )
+        )
+        await running_on_engines(client, 1, batch, servers=[victim])
+        async with grpc.aio.insecure_channel(victim) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service=DATA_PLANE)
+            )
+            assert (await watch.read()).status == SERVING
+            engine_core.kill()
+            killed = time.monotonic()
+            seen = await asyncio.wait_for(watch.read(), 5)
+            assert seen.status == NOT_SERVING and time.monotonic() - killed < 2.0
+        results = await asyncio.wait_for(batch, 300)  # migrated: none of them fails
+        assert [len(r.token_ids) for r in results] == [300] * 32
+        died = await asyncio.to_thread(up.wait_for, f"server 0 ({victim}) died", 30)
+        assert "died" in died and "the engine died" in died, died
+        # New requests go to the other server meanwhile.
+        fresh = await client.generate_batch(
+            [[1, 300 + i] for i in range(8)], {"temperature": 0.0, "max_tokens": 8}
+        )
+        assert all(len(r.token_ids) == 8 for r in fresh)
+        back = await asyncio.to_thread(up.wait_for, "is back", 300)
+        assert victim in back
+        async with grpc.aio.insecure_channel(router) as channel:
+            admin = router_pb2_grpc.RouterAdminStub(channel)
+            deadline = time.monotonic() + 30
+            while True:
+                listed = await admin.ListBackends(router_pb2.ListBackendsRequest())
+                states = {b.address: b.state for b in listed.backends}
+                if states[victim] == router_pb2.BACKEND_STATE_HEALTHY:
+                    break
+                assert time.monotonic() < deadline, states
+                await asyncio.sleep(0.1)
+        versions = await client.weight_versions()
+        assert versions[victim] == 0  # the restarted server serves its initial weights
+        logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+        assert logs == ["router.log", "server-0.log", "server-1.log"]
+        assert "the engine died" in (tmp_path / "logs" / "server-0.log").read_text()
+        await client.close()
+    finally:
+        up.stop()
+    assert up.proc.returncode is not None
