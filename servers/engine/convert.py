@@ -55,6 +55,10 @@ def build_sampling_params(
         "ignore_eos": params.ignore_eos,
         # Stop strings are matched on text, so they need detokenization even for token-out.
         "detokenize": detokenize or bool(params.stop_strings),
+        # Logprobs as flat lists instead of a dict of Logprob objects per position: building
+        # those dicts took half of the server's event loop under logprobs-heavy load, and
+        # logprobs_to_proto reads the flat lists directly.
+        "flat_logprobs": True,
     }
     if params.stop_strings:
         kwargs["stop"] = list(params.stop_strings)
@@ -80,10 +84,13 @@ def logprobs_to_proto(
     positions: Iterable[Mapping[int, _LogprobEntry] | None],
     top_k: int,
 ) -> generation_pb2.Logprobs:
-    """vLLM's per-position ``{token_id: Logprob}`` maps as the contract's Logprobs.
+    """vLLM's logprobs (flat lists, or per-position ``{token_id: Logprob}`` maps) as the
+    contract's Logprobs.
 
     A position without data (the first prompt token) is reported as 0 with no alternatives.
     """
+    if hasattr(positions, "start_indices"):
+        return _flat_logprobs_to_proto(positions, top_k)
     result = generation_pb2.Logprobs()
     for token_id, position in zip(token_ids, positions, strict=False):
         if position is None:
@@ -103,6 +110,25 @@ def logprobs_to_proto(
             top = result.top_logprobs.add()
             top.token_ids.extend(t for _, t, _ in ranked)
             top.logprobs.extend(lp for _, _, lp in ranked)
+    return result
+
+
+def _flat_logprobs_to_proto(flat: Any, top_k: int) -> generation_pb2.Logprobs:
+    """vLLM's ``FlatLogprobs``: per position, the sampled (or prompt) token's entry first,
+    then the top ``k`` by rank; a position without data has no entries."""
+    result = generation_pb2.Logprobs()
+    starts, ends = flat.start_indices, flat.end_indices
+    values = flat.logprobs
+    result.token_logprobs.extend(
+        values[start] if end > start else 0.0 for start, end in zip(starts, ends, strict=True)
+    )
+    if top_k:
+        ids = flat.token_ids
+        for start, end in zip(starts, ends, strict=True):
+            top = result.top_logprobs.add()
+            if end > start + 1:
+                top.token_ids.extend(ids[start + 1 : end])
+                top.logprobs.extend(values[start + 1 : end])
     return result
 
 

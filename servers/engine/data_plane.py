@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 from skyrl_grpc.assembly import ResponseAssembler
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
@@ -48,10 +49,14 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         )
         converter = StreamConverter(request_id, prompt_token_ids, params, include_text)
         coalescer = ChunkCoalescer(stream_interval)
-        async for output in engine.generate(request_id, prompt_token_ids, params):
-            for chunk in converter.chunks(output, engine.weight_version):
-                for ready in coalescer.push(chunk):
-                    yield ready
+
+        def messages(output: Any) -> list[data_plane_pb2.GenerateStreamResponse]:
+            # Runs on the engine's loop (see vllm_engine.generate): this loop only relays.
+            chunks = converter.chunks(output, engine.weight_version)
+            return [ready for chunk in chunks for ready in coalescer.push(chunk)]
+
+        async for message in engine.generate(request_id, prompt_token_ids, params, messages):
+            yield message
 
     def _token_stream(
         self, request: GenerateLike, stream_interval: int = 0

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +22,7 @@ from skyrl_grpc.tiny_model import ensure_tiny_model
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from .engine_logs import root_cause
+from .engine_loop import EngineLoop
 from .options import TINY_MODEL_NAME, EngineOptions
 from .validate import ModelLimits, PauseModeName
 from .weights.protocol import WorkerCalls
@@ -29,6 +30,7 @@ from .weights.transaction import WeightTransferManager
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 # How long an idle engine process gets to exit on shutdown before it is killed.
@@ -121,11 +123,15 @@ class VllmEngine:
         options: EngineOptions,
         model_path: str,
         load: _LoadTracker,
+        engine_loop: EngineLoop,
         errors: Path | None = None,
     ):
         from transformers import AutoTokenizer
 
+        # vLLM's client lives on its own loop and thread (engine_loop): every call into it goes
+        # through self._call or self._engine_loop.stream.
         self.llm = llm
+        self._engine_loop = engine_loop
         # Where vLLM's processes log their errors (engine_logs), to name why the engine died.
         self._errors = errors
         self.options = options
@@ -150,6 +156,7 @@ class VllmEngine:
         self.weights_epoch = 0
         self._load = load
         self._in_flight: set[str] = set()
+        self.paused = False
         from vllm.platforms import current_platform
 
         self.device = current_platform.device_type
@@ -204,10 +211,11 @@ class VllmEngine:
             )
         return None
 
-    async def _call(self, call: Awaitable[T]) -> T:
-        """Awaits a call into vLLM; its engine's death is UNAVAILABLE, naming the cause."""
+    async def _call(self, call: Coroutine[Any, Any, T]) -> T:
+        """Runs a call into vLLM on the engine loop; the engine's death is UNAVAILABLE, naming
+        the cause."""
         try:
-            return await call
+            return await self._engine_loop.call(call)
         except Exception as error:
             death = self._death(error)
             if death is not None:
@@ -224,7 +232,7 @@ class VllmEngine:
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
         async def generate() -> None:
-            async for _ in self.generate("skyrl-warm-up", prompt, params):
+            async for _ in self.generate("skyrl-warm-up", prompt, params, lambda o: [o]):
                 pass
 
         try:
@@ -246,7 +254,7 @@ class VllmEngine:
         # below fails because requests frozen by a KEEP pause still hold blocks (those finish
         # on the KV they have: KEEP's contract). The reset frees the stale blocks early.
         self.weights_epoch += 1
-        if not await self.llm.reset_prefix_cache():
+        if not await self._call(self.llm.reset_prefix_cache()):
             log.info("prefix cache not reset after the weight change: requests hold blocks")
         if replaced_non_finite:
             await self._clear_kv_memory()
@@ -263,14 +271,14 @@ class VllmEngine:
                 "cache memory is not cleared, so requests may see traces of them"
             )
             return
-        paused = await self.llm.is_paused()
+        paused = self.paused
         if not paused:  # hold new requests back while the memory is cleared
-            await self.llm.pause_generation(mode="abort")
+            await self._call(self.llm.pause_generation(mode="abort"))
         try:
             cleared = await self.weights_workers.clear_kv_cache()
         finally:
             if not paused:
-                await self.llm.resume_generation()
+                await self._call(self.llm.resume_generation())
         log.warning("replaced weights held NaN or infinity: %d bytes of KV cache cleared", cleared)
 
     @property
@@ -326,17 +334,34 @@ class VllmEngine:
         args.update(options.extra_engine_args)
         engine_args = AsyncEngineArgs(**args)
         load = _LoadTracker()
-        llm = await asyncio.to_thread(
-            AsyncLLM.from_engine_args, engine_args, stat_loggers=[load.factory()]
-        )
-        return cls(llm, options, model_path, load, errors)
+        engine_loop = EngineLoop()
+        try:
+            llm = await engine_loop.run(
+                lambda: AsyncLLM.from_engine_args(engine_args, stat_loggers=[load.factory()])
+            )
+        except BaseException:
+            engine_loop.close()
+            raise
+        # vLLM reads environment variables on every output it processes (os.getenv per
+        # access, ~10% of its output processing here); they are settled now: cache them, as
+        # vLLM's own engine process does once it has started.
+        from vllm import envs
+
+        envs.enable_envs_cache()
+        return cls(llm, options, model_path, load, engine_loop, errors)
 
     # -- generation ---------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: Any
-    ) -> AsyncIterator[Any]:
-        """Streams vLLM ``RequestOutput`` deltas. Cancelling the iteration aborts the request."""
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: Any,
+        transform: Callable[[Any], Iterable[U]],
+    ) -> AsyncIterator[U]:
+        """Streams what ``transform`` makes of each vLLM ``RequestOutput`` delta (run on the
+        engine's loop, beside vLLM's own output processing). Cancelling the iteration aborts
+        the request."""
         if request_id in self._in_flight:
             raise AlreadyExists(
                 f"request_id {request_id!r} is already in flight: use a unique id, or leave it "
@@ -345,7 +370,10 @@ class VllmEngine:
         self._in_flight.add(request_id)
         try:
             prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": self.cache_salt}
-            async for output in self.llm.generate(prompt, sampling_params, request_id):
+            outputs = self._engine_loop.stream(
+                lambda: self.llm.generate(prompt, sampling_params, request_id), transform
+            )
+            async for output in outputs:
                 yield output
         except Exception as error:
             death = self._death(error)
@@ -399,13 +427,24 @@ class VllmEngine:
     # -- control ------------------------------------------------------------------------------
 
     async def pause(self, mode: PauseModeName, clear_cache: bool) -> None:
-        await self._call(self.llm.pause_generation(mode=mode, clear_cache=clear_cache))
+        pause_scheduler = getattr(self.llm.engine_core, "pause_scheduler_async", None)
+        if mode == "keep" and not clear_cache and pause_scheduler is not None:
+            # AsyncLLM.pause_generation sleeps 20 ms after pausing so that final outputs of
+            # aborted requests reach their streams first; frozen requests have none, and a
+            # trainer pausing a busy fleet waits for every millisecond of it.
+            await self._call(pause_scheduler(mode=mode, clear_cache=False))
+        else:
+            await self._call(self.llm.pause_generation(mode=mode, clear_cache=clear_cache))
+        self.paused = True
 
     async def resume(self) -> None:
         await self._call(self.llm.resume_generation())
+        self.paused = False
 
     async def is_paused(self) -> bool:
-        return bool(await self._call(self.llm.is_paused()))
+        """Whether generation is paused: known here (every pause and resume goes through this
+        adapter), so reading it never waits for the engine."""
+        return self.paused
 
     def _require_sleep(self) -> None:
         if not self.sleep_supported:
@@ -453,10 +492,11 @@ class VllmEngine:
         # an EngineDeadError traceback on every clean shutdown.
         handler = getattr(self.llm, "output_handler", None)
         if handler is not None:
-            handler.cancel()
+            await self._engine_loop.run(handler.cancel)
         # The engine process leaves its loop at once when idle (the server drained it first);
         # its interpreter's teardown then takes seconds more, for nothing: kill it after this.
-        await asyncio.to_thread(self.llm.shutdown, ENGINE_EXIT_SECONDS)
+        await self._engine_loop.run(lambda: self.llm.shutdown(ENGINE_EXIT_SECONDS))
         # AsyncLLM.__del__ shuts down again; at interpreter exit that second call finds module
         # globals already torn down and prints a TypeError. It is done: make it a no-op.
         self.llm.shutdown = lambda *args, **kwargs: None
+        self._engine_loop.close()
