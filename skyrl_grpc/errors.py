@@ -46,6 +46,13 @@ class Unavailable(SkyrlError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class ResourceExhausted(SkyrlError):
+    """A capacity limit was reached (e.g. too many requests waiting); the message names the
+    limit and the flag that raises it."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class DeadlineExceeded(SkyrlError):
     """An internal wait (e.g. for other ranks) ran out of time."""
 

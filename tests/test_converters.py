@@ -3,6 +3,7 @@ without an engine."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -75,10 +76,37 @@ def test_bad_sampling_params_name_the_field(
 
 
 def test_n_zero_means_one_and_negative_is_rejected() -> None:
-    assert validate.sample_count(0) == 1
-    assert validate.sample_count(4) == 4
+    assert validate.sample_count(0, LIMITS) == 1
+    assert validate.sample_count(4, LIMITS) == 4
     with pytest.raises(InvalidArgument, match="n = -1"):
-        validate.sample_count(-1)
+        validate.sample_count(-1, LIMITS)
+
+
+def test_server_limits_name_their_flag() -> None:
+    limits = ModelLimits(
+        vocab_size=100,
+        max_model_len=64,
+        max_logprobs=5,
+        max_prompt_tokens=10,
+        max_n=8,
+        max_request_id_bytes=16,
+    )
+    cases = [
+        (lambda: validate.sample_count(9, limits), "at most 8 (--max-n)"),
+        (lambda: validate.prompt_length(11, limits), "at most 10 (--max-prompt-tokens)"),
+        (lambda: validate.request_id("x" * 17, limits), "at most 16 (--max-request-id-bytes)"),
+        (lambda: validate.request_id("é" * 9, limits), "18 bytes"),
+        (lambda: validate.text_length("y" * 500, limits, 4, "prompt"), "--max-prompt-tokens"),
+        (
+            lambda: validate.sampling(SP(logprobs=6), prompt_len=3, limits=limits),
+            "0..5 (--max-logprobs)",
+        ),
+    ]
+    for check, fragment in cases:
+        with pytest.raises(InvalidArgument, match=re.escape(fragment)):
+            check()
+    validate.text_length("y" * 40, limits, 4, "prompt")  # 40 bytes can fit 10 tokens
+    assert ModelLimits(vocab_size=100, max_model_len=64, max_logprobs=5).max_prompt_tokens == 63
 
 
 def test_unset_fields_take_documented_defaults() -> None:

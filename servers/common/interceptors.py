@@ -37,38 +37,45 @@ async def abort_with_status(exc: BaseException, context: Context, method: str) -
 
 
 class _Malformed:
-    """Stands in for a request that did not decode, so the handler can answer for it."""
+    """Stands in for a request that was not decoded, so the handler can answer for it."""
 
-    def __init__(self, error: Exception) -> None:
-        self.error = error
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
 
 
-def _lenient(deserializer: Any) -> Any:
+# The most bytes a request of a method may have, and what a caller can do about it; None: no
+# limit beyond the server's message size.
+RequestSizeLimit = Callable[[str], "tuple[int, str] | None"]
+
+
+def _lenient(deserializer: Any, method: str, size_limit: RequestSizeLimit | None) -> Any:
     if deserializer is None:
         return None
 
     def decode(raw: bytes) -> Any:
+        limit = size_limit(method) if size_limit is not None else None
+        if limit is not None and len(raw) > limit[0]:
+            # Refused before decoding: parsing a request no valid one can be as large as
+            # costs seconds of the loop every other call shares.
+            return _Malformed(f"the request is {len(raw)} bytes, more than {limit[1]}")
         try:
             return deserializer(raw)
         except Exception as error:
-            return _Malformed(error)
+            return _Malformed(f"the request is not a valid message for {method}: {error}")
 
     return decode
 
 
 async def _reject_malformed(request: Any, context: Context, method: str) -> None:
     if isinstance(request, _Malformed):
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"the request is not a valid message for {method}: {request.error}",
-        )
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
 
 
 async def _checked(requests: Any, method: str) -> AsyncIterator[Any]:
     # Raised, not aborted: the handler consuming the stream must see it to undo its work.
     async for request in requests:
         if isinstance(request, _Malformed):
-            raise InvalidArgument(f"a message is not valid for {method}: {request.error}")
+            raise InvalidArgument(f"a message of the stream: {request.reason}")
         yield request
 
 
@@ -110,8 +117,10 @@ class _NoCounter(CallCounter):
 _NOT_COUNTED = _NoCounter()
 
 
-def _wrap(handler: Handler, method: str, counter: CallCounter) -> Handler:
-    decode = _lenient(handler.request_deserializer)
+def _wrap(
+    handler: Handler, method: str, counter: CallCounter, size_limit: RequestSizeLimit | None
+) -> Handler:
+    decode = _lenient(handler.request_deserializer, method, size_limit)
     # grpc's stubs type handler behaviours as synchronous; on an asyncio server they are
     # coroutine and async generator functions.
     behaviours: Any = handler
@@ -202,10 +211,12 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         *,
         counter: CallCounter | None = None,
         counted_services: tuple[str, ...] = (),
+        size_limit: RequestSizeLimit | None = None,
     ) -> None:
         self._prefixes = None if services is None else tuple(f"/{s}/" for s in services)
         self._counter = counter
         self._counted = tuple(f"/{s}/" for s in counted_services)
+        self._size_limit = size_limit
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
@@ -219,7 +230,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         counter = self._counter
         if counter is None or not method.startswith(self._counted):
             counter = _NOT_COUNTED
-        return _wrap(handler, method, counter)
+        return _wrap(handler, method, counter, self._size_limit)
 
 
 def _rejecting_handler(handler: Handler, message: str) -> Handler:

@@ -4,7 +4,7 @@ the conversions in ``convert``, the engine calls in ``vllm_engine``."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from skyrl_grpc.assembly import ResponseAssembler
@@ -12,6 +12,7 @@ from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
 
 from ..common.grpc_types import Context
 from . import validate
+from .admission import Admission
 from .convert import ChunkCoalescer, StreamConverter, build_sampling_params
 from .serving_state import ServingState
 from .vllm_engine import VllmEngine
@@ -27,11 +28,19 @@ def _as_dicts(messages: Iterable[data_plane_pb2.ChatMessage]) -> list[dict[str, 
 class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     """Serves generation and tokenizer calls from one vLLM engine."""
 
-    def __init__(self, state: ServingState[VllmEngine]) -> None:
+    def __init__(self, state: ServingState[VllmEngine], admission: Admission) -> None:
         self._state = state
+        self._admission = admission
+
+    def _engine_for(self, request_id: str, n: int) -> tuple[VllmEngine, int]:
+        """The engine, once the request's cheapest checks pass (before any prompt work)."""
+        engine = self._state.engine()
+        validate.request_id(request_id, engine.limits)
+        return engine, validate.sample_count(n, engine.limits)
 
     async def _stream(
         self,
+        engine: VllmEngine,
         request_id: str,
         prompt_token_ids: list[int],
         sampling: generation_pb2.SamplingParams,
@@ -39,13 +48,12 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         include_text: bool,
         stream_interval: int = 0,
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
-        engine = self._state.engine()
         request_id = request_id or uuid.uuid4().hex
         max_tokens = validate.sampling(
             sampling, prompt_len=len(prompt_token_ids), limits=engine.limits
         )
         params = build_sampling_params(
-            sampling, n=validate.sample_count(n), max_tokens=max_tokens, detokenize=include_text
+            sampling, n=n, max_tokens=max_tokens, detokenize=include_text
         )
         converter = StreamConverter(request_id, prompt_token_ids, params, include_text)
         coalescer = ChunkCoalescer(stream_interval)
@@ -55,19 +63,22 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             chunks = converter.chunks(output, engine.weight_version)
             return [ready for chunk in chunks for ready in coalescer.push(chunk)]
 
-        async for message in engine.generate(request_id, prompt_token_ids, params, messages):
-            yield message
+        async with self._admission.admit(n):
+            outputs = engine.generate(request_id, prompt_token_ids, params, messages)
+            async for message in outputs:
+                yield message
 
     def _token_stream(
         self, request: GenerateLike, stream_interval: int = 0
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
-        engine = self._state.engine()
+        engine, n = self._engine_for(request.request_id, request.n)
         prompt = validate.prompt(request.prompt_token_ids, engine.limits, "prompt_token_ids")
         return self._stream(
+            engine,
             request.request_id,
             prompt,
             request.sampling_params,
-            request.n,
+            n,
             request.include_text,
             stream_interval,
         )
@@ -100,15 +111,10 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     async def Chat(
         self, request: data_plane_pb2.ChatRequest, context: Context
     ) -> data_plane_pb2.ChatResponse:
-        engine = self._state.engine()
-        validate.chat_messages(request.messages)
-        add_generation_prompt = (
-            request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-        )
-        prompt = engine.apply_chat_template(_as_dicts(request.messages), add_generation_prompt)
-        prompt = validate.prompt(prompt, engine.limits, "the rendered chat prompt")
+        engine, n = self._engine_for(request.request_id, request.n)
+        prompt = self._render_chat(engine, request.messages, request)
         result = await self._collect(
-            self._stream(request.request_id, prompt, request.sampling_params, request.n, True)
+            self._stream(engine, request.request_id, prompt, request.sampling_params, n, True)
         )
         return data_plane_pb2.ChatResponse(
             request_id=result.request_id,
@@ -120,13 +126,14 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     async def Complete(
         self, request: data_plane_pb2.CompleteRequest, context: Context
     ) -> data_plane_pb2.CompleteResponse:
-        engine = self._state.engine()
+        engine, n = self._engine_for(request.request_id, request.n)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        validate.text_length(request.prompt, engine.limits, engine.longest_token_bytes, "prompt")
         prompt = validate.prompt(
             engine.encode(request.prompt, add_special), engine.limits, "the tokenized prompt"
         )
         result = await self._collect(
-            self._stream(request.request_id, prompt, request.sampling_params, request.n, True)
+            self._stream(engine, request.request_id, prompt, request.sampling_params, n, True)
         )
         return data_plane_pb2.CompleteResponse(
             request_id=result.request_id,
@@ -141,21 +148,34 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         engine = self._state.engine()
         if request.HasField("conversation"):
             conversation = request.conversation
-            validate.chat_messages(conversation.messages)
-            add_generation_prompt = (
-                conversation.add_generation_prompt
-                if conversation.HasField("add_generation_prompt")
-                else True
-            )
-            ids = engine.apply_chat_template(
-                _as_dicts(conversation.messages), add_generation_prompt
-            )
+            ids = self._render_chat(engine, conversation.messages, conversation)
         else:
             add_special = (
                 request.add_special_tokens if request.HasField("add_special_tokens") else True
             )
+            validate.text_length(request.text, engine.limits, engine.longest_token_bytes, "text")
             ids = engine.encode(request.text, add_special)
         return data_plane_pb2.TokenizeResponse(token_ids=ids)
+
+    def _render_chat(
+        self,
+        engine: VllmEngine,
+        messages: Sequence[data_plane_pb2.ChatMessage],
+        options: data_plane_pb2.ChatRequest | data_plane_pb2.ChatConversation,
+    ) -> list[int]:
+        """The messages through the chat template, as a checked prompt."""
+        validate.chat_messages(messages)
+        validate.text_length(
+            "".join(m.content for m in messages),
+            engine.limits,
+            engine.longest_token_bytes,
+            "the messages' content",
+        )
+        add_generation_prompt = (
+            options.add_generation_prompt if options.HasField("add_generation_prompt") else True
+        )
+        rendered = engine.apply_chat_template(_as_dicts(messages), add_generation_prompt)
+        return validate.prompt(rendered, engine.limits, "the rendered chat prompt")
 
     async def Detokenize(
         self, request: data_plane_pb2.DetokenizeRequest, context: Context

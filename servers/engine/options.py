@@ -53,6 +53,26 @@ class EngineOptions:
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of a server, and how much generation it takes at once. Every
+    refusal names the limit and the flag that raises it; all are checked before the engine
+    sees the request (and before the prompt is even tokenized)."""
+
+    # Samples per request (n).
+    max_n: int = 128
+    # Prompt tokens; None: what the model's context leaves room for (one token for output).
+    max_prompt_tokens: int | None = None
+    # Bytes of a caller-chosen request_id (it is echoed in every message and log line).
+    max_request_id_bytes: int = 256
+    # Top logprobs per position (logprobs, prompt_logprobs): vLLM computes them all per step.
+    max_logprobs: int = 20
+    # Samples generating at once (a request of n samples counts n); more wait their turn.
+    max_concurrent_samples: int = 1024
+    # Requests waiting for a turn; beyond this, RESOURCE_EXHAUSTED.
+    max_queued_requests: int = 4096
+
+
 @dataclass
 class ServerOptions:
     """How to run one engine server."""
@@ -66,6 +86,7 @@ class ServerOptions:
     control_token: str | None = None
     data_token: str | None = None
     tls: ServerTls | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
     # Keep freed host memory for reuse (skyrl_grpc.host_memory): weight updates then stop
     # page-faulting through fresh memory, at the price of resident memory staying at its peak.
     keep_freed_memory: bool = True
@@ -149,9 +170,52 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("SKYRL_DATA_TOKEN"),
         help="require this bearer token on DataPlane (default: $SKYRL_DATA_TOKEN)",
     )
+    add_limit_arguments(parser)
     add_tls_arguments(parser)
     add_engine_arguments(parser)
     return parser
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = RequestLimits()
+    group = parser.add_argument_group("request limits (refused with a message naming the flag)")
+    group.add_argument("--max-n", type=int, default=defaults.max_n, help="samples per request")
+    group.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens per request (default: the model's context minus one)",
+    )
+    group.add_argument("--max-request-id-bytes", type=int, default=defaults.max_request_id_bytes)
+    group.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=defaults.max_logprobs,
+        help="top logprobs per position (logprobs, prompt_logprobs)",
+    )
+    group.add_argument(
+        "--max-concurrent-samples",
+        type=int,
+        default=defaults.max_concurrent_samples,
+        help="samples generating at once; more requests wait their turn",
+    )
+    group.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=defaults.max_queued_requests,
+        help="requests waiting for a turn; beyond this: RESOURCE_EXHAUSTED",
+    )
+
+
+def limits_from_args(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(
+        max_n=args.max_n,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_request_id_bytes=args.max_request_id_bytes,
+        max_logprobs=args.max_logprobs,
+        max_concurrent_samples=args.max_concurrent_samples,
+        max_queued_requests=args.max_queued_requests,
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> ServerOptions:
@@ -164,5 +228,6 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         control_token=args.control_token,
         data_token=args.data_token,
         tls=tls_from_args(args),
+        limits=limits_from_args(args),
         keep_freed_memory=not args.return_freed_memory,
     )

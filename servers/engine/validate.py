@@ -39,11 +39,21 @@ DEFAULT_GROUP_TIMEOUT_SECONDS = 300.0
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """What the served model accepts."""
+    """What the served model accepts, and the server's own request limits
+    (``options.RequestLimits``, resolved against the model)."""
 
     vocab_size: int
     max_model_len: int
     max_logprobs: int
+    # Prompt tokens per request: at most the context minus one (``--max-prompt-tokens``).
+    max_prompt_tokens: int = 0
+    max_n: int = 128
+    max_request_id_bytes: int = 256
+
+    def __post_init__(self) -> None:
+        room = self.max_model_len - 1
+        if not 0 < self.max_prompt_tokens <= room:
+            object.__setattr__(self, "max_prompt_tokens", room)
 
 
 # -- data plane ------------------------------------------------------------------------------
@@ -59,27 +69,62 @@ def token_ids(ids: Sequence[int], limits: ModelLimits, field: str) -> None:
             )
 
 
+def prompt_length(count: int, limits: ModelLimits) -> None:
+    """A prompt of ``count`` tokens fits (checked before the ids are even read)."""
+    if count > limits.max_prompt_tokens:
+        if limits.max_prompt_tokens == limits.max_model_len - 1:
+            raise InvalidArgument(
+                f"the prompt has {count} tokens but the model's context is "
+                f"{limits.max_model_len} tokens (prompt plus at least one output token): "
+                "shorten the prompt"
+            )
+        raise InvalidArgument(
+            f"the prompt has {count} tokens; this server takes at most "
+            f"{limits.max_prompt_tokens} (--max-prompt-tokens)"
+        )
+
+
 def prompt(ids: Sequence[int], limits: ModelLimits, field: str) -> list[int]:
-    """A tokenized prompt: non-empty, in the vocabulary, shorter than the context."""
+    """A tokenized prompt: non-empty, within the prompt limit, in the vocabulary."""
     if not ids:
         raise InvalidArgument(f"{field} is empty: send at least one token id")
+    prompt_length(len(ids), limits)  # before any pass over the ids
     result = list(ids)
     if max(result) >= limits.vocab_size:
         token_ids(result, limits, field)
-    if len(result) >= limits.max_model_len:
-        raise InvalidArgument(
-            f"the prompt has {len(result)} tokens but the model's context is "
-            f"{limits.max_model_len} tokens (prompt plus at least one output token): "
-            "shorten the prompt"
-        )
     return result
 
 
-def sample_count(n: int) -> int:
+def text_length(text: str, limits: ModelLimits, longest_token_bytes: int, field: str) -> None:
+    """Text that cannot fit the prompt limit whatever it tokenizes to (every token covers at
+    most ``longest_token_bytes`` bytes) is refused before the tokenizer runs."""
+    if len(text) * 4 <= limits.max_prompt_tokens * longest_token_bytes:
+        return  # even at 4 bytes per character it would fit: do not measure
+    size = len(text.encode())
+    if size > limits.max_prompt_tokens * longest_token_bytes:
+        raise InvalidArgument(
+            f"{field} is {size} bytes: more than {limits.max_prompt_tokens} tokens of this "
+            f"model's tokenizer can hold (--max-prompt-tokens): shorten it"
+        )
+
+
+def sample_count(n: int, limits: ModelLimits) -> int:
     """The contract's ``n`` (0 means 1) as a sample count."""
     if n < 0:
         raise InvalidArgument(f"n = {n}: the number of samples must be >= 1 (0 means 1)")
+    if n > limits.max_n:
+        raise InvalidArgument(f"n = {n}: this server takes at most {limits.max_n} (--max-n)")
     return n or 1
+
+
+def request_id(value: str, limits: ModelLimits) -> None:
+    if len(value) > limits.max_request_id_bytes or len(value.encode()) > (
+        limits.max_request_id_bytes
+    ):
+        raise InvalidArgument(
+            f"request_id is {len(value.encode())} bytes; this server takes at most "
+            f"{limits.max_request_id_bytes} (--max-request-id-bytes)"
+        )
 
 
 def chat_messages(messages: Sequence[data_plane_pb2.ChatMessage]) -> None:
@@ -146,7 +191,8 @@ def sampling(params: generation_pb2.SamplingParams, *, prompt_len: int, limits: 
             value = getattr(params, name)
             if value < 0 or value > limits.max_logprobs:
                 raise InvalidArgument(
-                    f"sampling_params.{name} = {value}: must be in 0..{limits.max_logprobs}"
+                    f"sampling_params.{name} = {value}: must be in 0..{limits.max_logprobs} "
+                    "(--max-logprobs)"
                 )
     return max_tokens
 
