@@ -8,17 +8,19 @@ from __future__ import annotations
 
 from google.protobuf.descriptor import ServiceDescriptor
 
-from skyrl_grpc.v1 import control_plane_pb2, data_plane_pb2, router_pb2
+from skyrl_grpc.v1 import control_plane_pb2, data_plane_pb2, router_pb2, status_pb2
 
 DATA_PLANE_SERVICE: ServiceDescriptor = data_plane_pb2.DESCRIPTOR.services_by_name["DataPlane"]
 CONTROL_PLANE_SERVICE: ServiceDescriptor = control_plane_pb2.DESCRIPTOR.services_by_name[
     "ControlPlane"
 ]
 ROUTER_ADMIN_SERVICE: ServiceDescriptor = router_pb2.DESCRIPTOR.services_by_name["RouterAdmin"]
+SERVER_STATUS_SERVICE: ServiceDescriptor = status_pb2.DESCRIPTOR.services_by_name["ServerStatus"]
 
 DATA_PLANE: str = DATA_PLANE_SERVICE.full_name
 CONTROL_PLANE: str = CONTROL_PLANE_SERVICE.full_name
 ROUTER_ADMIN: str = ROUTER_ADMIN_SERVICE.full_name
+SERVER_STATUS: str = SERVER_STATUS_SERVICE.full_name
 
 
 def method_path(service: ServiceDescriptor, method: str) -> str:

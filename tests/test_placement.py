@@ -76,10 +76,13 @@ def test_least_outstanding_picks_the_idlest_and_breaks_ties_randomly() -> None:
 class View:
     """A backend as placement reads it."""
 
-    def __init__(self, address: str, eligible: bool = True, in_flight: int = 0) -> None:
+    def __init__(
+        self, address: str, eligible: bool = True, in_flight: int = 0, paused: bool = False
+    ) -> None:
         self.address = address
         self.eligible = eligible
         self.in_flight = in_flight
+        self.paused = paused
 
 
 def placed(backends: list[View]) -> tuple[Placement, dict[str, View]]:
@@ -122,3 +125,16 @@ def test_no_eligible_backend_means_no_choice() -> None:
     placement, backends = placed([View(a) for a in BACKENDS])
     assert placement.choose("s", backends, exclude=frozenset(BACKENDS)) is None
     assert placement.choose(None, backends, exclude=frozenset(BACKENDS)) is None
+
+
+def test_calls_without_a_session_avoid_paused_backends_while_one_runs() -> None:
+    views = [View(a, in_flight=n) for a, n in zip(BACKENDS, [0, 3, 5, 9], strict=True)]
+    placement, backends = placed(views)
+    views[0].paused = views[1].paused = True
+    assert placement.choose(None, backends) is views[2]  # busier, but not paused
+    for view in views:
+        view.paused = True
+    assert placement.choose(None, backends) is views[0]  # all paused: the call waits there
+    session_home = placement.choose("s-1", backends)
+    views[1].paused = False
+    assert placement.choose("s-1", backends) is session_home  # sessions keep their server

@@ -33,22 +33,25 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from skyrl_grpc.host_memory import keep_freed_memory
-from skyrl_grpc.names import CONTROL_PLANE, DATA_PLANE
-from skyrl_grpc.v1 import data_plane_pb2_grpc
+from skyrl_grpc.names import CONTROL_PLANE, DATA_PLANE, SERVER_STATUS
+from skyrl_grpc.v1 import data_plane_pb2_grpc, status_pb2_grpc
 
 from ..common.interceptors import BearerTokenInterceptor, CallCounter, ErrorMappingInterceptor
 from ..common.listener import bind, server_options
 from ..common.process import announce, configure_logging, exit_now, serve_until_stopped
 from ..common.reaper import reap_children_on_exit
 from ..common.tasks import BackgroundTasks
+from .admission import Admission
 from .control_plane import ControlPlaneServicer, add_control_plane
 from .data_plane import DataPlaneServicer
 from .engine_logs import root_cause, route_vllm_logs
 from .options import ServerOptions, build_parser, options_from_args
 from .serving_state import ServingState
+from .status import ServerStatusServicer, StatusChanges
 from .vllm_engine import EngineCannotRun, VllmEngine
 
 log = logging.getLogger(__name__)
+DATA_PLANE_PREFIX = f"/{DATA_PLANE}/"
 # How often the engine's liveness is checked (vLLM notices its process exit at once).
 ENGINE_WATCH_SECONDS = 0.2
 # In-flight calls of a dead engine fail at once; this only lets their answers go out.
@@ -74,11 +77,14 @@ class EngineServer:
             interceptors=[
                 BearerTokenInterceptor(tokens),
                 ErrorMappingInterceptor(
-                    counter=self.calls, counted_services=(DATA_PLANE, CONTROL_PLANE)
+                    counter=self.calls,
+                    counted_services=(DATA_PLANE, CONTROL_PLANE),
+                    size_limit=self._request_size_limit,
                 ),
             ],
             options=server_options(options.max_message_bytes),
         )
+        self.status_changes = StatusChanges()
         self.port = 0
         self.failure: str | None = None
         self._engine_task: asyncio.Task[None] | None = None
@@ -89,14 +95,39 @@ class EngineServer:
     def address(self) -> str:
         return f"{self.options.host}:{self.port}"
 
+    def _request_size_limit(self, method: str) -> tuple[int, str] | None:
+        """No valid DataPlane request is larger than its longest prompt (5 bytes per token id,
+        or the longest token's text) plus 1 MiB for everything else it may carry."""
+        engine = self.state.started
+        if engine is None or not method.startswith(DATA_PLANE_PREFIX):
+            return None
+        tokens = engine.limits.max_prompt_tokens
+        limit = tokens * max(5, engine.longest_token_bytes) + (1 << 20)
+        return (
+            limit,
+            f"{limit} bytes, which a prompt of {tokens} tokens (--max-prompt-tokens) needs",
+        )
+
     async def start(self) -> None:
+        limits = self.options.limits
+        admission = Admission(limits.max_concurrent_samples, limits.max_queued_requests)
         data_plane_pb2_grpc.add_DataPlaneServicer_to_server(
-            DataPlaneServicer(self.state), self.server
+            DataPlaneServicer(self.state, admission), self.server
         )
         add_control_plane(ControlPlaneServicer(self.state), self.server)
+        status_pb2_grpc.add_ServerStatusServicer_to_server(
+            ServerStatusServicer(self.state, self.status_changes), self.server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            [DATA_PLANE, CONTROL_PLANE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+            [
+                DATA_PLANE,
+                CONTROL_PLANE,
+                SERVER_STATUS,
+                health.SERVICE_NAME,
+                reflection.SERVICE_NAME,
+            ],
+            self.server,
         )
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         for service in (DATA_PLANE, CONTROL_PLANE):
@@ -111,7 +142,8 @@ class EngineServer:
             keep_freed_memory()
         engine: VllmEngine | None = None
         try:
-            engine = await VllmEngine.start(self.options.engine, self.errors)
+            engine = await VllmEngine.start(self.options.engine, self.options.limits, self.errors)
+            engine.on_status_change = self.status_changes.announce
             self.state.set_ready(engine)  # so a drain shuts it down
             await engine.warm_up()
         except Exception as error:
@@ -130,6 +162,7 @@ class EngineServer:
         gc.freeze()
         for service in (DATA_PLANE, CONTROL_PLANE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self.status_changes.announce()
         self._tasks.spawn(self._watch_engine(engine), name="engine watch")
         log.info("engine ready: %s serving %s", self.address, engine.served_model_name)
 
@@ -163,6 +196,7 @@ class EngineServer:
             await self._stopped.wait()
             return
         self.state.draining = True
+        self.status_changes.announce()
         await self.health.enter_graceful_shutdown()
         grace = self.options.drain_grace_seconds if grace is None else grace
         if not await self.calls.wait_idle(grace):

@@ -23,7 +23,7 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from .engine_logs import root_cause
 from .engine_loop import EngineLoop
-from .options import TINY_MODEL_NAME, EngineOptions
+from .options import TINY_MODEL_NAME, EngineOptions, RequestLimits
 from .validate import ModelLimits, PauseModeName
 from .weights.protocol import WorkerCalls
 from .weights.transaction import WeightTransferManager
@@ -124,6 +124,7 @@ class VllmEngine:
         model_path: str,
         load: _LoadTracker,
         engine_loop: EngineLoop,
+        limits: RequestLimits,
         errors: Path | None = None,
     ):
         from transformers import AutoTokenizer
@@ -143,8 +144,19 @@ class VllmEngine:
         self.limits = ModelLimits(
             vocab_size=model_config.get_vocab_size(),
             max_model_len=model_config.max_model_len,
-            max_logprobs=model_config.max_logprobs,
+            max_logprobs=min(model_config.max_logprobs, limits.max_logprobs),
+            max_prompt_tokens=limits.max_prompt_tokens or 0,
+            max_n=limits.max_n,
+            max_request_id_bytes=limits.max_request_id_bytes,
         )
+        # The most bytes of text one token covers: text longer than the prompt limit times
+        # this cannot fit, and is refused before the tokenizer runs.
+        self.longest_token_bytes = max(
+            (len(token.encode()) for token in self.tokenizer.get_vocab()), default=1
+        )
+        # Generation requests handed to vLLM (for operators and tests: limits are checked
+        # before this moves).
+        self.requests_started = 0
         parallel = llm.vllm_config.parallel_config
         self.tensor_parallel_size = parallel.tensor_parallel_size
         self.pipeline_parallel_size = parallel.pipeline_parallel_size
@@ -157,6 +169,8 @@ class VllmEngine:
         self._load = load
         self._in_flight: set[str] = set()
         self.paused = False
+        # Called when what ServerStatus reports changes (pause, resume, weights).
+        self.on_status_change: Callable[[], None] = lambda: None
         from vllm.platforms import current_platform
 
         self.device = current_platform.device_type
@@ -254,6 +268,7 @@ class VllmEngine:
         # below fails because requests frozen by a KEEP pause still hold blocks (those finish
         # on the KV they have: KEEP's contract). The reset frees the stale blocks early.
         self.weights_epoch += 1
+        self.on_status_change()
         if not await self._call(self.llm.reset_prefix_cache()):
             log.info("prefix cache not reset after the weight change: requests hold blocks")
         if replaced_non_finite:
@@ -294,7 +309,12 @@ class VllmEngine:
         return [*collective, cp.WEIGHT_TRANSFER_BACKEND_GRPC_STREAM]
 
     @classmethod
-    async def start(cls, options: EngineOptions, errors: Path | None = None) -> VllmEngine:
+    async def start(
+        cls,
+        options: EngineOptions,
+        limits: RequestLimits | None = None,
+        errors: Path | None = None,
+    ) -> VllmEngine:
         """Starts vLLM (about 15-30 s on CPU) without blocking the event loop."""
         # Seconds of imports: in a thread, so the open port keeps answering (health: starting).
         await asyncio.to_thread(_import_engine_modules)
@@ -323,6 +343,7 @@ class VllmEngine:
             enforce_eager=options.enforce_eager,
             worker_extension_cls=options.worker_extension_cls,
             disable_log_stats=False,
+            max_logprobs=(limits or RequestLimits()).max_logprobs,
         )
         if not is_cpu:
             args["gpu_memory_utilization"] = options.gpu_memory_utilization
@@ -348,7 +369,7 @@ class VllmEngine:
         from vllm import envs
 
         envs.enable_envs_cache()
-        return cls(llm, options, model_path, load, engine_loop, errors)
+        return cls(llm, options, model_path, load, engine_loop, limits or RequestLimits(), errors)
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -368,6 +389,7 @@ class VllmEngine:
                 "empty for the server to assign one"
             )
         self._in_flight.add(request_id)
+        self.requests_started += 1
         try:
             prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": self.cache_salt}
             outputs = self._engine_loop.stream(
@@ -436,10 +458,12 @@ class VllmEngine:
         else:
             await self._call(self.llm.pause_generation(mode=mode, clear_cache=clear_cache))
         self.paused = True
+        self.on_status_change()
 
     async def resume(self) -> None:
         await self._call(self.llm.resume_generation())
         self.paused = False
+        self.on_status_change()
 
     async def is_paused(self) -> bool:
         """Whether generation is paused: known here (every pause and resume goes through this

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from skyrl_grpc.channels import open_channel
 from skyrl_grpc.errors import AlreadyExists, NotFound
 from skyrl_grpc.names import DATA_PLANE
-from skyrl_grpc.v1 import router_pb2
+from skyrl_grpc.v1 import router_pb2, status_pb2, status_pb2_grpc
 
 from ..common.tasks import BackgroundTasks
 from .placement import Placement
@@ -53,10 +53,17 @@ class Backend:
     ) = None
     recheck_requested: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    status_task: asyncio.Task[None] | None = None
+    # What the backend last reported of itself (ServerStatus); default until it does.
+    status: status_pb2.WatchResponse = field(default_factory=status_pb2.WatchResponse)
 
     @property
     def eligible(self) -> bool:
         return self.state == HEALTHY
+
+    @property
+    def paused(self) -> bool:
+        return self.status.paused
 
     def to_proto(self) -> router_pb2.Backend:
         return router_pb2.Backend(
@@ -65,6 +72,10 @@ class Backend:
             in_flight=self.in_flight,
             total_requests=self.total_requests,
             failed_requests=self.failed_requests,
+            paused=self.status.paused,
+            weight_version=self.status.weight_version,
+            running_requests=self.status.running_requests,
+            waiting_requests=self.status.waiting_requests,
         )
 
 
@@ -105,6 +116,9 @@ class BackendPool:
         self._backends[address] = backend
         self.placement.add(address)
         backend.watch_task = self._tasks.spawn(self._watch(backend), name=f"watch {address}")
+        backend.status_task = self._tasks.spawn(
+            self._watch_status(backend), name=f"status {address}"
+        )
         log.info("backend %s added", address)
         return backend
 
@@ -112,10 +126,11 @@ class BackendPool:
         backend = self.get(address)
         del self._backends[address]
         self.placement.remove(address)
-        if backend.watch_task is not None:
-            backend.watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await backend.watch_task
+        for task in (backend.watch_task, backend.status_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         backend.state = UNKNOWN
         self._changed(backend)
         # In-flight calls keep their own references and finish; close the channel after them.
@@ -215,6 +230,30 @@ class BackendPool:
                     raise  # the pool removed the backend
                 backend.recheck_requested = False
             self._set_state(backend, UNHEALTHY)
+            await asyncio.sleep(self.check_interval)
+
+    async def _watch_status(self, backend: Backend) -> None:
+        """Follows the backend's ServerStatus (pause, weight version, load); a server without
+        the service (an older one) is simply not followed."""
+        stub = status_pb2_grpc.ServerStatusStub(backend.channel)
+        request = status_pb2.WatchRequest(interval_ms=round(self.check_interval * 1000))
+        while True:
+            try:
+                async for status in stub.Watch(request):
+                    changed = status.paused != backend.status.paused
+                    backend.status = status
+                    if changed:
+                        log.info(
+                            "backend %s %s",
+                            backend.address,
+                            "paused" if status.paused else "resumed",
+                        )
+                        self._changed(backend)
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return
+                log.debug("status watch of %s ended: %s", backend.address, error.code())
+            backend.status = status_pb2.WatchResponse()  # unknown until it reports again
             await asyncio.sleep(self.check_interval)
 
     async def close(self) -> None:

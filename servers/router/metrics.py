@@ -66,6 +66,12 @@ class RouterMetrics:
             ["backend"],
             registry=self.registry,
         )
+        self.paused = Gauge(
+            "skyrl_router_backend_paused",
+            "1 if the backend reports its generation paused",
+            ["backend"],
+            registry=self.registry,
+        )
         self.healthy = Gauge(
             "skyrl_router_backend_healthy",
             "1 if the backend receives traffic",

@@ -2,7 +2,8 @@
 
 A call with a session id goes to the session's backend on the hash ring (the first eligible
 one clockwise from the session's point), so a multi-turn conversation keeps hitting the server
-that holds its prefix cache; any other call goes to the least-loaded eligible backend. Pure: it
+that holds its prefix cache; any other call goes to the least-loaded eligible backend that is
+not paused (a paused one only when all are: the call then waits for Resume). Pure: it
 reads the backends' state and load, and never touches the network, so every rule is tested
 without one.
 """
@@ -27,6 +28,9 @@ class Candidate(Protocol):
 
     @property
     def in_flight(self) -> int: ...
+
+    @property
+    def paused(self) -> bool: ...  # generation paused: calls there wait for Resume
 
 
 C = TypeVar("C", bound=Candidate)
@@ -61,4 +65,5 @@ class Placement:
             address = self._ring.lookup(session_id, eligible)
             return None if address is None else backends[address]
         candidates = [backends[a] for a in sorted(backends) if eligible(a)]
-        return self._balancer.pick(candidates, lambda b: b.in_flight)
+        running = [c for c in candidates if not c.paused]
+        return self._balancer.pick(running or candidates, lambda b: b.in_flight)

@@ -7,7 +7,8 @@ shape, takes the same path (``Proxy.relay``): pick a backend (``BackendPool.choo
 in flight, read its first message, announce the backend in the ``x-skyrl-backend`` header,
 relay the rest, count it out. A call that fails UNAVAILABLE before any message of its upstream
 reached the caller is retried on another backend (bounded, with backoff) when its request can
-be sent again; a GenerateStream cut mid-way by a lost backend migrates (``migration``).
+be sent again; a GenerateStream cut mid-way by a lost backend migrates (``migration``). Abort is
+the one exception: it goes to every backend (``Proxy.abort_everywhere``).
 Errors of the router's own go through ``skyrl_grpc.errors`` and the shared status mapping;
 a backend's status is passed through as it is.
 """
@@ -27,8 +28,8 @@ import grpc
 
 from skyrl_grpc.errors import SkyrlError, Unavailable
 from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
-from skyrl_grpc.names import DATA_PLANE, DATA_PLANE_SERVICE
-from skyrl_grpc.v1 import router_pb2
+from skyrl_grpc.names import ABORT, DATA_PLANE, DATA_PLANE_SERVICE
+from skyrl_grpc.v1 import data_plane_pb2, router_pb2
 
 from ..common.early_answer import read_rest
 from ..common.grpc_types import Context, Handler
@@ -68,6 +69,9 @@ class ProxyOptions:
     retry_backoff_seconds: float = 0.05
     # How often one GenerateStream may move to another backend when its backend dies (0: off).
     max_migrations: int = 2
+    # When every healthy backend is paused: answer UNAVAILABLE at once instead of sending the
+    # call to wait for Resume (up to its deadline).
+    fail_when_paused: bool = False
 
 
 class Upstream(Protocol):
@@ -133,6 +137,15 @@ class Proxy:
     def _pick(self, session: str | None, tried: set[str]) -> Backend:
         backend = self.pool.choose(session, frozenset(tried))
         if backend is not None:
+            if (
+                backend.paused
+                and self.options.fail_when_paused
+                and all(b.paused for b in self.pool.healthy())
+            ):
+                raise Unavailable(
+                    "router: every healthy backend is paused (a weight update?): retry after "
+                    "they resume; this router fails fast instead of waiting (--fail-when-paused)"
+                )
             return backend
         members = self.pool.backends
         if not members:
@@ -236,6 +249,48 @@ class Proxy:
         finally:
             self._finish(method, code, started)
 
+    async def abort_everywhere(self, request: bytes, context: Context) -> bytes:
+        """Abort reaches every backend: the router does not track which one runs a request
+        (its id may be one the server assigned), and an unknown id is ignored there."""
+        metadata = forwarded_metadata(context)
+        backends = self.pool.backends
+        started = time.perf_counter()
+        if not backends:
+            self._finish(ABORT, grpc.StatusCode.UNAVAILABLE, started)
+            await abort_with_status(
+                Unavailable("router: no backends to abort requests on"), context, ABORT
+            )
+        timeout = context.time_remaining()
+
+        async def abort(backend: Backend) -> data_plane_pb2.AbortResponse:
+            call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = backend.channel.unary_unary(
+                ABORT
+            )
+            raw = await call(request, timeout=timeout, metadata=metadata)
+            return data_plane_pb2.AbortResponse.FromString(raw)
+
+        outcomes = await asyncio.gather(*(abort(b) for b in backends), return_exceptions=True)
+        aborted: dict[str, None] = {}
+        errors = []
+        for backend, outcome in zip(backends, outcomes, strict=True):
+            self.metrics.requests.labels(ABORT, backend.address).inc()
+            if isinstance(outcome, BaseException):
+                errors.append((backend.address, outcome))
+                continue
+            aborted.update(dict.fromkeys(outcome.aborted_request_ids))
+        if len(errors) == len(backends):
+            address, error = errors[0]
+            self._finish(ABORT, grpc.StatusCode.UNAVAILABLE, started)
+            await abort_with_status(
+                Unavailable(f"router: Abort failed on every backend ({address}: {error})"),
+                context,
+                ABORT,
+            )
+        for address, error in errors:
+            log.warning("Abort could not reach backend %s: %s", address, error)
+        self._finish(ABORT, grpc.StatusCode.OK, started)
+        return data_plane_pb2.AbortResponse(aborted_request_ids=list(aborted)).SerializeToString()
+
     async def unary_unary(self, method: str, request: bytes, context: Context) -> bytes:
         response = b""
         # Read to the end (not just the first message): the path's bookkeeping runs there.
@@ -309,6 +364,8 @@ class ForwardingHandler(grpc.GenericRpcHandler):
         method: str = handler_call_details.method
         if not method.startswith(self._prefixes):
             return None
+        if method == ABORT:
+            return grpc.unary_unary_rpc_method_handler(self._proxy.abort_everywhere)
         shape = self._streaming.get(method, (True, True))
         # partial keeps the coroutine / async-generator nature grpc inspects to drive the call.
         if shape == (False, False):

@@ -102,6 +102,7 @@ class RouterServer:
 
     def _backend_changed(self, backend: Backend) -> None:
         self.metrics.healthy.labels(backend.address).set(1 if backend.eligible else 0)
+        self.metrics.paused.labels(backend.address).set(1 if backend.paused else 0)
         serving = bool(self.pool.healthy())
         if serving != self._serving:
             self._serving = serving
@@ -174,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-migrations", type=int, default=2, help="0 turns stream migration off"
     )
+    parser.add_argument(
+        "--fail-when-paused",
+        action="store_true",
+        help="when every healthy backend is paused, answer UNAVAILABLE at once (default: "
+        "calls wait for Resume, up to their deadline)",
+    )
     add_tls_arguments(parser)
     parser.add_argument("--backend-tls-ca", default=None, help="PEM CA to verify TLS backends")
     parser.add_argument(
@@ -196,7 +203,11 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         metrics_port=args.metrics_port,
         health_check_interval=args.health_check_interval,
         balancing=args.balancing,
-        proxy=ProxyOptions(max_retries=args.max_retries, max_migrations=args.max_migrations),
+        proxy=ProxyOptions(
+            max_retries=args.max_retries,
+            max_migrations=args.max_migrations,
+            fail_when_paused=args.fail_when_paused,
+        ),
         admin_token=args.admin_token,
         max_message_bytes=args.max_message_mib * MiB,
         tls=tls_from_args(args),

@@ -19,18 +19,26 @@ BACKEND_STATE_UNHEALTHY: BackendState
 BACKEND_STATE_DRAINING: BackendState
 
 class Backend(_message.Message):
-    __slots__ = ("address", "state", "in_flight", "total_requests", "failed_requests")
+    __slots__ = ("address", "state", "in_flight", "total_requests", "failed_requests", "paused", "weight_version", "running_requests", "waiting_requests")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: BackendState
     in_flight: int
     total_requests: int
     failed_requests: int
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[BackendState, str]] = ..., in_flight: _Optional[int] = ..., total_requests: _Optional[int] = ..., failed_requests: _Optional[int] = ...) -> None: ...
+    paused: bool
+    weight_version: int
+    running_requests: int
+    waiting_requests: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[BackendState, str]] = ..., in_flight: _Optional[int] = ..., total_requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...
 
 class ListBackendsRequest(_message.Message):
     __slots__ = ()

@@ -29,6 +29,11 @@ class RouterAdminStub:
     """Membership and state of the router's engine-server backends.
 
     Request metadata: `authorization: Bearer <token>` when the router runs with an admin token.
+
+    How the router treats paused backends: requests without a session go to unpaused backends
+    while any is healthy; when every healthy backend is paused, a request is sent anyway and
+    waits for Resume (up to its deadline), unless the router runs with --fail-when-paused, which
+    answers UNAVAILABLE at once. A DataPlane Abort sent to the router reaches every backend.
     """
 
     def __init__(self, channel):
@@ -63,6 +68,11 @@ class RouterAdminServicer:
     """Membership and state of the router's engine-server backends.
 
     Request metadata: `authorization: Bearer <token>` when the router runs with an admin token.
+
+    How the router treats paused backends: requests without a session go to unpaused backends
+    while any is healthy; when every healthy backend is paused, a request is sent anyway and
+    waits for Resume (up to its deadline), unless the router runs with --fail-when-paused, which
+    answers UNAVAILABLE at once. A DataPlane Abort sent to the router reaches every backend.
     """
 
     def ListBackends(self, request, context):
@@ -129,6 +139,11 @@ class RouterAdmin:
     """Membership and state of the router's engine-server backends.
 
     Request metadata: `authorization: Bearer <token>` when the router runs with an admin token.
+
+    How the router treats paused backends: requests without a session go to unpaused backends
+    while any is healthy; when every healthy backend is paused, a request is sent anyway and
+    waits for Resume (up to its deadline), unless the router runs with --fail-when-paused, which
+    answers UNAVAILABLE at once. A DataPlane Abort sent to the router reaches every backend.
     """
 
     @staticmethod

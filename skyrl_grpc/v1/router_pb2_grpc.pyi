@@ -32,6 +32,11 @@ class RouterAdminStub:
     """Membership and state of the router's engine-server backends.
 
     Request metadata: `authorization: Bearer <token>` when the router runs with an admin token.
+
+    How the router treats paused backends: requests without a session go to unpaused backends
+    while any is healthy; when every healthy backend is paused, a request is sent anyway and
+    waits for Resume (up to its deadline), unless the router runs with --fail-when-paused, which
+    answers UNAVAILABLE at once. A DataPlane Abort sent to the router reaches every backend.
     """
 
     @_typing.overload
@@ -54,6 +59,11 @@ class RouterAdminAsyncStub(RouterAdminStub):
     """Membership and state of the router's engine-server backends.
 
     Request metadata: `authorization: Bearer <token>` when the router runs with an admin token.
+
+    How the router treats paused backends: requests without a session go to unpaused backends
+    while any is healthy; when every healthy backend is paused, a request is sent anyway and
+    waits for Resume (up to its deadline), unless the router runs with --fail-when-paused, which
+    answers UNAVAILABLE at once. A DataPlane Abort sent to the router reaches every backend.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -72,6 +82,11 @@ class RouterAdminServicer(metaclass=_abc_1.ABCMeta):
     """Membership and state of the router's engine-server backends.
 
     Request metadata: `authorization: Bearer <token>` when the router runs with an admin token.
+
+    How the router treats paused backends: requests without a session go to unpaused backends
+    while any is healthy; when every healthy backend is paused, a request is sent anyway and
+    waits for Resume (up to its deadline), unless the router runs with --fail-when-paused, which
+    answers UNAVAILABLE at once. A DataPlane Abort sent to the router reaches every backend.
     """
 
     @_abc_1.abstractmethod

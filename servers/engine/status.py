@@ -1,0 +1,65 @@
+"""ServerStatus servicer: the server's state streamed to routers as it changes.
+
+``StatusChanges`` is the one place state changes are announced (pause, resume, a weight
+change, draining); each Watch stream sends the state at once, then on every announcement, and
+otherwise every interval with fresh load figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from skyrl_grpc.v1 import status_pb2, status_pb2_grpc
+
+from ..common.grpc_types import Context
+from .serving_state import ServingState
+from .vllm_engine import VllmEngine
+
+DEFAULT_INTERVAL_MS = 1000
+MIN_INTERVAL_MS = 100
+
+
+class StatusChanges:
+    """Wakes every watcher when the server's state changes."""
+
+    def __init__(self) -> None:
+        self._changed = asyncio.Event()
+
+    def announce(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait(self, timeout: float) -> None:
+        """Returns at the next announcement, or after ``timeout`` seconds."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
+
+
+class ServerStatusServicer(status_pb2_grpc.ServerStatusServicer):
+    def __init__(self, state: ServingState[VllmEngine], changes: StatusChanges) -> None:
+        self._state = state
+        self._changes = changes
+
+    def snapshot(self) -> status_pb2.WatchResponse:
+        engine = self._state.started
+        status = status_pb2.WatchResponse(draining=self._state.draining)
+        if engine is not None:
+            load = engine.load()
+            status.paused = engine.paused
+            status.weight_version = engine.weight_version
+            status.running_requests = load.running
+            status.waiting_requests = load.waiting
+            status.kv_cache_usage = load.kv_cache_usage
+        return status
+
+    async def Watch(
+        self, request: status_pb2.WatchRequest, context: Context
+    ) -> AsyncIterator[status_pb2.WatchResponse]:
+        interval = max(request.interval_ms or DEFAULT_INTERVAL_MS, MIN_INTERVAL_MS) / 1000
+        while True:
+            yield self.snapshot()
+            if self._state.draining:
+                return
+            await self._changes.wait(interval)
