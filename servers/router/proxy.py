@@ -280,6 +280,11 @@ class Proxy:
             aborted.update(dict.fromkeys(outcome.aborted_request_ids))
         if len(errors) == len(backends):
             address, error = errors[0]
+            codes = {e.code() for _, e in errors if isinstance(e, grpc.aio.AioRpcError)}
+            if len(codes) == 1 and isinstance(error, grpc.aio.AioRpcError):
+                # Every backend gave the same answer (e.g. INVALID_ARGUMENT): it is the answer.
+                self._finish(ABORT, error.code(), started)
+                await context.abort(error.code(), error.details() or "")
             self._finish(ABORT, grpc.StatusCode.UNAVAILABLE, started)
             await abort_with_status(
                 Unavailable(f"router: Abort failed on every backend ({address}: {error})"),
