@@ -204,3 +204,15 @@ class AbortResponse(_message.Message):
     ABORTED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     aborted_request_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, aborted_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FinishSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class FinishSessionResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...

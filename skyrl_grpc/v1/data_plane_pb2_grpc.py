@@ -31,7 +31,12 @@ class DataPlaneStub:
 
     Request metadata:
     - `x-session-id`: a conversation id. Through the router, every call with the same id lands on
-    the same server (so multi-turn rollouts reuse that server's prefix cache).
+    the same server (so multi-turn rollouts reuse that server's prefix cache). The server keeps
+    the session live (reported in ServerStatus) until FinishSession or idleness.
+
+    Prefix-cache reuse never crosses weight versions: every commit or rollback of weights starts
+    a new cache namespace, so a request never reuses KV computed under other weights, even while
+    requests paused in KEEP mode keep the cache from being reset.
     - `authorization: Bearer <token>`: required when the server runs with a data-plane token.
 
     Errors are gRPC status codes, never fields of a response: INVALID_ARGUMENT for a bad request
@@ -87,6 +92,11 @@ class DataPlaneStub:
                 request_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.AbortRequest.SerializeToString,
                 response_deserializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.FinishSession = channel.unary_unary(
+                '/skyrl.inference.v1.DataPlane/FinishSession',
+                request_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.FinishSessionRequest.SerializeToString,
+                response_deserializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.FinishSessionResponse.FromString,
+                _registered_method=True)
 
 
 class DataPlaneServicer:
@@ -95,7 +105,12 @@ class DataPlaneServicer:
 
     Request metadata:
     - `x-session-id`: a conversation id. Through the router, every call with the same id lands on
-    the same server (so multi-turn rollouts reuse that server's prefix cache).
+    the same server (so multi-turn rollouts reuse that server's prefix cache). The server keeps
+    the session live (reported in ServerStatus) until FinishSession or idleness.
+
+    Prefix-cache reuse never crosses weight versions: every commit or rollback of weights starts
+    a new cache namespace, so a request never reuses KV computed under other weights, even while
+    requests paused in KEEP mode keep the cache from being reset.
     - `authorization: Bearer <token>`: required when the server runs with a data-plane token.
 
     Errors are gRPC status codes, never fields of a response: INVALID_ARGUMENT for a bad request
@@ -163,6 +178,15 @@ class DataPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FinishSession(self, request, context):
+        """Ends a session: its server forgets it, so placement counts its place as free (a session
+        also ends by itself after the server's --session-idle-seconds without a request). Through
+        the router it reaches every server.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DataPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -206,6 +230,11 @@ def add_DataPlaneServicer_to_server(servicer, server):
                     request_deserializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.AbortRequest.FromString,
                     response_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.AbortResponse.SerializeToString,
             ),
+            'FinishSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishSession,
+                    request_deserializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.FinishSessionRequest.FromString,
+                    response_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.FinishSessionResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'skyrl.inference.v1.DataPlane', rpc_method_handlers)
@@ -220,7 +249,12 @@ class DataPlane:
 
     Request metadata:
     - `x-session-id`: a conversation id. Through the router, every call with the same id lands on
-    the same server (so multi-turn rollouts reuse that server's prefix cache).
+    the same server (so multi-turn rollouts reuse that server's prefix cache). The server keeps
+    the session live (reported in ServerStatus) until FinishSession or idleness.
+
+    Prefix-cache reuse never crosses weight versions: every commit or rollback of weights starts
+    a new cache namespace, so a request never reuses KV computed under other weights, even while
+    requests paused in KEEP mode keep the cache from being reset.
     - `authorization: Bearer <token>`: required when the server runs with a data-plane token.
 
     Errors are gRPC status codes, never fields of a response: INVALID_ARGUMENT for a bad request
@@ -436,6 +470,33 @@ class DataPlane:
             '/skyrl.inference.v1.DataPlane/Abort',
             skyrl_dot_inference_dot_v1_dot_data__plane__pb2.AbortRequest.SerializeToString,
             skyrl_dot_inference_dot_v1_dot_data__plane__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skyrl.inference.v1.DataPlane/FinishSession',
+            skyrl_dot_inference_dot_v1_dot_data__plane__pb2.FinishSessionRequest.SerializeToString,
+            skyrl_dot_inference_dot_v1_dot_data__plane__pb2.FinishSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

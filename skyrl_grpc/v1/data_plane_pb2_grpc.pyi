@@ -34,7 +34,12 @@ class DataPlaneStub:
 
     Request metadata:
     - `x-session-id`: a conversation id. Through the router, every call with the same id lands on
-      the same server (so multi-turn rollouts reuse that server's prefix cache).
+      the same server (so multi-turn rollouts reuse that server's prefix cache). The server keeps
+      the session live (reported in ServerStatus) until FinishSession or idleness.
+
+    Prefix-cache reuse never crosses weight versions: every commit or rollback of weights starts
+    a new cache namespace, so a request never reuses KV computed under other weights, even while
+    requests paused in KEEP mode keep the cache from being reset.
     - `authorization: Bearer <token>`: required when the server runs with a data-plane token.
 
     Errors are gRPC status codes, never fields of a response: INVALID_ARGUMENT for a bad request
@@ -67,6 +72,11 @@ class DataPlaneStub:
     """Facts about the served model a client needs to build prompts."""
     Abort: _grpc.UnaryUnaryMultiCallable[_data_plane_pb2.AbortRequest, _data_plane_pb2.AbortResponse]
     """Aborts in-flight requests by id; their streams end with FINISH_REASON_ABORTED."""
+    FinishSession: _grpc.UnaryUnaryMultiCallable[_data_plane_pb2.FinishSessionRequest, _data_plane_pb2.FinishSessionResponse]
+    """Ends a session: its server forgets it, so placement counts its place as free (a session
+    also ends by itself after the server's --session-idle-seconds without a request). Through
+    the router it reaches every server.
+    """
 
 @_typing.type_check_only
 class DataPlaneAsyncStub(DataPlaneStub):
@@ -75,7 +85,12 @@ class DataPlaneAsyncStub(DataPlaneStub):
 
     Request metadata:
     - `x-session-id`: a conversation id. Through the router, every call with the same id lands on
-      the same server (so multi-turn rollouts reuse that server's prefix cache).
+      the same server (so multi-turn rollouts reuse that server's prefix cache). The server keeps
+      the session live (reported in ServerStatus) until FinishSession or idleness.
+
+    Prefix-cache reuse never crosses weight versions: every commit or rollback of weights starts
+    a new cache namespace, so a request never reuses KV computed under other weights, even while
+    requests paused in KEEP mode keep the cache from being reset.
     - `authorization: Bearer <token>`: required when the server runs with a data-plane token.
 
     Errors are gRPC status codes, never fields of a response: INVALID_ARGUMENT for a bad request
@@ -105,6 +120,11 @@ class DataPlaneAsyncStub(DataPlaneStub):
     """Facts about the served model a client needs to build prompts."""
     Abort: _aio.UnaryUnaryMultiCallable[_data_plane_pb2.AbortRequest, _data_plane_pb2.AbortResponse]  # type: ignore[assignment]
     """Aborts in-flight requests by id; their streams end with FINISH_REASON_ABORTED."""
+    FinishSession: _aio.UnaryUnaryMultiCallable[_data_plane_pb2.FinishSessionRequest, _data_plane_pb2.FinishSessionResponse]  # type: ignore[assignment]
+    """Ends a session: its server forgets it, so placement counts its place as free (a session
+    also ends by itself after the server's --session-idle-seconds without a request). Through
+    the router it reaches every server.
+    """
 
 class DataPlaneServicer(metaclass=_abc_1.ABCMeta):
     """Generation and tokenizer access of one engine server. A router serves the same service and
@@ -112,7 +132,12 @@ class DataPlaneServicer(metaclass=_abc_1.ABCMeta):
 
     Request metadata:
     - `x-session-id`: a conversation id. Through the router, every call with the same id lands on
-      the same server (so multi-turn rollouts reuse that server's prefix cache).
+      the same server (so multi-turn rollouts reuse that server's prefix cache). The server keeps
+      the session live (reported in ServerStatus) until FinishSession or idleness.
+
+    Prefix-cache reuse never crosses weight versions: every commit or rollback of weights starts
+    a new cache namespace, so a request never reuses KV computed under other weights, even while
+    requests paused in KEEP mode keep the cache from being reset.
     - `authorization: Bearer <token>`: required when the server runs with a data-plane token.
 
     Errors are gRPC status codes, never fields of a response: INVALID_ARGUMENT for a bad request
@@ -188,5 +213,16 @@ class DataPlaneServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_data_plane_pb2.AbortResponse, _abc.Awaitable[_data_plane_pb2.AbortResponse]]:
         """Aborts in-flight requests by id; their streams end with FINISH_REASON_ABORTED."""
+
+    @_abc_1.abstractmethod
+    def FinishSession(
+        self,
+        request: _data_plane_pb2.FinishSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_data_plane_pb2.FinishSessionResponse, _abc.Awaitable[_data_plane_pb2.FinishSessionResponse]]:
+        """Ends a session: its server forgets it, so placement counts its place as free (a session
+        also ends by itself after the server's --session-idle-seconds without a request). Through
+        the router it reaches every server.
+        """
 
 def add_DataPlaneServicer_to_server(servicer: DataPlaneServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

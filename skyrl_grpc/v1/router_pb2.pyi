@@ -19,7 +19,7 @@ BACKEND_STATE_UNHEALTHY: BackendState
 BACKEND_STATE_DRAINING: BackendState
 
 class Backend(_message.Message):
-    __slots__ = ("address", "state", "in_flight", "total_requests", "failed_requests", "paused", "weight_version", "running_requests", "waiting_requests")
+    __slots__ = ("address", "state", "in_flight", "total_requests", "failed_requests", "paused", "weight_version", "running_requests", "waiting_requests", "live_sessions", "prompt_tokens", "cached_prompt_tokens")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,9 @@ class Backend(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: BackendState
     in_flight: int
@@ -38,7 +41,10 @@ class Backend(_message.Message):
     weight_version: int
     running_requests: int
     waiting_requests: int
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[BackendState, str]] = ..., in_flight: _Optional[int] = ..., total_requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...
+    live_sessions: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[BackendState, str]] = ..., in_flight: _Optional[int] = ..., total_requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., live_sessions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ListBackendsRequest(_message.Message):
     __slots__ = ()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fskyrl/inference/v1/status.proto\x12\x12skyrl.inference.v1\"/\n\x0cWatchRequest\x12\x1f\n\x0binterval_ms\x18\x01 \x01(\rR\nintervalMs\"\xe6\x01\n\rWatchResponse\x12\x16\n\x06paused\x18\x01 \x01(\x08R\x06paused\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12)\n\x10running_requests\x18\x03 \x01(\rR\x0frunningRequests\x12)\n\x10waiting_requests\x18\x04 \x01(\rR\x0fwaitingRequests\x12$\n\x0ekv_cache_usage\x18\x05 \x01(\x02R\x0ckvCacheUsage\x12\x1a\n\x08\x64raining\x18\x06 \x01(\x08R\x08\x64raining2^\n\x0cServerStatus\x12N\n\x05Watch\x12 .skyrl.inference.v1.WatchRequest\x1a!.skyrl.inference.v1.WatchResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fskyrl/inference/v1/status.proto\x12\x12skyrl.inference.v1\"/\n\x0cWatchRequest\x12\x1f\n\x0binterval_ms\x18\x01 \x01(\rR\nintervalMs\"\xe1\x03\n\rWatchResponse\x12\x16\n\x06paused\x18\x01 \x01(\x08R\x06paused\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12)\n\x10running_requests\x18\x03 \x01(\rR\x0frunningRequests\x12)\n\x10waiting_requests\x18\x04 \x01(\rR\x0fwaitingRequests\x12$\n\x0ekv_cache_usage\x18\x05 \x01(\x02R\x0ckvCacheUsage\x12\x1a\n\x08\x64raining\x18\x06 \x01(\x08R\x08\x64raining\x12#\n\rlive_sessions\x18\x07 \x01(\rR\x0cliveSessions\x12%\n\x0esessions_added\x18\x08 \x03(\tR\rsessionsAdded\x12)\n\x10sessions_removed\x18\t \x03(\tR\x0fsessionsRemoved\x12+\n\x11sessions_complete\x18\n \x01(\x08R\x10sessionsComplete\x12#\n\rprompt_tokens\x18\x0b \x01(\x04R\x0cpromptTokens\x12\x30\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0c \x01(\x04R\x12\x63\x61\x63hedPromptTokens2^\n\x0cServerStatus\x12N\n\x05Watch\x12 .skyrl.inference.v1.WatchRequest\x1a!.skyrl.inference.v1.WatchResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,7 +34,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHREQUEST']._serialized_start=55
   _globals['_WATCHREQUEST']._serialized_end=102
   _globals['_WATCHRESPONSE']._serialized_start=105
-  _globals['_WATCHRESPONSE']._serialized_end=335
-  _globals['_SERVERSTATUS']._serialized_start=337
-  _globals['_SERVERSTATUS']._serialized_end=431
+  _globals['_WATCHRESPONSE']._serialized_end=586
+  _globals['_SERVERSTATUS']._serialized_start=588
+  _globals['_SERVERSTATUS']._serialized_end=682
 # @@protoc_insertion_point(module_scope)
