@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -31,6 +32,10 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 async def start_router(backends: list[FakeBackend], **kw: object) -> RouterServer:
+    # Ring placement: these tests follow sessions through ejection and re-admission, where a
+    # ring owner takes its sessions back (bounded-load keeps them where they moved: see
+    # test_bounded_load_sessions_stay_where_they_moved).
+    kw.setdefault("placement", "consistent-hash")
     options = RouterOptions(backends=[b.address for b in backends], health_check_interval=0.1, **kw)  # type: ignore[arg-type]
     router = RouterServer(options)
     await router.start()
@@ -407,3 +412,35 @@ def test_killed_backend_process_is_ejected_router_stays_serving() -> None:
                 p.wait()
 
     asyncio.run(scenario())
+
+
+async def test_bounded_load_sessions_stay_where_they_moved() -> None:
+    backends = [await FakeBackend(f"b{i}").start() for i in range(3)]
+    router = await start_router(backends, placement="bounded-load")
+    try:
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            homes = {f"s{i}": (await routed_stream(channel, f"s{i}"))[0] for i in range(30)}
+            assert sorted(Counter(homes.values()).values()) == [10, 10, 10]  # least loaded
+            victim = backends[0]
+            await victim.set_serving(False)
+            await until(lambda: victim.address not in {b.address for b in router.pool.healthy()})
+            moved = {s: (await routed_stream(channel, s))[0] for s in homes}
+            for session, home in homes.items():
+                assert moved[session] == home if home != victim.address else moved[session] != home
+            # The server each moved session left is told it ended there.
+            left = sorted(s for s in homes if homes[s] == victim.address)
+            await until(lambda: sorted(victim.servicer.observed.finished_sessions) == left)
+            await victim.set_serving(True)
+            await router.wait_healthy(3, timeout=5)
+            # Back in: moved sessions stay where their cache now is, except the excess of the
+            # two overfull servers (15 each; the bound is floor(1.25 * 10) = 12)...
+            back = {s: (await routed_stream(channel, s))[0] for s in homes}
+            rebalanced = [s for s in homes if back[s] != moved[s]]
+            assert len(rebalanced) == 6 and {back[s] for s in rebalanced} == {victim.address}
+            # ...and the idle server takes the new sessions first.
+            fresh = [(await routed_stream(channel, f"new{i}"))[0] for i in range(5)]
+            assert fresh == [victim.address] * 5
+    finally:
+        await router.stop(0)
+        for b in backends:
+            await b.stop()

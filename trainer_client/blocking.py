@@ -190,6 +190,9 @@ class BlockingInferenceClient:
     def model_info(self) -> data_plane_pb2.GetModelInfoResponse:
         return self._run(self._client.model_info())
 
+    def finish_session(self, session_id: str) -> bool:
+        return self._run(self._client.finish_session(session_id))
+
     # -- control plane ------------------------------------------------------------------------
 
     def pause(self, mode: str = "abort", clear_cache: bool = False) -> dict[str, None]:

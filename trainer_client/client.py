@@ -222,6 +222,7 @@ class InferenceClient:
         result = GenerationResult.from_sample(
             list(prompt_token_ids), sample, params.HasField("logprobs"), continuation.retries
         )
+        result.cached_prompt_tokens = continuation.cached_prompt_tokens
         if result.finish_reason == FinishReason.ABORTED and continuation.retries:
             raise RetriesExhausted(continuation.retries, result)
         if include_text and continuation.retries:
@@ -326,6 +327,16 @@ class InferenceClient:
         return await self._unary(
             self.config.router, self._data.GetModelInfo, request, self.config.data_timeout
         )
+
+    async def finish_session(self, session_id: str) -> bool:
+        """End a session: its server frees the session's place (and the router stops counting
+        it), so new sessions can use it. True if a server held the session. Sessions that are
+        never finished are released after the servers' ``--session-idle-seconds``."""
+        request = data_plane_pb2.FinishSessionRequest(session_id=session_id)
+        response = await self._unary(
+            self.config.router, self._data.FinishSession, request, self.config.data_timeout
+        )
+        return bool(response.found)
 
     # -- control plane (fan-out) --------------------------------------------------------------
 

@@ -31,6 +31,8 @@ class Continuation:
         self.max_abort_retries = max_abort_retries
         self.stream_interval = stream_interval
         self.retries = 0
+        # Of the prompt, tokens the server took from its prefix cache (first attempt).
+        self.cached_prompt_tokens = 0
         self._assembler = ResponseAssembler()
         self._budget = (
             sampling_params.max_tokens if sampling_params.HasField("max_tokens") else None
@@ -54,6 +56,8 @@ class Continuation:
         return continue_request(first, generated) if generated else first
 
     def add(self, chunk: data_plane_pb2.GenerateStreamResponse) -> None:
+        if self.retries == 0 and chunk.HasField("usage"):
+            self.cached_prompt_tokens = chunk.usage.cached_prompt_tokens
         self._assembler.add(chunk)
 
     def sample(self) -> generation_pb2.Sample:

@@ -51,6 +51,9 @@ class GenerationResult:
     weight_versions: list[WeightSpan] = field(default_factory=list)
     # How many times the sample was resubmitted after an abort (0: uninterrupted).
     abort_retries: int = 0
+    # Prompt tokens the server served from its prefix cache instead of computing them (of the
+    # first attempt, when resubmitted): how much a session's placement saved.
+    cached_prompt_tokens: int = 0
 
     @classmethod
     def from_sample(

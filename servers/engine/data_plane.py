@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from skyrl_grpc.assembly import ResponseAssembler
+from skyrl_grpc.metadata import session_of
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
 
 from ..common.grpc_types import Context
@@ -32,11 +33,16 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         self._state = state
         self._admission = admission
 
-    def _engine_for(self, request_id: str, n: int) -> tuple[VllmEngine, int]:
-        """The engine, once the request's cheapest checks pass (before any prompt work)."""
+    def _engine_for(self, request_id: str, n: int, context: Context) -> tuple[VllmEngine, int]:
+        """The engine, once the request's cheapest checks pass (before any prompt work); the
+        request's session, if it names one, is live here from now."""
         engine = self._state.engine()
         validate.request_id(request_id, engine.limits)
-        return engine, validate.sample_count(n, engine.limits)
+        resolved = validate.sample_count(n, engine.limits)
+        session = session_of(context.invocation_metadata())
+        if session and engine.sessions.touch(session):
+            engine.on_status_change()  # placers learn where the new session lives
+        return engine, resolved
 
     async def _stream(
         self,
@@ -69,9 +75,9 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
                 yield message
 
     def _token_stream(
-        self, request: GenerateLike, stream_interval: int = 0
+        self, request: GenerateLike, context: Context, stream_interval: int = 0
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
-        engine, n = self._engine_for(request.request_id, request.n)
+        engine, n = self._engine_for(request.request_id, request.n, context)
         prompt = validate.prompt(request.prompt_token_ids, engine.limits, "prompt_token_ids")
         return self._stream(
             engine,
@@ -94,13 +100,13 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     async def GenerateStream(
         self, request: data_plane_pb2.GenerateStreamRequest, context: Context
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
-        async for chunk in self._token_stream(request, request.stream_interval):
+        async for chunk in self._token_stream(request, context, request.stream_interval):
             yield chunk
 
     async def Generate(
         self, request: data_plane_pb2.GenerateRequest, context: Context
     ) -> data_plane_pb2.GenerateResponse:
-        result = await self._collect(self._token_stream(request))
+        result = await self._collect(self._token_stream(request, context))
         response = data_plane_pb2.GenerateResponse(
             request_id=result.request_id, samples=result.samples(), usage=result.usage
         )
@@ -111,7 +117,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     async def Chat(
         self, request: data_plane_pb2.ChatRequest, context: Context
     ) -> data_plane_pb2.ChatResponse:
-        engine, n = self._engine_for(request.request_id, request.n)
+        engine, n = self._engine_for(request.request_id, request.n, context)
         prompt = self._render_chat(engine, request.messages, request)
         result = await self._collect(
             self._stream(engine, request.request_id, prompt, request.sampling_params, n, True)
@@ -126,7 +132,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     async def Complete(
         self, request: data_plane_pb2.CompleteRequest, context: Context
     ) -> data_plane_pb2.CompleteResponse:
-        engine, n = self._engine_for(request.request_id, request.n)
+        engine, n = self._engine_for(request.request_id, request.n, context)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         validate.text_length(request.prompt, engine.limits, engine.longest_token_bytes, "prompt")
         prompt = validate.prompt(
@@ -208,3 +214,13 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     ) -> data_plane_pb2.AbortResponse:
         aborted = await self._state.engine().abort(list(request.request_ids))
         return data_plane_pb2.AbortResponse(aborted_request_ids=aborted)
+
+    async def FinishSession(
+        self, request: data_plane_pb2.FinishSessionRequest, context: Context
+    ) -> data_plane_pb2.FinishSessionResponse:
+        validate.session_id(request.session_id)
+        engine = self._state.engine()
+        found = engine.sessions.finish(request.session_id)
+        if found:
+            engine.on_status_change()
+        return data_plane_pb2.FinishSessionResponse(found=found)

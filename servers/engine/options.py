@@ -50,6 +50,8 @@ class EngineOptions:
     weight_update_lease_seconds: float = 600.0
     # Accept weights holding NaN or infinity (refused by default: they poison generation).
     allow_non_finite_weights: bool = False
+    # A session without a request for this long ends (its place is free for placement).
+    session_idle_seconds: float = 600.0
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -121,6 +123,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="an open weight update without a call for this long expires (default 600)",
     )
     group.add_argument(
+        "--session-idle-seconds",
+        type=float,
+        default=600.0,
+        help="a session without a request for this long ends (default 600)",
+    )
+    group.add_argument(
         "--allow-non-finite-weights",
         action="store_true",
         help="accept pushed weights holding NaN or infinity (refused by default)",
@@ -143,6 +151,7 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
         enable_prefix_caching=not args.no_prefix_caching,
         weight_update_lease_seconds=args.weight_update_lease_seconds,
         allow_non_finite_weights=args.allow_non_finite_weights,
+        session_idle_seconds=args.session_idle_seconds,
     )
 
 

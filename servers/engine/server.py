@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 DATA_PLANE_PREFIX = f"/{DATA_PLANE}/"
 # How often the engine's liveness is checked (vLLM notices its process exit at once).
 ENGINE_WATCH_SECONDS = 0.2
+# How often idle sessions are looked for (at most; a quarter of the idle time if shorter).
+SESSION_EXPIRY_CHECK_SECONDS = 5.0
 # In-flight calls of a dead engine fail at once; this only lets their answers go out.
 DEAD_ENGINE_GRACE_SECONDS = 2.0
 
@@ -164,6 +166,7 @@ class EngineServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.status_changes.announce()
         self._tasks.spawn(self._watch_engine(engine), name="engine watch")
+        self._tasks.spawn(self._expire_sessions(engine), name="session expiry")
         log.info("engine ready: %s serving %s", self.address, engine.served_model_name)
 
     async def _watch_engine(self, engine: VllmEngine) -> None:
@@ -179,6 +182,14 @@ class EngineServer:
         await self.health.enter_graceful_shutdown()  # every service NOT_SERVING at once
         log.error("%s; draining and exiting", self.failure)
         await self.drain(grace=DEAD_ENGINE_GRACE_SECONDS)
+
+    async def _expire_sessions(self, engine: VllmEngine) -> None:
+        """Ends idle sessions, so placers stop counting them."""
+        every = min(engine.sessions.idle_seconds / 4, SESSION_EXPIRY_CHECK_SECONDS)
+        while True:
+            await asyncio.sleep(every)
+            if engine.sessions.expire():
+                self.status_changes.announce()
 
     async def wait_ready(self) -> VllmEngine:
         """Waits for the engine (started and warmed up); raises if it failed."""

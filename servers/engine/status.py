@@ -19,6 +19,8 @@ from .vllm_engine import VllmEngine
 
 DEFAULT_INTERVAL_MS = 1000
 MIN_INTERVAL_MS = 100
+# After a change, wait this long for more before reporting (new sessions come in bursts).
+COALESCE_SECONDS = 0.01
 
 
 class StatusChanges:
@@ -42,24 +44,43 @@ class ServerStatusServicer(status_pb2_grpc.ServerStatusServicer):
         self._state = state
         self._changes = changes
 
-    def snapshot(self) -> status_pb2.WatchResponse:
+    def snapshot(
+        self, reported: frozenset[str] | None
+    ) -> tuple[status_pb2.WatchResponse, frozenset[str] | None]:
+        """The status now, with sessions as the change since ``reported`` (None: all of them),
+        and the sessions it reports."""
         engine = self._state.started
         status = status_pb2.WatchResponse(draining=self._state.draining)
-        if engine is not None:
-            load = engine.load()
-            status.paused = engine.paused
-            status.weight_version = engine.weight_version
-            status.running_requests = load.running
-            status.waiting_requests = load.waiting
-            status.kv_cache_usage = load.kv_cache_usage
-        return status
+        if engine is None:
+            status.sessions_complete = True
+            return status, None
+        load = engine.load()
+        status.paused = engine.paused
+        status.weight_version = engine.weight_version
+        status.running_requests = load.running
+        status.waiting_requests = load.waiting
+        status.kv_cache_usage = load.kv_cache_usage
+        status.prompt_tokens = engine.prompt_tokens
+        status.cached_prompt_tokens = engine.cached_prompt_tokens
+        live = engine.sessions.snapshot()
+        status.live_sessions = len(live)
+        if reported is None:
+            status.sessions_complete = True
+            status.sessions_added.extend(sorted(live))
+        else:
+            status.sessions_added.extend(sorted(live - reported))
+            status.sessions_removed.extend(sorted(reported - live))
+        return status, live
 
     async def Watch(
         self, request: status_pb2.WatchRequest, context: Context
     ) -> AsyncIterator[status_pb2.WatchResponse]:
         interval = max(request.interval_ms or DEFAULT_INTERVAL_MS, MIN_INTERVAL_MS) / 1000
+        reported: frozenset[str] | None = None
         while True:
-            yield self.snapshot()
+            status, reported = self.snapshot(reported)
+            yield status
             if self._state.draining:
                 return
             await self._changes.wait(interval)
+            await asyncio.sleep(COALESCE_SECONDS)  # one message for a burst of changes

@@ -127,6 +127,11 @@ def request_id(value: str, limits: ModelLimits) -> None:
         )
 
 
+def session_id(value: str) -> None:
+    if not value:
+        raise InvalidArgument("session_id is empty: name the session to finish")
+
+
 def chat_messages(messages: Sequence[data_plane_pb2.ChatMessage]) -> None:
     if not messages:
         raise InvalidArgument("messages is empty: send at least one chat message")

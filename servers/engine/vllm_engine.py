@@ -24,6 +24,7 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 from .engine_logs import root_cause
 from .engine_loop import EngineLoop
 from .options import TINY_MODEL_NAME, EngineOptions, RequestLimits
+from .sessions import LiveSessions
 from .validate import ModelLimits, PauseModeName
 from .weights.protocol import WorkerCalls
 from .weights.transaction import WeightTransferManager
@@ -157,6 +158,11 @@ class VllmEngine:
         # Generation requests handed to vLLM (for operators and tests: limits are checked
         # before this moves).
         self.requests_started = 0
+        # Running totals of prompt tokens and of those served from the prefix cache.
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
+        # The sessions this server holds (ServerStatus reports them to placers).
+        self.sessions = LiveSessions(options.session_idle_seconds)
         parallel = llm.vllm_config.parallel_config
         self.tensor_parallel_size = parallel.tensor_parallel_size
         self.pipeline_parallel_size = parallel.pipeline_parallel_size
@@ -390,10 +396,20 @@ class VllmEngine:
             )
         self._in_flight.add(request_id)
         self.requests_started += 1
+        counted = False
+
+        def count_then(output: Any) -> Iterable[U]:
+            nonlocal counted
+            if not counted and output.num_cached_tokens is not None:
+                counted = True
+                self.prompt_tokens += len(prompt_token_ids)
+                self.cached_prompt_tokens += output.num_cached_tokens
+            return transform(output)
+
         try:
             prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": self.cache_salt}
             outputs = self._engine_loop.stream(
-                lambda: self.llm.generate(prompt, sampling_params, request_id), transform
+                lambda: self.llm.generate(prompt, sampling_params, request_id), count_then
             )
             async for output in outputs:
                 yield output

@@ -18,7 +18,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         request: router_pb2.ListBackendsRequest,
         context: Context,
     ) -> router_pb2.ListBackendsResponse:
-        return router_pb2.ListBackendsResponse(backends=[b.to_proto() for b in self._pool.backends])
+        return router_pb2.ListBackendsResponse(backends=self._pool.describe())
 
     async def AddBackend(
         self,
@@ -26,7 +26,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         context: Context,
     ) -> router_pb2.AddBackendResponse:
         backend = self._pool.add(host_port(request.address))
-        return router_pb2.AddBackendResponse(backend=backend.to_proto())
+        return router_pb2.AddBackendResponse(backend=self._pool.describe([backend])[0])
 
     async def RemoveBackend(
         self,

@@ -23,10 +23,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from skyrl_grpc.channels import open_channel
 from skyrl_grpc.errors import AlreadyExists, NotFound
 from skyrl_grpc.names import DATA_PLANE
-from skyrl_grpc.v1 import router_pb2, status_pb2, status_pb2_grpc
+from skyrl_grpc.placement import make_policy
+from skyrl_grpc.v1 import (
+    data_plane_pb2,
+    data_plane_pb2_grpc,
+    router_pb2,
+    status_pb2,
+    status_pb2_grpc,
+)
 
 from ..common.tasks import BackgroundTasks
-from .placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +71,11 @@ class Backend:
     def paused(self) -> bool:
         return self.status.paused
 
-    def to_proto(self) -> router_pb2.Backend:
+    @property
+    def reported_load(self) -> int:
+        return self.status.running_requests + self.status.waiting_requests
+
+    def to_proto(self, live_sessions: int) -> router_pb2.Backend:
         return router_pb2.Backend(
             address=self.address,
             state=self.state,
@@ -76,6 +86,9 @@ class Backend:
             weight_version=self.status.weight_version,
             running_requests=self.status.running_requests,
             waiting_requests=self.status.waiting_requests,
+            live_sessions=live_sessions,
+            prompt_tokens=self.status.prompt_tokens,
+            cached_prompt_tokens=self.status.cached_prompt_tokens,
         )
 
 
@@ -92,12 +105,14 @@ class BackendPool:
         check_interval: float = 1.0,
         channel_factory: ChannelFactory = open_channel,
         balancing: str = "least-outstanding",
+        placement: str = "bounded-load",
         on_change: Callable[[Backend], None] | None = None,
     ) -> None:
         self.check_interval = check_interval
         self._channel_factory = channel_factory
         self._backends: dict[str, Backend] = {}
-        self.placement = Placement(balancing)
+        self.placement = make_policy(placement, balancing)
+        self.placement.on_move = self._session_moved
         self._on_change = on_change
         self._initial = list(addresses)
         self._tasks = BackgroundTasks()
@@ -162,6 +177,12 @@ class BackendPool:
     def backends(self) -> list[Backend]:
         return [self._backends[a] for a in sorted(self._backends)]
 
+    def describe(self, backends: Iterable[Backend] | None = None) -> list[router_pb2.Backend]:
+        """``backends`` (default: all) as ListBackends reports them."""
+        sessions = self.placement.sessions.live_sessions()
+        chosen = self.backends if backends is None else backends
+        return [b.to_proto(sessions[b.address]) for b in chosen]
+
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.eligible]
 
@@ -174,7 +195,8 @@ class BackendPool:
         return self.placement.choose(session_id, self._backends, exclude)
 
     def owner(self, session_id: str) -> str | None:
-        """Which backend a session maps to now (for tests and debugging)."""
+        """Which backend a session maps to now (for tests and debugging); a session that lives
+        nowhere yet is placed, as its first call would be."""
         backend = self.placement.choose(session_id, self._backends)
         return None if backend is None else backend.address
 
@@ -237,24 +259,49 @@ class BackendPool:
         the service (an older one) is simply not followed."""
         stub = status_pb2_grpc.ServerStatusStub(backend.channel)
         request = status_pb2.WatchRequest(interval_ms=round(self.check_interval * 1000))
+        sessions = self.placement.sessions
         while True:
             try:
                 async for status in stub.Watch(request):
                     changed = status.paused != backend.status.paused
                     backend.status = status
+                    sessions.report(
+                        backend.address,
+                        status.sessions_added,
+                        status.sessions_removed,
+                        status.sessions_complete,
+                    )
                     if changed:
-                        log.info(
-                            "backend %s %s",
-                            backend.address,
-                            "paused" if status.paused else "resumed",
-                        )
-                        self._changed(backend)
+                        state = "paused" if status.paused else "resumed"
+                        log.info("backend %s %s", backend.address, state)
+                    self._changed(backend)
             except grpc.aio.AioRpcError as error:
                 if error.code() == grpc.StatusCode.UNIMPLEMENTED:
                     return
                 log.debug("status watch of %s ended: %s", backend.address, error.code())
+            # Its sessions stay where they are: while it is unhealthy placement moves each on
+            # its next turn, and a reconnect reports them all again.
             backend.status = status_pb2.WatchResponse()  # unknown until it reports again
             await asyncio.sleep(self.check_interval)
+
+    def _session_moved(self, session: str, left: str, went: str) -> None:
+        """A session moved away from ``left``: tell it, so it stops reporting (and every
+        placer stops counting) the session there. Best effort: if ``left`` is down, the
+        session ends there by idleness, and its reports of it are ignored until then."""
+        backend = self._backends.get(left)
+        if backend is None:
+            return
+        log.debug("session %s moved from %s to %s", session, left, went)
+
+        async def finish() -> None:
+            stub = data_plane_pb2_grpc.DataPlaneStub(backend.channel)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await stub.FinishSession(
+                    data_plane_pb2.FinishSessionRequest(session_id=session),
+                    timeout=max(self.check_interval, 1.0),
+                )
+
+        self._tasks.spawn(finish(), name=f"finish {session} at {left}")
 
     async def close(self) -> None:
         """Removes every backend and closes its channel (in-flight calls are cut)."""

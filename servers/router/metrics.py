@@ -72,6 +72,25 @@ class RouterMetrics:
             ["backend"],
             registry=self.registry,
         )
+        self.live_sessions = Gauge(
+            "skyrl_router_backend_live_sessions",
+            "Sessions living on the backend (as it reports them, plus placements it has not "
+            "reported yet)",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Gauge(
+            "skyrl_router_backend_prompt_tokens",
+            "Prompt tokens the backend has served (its running total)",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.cached_prompt_tokens = Gauge(
+            "skyrl_router_backend_cached_prompt_tokens",
+            "Prompt tokens the backend served from its prefix cache (its running total)",
+            ["backend"],
+            registry=self.registry,
+        )
         self.healthy = Gauge(
             "skyrl_router_backend_healthy",
             "1 if the backend receives traffic",

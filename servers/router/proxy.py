@@ -7,8 +7,8 @@ shape, takes the same path (``Proxy.relay``): pick a backend (``BackendPool.choo
 in flight, read its first message, announce the backend in the ``x-skyrl-backend`` header,
 relay the rest, count it out. A call that fails UNAVAILABLE before any message of its upstream
 reached the caller is retried on another backend (bounded, with backoff) when its request can
-be sent again; a GenerateStream cut mid-way by a lost backend migrates (``migration``). Abort is
-the one exception: it goes to every backend (``Proxy.abort_everywhere``).
+be sent again; a GenerateStream cut mid-way by a lost backend migrates (``migration``). Abort and
+FinishSession are the exceptions: they go to every backend (``Proxy.everywhere``).
 Errors of the router's own go through ``skyrl_grpc.errors`` and the shared status mapping;
 a backend's status is passed through as it is.
 """
@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -27,8 +27,8 @@ from typing import Any, Protocol
 import grpc
 
 from skyrl_grpc.errors import SkyrlError, Unavailable
-from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
-from skyrl_grpc.names import ABORT, DATA_PLANE, DATA_PLANE_SERVICE
+from skyrl_grpc.metadata import ROUTED_TO, session_of
+from skyrl_grpc.names import ABORT, DATA_PLANE, DATA_PLANE_SERVICE, FINISH_SESSION
 from skyrl_grpc.v1 import data_plane_pb2, router_pb2
 
 from ..common.early_answer import read_rest
@@ -54,13 +54,6 @@ def forwarded_metadata(context: Context) -> Metadata:
         for key, value in (context.invocation_metadata() or ())
         if not key.startswith(_NOT_FORWARDED) and key not in _NOT_FORWARDED_KEYS
     )
-
-
-def session_of(metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
-    for key, value in metadata:
-        if key == SESSION_ID:
-            return value if isinstance(value, str) else value.decode()
-    return None
 
 
 @dataclass
@@ -249,52 +242,68 @@ class Proxy:
         finally:
             self._finish(method, code, started)
 
-    async def abort_everywhere(self, request: bytes, context: Context) -> bytes:
-        """Abort reaches every backend: the router does not track which one runs a request
-        (its id may be one the server assigned), and an unknown id is ignored there."""
+    async def everywhere(self, method: str, request: bytes, context: Context) -> list[bytes]:
+        """Sends a unary call to every backend at once; returns the answers of those that
+        answered. Fails only if none did: with their common status when they all gave the
+        same one (e.g. INVALID_ARGUMENT, the request's own fault), else UNAVAILABLE."""
         metadata = forwarded_metadata(context)
         backends = self.pool.backends
         started = time.perf_counter()
         if not backends:
-            self._finish(ABORT, grpc.StatusCode.UNAVAILABLE, started)
-            await abort_with_status(
-                Unavailable("router: no backends to abort requests on"), context, ABORT
-            )
+            self._finish(method, grpc.StatusCode.UNAVAILABLE, started)
+            await abort_with_status(Unavailable("router: it has no backends"), context, method)
         timeout = context.time_remaining()
 
-        async def abort(backend: Backend) -> data_plane_pb2.AbortResponse:
+        async def send(backend: Backend) -> bytes:
             call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = backend.channel.unary_unary(
-                ABORT
+                method
             )
-            raw = await call(request, timeout=timeout, metadata=metadata)
-            return data_plane_pb2.AbortResponse.FromString(raw)
+            self.metrics.requests.labels(method, backend.address).inc()
+            return await call(request, timeout=timeout, metadata=metadata)
 
-        outcomes = await asyncio.gather(*(abort(b) for b in backends), return_exceptions=True)
-        aborted: dict[str, None] = {}
-        errors = []
-        for backend, outcome in zip(backends, outcomes, strict=True):
-            self.metrics.requests.labels(ABORT, backend.address).inc()
-            if isinstance(outcome, BaseException):
-                errors.append((backend.address, outcome))
-                continue
-            aborted.update(dict.fromkeys(outcome.aborted_request_ids))
-        if len(errors) == len(backends):
+        outcomes = await asyncio.gather(*(send(b) for b in backends), return_exceptions=True)
+        answers = [o for o in outcomes if isinstance(o, bytes)]
+        errors = [
+            (b.address, o)
+            for b, o in zip(backends, outcomes, strict=True)
+            if not isinstance(o, bytes)
+        ]
+        if not answers:
             address, error = errors[0]
             codes = {e.code() for _, e in errors if isinstance(e, grpc.aio.AioRpcError)}
             if len(codes) == 1 and isinstance(error, grpc.aio.AioRpcError):
-                # Every backend gave the same answer (e.g. INVALID_ARGUMENT): it is the answer.
-                self._finish(ABORT, error.code(), started)
+                self._finish(method, error.code(), started)
                 await context.abort(error.code(), error.details() or "")
-            self._finish(ABORT, grpc.StatusCode.UNAVAILABLE, started)
+            self._finish(method, grpc.StatusCode.UNAVAILABLE, started)
             await abort_with_status(
-                Unavailable(f"router: Abort failed on every backend ({address}: {error})"),
+                Unavailable(f"router: {method} failed on every backend ({address}: {error})"),
                 context,
-                ABORT,
+                method,
             )
         for address, error in errors:
-            log.warning("Abort could not reach backend %s: %s", address, error)
-        self._finish(ABORT, grpc.StatusCode.OK, started)
+            log.warning("%s could not reach backend %s: %s", method, address, error)
+        self._finish(method, grpc.StatusCode.OK, started)
+        return answers
+
+    async def abort_everywhere(self, request: bytes, context: Context) -> bytes:
+        """Abort reaches every backend: the router does not track which one runs a request
+        (its id may be one the server assigned), and an unknown id is ignored there."""
+        aborted: dict[str, None] = {}
+        for raw in await self.everywhere(ABORT, request, context):
+            aborted.update(
+                dict.fromkeys(data_plane_pb2.AbortResponse.FromString(raw).aborted_request_ids)
+            )
         return data_plane_pb2.AbortResponse(aborted_request_ids=list(aborted)).SerializeToString()
+
+    async def finish_session_everywhere(self, request: bytes, context: Context) -> bytes:
+        """FinishSession reaches every backend (a session may have lived on more than one:
+        it moves when its server fails) and frees the session's place here too."""
+        with suppress(Exception):  # malformed: the backends will say so
+            parsed = data_plane_pb2.FinishSessionRequest.FromString(request)
+            self.pool.placement.sessions.finish(parsed.session_id)
+        answers = await self.everywhere(FINISH_SESSION, request, context)
+        found = any(data_plane_pb2.FinishSessionResponse.FromString(raw).found for raw in answers)
+        return data_plane_pb2.FinishSessionResponse(found=found).SerializeToString()
 
     async def unary_unary(self, method: str, request: bytes, context: Context) -> bytes:
         response = b""
@@ -371,6 +380,8 @@ class ForwardingHandler(grpc.GenericRpcHandler):
             return None
         if method == ABORT:
             return grpc.unary_unary_rpc_method_handler(self._proxy.abort_everywhere)
+        if method == FINISH_SESSION:
+            return grpc.unary_unary_rpc_method_handler(self._proxy.finish_session_everywhere)
         shape = self._streaming.get(method, (True, True))
         # partial keeps the coroutine / async-generator nature grpc inspects to drive the call.
         if shape == (False, False):

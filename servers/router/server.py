@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB, open_channel
 from skyrl_grpc.names import DATA_PLANE, ROUTER_ADMIN
+from skyrl_grpc.placement import POLICIES
 from skyrl_grpc.tls import TlsConfig
 from skyrl_grpc.v1 import router_pb2_grpc
 
@@ -54,6 +55,9 @@ class RouterOptions:
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     health_check_interval: float = 1.0
     balancing: str = "least-outstanding"
+    # Where sessions go: "bounded-load" (least-loaded, sticky, never past (1 + epsilon) x the
+    # mean) or "consistent-hash" (a hash ring).
+    placement: str = "bounded-load"
     proxy: ProxyOptions = field(default_factory=ProxyOptions)
     drain_grace_seconds: float = 10.0
     # Bearer token required on RouterAdmin (membership changes); None leaves it open.
@@ -79,6 +83,7 @@ class RouterServer:
             ),
             check_interval=options.health_check_interval,
             balancing=options.balancing,
+            placement=options.placement,
             on_change=self._backend_changed,
         )
         self.proxy = Proxy(self.pool, self.metrics, options.proxy)
@@ -101,8 +106,14 @@ class RouterServer:
         return f"{self.options.host}:{self.port}"
 
     def _backend_changed(self, backend: Backend) -> None:
-        self.metrics.healthy.labels(backend.address).set(1 if backend.eligible else 0)
-        self.metrics.paused.labels(backend.address).set(1 if backend.paused else 0)
+        address = backend.address
+        self.metrics.healthy.labels(address).set(1 if backend.eligible else 0)
+        self.metrics.paused.labels(address).set(1 if backend.paused else 0)
+        self.metrics.prompt_tokens.labels(address).set(backend.status.prompt_tokens)
+        self.metrics.cached_prompt_tokens.labels(address).set(backend.status.cached_prompt_tokens)
+        sessions = self.pool.placement.sessions.live_sessions()
+        for member in self.pool.backends:  # zero too: a gauge keeps its last value otherwise
+            self.metrics.live_sessions.labels(member.address).set(sessions[member.address])
         serving = bool(self.pool.healthy())
         if serving != self._serving:
             self._serving = serving
@@ -168,7 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
     parser.add_argument("--health-check-interval", type=float, default=1.0)
     parser.add_argument(
-        "--balancing", choices=["least-outstanding", "round-robin"], default="least-outstanding"
+        "--balancing",
+        choices=["least-outstanding", "round-robin"],
+        default="least-outstanding",
+        help="where calls without a session go",
+    )
+    parser.add_argument(
+        "--placement",
+        choices=list(POLICIES),
+        default="bounded-load",
+        help="where sessions go: bounded-load (least-loaded, sticky, bounded at 1.25x the "
+        "mean) or consistent-hash",
     )
     parser.add_argument("--max-retries", type=int, default=2)
     add_message_size_argument(parser)
@@ -203,6 +224,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         metrics_port=args.metrics_port,
         health_check_interval=args.health_check_interval,
         balancing=args.balancing,
+        placement=args.placement,
         proxy=ProxyOptions(
             max_retries=args.max_retries,
             max_migrations=args.max_migrations,

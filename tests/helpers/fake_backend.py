@@ -30,6 +30,7 @@ class Observed:
     completed: int = 0
     metadata: list[dict[str, str]] = field(default_factory=list)
     deadlines: list[float | None] = field(default_factory=list)
+    finished_sessions: list[str] = field(default_factory=list)
 
 
 class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
@@ -98,6 +99,10 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
                 )
             ],
         )
+
+    async def FinishSession(self, request, context):  # type: ignore[no-untyped-def]
+        self.observed.finished_sessions.append(request.session_id)
+        return data_plane_pb2.FinishSessionResponse(found=True)
 
     async def GetModelInfo(self, request, context):  # type: ignore[no-untyped-def]
         self._begin(context)
