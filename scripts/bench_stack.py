@@ -31,7 +31,6 @@ import functools
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,12 +47,12 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from servers.engine.options import EngineOptions  # noqa: E402
-from servers.engine.vllm_engine import cpu_layout  # noqa: E402
 from servers.fleet.local import LocalFleet  # noqa: E402
 from skyrl_grpc.metadata import SESSION_ID  # noqa: E402
-from skyrl_grpc.tiny_model import ensure_tiny_model  # noqa: E402
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc  # noqa: E402
 from skyrl_grpc.v1 import generation_pb2 as gen  # noqa: E402
+from tests.helpers.vllm_http import SERVED_NAME  # noqa: E402
+from tests.helpers.vllm_http import vllm_http_server as launch_vllm_http  # noqa: E402
 from trainer_client import InferenceClient  # noqa: E402
 
 PROMPT_TOKENS = 16
@@ -332,75 +331,11 @@ async def in_process_worker() -> None:
     llm.shutdown()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def vllm_http_server(stream_interval: int) -> Iterator[HttpContender]:
     """vLLM's own server on the same model with the engine settings our server uses."""
-    import urllib.request
-
-    options = EngineOptions()
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(ensure_tiny_model()),
-        "--served-model-name",
-        "tiny",
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-num-seqs",
-        str(options.max_num_seqs),
-        "--seed",
-        str(options.seed),
-        "--stream-interval",
-        str(stream_interval),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--uvicorn-log-level",
-        "warning",
-    ]
-    # The CPU layout servers.engine gives the embedded model's engine, as flags and environment.
-    layout_args, layout_env = cpu_layout(options)
-    for name, value in layout_args.items():
-        command += [f"--{name.replace('_', '-')}", str(value)]
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": f"{options.kv_cache_gib:g}",
-        **layout_env,
-    }
-    log = tempfile.NamedTemporaryFile("w+", prefix="vllm-http-", suffix=".log", delete=False)
-    process = subprocess.Popen(
-        command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        deadline = time.time() + 600
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"vLLM's server exited; see {log.name}: {shlex.join(command)}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            if time.time() > deadline:
-                raise TimeoutError(f"vLLM's server did not start; see {log.name}")
-            time.sleep(1)
-        yield HttpContender(f"http://127.0.0.1:{port}", "tiny")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, 15)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
+    with launch_vllm_http(stream_interval) as base_url:
+        yield HttpContender(base_url, SERVED_NAME)
 
 
 # -- sections -----------------------------------------------------------------------------------

@@ -76,6 +76,8 @@ def make_fleet(args: argparse.Namespace) -> Fleet:
     router_args = []
     if args.metrics_port is not None:
         router_args += ["--metrics-port", str(args.metrics_port)]
+    if args.http_port is not None:
+        router_args += ["--http-port", str(args.http_port)]
     return LocalFleet(
         args.servers,
         engine_args=_engine_flags(args),
@@ -113,6 +115,12 @@ def _add_stack_arguments(
     ports.add_argument("--server-ports", default=None, help="comma-separated, one per server")
     ports.add_argument("--metrics-port", type=int, default=None, help="router's /metrics port")
     ports.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="router's OpenAI-compatible HTTP port (/v1/...; 0: any free port)",
+    )
+    ports.add_argument(
         "--log-dir", default=None, help="one log file per process here (default: none kept)"
     )
 
@@ -125,6 +133,8 @@ def _up(args: argparse.Namespace, _: list[str]) -> None:
         if isinstance(fleet, LocalFleet):
             if fleet.metrics_port is not None:
                 print(f"router metrics: http://{args.host}:{fleet.metrics_port}/metrics")
+            if fleet.http_port is not None:
+                print(f"OpenAI API: http://{args.host}:{fleet.http_port}/v1")
             if args.log_dir:
                 print(f"logs: {Path(args.log_dir).resolve()}")
             fleet.supervise()  # a server that dies is reported and started again

@@ -124,3 +124,21 @@ async def one_server_router(engine_server: Any) -> AsyncIterator[Any]:
     await router.wait_healthy(1)
     yield router
     await router.stop(0)
+
+
+@pytest.fixture(scope="session")
+async def http_router(engine_server: Any, second_engine_server: Any) -> AsyncIterator[Any]:
+    """A router with its OpenAI HTTP edge in front of both real engine servers."""
+    from servers.router.server import RouterOptions, RouterServer
+
+    router = RouterServer(
+        RouterOptions(
+            backends=[engine_server.address, second_engine_server.address],
+            health_check_interval=0.2,
+            http_port=0,
+        )
+    )
+    await router.start()
+    await router.wait_healthy(2)
+    yield router
+    await router.stop(0)

@@ -248,9 +248,9 @@ async def test_up_survives_an_engine_death_under_load_and_restarts_the_server(
         victim_server = next(
             p
             for p in psutil.Process(up.proc.pid).children(recursive=True)
-            if "servers.engine" in " ".join(p.cmdline()) and victim.rpartition(":")[2] in str(
-                [c.laddr.port for c in p.net_connections(kind="tcp")]
-            )
+            if "servers.engine" in " ".join(p.cmdline())
+            and victim.rpartition(":")[2]
+            in str([c.laddr.port for c in p.net_connections(kind="tcp")])
         )
         engine_core = next(p for p in victim_server.children() if "EngineCore" in p.name())
         client = InferenceClient(router, servers)

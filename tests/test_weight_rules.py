@@ -258,7 +258,9 @@ async def test_leaving_a_group_before_joining_another() -> None:
     assert workers.calls == [protocol.JOIN_GROUP, protocol.LEAVE_GROUP, protocol.JOIN_GROUP]
 
 
-def manager_at(version: int, **options: Any) -> tuple[WeightTransferManager, FakeWorkers, list[int]]:
+def manager_at(
+    version: int, **options: Any
+) -> tuple[WeightTransferManager, FakeWorkers, list[int]]:
     versions = [version]
     workers = FakeWorkers()
     manager = WeightTransferManager(

@@ -130,9 +130,7 @@ async def test_collective_gloo_updates_two_servers_with_their_own_rank_offsets(
     offsets = await client.init_weight_transfer("gloo", timeout_seconds=30)
     assert offsets == {fleet["servers"][0]: 1, fleet["servers"][1]: 2}
     # Small buckets: several broadcasts, parameters packed several to a bucket.
-    await client.update_weights(
-        new_weights.items(), transport="collective", bucket_bytes=300_000
-    )
+    await client.update_weights(new_weights.items(), transport="collective", bucket_bytes=300_000)
     await assert_serving(fleet, new_weights, new_weights_reference)
     await client.update_weights(fleet["original"].items(), transport="collective")
     await assert_serving(fleet, fleet["original"], original_greedy)
@@ -151,9 +149,7 @@ async def test_collective_gloo_updates_two_servers_with_their_own_rank_offsets(
     sender_module.parameter_spec = lying_spec  # type: ignore[assignment]
     try:
         with pytest.raises(WeightUpdateError) as raised:
-            await client.update_weights(
-                perturbed(corrupt, 5).items(), transport="collective"
-            )
+            await client.update_weights(perturbed(corrupt, 5).items(), transport="collective")
     finally:
         sender_module.parameter_spec = real_spec  # type: ignore[assignment]
     assert raised.value.consistent

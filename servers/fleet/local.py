@@ -115,6 +115,7 @@ class LocalFleet(Fleet):
         self._supervisor: threading.Thread | None = None
         self.restarts = [0] * num_servers
         self.metrics_port: int | None = None
+        self.http_port: int | None = None  # the router's OpenAI HTTP edge, if it has one
 
     def _spawn(self, name: str, module: str, args: list[str]) -> _Process:
         log: IO[str] | None = None
@@ -183,6 +184,7 @@ class LocalFleet(Fleet):
             raise RuntimeError(f"the router did not start (exit code {router.popen.poll()})")
         self.addresses = FleetAddresses(listening["address"], tuple(addresses))
         self.metrics_port = listening.get("metrics_port")
+        self.http_port = listening.get("http_port")
         self._wait_router_serving(deadline)
         return self.addresses
 

@@ -41,6 +41,7 @@ from ..common.process import configure_logging, serve_until_stopped
 from ..common.tasks import BackgroundTasks
 from .admin import RouterAdminServicer
 from .backends import Backend, BackendPool
+from .http_edge.app import HttpEdgeServer, OpenAIEdge
 from .metrics import RouterMetrics
 from .proxy import ForwardingHandler, Proxy, ProxyOptions
 
@@ -67,6 +68,10 @@ class RouterOptions:
     backend_tls: TlsConfig | None = None
     # Largest message accepted from callers and relayed to backends: set it as the servers'.
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # The OpenAI-compatible HTTP edge's port (0: any free port); None: no HTTP edge.
+    http_port: int | None = None
+    # Tokens per upstream message for streamed HTTP answers (1: an event per engine step).
+    http_stream_interval: int = 1
 
 
 class RouterServer:
@@ -97,6 +102,7 @@ class RouterServer:
         )
         self.port = 0
         self.metrics_port: int | None = None
+        self.http: HttpEdgeServer | None = None
         self._serving: bool | None = None
         self._tasks = BackgroundTasks()
         self._stopped = asyncio.Event()
@@ -142,6 +148,11 @@ class RouterServer:
         await self.pool.start()
         if self.options.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.options.metrics_port, self.options.host)
+        if self.options.http_port is not None:
+            edge = OpenAIEdge(self.proxy, self.pool, self.options.http_stream_interval)
+            self.http = HttpEdgeServer(edge, self.options.host, self.options.http_port)
+            await self.http.start()
+            log.info("OpenAI HTTP edge on http://%s:%d/v1", self.options.host, self.http.port)
         log.info("router listening on %s for %s", self.address, ", ".join(self.options.backends))
 
     async def wait_ready(self) -> None:
@@ -156,8 +167,14 @@ class RouterServer:
                 raise TimeoutError(f"{len(self.pool.healthy())} of {count} backends healthy")
             await asyncio.sleep(0.05)
 
+    @property
+    def http_port(self) -> int | None:
+        return None if self.http is None else self.http.port
+
     async def stop(self, grace: float | None = None) -> None:
         await self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(self.options.drain_grace_seconds if grace is None else grace)
         await self.pool.close()
         await self._tasks.close()
@@ -190,6 +207,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="bounded-load",
         help="where sessions go: bounded-load (least-loaded, sticky, bounded at 1.25x the "
         "mean) or consistent-hash",
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "...) on this port (0 picks a free one); default: no HTTP",
+    )
+    parser.add_argument(
+        "--http-stream-interval",
+        type=int,
+        default=1,
+        help="tokens per upstream message for streamed HTTP answers (1: an event per step)",
     )
     parser.add_argument("--max-retries", type=int, default=2)
     add_message_size_argument(parser)
@@ -231,6 +261,8 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
             fail_when_paused=args.fail_when_paused,
         ),
         admin_token=args.admin_token,
+        http_port=args.http_port,
+        http_stream_interval=args.http_stream_interval,
         max_message_bytes=args.max_message_mib * MiB,
         tls=tls_from_args(args),
         backend_tls=(
@@ -243,7 +275,11 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
 
 async def serve(options: RouterOptions) -> None:
     router = RouterServer(options)
-    await serve_until_stopped(router, router.stop, lambda: {"metrics_port": router.metrics_port})
+    await serve_until_stopped(
+        router,
+        router.stop,
+        lambda: {"metrics_port": router.metrics_port, "http_port": router.http_port},
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
