@@ -180,8 +180,9 @@ def test_new_sessions_go_to_the_least_loaded_server_and_stay() -> None:
 
 
 def test_bounded_load_holds_under_arrivals_and_departures() -> None:
-    """Sessions arrive, take turns and end unevenly (long ones stay long): no turn ever runs
-    on a server past the bound, and the fleet stays within it."""
+    """Sessions arrive, take turns and end unevenly (long ones stay long, and once all of
+    one server's end together): no turn ever runs on a server past the bound, and the fleet
+    is back within it once the excess sessions have taken their next turn."""
     policy = BoundedLoadPolicy(epsilon=0.25)
     policy, backends = placed([View(a) for a in BACKENDS], policy)
     moves: list[tuple[str, str, str]] = []
@@ -190,12 +191,16 @@ def test_bounded_load_holds_under_arrivals_and_departures() -> None:
     live: list[str] = []
     worst = 0.0
     for step in range(20_000):
-        roll = rng.random()
-        if live and roll < 0.3:  # a session ends: recent ones more often
+        roll = rng.random() if step >= 200 else 1.0  # 200 sessions arrive first
+        if step == 10_000:  # every session of one server ends at once (one long batch done)
+            for session in [s for s in live if policy.sessions.home(s) == BACKENDS[0]]:
+                live.remove(session)
+                policy.sessions.finish(session)
+        if live and roll < 0.25:  # a session ends: recent ones more often
             session = live.pop(len(live) - 1 - min(int(rng.expovariate(1 / 3)), len(live) - 1))
             policy.sessions.finish(session)
             continue
-        session = rng.choice(live) if live and roll < 0.8 else f"n{step}"
+        session = rng.choice(live) if live and roll < 0.75 else f"n{step}"
         chosen = policy.choose(session, backends)
         assert chosen is not None
         if session not in live:
@@ -203,9 +208,9 @@ def test_bounded_load_holds_under_arrivals_and_departures() -> None:
         counts = policy.sessions.live_sessions()
         assert counts[chosen.address] <= policy.capacity(len(live), len(BACKENDS))
         mean = len(live) / len(BACKENDS)
-        if mean >= 20:
+        if mean >= 20 and not 10_000 <= step < 12_000:  # the excess moves turn by turn
             worst = max(worst, max(counts.values()) / mean)
-    assert worst <= 1.25, worst
+    assert 1.0 < worst <= 1.25, worst
     assert moves and all(left != went for _, left, went in moves)
     assert len(moves) < 0.05 * 20_000  # balance costs few moves
 

@@ -8,11 +8,11 @@ left) is placed by the policy:
   then the least work in flight (as the servers report it); ties are broken by a hash of
   (session, backend), never at random. The session then stays there until it ends
   (``FinishSession``, or idleness at its server) -- unless its backend holds more than
-  ``floor((1 + epsilon) * mean)`` live sessions, which happens when sessions elsewhere end or a
-  backend joins: then its next turn moves to the least-loaded backend (one prefix recompute,
-  instead of a server that paces the whole fleet). A backend that leaves moves only its own
-  sessions; a backend that joins takes new sessions first (it holds none), then the excess of
-  overfull ones.
+  ``max(floor((1 + epsilon) * mean), ceil(mean) + 1)`` live sessions, which happens when
+  sessions elsewhere end or a backend joins: then its next turn moves to the least-loaded
+  backend (one prefix recompute, instead of a server that paces the whole fleet). A backend
+  that leaves moves only its own sessions; a backend that joins takes new sessions first (it
+  holds none), then the excess of overfull ones.
 - ``sticky-least-loaded``: the same without the bound (epsilon infinite); what SkyRL's Rust
   router calls ``sticky_least_loaded``, for comparison.
 - ``ConsistentHashPolicy`` (``consistent-hash``): the session's owner on a hash ring, walking on
@@ -162,9 +162,12 @@ class BoundedLoadPolicy(PlacementPolicy):
         if math.isinf(self.epsilon):
             return math.inf
         mean = live_sessions / max(backends, 1)
-        # Rounded down, so no backend holds more than (1 + epsilon) x the mean -- but never
-        # below the mean rounded up, which some backend must hold.
-        return max(math.ceil(mean), math.floor((1 + self.epsilon) * mean + 1e-9))
+        # Rounded down, so no backend holds more than (1 + epsilon) x the mean -- but always
+        # one more than the mean rounded up: a backend one session over its share is not
+        # overloaded, and moving a session there costs a prefix recompute for nothing (with
+        # few sessions per backend, floor((1 + epsilon) x mean) alone would move sessions
+        # whenever another one ends).
+        return max(math.ceil(mean) + 1, math.floor((1 + self.epsilon) * mean + 1e-9))
 
     def _overfull(self, home: str, backends: Mapping[str, C], eligible: Eligible) -> bool:
         if math.isinf(self.epsilon):
