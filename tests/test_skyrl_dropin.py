@@ -1,0 +1,175 @@
+"""SkyRL's own SkyRLGymGenerator (package ``skyrl`` 0.3.0, unmodified) running its multi-turn
+agent loop on this stack through ``trainer_client.skyrl_engine``, against two real engine
+servers behind a router (tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.helpers.waits import running_on_engines
+from trainer_client.results import GenerationResult
+
+# isort: off
+# trainer_client.skyrl_engine makes skyrl importable on Python 3.11 (see its shim): first.
+from trainer_client.skyrl_engine import (
+    NamedTensorsRequest,
+    SkyRLInferenceEngine,
+    sampling_from_skyrl,
+)
+from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_vllm_sampling_params
+from skyrl.train.config import GeneratorConfig, SamplingParams, SkyRLGymConfig
+from skyrl.train.generators.base import TrajectoryID
+from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
+from skyrl_gym import register
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+# isort: on
+
+pytestmark = pytest.mark.engine
+TURNS = 3
+
+
+class CountdownEnv(BaseTextEnv):  # type: ignore[misc]
+    """Three turns; each answer earns its length in tokens-ish characters, capped at 1."""
+
+    def __init__(self, env_config: Any = None, extras: Any = None) -> None:
+        super().__init__()
+        self.turn = 0
+
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        self.turn += 1
+        done = self.turn >= TURNS
+        return BaseTextEnvStepOutput(
+            observations=[] if done else [{"role": "user", "content": f"turn {self.turn}: go on"}],
+            reward=1.0 if done else 0.0,
+            done=done,
+            metadata={},
+        )
+
+
+register(id="countdown", entry_point=CountdownEnv)
+
+
+class Recorded:
+    """What the servers answered, per session (read where the adapter receives it), and
+    which servers each session's turns ran on (read at the servers)."""
+
+    def __init__(self, engine: SkyRLInferenceEngine, servers: list[Any]) -> None:
+        self.outputs: dict[str, list[GenerationResult]] = defaultdict(list)
+        self.servers_of: dict[str, set[str]] = defaultdict(set)
+        self.finished: list[str] = []
+        generate, finish = engine.client.generate, engine.client.finish_session
+
+        async def recording_generate(prompt: Any, sampling: Any = None, **kw: Any) -> Any:
+            result = await generate(prompt, sampling, **kw)
+            self.outputs[kw["session_id"]].append(result)
+            return result
+
+        async def recording_finish(session: str) -> bool:
+            self.finished.append(session)
+            return await finish(session)
+
+        engine.client.generate = recording_generate  # type: ignore[method-assign]
+        engine.client.finish_session = recording_finish  # type: ignore[method-assign]
+        for server in servers:
+            sessions = server.state.started.sessions
+            touch = sessions.touch
+
+            def spy(session: str, _touch: Any = touch, _address: str = server.address) -> bool:
+                self.servers_of[session].add(_address)
+                return bool(_touch(session))
+
+            sessions.touch = spy
+
+
+def make_generator(engine: SkyRLInferenceEngine, tiny_model_dir: Path) -> SkyRLGymGenerator:
+    from transformers import AutoTokenizer
+
+    config = GeneratorConfig(
+        max_turns=TURNS,
+        batched=False,
+        use_conversation_multi_turn=True,
+        max_input_length=400,
+        sampling_params=SamplingParams(max_generate_length=8, temperature=1.0, logprobs=0),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    return SkyRLGymGenerator(config, SkyRLGymConfig(max_env_workers=0), engine, tokenizer)
+
+
+def batch(count: int, tag: str) -> dict[str, Any]:
+    return {
+        "prompts": [[{"role": "user", "content": f"task {i}"}] for i in range(count)],
+        "env_classes": ["countdown"] * count,
+        "env_extras": [{} for _ in range(count)],
+        "sampling_params": get_vllm_sampling_params(
+            SamplingParams(max_generate_length=8, temperature=1.0, logprobs=0)
+        ),
+        "trajectory_ids": [TrajectoryID(f"{tag}{i}", 0) for i in range(count)],
+    }
+
+
+def test_skyrl_sampling_keys_map_and_unknown_ones_are_named() -> None:
+    fields, keep = sampling_from_skyrl(
+        get_vllm_sampling_params(SamplingParams(max_generate_length=8, stop=["</a>"]))
+    )
+    assert fields["max_tokens"] == 8 and fields["stop_strings"] == ["</a>"] and keep
+    assert "top_k" not in fields  # SkyRL's -1: disabled
+    with pytest.raises(ValueError, match="best_of"):
+        sampling_from_skyrl({"best_of": 2})
+
+
+async def test_skyrl_gym_generator_runs_multi_turn_sessions_on_the_stack(
+    two_server_router: Any, engine_server: Any, second_engine_server: Any, tiny_model_dir: Path
+) -> None:
+    servers = [engine_server, second_engine_server]
+    engine = SkyRLInferenceEngine(two_server_router.address, [s.address for s in servers])
+    recorded = Recorded(engine, servers)
+    generator = make_generator(engine, tiny_model_dir)
+    count = 6
+    output = await generator.generate(batch(count, "dropin"), disable_tqdm=True)
+    sessions = [f"dropin{i}_0" for i in range(count)]
+    assert output["rewards"] and all(sum(r) == 1.0 for r in output["rewards"])  # type: ignore[arg-type]
+    assert sorted(recorded.finished) == sorted(sessions)
+    assert {len(recorded.outputs[s]) for s in sessions} == {TURNS}
+    for i, session in enumerate(sessions):
+        assert len(recorded.servers_of[session]) == 1, recorded.servers_of[session]
+        # The tokens SkyRL trains on (loss mask 1) are what the servers generated, in order,
+        # with the logprobs they reported.
+        mask = output["loss_masks"][i]
+        trained = [t for t, m in zip(output["response_ids"][i], mask, strict=True) if m]
+        generated = [t for r in recorded.outputs[session] for t in r.token_ids]
+        assert trained == generated
+        logprobs = output["rollout_logprobs"]
+        assert logprobs is not None
+        trained_logprobs = [lp for lp, m in zip(logprobs[i], mask, strict=True) if m]
+        assert trained_logprobs == [
+            lp for r in recorded.outputs[session] for lp in r.logprobs or []
+        ]
+    # Two servers, six sessions: placement used both.
+    assert len(set().union(*(recorded.servers_of[s] for s in sessions))) == 2
+
+
+async def test_skyrl_generator_survives_pause_weight_push_and_resume(
+    two_server_router: Any, engine_server: Any, second_engine_server: Any, tiny_model_dir: Path
+) -> None:
+    servers = [engine_server, second_engine_server]
+    engine = SkyRLInferenceEngine(two_server_router.address, [s.address for s in servers])
+    generator = make_generator(engine, tiny_model_dir)
+    rollouts = asyncio.ensure_future(generator.generate(batch(8, "paused"), disable_tqdm=True))
+    await running_on_engines(engine.client, 1, rollouts)
+    await engine.pause_generation()
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+    before = engine.weight_version
+    await engine.update_named_weights(NamedTensorsRequest.of(original.items()))
+    await engine.resume_generation()
+    output = await asyncio.wait_for(rollouts, 300)
+    assert len(output["response_ids"]) == 8 and all(output["response_ids"])
+    assert all(sum(r) == 1.0 for r in output["rewards"])  # type: ignore[arg-type]
+    assert engine.weight_version == before + 1
+    versions = await engine.client.weight_versions()
+    assert versions.consistent
