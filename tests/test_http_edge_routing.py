@@ -16,6 +16,7 @@ from servers.router.http_edge import translate as tr
 from servers.router.server import RouterOptions, RouterServer
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
+from skyrl_grpc.names import GENERATE_STREAM
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 from tests.helpers.fake_backend import FakeBackend
 
@@ -203,3 +204,32 @@ async def test_health_and_finish_session(fleet) -> None:  # type: ignore[no-unty
         assert (
             failed.status_code == 503 and "no healthy backend" in failed.json()["error"]["message"]
         )
+
+
+async def test_retry_before_the_first_token_and_migration_mid_stream_hold_over_http(fleet) -> None:  # type: ignore[no-untyped-def]
+    router, backends = fleet
+    async with http(router) as client:
+        for backend in backends:  # whichever is picked first fails before any token
+            backend.servicer.fail_next_with = grpc.StatusCode.UNAVAILABLE
+        backends[-1].servicer.fail_next_with = None
+        response = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 3})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["finish_reason"] == "length"
+        for backend in backends:
+            backend.servicer.fail_next_with = None
+        # Every backend dies after 2 tokens of a stream: the router moves the stream on with
+        # the tokens so far, and the HTTP client sees one stream of all 6 tokens.
+        for backend in backends:
+            backend.servicer.fail_after_tokens = 2
+        body = {"prompt": [1], "max_tokens": 6, "stream": True, "return_token_ids": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = [line async for line in response.aiter_lines() if line.startswith("data: {")]
+        events = [json.loads(line[6:]) for line in lines]
+        tokens = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
+        assert len(tokens) == 6 and events[-1]["choices"][0]["finish_reason"] == "length"
+        assert (
+            router.metrics.registry.get_sample_value(
+                "skyrl_router_migrations_total", {"method": GENERATE_STREAM}
+            )
+            or 0
+        ) >= 1
