@@ -42,6 +42,8 @@ class ResponseAssembler:
             state = _SampleState(generation_pb2.Sample(index=chunk.sample_index))
             self._samples[chunk.sample_index] = state
         sample = state.sample
+        if chunk.lora_version:
+            sample.lora_version = chunk.lora_version
         if chunk.token_ids:
             spans = sample.weight_versions
             if spans and spans[-1].weight_version == chunk.weight_version:

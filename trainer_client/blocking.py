@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from skyrl_grpc.v1 import control_plane_pb2 as cp
-from skyrl_grpc.v1 import data_plane_pb2
+from skyrl_grpc.v1 import data_plane_pb2, lora_pb2
 
 from .client import InferenceClient, Message, Sampling
 from .config import ClientConfig
@@ -91,6 +91,7 @@ class BlockingInferenceClient:
         include_text: bool = False,
         request_id: str = "",
         stream_interval: int = 0,
+        lora: str = "",
     ) -> Iterator[data_plane_pb2.GenerateStreamResponse]:
         chunks = self._client.stream(
             prompt_token_ids,
@@ -100,6 +101,7 @@ class BlockingInferenceClient:
             include_text=include_text,
             request_id=request_id,
             stream_interval=stream_interval,
+            lora=lora,
         )
         try:
             while True:
@@ -117,10 +119,15 @@ class BlockingInferenceClient:
         *,
         session_id: str | None = None,
         include_text: bool = False,
+        lora: str = "",
     ) -> GenerationResult:
         return self._run(
             self._client.generate(
-                prompt_token_ids, sampling, session_id=session_id, include_text=include_text
+                prompt_token_ids,
+                sampling,
+                session_id=session_id,
+                include_text=include_text,
+                lora=lora,
             )
         )
 
@@ -131,10 +138,11 @@ class BlockingInferenceClient:
         *,
         session_ids: Sequence[str | None] | None = None,
         include_text: bool = False,
+        lora: str = "",
     ) -> list[GenerationResult]:
         return self._run(
             self._client.generate_batch(
-                prompts, sampling, session_ids=session_ids, include_text=include_text
+                prompts, sampling, session_ids=session_ids, include_text=include_text, lora=lora
             )
         )
 
@@ -159,13 +167,19 @@ class BlockingInferenceClient:
         sampling: Sampling = None,
         *,
         session_id: str | None = None,
+        lora: str = "",
     ) -> GenerationResult:
-        return self._run(self._client.chat(messages, sampling, session_id=session_id))
+        return self._run(self._client.chat(messages, sampling, session_id=session_id, lora=lora))
 
     def complete(
-        self, prompt: str, sampling: Sampling = None, *, session_id: str | None = None
+        self,
+        prompt: str,
+        sampling: Sampling = None,
+        *,
+        session_id: str | None = None,
+        lora: str = "",
     ) -> GenerationResult:
-        return self._run(self._client.complete(prompt, sampling, session_id=session_id))
+        return self._run(self._client.complete(prompt, sampling, session_id=session_id, lora=lora))
 
     def tokenize(
         self,
@@ -192,6 +206,35 @@ class BlockingInferenceClient:
 
     def finish_session(self, session_id: str) -> bool:
         return self._run(self._client.finish_session(session_id))
+
+    # -- LoRA adapters ------------------------------------------------------------------------
+
+    def load_lora(
+        self,
+        name: str,
+        *,
+        path: str | None = None,
+        tensors: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
+        config: Mapping[str, Any] | None = None,
+        version: int = 0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> dict[str, lora_pb2.LoraAdapter]:
+        return self._run(
+            self._client.load_lora(
+                name,
+                path=path,
+                tensors=tensors,
+                config=config,
+                version=version,
+                chunk_bytes=chunk_bytes,
+            )
+        )
+
+    def unload_lora(self, name: str) -> dict[str, int]:
+        return self._run(self._client.unload_lora(name))
+
+    def list_loras(self) -> dict[str, list[lora_pb2.LoraAdapter]]:
+        return self._run(self._client.list_loras())
 
     # -- control plane ------------------------------------------------------------------------
 

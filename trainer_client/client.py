@@ -10,6 +10,7 @@ so a client can be handed to Ray actors and subprocesses as is. ``BlockingInfere
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -25,6 +26,7 @@ from skyrl_grpc.v1 import (
     data_plane_pb2,
     data_plane_pb2_grpc,
     generation_pb2,
+    lora_pb2,
 )
 
 from .config import ClientConfig
@@ -37,6 +39,7 @@ from .weights import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHUNK_BYTES,
     CollectiveSender,
+    lora_push_messages,
     plan_buckets,
     push_messages,
     rank_offsets,
@@ -161,6 +164,7 @@ class InferenceClient:
         include_text: bool = False,
         request_id: str = "",
         stream_interval: int = 0,
+        lora: str = "",
     ) -> AsyncGenerator[data_plane_pb2.GenerateStreamResponse, None]:
         """The raw stream of one generation (no retry on abort: chunks as the server sends).
 
@@ -174,6 +178,7 @@ class InferenceClient:
             n=n,
             include_text=include_text,
             stream_interval=stream_interval,
+            lora=lora,
         )
         call = self._data.GenerateStream(
             request, timeout=self.config.data_timeout, metadata=self._metadata(session_id)
@@ -193,8 +198,10 @@ class InferenceClient:
         *,
         session_id: str | None = None,
         include_text: bool = False,
+        lora: str = "",
     ) -> GenerationResult:
-        """One sample, resubmitted after aborts (pause for a weight update) until finished."""
+        """One sample, resubmitted after aborts (pause for a weight update) until finished.
+        ``lora``: the adapter to generate with (``load_lora``); empty: the base model."""
         params = sampling_params(sampling)
         continuation = Continuation(
             list(prompt_token_ids),
@@ -202,6 +209,7 @@ class InferenceClient:
             include_text,
             self.config.max_abort_retries,
             self.config.stream_interval,
+            lora,
         )
         while True:
             call = self._data.GenerateStream(
@@ -238,6 +246,7 @@ class InferenceClient:
         *,
         session_ids: Sequence[str | None] | None = None,
         include_text: bool = False,
+        lora: str = "",
     ) -> list[GenerationResult]:
         """Generates for every prompt as concurrent streams; results in input order."""
         if session_ids is not None and len(session_ids) != len(prompts):
@@ -247,7 +256,7 @@ class InferenceClient:
         return list(
             await asyncio.gather(
                 *(
-                    self.generate(p, params, session_id=s, include_text=include_text)
+                    self.generate(p, params, session_id=s, include_text=include_text, lora=lora)
                     for p, s in zip(prompts, sessions, strict=True)
                 )
             )
@@ -277,17 +286,27 @@ class InferenceClient:
         sampling: Sampling = None,
         *,
         session_id: str | None = None,
+        lora: str = "",
     ) -> GenerationResult:
         """Chat completion: the model's chat template, then ``generate`` (so aborts retry)."""
         prompt = await self.tokenize(messages=messages, session_id=session_id)
-        return await self.generate(prompt, sampling, session_id=session_id, include_text=True)
+        return await self.generate(
+            prompt, sampling, session_id=session_id, include_text=True, lora=lora
+        )
 
     async def complete(
-        self, prompt: str, sampling: Sampling = None, *, session_id: str | None = None
+        self,
+        prompt: str,
+        sampling: Sampling = None,
+        *,
+        session_id: str | None = None,
+        lora: str = "",
     ) -> GenerationResult:
         """Text completion: tokenize, then ``generate`` (so aborts retry)."""
         tokens = await self.tokenize(prompt, session_id=session_id)
-        return await self.generate(tokens, sampling, session_id=session_id, include_text=True)
+        return await self.generate(
+            tokens, sampling, session_id=session_id, include_text=True, lora=lora
+        )
 
     async def tokenize(
         self,
@@ -349,6 +368,56 @@ class InferenceClient:
             return await self._unary(address, method, request, self.config.control_timeout)
 
         return await fan_out(operation, self.config.servers, call)
+
+    # -- LoRA adapters ------------------------------------------------------------------------
+
+    async def load_lora(
+        self,
+        name: str,
+        *,
+        path: str | None = None,
+        tensors: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
+        config: Mapping[str, Any] | None = None,
+        version: int = 0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> dict[str, lora_pb2.LoraAdapter]:
+        """Loads adapter ``name`` on every server at once: in-band (``tensors``, PEFT names,
+        e.g. a PEFT model's ``get_peft_model_state_dict``, and ``config``, its
+        adapter_config.json as a dict; no shared filesystem) or from ``path``, a directory on
+        each server. Loading a name again replaces it with a new version (``version``; 0: the
+        next). Raises FanOutError naming the servers that refused it; they keep what they
+        served."""
+        spec = cp.LoraAdapterSpec(name=name, version=version)
+        if path is not None:
+            if tensors is not None or config is not None:
+                raise ValueError("pass path, or tensors and config, not both")
+            spec.path = path
+            messages = [cp.LoadLoraAdapterRequest(spec=spec)]
+        else:
+            if tensors is None or config is None:
+                raise ValueError("an in-band adapter needs tensors and config (or pass path)")
+            spec.config_json = json.dumps(dict(config))
+            pairs = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+            messages = [cp.LoadLoraAdapterRequest(spec=spec)]
+            messages += lora_push_messages(pairs, chunk_bytes)
+
+        async def load(address: str) -> lora_pb2.LoraAdapter:
+            call: Any = self._control(address).LoadLoraAdapter
+            response = await self._unary(address, call, iter(messages), self.config.control_timeout)
+            adapter: lora_pb2.LoraAdapter = response.adapter
+            return adapter
+
+        return await fan_out("LoadLoraAdapter", self.config.servers, load)
+
+    async def unload_lora(self, name: str) -> dict[str, int]:
+        """Unloads adapter ``name`` everywhere; returns each server's last version of it."""
+        results = await self._fan_out("UnloadLoraAdapter", cp.UnloadLoraAdapterRequest(name=name))
+        return {a: int(r.version) for a, r in results.items()}
+
+    async def list_loras(self) -> dict[str, list[lora_pb2.LoraAdapter]]:
+        """Each server's loaded adapters, with versions and checksums."""
+        results = await self._fan_out("ListLoraAdapters", cp.ListLoraAdaptersRequest())
+        return {a: list(r.adapters) for a, r in results.items()}
 
     async def pause(self, mode: str = "abort", clear_cache: bool = False) -> dict[str, None]:
         """Pauses every server (mode "abort", "wait" or "keep"); returns once all are paused."""

@@ -24,8 +24,10 @@ class Continuation:
         include_text: bool = False,
         max_abort_retries: int | None = None,
         stream_interval: int = 0,
+        lora: str = "",
     ) -> None:
         self.prompt_token_ids = list(prompt_token_ids)
+        self.lora = lora
         self.sampling_params = sampling_params
         self.include_text = include_text
         self.max_abort_retries = max_abort_retries
@@ -51,6 +53,7 @@ class Continuation:
             sampling_params=self.sampling_params,
             include_text=self.include_text,
             stream_interval=self.stream_interval,
+            lora=self.lora,
         )
         generated = self.token_ids
         return continue_request(first, generated) if generated else first

@@ -49,6 +49,8 @@ class GenerationResult:
     stop_text: str | None = None
     text: str | None = None
     weight_versions: list[WeightSpan] = field(default_factory=list)
+    # The LoRA adapter version that produced the sample (0: the base model).
+    lora_version: int = 0
     # How many times the sample was resubmitted after an abort (0: uninterrupted).
     abort_retries: int = 0
     # Prompt tokens the server served from its prefix cache instead of computing them (of the
@@ -79,6 +81,7 @@ class GenerationResult:
                 WeightSpan(s.weight_version, s.start, s.length) for s in sample.weight_versions
             ],
             abort_retries=retries,
+            lora_version=sample.lora_version,
         )
 
 

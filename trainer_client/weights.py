@@ -127,6 +127,21 @@ def push_messages(
     return messages
 
 
+def lora_push_messages(
+    named_tensors: Iterable[tuple[str, Any]], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> list[cp.LoadLoraAdapterRequest]:
+    """An adapter's tensors as LoadLoraAdapter messages: the manifest (with SHA-256 per
+    tensor), then checksummed chunks, exactly as PushWeights sends weights."""
+    messages = []
+    for raw in push_messages(named_tensors, chunk_bytes=chunk_bytes):
+        push = cp.PushWeightsRequest.FromString(raw)
+        if push.HasField("manifest"):
+            messages.append(cp.LoadLoraAdapterRequest(manifest=push.manifest))
+        else:
+            messages.append(cp.LoadLoraAdapterRequest(chunk=push.chunk))
+    return messages
+
+
 class CollectiveSender:
     """Rank 0 of the weight-transfer group; lives in the trainer process."""
 

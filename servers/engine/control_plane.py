@@ -10,14 +10,20 @@ import grpc
 
 import skyrl_grpc
 from skyrl_grpc.chunk_wire import WireChunk, decode_push_request
+from skyrl_grpc.errors import InvalidArgument, SkyrlError
 from skyrl_grpc.names import CONTROL_PLANE
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
 
+from ..common.early_answer import read_rest
 from ..common.grpc_types import Context
 from . import validate
+from .lora import AdapterUpload
 from .serving_state import ServingState
 from .vllm_engine import VllmEngine
+
+# How long a rejected LoadLoraAdapter keeps reading what the caller still sends.
+READ_REST_SECONDS = 5.0
 
 
 def add_control_plane(
@@ -154,6 +160,39 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             checksums=checksums, weight_version=engine.weight_version
         )
 
+    async def LoadLoraAdapter(
+        self, request_iterator: AsyncIterator[cp.LoadLoraAdapterRequest], context: Context
+    ) -> cp.LoadLoraAdapterResponse:
+        engine = self._state.engine()
+        upload: AdapterUpload | None = None
+        try:
+            async for message in request_iterator:
+                if upload is None:
+                    if message.WhichOneof("item") != "spec":
+                        raise InvalidArgument("the first LoadLoraAdapter message must be the spec")
+                    upload = engine.adapter_upload(message.spec)
+                else:
+                    upload.add(message)
+        except SkyrlError:
+            await read_rest(request_iterator, READ_REST_SECONDS)
+            raise
+        if upload is None:
+            raise InvalidArgument("the LoadLoraAdapter stream was empty: send the spec first")
+        adapter, replaced = await engine.load_adapter(upload)
+        return cp.LoadLoraAdapterResponse(adapter=adapter.describe(), replaced_version=replaced)
+
+    async def UnloadLoraAdapter(
+        self, request: cp.UnloadLoraAdapterRequest, context: Context
+    ) -> cp.UnloadLoraAdapterResponse:
+        adapter = await self._state.engine().unload_adapter(request.name)
+        return cp.UnloadLoraAdapterResponse(version=adapter.version)
+
+    async def ListLoraAdapters(
+        self, request: cp.ListLoraAdaptersRequest, context: Context
+    ) -> cp.ListLoraAdaptersResponse:
+        adapters = self._state.engine().adapters_serving()
+        return cp.ListLoraAdaptersResponse(adapters=[a.describe() for a in adapters])
+
     async def GetServerInfo(
         self, request: cp.GetServerInfoRequest, context: Context
     ) -> cp.GetServerInfoResponse:
@@ -168,6 +207,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
                 weight_transfer_backends=engine.weight_transfer_backends,
                 pause_modes=[cp.PAUSE_MODE_ABORT, cp.PAUSE_MODE_WAIT, cp.PAUSE_MODE_KEEP],
                 prefix_caching=engine.prefix_caching,
+                lora=engine.lora_capabilities(),
             ),
             weight_version=engine.weight_version,
             engine="vllm",

@@ -53,6 +53,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         n: int,
         include_text: bool,
         stream_interval: int = 0,
+        lora: str = "",
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
         request_id = request_id or uuid.uuid4().hex
         max_tokens = validate.sampling(
@@ -64,15 +65,25 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         converter = StreamConverter(request_id, prompt_token_ids, params, include_text)
         coalescer = ChunkCoalescer(stream_interval)
 
+        adapter = engine.begin_adapter(lora)
+        lora_version = adapter.version if adapter is not None else 0
+
         def messages(output: Any) -> list[data_plane_pb2.GenerateStreamResponse]:
             # Runs on the engine's loop (see vllm_engine.generate): this loop only relays.
             chunks = converter.chunks(output, engine.weight_version)
-            return [ready for chunk in chunks for ready in coalescer.push(chunk)]
+            ready = [ready for chunk in chunks for ready in coalescer.push(chunk)]
+            if lora_version:
+                for message in ready:
+                    message.lora_version = lora_version
+            return ready
 
-        async with self._admission.admit(n):
-            outputs = engine.generate(request_id, prompt_token_ids, params, messages)
-            async for message in outputs:
-                yield message
+        try:
+            async with self._admission.admit(n):
+                outputs = engine.generate(request_id, prompt_token_ids, params, messages, adapter)
+                async for message in outputs:
+                    yield message
+        finally:
+            engine.end_adapter(adapter)
 
     def _token_stream(
         self, request: GenerateLike, context: Context, stream_interval: int = 0
@@ -87,6 +98,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             n,
             request.include_text,
             stream_interval,
+            request.lora,
         )
 
     async def _collect(
@@ -120,7 +132,15 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         engine, n = self._engine_for(request.request_id, request.n, context)
         prompt = self._render_chat(engine, request.messages, request)
         result = await self._collect(
-            self._stream(engine, request.request_id, prompt, request.sampling_params, n, True)
+            self._stream(
+                engine,
+                request.request_id,
+                prompt,
+                request.sampling_params,
+                n,
+                True,
+                lora=request.lora,
+            )
         )
         return data_plane_pb2.ChatResponse(
             request_id=result.request_id,
@@ -139,7 +159,15 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             engine.encode(request.prompt, add_special), engine.limits, "the tokenized prompt"
         )
         result = await self._collect(
-            self._stream(engine, request.request_id, prompt, request.sampling_params, n, True)
+            self._stream(
+                engine,
+                request.request_id,
+                prompt,
+                request.sampling_params,
+                n,
+                True,
+                lora=request.lora,
+            )
         )
         return data_plane_pb2.CompleteResponse(
             request_id=result.request_id,
@@ -202,6 +230,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             eos_token_ids=engine.eos_token_ids,
             max_context_length=engine.limits.max_model_len,
             has_chat_template=bool(tokenizer.chat_template),
+            lora_adapters=[a.describe() for a in engine.adapters_serving()],
         )
         if tokenizer.bos_token_id is not None:
             response.bos_token_id = tokenizer.bos_token_id

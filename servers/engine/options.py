@@ -52,6 +52,11 @@ class EngineOptions:
     allow_non_finite_weights: bool = False
     # A session without a request for this long ends (its place is free for placement).
     session_idle_seconds: float = 600.0
+    # LoRA adapters: served at all, how many in one batch, largest rank, how many loaded.
+    enable_lora: bool = False
+    max_loras: int = 2
+    max_lora_rank: int = 8
+    max_cpu_loras: int | None = None  # None: max_loras
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -129,6 +134,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="a session without a request for this long ends (default 600)",
     )
     group.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters (LoadLoraAdapter)"
+    )
+    group.add_argument(
+        "--max-loras", type=int, default=2, help="LoRA adapters usable in one batch (default 2)"
+    )
+    group.add_argument(
+        "--max-lora-rank", type=int, default=8, help="largest LoRA rank accepted (default 8)"
+    )
+    group.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="LoRA adapters kept loaded (default: --max-loras)",
+    )
+    group.add_argument(
         "--allow-non-finite-weights",
         action="store_true",
         help="accept pushed weights holding NaN or infinity (refused by default)",
@@ -152,6 +172,10 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
         weight_update_lease_seconds=args.weight_update_lease_seconds,
         allow_non_finite_weights=args.allow_non_finite_weights,
         session_idle_seconds=args.session_idle_seconds,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
 
 

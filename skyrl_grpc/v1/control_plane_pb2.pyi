@@ -1,3 +1,4 @@
+from skyrl_grpc.v1 import lora_pb2 as _lora_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -311,16 +312,18 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("sleep", "weight_transfer_backends", "pause_modes", "prefix_caching")
+    __slots__ = ("sleep", "weight_transfer_backends", "pause_modes", "prefix_caching", "lora")
     SLEEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSFER_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     PAUSE_MODES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     sleep: bool
     weight_transfer_backends: _containers.RepeatedScalarFieldContainer[WeightTransferBackend]
     pause_modes: _containers.RepeatedScalarFieldContainer[PauseMode]
     prefix_caching: bool
-    def __init__(self, sleep: _Optional[bool] = ..., weight_transfer_backends: _Optional[_Iterable[_Union[WeightTransferBackend, str]]] = ..., pause_modes: _Optional[_Iterable[_Union[PauseMode, str]]] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+    lora: _lora_pb2.LoraCapabilities
+    def __init__(self, sleep: _Optional[bool] = ..., weight_transfer_backends: _Optional[_Iterable[_Union[WeightTransferBackend, str]]] = ..., pause_modes: _Optional[_Iterable[_Union[PauseMode, str]]] = ..., prefix_caching: _Optional[bool] = ..., lora: _Optional[_Union[_lora_pb2.LoraCapabilities, _Mapping]] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
     __slots__ = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "capabilities", "weight_version", "engine", "engine_version", "server_version", "served_model_name", "device", "open_weight_update", "rollback_weight_version")
@@ -385,3 +388,55 @@ class GetLoadResponse(_message.Message):
     kv_cache_usage: float
     paused: bool
     def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ...) -> None: ...
+
+class LoraAdapterSpec(_message.Message):
+    __slots__ = ("name", "path", "config_json", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    config_json: str
+    version: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., config_json: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("spec", "manifest", "chunk")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    spec: LoraAdapterSpec
+    manifest: WeightManifest
+    chunk: WeightChunk
+    def __init__(self, spec: _Optional[_Union[LoraAdapterSpec, _Mapping]] = ..., manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[WeightChunk, _Mapping]] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("adapter", "replaced_version")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    adapter: _lora_pb2.LoraAdapter
+    replaced_version: int
+    def __init__(self, adapter: _Optional[_Union[_lora_pb2.LoraAdapter, _Mapping]] = ..., replaced_version: _Optional[int] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class ListLoraAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLoraAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[_lora_pb2.LoraAdapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[_lora_pb2.LoraAdapter, _Mapping]]] = ...) -> None: ...

@@ -136,6 +136,21 @@ class ControlPlaneStub:
                 request_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.GetLoadResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.stream_unary(
+                '/skyrl.inference.v1.ControlPlane/LoadLoraAdapter',
+                request_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/skyrl.inference.v1.ControlPlane/UnloadLoraAdapter',
+                request_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/skyrl.inference.v1.ControlPlane/ListLoraAdapters',
+                request_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class ControlPlaneServicer:
@@ -291,6 +306,34 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request_iterator, context):
+        """Loads a LoRA adapter under a name, from a directory on the server or pushed in-band (a
+        spec, a manifest, then checksummed chunks, as PushWeights sends weights): validated (PEFT
+        config, rank within --max-lora-rank, target modules the model has, shapes that match it,
+        checksums) and swapped in atomically. Loading a name again replaces the adapter with a
+        new version: requests already running finish on the version they started with, new ones
+        get the new one. A rejected adapter leaves the previous version serving.
+        FAILED_PRECONDITION unless the server runs with --enable-lora.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unloads an adapter; requests naming it afterwards get NOT_FOUND. Requests already running
+        on it finish. NOT_FOUND for an unknown name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """The adapters loaded now, with their versions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -378,6 +421,21 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.GetLoadRequest.FromString,
                     response_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.GetLoadResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.stream_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -856,6 +914,87 @@ class ControlPlane:
             '/skyrl.inference.v1.ControlPlane/GetLoad',
             skyrl_dot_inference_dot_v1_dot_control__plane__pb2.GetLoadRequest.SerializeToString,
             skyrl_dot_inference_dot_v1_dot_control__plane__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/skyrl.inference.v1.ControlPlane/LoadLoraAdapter',
+            skyrl_dot_inference_dot_v1_dot_control__plane__pb2.LoadLoraAdapterRequest.SerializeToString,
+            skyrl_dot_inference_dot_v1_dot_control__plane__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skyrl.inference.v1.ControlPlane/UnloadLoraAdapter',
+            skyrl_dot_inference_dot_v1_dot_control__plane__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            skyrl_dot_inference_dot_v1_dot_control__plane__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skyrl.inference.v1.ControlPlane/ListLoraAdapters',
+            skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ListLoraAdaptersRequest.SerializeToString,
+            skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -108,6 +108,21 @@ class ControlPlaneStub:
     """Static facts and capabilities of the server."""
     GetLoad: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.GetLoadRequest, _control_plane_pb2.GetLoadResponse]
     """The server's current load."""
+    LoadLoraAdapter: _grpc.StreamUnaryMultiCallable[_control_plane_pb2.LoadLoraAdapterRequest, _control_plane_pb2.LoadLoraAdapterResponse]
+    """Loads a LoRA adapter under a name, from a directory on the server or pushed in-band (a
+    spec, a manifest, then checksummed chunks, as PushWeights sends weights): validated (PEFT
+    config, rank within --max-lora-rank, target modules the model has, shapes that match it,
+    checksums) and swapped in atomically. Loading a name again replaces the adapter with a
+    new version: requests already running finish on the version they started with, new ones
+    get the new one. A rejected adapter leaves the previous version serving.
+    FAILED_PRECONDITION unless the server runs with --enable-lora.
+    """
+    UnloadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.UnloadLoraAdapterRequest, _control_plane_pb2.UnloadLoraAdapterResponse]
+    """Unloads an adapter; requests naming it afterwards get NOT_FOUND. Requests already running
+    on it finish. NOT_FOUND for an unknown name.
+    """
+    ListLoraAdapters: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.ListLoraAdaptersRequest, _control_plane_pb2.ListLoraAdaptersResponse]
+    """The adapters loaded now, with their versions."""
 
 @_typing.type_check_only
 class ControlPlaneAsyncStub(ControlPlaneStub):
@@ -187,6 +202,21 @@ class ControlPlaneAsyncStub(ControlPlaneStub):
     """Static facts and capabilities of the server."""
     GetLoad: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.GetLoadRequest, _control_plane_pb2.GetLoadResponse]  # type: ignore[assignment]
     """The server's current load."""
+    LoadLoraAdapter: _aio.StreamUnaryMultiCallable[_control_plane_pb2.LoadLoraAdapterRequest, _control_plane_pb2.LoadLoraAdapterResponse]  # type: ignore[assignment]
+    """Loads a LoRA adapter under a name, from a directory on the server or pushed in-band (a
+    spec, a manifest, then checksummed chunks, as PushWeights sends weights): validated (PEFT
+    config, rank within --max-lora-rank, target modules the model has, shapes that match it,
+    checksums) and swapped in atomically. Loading a name again replaces the adapter with a
+    new version: requests already running finish on the version they started with, new ones
+    get the new one. A rejected adapter leaves the previous version serving.
+    FAILED_PRECONDITION unless the server runs with --enable-lora.
+    """
+    UnloadLoraAdapter: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.UnloadLoraAdapterRequest, _control_plane_pb2.UnloadLoraAdapterResponse]  # type: ignore[assignment]
+    """Unloads an adapter; requests naming it afterwards get NOT_FOUND. Requests already running
+    on it finish. NOT_FOUND for an unknown name.
+    """
+    ListLoraAdapters: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.ListLoraAdaptersRequest, _control_plane_pb2.ListLoraAdaptersResponse]  # type: ignore[assignment]
+    """The adapters loaded now, with their versions."""
 
 class ControlPlaneServicer(metaclass=_abc_1.ABCMeta):
     """Control of one engine server.
@@ -365,5 +395,38 @@ class ControlPlaneServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_control_plane_pb2.GetLoadResponse, _abc.Awaitable[_control_plane_pb2.GetLoadResponse]]:
         """The server's current load."""
+
+    @_abc_1.abstractmethod
+    def LoadLoraAdapter(
+        self,
+        request_iterator: _MaybeAsyncIterator[_control_plane_pb2.LoadLoraAdapterRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_control_plane_pb2.LoadLoraAdapterResponse, _abc.Awaitable[_control_plane_pb2.LoadLoraAdapterResponse]]:
+        """Loads a LoRA adapter under a name, from a directory on the server or pushed in-band (a
+        spec, a manifest, then checksummed chunks, as PushWeights sends weights): validated (PEFT
+        config, rank within --max-lora-rank, target modules the model has, shapes that match it,
+        checksums) and swapped in atomically. Loading a name again replaces the adapter with a
+        new version: requests already running finish on the version they started with, new ones
+        get the new one. A rejected adapter leaves the previous version serving.
+        FAILED_PRECONDITION unless the server runs with --enable-lora.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadLoraAdapter(
+        self,
+        request: _control_plane_pb2.UnloadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_control_plane_pb2.UnloadLoraAdapterResponse, _abc.Awaitable[_control_plane_pb2.UnloadLoraAdapterResponse]]:
+        """Unloads an adapter; requests naming it afterwards get NOT_FOUND. Requests already running
+        on it finish. NOT_FOUND for an unknown name.
+        """
+
+    @_abc_1.abstractmethod
+    def ListLoraAdapters(
+        self,
+        request: _control_plane_pb2.ListLoraAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_control_plane_pb2.ListLoraAdaptersResponse, _abc.Awaitable[_control_plane_pb2.ListLoraAdaptersResponse]]:
+        """The adapters loaded now, with their versions."""
 
 def add_ControlPlaneServicer_to_server(servicer: ControlPlaneServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

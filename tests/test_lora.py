@@ -1,0 +1,289 @@
+"""LoRA adapters end to end against real vLLM (tiny model): pushed in-band to two servers,
+chosen per request through the router, versioned, checked, unloaded. References are computed
+independently: transformers with the adapter merged into the base weights (W + alpha/r * B A).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import control_plane_pb2_grpc
+from tests.conftest import running_engine_server
+from tests.helpers.waits import running_on_engines
+from trainer_client import FanOutError, InferenceClient
+from trainer_client.errors import ServerError
+from trainer_client.weights import lora_push_messages
+
+pytestmark = pytest.mark.engine
+PROMPTS = [[1, 17, 33, 95, 200, 311], [1, 5, 9, 13, 400, 77, 78]]
+GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+
+
+def make_adapter(
+    model_dir: Path, seed: int, rank: int = 8, targets: tuple[str, ...] = ("q_proj", "v_proj")
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A PEFT-format adapter with random factors large enough to change greedy output."""
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads, head_dim = config["num_key_value_heads"], config["head_dim"]
+    out = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module in targets:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) / 2
+            tensors[f"{prefix}.lora_B.weight"] = (
+                torch.randn(out[module], rank, generator=generator) / 2
+            )
+    adapter_config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": list(targets),
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+    }
+    return tensors, adapter_config
+
+
+def merged_reference(
+    model_dir: Path, adapter: tuple[dict[str, torch.Tensor], dict[str, Any]] | None
+) -> list[list[int]]:
+    """Greedy outputs of transformers with the adapter merged into the base weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if adapter is not None:
+        tensors, config = adapter
+        scale = config["lora_alpha"] / config["r"]
+        with torch.no_grad():
+            for layer_index, layer in enumerate(model.model.layers):
+                for module in config["target_modules"]:
+                    prefix = f"base_model.model.model.layers.{layer_index}.self_attn.{module}"
+                    a, b = tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"]
+                    getattr(layer.self_attn, module).weight += scale * (b @ a)
+    outputs = []
+    for prompt in PROMPTS:
+        generated = model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
+        )
+        outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+async def lora_fleet(tiny_model_dir: Path) -> AsyncIterator[tuple[Any, list[Any]]]:
+    """Two engine servers with --enable-lora (rank <= 8, two adapters per batch, three kept)
+    behind a router."""
+    from servers.router.server import RouterOptions, RouterServer
+
+    starters = [
+        running_engine_server(enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3)
+        for _ in range(2)
+    ]
+    servers = [await anext(s) for s in starters]
+    router = RouterServer(
+        RouterOptions(backends=[s.address for s in servers], health_check_interval=0.2)
+    )
+    await router.start()
+    await router.wait_healthy(2)
+    yield router, servers
+    await router.stop(0)
+    for starter in starters:
+        with pytest.raises(StopAsyncIteration):
+            await anext(starter)
+
+
+def client_of(lora_fleet: tuple[Any, list[Any]]) -> InferenceClient:
+    router, servers = lora_fleet
+    return InferenceClient(router.address, [s.address for s in servers])
+
+
+async def outputs(client: InferenceClient, lora: str = "") -> list[list[int]]:
+    results = await asyncio.gather(*(client.generate(p, GREEDY, lora=lora) for p in PROMPTS))
+    return [r.token_ids for r in results]
+
+
+async def test_an_adapter_pushed_in_band_to_two_servers_matches_its_merged_reference(
+    lora_fleet: tuple[Any, list[Any]], tiny_model_dir: Path
+) -> None:
+    client = client_of(lora_fleet)
+    adapter = make_adapter(tiny_model_dir, seed=1)
+    # In-band: the servers get bytes, never a path the trainer wrote.
+    loaded = await client.load_lora("alpha", tensors=adapter[0], config=adapter[1])
+    assert {a.version for a in loaded.values()} == {1} and len(loaded) == 2
+    assert len({a.sha256 for a in loaded.values()}) == 1  # the same bytes on both
+    base, with_adapter = await asyncio.gather(
+        asyncio.to_thread(merged_reference, tiny_model_dir, None),
+        asyncio.to_thread(merged_reference, tiny_model_dir, adapter),
+    )
+    assert base != with_adapter  # the adapter matters
+    assert await outputs(client, "alpha") == with_adapter
+    assert await outputs(client) == base  # the base model is untouched
+    result = await client.generate(PROMPTS[0], GREEDY, lora="alpha")
+    assert result.lora_version == 1
+    listed = await client.list_loras()
+    assert all([a.name for a in adapters] == ["alpha"] for adapters in listed.values())
+    info = await client.server_info()
+    assert all(i.capabilities.lora.enabled and i.capabilities.lora.max_lora_rank == 8
+               for i in info.values())  # fmt: skip
+    assert [a.name for a in (await client.model_info()).lora_adapters] == ["alpha"]
+    await client.unload_lora("alpha")
+    await client.close()
+
+
+async def test_two_adapters_and_the_base_model_in_one_concurrent_batch(
+    lora_fleet: tuple[Any, list[Any]], tiny_model_dir: Path
+) -> None:
+    client = client_of(lora_fleet)
+    adapters = {name: make_adapter(tiny_model_dir, seed) for name, seed in (("a", 2), ("b", 3))}
+    for name, (tensors, config) in adapters.items():
+        await client.load_lora(name, tensors=tensors, config=config)
+    references = dict(
+        zip(
+            ["", "a", "b"],
+            await asyncio.gather(
+                asyncio.to_thread(merged_reference, tiny_model_dir, None),
+                *(
+                    asyncio.to_thread(merged_reference, tiny_model_dir, a)
+                    for a in adapters.values()
+                ),
+            ),
+            strict=True,
+        )
+    )
+    assert len({json.dumps(r) for r in references.values()}) == 3
+    requests = [(lora, i) for lora in ("", "a", "b") for i in range(len(PROMPTS))] * 2
+    results = await asyncio.gather(
+        *(client.generate(PROMPTS[i], GREEDY, lora=lora) for lora, i in requests)
+    )
+    for (lora, i), result in zip(requests, results, strict=True):
+        assert result.token_ids == references[lora][i], (lora, i)
+    for name in adapters:
+        await client.unload_lora(name)
+    await client.close()
+
+
+async def test_an_adapter_replaced_in_place_serves_its_new_version_and_running_requests_keep_theirs(
+    lora_fleet: tuple[Any, list[Any]], tiny_model_dir: Path
+) -> None:
+    client = client_of(lora_fleet)
+    first, second = make_adapter(tiny_model_dir, 4), make_adapter(tiny_model_dir, 5)
+    await client.load_lora("live", tensors=first[0], config=first[1])
+    long = {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}
+    running = asyncio.ensure_future(client.generate([1, 2, 3], long, lora="live"))
+    await running_on_engines(client, 1, running)
+    replaced = await client.load_lora("live", tensors=second[0], config=second[1])
+    assert {a.version for a in replaced.values()} == {2}
+    before = await running
+    assert before.lora_version == 1 and len(before.token_ids) == 400
+    expected = await asyncio.to_thread(merged_reference, tiny_model_dir, second)
+    assert await outputs(client, "live") == expected
+    assert (await client.generate(PROMPTS[0], GREEDY, lora="live")).lora_version == 2
+    await client.unload_lora("live")
+    await client.close()
+
+
+async def push(
+    address: str, messages: list[cp.LoadLoraAdapterRequest]
+) -> cp.LoadLoraAdapterResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
+        return await stub.LoadLoraAdapter(iter(messages), timeout=60)
+
+
+async def test_bad_adapters_are_refused_and_the_previous_version_keeps_serving(
+    lora_fleet: tuple[Any, list[Any]], tiny_model_dir: Path
+) -> None:
+    client = client_of(lora_fleet)
+    good = make_adapter(tiny_model_dir, 6)
+    await client.load_lora("keep", tensors=good[0], config=good[1])
+    serving = await outputs(client, "keep")
+    address = lora_fleet[1][0].address
+
+    def spec(config: dict[str, Any] | None) -> cp.LoadLoraAdapterRequest:
+        text = json.dumps(config) if config is not None else ""
+        return cp.LoadLoraAdapterRequest(spec=cp.LoraAdapterSpec(name="keep", config_json=text))
+
+    big_rank = make_adapter(tiny_model_dir, 7, rank=16)
+    unknown_target = dict(good[1], target_modules=["q_proj", "x_proj"])
+    wrong_shape = {**good[0]}
+    name = next(iter(wrong_shape))
+    wrong_shape[name] = torch.zeros(8, 64)
+    corrupted = lora_push_messages(good[0].items())
+    chunk = corrupted[1].chunk
+    corrupted[1] = cp.LoadLoraAdapterRequest(
+        chunk=cp.WeightChunk(
+            name=chunk.name, offset_bytes=0, data=bytes(len(chunk.data)), crc32=chunk.crc32
+        )
+    )
+    cases = [
+        ("rank 16 exceeds", [spec(big_rank[1]), *lora_push_messages(big_rank[0].items())],
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ("x_proj", [spec(unknown_target), *lora_push_messages(good[0].items())],
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ("shape mismatch", [spec(good[1]), *lora_push_messages(wrong_shape.items())],
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ("checksum mismatch", [spec(good[1]), *corrupted], grpc.StatusCode.DATA_LOSS),
+        ("truncated", [spec(good[1]), *lora_push_messages(good[0].items())[:-1]],
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ("adapter_config.json", [spec(None), *lora_push_messages(good[0].items())],
+         grpc.StatusCode.INVALID_ARGUMENT),
+    ]  # fmt: skip
+    for why, messages, code in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await push(address, messages)
+        assert refused.value.code() == code, (why, refused.value.details())
+        assert why in (refused.value.details() or ""), (why, refused.value.details())
+        assert await outputs(client, "keep") == serving, why
+    listed = await client.list_loras()
+    assert [a.version for a in listed[address]] == [1]
+    await client.unload_lora("keep")
+    await client.close()
+
+
+async def test_unloaded_or_unknown_adapters_are_not_found_and_the_base_still_serves(
+    lora_fleet: tuple[Any, list[Any]], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    client = client_of(lora_fleet)
+    tensors, config = make_adapter(tiny_model_dir, 8)
+    # From a directory on the servers (they share this machine's disk here).
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    loaded = await client.load_lora("from-disk", path=str(tmp_path))
+    assert {a.source for a in loaded.values()} == {"path"}
+    expected = await asyncio.to_thread(merged_reference, tiny_model_dir, (tensors, config))
+    assert await outputs(client, "from-disk") == expected
+    await client.unload_lora("from-disk")
+    with pytest.raises(ServerError) as missing:
+        await client.generate(PROMPTS[0], GREEDY, lora="from-disk")
+    assert missing.value.code == grpc.StatusCode.NOT_FOUND
+    assert "from-disk" in str(missing.value)
+    with pytest.raises(FanOutError):
+        await client.unload_lora("from-disk")
+    base = await asyncio.to_thread(merged_reference, tiny_model_dir, None)
+    assert await outputs(client) == base
+    await client.close()
+
+
+async def test_a_server_without_lora_says_how_to_enable_it(engine_server: Any) -> None:
+    client = InferenceClient(engine_server.address, [engine_server.address])
+    with pytest.raises(ServerError) as refused:
+        await client.generate(PROMPTS[0], GREEDY, lora="any")
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--enable-lora" in str(refused.value)
+    info = await client.server_info()
+    assert not info[engine_server.address].capabilities.lora.enabled
+    await client.close()
