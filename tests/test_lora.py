@@ -93,7 +93,7 @@ async def lora_fleet(tiny_model_dir: Path) -> AsyncIterator[tuple[Any, list[Any]
     ]
     servers = [await anext(s) for s in starters]
     router = RouterServer(
-        RouterOptions(backends=[s.address for s in servers], health_check_interval=0.2)
+        RouterOptions(backends=[s.address for s in servers], health_check_interval=0.2, http_port=0)
     )
     await router.start()
     await router.wait_healthy(2)
@@ -286,4 +286,28 @@ async def test_a_server_without_lora_says_how_to_enable_it(engine_server: Any) -
     assert "--enable-lora" in str(refused.value)
     info = await client.server_info()
     assert not info[engine_server.address].capabilities.lora.enabled
+    await client.close()
+
+
+async def test_the_openai_edge_lists_adapters_and_model_selects_one(
+    lora_fleet: tuple[Any, list[Any]], tiny_model_dir: Path
+) -> None:
+    import httpx
+
+    client = client_of(lora_fleet)
+    adapter = make_adapter(tiny_model_dir, 9)
+    await client.load_lora("web", tensors=adapter[0], config=adapter[1])
+    expected = await asyncio.to_thread(merged_reference, tiny_model_dir, adapter)
+    base_url = f"http://127.0.0.1:{lora_fleet[0].http_port}"
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        models = (await http.get("/v1/models")).json()["data"]
+        assert [m["id"] for m in models][1:] == ["web"] and models[1]["parent"] == models[0]["id"]
+        body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}  # fmt: skip
+        answer = (await http.post("/v1/completions", json={**body, "model": "web"})).json()
+        assert answer["choices"][0]["token_ids"] == expected[0]
+        assert answer["model"] == "web"
+        missing = await http.post("/v1/completions", json={**body, "model": "nope"})
+        assert missing.status_code == 404
+    await client.unload_lora("web")
     await client.close()

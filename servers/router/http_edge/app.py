@@ -200,8 +200,11 @@ class OpenAIEdge:
     async def _unary(self, method: str, message: Any, request: Request) -> bytes:
         return await self.proxy.unary_unary(method, message.SerializeToString(), request.call())
 
-    async def _model_info(self, request: Request) -> data_plane_pb2.GetModelInfoResponse:
-        if self._model is None:
+    async def _model_info(
+        self, request: Request, fresh: bool = False
+    ) -> data_plane_pb2.GetModelInfoResponse:
+        """The served model's facts: cached, or asked again (``fresh``: adapters change)."""
+        if self._model is None or fresh:
             raw = await self._unary(GET_MODEL_INFO, data_plane_pb2.GetModelInfoRequest(), request)
             self._model = data_plane_pb2.GetModelInfoResponse.FromString(raw)
         return self._model
@@ -242,6 +245,7 @@ class OpenAIEdge:
             n=call.n,
             include_text=True,
             stream_interval=interval,
+            lora=call.lora,
         )
         return self.proxy.unary_stream(GENERATE_STREAM, message.SerializeToString(), request.call())
 
@@ -258,8 +262,13 @@ class OpenAIEdge:
     ) -> None:
         model = await self._model_info(request)
         if call.model and call.model != model.served_model_name:
-            raise NotFound(f"The model `{call.model}` does not exist.")
-        call.model = model.served_model_name
+            # Not the base model: a LoRA adapter of that name, or nothing.
+            adapters = (await self._model_info(request, fresh=True)).lora_adapters
+            if call.model not in {a.name for a in adapters}:
+                raise NotFound(f"The model `{call.model}` does not exist.")
+            call.lora = call.model
+        else:
+            call.model = model.served_model_name
         prompts = await self._prompt_ids(call, request)
         if len(prompts) > 1 and call.chat:
             raise InvalidArgument("chat takes one conversation")
@@ -367,7 +376,7 @@ class OpenAIEdge:
     # -- the rest ----------------------------------------------------------------------------
 
     async def models(self, request: Request, responder: Responder) -> None:
-        model = await self._model_info(request)
+        model = await self._model_info(request, fresh=True)
         await responder.json(200, tr.models(model, created=0))
 
     async def health(self, request: Request, responder: Responder) -> None:

@@ -84,6 +84,8 @@ class GenerationCall:
     add_special_tokens: bool = True
     id: str = ""
     created: int = 0
+    # The LoRA adapter ``model`` named (empty: the base model).
+    lora: str = ""
 
     def tokenize_request(self, prompt: str | None = None) -> data_plane_pb2.TokenizeRequest:
         """What turns a text prompt (or the conversation, for chat) into token ids."""
@@ -468,21 +470,33 @@ def chunk_choice(
 
 
 def models(model_info: data_plane_pb2.GetModelInfoResponse, created: int) -> Json:
-    """``GET /v1/models``."""
-    return {
-        "object": "list",
-        "data": [
+    """``GET /v1/models``: the base model, then its loaded LoRA adapters (``model`` selects
+    one), as vLLM lists them."""
+    base = model_info.served_model_name
+    entries = [
+        {
+            "id": base,
+            "object": "model",
+            "created": created,
+            "owned_by": "skyrl-grpc",
+            "root": base,
+            "parent": None,
+            "max_model_len": model_info.max_context_length,
+        }
+    ]
+    for adapter in model_info.lora_adapters:
+        entries.append(
             {
-                "id": model_info.served_model_name,
+                "id": adapter.name,
                 "object": "model",
                 "created": created,
                 "owned_by": "skyrl-grpc",
-                "root": model_info.served_model_name,
-                "parent": None,
-                "max_model_len": model_info.max_context_length,
+                "root": adapter.name,
+                "parent": base,
+                "lora_version": adapter.version,
             }
-        ],
-    }
+        )
+    return {"object": "list", "data": entries}
 
 
 def read_tokenize(body: Json) -> data_plane_pb2.TokenizeRequest:
