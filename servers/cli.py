@@ -42,6 +42,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--model", args.model]
     if args.max_model_len:
         flags += ["--max-model-len", str(args.max_model_len)]
+    if args.enable_lora:
+        flags += ["--enable-lora"]
     return flags
 
 
@@ -98,6 +100,9 @@ def _add_stack_arguments(
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="CPU: KV cache per engine")
+    parser.add_argument(
+        "--enable-lora", action="store_true", help="engine servers serve LoRA adapters"
+    )
     parser.add_argument("--ray", action="store_true", help="place the servers on Ray (RayFleet)")
     parser.add_argument(
         "--ray-address", default=None, help="Ray cluster to join (default: start one)"
@@ -157,6 +162,8 @@ def _demo(args: argparse.Namespace, trainer_args: list[str]) -> None:
     if args.model:
         print("the demo trains the embedded tiny model; --model is not used", file=sys.stderr)
         args.model = None
+    if "--lora" in trainer_args:
+        args.enable_lora = True  # the trainer pushes an adapter: the servers must take it
     started = time.perf_counter()
     print(f"starting {args.servers} engine servers and a router on the tiny model ...", flush=True)
     with make_fleet(args) as fleet:
@@ -219,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="run the end-to-end RL demo on the embedded tiny model",
         epilog="Every other option goes to the trainer process (--steps, --batch-size, "
-        "--max-tokens, --learning-rate, --seed, --transport, --no-sync, --output): see "
+        "--max-tokens, --learning-rate, --seed, --transport, --no-sync, --lora, --output): see "
         "`python -m trainer_client.demo --help`.",
     )
     _add_stack_arguments(demo, servers=2)

@@ -38,8 +38,15 @@ def make_adapter(
     out = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim}
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
+    if "lm_head" in targets:  # the output projection: once, not per layer
+        tensors["base_model.model.lm_head.lora_A.weight"] = (
+            torch.randn(rank, hidden, generator=generator) / 2
+        )
+        tensors["base_model.model.lm_head.lora_B.weight"] = (
+            torch.randn(config["vocab_size"], rank, generator=generator) / 2
+        )
     for layer in range(config["num_hidden_layers"]):
-        for module in targets:
+        for module in (t for t in targets if t != "lm_head"):
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) / 2
             tensors[f"{prefix}.lora_B.weight"] = (
@@ -67,8 +74,12 @@ def merged_reference(
         tensors, config = adapter
         scale = config["lora_alpha"] / config["r"]
         with torch.no_grad():
+            if "lm_head" in config["target_modules"]:
+                a = tensors["base_model.model.lm_head.lora_A.weight"]
+                b = tensors["base_model.model.lm_head.lora_B.weight"]
+                model.lm_head.weight += scale * (b @ a)
             for layer_index, layer in enumerate(model.model.layers):
-                for module in config["target_modules"]:
+                for module in (t for t in config["target_modules"] if t != "lm_head"):
                     prefix = f"base_model.model.model.layers.{layer_index}.self_attn.{module}"
                     a, b = tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"]
                     getattr(layer.self_attn, module).weight += scale * (b @ a)
@@ -146,7 +157,10 @@ async def test_two_adapters_and_the_base_model_in_one_concurrent_batch(
     lora_fleet: tuple[Any, list[Any]], tiny_model_dir: Path
 ) -> None:
     client = client_of(lora_fleet)
-    adapters = {name: make_adapter(tiny_model_dir, seed) for name, seed in (("a", 2), ("b", 3))}
+    adapters = {
+        "a": make_adapter(tiny_model_dir, 2),
+        "b": make_adapter(tiny_model_dir, 3, targets=("q_proj", "v_proj", "lm_head")),
+    }
     for name, (tensors, config) in adapters.items():
         await client.load_lora(name, tensors=tensors, config=config)
     references = dict(
@@ -310,4 +324,32 @@ async def test_the_openai_edge_lists_adapters_and_model_selects_one(
         missing = await http.post("/v1/completions", json={**body, "model": "nope"})
         assert missing.status_code == 404
     await client.unload_lora("web")
+    await client.close()
+
+
+async def test_the_lora_demo_learns_by_pushing_only_its_adapter(
+    lora_fleet: tuple[Any, list[Any]], tiny_model_dir: Path
+) -> None:
+    from trainer_client.demo import (
+        ADAPTER_NAME,
+        LORA_LEARNING_RATE,
+        TARGET_STRIDE,
+        DemoConfig,
+        run_rl_loop,
+    )
+
+    client = client_of(lora_fleet)
+    short = dict(
+        steps=8, batch_size=16, max_tokens=16, seed=0, progress=False, lora=True,
+        learning_rate=LORA_LEARNING_RATE,
+    )  # fmt: skip
+    versions_before = await client.weight_versions()
+    learned = await run_rl_loop(client, tiny_model_dir, DemoConfig(**short, sync=True))  # type: ignore[arg-type]
+    control = await run_rl_loop(client, tiny_model_dir, DemoConfig(**short, sync=False))  # type: ignore[arg-type]
+    first, last = learned.summary()
+    assert last > first + 0.2, learned.rewards
+    control_first, control_last = control.summary()
+    assert control_last < 1 / TARGET_STRIDE + 0.05, control.rewards
+    assert await client.weight_versions() == versions_before  # the base weights never moved
+    await client.unload_lora(ADAPTER_NAME)
     await client.close()

@@ -403,3 +403,18 @@ async def test_replacing_non_finite_weights_asks_the_engine_to_clear_their_trace
     await manager.rollback(3)  # back to 2: finite, replacing finite
     assert changes[-1] is False
     await manager.close()
+
+
+def test_a_peft_models_own_state_dict_names_map_to_the_saved_adapter_names() -> None:
+    from trainer_client.weights import lora_push_messages, peft_tensor_name
+
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    assert peft_tensor_name(f"{prefix}.lora_A.default.weight") == f"{prefix}.lora_A.weight"
+    assert peft_tensor_name(f"{prefix}.lora_B.weight") == f"{prefix}.lora_B.weight"
+    assert peft_tensor_name("model.layers.0.mlp.up_proj.weight") == (
+        "model.layers.0.mlp.up_proj.weight"
+    )
+    import torch
+
+    manifest = lora_push_messages([(f"{prefix}.lora_A.default.weight", torch.zeros(2, 4))])[0]
+    assert [p.name for p in manifest.manifest.parameters] == [f"{prefix}.lora_A.weight"]

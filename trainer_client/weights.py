@@ -8,6 +8,7 @@ checksummed chunks after a manifest, serialized once and streamed to every serve
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -127,13 +128,24 @@ def push_messages(
     return messages
 
 
+_PEFT_ADAPTER_SEGMENT = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
+
+
+def peft_tensor_name(name: str) -> str:
+    """The name a server expects for a tensor of a PEFT adapter: a PEFT model's own
+    ``state_dict()`` names carry the adapter's name (``...q_proj.lora_A.default.weight``),
+    ``get_peft_model_state_dict`` and saved adapters do not (``...q_proj.lora_A.weight``)."""
+    return _PEFT_ADAPTER_SEGMENT.sub(r".lora_\1.weight", name)
+
+
 def lora_push_messages(
     named_tensors: Iterable[tuple[str, Any]], chunk_bytes: int = DEFAULT_CHUNK_BYTES
 ) -> list[cp.LoadLoraAdapterRequest]:
     """An adapter's tensors as LoadLoraAdapter messages: the manifest (with SHA-256 per
     tensor), then checksummed chunks, exactly as PushWeights sends weights."""
+    named = [(peft_tensor_name(name), tensor) for name, tensor in named_tensors]
     messages = []
-    for raw in push_messages(named_tensors, chunk_bytes=chunk_bytes):
+    for raw in push_messages(named, chunk_bytes=chunk_bytes):
         push = cp.PushWeightsRequest.FromString(raw)
         if push.HasField("manifest"):
             messages.append(cp.LoadLoraAdapterRequest(manifest=push.manifest))

@@ -62,6 +62,7 @@ class ModelShapes:
         return cls(
             layers=int(config["num_hidden_layers"]),
             features={
+                "lm_head": (hidden, int(config["vocab_size"])),
                 "q_proj": (hidden, heads * head_dim),
                 "k_proj": (hidden, kv_heads * head_dim),
                 "v_proj": (hidden, kv_heads * head_dim),
@@ -124,12 +125,18 @@ class AdapterConfig:
     def expected(self, shapes: ModelShapes) -> dict[str, tuple[int, ...]]:
         """Every tensor the adapter must carry (PEFT names) and its shape."""
         tensors: dict[str, tuple[int, ...]] = {}
-        for layer in range(shapes.layers):
-            for module in self.target_modules:
-                prefix = f"base_model.model.model.layers.{layer}.{MODULE_BLOCK[module]}.{module}"
-                in_features, out_features = shapes.features[module]
-                tensors[f"{prefix}.lora_A.weight"] = (self.rank, in_features)
-                tensors[f"{prefix}.lora_B.weight"] = (out_features, self.rank)
+        prefixes = []
+        for module in self.target_modules:
+            if module == "lm_head":  # the output projection, once
+                prefixes.append(("base_model.model.lm_head", module))
+                continue
+            for layer in range(shapes.layers):
+                block = MODULE_BLOCK[module]
+                prefixes.append((f"base_model.model.model.layers.{layer}.{block}.{module}", module))
+        for prefix, module in prefixes:
+            in_features, out_features = shapes.features[module]
+            tensors[f"{prefix}.lora_A.weight"] = (self.rank, in_features)
+            tensors[f"{prefix}.lora_B.weight"] = (out_features, self.rank)
         return tensors
 
 
