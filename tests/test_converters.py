@@ -162,6 +162,25 @@ def test_logprobs_keep_sampled_token_and_rank_ordered_alternatives() -> None:
     assert len(prompt.top_logprobs) == 0
 
 
+@dataclass
+class Flat:
+    """vLLM's FlatLogprobs layout: per position a run of entries, the sampled token first."""
+
+    start_indices: list[int]
+    end_indices: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+def test_flat_logprobs_give_the_k_most_likely_with_the_sampled_token_when_it_ranks() -> None:
+    # Position 0: the sampled 5 is the most likely, listed once (vLLM does not repeat it).
+    # Position 1: the sampled 8 ranks below the top 2, which follow it.
+    flat = Flat([0, 2, 5], [2, 5, 5], [5, 7, 8, 1, 2], [-0.1, -2.0, -4.0, -0.5, -1.0])
+    result = logprobs_to_proto([5, 8, 3], flat, top_k=2)
+    assert list(result.token_logprobs) == pytest.approx([-0.1, -4.0, 0.0])
+    assert [list(t.token_ids) for t in result.top_logprobs] == [[5, 7], [1, 2], []]
+
+
 def test_finish_reasons_and_stop_matches() -> None:
     assert finish_to_proto(None, None, [1]) == (generation_pb2.FINISH_REASON_UNSPECIFIED, None)
     reason, stop = finish_to_proto("stop", None, [4, 2])

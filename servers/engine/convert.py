@@ -115,7 +115,9 @@ def logprobs_to_proto(
 
 def _flat_logprobs_to_proto(flat: Any, top_k: int) -> generation_pb2.Logprobs:
     """vLLM's ``FlatLogprobs``: per position, the sampled (or prompt) token's entry first,
-    then the top ``k`` by rank; a position without data has no entries."""
+    then the top ``k`` by rank -- without the sampled token when it is one of them (it is
+    listed once). So the alternatives are the ``k`` most likely of all the position's entries,
+    the sampled token among them when it ranks there; a position without data has none."""
     result = generation_pb2.Logprobs()
     starts, ends = flat.start_indices, flat.end_indices
     values = flat.logprobs
@@ -126,9 +128,10 @@ def _flat_logprobs_to_proto(flat: Any, top_k: int) -> generation_pb2.Logprobs:
         ids = flat.token_ids
         for start, end in zip(starts, ends, strict=True):
             top = result.top_logprobs.add()
-            if end > start + 1:
-                top.token_ids.extend(ids[start + 1 : end])
-                top.logprobs.extend(values[start + 1 : end])
+            entries = {ids[i]: values[i] for i in range(start, end)}
+            ranked = sorted(entries.items(), key=lambda entry: -entry[1])[:top_k]
+            top.token_ids.extend(t for t, _ in ranked)
+            top.logprobs.extend(lp for _, lp in ranked)
     return result
 
 
