@@ -251,7 +251,7 @@ async def engine_run(
     observation (as an agent's transcript grows); sessions run concurrently."""
     from trainer_client import InferenceClient
 
-    client = InferenceClient(router)
+    client = InferenceClient(router, direct=False)  # the router under test places every call
     rng = random.Random(7)
     totals: Counter[str] = Counter()
     start = time.perf_counter()

@@ -185,7 +185,7 @@ class TrainerClientContender:
         self.router = router
 
     async def run(self, workload: Workload) -> dict[str, float]:
-        async with InferenceClient(self.router) as client:
+        async with InferenceClient(self.router, direct=False) as client:
             sampling = {"temperature": 0.0, "max_tokens": workload.max_tokens, "ignore_eos": True}
 
             async def one(index: int, turn: int) -> Timing:

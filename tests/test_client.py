@@ -31,8 +31,12 @@ def prompts(count: int, offset: int = 0) -> list[list[int]]:
 def client(
     two_server_router: Any, engine_server: Any, second_engine_server: Any
 ) -> InferenceClient:
+    # Through the router: these tests read the router's counters (the direct path has its
+    # own tests in test_direct_routing.py).
     return InferenceClient(
-        two_server_router.address, [engine_server.address, second_engine_server.address]
+        two_server_router.address,
+        [engine_server.address, second_engine_server.address],
+        direct=False,
     )
 
 

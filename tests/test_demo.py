@@ -30,7 +30,9 @@ async def test_reward_rises_with_weight_sync_and_stays_flat_without(
         await client.update_weights(original.items(), version, transport="grpc")
 
     await restore()
-    short = dict(steps=8, batch_size=16, max_tokens=16, seed=0, progress=False)
+    # 12 steps: with 8, whether the reward is past +0.2 yet depends on the engine's sampling
+    # stream (what ran on it before this test).
+    short = dict(steps=12, batch_size=16, max_tokens=16, seed=0, progress=False)
     learned = await run_rl_loop(client, tiny_model_dir, DemoConfig(**short, sync=True))  # type: ignore[arg-type]
     await restore()
     control = await run_rl_loop(client, tiny_model_dir, DemoConfig(**short, sync=False))  # type: ignore[arg-type]

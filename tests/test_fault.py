@@ -89,3 +89,31 @@ def test_killed_server_mid_generation_loses_nothing_and_rejoins() -> None:
 
     with LocalFleet(3) as stack:
         asyncio.run(scenario(stack))
+
+
+def test_a_server_killed_mid_stream_is_survived_on_the_direct_path_with_identical_tokens() -> None:
+    """The client routing itself (no router hop) moves a cut generation to another server
+    with the prompt plus the tokens so far; greedy output equals an uninterrupted run."""
+
+    async def scenario(stack: LocalFleet) -> None:
+        client = InferenceClient(stack.addresses.router, stack.addresses.servers)
+        assert client.config.direct
+        prompts = [[1, 300 + i, 7, 9] for i in range(8)]
+        sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+        sessions = [f"direct-fault-{i}" for i in range(8)]
+        batch = asyncio.ensure_future(
+            client.generate_batch(prompts, sampling, session_ids=sessions)
+        )
+        victim = stack.addresses.servers[0]
+        await running_on_engines(client, 1, batch, servers=[victim])
+        await asyncio.to_thread(stack.kill_server, 0)
+        assert not batch.done(), "generation finished before the fault"
+        results = await asyncio.wait_for(batch, 300)
+        survivor = InferenceClient(stack.addresses.servers[1], [stack.addresses.servers[1]])
+        reference = await survivor.generate_batch(prompts, sampling)
+        assert [r.token_ids for r in results] == [r.token_ids for r in reference]
+        await client.close()
+        await survivor.close()
+
+    with LocalFleet(2) as stack:
+        asyncio.run(scenario(stack))

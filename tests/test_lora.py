@@ -340,7 +340,7 @@ async def test_the_lora_demo_learns_by_pushing_only_its_adapter(
 
     client = client_of(lora_fleet)
     short = dict(
-        steps=8, batch_size=16, max_tokens=16, seed=0, progress=False, lora=True,
+        steps=10, batch_size=16, max_tokens=16, seed=0, progress=False, lora=True,
         learning_rate=LORA_LEARNING_RATE,
     )  # fmt: skip
     versions_before = await client.weight_versions()

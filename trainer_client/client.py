@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -31,6 +32,7 @@ from skyrl_grpc.v1 import (
 
 from .config import ClientConfig
 from .continuation import Continuation
+from .direct import DirectRoutes
 from .errors import RetriesExhausted, ServerError
 from .fanout import failures_of, fan_out
 from .results import FinishReason, GenerationResult, WeightVersions
@@ -45,6 +47,7 @@ from .weights import (
     rank_offsets,
 )
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 Sampling = generation_pb2.SamplingParams | Mapping[str, Any] | None
 Message = Mapping[str, str] | data_plane_pb2.ChatMessage
@@ -92,6 +95,9 @@ class InferenceClient:
     def __init__(self, router: str, servers: Sequence[str] = (), **settings: Any) -> None:
         self.config = ClientConfig(router=router, servers=tuple(servers), **settings)
         self._channels: dict[tuple[int, int, str], grpc.aio.Channel] = {}
+        # The router's routing view, per event loop (direct routing; never pickled).
+        self._routes: dict[tuple[int, int], DirectRoutes] = {}
+        self._background: set[asyncio.Task[Any]] = set()
         # Rank 0 of the collective weight-transfer group (process-local, never pickled).
         self._sender: CollectiveSender | None = None
 
@@ -100,6 +106,8 @@ class InferenceClient:
         client = cls.__new__(cls)
         client.config = config
         client._channels = {}
+        client._routes = {}
+        client._background = set()
         client._sender = None
         return client
 
@@ -110,6 +118,8 @@ class InferenceClient:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.config = state["config"]
         self._channels = {}
+        self._routes = {}
+        self._background = set()
         self._sender = None
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -122,6 +132,8 @@ class InferenceClient:
     async def close(self) -> None:
         """Closes the channels this event loop opened."""
         loop_id = id(asyncio.get_running_loop())
+        for route_key in [k for k in self._routes if k[1] == loop_id]:
+            await self._routes.pop(route_key).close()
         for key in [k for k in self._channels if k[1] == loop_id]:
             await self._channels.pop(key).close()
 
@@ -134,6 +146,41 @@ class InferenceClient:
     def _metadata(self, session_id: str | None) -> tuple[tuple[str, str], ...]:
         metadata = self.config.metadata()
         return (*metadata, (SESSION_ID, session_id)) if session_id else metadata
+
+    # -- direct routing -----------------------------------------------------------------------
+
+    def _direct_routes(self) -> DirectRoutes:
+        key = (os.getpid(), id(asyncio.get_running_loop()))
+        routes = self._routes.get(key)
+        if routes is None:
+            routes = self._routes[key] = DirectRoutes(
+                self.channel(self.config.router), self.config.metadata(), self._finish_at
+            )
+        return routes
+
+    async def _target(self, session_id: str | None, tried: set[str]) -> str | None:
+        """The server a generation goes to directly, or None to go through the router."""
+        if not self.config.direct:
+            return None
+        routes = self._direct_routes()
+        if not await routes.ready():
+            return None
+        return routes.pick(session_id, tried)
+
+    def _finish_at(self, address: str, session_id: str) -> None:
+        """Tells ``address`` a session moved away from it (best effort)."""
+
+        async def finish() -> None:
+            request = data_plane_pb2.FinishSessionRequest(session_id=session_id)
+            stub = data_plane_pb2_grpc.DataPlaneStub(self.channel(address))
+            try:
+                await stub.FinishSession(request, timeout=5, metadata=self.config.metadata())
+            except grpc.aio.AioRpcError as error:
+                log.debug("FinishSession at %s: %s", address, error.code().name)
+
+        task = asyncio.ensure_future(finish())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @property
     def _data(self) -> data_plane_pb2_grpc.DataPlaneAsyncStub:
@@ -180,16 +227,25 @@ class InferenceClient:
             stream_interval=stream_interval,
             lora=lora,
         )
-        call = self._data.GenerateStream(
+        target = await self._target(session_id, set())
+        address = target or self.config.router
+        stub = data_plane_pb2_grpc.DataPlaneStub(self.channel(address))
+        call = stub.GenerateStream(
             request, timeout=self.config.data_timeout, metadata=self._metadata(session_id)
         )
+        if target is not None:
+            self._direct_routes().begin(target)
         try:
             async for chunk in call:
                 yield chunk
         except grpc.aio.AioRpcError as error:
-            raise ServerError.from_rpc_error(self.config.router, error) from error
+            if target is not None and error.code() == grpc.StatusCode.UNAVAILABLE:
+                self._direct_routes().mark_unavailable(target)
+            raise ServerError.from_rpc_error(address, error) from error
         finally:
             call.cancel()
+            if target is not None:
+                self._direct_routes().end(target)
 
     async def generate(
         self,
@@ -211,19 +267,39 @@ class InferenceClient:
             self.config.stream_interval,
             lora,
         )
+        tried: set[str] = set()
         while True:
-            call = self._data.GenerateStream(
+            # Direct to the server the router's policy picks, or through the router.
+            target = await self._target(session_id, tried)
+            address = target or self.config.router
+            stub = data_plane_pb2_grpc.DataPlaneStub(self.channel(address))
+            call = stub.GenerateStream(
                 continuation.request(),
                 timeout=self.config.data_timeout,
                 metadata=self._metadata(session_id),
             )
+            if target is not None:
+                self._direct_routes().begin(target)
             try:
                 async for chunk in call:
                     continuation.add(chunk)
             except grpc.aio.AioRpcError as error:
-                raise ServerError.from_rpc_error(self.config.router, error) from error
+                if (
+                    target is None
+                    or error.code() != grpc.StatusCode.UNAVAILABLE
+                    or len(tried) >= self.config.max_direct_failovers
+                ):
+                    raise ServerError.from_rpc_error(address, error) from error
+                # The server is gone: go on elsewhere with the prompt plus the tokens so far
+                # (before the first token, that is a plain retry).
+                self._direct_routes().mark_unavailable(target)
+                tried.add(target)
+                log.warning("server %s failed (%s): moving the generation", target, error.code())
+                continue
             finally:
                 call.cancel()
+                if target is not None:
+                    self._direct_routes().end(target)
             if not continuation.should_resubmit():
                 break
         sample = continuation.sample()

@@ -38,6 +38,13 @@ class ClientConfig:
     # (docs/performance.md). A pause, a weight-version change and the end flush at once.
     stream_interval: int = 16
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # Send generation calls straight to the server the router's policy picks, following the
+    # router's view (trainer_client.direct), instead of through the router: the same
+    # placement without the extra hop. False: everything goes through the router.
+    direct: bool = True
+    # Direct path: how many times one generation moves on after its server failed (before the
+    # first token: a retry; after: the prompt plus the tokens so far, as the router migrates).
+    max_direct_failovers: int = 4
     extra_metadata: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:

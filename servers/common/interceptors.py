@@ -11,7 +11,7 @@ import asyncio
 import hmac
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, NoReturn, TypeAlias
 
 import grpc
@@ -260,10 +260,12 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     services not listed (health, reflection) stay open so probes and grpcurl discovery work.
     """
 
-    def __init__(self, tokens: dict[str, str]) -> None:
+    def __init__(self, tokens: dict[str, str], open_methods: Iterable[str] = ()) -> None:
         self._tokens = {
             f"/{service}/": token.encode() for service, token in tokens.items() if token
         }
+        # Methods of those services that stay open (read-only views, like health).
+        self._open = frozenset(open_methods)
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
@@ -273,7 +275,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             (t for prefix, t in self._tokens.items() if method.startswith(prefix)), None
         )
         handler = await continuation(handler_call_details)
-        if expected is None or handler is None:
+        if expected is None or handler is None or method in self._open:
             return handler
         presented = b""
         for key, value in handler_call_details.invocation_metadata or ():

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB, open_channel
-from skyrl_grpc.names import DATA_PLANE, ROUTER_ADMIN
+from skyrl_grpc.names import DATA_PLANE, ROUTER_ADMIN, WATCH_BACKENDS
 from skyrl_grpc.placement import POLICIES
 from skyrl_grpc.tls import TlsConfig
 from skyrl_grpc.v1 import router_pb2_grpc
@@ -95,7 +95,9 @@ class RouterServer:
         self.server = grpc.aio.server(
             # Only admin calls raise domain errors; forwarded calls skip the interceptor.
             interceptors=[
-                BearerTokenInterceptor({ROUTER_ADMIN: options.admin_token or ""}),
+                BearerTokenInterceptor(
+                    {ROUTER_ADMIN: options.admin_token or ""}, open_methods=[WATCH_BACKENDS]
+                ),
                 ErrorMappingInterceptor(services=[ROUTER_ADMIN]),
             ],
             options=server_options(options.max_message_bytes),

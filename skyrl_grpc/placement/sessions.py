@@ -124,6 +124,11 @@ class SessionDirectory:
         self._expire()
         return self._home.get(session)
 
+    def snapshot(self) -> dict[str, str]:
+        """Every live session and the server holding it (a copy)."""
+        self._expire()
+        return dict(self._home)
+
     def live_sessions(self) -> Counter[str]:
         """Live sessions per server (reported, or placed here and pending)."""
         self._expire()

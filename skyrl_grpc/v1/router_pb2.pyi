@@ -89,3 +89,31 @@ class DrainBackendResponse(_message.Message):
     REMAINING_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     remaining_in_flight: int
     def __init__(self, remaining_in_flight: _Optional[int] = ...) -> None: ...
+
+class WatchBackendsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionPlacement(_message.Message):
+    __slots__ = ("session_id", "address")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    address: str
+    def __init__(self, session_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class WatchBackendsResponse(_message.Message):
+    __slots__ = ("backends", "placement", "epsilon", "complete", "sessions_added", "sessions_removed")
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_ADDED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    backends: _containers.RepeatedCompositeFieldContainer[Backend]
+    placement: str
+    epsilon: float
+    complete: bool
+    sessions_added: _containers.RepeatedCompositeFieldContainer[SessionPlacement]
+    sessions_removed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., placement: _Optional[str] = ..., epsilon: _Optional[float] = ..., complete: _Optional[bool] = ..., sessions_added: _Optional[_Iterable[_Union[SessionPlacement, _Mapping]]] = ..., sessions_removed: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -62,6 +62,11 @@ class RouterAdminStub:
                 request_serializer=skyrl_dot_inference_dot_v1_dot_router__pb2.DrainBackendRequest.SerializeToString,
                 response_deserializer=skyrl_dot_inference_dot_v1_dot_router__pb2.DrainBackendResponse.FromString,
                 _registered_method=True)
+        self.WatchBackends = channel.unary_stream(
+                '/skyrl.inference.v1.RouterAdmin/WatchBackends',
+                request_serializer=skyrl_dot_inference_dot_v1_dot_router__pb2.WatchBackendsRequest.SerializeToString,
+                response_deserializer=skyrl_dot_inference_dot_v1_dot_router__pb2.WatchBackendsResponse.FromString,
+                _registered_method=True)
 
 
 class RouterAdminServicer:
@@ -104,6 +109,16 @@ class RouterAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchBackends(self, request, context):
+        """The router's routing view, for clients that route data-plane calls themselves
+        (look-aside balancing): the backends with what placement reads of them, the policy, and
+        where every session lives. A complete view first, then a new message whenever it changes
+        (at most every 50 ms). Open like health: it carries no payload data.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +141,11 @@ def add_RouterAdminServicer_to_server(servicer, server):
                     servicer.DrainBackend,
                     request_deserializer=skyrl_dot_inference_dot_v1_dot_router__pb2.DrainBackendRequest.FromString,
                     response_serializer=skyrl_dot_inference_dot_v1_dot_router__pb2.DrainBackendResponse.SerializeToString,
+            ),
+            'WatchBackends': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchBackends,
+                    request_deserializer=skyrl_dot_inference_dot_v1_dot_router__pb2.WatchBackendsRequest.FromString,
+                    response_serializer=skyrl_dot_inference_dot_v1_dot_router__pb2.WatchBackendsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -244,6 +264,33 @@ class RouterAdmin:
             '/skyrl.inference.v1.RouterAdmin/DrainBackend',
             skyrl_dot_inference_dot_v1_dot_router__pb2.DrainBackendRequest.SerializeToString,
             skyrl_dot_inference_dot_v1_dot_router__pb2.DrainBackendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchBackends(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/skyrl.inference.v1.RouterAdmin/WatchBackends',
+            skyrl_dot_inference_dot_v1_dot_router__pb2.WatchBackendsRequest.SerializeToString,
+            skyrl_dot_inference_dot_v1_dot_router__pb2.WatchBackendsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,6 +53,12 @@ class RouterAdminStub:
     """Stops sending new calls to a backend, waits for its in-flight calls to end (up to the
     deadline), then removes it. NOT_FOUND if unknown.
     """
+    WatchBackends: _grpc.UnaryStreamMultiCallable[_router_pb2.WatchBackendsRequest, _router_pb2.WatchBackendsResponse]
+    """The router's routing view, for clients that route data-plane calls themselves
+    (look-aside balancing): the backends with what placement reads of them, the policy, and
+    where every session lives. A complete view first, then a new message whenever it changes
+    (at most every 50 ms). Open like health: it carries no payload data.
+    """
 
 @_typing.type_check_only
 class RouterAdminAsyncStub(RouterAdminStub):
@@ -76,6 +82,12 @@ class RouterAdminAsyncStub(RouterAdminStub):
     DrainBackend: _aio.UnaryUnaryMultiCallable[_router_pb2.DrainBackendRequest, _router_pb2.DrainBackendResponse]  # type: ignore[assignment]
     """Stops sending new calls to a backend, waits for its in-flight calls to end (up to the
     deadline), then removes it. NOT_FOUND if unknown.
+    """
+    WatchBackends: _aio.UnaryStreamMultiCallable[_router_pb2.WatchBackendsRequest, _router_pb2.WatchBackendsResponse]  # type: ignore[assignment]
+    """The router's routing view, for clients that route data-plane calls themselves
+    (look-aside balancing): the backends with what placement reads of them, the policy, and
+    where every session lives. A complete view first, then a new message whenever it changes
+    (at most every 50 ms). Open like health: it carries no payload data.
     """
 
 class RouterAdminServicer(metaclass=_abc_1.ABCMeta):
@@ -121,6 +133,18 @@ class RouterAdminServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_router_pb2.DrainBackendResponse, _abc.Awaitable[_router_pb2.DrainBackendResponse]]:
         """Stops sending new calls to a backend, waits for its in-flight calls to end (up to the
         deadline), then removes it. NOT_FOUND if unknown.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchBackends(
+        self,
+        request: _router_pb2.WatchBackendsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_router_pb2.WatchBackendsResponse], _abc.AsyncIterator[_router_pb2.WatchBackendsResponse]]:
+        """The router's routing view, for clients that route data-plane calls themselves
+        (look-aside balancing): the backends with what placement reads of them, the policy, and
+        where every session lives. A complete view first, then a new message whenever it changes
+        (at most every 50 ms). Open like health: it carries no payload data.
         """
 
 def add_RouterAdminServicer_to_server(servicer: RouterAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

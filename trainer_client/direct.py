@@ -1,0 +1,203 @@
+"""Direct routing: the client places its generation calls itself and sends them straight to
+the chosen engine server, skipping the router's hop (look-aside balancing, as gRPC calls it).
+
+``DirectRoutes`` follows the router's routing view (``RouterAdmin.WatchBackends``: members,
+their health, pause and load, the placement policy, where every session lives) and runs the
+same policy classes as the router (``skyrl_grpc.placement``), so a session lands on the same
+server whichever path its calls take. The router stays the authority: servers report the
+sessions this client places to it, and its view comes back here.
+
+If the view never arrives (an older router, or none reachable), calls go through the router,
+and the log says so. If the feed drops after a view arrived (the router restarting), calls
+keep going direct from the last view, and the feed reconnects on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+
+from skyrl_grpc.placement import PlacementPolicy, make_policy
+from skyrl_grpc.placement.policy import DEFAULT_EPSILON
+from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# A server a call just failed on is skipped this long (the feed may not have noticed yet).
+UNAVAILABLE_SECONDS = 5.0
+# How long the first call waits for the first view before going through the router.
+FIRST_VIEW_SECONDS = 2.0
+RECONNECT_SECONDS = (0.1, 2.0)  # first and longest wait between feed attempts
+
+
+@dataclass
+class Member:
+    """A server as placement reads it, from the feed plus this client's own calls."""
+
+    address: str
+    eligible: bool = False
+    paused: bool = False
+    reported_load: int = 0
+    in_flight: int = 0
+
+
+class DirectRoutes:
+    """The routing view of one event loop. ``finish_at(address, session)``: tells a server a
+    session moved away from it (the router does the same for its own moves)."""
+
+    def __init__(
+        self,
+        router_channel: grpc.aio.Channel,
+        metadata: tuple[tuple[str, str], ...],
+        finish_at: Callable[[str, str], None],
+    ) -> None:
+        self._channel = router_channel
+        self._metadata = metadata
+        self._finish_at = finish_at
+        self.members: dict[str, Member] = {}
+        self.policy: PlacementPolicy | None = None
+        self._policy_key: tuple[str, float] | None = None
+        self._homes: dict[str, str] = {}  # session -> server, as the feed last said
+        self._unavailable: dict[str, float] = {}  # server -> until when it is skipped
+        self.connected = False
+        self.updates = 0
+        # Set once the feed answered: with a view, or with an error (then calls go through the
+        # router at once instead of waiting for a view that may never come).
+        self._first_answer = asyncio.Event()
+        self._warned_fallback = False
+        self._task = asyncio.ensure_future(self._follow())
+
+    # -- the feed -----------------------------------------------------------------------------
+
+    async def _follow(self) -> None:
+        wait = RECONNECT_SECONDS[0]
+        while True:
+            try:
+                stub = router_pb2_grpc.RouterAdminStub(self._channel)
+                call = stub.WatchBackends(
+                    router_pb2.WatchBackendsRequest(), metadata=self._metadata
+                )
+                async for update in call:
+                    self.apply(update)
+                    if not self.connected:
+                        self.connected = True
+                        wait = RECONNECT_SECONDS[0]
+                        log.info("direct routing: following the router's view")
+                why = "the feed ended"
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as error:
+                why = f"{error.code().name}: {error.details()}"
+            self._first_answer.set()
+            if self.connected:
+                log.warning(
+                    "direct routing: the router's view is gone (%s); routing from the last "
+                    "view until it is back",
+                    why,
+                )
+            self.connected = False
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, RECONNECT_SECONDS[1])
+
+    def apply(self, update: router_pb2.WatchBackendsResponse) -> None:
+        """Takes one message of the feed."""
+        epsilon = update.epsilon or DEFAULT_EPSILON
+        key = (update.placement, epsilon)
+        if self.policy is None or key != self._policy_key:
+            self.policy = make_policy(update.placement, epsilon=epsilon)
+            self.policy.on_move = lambda session, left, went: self._finish_at(left, session)
+            self._policy_key = key
+            self.members = {}
+            self._homes = {}
+        policy = self.policy
+        listed = {b.address for b in update.backends}
+        for gone in set(self.members) - listed:
+            policy.remove(gone)
+            del self.members[gone]
+        for backend in update.backends:
+            member = self.members.get(backend.address)
+            if member is None:
+                member = self.members[backend.address] = Member(backend.address)
+                policy.add(backend.address)
+            member.eligible = backend.state == router_pb2.BACKEND_STATE_HEALTHY
+            member.paused = backend.paused
+            member.reported_load = backend.running_requests + backend.waiting_requests
+        self._apply_sessions(update)
+        self.updates += 1
+        self._first_answer.set()
+
+    def _apply_sessions(self, update: router_pb2.WatchBackendsResponse) -> None:
+        assert self.policy is not None
+        directory = self.policy.sessions
+        if update.complete:
+            by_server: dict[str, list[str]] = defaultdict(list)
+            for placed in update.sessions_added:
+                by_server[placed.address].append(placed.session_id)
+            for address in self.members:
+                directory.report(address, by_server.get(address, []), complete=True)
+            self._homes = {p.session_id: p.address for p in update.sessions_added}
+            return
+        for session in update.sessions_removed:
+            home = self._homes.pop(session, None)
+            if home is not None:
+                directory.report(home, [], [session])
+        for placed in update.sessions_added:
+            previous = self._homes.get(placed.session_id)
+            if previous is not None and previous != placed.address:
+                directory.report(previous, [], [placed.session_id])
+            directory.report(placed.address, [placed.session_id])
+            self._homes[placed.session_id] = placed.address
+
+    # -- choosing -----------------------------------------------------------------------------
+
+    async def ready(self) -> bool:
+        """Whether calls can go direct: a view has arrived (waiting a little for the first)."""
+        if self.policy is None:
+            try:
+                await asyncio.wait_for(self._first_answer.wait(), FIRST_VIEW_SECONDS)
+            except TimeoutError:
+                pass
+            if self.policy is None:
+                if not self._warned_fallback:
+                    self._warned_fallback = True
+                    log.warning(
+                        "direct routing: no view from the router's WatchBackends; calls go "
+                        "through the router until one arrives"
+                    )
+                return False
+        return True
+
+    def pick(self, session_id: str | None, tried: Iterable[str] = ()) -> str | None:
+        """The server for a call, or None when none is eligible (or there is no view)."""
+        if self.policy is None:
+            return None
+        now = time.monotonic()
+        skipped = {a for a, until in self._unavailable.items() if until > now}
+        chosen = self.policy.choose(session_id, self.members, frozenset(skipped | set(tried)))
+        return None if chosen is None else chosen.address
+
+    def begin(self, address: str) -> None:
+        member = self.members.get(address)
+        if member is not None:
+            member.in_flight += 1
+
+    def end(self, address: str) -> None:
+        member = self.members.get(address)
+        if member is not None:
+            member.in_flight -= 1
+
+    def mark_unavailable(self, address: str) -> None:
+        self._unavailable[address] = time.monotonic() + UNAVAILABLE_SECONDS
+
+    async def close(self) -> None:
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
