@@ -295,7 +295,6 @@ async def in_process_worker() -> None:
     from servers.engine.vllm_engine import VllmEngine
 
     engine = await VllmEngine.start(EngineOptions())
-    llm = engine.llm
     counter = 0
 
     async def one(workload: Workload, index: int, turn: int) -> Timing:
@@ -314,10 +313,13 @@ async def in_process_worker() -> None:
         started = time.perf_counter()
         first = 0.0
         tokens = 0
-        async for output in llm.generate(
-            {"prompt_token_ids": prompt_for(index, turn)}, params, f"bench-{counter}"
+        # Through the engine's own loop, as the server drives vLLM (vllm_engine.generate).
+        async for new in engine.generate(
+            f"bench-{counter}",
+            prompt_for(index, turn),
+            params,
+            lambda output: (len(output.outputs[0].token_ids),),
         ):
-            new = len(output.outputs[0].token_ids)
             if new and not tokens:
                 first = time.perf_counter() - started
             tokens += new
@@ -328,7 +330,7 @@ async def in_process_worker() -> None:
         workload = Workload(**json.loads(line))
         summary = await run_closed_loop(functools.partial(one, workload), workload)
         print(json.dumps({"kind": "result", "summary": summary}), flush=True)
-    llm.shutdown()
+    await engine.shutdown()
 
 
 @contextlib.contextmanager

@@ -95,50 +95,35 @@ async def second_engine_server(engine_server: Any) -> AsyncIterator[Any]:
         yield server
 
 
+async def running_router(backends: list[str], **options: Any) -> AsyncIterator[Any]:
+    """A router in this process in front of ``backends`` (``options``: RouterOptions fields),
+    yielded once every backend is healthy."""
+    from servers.router.server import RouterOptions, RouterServer
+
+    router = RouterServer(RouterOptions(backends=backends, health_check_interval=0.2, **options))
+    await router.start()
+    await router.wait_healthy(len(backends))
+    yield router
+    await router.stop(0)
+
+
 @pytest.fixture(scope="session")
 async def two_server_router(engine_server: Any, second_engine_server: Any) -> AsyncIterator[Any]:
     """A router in front of both real engine servers."""
-    from servers.router.server import RouterOptions, RouterServer
-
-    router = RouterServer(
-        RouterOptions(
-            backends=[engine_server.address, second_engine_server.address],
-            health_check_interval=0.2,
-        )
-    )
-    await router.start()
-    await router.wait_healthy(2)
-    yield router
-    await router.stop(0)
+    async for router in running_router([engine_server.address, second_engine_server.address]):
+        yield router
 
 
 @pytest.fixture(scope="session")
 async def one_server_router(engine_server: Any) -> AsyncIterator[Any]:
     """A router in front of the session's engine server."""
-    from servers.router.server import RouterOptions, RouterServer
-
-    router = RouterServer(
-        RouterOptions(backends=[engine_server.address], health_check_interval=0.2)
-    )
-    await router.start()
-    await router.wait_healthy(1)
-    yield router
-    await router.stop(0)
+    async for router in running_router([engine_server.address]):
+        yield router
 
 
 @pytest.fixture(scope="session")
 async def http_router(engine_server: Any, second_engine_server: Any) -> AsyncIterator[Any]:
     """A router with its OpenAI HTTP edge in front of both real engine servers."""
-    from servers.router.server import RouterOptions, RouterServer
-
-    router = RouterServer(
-        RouterOptions(
-            backends=[engine_server.address, second_engine_server.address],
-            health_check_interval=0.2,
-            http_port=0,
-        )
-    )
-    await router.start()
-    await router.wait_healthy(2)
-    yield router
-    await router.stop(0)
+    backends = [engine_server.address, second_engine_server.address]
+    async for router in running_router(backends, http_port=0):
+        yield router

@@ -126,22 +126,25 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             response.prompt_logprobs.CopyFrom(result.prompt_logprobs)
         return response
 
+    async def _text_result(
+        self,
+        engine: VllmEngine,
+        request: data_plane_pb2.ChatRequest | data_plane_pb2.CompleteRequest,
+        prompt: list[int],
+        n: int,
+    ) -> ResponseAssembler:
+        """A chat or completion request's whole result, with text."""
+        stream = self._stream(
+            engine, request.request_id, prompt, request.sampling_params, n, True, lora=request.lora
+        )
+        return await self._collect(stream)
+
     async def Chat(
         self, request: data_plane_pb2.ChatRequest, context: Context
     ) -> data_plane_pb2.ChatResponse:
         engine, n = self._engine_for(request.request_id, request.n, context)
         prompt = self._render_chat(engine, request.messages, request)
-        result = await self._collect(
-            self._stream(
-                engine,
-                request.request_id,
-                prompt,
-                request.sampling_params,
-                n,
-                True,
-                lora=request.lora,
-            )
-        )
+        result = await self._text_result(engine, request, prompt, n)
         return data_plane_pb2.ChatResponse(
             request_id=result.request_id,
             prompt_token_ids=prompt,
@@ -158,17 +161,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         prompt = validate.prompt(
             engine.encode(request.prompt, add_special), engine.limits, "the tokenized prompt"
         )
-        result = await self._collect(
-            self._stream(
-                engine,
-                request.request_id,
-                prompt,
-                request.sampling_params,
-                n,
-                True,
-                lora=request.lora,
-            )
-        )
+        result = await self._text_result(engine, request, prompt, n)
         return data_plane_pb2.CompleteResponse(
             request_id=result.request_id,
             prompt_token_ids=prompt,

@@ -319,11 +319,7 @@ class OpenAIEdge:
             for (samples, _), prompt in zip(outcomes, prompts, strict=True)
             for sample in samples
         ]
-        usage = tr.usage(
-            sum(u.prompt_tokens for _, u in outcomes),
-            sum(u.completion_tokens for _, u in outcomes),
-            sum(u.cached_prompt_tokens for _, u in outcomes),
-        )
+        usage = tr.usage_of(u for _, u in outcomes)
         await responder.json(200, tr.response(call, choices, usage, prompts[0]))
 
     async def _streamed(
@@ -365,12 +361,7 @@ class OpenAIEdge:
         else:
             await asyncio.gather(*(relay(i * call.n, p) for i, p in enumerate(prompts)))
         if call.include_usage:
-            usage = tr.usage(
-                sum(u.prompt_tokens for u in usages.values()),
-                sum(u.completion_tokens for u in usages.values()),
-                sum(u.cached_prompt_tokens for u in usages.values()),
-            )
-            await responder.event(tr.chunk(call, [], usage))
+            await responder.event(tr.chunk(call, [], tr.usage_of(usages.values())))
         await responder.done()
 
     # -- the rest ----------------------------------------------------------------------------

@@ -350,6 +350,16 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> Json:
     }
 
 
+def usage_of(usages: Iterable[gen.Usage]) -> Json:
+    """OpenAI usage of a response made of several requests (one per prompt)."""
+    listed = list(usages)
+    return usage(
+        sum(u.prompt_tokens for u in listed),
+        sum(u.completion_tokens for u in listed),
+        sum(u.cached_prompt_tokens for u in listed),
+    )
+
+
 def choice(
     call: GenerationCall, sample: SampleOut, texts: Mapping[int, str], prompt: Sequence[int]
 ) -> Json:
