@@ -385,7 +385,7 @@ def test_killed_backend_process_is_ejected_router_stays_serving() -> None:
                     s for s in (f"v{i}" for i in range(100)) if router.pool.owner(s) == victim
                 ]
                 call = data_plane_pb2_grpc.DataPlaneStub(channel).GenerateStream(
-                    request(500), metadata=((SESSION_ID, victim_sessions[0]),)
+                    request(500), metadata=((SESSION_ID, victim_sessions[0]),), timeout=60
                 )
                 first = await call.read()  # the stream runs on the victim
                 assert dict(await call.initial_metadata())[ROUTED_TO] == victim
@@ -401,7 +401,7 @@ def test_killed_backend_process_is_ejected_router_stays_serving() -> None:
                     await asyncio.sleep(0.01)
                 sent_after_ejection = router.pool.get(victim).total_requests
                 for s in victim_sessions + [f"n{i}" for i in range(20)]:
-                    address, tokens = await routed_stream(channel, s)
+                    address, tokens = await routed_stream(channel, s, timeout=30)
                     assert address != victim and tokens == [0, 1, 2, 3]
                 assert router.pool.get(victim).total_requests == sent_after_ejection
                 assert await health_status(channel) == SERVING

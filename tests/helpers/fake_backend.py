@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from servers.common.listener import ServerTls, bind
+from servers.common.listener import ServerTls, bind, server_options
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
 
 DATA_PLANE = "skyrl.inference.v1.DataPlane"
@@ -130,7 +130,9 @@ class FakeBackend:
         return self.servicer.observed
 
     async def start(self, tls: ServerTls | None = None) -> FakeBackend:
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # The stack's own server options: a stand-in must accept the keepalive pings routers
+        # and clients send, or it answers them with GOAWAY "too many pings" mid-test.
+        self.server = grpc.aio.server(options=server_options())
         data_plane_pb2_grpc.add_DataPlaneServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = bind(self.server, f"127.0.0.1:{self.port or self.requested_port}", tls)
