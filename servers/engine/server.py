@@ -58,6 +58,8 @@ ENGINE_WATCH_SECONDS = 0.2
 SESSION_EXPIRY_CHECK_SECONDS = 5.0
 # In-flight calls of a dead engine fail at once; this only lets their answers go out.
 DEAD_ENGINE_GRACE_SECONDS = 2.0
+# How long a server whose engine died stays up after turning NOT_SERVING, so watchers see it.
+NOT_SERVING_NOTICE_SECONDS = 0.3
 
 
 class EngineServer:
@@ -181,6 +183,10 @@ class EngineServer:
         self.state.dead = self.failure
         await self.health.enter_graceful_shutdown()  # every service NOT_SERVING at once
         log.error("%s; draining and exiting", self.failure)
+        # Let health watchers receive NOT_SERVING before the connections close: with nothing
+        # in flight (callers that route themselves move at the first UNAVAILABLE) the drain
+        # below ends at once, and a watcher would see a broken stream instead.
+        await asyncio.sleep(NOT_SERVING_NOTICE_SECONDS)
         await self.drain(grace=DEAD_ENGINE_GRACE_SECONDS)
 
     async def _expire_sessions(self, engine: VllmEngine) -> None:
