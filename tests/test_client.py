@@ -79,7 +79,9 @@ async def test_pause_abort_mid_batch_then_resume_loses_and_duplicates_nothing(
     running = asyncio.ensure_future(
         client.generate_batch(batch, sampling, session_ids=[f"s{i}" for i in range(8)])
     )
-    await running_on_engines(client, 8, running)
+    # At least one running (waiting for all eight raced their end in one CI run: the tiny
+    # model finishes 300 tokens fast); the pause must still abort something (asserted below).
+    await running_on_engines(client, 1, running)
     await client.pause("abort")
     assert await client.all_paused()
     await asyncio.sleep(0.3)
