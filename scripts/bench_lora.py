@@ -26,6 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from servers.engine.lora import AdapterConfig, ModelShapes  # noqa: E402
 from servers.fleet.local import LocalFleet  # noqa: E402
 from skyrl_grpc.tiny_model import ensure_tiny_model  # noqa: E402
 from trainer_client import InferenceClient  # noqa: E402
@@ -34,38 +35,16 @@ MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def adapter(rank: int = 8) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Random factors for every tensor the server expects of such an adapter (its own naming
+    and shapes, ``servers.engine.lora``)."""
     import torch
 
-    config = json.loads((ensure_tiny_model() / "config.json").read_text())
-    hidden, inner = config["hidden_size"], config["intermediate_size"]
-    heads, kv, dim = (
-        config["num_attention_heads"],
-        config["num_key_value_heads"],
-        config["head_dim"],
-    )
-    features = {
-        "q_proj": (hidden, heads * dim),
-        "k_proj": (hidden, kv * dim),
-        "v_proj": (hidden, kv * dim),
-        "o_proj": (heads * dim, hidden),
-        "gate_proj": (hidden, inner),
-        "up_proj": (hidden, inner),
-        "down_proj": (inner, hidden),
-    }
-    tensors = {}
-    for layer in range(config["num_hidden_layers"]):
-        for module in MODULES:
-            block = "self_attn" if module in MODULES[:4] else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            fan_in, fan_out = features[module]
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in) / 10
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank) / 10
-    return tensors, {
-        "peft_type": "LORA",
-        "r": rank,
-        "lora_alpha": rank,
-        "target_modules": list(MODULES),
-    }
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(MODULES)}
+    model = json.loads((ensure_tiny_model() / "config.json").read_text())
+    shapes = ModelShapes.from_config(model)
+    expected = AdapterConfig.parse(json.dumps(config), rank, shapes).expected(shapes)
+    tensors = {name: torch.randn(*shape) / 10 for name, shape in expected.items()}
+    return tensors, config
 
 
 async def load_times(

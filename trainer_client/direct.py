@@ -66,7 +66,6 @@ class DirectRoutes:
         self._homes: dict[str, str] = {}  # session -> server, as the feed last said
         self._unavailable: dict[str, float] = {}  # server -> until when it is skipped
         self.connected = False
-        self.updates = 0
         # Set once the feed answered: with a view, or with an error (then calls go through the
         # router at once instead of waiting for a view that may never come).
         self._first_answer = asyncio.Event()
@@ -129,7 +128,6 @@ class DirectRoutes:
             member.paused = backend.paused
             member.reported_load = backend.running_requests + backend.waiting_requests
         self._apply_sessions(update)
-        self.updates += 1
         self._first_answer.set()
 
     def _apply_sessions(self, update: router_pb2.WatchBackendsResponse) -> None:

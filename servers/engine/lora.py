@@ -22,7 +22,7 @@ from typing import Any
 
 from skyrl_grpc import dtypes
 from skyrl_grpc.chunk_wire import WireChunk
-from skyrl_grpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from skyrl_grpc.errors import FailedPrecondition, InvalidArgument, NotFound
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import lora_pb2
 
@@ -174,17 +174,13 @@ def check_manifest(
 
 def tensors_sha256(tensors: dict[str, Any]) -> bytes:
     """One digest of an adapter's tensors: names in sorted order, each followed by its bytes."""
+    import torch
+
     digest = hashlib.sha256()
     for name in sorted(tensors):
         digest.update(name.encode())
-        digest.update(tensors[name].contiguous().view(-1).view(dtype=_byte_dtype()).numpy())
+        digest.update(tensors[name].contiguous().view(-1).view(dtype=torch.uint8).numpy())
     return digest.digest()
-
-
-def _byte_dtype() -> Any:
-    import torch
-
-    return torch.uint8
 
 
 def write_zero_adapter(directory: Path, shapes: ModelShapes) -> None:
@@ -276,7 +272,7 @@ class AdapterUpload:
             raise InvalidArgument("the stream ended before the adapter's manifest")
         tensors = {}
         for staged in self._assembler.finish():
-            data = bytearray(b"".join(bytes(c) for c in staged["chunks"]))
+            data = bytearray(b"".join(staged["chunks"]))
             dtype = getattr(torch, staged["dtype"])
             tensors[staged["name"]] = torch.frombuffer(data, dtype=dtype).reshape(staged["shape"])
         if not all(torch.isfinite(t).all() for t in tensors.values()):
@@ -327,8 +323,7 @@ class AdapterRegistry:
     _next_id: int = 1
 
     def staging_dir(self, name: str) -> Path:
-        directory = Path(tempfile.mkdtemp(prefix=f"{_safe(name)}-", dir=self.staging))
-        return directory
+        return Path(tempfile.mkdtemp(prefix=f"{_safe(name)}-", dir=self.staging))
 
     def next_version(self, name: str, requested: int) -> int:
         current = self._serving.get(name)
@@ -402,7 +397,3 @@ class AdapterRegistry:
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:40] or "adapter"
-
-
-def already_exists(name: str) -> AlreadyExists:
-    return AlreadyExists(f"adapter {name!r} is being loaded by another call")
