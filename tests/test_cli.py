@@ -45,3 +45,28 @@ def test_unknown_options_are_refused_except_the_trainers_of_demo() -> None:
         timeout=120,
     )
     assert result.returncode == 2 and "unrecognized arguments: --no-such-flag" in result.stderr
+
+
+def _console_scripts() -> list[str]:
+    from importlib.metadata import distribution
+
+    entry_points = distribution("skyrl-grpc").entry_points
+    return sorted(e.name for e in entry_points if e.group == "console_scripts")
+
+
+def test_the_package_installs_console_scripts() -> None:
+    assert "skyrl-grpc" in _console_scripts()
+
+
+@pytest.mark.parametrize("script", _console_scripts())
+def test_every_installed_console_script_runs(script: str) -> None:
+    # The installed launcher, as a user types it: its entry point must import and parse.
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name(script)), "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "usage:" in result.stdout

@@ -181,7 +181,7 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="skyrl-grpc-server", description="Serve one vLLM engine over gRPC."
+        prog="skyrl-grpc serve", description="Serve one vLLM engine over gRPC."
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")

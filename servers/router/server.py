@@ -5,7 +5,7 @@ is ``BackendPool.choose`` in ``backends``), RouterAdmin (membership at runtime, 
 grpc.health.v1 (SERVING iff a backend is healthy), reflection, and Prometheus metrics over HTTP
 (``metrics``).
 
-Run: ``skyrl-grpc-router --backends host:port,host:port`` or ``python -m servers.router``.
+Run: ``skyrl-grpc route --backends host:port,host:port`` or ``python -m servers.router``.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ class RouterServer:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="skyrl-grpc-router", description="Route DataPlane calls to engine servers."
+        prog="skyrl-grpc route", description="Route DataPlane calls to engine servers."
     )
     parser.add_argument(
         "--backends", default="", help="comma-separated host:port of engine servers"
