@@ -1,7 +1,8 @@
 """``skyrl-grpc``: one command line for the stack. Every command has ``--help``.
 
-- ``serve``: one engine server (the same as ``skyrl-grpc-server``).
-- ``route``: the router (the same as ``skyrl-grpc-router``).
+- ``serve``: one engine server (the same as ``python -m servers.engine``: one entry point,
+  ``servers.engine.server.run``, whichever command starts it).
+- ``route``: the router (the same as ``python -m servers.router``).
 - ``up``: N engine servers and a router, as local processes or on Ray; runs until Ctrl-C.
 - ``demo``: the end-to-end RL loop on the embedded tiny model: starts a fleet, then runs the
   trainer (``trainer_client.demo``) as a process of its own against it, as a real trainer
@@ -29,7 +30,7 @@ from .router import server as router
 def _serve(args: argparse.Namespace, _: list[str]) -> None:
     from .engine import server
 
-    asyncio.run(server.serve(engine_options.options_from_args(args)))
+    server.run(engine_options.options_from_args(args))
 
 
 def _route(args: argparse.Namespace, _: list[str]) -> None:

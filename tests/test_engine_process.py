@@ -30,9 +30,10 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class ServerProcess:
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, command: tuple[str, ...] = ("-m", "servers.engine")) -> None:
+        launcher = [sys.executable, *command] if command[0] == "-m" else list(command)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "servers.engine", "--port", "0", *args],
+            [*launcher, "--port", "0", *args],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -148,3 +149,36 @@ def test_sigterm_drains_in_flight_streams_then_exits(server_process: ServerProce
     started = time.monotonic()
     assert server_process.proc.wait(timeout=60) == 0
     assert time.monotonic() - started < 60
+
+
+def test_sigkill_of_skyrl_grpc_serve_leaves_no_process_of_its_tree() -> None:
+    # The command the README teaches, killed as the kernel's OOM killer would: vLLM's engine
+    # processes must not outlive it (they hold the model's memory).
+    import psutil
+
+    launcher = str(Path(sys.executable).with_name("skyrl-grpc"))
+    server = ServerProcess(command=(launcher, "serve"))
+    try:
+        server.next_event("ready")
+        tree = psutil.Process(server.proc.pid).children(recursive=True)
+        assert tree, "the server started no process of its own (engine core, watchdog)"
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait()
+        deadline = time.monotonic() + 15
+        alive = tree
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [p for p in alive if _alive(p)]
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        server.stop()
+
+
+def _alive(process: object) -> bool:
+    import psutil
+
+    assert isinstance(process, psutil.Process)
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

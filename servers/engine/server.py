@@ -18,7 +18,7 @@ Lifecycle (each step is visible in ``grpc.health.v1``):
 vLLM's logs go to stderr (``engine_logs``); stdout carries only the JSON lifecycle lines. The
 engine's processes die with the server whatever kills it (``servers.common.reaper``).
 
-Run: ``skyrl-grpc-server --port 50051`` or ``python -m servers.engine``.
+Run: ``skyrl-grpc serve --port 50051`` or ``python -m servers.engine`` (both call ``run``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import asyncio
 import gc
 import logging
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -261,17 +262,24 @@ def _stop_resource_tracker() -> None:
         stop()
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def run(options: ServerOptions) -> NoReturn:
+    """The engine server as a process: the one entry point of every command that starts one
+    (``skyrl-grpc serve``, ``python -m servers.engine``, the launchers). Routes vLLM's logs to
+    stderr (before vLLM is imported), ties the engine's processes to this one (they die with it,
+    however it dies), serves until stopped, and exits without the interpreter's teardown."""
     configure_logging()
-    errors = route_vllm_logs()  # before vLLM is imported: its logs go to stderr
-    reap_children_on_exit()  # the engine's processes die with this one, however it dies
+    errors = route_vllm_logs()
+    reap_children_on_exit()
     code = 0
     try:
-        asyncio.run(serve(options_from_args(args), errors))
+        asyncio.run(serve(options, errors))
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
     exit_now(code)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    run(options_from_args(build_parser().parse_args(argv)))
 
 
 if __name__ == "__main__":
