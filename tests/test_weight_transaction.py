@@ -43,7 +43,7 @@ class Fleet:
             return True
         return False
 
-    async def start(self, address: str, version: int) -> None:
+    async def start(self, address: str, version: int) -> int:
         server = self.servers[address]
         server.calls.append("start")
         if self._take_fault(address, "start"):
@@ -51,6 +51,7 @@ class Fleet:
         if version <= server.version:
             raise ServerError(address, grpc.StatusCode.INVALID_ARGUMENT, "not newer")
         server.open, server.previous = True, None
+        return server.version
 
     async def transfer(self, addresses: Sequence[str]) -> dict[str, BaseException]:
         failures: dict[str, BaseException] = {}
@@ -137,3 +138,50 @@ async def test_a_rollback_that_fails_is_reported_as_inconsistent() -> None:
         await run_weight_transaction(SERVERS, 8, fleet, fleet.transfer)
     assert raised.value.outcomes[SERVERS[1]].serving_version == 8
     assert "rollback failed" in raised.value.outcomes[SERVERS[1]].what
+
+
+async def test_a_version_every_server_already_serves_is_refused_without_a_false_alarm() -> None:
+    fleet = Fleet()  # every server serves 7
+    with pytest.raises(WeightUpdateError) as raised:
+        await run_weight_transaction(SERVERS, 7, fleet, fleet.transfer)
+    error = raised.value
+    assert error.consistent and "every server kept its previous weights" in str(error)
+    assert "WARNING" not in str(error)
+    assert not any("rollback" in s.calls or "finish" in s.calls for s in fleet.servers.values())
+
+
+async def test_nothing_is_rolled_back_where_nothing_was_committed() -> None:
+    # As a real server does with version 0 ("unset" on the wire): the start accepts it, the
+    # commit refuses it. Every server still serves what it served before, and none of them
+    # committed anything: no rollback may be tried, and no mixed weights reported.
+    fleet = Fleet()
+    for server in fleet.servers.values():
+        server.version = 0
+
+    async def start(address: str, version: int) -> int:
+        fleet.servers[address].calls.append("start")
+        fleet.servers[address].open = True
+        return fleet.servers[address].version
+
+    async def finish(address: str, version: int) -> None:
+        fleet.servers[address].calls.append("finish")
+        raise ServerError(address, grpc.StatusCode.INVALID_ARGUMENT, "0 is not newer than 0")
+
+    fleet.start = start  # type: ignore[method-assign]
+    fleet.finish = finish  # type: ignore[method-assign]
+    with pytest.raises(WeightUpdateError) as raised:
+        await run_weight_transaction(SERVERS, 0, fleet, fleet.transfer)
+    assert raised.value.consistent and "WARNING" not in str(raised.value), str(raised.value)
+    assert "every server kept its previous weights" in str(raised.value)
+    assert not any("rollback" in s.calls for s in fleet.servers.values())
+    assert all("not committed" in o.what for o in raised.value.outcomes.values())
+
+
+async def test_a_version_below_one_is_refused_before_anything_moves() -> None:
+    from trainer_client import InferenceClient
+
+    # Unreachable addresses: the refusal must come before any call.
+    client = InferenceClient("127.0.0.1:9", ["127.0.0.1:9"], control_timeout=0.5)
+    for version in (0, -3):
+        with pytest.raises(ValueError, match="versions start at 1"):
+            await client.update_weights([], weight_version=version, transport="grpc")

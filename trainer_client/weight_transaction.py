@@ -35,7 +35,9 @@ class TransactionCalls(Protocol[R]):
     """The per-server calls a fleet transaction makes (the client's gRPC calls); ``finish``
     returns what a server answers to its commit."""
 
-    async def start(self, address: str, version: int) -> None: ...
+    async def start(self, address: str, version: int) -> int:
+        """Opens the update; returns the version the server served when it opened."""
+        ...
 
     async def finish(self, address: str, version: int) -> R: ...
 
@@ -61,23 +63,33 @@ class ServerOutcome:
 class WeightUpdateError(InferenceError):
     """A fleet weight update failed. ``outcomes`` maps every server to what happened there and
     the version it serves now; ``consistent`` is True when every server that answered serves
-    the same version (the previous weights everywhere, unless a rollback failed)."""
+    the same version (their previous weights, unless a rollback failed everywhere)."""
 
-    def __init__(self, version: int, phase: str, outcomes: dict[str, ServerOutcome]) -> None:
+    def __init__(
+        self,
+        version: int,
+        phase: str,
+        outcomes: dict[str, ServerOutcome],
+        previous: dict[str, int] | None = None,
+    ) -> None:
         self.version = version
         self.phase = phase
         self.outcomes = outcomes
         served = {o.serving_version for o in outcomes.values() if o.serving_version is not None}
-        self.consistent = len(served) <= 1 and version not in served
+        self.consistent = len(served) <= 1
         summary = "; ".join(
             f"{address}: {o.what}, serves {'?' if o.serving_version is None else o.serving_version}"
             for address, o in sorted(outcomes.items())
         )
-        verdict = (
-            "every server kept its previous weights"
-            if self.consistent
-            else "WARNING: the servers do not all serve the same weights"
-        )
+        if not self.consistent:
+            verdict = "WARNING: the servers do not all serve the same weights"
+        elif all(
+            o.serving_version in (None, (previous or {}).get(a, o.serving_version))
+            for a, o in outcomes.items()
+        ):
+            verdict = "every server kept its previous weights"
+        else:
+            verdict = f"every server serves version {served.pop()}"
         super().__init__(
             f"weight update to version {version} failed at {phase}; {verdict}: {summary}"
         )
@@ -96,16 +108,21 @@ async def run_weight_transaction(
 ) -> dict[str, R]:
     """Commits ``version`` on every server or on none, returning each server's answer to the
     commit; see the module docstring."""
-    started_failures = await failures_of(servers, lambda a: calls.start(a, version))
+    before: dict[str, int] = {}
+
+    async def start(address: str) -> None:
+        before[address] = await calls.start(address, version)
+
+    started_failures = await failures_of(servers, start)
     if started_failures:
-        await _abort(servers, version, calls, "StartWeightUpdate", started_failures)
+        await _abort(servers, version, calls, "StartWeightUpdate", started_failures, before)
     try:
         transfer_failures = await transfer(servers)
     except BaseException as error:  # the transfer itself broke (e.g. the caller cancelled)
         await _cancel_everywhere(servers, calls)
         raise error
     if transfer_failures:
-        await _abort(servers, version, calls, "the transfer", transfer_failures)
+        await _abort(servers, version, calls, "the transfer", transfer_failures, before)
     committed: dict[str, R] = {}
 
     async def finish(address: str) -> None:
@@ -113,7 +130,7 @@ async def run_weight_transaction(
 
     finish_failures = await failures_of(servers, finish)
     if finish_failures:
-        await _undo_commits(servers, version, calls, finish_failures)
+        await _undo_commits(servers, version, calls, finish_failures, before, set(committed))
     return committed
 
 
@@ -140,6 +157,7 @@ async def _abort(
     calls: TransactionCalls[object],
     phase: str,
     failures: dict[str, BaseException],
+    before: dict[str, int],
 ) -> None:
     """Nothing was committed: cancel everywhere, report, raise."""
     await _cancel_everywhere(servers, calls)
@@ -153,7 +171,7 @@ async def _abort(
         )
         for address in servers
     }
-    raise WeightUpdateError(version, phase, outcomes)
+    raise WeightUpdateError(version, phase, outcomes, before)
 
 
 async def _undo_commits(
@@ -161,8 +179,12 @@ async def _undo_commits(
     version: int,
     calls: TransactionCalls[object],
     finish_failures: dict[str, BaseException],
+    before: dict[str, int],
+    committed: set[str],
 ) -> None:
-    """Some servers did not commit: roll back every server that did, cancel the rest."""
+    """Some servers did not commit: roll back every server that did (it answered the commit,
+    or its answer was lost but it serves the new version it did not serve before), cancel the
+    rest. Nothing is rolled back where nothing was committed."""
     versions = await _serving_versions(servers, calls)
     outcomes: dict[str, ServerOutcome] = {}
 
@@ -172,7 +194,8 @@ async def _undo_commits(
             if address in finish_failures
             else "committed"
         )
-        if versions[address] == version:
+        lost_commit = versions[address] == version and before.get(address) != version
+        if address in committed or lost_commit:
             try:
                 restored = await calls.rollback(address, version)
                 outcomes[address] = ServerOutcome(f"{failed}; rolled back", restored)
@@ -188,4 +211,4 @@ async def _undo_commits(
         outcomes[address] = ServerOutcome(f"{failed}; not committed", versions[address])
 
     await asyncio.gather(*(undo(a) for a in servers))
-    raise WeightUpdateError(version, "FinishWeightUpdate", outcomes)
+    raise WeightUpdateError(version, "FinishWeightUpdate", outcomes, before)
