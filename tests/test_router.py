@@ -18,6 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servers.router.backends import BackendPool
 from servers.router.proxy import ForwardingHandler, ProxyOptions
 from servers.router.server import RouterOptions, RouterServer
 from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
@@ -444,3 +445,26 @@ async def test_bounded_load_sessions_stay_where_they_moved() -> None:
         await router.stop(0)
         for b in backends:
             await b.stop()
+
+
+async def test_removing_a_backend_just_marked_unavailable_returns() -> None:
+    # mark_unavailable cancels the health watch's call to ask for a recheck; a remove() that
+    # comes before the watch task ran must still end that task, not be swallowed by it.
+    backend = await FakeBackend("marked").start()
+    pool = BackendPool([backend.address], check_interval=0.05)
+    try:
+        await pool.start()
+        member = pool.get(backend.address)
+        for _ in range(200):  # the watch is in its call once the backend reads healthy
+            if member.eligible and member.watch_call is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert member.eligible
+        pool.mark_unavailable(member)
+        started = time.monotonic()
+        await asyncio.wait_for(pool.remove(backend.address), timeout=5)
+        assert time.monotonic() - started < 2
+        assert member.watch_task is not None and member.watch_task.done()
+    finally:
+        await pool.close()
+        await backend.stop()

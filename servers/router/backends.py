@@ -141,11 +141,12 @@ class BackendPool:
         backend = self.get(address)
         del self._backends[address]
         self.placement.remove(address)
-        for task in (backend.watch_task, backend.status_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        watches = [t for t in (backend.watch_task, backend.status_task) if t is not None]
+        for task in watches:
+            task.cancel()
+        # Their CancelledError is their result here; a cancellation of remove() itself
+        # still propagates (suppressing CancelledError around ``await task`` would eat it).
+        await asyncio.gather(*watches, return_exceptions=True)
         backend.state = UNKNOWN
         self._changed(backend)
         # In-flight calls keep their own references and finish; close the channel after them.
@@ -248,8 +249,12 @@ class BackendPool:
             except grpc.aio.AioRpcError as error:
                 log.debug("health watch of %s ended: %s", backend.address, error.code())
             except asyncio.CancelledError:
-                if not backend.recheck_requested:
-                    raise  # the pool removed the backend
+                # Two cancellations end up here: of the watch call (``mark_unavailable`` asks
+                # for a fresh look) and of this task (``remove``); the task's own wins, even
+                # when a recheck was asked for just before, or ``remove`` waits forever.
+                task = asyncio.current_task()
+                if not backend.recheck_requested or (task is not None and task.cancelling()):
+                    raise
                 backend.recheck_requested = False
             self._set_state(backend, UNHEALTHY)
             await asyncio.sleep(self.check_interval)
