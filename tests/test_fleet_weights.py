@@ -274,3 +274,40 @@ async def test_allowed_non_finite_weights_leave_no_trace_once_replaced(
         first = [r.token_ids for r in await client.generate_batch(prompts, greedy)]
         assert sum(f == r for f, r in zip(first, reference, strict=True)) == 32
         await client.close()
+
+
+class _RefusingControlPlane(control_plane_pb2_grpc.ControlPlaneServicer):
+    """A server that answers GetServerInfo but refuses to join any weight-transfer group."""
+
+    async def GetServerInfo(self, request, context):  # type: ignore[no-untyped-def]
+        return cp.GetServerInfoResponse(world_size=1)
+
+    async def InitWeightTransfer(self, request, context):  # type: ignore[no-untyped-def]
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this server refuses to join")
+
+
+async def test_a_server_refusing_to_join_frees_the_group_at_once(engine_server: Any) -> None:
+    # The real server starts joining; the other refuses. The trainer must give the rendezvous
+    # up at once (not after the group's timeout), free its master port and leave the real
+    # server able to join again.
+    from servers.common.listener import bind, server_options
+    from trainer_client.client import free_port
+
+    refusing = grpc.aio.server(options=server_options())
+    control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(_RefusingControlPlane(), refusing)
+    refusing_address = f"127.0.0.1:{bind(refusing, '127.0.0.1:0', None)}"
+    await refusing.start()
+    try:
+        port = free_port("127.0.0.1")
+        both = InferenceClient(engine_server.address, [engine_server.address, refusing_address])
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(Exception, match="refuses to join"):
+            await both.init_weight_transfer("gloo", master_port=port, timeout_seconds=60)
+        assert asyncio.get_running_loop().time() - started < 10
+        alone = InferenceClient(engine_server.address, [engine_server.address])
+        offsets = await asyncio.wait_for(
+            alone.init_weight_transfer("gloo", master_port=port, timeout_seconds=60), 30
+        )
+        assert offsets == {engine_server.address: 1}
+    finally:
+        await refusing.stop(0)

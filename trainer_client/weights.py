@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from skyrl_grpc import dtypes
 from skyrl_grpc.chunk_wire import encode_chunk
-from skyrl_grpc.process_group import join_group
+from skyrl_grpc.process_group import join_group, master_store
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -173,6 +174,9 @@ class CollectiveSender:
         self.group_name = group_name
         self.timeout_seconds = timeout_seconds
         self._group: Any = None
+        self._cancel_join = threading.Event()
+        # The rendezvous store (rank 0 listens on master_port while it lives).
+        self._store: Any = None
         # Two bucket buffers, kept across updates: one is packed while the other is broadcast,
         # and memory touched for the first time costs page faults that can take longer than
         # the broadcast itself.
@@ -184,7 +188,12 @@ class CollectiveSender:
         return self._group
 
     def join(self) -> None:
-        """Blocks until every server worker has joined (run it concurrently with their init)."""
+        """Blocks until every server worker has joined (run it concurrently with their init);
+        ``cancel_join`` from another thread ends it at once, for every rank."""
+        if self._store is None:
+            self._store = master_store(
+                self.master_address, self.master_port, self.world_size, self.timeout_seconds
+            )
         self._group = join_group(
             self.backend,
             self.master_address,
@@ -193,7 +202,19 @@ class CollectiveSender:
             self.world_size,
             self.group_name,
             self.timeout_seconds,
+            cancel=self._cancel_join,
+            store=self._store,
         )
+
+    def cancel_join(self) -> None:
+        """Gives the rendezvous up (a server refused to join): ``join`` and the servers'
+        joins fail promptly (``release`` then frees the master port)."""
+        self._cancel_join.set()
+
+    def release(self) -> None:
+        """Closes the rendezvous store of a join given up, freeing the master port: once the
+        servers' joins have ended (they read the abort from it)."""
+        self._store = None
 
     def broadcast(self, buckets: list[Bucket]) -> int:
         """Broadcasts each packed bucket in order; returns the bytes sent.
