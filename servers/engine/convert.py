@@ -11,17 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from skyrl_grpc import finish_reasons
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
 
 if TYPE_CHECKING:
     from vllm import SamplingParams as VllmSamplingParams
 
-FINISH_REASONS: dict[str, generation_pb2.FinishReason] = {
-    "stop": generation_pb2.FINISH_REASON_STOP,
-    "length": generation_pb2.FINISH_REASON_LENGTH,
-    "abort": generation_pb2.FINISH_REASON_ABORTED,
-}
 # Optional sampling fields passed to vLLM under the same name when set.
 _PASSED_WHEN_SET = (
     "temperature",
@@ -139,9 +135,9 @@ def finish_to_proto(
     finish_reason: str | None, stop_reason: int | str | None, token_ids: Sequence[int]
 ) -> tuple[generation_pb2.FinishReason, generation_pb2.StopMatch | None]:
     """vLLM's finish/stop reasons as the contract's FinishReason and StopMatch."""
-    if finish_reason is None:
-        return generation_pb2.FINISH_REASON_UNSPECIFIED, None
-    reason = FINISH_REASONS.get(finish_reason, generation_pb2.FINISH_REASON_STOP)
+    reason = finish_reasons.to_proto(finish_reason)
+    if reason == generation_pb2.FINISH_REASON_UNSPECIFIED:
+        return reason, None
     if reason != generation_pb2.FINISH_REASON_STOP:
         return reason, None
     if isinstance(stop_reason, str):

@@ -39,7 +39,7 @@ def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> str:
 
 
 def make_certificates(directory: Path) -> Certificates:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (
         x509.CertificateBuilder()

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from skyrl_grpc import finish_reasons
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.v1 import data_plane_pb2
 from skyrl_grpc.v1 import generation_pb2 as gen
@@ -38,12 +39,6 @@ HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-}
-
-FINISH_REASONS: dict[int, str] = {
-    gen.FINISH_REASON_STOP: "stop",
-    gen.FINISH_REASON_LENGTH: "length",
-    gen.FINISH_REASON_ABORTED: "abort",
 }
 
 # OpenAI fields this edge cannot honour: refused when set to anything but their default,
@@ -261,7 +256,7 @@ def finish_of(
 ) -> tuple[str | None, int | str | None, str]:
     """OpenAI's finish_reason, vLLM's stop_reason, and the text with the stop string put back
     when the caller asked for it."""
-    finish = FINISH_REASONS.get(reason)
+    finish = finish_reasons.name_of(reason)
     stop_reason: int | str | None = None
     which = stop.WhichOneof("match")
     if which == "text":
