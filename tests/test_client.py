@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.waits import running_on_engines
+from tests.helpers.waits import failing_while_paused, running_on_engines
 from trainer_client import (
     BlockingInferenceClient,
     FanOutError,
@@ -185,3 +185,73 @@ async def test_pickled_client_generates_and_pauses_in_another_process(
     await asyncio.to_thread(process.join, 30)
     reference = await client.async_client.generate([1, 2, 3], {"temperature": 0.0, "max_tokens": 5})
     assert tokens == reference.token_ids and paused is True and still_paused is False
+
+
+def _live(kind: type) -> int:
+    import gc
+
+    gc.collect()
+    return sum(isinstance(o, kind) for o in gc.get_objects())
+
+
+async def test_a_client_used_from_a_new_event_loop_every_step_leaks_nothing(
+    two_server_router: Any, engine_server: Any, second_engine_server: Any
+) -> None:
+    # A trainer that calls asyncio.run(client.generate(...)) once per step: every loop's
+    # channels and routing feed must end with it.
+    import os
+
+    import grpc
+
+    from trainer_client.direct import DirectRoutes
+
+    client = InferenceClient(
+        two_server_router.address, [engine_server.address, second_engine_server.address]
+    )
+
+    def steps(count: int) -> None:
+        for step in range(count):
+            result = asyncio.run(client.generate([1, 2, 3 + step % 50], {"max_tokens": 2}))
+            assert len(result.token_ids) == 2
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    await asyncio.to_thread(steps, 5)  # warm: grpc's own threads and sockets exist now
+    before = (open_fds(), _live(grpc.aio.Channel), _live(DirectRoutes), _live(asyncio.Task))
+    await asyncio.to_thread(steps, 200)
+    after = (open_fds(), _live(grpc.aio.Channel), _live(DirectRoutes), _live(asyncio.Task))
+    # File descriptors, channels, routing feeds and tasks flat: a leak adds one per step, 200
+    # in all. Tasks get more slack: the in-process servers' own tasks live in this process.
+    slack = (3, 3, 3, 20)
+    assert all(a <= b + s for a, b, s in zip(after, before, slack, strict=True)), (before, after)
+
+
+async def test_closing_a_blocking_client_ends_its_loop_and_thread(
+    two_server_router: Any, engine_server: Any
+) -> None:
+    # In a thread: the in-process servers serve on this test's event loop.
+    def scenario() -> None:
+        client = BlockingInferenceClient(two_server_router.address, [engine_server.address])
+        assert len(client.generate([1, 2, 3], {"max_tokens": 2}).token_ids) == 2
+        loop, thread = client._loop, client._thread
+        assert loop is not None and thread is not None
+        client.close()
+        assert loop.is_closed() and not thread.is_alive()
+        assert len(client.generate([1, 2, 3], {"max_tokens": 2}).token_ids) == 2  # usable again
+        client.close()
+
+    await asyncio.wait_for(asyncio.to_thread(scenario), 120)
+
+
+async def test_one_failing_prompt_cancels_the_rest_of_its_batch(
+    two_server_router: Any, engine_server: Any, second_engine_server: Any
+) -> None:
+    client = InferenceClient(
+        two_server_router.address, [engine_server.address, second_engine_server.address]
+    )
+    batch = [*prompts(6, offset=300), [1, 99999]]  # the last one is out of the vocabulary
+    error = await failing_while_paused(
+        client, client.generate_batch(batch, {**GREEDY, "max_tokens": 200})
+    )
+    assert isinstance(error, ServerError) and error.code.name == "INVALID_ARGUMENT"

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from skyrl_grpc.names import GENERATE_STREAM
-from tests.helpers.waits import until
+from tests.helpers.waits import failing_while_paused, until
 from trainer_client import InferenceClient
 
 pytestmark = pytest.mark.engine
@@ -165,3 +165,48 @@ async def test_bad_requests_get_openai_errors_and_a_disconnect_frees_the_engine(
         )
 
     await until(idle, timeout=10, what="the engines to go idle after the disconnect")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_one_failing_prompt_cancels_the_others_of_its_request(
+    http_router: Any, engine_server: Any, second_engine_server: Any, stream: bool
+) -> None:
+    import httpx
+
+    client = InferenceClient(
+        http_router.address, [engine_server.address, second_engine_server.address]
+    )
+    body = {
+        "model": "",
+        "prompt": [[1, 2, 3], [1, 4, 5], [1, 6, 7], [1, 99999]],  # the last is out of vocabulary
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+    async def post() -> None:
+        async with httpx.AsyncClient(timeout=30) as http:
+            response = await http.post(
+                f"http://127.0.0.1:{http_router.http_port}/v1/completions", json=body
+            )
+        text = response.text
+        if response.status_code == 400 or '"error"' in text:
+            raise RuntimeError(text)
+
+    error = await failing_while_paused(client, post())
+    assert "99999" in str(error) or "vocab" in str(error)
+
+
+async def test_several_prompts_of_one_request_on_one_server(http_router: Any) -> None:
+    # A session puts every prompt on one server: their request ids must not collide there.
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        response = await http.post(
+            f"http://127.0.0.1:{http_router.http_port}/v1/completions",
+            json={"model": "", "prompt": [[1, 2, 3], [1, 4, 5], [1, 6, 7]], "max_tokens": 40,
+                  "ignore_eos": True},
+            headers={"X-Session-ID": "one-server"},
+        )  # fmt: skip
+    assert response.status_code == 200, response.text
+    assert sorted(c["index"] for c in response.json()["choices"]) == [0, 1, 2]

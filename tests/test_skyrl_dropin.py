@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers.waits import running_on_engines
+from tests.helpers.waits import failing_while_paused, running_on_engines
 from trainer_client.results import GenerationResult
 
 # isort: off
@@ -164,12 +164,62 @@ async def test_skyrl_generator_survives_pause_weight_push_and_resume(
     await running_on_engines(engine.client, 1, rollouts)
     await engine.pause_generation()
     original = load_file(str(tiny_model_dir / "model.safetensors"))
-    before = engine.weight_version
+    before = await engine.refresh_weight_version()
     await engine.update_named_weights(NamedTensorsRequest.of(original.items()))
     await engine.resume_generation()
     output = await asyncio.wait_for(rollouts, 300)
     assert len(output["response_ids"]) == 8 and all(output["response_ids"])
     assert all(sum(r) == 1.0 for r in output["rewards"])  # type: ignore[arg-type]
-    assert engine.weight_version == before + 1
     versions = await engine.client.weight_versions()
     assert versions.consistent
+    # The adapter's version is what the servers committed, not a count of its own calls.
+    assert engine.weight_version == versions.newest == before + 1
+
+
+async def test_one_failing_prompt_cancels_the_rest_of_a_skyrl_batch(
+    two_server_router: Any, engine_server: Any, second_engine_server: Any
+) -> None:
+    servers = [engine_server.address, second_engine_server.address]
+    engine = SkyRLInferenceEngine(two_server_router.address, servers)
+    batch = {
+        "prompt_token_ids": [[1, 2, 3], [1, 4, 5], [1, 6, 7], [1, 99999]],
+        "sampling_params": {"max_tokens": 200, "ignore_eos": True, "temperature": 0.0},
+    }
+    error = await failing_while_paused(engine.client, engine.generate(batch))
+    assert "INVALID_ARGUMENT" in str(error)
+
+
+async def test_http_calls_share_a_connection_pool_and_raise_the_servers_errors(
+    http_router: Any, engine_server: Any, second_engine_server: Any
+) -> None:
+    import httpx
+
+    from trainer_client.skyrl_engine import HttpError
+
+    servers = [engine_server.address, second_engine_server.address]
+    engine = SkyRLInferenceEngine(
+        http_router.address, servers, http_url=f"http://127.0.0.1:{http_router.http_port}"
+    )
+    opened: list[httpx.AsyncClient] = []
+    real = httpx.AsyncClient
+
+    def counting(*args: Any, **kwargs: Any) -> httpx.AsyncClient:
+        opened.append(real(*args, **kwargs))
+        return opened[-1]
+
+    httpx.AsyncClient = counting  # type: ignore[misc]
+    try:
+        for turn in range(3):
+            answer = await engine.chat_completion(
+                {"json": {"model": "", "messages": [{"role": "user", "content": f"turn {turn}"}],
+                          "max_tokens": 4}}
+            )  # fmt: skip
+            assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+        with pytest.raises(HttpError) as raised:
+            await engine.completion({"json": {"model": "", "prompt": [1, 99999]}})
+    finally:
+        httpx.AsyncClient = real  # type: ignore[misc]
+    assert len(opened) == 1  # one pool for every call of this event loop
+    assert raised.value.status == 400 and "99999" in raised.value.message
+    await engine.teardown()
+    assert opened[0].is_closed  # closed with the client's other per-loop resources

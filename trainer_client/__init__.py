@@ -8,7 +8,7 @@ Data-plane calls go through the router; control calls fan out to every server.
 from .blocking import BlockingInferenceClient
 from .client import InferenceClient, sampling_params
 from .config import ClientConfig, TlsConfig
-from .errors import FanOutError, InferenceError, RetriesExhausted, ServerError
+from .errors import FanOutError, InferenceError, ServerError
 from .results import FinishReason, GenerationResult, WeightSpan, WeightVersions
 from .weight_transaction import WeightUpdateError
 
@@ -20,7 +20,6 @@ __all__ = [
     "GenerationResult",
     "InferenceClient",
     "InferenceError",
-    "RetriesExhausted",
     "ServerError",
     "TlsConfig",
     "WeightSpan",

@@ -34,6 +34,7 @@ class BlockingInferenceClient:
     ) -> None:
         self._client = InferenceClient(router, servers, **settings)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -56,22 +57,32 @@ class BlockingInferenceClient:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._client = InferenceClient.from_config(state["config"])
         self._loop = None
+        self._thread = None
         self._lock = threading.Lock()
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         with self._lock:
-            if self._loop is None or self._loop.is_closed():
+            if self._loop is None:
                 self._loop = asyncio.new_event_loop()
-                threading.Thread(
+                self._thread = threading.Thread(
                     target=self._loop.run_forever, name="skyrl-client", daemon=True
-                ).start()
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+                )
+                self._thread.start()
+            loop = self._loop
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
 
     def close(self) -> None:
-        if self._loop is not None:
-            self._run(self._client.close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop = None
+        """Closes the client's channels, cancels what still runs on its loop, and ends the
+        loop and its thread. The client may be used again afterwards (a new loop starts)."""
+        with self._lock:
+            loop, thread = self._loop, self._thread
+            self._loop = self._thread = None
+        if loop is None or thread is None:
+            return
+        asyncio.run_coroutine_threadsafe(_shut_down(self._client), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
 
     def __enter__(self) -> BlockingInferenceClient:
         return self
@@ -328,3 +339,12 @@ class BlockingInferenceClient:
 
     def weight_versions(self) -> WeightVersions:
         return self._run(self._client.weight_versions())
+
+
+async def _shut_down(client: InferenceClient) -> None:
+    """The client's resources on this loop, then every task still pending on it."""
+    await client.close()
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)

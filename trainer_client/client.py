@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from skyrl_grpc.concurrency import all_or_cancel
 from skyrl_grpc.metadata import SESSION_ID
 from skyrl_grpc.names import PUSH_WEIGHTS
 from skyrl_grpc.v1 import control_plane_pb2 as cp
@@ -33,9 +34,10 @@ from skyrl_grpc.v1 import (
 from .config import ClientConfig
 from .continuation import Continuation
 from .direct import DirectRoutes
-from .errors import RetriesExhausted, ServerError
+from .errors import ServerError
 from .fanout import failures_of, fan_out
-from .results import FinishReason, GenerationResult, WeightVersions
+from .results import GenerationResult, WeightVersions
+from .transport import Transport
 from .weight_transaction import run_weight_transaction
 from .weights import (
     DEFAULT_BUCKET_BYTES,
@@ -93,22 +95,19 @@ class InferenceClient:
     """Asyncio client of a skyrl-grpc fleet. See the module docstring."""
 
     def __init__(self, router: str, servers: Sequence[str] = (), **settings: Any) -> None:
-        self.config = ClientConfig(router=router, servers=tuple(servers), **settings)
-        self._channels: dict[tuple[int, int, str], grpc.aio.Channel] = {}
-        # The router's routing view, per event loop (direct routing; never pickled).
-        self._routes: dict[tuple[int, int], DirectRoutes] = {}
-        self._background: set[asyncio.Task[Any]] = set()
+        self._setup(ClientConfig(router=router, servers=tuple(servers), **settings))
+
+    def _setup(self, config: ClientConfig) -> None:
+        self.config = config
+        # Channels, the routing view and background calls, per event loop (never pickled).
+        self._transport = Transport(config, self._finish_at)
         # Rank 0 of the collective weight-transfer group (process-local, never pickled).
         self._sender: CollectiveSender | None = None
 
     @classmethod
     def from_config(cls, config: ClientConfig) -> InferenceClient:
         client = cls.__new__(cls)
-        client.config = config
-        client._channels = {}
-        client._routes = {}
-        client._background = set()
-        client._sender = None
+        client._setup(config)
         return client
 
     # Pickle the config only: channels belong to one process and event loop.
@@ -116,26 +115,21 @@ class InferenceClient:
         return {"config": self.config}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.config = state["config"]
-        self._channels = {}
-        self._routes = {}
-        self._background = set()
-        self._sender = None
+        self._setup(state["config"])
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        key = (os.getpid(), id(asyncio.get_running_loop()), address)
-        channel = self._channels.get(key)
-        if channel is None:
-            channel = self._channels[key] = self.config.open_channel(address)
-        return channel
+        return self._transport.channel(address)
+
+    @property
+    def transport(self) -> Transport:
+        """This client's per-event-loop resources (channels; other per-loop objects through
+        ``transport.loop_local``), closed with their loop."""
+        return self._transport
 
     async def close(self) -> None:
-        """Closes the channels this event loop opened."""
-        loop_id = id(asyncio.get_running_loop())
-        for route_key in [k for k in self._routes if k[1] == loop_id]:
-            await self._routes.pop(route_key).close()
-        for key in [k for k in self._channels if k[1] == loop_id]:
-            await self._channels.pop(key).close()
+        """Closes what this event loop opened (channels, the routing feed). Also done when
+        the loop ends under ``asyncio.run``."""
+        await self._transport.close()
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -150,13 +144,7 @@ class InferenceClient:
     # -- direct routing -----------------------------------------------------------------------
 
     def _direct_routes(self) -> DirectRoutes:
-        key = (os.getpid(), id(asyncio.get_running_loop()))
-        routes = self._routes.get(key)
-        if routes is None:
-            routes = self._routes[key] = DirectRoutes(
-                self.channel(self.config.router), self.config.metadata(), self._finish_at
-            )
-        return routes
+        return self._transport.routes()
 
     async def _target(self, session_id: str | None, tried: set[str]) -> str | None:
         """The server a generation goes to directly, or None to go through the router."""
@@ -178,9 +166,7 @@ class InferenceClient:
             except grpc.aio.AioRpcError as error:
                 log.debug("FinishSession at %s: %s", address, error.code().name)
 
-        task = asyncio.ensure_future(finish())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._transport.spawn(finish())
 
     @property
     def _data(self) -> data_plane_pb2_grpc.DataPlaneAsyncStub:
@@ -257,7 +243,12 @@ class InferenceClient:
         lora: str = "",
     ) -> GenerationResult:
         """One sample, resubmitted after aborts (pause for a weight update) until finished.
-        ``lora``: the adapter to generate with (``load_lora``); empty: the base model."""
+        ``lora``: the adapter to generate with (``load_lora``); empty: the base model.
+
+        One rule for aborts: a sample still aborted when ``max_abort_retries`` resubmissions
+        are used up (0: none) is returned as it is, ``finish_reason`` ABORTED, with the tokens
+        generated so far and ``abort_retries``; it is never raised, so one sample cannot
+        fail a batch."""
         params = sampling_params(sampling)
         continuation = Continuation(
             list(prompt_token_ids),
@@ -307,8 +298,6 @@ class InferenceClient:
             list(prompt_token_ids), sample, params.HasField("logprobs"), continuation.retries
         )
         result.cached_prompt_tokens = continuation.cached_prompt_tokens
-        if result.finish_reason == FinishReason.ABORTED and continuation.retries:
-            raise RetriesExhausted(continuation.retries, result)
         if include_text and continuation.retries:
             # Text deltas split at a retry boundary may cut a multi-byte character: decode the
             # whole id sequence instead.
@@ -324,18 +313,16 @@ class InferenceClient:
         include_text: bool = False,
         lora: str = "",
     ) -> list[GenerationResult]:
-        """Generates for every prompt as concurrent streams; results in input order."""
+        """Generates for every prompt as concurrent streams; results in input order. If one
+        generation fails, the others are cancelled (their requests aborted on the servers)
+        before its error is raised."""
         if session_ids is not None and len(session_ids) != len(prompts):
             raise ValueError(f"{len(session_ids)} session ids for {len(prompts)} prompts")
         sessions = session_ids or [None] * len(prompts)
         params = sampling_params(sampling)
-        return list(
-            await asyncio.gather(
-                *(
-                    self.generate(p, params, session_id=s, include_text=include_text, lora=lora)
-                    for p, s in zip(prompts, sessions, strict=True)
-                )
-            )
+        return await all_or_cancel(
+            self.generate(p, params, session_id=s, include_text=include_text, lora=lora)
+            for p, s in zip(prompts, sessions, strict=True)
         )
 
     async def sample(
@@ -584,9 +571,25 @@ class InferenceClient:
                 address, self._control(address).InitWeightTransfer, request, timeout_seconds
             )
 
+        async def init_or_give_up(address: str) -> Any:
+            try:
+                return await init(address)
+            except BaseException:
+                sender.cancel_join()  # the others stop waiting for this server at once
+                raise
+
         # Both sides block until every rank joined: run the trainer's join beside the servers'.
         join = asyncio.ensure_future(asyncio.to_thread(sender.join))
-        await fan_out("InitWeightTransfer", servers, init)
+        try:
+            await fan_out("InitWeightTransfer", servers, init_or_give_up)
+        except BaseException:
+            sender.cancel_join()
+            # The join thread ends promptly; its error (the rendezvous given up) says nothing
+            # the fan-out's does not. Every server's call has ended, so none still reads the
+            # store: close it, freeing the master port.
+            await asyncio.gather(join, return_exceptions=True)
+            sender.release()
+            raise
         await join
         self._sender = sender
         return by_server
@@ -629,6 +632,13 @@ class InferenceClient:
             )
         if not servers:
             raise ValueError("update_weights: the client has no server addresses")
+        if weight_version is not None and weight_version <= 0:
+            # 0 means "unset" on the wire and every server starts at 0: refused before a byte
+            # moves, instead of after the whole model was pushed.
+            raise ValueError(
+                f"weight_version={weight_version}: versions start at 1 and must increase "
+                "(None: one more than the newest version any server serves)"
+            )
         calls = _TransactionCalls(self, lease_seconds)
         if weight_version is None:
             # From the servers that answer: one that does not fails the update at its start,
@@ -755,11 +765,12 @@ class _TransactionCalls:
         rpc = getattr(client._control(address), method)
         return await client._unary(address, rpc, request, client.config.control_timeout)
 
-    async def start(self, address: str, version: int) -> None:
+    async def start(self, address: str, version: int) -> int:
         request = cp.StartWeightUpdateRequest(
             weight_version=version, owner=self._owner, lease_seconds=self._lease_seconds
         )
-        await self._call(address, "StartWeightUpdate", request)
+        response = await self._call(address, "StartWeightUpdate", request)
+        return int(response.serving_weight_version)
 
     async def finish(self, address: str, version: int) -> cp.FinishWeightUpdateResponse:
         request = cp.FinishWeightUpdateRequest(weight_version=version)

@@ -31,7 +31,8 @@ class ClientConfig:
     token: str | None = None
     tls: TlsConfig | None = None
     # How many times a generation aborted by a pause is resubmitted (None: until the budget of
-    # tokens is used up; each retry makes progress only if tokens were generated).
+    # tokens is used up; each retry makes progress only if tokens were generated). A sample
+    # still aborted after that is returned with finish_reason ABORTED, never raised.
     max_abort_retries: int | None = None
     # Tokens per streamed message for generate() / generate_batch(), which return whole
     # samples: fewer, larger messages cost the server, router and client less CPU per token

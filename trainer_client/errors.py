@@ -6,8 +6,6 @@
   - ``FanOutError``: a control call to every server failed on some of them; ``failures`` maps
     each failed address to its ``ServerError``, ``results`` each succeeded address to its result.
     Never a silent partial success.
-  - ``RetriesExhausted``: a generation was aborted more often than ``max_abort_retries`` allows;
-    ``partial`` holds what was generated.
 """
 
 from __future__ import annotations
@@ -52,12 +50,3 @@ class FanOutError(InferenceError):
         self.operation = operation
         self.failures = failures
         self.results = results
-
-
-class RetriesExhausted(InferenceError):
-    """A generation kept being aborted; ``partial`` is what it had produced."""
-
-    def __init__(self, retries: int, partial: Any) -> None:
-        super().__init__(f"generation aborted {retries} times; giving up (max_abort_retries)")
-        self.retries = retries
-        self.partial = partial

@@ -3,27 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
+from skyrl_grpc import finish_reasons
 from skyrl_grpc.v1 import generation_pb2
 
 
-class FinishReason(str, Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORTED = "aborted"
+class FinishReason(StrEnum):
+    """Why a sample ended; the values are the names vLLM, OpenAI and SkyRL use
+    (``skyrl_grpc.finish_reasons``)."""
+
+    STOP = finish_reasons.STOP
+    LENGTH = finish_reasons.LENGTH
+    ABORTED = finish_reasons.ABORT
     UNFINISHED = "unfinished"
 
     @classmethod
     def from_proto(cls, value: int) -> FinishReason:
-        return _FROM_PROTO.get(value, cls.UNFINISHED)
-
-
-_FROM_PROTO: dict[int, FinishReason] = {
-    generation_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-    generation_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    generation_pb2.FINISH_REASON_ABORTED: FinishReason.ABORTED,
-}
+        name = finish_reasons.name_of(value)
+        return cls.UNFINISHED if name is None else cls(name)
 
 
 @dataclass(frozen=True)

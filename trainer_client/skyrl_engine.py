@@ -25,7 +25,6 @@ What maps and what does not:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import typing
 from collections.abc import Hashable, Iterable, Sequence
@@ -46,17 +45,34 @@ from skyrl.backends.skyrl_train.inference_servers.base import (  # noqa: E402
 )
 from skyrl.backends.skyrl_train.weight_sync.base import WeightUpdateRequest  # noqa: E402
 
+from skyrl_grpc.concurrency import all_or_cancel  # noqa: E402
+
 from .client import InferenceClient  # noqa: E402
-from .results import FinishReason, GenerationResult  # noqa: E402
+from .errors import InferenceError  # noqa: E402
+from .results import GenerationResult  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-# SkyRL's stop reasons are vLLM's finish reasons.
-STOP_REASONS = {
-    FinishReason.STOP: "stop",
-    FinishReason.LENGTH: "length",
-    FinishReason.ABORTED: "abort",
-}
+
+class HttpError(InferenceError):
+    """The router's OpenAI edge answered an error status; the message is the server's."""
+
+    def __init__(self, path: str, status: int, message: str) -> None:
+        super().__init__(f"POST {path}: HTTP {status}: {message}")
+        self.path = path
+        self.status = status
+        self.message = message
+
+
+def _error_message(response: Any) -> str:
+    """The message of an OpenAI error body, or the body as text."""
+    try:
+        body = response.json()
+        return str(body["error"]["message"])
+    except Exception:
+        return str(response.text)[:2000]
+
+
 # SkyRL sampling key -> SamplingParams field (None: handled here, not by the engine).
 SAMPLING_KEYS: dict[str, str | None] = {
     "max_tokens": "max_tokens",
@@ -141,7 +157,9 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
         self._model_name = model_name
         self.http_url = http_url
         self.transport = transport
-        # Advances on every weight sync; SkyRL's generator salts its requests with it.
+        # The version the fleet committed at the last weight sync through this adapter (0:
+        # none yet); ``refresh_weight_version`` reads what the servers serve. SkyRL's
+        # generator salts its requests with it (the servers salt their caches themselves).
         self._weight_version = 0
 
     # -- identity ----------------------------------------------------------------------------
@@ -152,6 +170,15 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
 
     @property
     def weight_version(self) -> int:
+        return self._weight_version
+
+    def increment_weight_version(self) -> None:
+        """SkyRL calls this after a weight sync; the version comes from the servers here
+        (``update_named_weights`` records what they committed), so it changes nothing."""
+
+    async def refresh_weight_version(self) -> int:
+        """The newest version the servers serve, read from them and kept."""
+        self._weight_version = (await self.client.weight_versions()).newest
         return self._weight_version
 
     def get_endpoint_url(self) -> str:
@@ -174,28 +201,25 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
             conversations = input_batch.get("prompts")
             if conversations is None:
                 raise ValueError("pass prompt_token_ids or prompts")
-            prompts = await asyncio.gather(
-                *(self.client.tokenize(messages=c) for c in conversations)
-            )
+            prompts = await all_or_cancel(self.client.tokenize(messages=c) for c in conversations)
         sessions: Sequence[Hashable | None] = input_batch.get("session_ids") or [None] * len(
             prompts
         )
-        results: list[GenerationResult] = await asyncio.gather(
-            *(
-                self.client.generate(
-                    prompt,
-                    sampling,
-                    session_id=None if session is None else str(session),
-                    include_text=True,
-                )
-                for prompt, session in zip(prompts, sessions, strict=True)
+        # One failure cancels the rest of the batch (their requests are aborted on the servers).
+        results: list[GenerationResult] = await all_or_cancel(
+            self.client.generate(
+                prompt,
+                sampling,
+                session_id=None if session is None else str(session),
+                include_text=True,
             )
+            for prompt, session in zip(prompts, sessions, strict=True)
         )
         with_logprobs = sampling.get("logprobs") is not None
         return InferenceEngineOutput(
             responses=[(r.text or "") + (r.stop_text or "" if keep_stop else "") for r in results],
             response_ids=[list(r.token_ids) for r in results],
-            stop_reasons=[STOP_REASONS[r.finish_reason] for r in results],
+            stop_reasons=[r.finish_reason.value for r in results],  # vLLM's names, as SkyRL's
             response_logprobs=[list(r.logprobs or []) for r in results] if with_logprobs else None,
             prompt_logprobs=None,
             rollout_expert_indices=None,
@@ -211,12 +235,18 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
             )
         import httpx
 
-        async with httpx.AsyncClient(timeout=None) as http:
-            response = await http.post(
-                f"{self.http_url.rstrip('/')}{path}",
-                json=request_payload.get("json", {}),
-                headers=request_payload.get("headers") or {},
-            )
+        # One connection pool per event loop, kept across calls (an agent makes one call per
+        # turn), closed with its loop.
+        http = self.client.transport.loop_local(
+            "skyrl-httpx", lambda: httpx.AsyncClient(timeout=None), lambda c: c.aclose()
+        )
+        response = await http.post(
+            f"{self.http_url.rstrip('/')}{path}",
+            json=request_payload.get("json", {}),
+            headers=request_payload.get("headers") or {},
+        )
+        if response.status_code >= 400:
+            raise HttpError(path, response.status_code, _error_message(response))
         answer: dict[str, Any] = response.json()
         return answer
 
@@ -268,8 +298,8 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
             )
         else:
             pairs = list(request)
-        await self.client.update_weights(pairs, transport=self.transport)
-        self._weight_version += 1
+        committed = await self.client.update_weights(pairs, transport=self.transport)
+        self._weight_version = max(int(r.weight_version) for r in committed.values())
 
     async def teardown(self) -> None:
         await self.client.close()

@@ -44,6 +44,9 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
         self.observed = Observed()
         self.fail_next_with: grpc.StatusCode | None = None
         self.fail_after_tokens: int | None = None
+        # Ends every stream after this many tokens with FINISH_REASON_ABORTED, as a server
+        # paused in ABORT mode does.
+        self.abort_after_tokens: int | None = None
 
     def _begin(self, context: grpc.aio.ServicerContext) -> None:  # type: ignore[type-arg]
         self.observed.calls += 1
@@ -65,6 +68,12 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
                     await context.abort(
                         grpc.StatusCode.UNAVAILABLE, f"{self.name} failed mid-stream"
                     )
+                if self.abort_after_tokens is not None and i == self.abort_after_tokens:
+                    yield data_plane_pb2.GenerateStreamResponse(
+                        request_id=request.request_id or self.name,
+                        finish_reason=generation_pb2.FINISH_REASON_ABORTED,
+                    )
+                    return
                 await asyncio.sleep(self.delay + self.per_stream_delay * self.observed.in_flight)
                 last = i == max_tokens - 1
                 yield data_plane_pb2.GenerateStreamResponse(

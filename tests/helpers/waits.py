@@ -45,3 +45,27 @@ async def until(
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
         await asyncio.sleep(0.01)
+
+
+async def engines_idle(client: InferenceClient) -> bool:
+    """No request runs or waits on any of the client's servers."""
+    loads = await client.load()
+    return all(load.running_requests + load.waiting_requests == 0 for load in loads.values())
+
+
+async def failing_while_paused(client: InferenceClient, failing: Awaitable[Any]) -> BaseException:
+    """Runs ``failing`` (a batch with one bad part) while every server is paused (KEEP, so the
+    good parts wait on the engines instead of finishing), returns its error, and checks that
+    the good parts were aborted on the servers: the engines are idle before they resume."""
+    await client.pause("keep")
+    try:
+        try:
+            await failing
+        except Exception as error:
+            caught: BaseException = error
+        else:
+            raise AssertionError("the batch did not fail")
+        await until(lambda: engines_idle(client), 10, "the batch's other parts aborted")
+        return caught
+    finally:
+        await client.resume()

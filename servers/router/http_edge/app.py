@@ -24,6 +24,7 @@ from typing import Any, NoReturn, cast
 import grpc
 import uvicorn
 
+from skyrl_grpc.concurrency import all_or_cancel
 from skyrl_grpc.errors import InvalidArgument, NotFound, SkyrlError
 from skyrl_grpc.metadata import AUTHORIZATION, ROUTED_TO, SESSION_ID
 from skyrl_grpc.names import (
@@ -233,13 +234,20 @@ class OpenAIEdge:
 
         if call.chat:
             return [await ids(None)]
-        return list(await asyncio.gather(*(ids(p) for p in call.prompts)))
+        return await all_or_cancel(ids(p) for p in call.prompts)
 
     def _stream(
-        self, prompt: list[int], call: tr.GenerationCall, request: Request, interval: int
+        self,
+        prompt: list[int],
+        call: tr.GenerationCall,
+        request: Request,
+        interval: int,
+        offset: int = 0,
     ) -> AsyncIterator[bytes]:
         message = data_plane_pb2.GenerateStreamRequest(
-            request_id=call.id,
+            # One id per prompt, as vLLM's server names them: two prompts of one request on
+            # one server must not collide there.
+            request_id=f"{call.id}-{offset}",
             prompt_token_ids=prompt,
             sampling_params=call.sampling,
             n=call.n,
@@ -287,7 +295,7 @@ class OpenAIEdge:
         async def one(offset: int, prompt: list[int]) -> tuple[list[tr.SampleOut], gen.Usage]:
             samples: dict[int, tr.SampleOut] = {}
             last = gen.Usage()
-            async for raw in self._stream(prompt, call, request, WHOLE):
+            async for raw in self._stream(prompt, call, request, WHOLE, offset):
                 message = data_plane_pb2.GenerateStreamResponse.FromString(raw)
                 sample = samples.setdefault(
                     message.sample_index,
@@ -306,9 +314,7 @@ class OpenAIEdge:
                 last = message.usage
             return list(samples.values()), last
 
-        outcomes = await asyncio.gather(
-            *(one(i * call.n, prompt) for i, prompt in enumerate(prompts))
-        )
+        outcomes = await all_or_cancel(one(i * call.n, p) for i, p in enumerate(prompts))
         needed: set[int] = set()
         for samples, _ in outcomes:
             for sample in samples:
@@ -333,7 +339,7 @@ class OpenAIEdge:
         started: set[int] = set()
 
         async def relay(offset: int, prompt: list[int]) -> None:
-            async for raw in self._stream(prompt, call, request, self.stream_interval):
+            async for raw in self._stream(prompt, call, request, self.stream_interval, offset):
                 message = data_plane_pb2.GenerateStreamResponse.FromString(raw)
                 index = offset + message.sample_index
                 text, finish, stop_reason = message.text, None, None
@@ -359,7 +365,9 @@ class OpenAIEdge:
         if len(prompts) == 1:
             await relay(0, prompts[0])
         else:
-            await asyncio.gather(*(relay(i * call.n, p) for i, p in enumerate(prompts)))
+            # One failing prompt cancels the others' relays (and their generations) before
+            # the error event and [DONE] are written: nothing writes after the end.
+            await all_or_cancel(relay(i * call.n, p) for i, p in enumerate(prompts))
         if call.include_usage:
             await responder.event(tr.chunk(call, [], tr.usage_of(usages.values())))
         await responder.done()
