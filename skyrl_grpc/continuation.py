@@ -1,7 +1,7 @@
 """Resuming a generation elsewhere: the request that continues one sample after some tokens.
 
 Two places resubmit a sample that was cut short: the trainer client after a pause in ABORT mode
-(``trainer_client.continuation``) and the router when a server dies mid-stream
+(``trainer_client.abort_retry``) and the router when a server dies mid-stream
 (``servers.router.migration``). Both send the prompt plus every token generated so far with
 what is left of the budget, so the result reads like one uninterrupted generation; this module
 is that rule, written once.

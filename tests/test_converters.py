@@ -16,8 +16,8 @@ from servers.engine.convert import (
     logprobs_to_proto,
 )
 from servers.engine.validate import ModelLimits
-from skyrl_grpc.assembly import ResponseAssembler
 from skyrl_grpc.errors import InvalidArgument
+from skyrl_grpc.sample_assembly import ResponseAssembler
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
 
 LIMITS = ModelLimits(vocab_size=100, max_model_len=64, max_logprobs=5)

@@ -23,7 +23,8 @@ from .grpc_types import Context, Handler
 
 log = logging.getLogger(__name__)
 
-Continuation: TypeAlias = Callable[[grpc.HandlerCallDetails], Awaitable["Handler | None"]]
+# What an interceptor calls to get the next handler of the chain (grpc names it "continuation").
+NextHandler: TypeAlias = Callable[[grpc.HandlerCallDetails], Awaitable["Handler | None"]]
 
 
 async def abort_with_status(exc: BaseException, context: Context, method: str) -> NoReturn:
@@ -219,7 +220,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         self._size_limit = size_limit
 
     async def intercept_service(
-        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+        self, continuation: NextHandler, handler_call_details: grpc.HandlerCallDetails
     ) -> Handler | None:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
@@ -268,7 +269,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._open = frozenset(open_methods)
 
     async def intercept_service(
-        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+        self, continuation: NextHandler, handler_call_details: grpc.HandlerCallDetails
     ) -> Handler | None:
         method = handler_call_details.method
         expected = next(

@@ -4,7 +4,7 @@ Pure functions of plain values and protobuf messages (no engine, no gRPC context
 ``InvalidArgument`` with a message that names the field, the value and what would be accepted.
 Servicers call these; ``convert`` then builds engine types from requests that passed, and the
 vLLM adapter (``vllm_engine``) knows no request rules. Checks shared with the router (addresses,
-ports) are in ``servers.common.validate``.
+ports) are in ``servers.common.addresses``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from servers.common import validate as common
+from servers.common import addresses as common
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
 
+from ..common.addresses import host_port
 from ..common.grpc_types import Context
-from ..common.validate import host_port
 from .backends import BackendPool
 from .feed import RoutingFeed
 

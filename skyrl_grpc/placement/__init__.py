@@ -12,7 +12,7 @@ from .policy import (
     PlacementPolicy,
     make_policy,
 )
-from .sessions import SessionDirectory
+from .session_directory import SessionDirectory
 
 __all__ = [
     "POLICIES",

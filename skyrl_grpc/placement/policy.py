@@ -32,7 +32,7 @@ from typing import Protocol, TypeVar
 
 from .balancer import LeastOutstanding, RoundRobin
 from .hash_ring import HashRing, stable_hash
-from .sessions import SessionDirectory
+from .session_directory import SessionDirectory
 
 POLICIES = ("bounded-load", "consistent-hash", "sticky-least-loaded")
 DEFAULT_EPSILON = 0.25

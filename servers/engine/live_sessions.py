@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-DEFAULT_IDLE_SECONDS = 600.0
+from skyrl_grpc.placement.session_directory import SESSION_IDLE_SECONDS
 
 
 class LiveSessions:
@@ -19,7 +19,7 @@ class LiveSessions:
 
     def __init__(
         self,
-        idle_seconds: float = DEFAULT_IDLE_SECONDS,
+        idle_seconds: float = SESSION_IDLE_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.idle_seconds = idle_seconds

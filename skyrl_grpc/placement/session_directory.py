@@ -23,6 +23,10 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
+# A session without a request for this long ends on its server (--session-idle-seconds);
+# a placement made here, never confirmed by a server, counts as long. One number for both.
+SESSION_IDLE_SECONDS = 600.0
+
 
 class SessionDirectory:
     """Session id -> the server that holds it, from servers' reports and placements made here.
@@ -32,7 +36,9 @@ class SessionDirectory:
     """
 
     def __init__(
-        self, pending_seconds: float = 600.0, clock: Callable[[], float] = time.monotonic
+        self,
+        pending_seconds: float = SESSION_IDLE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pending_seconds = pending_seconds
         self._clock = clock

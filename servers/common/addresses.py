@@ -1,4 +1,4 @@
-"""Checks shared by the engine server and the router: addresses and ports in requests.
+"""Address checks shared by the engine server and the router: host:port and ports in requests.
 
 Request rules specific to the engine live in ``servers.engine.validate``.
 """
