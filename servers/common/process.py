@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 
 def configure_logging(level: int = logging.INFO) -> None:
@@ -24,6 +24,18 @@ def announce(event: str, **fields: object) -> None:
     """One JSON line on stdout per lifecycle event (listening, ready, failed, stopped), for
     launchers and tests to read."""
     print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def read_announcement(line: str) -> dict[str, Any] | None:
+    """The lifecycle event a line of a server's stdout announces, or None for any other line
+    (the one reader of what ``announce`` writes: launchers and tests use it)."""
+    if not line.startswith("{"):
+        return None
+    try:
+        event = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return event if isinstance(event, dict) and "event" in event else None
 
 
 def on_stop_signals(stop: Callable[[], Awaitable[None]]) -> Callable[[], None]:

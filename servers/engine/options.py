@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB
+from skyrl_grpc.placement.session_directory import SESSION_IDLE_SECONDS
 
 from ..common.listener import ServerTls, add_message_size_argument, add_tls_arguments, tls_from_args
 
 TINY_MODEL_NAME = "skyrl-tiny-llama"
 WORKER_EXTENSION = "servers.engine.weights.worker.WeightTransferWorker"
+DEFAULT_PORT = 50051  # the command line's; ServerOptions(port=0) picks a free port
 
 
 @dataclass
@@ -51,7 +53,7 @@ class EngineOptions:
     # Accept weights holding NaN or infinity (refused by default: they poison generation).
     allow_non_finite_weights: bool = False
     # A session without a request for this long ends (its place is free for placement).
-    session_idle_seconds: float = 600.0
+    session_idle_seconds: float = SESSION_IDLE_SECONDS
     # LoRA adapters: served at all, how many in one batch, largest rank, how many loaded.
     enable_lora: bool = False
     max_loras: int = 2
@@ -100,52 +102,62 @@ class ServerOptions:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine options shared by every command that starts engines."""
+    """Engine options shared by every command that starts engines. Every default comes from
+    ``EngineOptions``: one place decides each of them."""
+    d = EngineOptions()
     group = parser.add_argument_group("engine")
     group.add_argument(
-        "--model", default=None, help="model directory (default: embedded tiny model)"
+        "--model", default=d.model, help="model directory (default: embedded tiny model)"
     )
-    group.add_argument("--served-model-name", default=None)
-    group.add_argument("--dtype", default="auto")
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--tensor-parallel-size", type=int, default=1)
-    group.add_argument("--pipeline-parallel-size", type=int, default=1)
-    group.add_argument("--kv-cache-gib", type=float, default=1.0, help="CPU: KV cache size in GiB")
+    group.add_argument("--served-model-name", default=d.served_model_name)
+    group.add_argument("--dtype", default=d.dtype)
+    group.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    group.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
+    group.add_argument("--pipeline-parallel-size", type=int, default=d.pipeline_parallel_size)
+    group.add_argument(
+        "--kv-cache-gib", type=float, default=d.kv_cache_gib, help="CPU: KV cache size in GiB"
+    )
     group.add_argument(
         "--cpu-threads",
         type=int,
-        default=None,
+        default=d.cpu_threads,
         help="CPU: model threads (default: 1 for the embedded tiny model, else vLLM's binding)",
     )
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    group.add_argument("--max-num-seqs", type=int, default=256)
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    group.add_argument("--seed", type=int, default=d.seed)
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument(
         "--weight-update-lease-seconds",
         type=float,
-        default=600.0,
-        help="an open weight update without a call for this long expires (default 600)",
+        default=d.weight_update_lease_seconds,
+        help="an open weight update without a call for this long expires (default %(default)s)",
     )
     group.add_argument(
         "--session-idle-seconds",
         type=float,
-        default=600.0,
-        help="a session without a request for this long ends (default 600)",
+        default=d.session_idle_seconds,
+        help="a session without a request for this long ends (default %(default)s)",
     )
     group.add_argument(
         "--enable-lora", action="store_true", help="serve LoRA adapters (LoadLoraAdapter)"
     )
     group.add_argument(
-        "--max-loras", type=int, default=2, help="LoRA adapters usable in one batch (default 2)"
+        "--max-loras",
+        type=int,
+        default=d.max_loras,
+        help="LoRA adapters usable in one batch (default %(default)s)",
     )
     group.add_argument(
-        "--max-lora-rank", type=int, default=8, help="largest LoRA rank accepted (default 8)"
+        "--max-lora-rank",
+        type=int,
+        default=d.max_lora_rank,
+        help="largest LoRA rank accepted (default %(default)s)",
     )
     group.add_argument(
         "--max-cpu-loras",
         type=int,
-        default=None,
+        default=d.max_cpu_loras,
         help="LoRA adapters kept loaded (default: --max-loras)",
     )
     group.add_argument(
@@ -180,12 +192,14 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    defaults = ServerOptions()
     parser = argparse.ArgumentParser(
         prog="skyrl-grpc serve", description="Serve one vLLM engine over gRPC."
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
-    parser.add_argument("--drain-grace-seconds", type=float, default=10.0)
+    parser.add_argument("--host", default=defaults.host)
+    # The command line's well-known port; in code, ServerOptions' 0 picks a free one.
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    parser.add_argument("--drain-grace-seconds", type=float, default=defaults.drain_grace_seconds)
     add_message_size_argument(parser)
     parser.add_argument(
         "--return-freed-memory",
@@ -216,7 +230,7 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-prompt-tokens",
         type=int,
-        default=None,
+        default=defaults.max_prompt_tokens,
         help="prompt tokens per request (default: the model's context minus one)",
     )
     group.add_argument("--max-request-id-bytes", type=int, default=defaults.max_request_id_bytes)

@@ -17,7 +17,6 @@ Teardown sends SIGTERM (drain), then SIGKILL to anything left, so no process out
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from ..common.process import read_announcement
 from . import Fleet, FleetAddresses
 
 ENGINE_MODULE = "servers.engine"
@@ -56,11 +56,8 @@ class _Process:
             if self.log is not None:
                 self.log.write(line)
                 self.log.flush()
-            if not line.startswith("{"):
-                continue
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
+            event = read_announcement(line)
+            if event is None:
                 continue
             self.events.append(event)
             if event.get("event") == "listening":

@@ -5,8 +5,8 @@ reports NOT_SERVING (draining), or whose connection drops (killed), is ejected a
 re-admitted when a new Watch sees SERVING. A forwarded call that fails UNAVAILABLE ejects the
 backend passively and restarts its watch, so a recovered backend comes back on its own.
 
-``BackendPool.choose`` asks ``placement`` where a call goes (a session's backend on the hash
-ring, anything else the least-loaded eligible backend).
+``BackendPool.choose`` asks ``placement`` where a call goes (a session's backend as the policy
+places it, anything else the least-loaded eligible backend).
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from skyrl_grpc.channels import open_channel
 from skyrl_grpc.errors import AlreadyExists, NotFound
 from skyrl_grpc.names import DATA_PLANE
 from skyrl_grpc.placement import make_policy
+from skyrl_grpc.session_moves import finish_moved_session
 from skyrl_grpc.v1 import (
-    data_plane_pb2,
-    data_plane_pb2_grpc,
     router_pb2,
     status_pb2,
     status_pb2_grpc,
@@ -298,15 +297,10 @@ class BackendPool:
             return
         log.debug("session %s moved from %s to %s", session, left, went)
 
-        async def finish() -> None:
-            stub = data_plane_pb2_grpc.DataPlaneStub(backend.channel)
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await stub.FinishSession(
-                    data_plane_pb2.FinishSessionRequest(session_id=session),
-                    timeout=max(self.check_interval, 1.0),
-                )
-
-        self._tasks.spawn(finish(), name=f"finish {session} at {left}")
+        finish = finish_moved_session(
+            backend.channel, session, timeout=max(self.check_interval, 1.0)
+        )
+        self._tasks.spawn(finish, name=f"finish {session} at {left}")
 
     async def close(self) -> None:
         """Removes every backend and closes its channel (in-flight calls are cut)."""

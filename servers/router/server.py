@@ -41,11 +41,13 @@ from ..common.process import configure_logging, serve_until_stopped
 from ..common.tasks import BackgroundTasks
 from .admin import RouterAdminServicer
 from .backends import Backend, BackendPool
-from .http_edge.app import HttpEdgeServer, OpenAIEdge
+from .http_edge.asgi import HttpEdgeServer
+from .http_edge.handlers import OpenAIEdge
 from .metrics import RouterMetrics
 from .proxy import ForwardingHandler, Proxy, ProxyOptions
 
 log = logging.getLogger(__name__)
+DEFAULT_PORT = 50050  # the command line's; RouterOptions(port=0) picks a free port
 
 
 @dataclass
@@ -57,7 +59,7 @@ class RouterOptions:
     health_check_interval: float = 1.0
     balancing: str = "least-outstanding"
     # Where sessions go: "bounded-load" (least-loaded, sticky, never past (1 + epsilon) x the
-    # mean) or "consistent-hash" (a hash ring).
+    # mean), "sticky-least-loaded" (the same, unbounded) or "consistent-hash" (a hash ring).
     placement: str = "bounded-load"
     proxy: ProxyOptions = field(default_factory=ProxyOptions)
     drain_grace_seconds: float = 10.0
@@ -187,46 +189,57 @@ class RouterServer:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Every default comes from the options' dataclasses: one place decides each of them.
+    defaults, proxy = RouterOptions(), ProxyOptions()
     parser = argparse.ArgumentParser(
         prog="skyrl-grpc route", description="Route DataPlane calls to engine servers."
     )
     parser.add_argument(
         "--backends", default="", help="comma-separated host:port of engine servers"
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50050, help="0 picks a free port")
-    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
-    parser.add_argument("--health-check-interval", type=float, default=1.0)
+    parser.add_argument("--host", default=defaults.host)
+    # The command line's well-known port; in code, RouterOptions' 0 picks a free one.
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    parser.add_argument(
+        "--metrics-port", type=int, default=defaults.metrics_port, help="Prometheus /metrics port"
+    )
+    parser.add_argument(
+        "--health-check-interval", type=float, default=defaults.health_check_interval
+    )
     parser.add_argument(
         "--balancing",
         choices=["least-outstanding", "round-robin"],
-        default="least-outstanding",
+        default=defaults.balancing,
         help="where calls without a session go",
     )
     parser.add_argument(
         "--placement",
         choices=list(POLICIES),
-        default="bounded-load",
+        default=defaults.placement,
         help="where sessions go: bounded-load (least-loaded, sticky, bounded at 1.25x the "
-        "mean) or consistent-hash",
+        "mean), sticky-least-loaded (least-loaded, sticky, unbounded) or consistent-hash "
+        "(a hash ring)",
     )
     parser.add_argument(
         "--http-port",
         type=int,
-        default=None,
+        default=defaults.http_port,
         help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         "...) on this port (0 picks a free one); default: no HTTP",
     )
     parser.add_argument(
         "--http-stream-interval",
         type=int,
-        default=1,
+        default=defaults.http_stream_interval,
         help="tokens per upstream message for streamed HTTP answers (1: an event per step)",
     )
-    parser.add_argument("--max-retries", type=int, default=2)
+    parser.add_argument("--max-retries", type=int, default=proxy.max_retries)
     add_message_size_argument(parser)
     parser.add_argument(
-        "--max-migrations", type=int, default=2, help="0 turns stream migration off"
+        "--max-migrations",
+        type=int,
+        default=proxy.max_migrations,
+        help="0 turns stream migration off",
     )
     parser.add_argument(
         "--fail-when-paused",
