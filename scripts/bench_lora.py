@@ -26,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from servers.engine.lora import AdapterConfig, ModelShapes  # noqa: E402
+from servers.engine.adapters import AdapterConfig, ModelShapes  # noqa: E402
 from servers.fleet.local import LocalFleet  # noqa: E402
 from skyrl_grpc.tiny_model import ensure_tiny_model  # noqa: E402
 from trainer_client import InferenceClient  # noqa: E402
@@ -36,7 +36,7 @@ MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def adapter(rank: int = 8) -> tuple[dict[str, Any], dict[str, Any]]:
     """Random factors for every tensor the server expects of such an adapter (its own naming
-    and shapes, ``servers.engine.lora``)."""
+    and shapes, ``servers.engine.adapters``)."""
     import torch
 
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(MODULES)}

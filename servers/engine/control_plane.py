@@ -17,8 +17,8 @@ from skyrl_grpc.v1 import control_plane_pb2_grpc
 
 from ..common.early_answer import read_rest
 from ..common.grpc_types import Context
-from . import validate
-from .lora import AdapterUpload
+from . import convert, validate
+from .adapters import AdapterUpload
 from .serving_state import ServingState
 from .vllm_engine import VllmEngine
 
@@ -170,7 +170,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
                 if upload is None:
                     if message.WhichOneof("item") != "spec":
                         raise InvalidArgument("the first LoadLoraAdapter message must be the spec")
-                    upload = engine.adapter_upload(message.spec)
+                    upload = engine.adapters.upload(message.spec)
                 else:
                     upload.add(message)
         except SkyrlError:
@@ -178,60 +178,35 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             raise
         if upload is None:
             raise InvalidArgument("the LoadLoraAdapter stream was empty: send the spec first")
-        adapter, replaced = await engine.load_adapter(upload)
-        return cp.LoadLoraAdapterResponse(adapter=adapter.describe(), replaced_version=replaced)
+        adapter, replaced = await engine.adapters.load(upload)
+        return cp.LoadLoraAdapterResponse(
+            adapter=convert.lora_adapter_to_proto(adapter), replaced_version=replaced
+        )
 
     async def UnloadLoraAdapter(
         self, request: cp.UnloadLoraAdapterRequest, context: Context
     ) -> cp.UnloadLoraAdapterResponse:
-        adapter = await self._state.engine().unload_adapter(request.name)
+        adapter = await self._state.engine().adapters.unload(request.name)
         return cp.UnloadLoraAdapterResponse(version=adapter.version)
 
     async def ListLoraAdapters(
         self, request: cp.ListLoraAdaptersRequest, context: Context
     ) -> cp.ListLoraAdaptersResponse:
-        adapters = self._state.engine().adapters_serving()
-        return cp.ListLoraAdaptersResponse(adapters=[a.describe() for a in adapters])
+        adapters = self._state.engine().adapters.serving()
+        return cp.ListLoraAdaptersResponse(
+            adapters=[convert.lora_adapter_to_proto(a) for a in adapters]
+        )
 
     async def GetServerInfo(
         self, request: cp.GetServerInfoRequest, context: Context
     ) -> cp.GetServerInfoResponse:
         engine = self._state.engine()
-        info = cp.GetServerInfoResponse(
-            world_size=engine.world_size,
-            tensor_parallel_size=engine.tensor_parallel_size,
-            pipeline_parallel_size=engine.pipeline_parallel_size,
-            data_parallel_size=engine.data_parallel_size,
-            capabilities=cp.Capabilities(
-                sleep=engine.sleep_supported,
-                weight_transfer_backends=engine.weight_transfer_backends,
-                pause_modes=[cp.PAUSE_MODE_ABORT, cp.PAUSE_MODE_WAIT, cp.PAUSE_MODE_KEEP],
-                prefix_caching=engine.prefix_caching,
-                lora=engine.lora_capabilities(),
-            ),
-            weight_version=engine.weight_version,
-            engine="vllm",
-            engine_version=engine.engine_version,
-            server_version=skyrl_grpc.__version__,
-            served_model_name=engine.served_model_name,
-            device=engine.device,
+        return convert.server_info_to_proto(
+            engine.describe_server(),
+            skyrl_grpc.__version__,
+            engine.weights.open,
+            engine.weights.rollback_version,
         )
-        update = engine.weights.open
-        if update is not None:
-            info.open_weight_update.CopyFrom(
-                cp.OpenWeightUpdate(
-                    owner=update.owner,
-                    age_seconds=update.age_seconds,
-                    idle_seconds=update.idle_seconds,
-                    lease_seconds=round(update.lease_seconds),
-                    weight_version=update.target_version,
-                    parameters_staged=update.parameters_staged,
-                    bytes_received=update.bytes_received,
-                )
-            )
-        if engine.weights.rollback_version is not None:
-            info.rollback_weight_version = engine.weights.rollback_version
-        return info
 
     async def GetLoad(self, request: cp.GetLoadRequest, context: Context) -> cp.GetLoadResponse:
         engine = self._state.engine()

@@ -3,7 +3,8 @@
 No engine, no gRPC context and no request rules here (those are in ``validate``): every
 function takes values that already passed validation, so each conversion is unit tested
 directly. ``StreamConverter`` and ``ChunkCoalescer`` turn vLLM's output deltas into the
-contract's stream messages.
+contract's stream messages; the last section builds what the engine says about itself
+(``descriptions``) as GetModelInfo / GetServerInfo answers.
 """
 
 from __future__ import annotations
@@ -13,10 +14,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from skyrl_grpc import finish_reasons
 from skyrl_grpc.errors import InvalidArgument
-from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import data_plane_pb2, generation_pb2, lora_pb2
+
+from .adapters import LoadedAdapter
+from .descriptions import ModelDescription, ServerDescription
 
 if TYPE_CHECKING:
     from vllm import SamplingParams as VllmSamplingParams
+
+    from .weights.transaction import OpenUpdate
 
 # Optional sampling fields passed to vLLM under the same name when set.
 _PASSED_WHEN_SET = (
@@ -249,3 +256,94 @@ class ChunkCoalescer:
         else:
             self._pending[index] = chunk
         return ready
+
+
+# -- what the engine says about itself ----------------------------------------------------------
+
+
+def lora_adapter_to_proto(adapter: LoadedAdapter) -> lora_pb2.LoraAdapter:
+    return lora_pb2.LoraAdapter(
+        name=adapter.name,
+        version=adapter.version,
+        rank=adapter.config.rank,
+        target_modules=list(adapter.config.target_modules),
+        lora_alpha=adapter.config.alpha,
+        source=adapter.source,
+        sha256=adapter.sha256,
+    )
+
+
+def model_info_to_proto(model: ModelDescription) -> data_plane_pb2.GetModelInfoResponse:
+    response = data_plane_pb2.GetModelInfoResponse(
+        served_model_name=model.served_model_name,
+        vocab_size=model.vocab_size,
+        eos_token_ids=model.eos_token_ids,
+        max_context_length=model.max_context_length,
+        has_chat_template=model.has_chat_template,
+        lora_adapters=[lora_adapter_to_proto(a) for a in model.lora_adapters],
+    )
+    if model.bos_token_id is not None:
+        response.bos_token_id = model.bos_token_id
+    if model.pad_token_id is not None:
+        response.pad_token_id = model.pad_token_id
+    return response
+
+
+_BACKENDS = {
+    "nccl": cp.WEIGHT_TRANSFER_BACKEND_NCCL,
+    "gloo": cp.WEIGHT_TRANSFER_BACKEND_GLOO,
+    "grpc_stream": cp.WEIGHT_TRANSFER_BACKEND_GRPC_STREAM,
+}
+_PAUSE_MODES = {
+    "abort": cp.PAUSE_MODE_ABORT,
+    "wait": cp.PAUSE_MODE_WAIT,
+    "keep": cp.PAUSE_MODE_KEEP,
+}
+
+
+def server_info_to_proto(
+    server: ServerDescription,
+    server_version: str,
+    open_update: OpenUpdate | None,
+    rollback_version: int | None,
+) -> cp.GetServerInfoResponse:
+    limits = server.lora
+    info = cp.GetServerInfoResponse(
+        world_size=server.world_size,
+        tensor_parallel_size=server.tensor_parallel_size,
+        pipeline_parallel_size=server.pipeline_parallel_size,
+        data_parallel_size=server.data_parallel_size,
+        capabilities=cp.Capabilities(
+            sleep=server.sleep_supported,
+            weight_transfer_backends=[_BACKENDS[b] for b in server.weight_transfer_backends],
+            pause_modes=[_PAUSE_MODES[m] for m in server.pause_modes],
+            prefix_caching=server.prefix_caching,
+            lora=lora_pb2.LoraCapabilities(
+                enabled=limits.enabled,
+                max_loras=limits.max_loras,
+                max_lora_rank=limits.max_lora_rank,
+                max_cpu_loras=limits.max_cpu_loras,
+            ),
+        ),
+        weight_version=server.weight_version,
+        engine=server.engine,
+        engine_version=server.engine_version,
+        server_version=server_version,
+        served_model_name=server.served_model_name,
+        device=server.device,
+    )
+    if open_update is not None:
+        info.open_weight_update.CopyFrom(
+            cp.OpenWeightUpdate(
+                owner=open_update.owner,
+                age_seconds=open_update.age_seconds,
+                idle_seconds=open_update.idle_seconds,
+                lease_seconds=round(open_update.lease_seconds),
+                weight_version=open_update.target_version,
+                parameters_staged=open_update.parameters_staged,
+                bytes_received=open_update.bytes_received,
+            )
+        )
+    if rollback_version is not None:
+        info.rollback_weight_version = rollback_version
+    return info

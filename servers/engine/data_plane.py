@@ -7,12 +7,12 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
-from skyrl_grpc.assembly import ResponseAssembler
 from skyrl_grpc.metadata import session_of
+from skyrl_grpc.sample_assembly import ResponseAssembler
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
 
 from ..common.grpc_types import Context
-from . import validate
+from . import convert, validate
 from .admission import Admission
 from .convert import ChunkCoalescer, StreamConverter, build_sampling_params
 from .serving_state import ServingState
@@ -65,7 +65,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         converter = StreamConverter(request_id, prompt_token_ids, params, include_text)
         coalescer = ChunkCoalescer(stream_interval)
 
-        adapter = engine.begin_adapter(lora)
+        adapter = engine.adapters.begin(lora)
         lora_version = adapter.version if adapter is not None else 0
 
         def messages(output: Any) -> list[data_plane_pb2.GenerateStreamResponse]:
@@ -83,7 +83,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
                 async for message in outputs:
                     yield message
         finally:
-            engine.end_adapter(adapter)
+            engine.adapters.end(adapter)
 
     def _token_stream(
         self, request: GenerateLike, context: Context, stream_interval: int = 0
@@ -215,21 +215,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     async def GetModelInfo(
         self, request: data_plane_pb2.GetModelInfoRequest, context: Context
     ) -> data_plane_pb2.GetModelInfoResponse:
-        engine = self._state.engine()
-        tokenizer = engine.tokenizer
-        response = data_plane_pb2.GetModelInfoResponse(
-            served_model_name=engine.served_model_name,
-            vocab_size=engine.limits.vocab_size,
-            eos_token_ids=engine.eos_token_ids,
-            max_context_length=engine.limits.max_model_len,
-            has_chat_template=bool(tokenizer.chat_template),
-            lora_adapters=[a.describe() for a in engine.adapters_serving()],
-        )
-        if tokenizer.bos_token_id is not None:
-            response.bos_token_id = tokenizer.bos_token_id
-        if tokenizer.pad_token_id is not None:
-            response.pad_token_id = tokenizer.pad_token_id
-        return response
+        return convert.model_info_to_proto(self._state.engine().describe_model())
 
     async def Abort(
         self, request: data_plane_pb2.AbortRequest, context: Context

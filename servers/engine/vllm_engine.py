@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import signal
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
@@ -20,22 +19,22 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from skyrl_grpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
-from skyrl_grpc.tiny_model import ensure_tiny_model
-from skyrl_grpc.v1 import control_plane_pb2 as cp
-from skyrl_grpc.v1 import lora_pb2
 
-from .engine_logs import root_cause
-from .engine_loop import EngineLoop
-from .lora import (
+from .adapters import (
     ZERO_ADAPTER_ID,
-    AdapterRegistry,
-    AdapterUpload,
+    AdapterLimits,
+    AdapterManager,
+    EngineAdapterCalls,
     LoadedAdapter,
     ModelShapes,
     write_zero_adapter,
 )
+from .descriptions import ModelDescription, ServerDescription
+from .engine_args import Platform, engine_arguments, resolved_model
+from .engine_logs import root_cause
+from .engine_loop import EngineLoop
+from .live_sessions import LiveSessions
 from .options import TINY_MODEL_NAME, EngineOptions, RequestLimits
-from .sessions import LiveSessions
 from .validate import ModelLimits, PauseModeName
 from .weights.protocol import WorkerCalls
 from .weights.transaction import WeightTransferManager
@@ -57,35 +56,6 @@ def _import_engine_modules() -> None:
     import transformers  # noqa: F401
     import vllm.engine.arg_utils
     import vllm.v1.engine.async_llm  # noqa: F401
-
-
-def resolved_model(options: EngineOptions) -> str:
-    """The model directory to serve (the embedded tiny model's, built on first use, by default)."""
-    return options.model or str(ensure_tiny_model())
-
-
-def cpu_layout(options: EngineOptions) -> tuple[dict[str, Any], dict[str, str]]:
-    """Engine arguments, and the environment the engine process must inherit, for CPU serving.
-
-    With one worker, the model runs inside the engine-core process (vLLM's uni executor) rather
-    than in a separate worker process: on CPU the two processes busy-wait on each other through
-    a shared-memory ring, which costs a whole core on a small machine. Measured on 2 cores
-    (scripts/bench_stack.py): about twice the streaming throughput. The benchmark starts vLLM's
-    own HTTP server with the same layout.
-    """
-    env: dict[str, str] = {}
-    threads = options.cpu_threads
-    if threads is None and options.model is None:
-        threads = 1
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    if options.tensor_parallel_size * options.pipeline_parallel_size != 1:
-        return {}, env
-    # vLLM's CPU platform switches "uni" back to its multiprocess executor unless this is 0;
-    # AsyncLLM still runs the engine core in its own process.
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    return {"distributed_executor_backend": "uni"}, env
 
 
 class _LoadTracker:
@@ -193,16 +163,25 @@ class VllmEngine:
         self.device = current_platform.device_type
         self.sleep_supported = bool(current_platform.is_sleep_mode_available())
         self.prefix_caching = bool(llm.vllm_config.cache_config.enable_prefix_caching)
-        # LoRA adapters (None unless --enable-lora): what is loaded, by name and version.
-        self.adapters: AdapterRegistry | None = None
+        # LoRA adapters (refused unless --enable-lora): load, versions, removal.
+        shapes = None
         if options.enable_lora:
-            self.adapters = AdapterRegistry(options.max_cpu_loras or options.max_loras)
             config = json.loads((Path(model_path) / "config.json").read_text())
-            self.model_shapes = ModelShapes.from_config(config)
-        self._adapter_lock = asyncio.Lock()
+            shapes = ModelShapes.from_config(config)
+        self.adapters = AdapterManager(
+            AdapterLimits(
+                enabled=options.enable_lora,
+                max_loras=options.max_loras,
+                max_lora_rank=options.max_lora_rank,
+                max_cpu_loras=options.max_cpu_loras or options.max_loras,
+            )
+            if options.enable_lora
+            else AdapterLimits(enabled=False),
+            shapes,
+            EngineAdapterCalls(add=self._add_lora, remove=self._remove_lora),
+        )
         # CPU only: the zero adapter base-model requests run on while LoRA is enabled.
         self._base_adapter: Any = None
-        self._removals: set[asyncio.Task[None]] = set()
         self.weights_workers = WorkerCalls(self._collective_rpc)
         self.weights = WeightTransferManager(
             self.weights_workers,
@@ -328,76 +307,17 @@ class VllmEngine:
         """The prefix-cache namespace of requests submitted now."""
         return f"skyrl-weights-{self.weights_epoch}"
 
-    # -- LoRA adapters ------------------------------------------------------------------------
+    # -- LoRA adapters (vLLM's primitives; the path around them is AdapterManager's) -----------
 
-    def lora_capabilities(self) -> lora_pb2.LoraCapabilities:
-        options = self.options
-        if not options.enable_lora:
-            return lora_pb2.LoraCapabilities(enabled=False)
-        return lora_pb2.LoraCapabilities(
-            enabled=True,
-            max_loras=options.max_loras,
-            max_lora_rank=options.max_lora_rank,
-            max_cpu_loras=options.max_cpu_loras or options.max_loras,
-        )
-
-    def _registry(self) -> AdapterRegistry:
-        if self.adapters is None:
-            raise FailedPrecondition(
-                "this server does not serve LoRA adapters: start it with --enable-lora"
-            )
-        return self.adapters
-
-    def adapter_upload(self, spec: cp.LoraAdapterSpec) -> AdapterUpload:
-        """Checks a LoadLoraAdapter spec; the upload then takes the stream's other messages."""
-        self._registry()
-        return AdapterUpload(spec, self.options.max_lora_rank, self.model_shapes)
-
-    async def load_adapter(self, upload: AdapterUpload) -> tuple[LoadedAdapter, int]:
-        """Stages, loads into vLLM and swaps in an adapter; returns it and the version it
-        replaced (0: none). Nothing changes unless every step succeeds."""
+    async def _add_lora(self, name: str, engine_id: int, directory: Path) -> bool:
         from vllm.lora.request import LoRARequest
 
-        registry = self._registry()
-        name = upload.spec.name
-        async with self._adapter_lock:
-            version = registry.next_version(name, upload.spec.version)
-            staging = registry.staging_dir(name) if upload.in_band else None
-            try:
-                path, digest = await asyncio.to_thread(upload.stage, staging)
-                adapter = LoadedAdapter(
-                    name=name,
-                    version=version,
-                    vllm_id=registry.allocate_id(),
-                    path=path,
-                    config=upload.config,
-                    source="in-band" if upload.in_band else "path",
-                    sha256=digest,
-                    owned=upload.in_band,
-                )
-                request = LoRARequest(name, adapter.vllm_id, str(path))
-                try:
-                    loaded = await self._call(self.llm.add_lora(request))
-                except Exception as error:
-                    raise InvalidArgument(
-                        f"vLLM could not load adapter {name!r}: {error}"
-                    ) from error
-                if not loaded:
-                    raise InvalidArgument(f"vLLM refused adapter {name!r}")
-            except BaseException:
-                if staging is not None:
-                    shutil.rmtree(staging, ignore_errors=True)
-                raise
-            previous, unused = registry.install(adapter)
-        await self._remove_adapters(unused)
-        return adapter, previous.version if previous is not None else 0
+        return bool(
+            await self._call(self.llm.add_lora(LoRARequest(name, engine_id, str(directory))))
+        )
 
-    async def unload_adapter(self, name: str) -> LoadedAdapter:
-        registry = self._registry()
-        async with self._adapter_lock:
-            adapter, unused = registry.unload(name)
-        await self._remove_adapters(unused)
-        return adapter
+    async def _remove_lora(self, engine_id: int) -> None:
+        await self._call(self.llm.remove_lora(engine_id))
 
     async def _install_base_adapter(self) -> None:
         """vLLM-cpu 0.32 applies another adapter's update to requests without one when they
@@ -406,48 +326,50 @@ class VllmEngine:
         base-model requests run on a pinned all-zero one, whose update is exactly zero."""
         from vllm.lora.request import LoRARequest
 
-        registry = self._registry()
-        directory = registry.staging_dir("base")
-        await asyncio.to_thread(write_zero_adapter, directory, self.model_shapes)
+        directory = self.adapters.staging_dir("base")
+        await asyncio.to_thread(write_zero_adapter, directory, self.adapters.shapes)
         request = LoRARequest("skyrl-base-model", ZERO_ADAPTER_ID, str(directory))
         await self._call(self.llm.add_lora(request))
         await self._call(self.llm.pin_lora(ZERO_ADAPTER_ID))
         self._base_adapter = request
 
-    def adapters_serving(self) -> list[LoadedAdapter]:
-        return [] if self.adapters is None else self.adapters.serving()
-
-    async def _remove_adapters(self, adapters: list[LoadedAdapter]) -> None:
-        """Drops versions no request uses any more from vLLM and from disk."""
-        for adapter in adapters:
-            try:
-                await self._call(self.llm.remove_lora(adapter.vllm_id))
-            except Exception:  # already evicted from vLLM's cache: nothing to remove
-                log.debug("adapter %s v%d was not in vLLM", adapter.name, adapter.version)
-        if self.adapters is not None:
-            self.adapters.discard(adapters)
-
-    def begin_adapter(self, name: str) -> LoadedAdapter | None:
-        """The adapter version a new request named ``name`` runs on (None: the base model)."""
-        if not name:
-            return None
-        return self._registry().begin(name)
-
-    def end_adapter(self, adapter: LoadedAdapter | None) -> None:
-        if adapter is None or self.adapters is None:
-            return
-        unused = self.adapters.end(adapter)
-        if unused:
-            task = asyncio.ensure_future(self._remove_adapters(unused))
-            self._removals.add(task)
-            task.add_done_callback(self._removals.discard)
+    # -- what the engine says about itself ------------------------------------------------------
 
     @property
-    def weight_transfer_backends(self) -> list[cp.WeightTransferBackend]:
-        collective = [cp.WEIGHT_TRANSFER_BACKEND_GLOO]
-        if self.device == "cuda":
-            collective.insert(0, cp.WEIGHT_TRANSFER_BACKEND_NCCL)
-        return [*collective, cp.WEIGHT_TRANSFER_BACKEND_GRPC_STREAM]
+    def weight_transfer_backends(self) -> list[str]:
+        """How weights can arrive here, best first."""
+        collective = ["nccl", "gloo"] if self.device == "cuda" else ["gloo"]
+        return [*collective, "grpc_stream"]
+
+    def describe_model(self) -> ModelDescription:
+        tokenizer = self.tokenizer
+        return ModelDescription(
+            served_model_name=self.served_model_name,
+            vocab_size=self.limits.vocab_size,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=tokenizer.pad_token_id,
+            max_context_length=self.limits.max_model_len,
+            has_chat_template=bool(tokenizer.chat_template),
+            lora_adapters=self.adapters.serving(),
+        )
+
+    def describe_server(self) -> ServerDescription:
+        return ServerDescription(
+            world_size=self.world_size,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            sleep_supported=self.sleep_supported,
+            weight_transfer_backends=self.weight_transfer_backends,
+            prefix_caching=self.prefix_caching,
+            lora=self.adapters.limits,
+            weight_version=self.weight_version,
+            engine="vllm",
+            engine_version=self.engine_version,
+            served_model_name=self.served_model_name,
+            device=self.device,
+        )
 
     @classmethod
     async def start(
@@ -464,47 +386,19 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         model_path = resolved_model(options)
-        is_cpu = current_platform.device_type == "cpu"
-        if is_cpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{options.kv_cache_gib:g}")
-        dtype = options.dtype
-        if dtype == "auto" and options.model is None:
-            dtype = "float32"  # the tiny model is saved in float32; keep outputs exact
-        args: dict[str, Any] = dict(
-            model=model_path,
-            served_model_name=options.served_model_name
-            or (TINY_MODEL_NAME if options.model is None else None),
-            dtype=dtype,
-            max_model_len=options.max_model_len,
-            tensor_parallel_size=options.tensor_parallel_size,
-            pipeline_parallel_size=options.pipeline_parallel_size,
-            max_num_seqs=options.max_num_seqs,
-            seed=options.seed,
-            enable_prefix_caching=options.enable_prefix_caching,
-            enforce_eager=options.enforce_eager,
-            worker_extension_cls=options.worker_extension_cls,
-            disable_log_stats=False,
-            max_logprobs=(limits or RequestLimits()).max_logprobs,
+        platform = Platform(
+            is_cpu=current_platform.device_type == "cpu",
+            sleep_mode_available=bool(current_platform.is_sleep_mode_available()),
         )
-        if options.enable_lora:
-            # On CPU one more slot: base-model requests run on a zero adapter (see
-            # _install_base_adapter).
-            extra = 1 if is_cpu else 0
-            args.update(
-                enable_lora=True,
-                max_loras=options.max_loras + extra,
-                max_lora_rank=options.max_lora_rank,
-                max_cpu_loras=(options.max_cpu_loras or options.max_loras) + extra,
-            )
-        if not is_cpu:
-            args["gpu_memory_utilization"] = options.gpu_memory_utilization
-            args["enable_sleep_mode"] = current_platform.is_sleep_mode_available()
-        if is_cpu:
-            layout_args, layout_env = cpu_layout(options)
-            args.update(layout_args)
-            os.environ.update(layout_env)
-        args.update(options.extra_engine_args)
-        engine_args = AsyncEngineArgs(**args)
+        limits = limits or RequestLimits()
+        arguments = engine_arguments(options, limits, platform, model_path)
+        for name, value in arguments.environment.items():
+            # VLLM_CPU_KVCACHE_SPACE: a value the operator set wins.
+            if name == "VLLM_CPU_KVCACHE_SPACE":
+                os.environ.setdefault(name, value)
+            else:
+                os.environ[name] = value
+        engine_args = AsyncEngineArgs(**arguments.args)
         load = _LoadTracker()
         engine_loop = EngineLoop()
         try:
@@ -520,8 +414,8 @@ class VllmEngine:
         from vllm import envs
 
         envs.enable_envs_cache()
-        engine = cls(llm, options, model_path, load, engine_loop, limits or RequestLimits(), errors)
-        if options.enable_lora and is_cpu:
+        engine = cls(llm, options, model_path, load, engine_loop, limits, errors)
+        if options.enable_lora and platform.is_cpu:
             await engine._install_base_adapter()
         return engine
 
@@ -688,8 +582,7 @@ class VllmEngine:
 
     async def shutdown(self) -> None:
         await self.weights.close()
-        if self.adapters is not None:
-            self.adapters.close()
+        self.adapters.close()
         # Stop vLLM's output loop first: otherwise it sees the engine process exit and logs
         # an EngineDeadError traceback on every clean shutdown.
         handler = getattr(self.llm, "output_handler", None)

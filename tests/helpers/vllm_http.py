@@ -14,8 +14,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from servers.engine.engine_args import cpu_layout
 from servers.engine.options import EngineOptions
-from servers.engine.vllm_engine import cpu_layout
 from skyrl_grpc.tiny_model import ensure_tiny_model
 
 SERVED_NAME = "tiny"

@@ -1,0 +1,20 @@
+"""LoRA adapters on an engine server: ``checks`` (what an adapter must be to load), ``upload``
+(one LoadLoraAdapter stream), ``registry`` (versions and engine ids) and ``manager`` (the
+whole load / swap / remove path, over plain engine callables)."""
+
+from .checks import ZERO_ADAPTER_ID, AdapterConfig, ModelShapes, write_zero_adapter
+from .manager import AdapterLimits, AdapterManager, EngineAdapterCalls
+from .registry import LoadedAdapter
+from .upload import AdapterUpload
+
+__all__ = [
+    "ZERO_ADAPTER_ID",
+    "AdapterConfig",
+    "AdapterLimits",
+    "AdapterManager",
+    "AdapterUpload",
+    "EngineAdapterCalls",
+    "LoadedAdapter",
+    "ModelShapes",
+    "write_zero_adapter",
+]

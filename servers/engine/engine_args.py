@@ -1,0 +1,104 @@
+"""The arguments vLLM's engine starts with, from a server's options: a pure function of the
+options and the platform's facts, so every rule here is unit tested without starting vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from skyrl_grpc.tiny_model import ensure_tiny_model
+
+from .options import TINY_MODEL_NAME, EngineOptions, RequestLimits
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What the engine's platform is (vLLM's ``current_platform``), as plain facts."""
+
+    is_cpu: bool
+    sleep_mode_available: bool = False
+
+
+@dataclass(frozen=True)
+class EngineArguments:
+    """``AsyncEngineArgs`` keyword arguments, and the environment the engine process must
+    inherit (set before it starts)."""
+
+    args: dict[str, Any]
+    environment: dict[str, str] = field(default_factory=dict)
+
+
+def engine_arguments(
+    options: EngineOptions, limits: RequestLimits, platform: Platform, model_path: str
+) -> EngineArguments:
+    """What vLLM starts with for these options on this platform."""
+    environment: dict[str, str] = {}
+    if platform.is_cpu:
+        environment["VLLM_CPU_KVCACHE_SPACE"] = f"{options.kv_cache_gib:g}"
+    dtype = options.dtype
+    if dtype == "auto" and options.model is None:
+        dtype = "float32"  # the tiny model is saved in float32; keep outputs exact
+    args: dict[str, Any] = dict(
+        model=model_path,
+        served_model_name=options.served_model_name
+        or (TINY_MODEL_NAME if options.model is None else None),
+        dtype=dtype,
+        max_model_len=options.max_model_len,
+        tensor_parallel_size=options.tensor_parallel_size,
+        pipeline_parallel_size=options.pipeline_parallel_size,
+        max_num_seqs=options.max_num_seqs,
+        seed=options.seed,
+        enable_prefix_caching=options.enable_prefix_caching,
+        enforce_eager=options.enforce_eager,
+        worker_extension_cls=options.worker_extension_cls,
+        disable_log_stats=False,
+        max_logprobs=limits.max_logprobs,
+    )
+    if options.enable_lora:
+        # On CPU one more slot: base-model requests run on a zero adapter (see
+        # VllmEngine._install_base_adapter).
+        extra = 1 if platform.is_cpu else 0
+        args.update(
+            enable_lora=True,
+            max_loras=options.max_loras + extra,
+            max_lora_rank=options.max_lora_rank,
+            max_cpu_loras=(options.max_cpu_loras or options.max_loras) + extra,
+        )
+    if platform.is_cpu:
+        layout_args, layout_env = cpu_layout(options)
+        args.update(layout_args)
+        environment.update(layout_env)
+    else:
+        args["gpu_memory_utilization"] = options.gpu_memory_utilization
+        args["enable_sleep_mode"] = platform.sleep_mode_available
+    args.update(options.extra_engine_args)
+    return EngineArguments(args, environment)
+
+
+def resolved_model(options: EngineOptions) -> str:
+    """The model directory to serve (the embedded tiny model's, built on first use, by default)."""
+    return options.model or str(ensure_tiny_model())
+
+
+def cpu_layout(options: EngineOptions) -> tuple[dict[str, Any], dict[str, str]]:
+    """Engine arguments, and the environment the engine process must inherit, for CPU serving.
+
+    With one worker, the model runs inside the engine-core process (vLLM's uni executor) rather
+    than in a separate worker process: on CPU the two processes busy-wait on each other through
+    a shared-memory ring, which costs a whole core on a small machine. Measured on 2 cores
+    (scripts/bench_stack.py): about twice the streaming throughput. The benchmark starts vLLM's
+    own HTTP server with the same layout.
+    """
+    env: dict[str, str] = {}
+    threads = options.cpu_threads
+    if threads is None and options.model is None:
+        threads = 1
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    if options.tensor_parallel_size * options.pipeline_parallel_size != 1:
+        return {}, env
+    # vLLM's CPU platform switches "uni" back to its multiprocess executor unless this is 0;
+    # AsyncLLM still runs the engine core in its own process.
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return {"distributed_executor_backend": "uni"}, env

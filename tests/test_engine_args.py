@@ -1,0 +1,51 @@
+"""What vLLM starts with, for the server's options on each platform (pure: no engine)."""
+
+from __future__ import annotations
+
+from servers.engine.engine_args import Platform, engine_arguments
+from servers.engine.options import TINY_MODEL_NAME, EngineOptions, RequestLimits
+
+CPU = Platform(is_cpu=True)
+GPU = Platform(is_cpu=False, sleep_mode_available=True)
+
+
+def test_the_tiny_model_on_cpu_runs_in_one_process_on_one_thread() -> None:
+    made = engine_arguments(EngineOptions(kv_cache_gib=2), RequestLimits(max_logprobs=5), CPU, "/m")
+    args, env = made.args, made.environment
+    assert args["model"] == "/m" and args["served_model_name"] == TINY_MODEL_NAME
+    assert args["dtype"] == "float32"  # the tiny model's own dtype: exact outputs
+    assert args["distributed_executor_backend"] == "uni" and args["max_logprobs"] == 5
+    assert "gpu_memory_utilization" not in args and "enable_lora" not in args
+    assert env == {
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+
+
+def test_a_model_of_ones_own_keeps_its_dtype_and_vllms_thread_binding() -> None:
+    options = EngineOptions(model="/models/x", dtype="auto", tensor_parallel_size=2)
+    made = engine_arguments(options, RequestLimits(), CPU, "/models/x")
+    assert made.args["dtype"] == "auto" and made.args["served_model_name"] is None
+    assert "distributed_executor_backend" not in made.args  # several workers: vLLM's executor
+    assert "OMP_NUM_THREADS" not in made.environment
+
+
+def test_lora_on_cpu_takes_one_more_slot_for_the_zero_adapter() -> None:
+    options = EngineOptions(enable_lora=True, max_loras=2, max_lora_rank=16)
+    cpu = engine_arguments(options, RequestLimits(), CPU, "/m").args
+    gpu = engine_arguments(options, RequestLimits(), GPU, "/m").args
+    assert (cpu["max_loras"], cpu["max_cpu_loras"]) == (3, 3)
+    assert (gpu["max_loras"], gpu["max_cpu_loras"]) == (2, 2)
+    assert cpu["max_lora_rank"] == gpu["max_lora_rank"] == 16
+
+
+def test_gpu_arguments_and_extra_arguments_win() -> None:
+    options = EngineOptions(
+        model="/m", gpu_memory_utilization=0.5, extra_engine_args={"max_num_seqs": 7}
+    )
+    made = engine_arguments(options, RequestLimits(), GPU, "/m")
+    assert made.args["gpu_memory_utilization"] == 0.5 and made.args["enable_sleep_mode"]
+    assert made.args["max_num_seqs"] == 7
+    assert made.environment == {}
