@@ -12,7 +12,8 @@ import grpc
 import httpx
 import pytest
 
-from servers.router.http_edge import translate as tr
+from servers.router.http_edge import parse
+from servers.router.http_edge.http_status import error_body
 from servers.router.server import RouterOptions, RouterServer
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
@@ -22,7 +23,7 @@ from tests.helpers.fake_backend import FakeBackend
 
 
 @pytest.fixture
-async def fleet() -> AsyncIterator[tuple[RouterServer, list[FakeBackend]]]:
+async def edge_on_stand_ins() -> AsyncIterator[tuple[RouterServer, list[FakeBackend]]]:
     backends = [await FakeBackend(f"fake{i}", delay=0.01).start() for i in range(3)]
     router = RouterServer(
         RouterOptions(
@@ -42,7 +43,7 @@ def http(router: RouterServer) -> httpx.AsyncClient:
 
 
 def test_openai_fields_become_sampling_params_and_bad_ones_name_themselves() -> None:
-    call = tr.read_generation(
+    call = parse.read_generation(
         {
             "model": "m",
             "prompt": [[1, 2], "text"],
@@ -67,7 +68,7 @@ def test_openai_fields_become_sampling_params_and_bad_ones_name_themselves() -> 
     assert (p.max_tokens, p.temperature, p.top_k, p.seed, p.logprobs) == (5, 0.0, 3, 7, 2)
     assert abs(p.top_p - 0.5) < 1e-6 and list(p.stop_strings) == ["x"]
     assert list(p.stop_token_ids) == [9] and p.ignore_eos and not p.skip_special_tokens
-    chat = tr.read_generation(
+    chat = parse.read_generation(
         {
             "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
             "max_completion_tokens": 4,
@@ -78,8 +79,8 @@ def test_openai_fields_become_sampling_params_and_bad_ones_name_themselves() -> 
     )
     assert chat.messages[0].content == "hi" and chat.sampling.max_tokens == 4
     assert chat.sampling.logprobs == 3
-    assert tr.read_generation({"prompt": "x"}, chat=False).sampling.max_tokens == 16
-    assert not tr.read_generation({"messages": [{"role": "user"}]}, True).sampling.HasField(
+    assert parse.read_generation({"prompt": "x"}, chat=False).sampling.max_tokens == 16
+    assert not parse.read_generation({"messages": [{"role": "user"}]}, True).sampling.HasField(
         "max_tokens"
     )
     for body, named in [
@@ -92,7 +93,7 @@ def test_openai_fields_become_sampling_params_and_bad_ones_name_themselves() -> 
         ({"messages": []}, "messages"),
     ]:
         with pytest.raises(InvalidArgument, match=named):
-            tr.read_generation(body, chat="messages" in body)
+            parse.read_generation(body, chat="messages" in body)
 
 
 def test_grpc_statuses_map_to_http_statuses_in_openai_error_bodies() -> None:
@@ -104,13 +105,13 @@ def test_grpc_statuses_map_to_http_statuses_in_openai_error_bodies() -> None:
         (grpc.StatusCode.UNAVAILABLE, 503),
         (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
     ]:
-        got, body = tr.error_body(code, "why")
+        got, body = error_body(code, "why")
         assert got == status and body["error"]["message"] == "why"
         assert set(body["error"]) == {"message", "type", "param", "code"}
 
 
-async def test_streamed_completion_is_server_sent_events_ending_in_done(fleet) -> None:  # type: ignore[no-untyped-def]
-    router, _ = fleet
+async def test_streamed_completion_is_server_sent_events_ending_in_done(edge_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+    router, _ = edge_on_stand_ins
     async with http(router) as client:
         body = {"prompt": [1, 2, 3], "max_tokens": 4, "stream": True, "return_token_ids": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
@@ -128,8 +129,8 @@ async def test_streamed_completion_is_server_sent_events_ending_in_done(fleet) -
     assert events[0]["choices"][0]["prompt_token_ids"] == [1, 2, 3]
 
 
-async def test_a_session_lands_where_its_grpc_calls_land(fleet) -> None:  # type: ignore[no-untyped-def]
-    router, backends = fleet
+async def test_a_session_lands_where_its_grpc_calls_land(edge_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+    router, backends = edge_on_stand_ins
     async with http(router) as client, grpc.aio.insecure_channel(router.address) as channel:
         stub = data_plane_pb2_grpc.DataPlaneStub(channel)
         for i in range(6):
@@ -154,8 +155,10 @@ async def test_a_session_lands_where_its_grpc_calls_land(fleet) -> None:  # type
             assert sent[SESSION_ID] == session  # the body field became the header
 
 
-async def test_backend_errors_keep_their_status_and_a_disconnect_cancels_upstream(fleet) -> None:  # type: ignore[no-untyped-def]
-    router, backends = fleet
+async def test_backend_errors_keep_their_status_and_a_disconnect_cancels_upstream(
+    edge_on_stand_ins,
+) -> None:  # type: ignore[no-untyped-def]
+    router, backends = edge_on_stand_ins
     async with http(router) as client:
         for backend in backends:
             backend.servicer.fail_next_with = grpc.StatusCode.INVALID_ARGUMENT
@@ -165,7 +168,7 @@ async def test_backend_errors_keep_their_status_and_a_disconnect_cancels_upstrea
         assert error["type"] == "invalid_request_error" and "told to fail" in error["message"]
         for backend in backends:
             backend.servicer.fail_next_with = None
-        response = await client.post("/v1/completions", json={"prompt": "x", "model": "other"})
+        response = await client.post("/v1/completions", json={"prompt": [1], "model": "other"})
         assert response.status_code == 404 and "other" in response.json()["error"]["message"]
         bad = await client.post("/v1/completions", content=b"{not json")
         assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
@@ -182,8 +185,8 @@ async def test_backend_errors_keep_their_status_and_a_disconnect_cancels_upstrea
     assert sum(b.observed.in_flight for b in backends) == 0
 
 
-async def test_health_and_finish_session(fleet) -> None:  # type: ignore[no-untyped-def]
-    router, backends = fleet
+async def test_health_and_finish_session(edge_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+    router, backends = edge_on_stand_ins
     async with http(router) as client:
         assert (await client.get("/health")).status_code == 200
         response = await client.post("/finish_session", json={"session_id": "s1"})
@@ -206,8 +209,10 @@ async def test_health_and_finish_session(fleet) -> None:  # type: ignore[no-unty
         )
 
 
-async def test_retry_before_the_first_token_and_migration_mid_stream_hold_over_http(fleet) -> None:  # type: ignore[no-untyped-def]
-    router, backends = fleet
+async def test_retry_before_the_first_token_and_migration_mid_stream_hold_over_http(
+    edge_on_stand_ins,
+) -> None:  # type: ignore[no-untyped-def]
+    router, backends = edge_on_stand_ins
     async with http(router) as client:
         for backend in backends:  # whichever is picked first fails before any token
             backend.servicer.fail_next_with = grpc.StatusCode.UNAVAILABLE

@@ -47,6 +47,8 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
         # Ends every stream after this many tokens with FINISH_REASON_ABORTED, as a server
         # paused in ABORT mode does.
         self.abort_after_tokens: int | None = None
+        # LoRA adapters it serves: a request naming another is NOT_FOUND, as on an engine.
+        self.adapters: set[str] = set()
 
     def _begin(self, context: grpc.aio.ServicerContext) -> None:  # type: ignore[type-arg]
         self.observed.calls += 1
@@ -60,6 +62,10 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
         if self.fail_next_with is not None:
             code, self.fail_next_with = self.fail_next_with, None
             await context.abort(code, f"{self.name} told to fail")
+        if request.lora and request.lora not in self.adapters:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no LoRA adapter named {request.lora!r}"
+            )
         max_tokens = request.sampling_params.max_tokens or 8
         self.observed.in_flight += 1
         try:

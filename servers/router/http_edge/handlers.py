@@ -1,0 +1,265 @@
+"""The OpenAI-compatible HTTP API: each endpoint's handler, over the router's own forwarding
+path.
+
+Every HTTP request becomes DataPlane calls made through ``Proxy`` -- the same path gRPC callers
+take -- so placement (``x-session-id`` from the ``X-Session-ID`` header or a ``session_id`` body
+field), retries before the first token, mid-stream migration, metrics and cancellation are the
+router's, not a second implementation. Requests are read by ``parse``, answers built by
+``render``; the ASGI plumbing (``asgi``) cancels a handler whose client went away, and with it
+the generation upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from skyrl_grpc.concurrency import all_or_cancel
+from skyrl_grpc.errors import InvalidArgument
+from skyrl_grpc.metadata import SESSION_ID
+from skyrl_grpc.names import DETOKENIZE, GENERATE_STREAM, GET_MODEL_INFO, TOKENIZE
+from skyrl_grpc.sample_assembly import ResponseAssembler
+from skyrl_grpc.v1 import data_plane_pb2
+from skyrl_grpc.v1 import generation_pb2 as gen
+
+from ..backends import BackendPool
+from ..proxy import Proxy
+from . import parse, render
+from .asgi import AsgiApp, Request, Responder
+from .http_status import error_body
+
+# Tokens per stream message for whole (non-streamed) answers: the server sends the first
+# token and the end, little in between.
+WHOLE = 1 << 16
+
+
+class OpenAIEdge(AsgiApp):
+    """The OpenAI API as an ASGI app. ``stream_interval``: tokens per upstream message for
+    streamed answers (1: an event per engine step, as vLLM's server sends them)."""
+
+    def __init__(self, proxy: Proxy, pool: BackendPool, stream_interval: int = 1) -> None:
+        self.proxy = proxy
+        self.pool = pool
+        self.stream_interval = stream_interval
+        self._model: data_plane_pb2.GetModelInfoResponse | None = None
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs answers
+        super().__init__(
+            {
+                ("POST", "/v1/completions"): self.completions,
+                ("POST", "/v1/chat/completions"): self.chat_completions,
+                ("GET", "/v1/models"): self.models,
+                ("GET", "/health"): self.health,
+                ("POST", "/tokenize"): self.tokenize,
+                ("POST", "/detokenize"): self.detokenize,
+                ("POST", "/finish_session"): self.finish_session,
+                ("POST", "/v1/finish_session"): self.finish_session,  # for SDKs rooted at /v1
+            }
+        )
+
+    # -- calls on the forwarding path --------------------------------------------------------
+
+    async def _unary(self, method: str, message: Any, request: Request) -> bytes:
+        return await self.proxy.unary_unary(method, message.SerializeToString(), request.call())
+
+    async def _model_info(
+        self, request: Request, fresh: bool = False
+    ) -> data_plane_pb2.GetModelInfoResponse:
+        """The served model's facts: cached, or asked again (``fresh``: adapters change)."""
+        if self._model is None or fresh:
+            raw = await self._unary(GET_MODEL_INFO, data_plane_pb2.GetModelInfoRequest(), request)
+            self._model = data_plane_pb2.GetModelInfoResponse.FromString(raw)
+        return self._model
+
+    async def _texts(self, ids: set[int], request: Request) -> dict[int, str]:
+        """Texts of tokens for logprobs answers, detokenized once per id and kept."""
+        missing = [i for i in ids if i not in self._token_texts]
+
+        async def one(token_id: int) -> None:
+            raw = await self._unary(
+                DETOKENIZE,
+                data_plane_pb2.DetokenizeRequest(token_ids=[token_id], skip_special_tokens=False),
+                request,
+            )
+            self._token_texts[token_id] = data_plane_pb2.DetokenizeResponse.FromString(raw).text
+
+        await asyncio.gather(*(one(i) for i in missing))
+        return self._token_texts
+
+    async def _prompt_ids(self, call: parse.GenerationCall, request: Request) -> list[list[int]]:
+        async def ids(prompt: list[int] | str | None) -> list[int]:
+            if isinstance(prompt, list):
+                return prompt
+            raw = await self._unary(TOKENIZE, call.tokenize_request(prompt), request)
+            return list(data_plane_pb2.TokenizeResponse.FromString(raw).token_ids)
+
+        if call.chat:
+            return [await ids(None)]
+        return await all_or_cancel(ids(p) for p in call.prompts)
+
+    def _stream(
+        self,
+        prompt: list[int],
+        call: parse.GenerationCall,
+        request: Request,
+        interval: int,
+        offset: int = 0,
+    ) -> AsyncIterator[bytes]:
+        message = data_plane_pb2.GenerateStreamRequest(
+            # One id per prompt, as vLLM's server names them: two prompts of one request on
+            # one server must not collide there.
+            request_id=f"{call.id}-{offset}",
+            prompt_token_ids=prompt,
+            sampling_params=call.sampling,
+            n=call.n,
+            include_text=True,
+            stream_interval=interval,
+            lora=call.lora,
+        )
+        return self.proxy.unary_stream(GENERATE_STREAM, message.SerializeToString(), request.call())
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def completions(self, request: Request, responder: Responder) -> None:
+        await self._generate(parse.read_generation(request.body, chat=False), request, responder)
+
+    async def chat_completions(self, request: Request, responder: Responder) -> None:
+        await self._generate(parse.read_generation(request.body, chat=True), request, responder)
+
+    async def _generate(
+        self, call: parse.GenerationCall, request: Request, responder: Responder
+    ) -> None:
+        model = await self._model_info(request)
+        if call.model and call.model != model.served_model_name:
+            # Not the base model: a LoRA adapter of that name. The engine checks the name as
+            # it starts the generation (no round trip here); an unknown one is its NOT_FOUND,
+            # answered 404.
+            call.lora = call.model
+        else:
+            call.model = model.served_model_name
+        prompts = await self._prompt_ids(call, request)
+        if len(prompts) > 1 and call.chat:
+            raise InvalidArgument("chat takes one conversation")
+        if call.stream:
+            await self._streamed(call, prompts, request, responder)
+        else:
+            await self._whole(call, prompts, request, responder)
+
+    async def _whole(
+        self,
+        call: parse.GenerationCall,
+        prompts: list[list[int]],
+        request: Request,
+        responder: Responder,
+    ) -> None:
+        async def one(offset: int, prompt: list[int]) -> tuple[list[render.SampleOut], gen.Usage]:
+            assembler = ResponseAssembler()  # the chunks folded as every whole answer is
+            async for raw in self._stream(prompt, call, request, WHOLE, offset):
+                assembler.add(data_plane_pb2.GenerateStreamResponse.FromString(raw))
+            samples = [render.sample_out(s, call, offset) for s in assembler.samples()]
+            return samples, assembler.usage
+
+        outcomes = await all_or_cancel(one(i * call.n, p) for i, p in enumerate(prompts))
+        needed: set[int] = set()
+        for samples, _ in outcomes:
+            for sample in samples:
+                needed |= render.logprob_token_ids(sample.logprobs, sample.token_ids)
+        texts = await self._texts(needed, request) if needed else {}
+        choices = [
+            render.choice(call, sample, texts, prompt)
+            for (samples, _), prompt in zip(outcomes, prompts, strict=True)
+            for sample in samples
+        ]
+        usage = render.usage_of(u for _, u in outcomes)
+        await responder.json(200, render.response(call, choices, usage, prompts[0]))
+
+    async def _streamed(
+        self,
+        call: parse.GenerationCall,
+        prompts: list[list[int]],
+        request: Request,
+        responder: Responder,
+    ) -> None:
+        usages: dict[int, gen.Usage] = {}
+        started: set[int] = set()
+
+        async def relay(offset: int, prompt: list[int]) -> None:
+            async for raw in self._stream(prompt, call, request, self.stream_interval, offset):
+                message = data_plane_pb2.GenerateStreamResponse.FromString(raw)
+                index = offset + message.sample_index
+                text, finish, stop_reason = message.text, None, None
+                if message.finish_reason:
+                    finish, stop_reason, text = render.finish_of(
+                        message.finish_reason, message.stop, text, call
+                    )
+                logprobs = message.logprobs if message.HasField("logprobs") else None
+                texts = (
+                    await self._texts(
+                        render.logprob_token_ids(logprobs, message.token_ids), request
+                    )
+                    if logprobs is not None
+                    else {}
+                )
+                first = index not in started
+                started.add(index)
+                choice = render.chunk_choice(
+                    call, index, text, message.token_ids, finish, stop_reason, logprobs, texts,
+                    first=first, prompt=prompt,
+                )  # fmt: skip
+                await responder.event(render.chunk(call, [choice]))
+                usages[offset] = message.usage
+
+        if len(prompts) == 1:
+            await relay(0, prompts[0])
+        else:
+            # One failing prompt cancels the others' relays (and their generations) before
+            # the error event and [DONE] are written: nothing writes after the end.
+            await all_or_cancel(relay(i * call.n, p) for i, p in enumerate(prompts))
+        if call.include_usage:
+            await responder.event(render.chunk(call, [], render.usage_of(usages.values())))
+        await responder.done()
+
+    # -- the rest ----------------------------------------------------------------------------
+
+    async def models(self, request: Request, responder: Responder) -> None:
+        model = await self._model_info(request, fresh=True)
+        await responder.json(200, render.models(model, created=0))
+
+    async def health(self, request: Request, responder: Responder) -> None:
+        if self.pool.healthy():
+            await responder.json(200, {})
+        else:
+            status, body = error_body(grpc.StatusCode.UNAVAILABLE, "router: no healthy backend")
+            await responder.json(status, body)
+
+    async def tokenize(self, request: Request, responder: Responder) -> None:
+        raw = await self._unary(TOKENIZE, parse.read_tokenize(request.body), request)
+        tokens = list(data_plane_pb2.TokenizeResponse.FromString(raw).token_ids)
+        model = await self._model_info(request)
+        await responder.json(
+            200,
+            {
+                "count": len(tokens),
+                "max_model_len": model.max_context_length,
+                "tokens": tokens,
+                "token_strs": None,
+            },
+        )
+
+    async def detokenize(self, request: Request, responder: Responder) -> None:
+        raw = await self._unary(DETOKENIZE, parse.read_detokenize(request.body), request)
+        text = data_plane_pb2.DetokenizeResponse.FromString(raw).text
+        await responder.json(200, {"prompt": text})
+
+    async def finish_session(self, request: Request, responder: Responder) -> None:
+        session = dict(request.metadata).get(SESSION_ID)
+        if not session:
+            raise InvalidArgument("name the session: 'session_id' in the body or X-Session-ID")
+        message = data_plane_pb2.FinishSessionRequest(session_id=session)
+        raw = await self.proxy.finish_session_everywhere(
+            message.SerializeToString(), request.call()
+        )
+        found = data_plane_pb2.FinishSessionResponse.FromString(raw).found
+        await responder.json(200, {"session_id": session, "found": found})

@@ -1,0 +1,297 @@
+"""The DataPlane contract -> OpenAI HTTP responses: pure functions, no network.
+
+Responses are built from the contract's samples and stream messages in OpenAI's shapes, with
+vLLM's ``token_ids`` / ``prompt_token_ids`` when ``return_token_ids`` is set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from skyrl_grpc import finish_reasons
+from skyrl_grpc.v1 import data_plane_pb2
+from skyrl_grpc.v1 import generation_pb2 as gen
+
+from .parse import GenerationCall
+
+Json = dict[str, Any]
+
+
+@dataclass
+class SampleOut:
+    """One finished (or, streamed, partial) sample as the edge reports it."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: gen.Logprobs | None = None
+
+
+def finish_of(
+    reason: int, stop: gen.StopMatch, text: str, call: GenerationCall
+) -> tuple[str | None, int | str | None, str]:
+    """OpenAI's finish_reason, vLLM's stop_reason, and the text with the stop string put back
+    when the caller asked for it."""
+    finish = finish_reasons.name_of(reason)
+    stop_reason: int | str | None = None
+    which = stop.WhichOneof("match")
+    if which == "text":
+        stop_reason = stop.text
+        if call.include_stop_str_in_output:
+            text += stop.text
+    elif which == "token_id" and stop.token_id in call.sampling.stop_token_ids:
+        stop_reason = stop.token_id  # None for end-of-sequence, as vLLM reports it
+    return finish, stop_reason, text
+
+
+def _completion_logprobs(
+    logprobs: gen.Logprobs, token_ids: Sequence[int], texts: Mapping[int, str]
+) -> Json:
+    tokens = [texts.get(t, "") for t in token_ids]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    top: list[dict[str, float]] | None = None
+    if logprobs.top_logprobs:
+        top = []
+        for position, alternatives in enumerate(logprobs.top_logprobs):
+            entry = {
+                texts.get(t, ""): lp
+                for t, lp in zip(alternatives.token_ids, alternatives.logprobs, strict=False)
+            }
+            entry.setdefault(tokens[position], logprobs.token_logprobs[position])
+            top.append(entry)
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(logprobs.token_logprobs),
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(
+    logprobs: gen.Logprobs, token_ids: Sequence[int], texts: Mapping[int, str]
+) -> Json:
+    content = []
+    for position, (token_id, lp) in enumerate(
+        zip(token_ids, logprobs.token_logprobs, strict=False)
+    ):
+        token = texts.get(token_id, "")
+        alternatives = (
+            logprobs.top_logprobs[position] if position < len(logprobs.top_logprobs) else None
+        )
+        content.append(
+            {
+                "token": token,
+                "logprob": lp,
+                "bytes": list(token.encode()),
+                "top_logprobs": [
+                    {
+                        "token": texts.get(t, ""),
+                        "logprob": a,
+                        "bytes": list(texts.get(t, "").encode()),
+                    }
+                    for t, a in zip(alternatives.token_ids, alternatives.logprobs, strict=False)
+                ]
+                if alternatives is not None
+                else [],
+            }
+        )
+    return {"content": content}
+
+
+def logprob_token_ids(logprobs: gen.Logprobs | None, token_ids: Iterable[int]) -> set[int]:
+    """Every token id whose text a logprobs answer needs."""
+    if logprobs is None:
+        return set()
+    needed = set(token_ids)
+    for alternatives in logprobs.top_logprobs:
+        needed.update(alternatives.token_ids)
+    return needed
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> Json:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": None,
+    }
+
+
+def usage_of(usages: Iterable[gen.Usage]) -> Json:
+    """OpenAI usage of a response made of several requests (one per prompt)."""
+    listed = list(usages)
+    return usage(
+        sum(u.prompt_tokens for u in listed),
+        sum(u.completion_tokens for u in listed),
+        sum(u.cached_prompt_tokens for u in listed),
+    )
+
+
+def choice(
+    call: GenerationCall, sample: SampleOut, texts: Mapping[int, str], prompt: Sequence[int]
+) -> Json:
+    """One entry of a whole response's ``choices``."""
+    if call.chat:
+        out: Json = {
+            "index": sample.index,
+            "message": {
+                "role": "assistant",
+                "content": sample.text,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "tool_calls": [],
+            },
+            "logprobs": _chat_logprobs(sample.logprobs, sample.token_ids, texts)
+            if sample.logprobs is not None
+            else None,
+            "finish_reason": sample.finish_reason,
+            "stop_reason": sample.stop_reason,
+        }
+    else:
+        out = {
+            "index": sample.index,
+            "text": sample.text,
+            "logprobs": _completion_logprobs(sample.logprobs, sample.token_ids, texts)
+            if sample.logprobs is not None
+            else None,
+            "finish_reason": sample.finish_reason,
+            "stop_reason": sample.stop_reason,
+        }
+        if call.return_token_ids:
+            out["prompt_token_ids"] = list(prompt)
+    if call.return_token_ids:
+        out["token_ids"] = sample.token_ids
+    return out
+
+
+def response(
+    call: GenerationCall,
+    choices: list[Json],
+    usage_: Json,
+    prompt: Sequence[int] | None = None,
+) -> Json:
+    """A whole (non-streamed) response."""
+    out: Json = {
+        "id": call.id,
+        "object": "chat.completion" if call.chat else "text_completion",
+        "created": call.created,
+        "model": call.model,
+        "choices": sorted(choices, key=lambda c: int(c["index"])),
+        "usage": usage_,
+        "system_fingerprint": None,
+        "service_tier": None,
+    }
+    if call.chat and call.return_token_ids and prompt is not None:
+        out["prompt_token_ids"] = list(prompt)
+    return out
+
+
+def chunk(call: GenerationCall, choices: list[Json], usage_: Json | None = None) -> Json:
+    """One server-sent event of a streamed response."""
+    out: Json = {
+        "id": call.id,
+        "object": "chat.completion.chunk" if call.chat else "text_completion",
+        "created": call.created,
+        "model": call.model,
+        "choices": choices,
+        "system_fingerprint": None,
+    }
+    if usage_ is not None:
+        out["usage"] = usage_
+    return out
+
+
+def chunk_choice(
+    call: GenerationCall,
+    index: int,
+    text: str,
+    token_ids: Sequence[int],
+    finish_reason: str | None,
+    stop_reason: int | str | None,
+    logprobs: gen.Logprobs | None,
+    texts: Mapping[int, str],
+    first: bool = False,
+    prompt: Sequence[int] | None = None,
+) -> Json:
+    """One choice of a streamed event: a delta of text (and token ids)."""
+    if call.chat:
+        delta: Json = {"content": text}
+        if first:
+            delta["role"] = "assistant"
+        out: Json = {
+            "index": index,
+            "delta": delta,
+            "logprobs": _chat_logprobs(logprobs, token_ids, texts)
+            if logprobs is not None
+            else None,
+            "finish_reason": finish_reason,
+        }
+    else:
+        out = {
+            "index": index,
+            "text": text,
+            "logprobs": _completion_logprobs(logprobs, token_ids, texts)
+            if logprobs is not None
+            else None,
+            "finish_reason": finish_reason,
+        }
+    if finish_reason is not None:
+        out["stop_reason"] = stop_reason
+    if call.return_token_ids:
+        out["token_ids"] = list(token_ids)
+        if first and prompt is not None:
+            out["prompt_token_ids"] = list(prompt)
+    return out
+
+
+def models(model_info: data_plane_pb2.GetModelInfoResponse, created: int) -> Json:
+    """``GET /v1/models``: the base model, then its loaded LoRA adapters (``model`` selects
+    one), as vLLM lists them."""
+    base = model_info.served_model_name
+    entries = [
+        {
+            "id": base,
+            "object": "model",
+            "created": created,
+            "owned_by": "skyrl-grpc",
+            "root": base,
+            "parent": None,
+            "max_model_len": model_info.max_context_length,
+        }
+    ]
+    for adapter in model_info.lora_adapters:
+        entries.append(
+            {
+                "id": adapter.name,
+                "object": "model",
+                "created": created,
+                "owned_by": "skyrl-grpc",
+                "root": adapter.name,
+                "parent": base,
+                "lora_version": adapter.version,
+            }
+        )
+    return {"object": "list", "data": entries}
+
+
+def sample_out(sample: gen.Sample, call: GenerationCall, index_offset: int = 0) -> SampleOut:
+    """A whole sample (folded by ``skyrl_grpc.sample_assembly``) as the edge reports it."""
+    finish, stop_reason, text = finish_of(sample.finish_reason, sample.stop, sample.text, call)
+    return SampleOut(
+        index=index_offset + sample.index,
+        token_ids=list(sample.token_ids),
+        text=text,
+        finish_reason=finish,
+        stop_reason=stop_reason,
+        logprobs=sample.logprobs if sample.HasField("logprobs") else None,
+    )
