@@ -99,7 +99,7 @@ async def soak(stack: LocalFleet, seconds: float, workers: int) -> dict[str, flo
     await asyncio.gather(controller(), *(rollout_worker(i) for i in range(workers)))
     await client.resume()
     await asyncio.sleep(1.0)
-    loads = await client.load()
+    loads = await client.server_loads()
     counts["leaked"] = sum(load.running_requests + load.waiting_requests for load in loads.values())
     for line in errors[:10]:
         print("error:", line)

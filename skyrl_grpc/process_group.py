@@ -16,6 +16,7 @@ then completes promptly.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -118,3 +119,10 @@ def _meet(
                 f"ranks {missing} did not join within {timeout_seconds:.0f} s (rank {rank})"
             )
         time.sleep(POLL_SECONDS)
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (for the group's master store)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])

@@ -36,3 +36,28 @@ async def test_a_sample_aborted_past_its_retries_is_returned_as_aborted(
 
 def test_finish_reasons_read_as_vllm_openai_and_skyrl_name_them() -> None:
     assert [r.value for r in FinishReason] == ["stop", "length", "abort", "unfinished"]
+
+
+def test_budget_used_up_by_aborted_tokens_ends_as_length() -> None:
+    from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
+    from trainer_client.abort_retry import AbortRetry
+
+    retry = AbortRetry([1, 2], generation_pb2.SamplingParams(max_tokens=3))
+    retry.add(
+        data_plane_pb2.GenerateStreamResponse(
+            token_ids=[5, 6], finish_reason=generation_pb2.FINISH_REASON_ABORTED
+        )
+    )
+    assert retry.should_resubmit()
+    request = retry.request()
+    assert (
+        list(request.prompt_token_ids) == [1, 2, 5, 6] and request.sampling_params.max_tokens == 1
+    )
+    retry.add(
+        data_plane_pb2.GenerateStreamResponse(
+            token_ids=[7], finish_reason=generation_pb2.FINISH_REASON_ABORTED
+        )
+    )
+    assert not retry.should_resubmit()
+    assert retry.sample().finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert list(retry.sample().token_ids) == [5, 6, 7]

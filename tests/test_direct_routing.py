@@ -70,7 +70,7 @@ async def test_sessions_land_on_the_same_servers_through_the_router_and_directly
         # And the other way round: placed by the router first, then followed by the client.
         via_router = [f"router-{i}" for i in range(6)]
         homes = {s: await routed_to(router.address, s) for s in via_router}
-        routes = client._direct_routes()
+        routes = client.connections.routes()
         await until(lambda: all(routes.pick(s) is not None for s in via_router))
         await until(
             lambda: all(
@@ -96,7 +96,7 @@ async def test_a_backend_added_to_the_router_gets_new_sessions_on_both_paths(
     try:
         old = [f"before-join-{i}" for i in range(3)]
         await client.generate_batch([[1, 2]] * 3, GREEDY, session_ids=old)
-        routes = client._direct_routes()
+        routes = client.connections.routes()
         async with grpc.aio.insecure_channel(router.address) as channel:
             await router_pb2_grpc.RouterAdminStub(channel).AddBackend(
                 router_pb2.AddBackendRequest(address=second_engine_server.address)
@@ -133,7 +133,7 @@ async def test_the_client_keeps_serving_while_the_router_is_down_and_reconnects(
     client = InferenceClient(router.address, backends)
     try:
         first = await client.generate([1, 5, 9], GREEDY, session_id="outage")
-        routes = client._direct_routes()
+        routes = client.connections.routes()
         assert routes.connected
         await router.stop(0)
         await until(lambda: not routes.connected, what="the client to notice the router left")
@@ -154,5 +154,5 @@ async def test_without_a_view_calls_go_through_the_router(engine_server: Any) ->
     client = InferenceClient(engine_server.address, [engine_server.address])
     result = await client.generate([1, 2, 3], GREEDY)
     assert len(result.token_ids) == 8
-    assert not await client._direct_routes().ready()
+    assert not await client.connections.routes().ready()
     await client.close()

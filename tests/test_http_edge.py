@@ -159,7 +159,7 @@ async def test_bad_requests_get_openai_errors_and_a_disconnect_frees_the_engine(
     await until(lambda: cancelled() == before + 1, what="the stream to be cancelled upstream")
 
     async def idle() -> bool:
-        loads = await client.load()
+        loads = await client.server_loads()
         return all(
             load.running_requests == 0 and load.waiting_requests == 0 for load in loads.values()
         )

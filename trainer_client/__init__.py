@@ -2,26 +2,77 @@
 
     from trainer_client import InferenceClient, BlockingInferenceClient
 
-Data-plane calls go through the router; control calls fan out to every server.
+Data-plane calls go to the server the router's policy picks; control calls fan out to every
+server. Results are plain dataclasses; errors are ``InferenceError`` subclasses.
 """
 
 from .blocking import BlockingInferenceClient
-from .client import InferenceClient, sampling_params
-from .config import ClientConfig, TlsConfig
-from .errors import FanOutError, InferenceError, ServerError
+from .client import InferenceClient
+from .config import ClientConfig, ClientSettings, TlsConfig
+from .errors import (
+    Aborted,
+    AlreadyExists,
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    FanOutError,
+    InferenceError,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    ServerError,
+    Unauthenticated,
+    Unavailable,
+)
+from .fleet_info import (
+    Capabilities,
+    LoraAdapter,
+    LoraCapabilities,
+    ModelInfo,
+    OpenWeightUpdate,
+    PauseMode,
+    ServerInfo,
+    ServerLoad,
+    WeightCommit,
+)
 from .results import FinishReason, GenerationResult, WeightSpan, WeightVersions
+from .sampling import sampling_params
 from .weight_transaction import WeightUpdateError
 
 __all__ = [
+    "Aborted",
+    "AlreadyExists",
     "BlockingInferenceClient",
+    "Cancelled",
+    "Capabilities",
     "ClientConfig",
+    "ClientSettings",
+    "DeadlineExceeded",
+    "FailedPrecondition",
     "FanOutError",
     "FinishReason",
     "GenerationResult",
     "InferenceClient",
     "InferenceError",
+    "Internal",
+    "InvalidArgument",
+    "LoraAdapter",
+    "LoraCapabilities",
+    "ModelInfo",
+    "NotFound",
+    "OpenWeightUpdate",
+    "PauseMode",
+    "PermissionDenied",
+    "ResourceExhausted",
     "ServerError",
+    "ServerInfo",
+    "ServerLoad",
     "TlsConfig",
+    "Unauthenticated",
+    "Unavailable",
+    "WeightCommit",
     "WeightSpan",
     "WeightUpdateError",
     "WeightVersions",

@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
-from skyrl_grpc.v1 import control_plane_pb2 as cp
-from skyrl_grpc.v1 import data_plane_pb2, lora_pb2
+from skyrl_grpc.v1 import data_plane_pb2
 
-from .client import InferenceClient, Message, Sampling
-from .config import ClientConfig
+from .client import InferenceClient
+from .config import ClientConfig, ClientSettings
+from .fleet_info import LoraAdapter, ModelInfo, PauseMode, ServerInfo, ServerLoad, WeightCommit
 from .results import GenerationResult, WeightVersions
+from .sampling import Message, Sampling
+from .weight_updates import WeightTransport
 from .weights import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES
 
 T = TypeVar("T")
@@ -30,7 +32,7 @@ class BlockingInferenceClient:
     docstrings for what each call does."""
 
     def __init__(
-        self, router: str, servers: tuple[str, ...] | list[str] = (), **settings: Any
+        self, router: str, servers: Sequence[str] = (), **settings: Unpack[ClientSettings]
     ) -> None:
         self._client = InferenceClient(router, servers, **settings)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -101,8 +103,9 @@ class BlockingInferenceClient:
         n: int = 1,
         include_text: bool = False,
         request_id: str = "",
-        stream_interval: int = 0,
+        stream_interval: int | None = None,
         lora: str = "",
+        timeout: float | None = None,
     ) -> Iterator[data_plane_pb2.GenerateStreamResponse]:
         chunks = self._client.stream(
             prompt_token_ids,
@@ -113,6 +116,7 @@ class BlockingInferenceClient:
             request_id=request_id,
             stream_interval=stream_interval,
             lora=lora,
+            timeout=timeout,
         )
         try:
             while True:
@@ -131,6 +135,7 @@ class BlockingInferenceClient:
         session_id: str | None = None,
         include_text: bool = False,
         lora: str = "",
+        timeout: float | None = None,
     ) -> GenerationResult:
         return self._run(
             self._client.generate(
@@ -139,6 +144,7 @@ class BlockingInferenceClient:
                 session_id=session_id,
                 include_text=include_text,
                 lora=lora,
+                timeout=timeout,
             )
         )
 
@@ -150,25 +156,39 @@ class BlockingInferenceClient:
         session_ids: Sequence[str | None] | None = None,
         include_text: bool = False,
         lora: str = "",
+        timeout: float | None = None,
     ) -> list[GenerationResult]:
         return self._run(
             self._client.generate_batch(
-                prompts, sampling, session_ids=session_ids, include_text=include_text, lora=lora
+                prompts,
+                sampling,
+                session_ids=session_ids,
+                include_text=include_text,
+                lora=lora,
+                timeout=timeout,
             )
         )
 
     def sample(
         self,
         prompt_token_ids: Sequence[int],
-        n: int,
         sampling: Sampling = None,
         *,
+        n: int,
         session_id: str | None = None,
         include_text: bool = False,
+        lora: str = "",
+        timeout: float | None = None,
     ) -> list[GenerationResult]:
         return self._run(
             self._client.sample(
-                prompt_token_ids, n, sampling, session_id=session_id, include_text=include_text
+                prompt_token_ids,
+                sampling,
+                n=n,
+                session_id=session_id,
+                include_text=include_text,
+                lora=lora,
+                timeout=timeout,
             )
         )
 
@@ -179,8 +199,11 @@ class BlockingInferenceClient:
         *,
         session_id: str | None = None,
         lora: str = "",
+        timeout: float | None = None,
     ) -> GenerationResult:
-        return self._run(self._client.chat(messages, sampling, session_id=session_id, lora=lora))
+        return self._run(
+            self._client.chat(messages, sampling, session_id=session_id, lora=lora, timeout=timeout)
+        )
 
     def complete(
         self,
@@ -189,8 +212,13 @@ class BlockingInferenceClient:
         *,
         session_id: str | None = None,
         lora: str = "",
+        timeout: float | None = None,
     ) -> GenerationResult:
-        return self._run(self._client.complete(prompt, sampling, session_id=session_id, lora=lora))
+        return self._run(
+            self._client.complete(
+                prompt, sampling, session_id=session_id, lora=lora, timeout=timeout
+            )
+        )
 
     def tokenize(
         self,
@@ -199,6 +227,7 @@ class BlockingInferenceClient:
         messages: Sequence[Message] | None = None,
         add_special_tokens: bool = True,
         session_id: str | None = None,
+        timeout: float | None = None,
     ) -> list[int]:
         return self._run(
             self._client.tokenize(
@@ -206,17 +235,24 @@ class BlockingInferenceClient:
                 messages=messages,
                 add_special_tokens=add_special_tokens,
                 session_id=session_id,
+                timeout=timeout,
             )
         )
 
-    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._run(self._client.detokenize(token_ids, skip_special_tokens))
+    def detokenize(
+        self,
+        token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        *,
+        timeout: float | None = None,
+    ) -> str:
+        return self._run(self._client.detokenize(token_ids, skip_special_tokens, timeout=timeout))
 
-    def model_info(self) -> data_plane_pb2.GetModelInfoResponse:
-        return self._run(self._client.model_info())
+    def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        return self._run(self._client.model_info(timeout=timeout))
 
-    def finish_session(self, session_id: str) -> bool:
-        return self._run(self._client.finish_session(session_id))
+    def finish_session(self, session_id: str, *, timeout: float | None = None) -> bool:
+        return self._run(self._client.finish_session(session_id, timeout=timeout))
 
     # -- LoRA adapters ------------------------------------------------------------------------
 
@@ -229,7 +265,8 @@ class BlockingInferenceClient:
         config: Mapping[str, Any] | None = None,
         version: int = 0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    ) -> dict[str, lora_pb2.LoraAdapter]:
+        timeout: float | None = None,
+    ) -> dict[str, LoraAdapter]:
         return self._run(
             self._client.load_lora(
                 name,
@@ -238,51 +275,62 @@ class BlockingInferenceClient:
                 config=config,
                 version=version,
                 chunk_bytes=chunk_bytes,
+                timeout=timeout,
             )
         )
 
-    def unload_lora(self, name: str) -> dict[str, int]:
-        return self._run(self._client.unload_lora(name))
+    def unload_lora(self, name: str, *, timeout: float | None = None) -> dict[str, int]:
+        return self._run(self._client.unload_lora(name, timeout=timeout))
 
-    def list_loras(self) -> dict[str, list[lora_pb2.LoraAdapter]]:
-        return self._run(self._client.list_loras())
+    def list_loras(self, *, timeout: float | None = None) -> dict[str, list[LoraAdapter]]:
+        return self._run(self._client.list_loras(timeout=timeout))
 
     # -- control plane ------------------------------------------------------------------------
 
-    def pause(self, mode: str = "abort", clear_cache: bool = False) -> dict[str, None]:
-        return self._run(self._client.pause(mode, clear_cache))
+    def pause(
+        self,
+        mode: PauseMode | str = PauseMode.ABORT,
+        clear_cache: bool = False,
+        *,
+        timeout: float | None = None,
+    ) -> list[str]:
+        return self._run(self._client.pause(mode, clear_cache, timeout=timeout))
 
-    def resume(self) -> dict[str, None]:
-        return self._run(self._client.resume())
+    def resume(self, *, timeout: float | None = None) -> list[str]:
+        return self._run(self._client.resume(timeout=timeout))
 
-    def is_paused(self) -> dict[str, bool]:
-        return self._run(self._client.is_paused())
+    def is_paused(self, *, timeout: float | None = None) -> dict[str, bool]:
+        return self._run(self._client.is_paused(timeout=timeout))
 
-    def all_paused(self) -> bool:
-        return self._run(self._client.all_paused())
+    def all_paused(self, *, timeout: float | None = None) -> bool:
+        return self._run(self._client.all_paused(timeout=timeout))
 
-    def sleep(self, level: int = 1) -> dict[str, None]:
-        return self._run(self._client.sleep(level))
+    def sleep(self, level: int = 1, *, timeout: float | None = None) -> list[str]:
+        return self._run(self._client.sleep(level, timeout=timeout))
 
-    def wake_up(self, tags: Sequence[str] = ()) -> dict[str, None]:
-        return self._run(self._client.wake_up(tags))
+    def wake_up(self, tags: Sequence[str] = (), *, timeout: float | None = None) -> list[str]:
+        return self._run(self._client.wake_up(tags, timeout=timeout))
 
-    def is_sleeping(self) -> dict[str, bool]:
-        return self._run(self._client.is_sleeping())
+    def is_sleeping(self, *, timeout: float | None = None) -> dict[str, bool]:
+        return self._run(self._client.is_sleeping(timeout=timeout))
 
-    def reset_prefix_cache(self) -> dict[str, None]:
-        return self._run(self._client.reset_prefix_cache())
+    def reset_prefix_cache(self, *, timeout: float | None = None) -> list[str]:
+        return self._run(self._client.reset_prefix_cache(timeout=timeout))
 
-    def server_info(self) -> dict[str, cp.GetServerInfoResponse]:
-        return self._run(self._client.server_info())
+    def server_info(self, *, timeout: float | None = None) -> dict[str, ServerInfo]:
+        return self._run(self._client.server_info(timeout=timeout))
 
-    def load(self) -> dict[str, cp.GetLoadResponse]:
-        return self._run(self._client.load())
+    def server_loads(self, *, timeout: float | None = None) -> dict[str, ServerLoad]:
+        return self._run(self._client.server_loads(timeout=timeout))
 
-    def world_size(self) -> int:
-        return self._run(self._client.world_size())
+    def world_size(self, *, timeout: float | None = None) -> int:
+        return self._run(self._client.world_size(timeout=timeout))
 
     # -- weight transfer ----------------------------------------------------------------------
+
+    @property
+    def has_weight_group(self) -> bool:
+        return self._client.has_weight_group
 
     def init_weight_transfer(
         self,
@@ -308,13 +356,13 @@ class BlockingInferenceClient:
         named_tensors: Iterable[tuple[str, Any]],
         weight_version: int | None = None,
         *,
-        transport: str = "collective",
+        transport: WeightTransport | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         checksums: bool = True,
         timeout: float = 600.0,
         lease_seconds: int = 0,
-    ) -> dict[str, cp.FinishWeightUpdateResponse]:
+    ) -> dict[str, WeightCommit]:
         return self._run(
             self._client.update_weights(
                 named_tensors,
@@ -328,17 +376,21 @@ class BlockingInferenceClient:
             )
         )
 
-    def cancel_weight_update(self) -> dict[str, int]:
-        return self._run(self._client.cancel_weight_update())
+    def cancel_weight_update(self, *, timeout: float | None = None) -> dict[str, int]:
+        return self._run(self._client.cancel_weight_update(timeout=timeout))
 
-    def rollback_weights(self, weight_version: int) -> dict[str, int]:
-        return self._run(self._client.rollback_weights(weight_version))
+    def rollback_weights(
+        self, weight_version: int, *, timeout: float | None = None
+    ) -> dict[str, int]:
+        return self._run(self._client.rollback_weights(weight_version, timeout=timeout))
 
-    def weight_checksums(self, names: Sequence[str] = ()) -> dict[str, dict[str, bytes]]:
-        return self._run(self._client.weight_checksums(names))
+    def weight_checksums(
+        self, names: Sequence[str] = (), *, timeout: float | None = None
+    ) -> dict[str, dict[str, bytes]]:
+        return self._run(self._client.weight_checksums(names, timeout=timeout))
 
-    def weight_versions(self) -> WeightVersions:
-        return self._run(self._client.weight_versions())
+    def weight_versions(self, *, timeout: float | None = None) -> WeightVersions:
+        return self._run(self._client.weight_versions(timeout=timeout))
 
 
 async def _shut_down(client: InferenceClient) -> None:

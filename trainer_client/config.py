@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import grpc
 
@@ -10,7 +11,7 @@ from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, open_channel
 from skyrl_grpc.metadata import bearer
 from skyrl_grpc.tls import TlsConfig
 
-__all__ = ["ClientConfig", "TlsConfig"]
+__all__ = ["ClientConfig", "ClientSettings", "TlsConfig"]
 
 
 @dataclass(frozen=True)
@@ -56,3 +57,19 @@ class ClientConfig:
 
     def open_channel(self, address: str) -> grpc.aio.Channel:
         return open_channel(address, tls=self.tls, max_message_bytes=self.max_message_bytes)
+
+
+class ClientSettings(TypedDict, total=False):
+    """``ClientConfig``'s settings as keyword arguments of a client's constructor: typed and
+    checked, with their defaults and meaning in ``ClientConfig`` (one place decides them)."""
+
+    control_timeout: float
+    data_timeout: float | None
+    token: str | None
+    tls: TlsConfig | None
+    max_abort_retries: int | None
+    stream_interval: int
+    max_message_bytes: int
+    direct: bool
+    max_direct_failovers: int
+    extra_metadata: tuple[tuple[str, str], ...]

@@ -24,6 +24,7 @@ from typing import Any
 
 from .client import InferenceClient
 from .results import GenerationResult
+from .weight_updates import WeightTransport
 
 TARGET_STRIDE = 16
 
@@ -36,7 +37,7 @@ class DemoConfig:
     learning_rate: float = 1e-2
     seed: int = 0
     sync: bool = True  # push weights after every step (False: the control run)
-    transport: str = "grpc"  # "grpc" (in-band) or "collective" (gloo)
+    transport: WeightTransport = "grpc"  # "grpc" (in-band) or "collective" (gloo)
     overlap: bool = True  # start the next rollouts before syncing, so the pause aborts them
     progress: bool = True
     lora: bool = False  # train a LoRA adapter and push only it (servers need --enable-lora)

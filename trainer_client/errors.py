@@ -1,26 +1,35 @@
-"""The client's exceptions. Every failure a caller sees is one of these.
+"""The client's exceptions.
 
-- ``InferenceError``: base class.
+- ``InferenceError``: base class of what the client raises about the fleet.
   - ``ServerError``: one call to one address failed; has ``address``, ``code`` (a
     ``grpc.StatusCode``) and ``details``; ``__cause__`` is the original ``grpc.RpcError``.
+    Raised as the subclass of its status (``NotFound``, ``InvalidArgument``, ``Unavailable``,
+    ...), so callers catch what they handle, as with the openai SDK's errors.
   - ``FanOutError``: a control call to every server failed on some of them; ``failures`` maps
     each failed address to its ``ServerError``, ``results`` each succeeded address to its result.
     Never a silent partial success.
+  - ``WeightUpdateError`` (``trainer_client.weight_transaction``): a fleet weight update failed;
+    says what each server serves now.
+
+Arguments a call refuses before anything is sent raise ``ValueError``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 
 
 class InferenceError(Exception):
-    """Base of every error raised by ``trainer_client``."""
+    """Base of every error ``trainer_client`` raises about the fleet."""
 
 
 class ServerError(InferenceError):
-    """A call to ``address`` ended with a non-OK status."""
+    """A call to ``address`` ended with a non-OK status (raised as its status's subclass)."""
+
+    # The status this class stands for (None: the base, for statuses without a subclass).
+    status: ClassVar[grpc.StatusCode | None] = None
 
     def __init__(self, address: str, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"{address}: {code.name}: {details}")
@@ -28,11 +37,81 @@ class ServerError(InferenceError):
         self.code = code
         self.details = details
 
-    @classmethod
-    def from_rpc_error(cls, address: str, error: grpc.aio.AioRpcError) -> ServerError:
-        wrapped = cls(address, error.code(), error.details() or "")
+    @staticmethod
+    def of(address: str, code: grpc.StatusCode, details: str) -> ServerError:
+        """The error of ``code``, as its subclass when it has one."""
+        return _BY_STATUS.get(code, ServerError)(address, code, details)
+
+    @staticmethod
+    def from_rpc_error(address: str, error: grpc.aio.AioRpcError) -> ServerError:
+        wrapped = ServerError.of(address, error.code(), error.details() or "")
         wrapped.__cause__ = error
         return wrapped
+
+
+class InvalidArgument(ServerError):
+    """The request broke a rule; the message names it (and the flag that raises a limit)."""
+
+    status = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(ServerError):
+    """What the call names does not exist there (a LoRA adapter, a session, a version)."""
+
+    status = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(ServerError):
+    status = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(ServerError):
+    """The server is not in a state for this call (e.g. no weight update open)."""
+
+    status = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(ServerError):
+    """A server limit was reached (queued requests, message size); retry later or smaller."""
+
+    status = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(ServerError):
+    """The server could not be reached, or is draining or not ready."""
+
+    status = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(ServerError):
+    status = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unauthenticated(ServerError):
+    """The call lacked the token the server requires (``ClientConfig.token``)."""
+
+    status = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(ServerError):
+    status = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Aborted(ServerError):
+    status = grpc.StatusCode.ABORTED
+
+
+class Cancelled(ServerError):
+    status = grpc.StatusCode.CANCELLED
+
+
+class Internal(ServerError):
+    status = grpc.StatusCode.INTERNAL
+
+
+_BY_STATUS: dict[grpc.StatusCode, type[ServerError]] = {
+    cls.status: cls for cls in ServerError.__subclasses__() if cls.status is not None
+}
 
 
 class FanOutError(InferenceError):

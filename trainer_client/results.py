@@ -1,4 +1,5 @@
-"""Plain results a trainer consumes (no protobuf needed downstream)."""
+"""What a generation returns: plain results a trainer consumes (no protobuf downstream; the
+control calls' results are in ``fleet_info``)."""
 
 from __future__ import annotations
 

@@ -50,6 +50,7 @@ from skyrl_grpc.concurrency import all_or_cancel  # noqa: E402
 from .client import InferenceClient  # noqa: E402
 from .errors import InferenceError  # noqa: E402
 from .results import GenerationResult  # noqa: E402
+from .weight_updates import WeightTransport  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
         *,
         model_name: str = "",
         http_url: str | None = None,
-        transport: str = "grpc",
+        transport: WeightTransport = "grpc",
         **client_settings: Any,
     ) -> None:
         self.client = InferenceClient(router, servers, **client_settings)
@@ -237,7 +238,7 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
 
         # One connection pool per event loop, kept across calls (an agent makes one call per
         # turn), closed with its loop.
-        http = self.client.transport.loop_local(
+        http = self.client.connections.loop_local(
             "skyrl-httpx", lambda: httpx.AsyncClient(timeout=None), lambda c: c.aclose()
         )
         response = await http.post(

@@ -20,7 +20,7 @@ async def running_on_engines(
     (a fixed sleep races the fast tiny model)."""
 
     async def running() -> int:
-        loads = await client.load()
+        loads = await client.server_loads()
         return sum(loads[s].running_requests for s in (servers or loads))
 
     while await running() < count:
@@ -49,7 +49,7 @@ async def until(
 
 async def engines_idle(client: InferenceClient) -> bool:
     """No request runs or waits on any of the client's servers."""
-    loads = await client.load()
+    loads = await client.server_loads()
     return all(load.running_requests + load.waiting_requests == 0 for load in loads.values())
 
 

@@ -1,8 +1,8 @@
-"""What a client holds per process and event loop: channels, the routing view, background calls.
+"""A client's connections, per process and event loop: channels, the routing view, background calls.
 
 A ``grpc.aio`` channel belongs to the event loop it was opened on, and a client is used from
 several (a blocking client's private loop, each ``asyncio.run`` of a trainer that calls it once
-per step, each Ray actor after unpickling). ``Transport`` keeps one ``LoopResources`` per loop
+per step, each Ray actor after unpickling). ``Connections`` keeps one ``LoopResources`` per loop
 and ends it with its loop: a watcher task on the loop is cancelled when ``asyncio.run`` ends
 (asyncio cancels every task still pending then, and lets them finish), and closes the loop's
 channels and routing feed while the loop still runs. Resources of a loop that was closed without
@@ -56,7 +56,7 @@ class LoopResources:
             await close()
 
 
-class Transport:
+class Connections:
     """Per-loop resources of one client; see the module docstring. Holds nothing that pickles:
     the client rebuilds it after unpickling."""
 

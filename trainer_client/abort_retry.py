@@ -4,17 +4,17 @@ When a pause in ABORT mode (a weight update) cuts a generation, the client resub
 plus every token generated so far, with the remaining token budget, to the same session
 (``skyrl_grpc.continuation``, the rule the router's migration follows too). Tokens and logprobs
 accumulate as ids (never through text), so the final result looks exactly like an
-uninterrupted generation. ``Continuation`` decides what to send next and when to stop.
+uninterrupted generation. ``AbortRetry`` decides what to send next and when to stop.
 """
 
 from __future__ import annotations
 
-from skyrl_grpc.assembly import ResponseAssembler
 from skyrl_grpc.continuation import continue_request
+from skyrl_grpc.sample_assembly import ResponseAssembler
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
 
 
-class Continuation:
+class AbortRetry:
     """Accumulates one sample across resubmissions."""
 
     def __init__(

@@ -1,0 +1,143 @@
+"""The trainer client's parts on their own, no engine: errors per status, typed settings,
+plain results read from the servers' answers, and the control plane's fan-out against
+stand-in control servers (the subject here is the client, not the server)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from servers.common.listener import bind, server_options
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import control_plane_pb2_grpc, lora_pb2
+from trainer_client import (
+    ClientConfig,
+    ClientSettings,
+    FanOutError,
+    InferenceClient,
+    InvalidArgument,
+    NotFound,
+    PauseMode,
+    ServerError,
+    ServerInfo,
+    ServerLoad,
+    Unavailable,
+)
+
+
+def test_each_status_raises_its_own_subclass_of_server_error() -> None:
+    for code, kind in [
+        (grpc.StatusCode.NOT_FOUND, NotFound),
+        (grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument),
+        (grpc.StatusCode.UNAVAILABLE, Unavailable),
+    ]:
+        error = ServerError.of("a:1", code, "why")
+        assert type(error) is kind and isinstance(error, ServerError)
+        assert error.code == code and str(error) == f"a:1: {code.name}: why"
+    # A status without a subclass of its own is a plain ServerError.
+    assert type(ServerError.of("a:1", grpc.StatusCode.DATA_LOSS, "crc")) is ServerError
+
+
+def test_constructor_settings_are_exactly_the_configs_fields() -> None:
+    fields = {f.name for f in dataclasses.fields(ClientConfig)} - {"router", "servers"}
+    assert set(typing.get_type_hints(ClientSettings)) == fields
+    client = InferenceClient("r:1", ["s:1"], token="t", direct=False, control_timeout=3)
+    assert client.config == ClientConfig(
+        "r:1", ("s:1",), token="t", direct=False, control_timeout=3
+    )
+
+
+def test_server_info_reads_as_plain_values() -> None:
+    info = ServerInfo.from_proto(
+        cp.GetServerInfoResponse(
+            world_size=2,
+            weight_version=7,
+            capabilities=cp.Capabilities(
+                pause_modes=[cp.PAUSE_MODE_ABORT, cp.PAUSE_MODE_KEEP],
+                weight_transfer_backends=[cp.WEIGHT_TRANSFER_BACKEND_GRPC_STREAM],
+                lora=lora_pb2.LoraCapabilities(enabled=True, max_lora_rank=16),
+            ),
+            open_weight_update=cp.OpenWeightUpdate(owner="trainer", weight_version=8),
+        )
+    )
+    assert (info.world_size, info.weight_version) == (2, 7)
+    assert info.capabilities.pause_modes == (PauseMode.ABORT, PauseMode.KEEP)
+    assert info.capabilities.weight_transfer_backends == ("grpc_stream",)
+    assert info.capabilities.lora.enabled and info.capabilities.lora.max_lora_rank == 16
+    assert info.open_weight_update is not None and info.open_weight_update.weight_version == 8
+    assert info.rollback_weight_version is None
+    assert ServerInfo.from_proto(cp.GetServerInfoResponse()).open_weight_update is None
+
+
+async def test_bad_arguments_are_refused_before_any_call() -> None:
+    client = InferenceClient("127.0.0.1:1", [])
+    with pytest.raises(ValueError, match="use one of abort, wait, keep"):
+        await client.pause("freeze")
+    # Without a group, the default transport is the one that needs no setup: the update gets
+    # as far as asking for servers (none here), not "no collective group".
+    with pytest.raises(ValueError, match="no server addresses"):
+        await client.update_weights([("w", b"")], 1)
+    with pytest.raises(ValueError, match="no collective group"):
+        await client.update_weights([("w", b"")], 1, transport="collective")
+
+
+class _StandInControlPlane(control_plane_pb2_grpc.ControlPlaneServicer):
+    """Records pauses and reports a load; ``refuse`` makes every call fail NOT_FOUND."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.pauses: list[int] = []
+
+    async def _check(self, context: Any) -> None:
+        if self.refuse:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "nothing here")
+
+    async def Pause(self, request, context):  # type: ignore[no-untyped-def]
+        await self._check(context)
+        self.pauses.append(request.mode)
+        return cp.PauseResponse()
+
+    async def GetLoad(self, request, context):  # type: ignore[no-untyped-def]
+        await self._check(context)
+        return cp.GetLoadResponse(running_requests=3, kv_cache_usage=0.5)
+
+
+@pytest.fixture
+async def stand_in_servers() -> AsyncIterator[list[tuple[str, _StandInControlPlane]]]:
+    servers, started = [], []
+    for refuse in (False, False, True):
+        servicer = _StandInControlPlane(refuse)
+        server = grpc.aio.server(options=server_options())
+        control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(servicer, server)
+        address = f"127.0.0.1:{bind(server, '127.0.0.1:0', None)}"
+        await server.start()
+        started.append(server)
+        servers.append((address, servicer))
+    yield servers
+    for server in started:
+        await server.stop(0)
+
+
+async def test_control_calls_fan_out_with_typed_results(
+    stand_in_servers: list[tuple[str, _StandInControlPlane]],
+) -> None:
+    (a, first), (b, second), (c, _) = stand_in_servers
+    client = InferenceClient(a, [a, b], direct=False)
+    assert await client.pause(PauseMode.KEEP) == [a, b]
+    assert first.pauses == second.pauses == [cp.PAUSE_MODE_KEEP]
+    loads = await client.server_loads()
+    assert loads == {x: ServerLoad(3, 0, 0.5, False) for x in (a, b)}
+    # One server refusing: FanOutError names it, as its status's error, with the others' results.
+    with_refusing = InferenceClient(a, [a, b, c], direct=False)
+    with pytest.raises(FanOutError) as raised:
+        await with_refusing.server_loads(timeout=5)
+    assert set(raised.value.failures) == {c} and isinstance(raised.value.failures[c], NotFound)
+    assert raised.value.results[a] == ServerLoad(3, 0, 0.5, False)
+    assert "GetLoad failed on 1 of 3 servers" in str(raised.value)
+    await client.close()
+    await with_refusing.close()

@@ -1,0 +1,74 @@
+"""LoRA adapters on every server of the fleet: load (in-band or from a path), unload, list."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+
+from .client_core import ClientCore
+from .fanout import fan_out
+from .fleet_info import LoraAdapter
+from .weights import DEFAULT_CHUNK_BYTES, lora_push_messages
+
+
+class Adapters(ClientCore):
+    """LoRA calls (mixin of ``InferenceClient``); ``timeout`` as in ``FleetControl``."""
+
+    async def load_lora(
+        self,
+        name: str,
+        *,
+        path: str | None = None,
+        tensors: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
+        config: Mapping[str, Any] | None = None,
+        version: int = 0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout: float | None = None,
+    ) -> dict[str, LoraAdapter]:
+        """Loads adapter ``name`` on every server at once: in-band (``tensors``, PEFT names,
+        e.g. a PEFT model's ``get_peft_model_state_dict``, and ``config``, its
+        adapter_config.json as a dict; no shared filesystem) or from ``path``, a directory on
+        each server. Loading a name again replaces it with a new version (``version``; 0: the
+        next). Raises FanOutError naming the servers that refused it; they keep what they
+        served."""
+        spec = cp.LoraAdapterSpec(name=name, version=version)
+        if path is not None:
+            if tensors is not None or config is not None:
+                raise ValueError("pass path, or tensors and config, not both")
+            spec.path = path
+            messages = [cp.LoadLoraAdapterRequest(spec=spec)]
+        else:
+            if tensors is None or config is None:
+                raise ValueError("an in-band adapter needs tensors and config (or pass path)")
+            spec.config_json = json.dumps(dict(config))
+            pairs = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+            messages = [cp.LoadLoraAdapterRequest(spec=spec)]
+            messages += lora_push_messages(pairs, chunk_bytes)
+        deadline = self.config.control_timeout if timeout is None else timeout
+
+        async def load(address: str) -> LoraAdapter:
+            call = self._control(address).LoadLoraAdapter
+            response = await self._unary(address, call, iter(messages), deadline)
+            return LoraAdapter.from_proto(response.adapter)
+
+        return await fan_out("LoadLoraAdapter", self.config.servers, load)
+
+    async def unload_lora(self, name: str, *, timeout: float | None = None) -> dict[str, int]:
+        """Unloads adapter ``name`` everywhere; returns each server's last version of it."""
+        request = cp.UnloadLoraAdapterRequest(name=name)
+        return await self._fan_out(
+            lambda s: s.UnloadLoraAdapter, request, timeout, lambda r: r.version
+        )
+
+    async def list_loras(self, *, timeout: float | None = None) -> dict[str, list[LoraAdapter]]:
+        """Each server's loaded adapters, with versions and checksums."""
+        request = cp.ListLoraAdaptersRequest()
+        return await self._fan_out(
+            lambda s: s.ListLoraAdapters,
+            request,
+            timeout,
+            lambda r: [LoraAdapter.from_proto(x) for x in r.adapters],
+        )

@@ -1,0 +1,119 @@
+"""What every part of the client stands on: its config, its connections, and one way to make
+a call (``_unary``) and to make it on every server (``_fan_out``, typed by the stub method).
+
+The parts (``generation``, ``fleet_control``, ``adapters``, ``weight_updates``) are mixins of
+``ClientCore``; ``trainer_client.client.InferenceClient`` joins them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeAlias, TypeVar
+
+import grpc
+from google.protobuf.message import Message as ProtoMessage
+
+from skyrl_grpc.metadata import SESSION_ID
+from skyrl_grpc.session_moves import finish_moved_session
+from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2_grpc
+
+from .config import ClientConfig
+from .connections import Connections
+from .errors import ServerError
+from .fanout import fan_out
+
+T = TypeVar("T")
+Request = TypeVar("Request", bound=ProtoMessage)
+Response = TypeVar("Response", bound=ProtoMessage)
+# Type-checking names only (the async stub exists in the .pyi, not at runtime).
+ControlStub: TypeAlias = "control_plane_pb2_grpc.ControlPlaneAsyncStub"
+# Picks one RPC of the control plane's stub, e.g. ``lambda stub: stub.Pause``.
+ControlRpc: TypeAlias = (
+    "Callable[[ControlStub], grpc.aio.UnaryUnaryMultiCallable[Request, Response]]"
+)
+
+
+class ClientCore:
+    """Config, connections and the call helpers every part of the client uses."""
+
+    config: ClientConfig
+
+    def _setup(self, config: ClientConfig) -> None:
+        """The one place a client's fields are set (constructor, from_config, unpickling)."""
+        self.config = config
+        # Channels, the routing view and background calls, per event loop (never pickled).
+        self._connections = Connections(config, self._session_moved)
+        self._setup_weights()
+
+    def _setup_weights(self) -> None:
+        """Process-local weight-transfer state (``weight_updates``): none here."""
+
+    # Pickle the config only: channels belong to one process and event loop.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._setup(state["config"])
+
+    @property
+    def connections(self) -> Connections:
+        """This client's per-event-loop resources (channels; other per-loop objects through
+        ``connections.loop_local``), closed with their loop."""
+        return self._connections
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        return self._connections.channel(address)
+
+    async def close(self) -> None:
+        """Closes what this event loop opened (channels, the routing feed). Also done when
+        the loop ends under ``asyncio.run``."""
+        await self._connections.close()
+
+    def _metadata(self, session_id: str | None = None) -> tuple[tuple[str, str], ...]:
+        metadata = self.config.metadata()
+        return (*metadata, (SESSION_ID, session_id)) if session_id else metadata
+
+    def _session_moved(self, address: str, session_id: str) -> None:
+        """Direct routing moved ``session_id`` away from ``address``: tell it (best effort)."""
+        self._connections.spawn(
+            finish_moved_session(
+                self.channel(address), session_id, timeout=5, metadata=self.config.metadata()
+            )
+        )
+
+    def _data(self, address: str | None = None) -> data_plane_pb2_grpc.DataPlaneAsyncStub:
+        return data_plane_pb2_grpc.DataPlaneStub(self.channel(address or self.config.router))
+
+    def _control(self, address: str) -> ControlStub:
+        return control_plane_pb2_grpc.ControlPlaneStub(self.channel(address))
+
+    async def _unary(
+        self,
+        address: str,
+        call: Callable[..., Awaitable[T]],
+        request: Any,
+        timeout: float | None,
+        session_id: str | None = None,
+    ) -> T:
+        """One call; a failure raises ``ServerError`` (as its status's subclass)."""
+        try:
+            return await call(request, timeout=timeout, metadata=self._metadata(session_id))
+        except grpc.aio.AioRpcError as error:
+            raise ServerError.from_rpc_error(address, error) from error
+
+    async def _fan_out(
+        self,
+        rpc: ControlRpc[Request, Response],
+        request: Request,
+        timeout: float | None,
+        read: Callable[[Response], T],
+    ) -> dict[str, T]:
+        """``rpc`` on every server at once; what ``read`` takes from each server's answer, or
+        ``FanOutError`` (whose ``results`` hold the same for the servers that answered)."""
+        deadline = self.config.control_timeout if timeout is None else timeout
+
+        async def call(address: str) -> T:
+            return read(await self._unary(address, rpc(self._control(address)), request, deadline))
+
+        operation = type(request).__name__.removesuffix("Request")
+        return await fan_out(operation, self.config.servers, call)

@@ -1,0 +1,82 @@
+"""The control plane of the client: pause, resume, sleep, wake, cache reset, server info and
+load, each fanned out to every server at once (``ClientCore._fan_out``: all answer, or
+``FanOutError`` names those that failed and carries the others' answers)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+
+from .client_core import ClientCore
+from .fleet_info import PauseMode, ServerInfo, ServerLoad
+
+
+class FleetControl(ClientCore):
+    """Fleet-wide control calls (mixin of ``InferenceClient``). Calls that change state return
+    the servers that did it, in the client's order; ``timeout``: seconds per server (None:
+    ``ClientConfig.control_timeout``)."""
+
+    async def pause(
+        self,
+        mode: PauseMode | str = PauseMode.ABORT,
+        clear_cache: bool = False,
+        *,
+        timeout: float | None = None,
+    ) -> list[str]:
+        """Pauses every server; returns once all are paused. ``mode``: what running
+        generations do (``PauseMode``: abort, wait or keep)."""
+        try:
+            pause_mode = PauseMode(mode)
+        except ValueError:
+            modes = ", ".join(m.value for m in PauseMode)
+            raise ValueError(f"mode {mode!r}: use one of {modes}") from None
+        request = cp.PauseRequest(mode=pause_mode.to_proto(), clear_cache=clear_cache)
+        return list(await self._fan_out(lambda stub: stub.Pause, request, timeout, _nothing))
+
+    async def resume(self, *, timeout: float | None = None) -> list[str]:
+        request = cp.ResumeRequest()
+        return list(await self._fan_out(lambda s: s.Resume, request, timeout, _nothing))
+
+    async def is_paused(self, *, timeout: float | None = None) -> dict[str, bool]:
+        request = cp.IsPausedRequest()
+        return await self._fan_out(lambda s: s.IsPaused, request, timeout, lambda r: r.paused)
+
+    async def all_paused(self, *, timeout: float | None = None) -> bool:
+        return all((await self.is_paused(timeout=timeout)).values())
+
+    async def sleep(self, level: int = 1, *, timeout: float | None = None) -> list[str]:
+        request = cp.SleepRequest(level=level)
+        return list(await self._fan_out(lambda s: s.Sleep, request, timeout, _nothing))
+
+    async def wake_up(self, tags: Sequence[str] = (), *, timeout: float | None = None) -> list[str]:
+        request = cp.WakeUpRequest(tags=list(tags))
+        return list(await self._fan_out(lambda s: s.WakeUp, request, timeout, _nothing))
+
+    async def is_sleeping(self, *, timeout: float | None = None) -> dict[str, bool]:
+        request = cp.IsSleepingRequest()
+        return await self._fan_out(lambda s: s.IsSleeping, request, timeout, lambda r: r.sleeping)
+
+    async def reset_prefix_cache(self, *, timeout: float | None = None) -> list[str]:
+        request = cp.ResetPrefixCacheRequest()
+        return list(await self._fan_out(lambda s: s.ResetPrefixCache, request, timeout, _nothing))
+
+    async def server_info(self, *, timeout: float | None = None) -> dict[str, ServerInfo]:
+        request = cp.GetServerInfoRequest()
+        return await self._fan_out(
+            lambda s: s.GetServerInfo, request, timeout, ServerInfo.from_proto
+        )
+
+    async def server_loads(self, *, timeout: float | None = None) -> dict[str, ServerLoad]:
+        """How busy each server is now."""
+        request = cp.GetLoadRequest()
+        return await self._fan_out(lambda s: s.GetLoad, request, timeout, ServerLoad.from_proto)
+
+    async def world_size(self, *, timeout: float | None = None) -> int:
+        """Devices across the fleet: the sum of every server's world size."""
+        infos = await self.server_info(timeout=timeout)
+        return sum(info.world_size for info in infos.values())
+
+
+def _nothing(response: object) -> None:
+    """For calls whose answer says nothing but that they succeeded."""

@@ -1,0 +1,303 @@
+"""The data plane of the client: generations (streamed, whole, batched, n samples, chat and
+text completion), tokenization, model info and sessions.
+
+Generations go straight to the server the router's policy picks (``trainer_client.direct``),
+or through the router; ``_attempt`` is the one path a generation's stream takes either way.
+``generate`` adds what a trainer wants on top: resubmission after an abort (``abort_retry``)
+and failover when a directly used server dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Sequence
+
+import grpc
+
+from skyrl_grpc.concurrency import all_or_cancel
+from skyrl_grpc.v1 import data_plane_pb2
+
+from .abort_retry import AbortRetry
+from .client_core import ClientCore
+from .errors import ServerError
+from .fleet_info import ModelInfo
+from .results import GenerationResult
+from .sampling import Message, Sampling, chat_messages, sampling_params
+
+log = logging.getLogger(__name__)
+
+
+class Generation(ClientCore):
+    """Data-plane calls (mixin of ``InferenceClient``). ``timeout``: seconds for the call
+    (None: ``ClientConfig.data_timeout``)."""
+
+    async def _target(self, session_id: str | None, tried: set[str]) -> str | None:
+        """The server a generation goes to directly, or None to go through the router."""
+        if not self.config.direct:
+            return None
+        routes = self._connections.routes()
+        if not await routes.ready():
+            return None
+        return routes.pick(session_id, tried)
+
+    async def _attempt(
+        self,
+        request: data_plane_pb2.GenerateStreamRequest,
+        session_id: str | None,
+        tried: set[str],
+        timeout: float | None,
+    ) -> AsyncGenerator[data_plane_pb2.GenerateStreamResponse, None]:
+        """One stream of one generation, directly to a server or through the router. A server
+        used directly that turns out gone is marked unavailable and added to ``tried`` before
+        its ``Unavailable`` is raised, so the caller may move on elsewhere."""
+        target = await self._target(session_id, tried)
+        address = target or self.config.router
+        call = self._data(address).GenerateStream(
+            request,
+            timeout=self.config.data_timeout if timeout is None else timeout,
+            metadata=self._metadata(session_id),
+        )
+        routes = self._connections.routes() if target is not None else None
+        if routes is not None and target is not None:
+            routes.begin(target)
+        try:
+            async for chunk in call:
+                yield chunk
+        except grpc.aio.AioRpcError as error:
+            if routes is not None and target is not None:
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    routes.mark_unavailable(target)
+                    tried.add(target)
+            raise ServerError.from_rpc_error(address, error) from error
+        finally:
+            call.cancel()
+            if routes is not None and target is not None:
+                routes.end(target)
+
+    async def stream(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling = None,
+        *,
+        session_id: str | None = None,
+        n: int = 1,
+        include_text: bool = False,
+        request_id: str = "",
+        stream_interval: int | None = None,
+        lora: str = "",
+        timeout: float | None = None,
+    ) -> AsyncGenerator[data_plane_pb2.GenerateStreamResponse, None]:
+        """The raw stream of one generation, chunks as the server sends them (no retry on
+        abort, no failover).
+
+        ``stream_interval``: tokens per message after the first (None: ``ClientConfig``'s;
+        0: one per engine step); larger values trade per-token latency for throughput.
+        """
+        request = data_plane_pb2.GenerateStreamRequest(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=sampling_params(sampling),
+            n=n,
+            include_text=include_text,
+            stream_interval=(
+                self.config.stream_interval if stream_interval is None else stream_interval
+            ),
+            lora=lora,
+        )
+        async with contextlib.aclosing(self._attempt(request, session_id, set(), timeout)) as it:
+            async for chunk in it:
+                yield chunk
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling = None,
+        *,
+        session_id: str | None = None,
+        include_text: bool = False,
+        lora: str = "",
+        timeout: float | None = None,
+    ) -> GenerationResult:
+        """One sample, resubmitted after aborts (pause for a weight update) until finished.
+        ``lora``: the adapter to generate with (``load_lora``); empty: the base model.
+
+        One rule for aborts: a sample still aborted when ``max_abort_retries`` resubmissions
+        are used up (0: none) is returned as it is, ``finish_reason`` ABORTED, with the tokens
+        generated so far and ``abort_retries``; it is never raised, so one sample cannot
+        fail a batch. ``timeout`` bounds each attempt."""
+        params = sampling_params(sampling)
+        retry = AbortRetry(
+            list(prompt_token_ids),
+            params,
+            include_text,
+            self.config.max_abort_retries,
+            self.config.stream_interval,
+            lora,
+        )
+        tried: set[str] = set()
+        while True:
+            gone_before = len(tried)
+            try:
+                attempt = self._attempt(retry.request(), session_id, tried, timeout)
+                async with contextlib.aclosing(attempt) as chunks:
+                    async for chunk in chunks:
+                        retry.add(chunk)
+            except ServerError as error:
+                if len(tried) == gone_before or len(tried) > self.config.max_direct_failovers:
+                    raise
+                # The server is gone: go on elsewhere with the prompt plus the tokens so far
+                # (before the first token, that is a plain retry).
+                log.warning(
+                    "server %s failed (%s): moving the generation", error.address, error.code.name
+                )
+                continue
+            if not retry.should_resubmit():
+                break
+        result = GenerationResult.from_sample(
+            list(prompt_token_ids), retry.sample(), params.HasField("logprobs"), retry.retries
+        )
+        result.cached_prompt_tokens = retry.cached_prompt_tokens
+        if include_text and retry.retries:
+            # Text deltas split at a retry boundary may cut a multi-byte character: decode the
+            # whole id sequence instead.
+            result.text = await self.detokenize(result.token_ids)
+        return result
+
+    async def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling = None,
+        *,
+        session_ids: Sequence[str | None] | None = None,
+        include_text: bool = False,
+        lora: str = "",
+        timeout: float | None = None,
+    ) -> list[GenerationResult]:
+        """Generates for every prompt as concurrent streams; results in input order. If one
+        generation fails, the others are cancelled (their requests aborted on the servers)
+        before its error is raised."""
+        if session_ids is not None and len(session_ids) != len(prompts):
+            raise ValueError(f"{len(session_ids)} session ids for {len(prompts)} prompts")
+        sessions = session_ids or [None] * len(prompts)
+        params = sampling_params(sampling)
+        return await all_or_cancel(
+            self.generate(
+                p, params, session_id=s, include_text=include_text, lora=lora, timeout=timeout
+            )
+            for p, s in zip(prompts, sessions, strict=True)
+        )
+
+    async def sample(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling = None,
+        *,
+        n: int,
+        session_id: str | None = None,
+        include_text: bool = False,
+        lora: str = "",
+        timeout: float | None = None,
+    ) -> list[GenerationResult]:
+        """``n`` independent samples of one prompt. Without a session they spread over servers
+        by load; with one, they all go to the session's server (sharing its prefix cache)."""
+        return await self.generate_batch(
+            [prompt_token_ids] * n,
+            sampling,
+            session_ids=[session_id] * n,
+            include_text=include_text,
+            lora=lora,
+            timeout=timeout,
+        )
+
+    async def chat(
+        self,
+        messages: Sequence[Message],
+        sampling: Sampling = None,
+        *,
+        session_id: str | None = None,
+        lora: str = "",
+        timeout: float | None = None,
+    ) -> GenerationResult:
+        """Chat completion: the model's chat template, then ``generate`` (so aborts retry)."""
+        prompt = await self.tokenize(messages=messages, session_id=session_id, timeout=timeout)
+        return await self.generate(
+            prompt, sampling, session_id=session_id, include_text=True, lora=lora, timeout=timeout
+        )
+
+    async def complete(
+        self,
+        prompt: str,
+        sampling: Sampling = None,
+        *,
+        session_id: str | None = None,
+        lora: str = "",
+        timeout: float | None = None,
+    ) -> GenerationResult:
+        """Text completion: tokenize, then ``generate`` (so aborts retry)."""
+        tokens = await self.tokenize(prompt, session_id=session_id, timeout=timeout)
+        return await self.generate(
+            tokens, sampling, session_id=session_id, include_text=True, lora=lora, timeout=timeout
+        )
+
+    def _data_timeout(self, timeout: float | None) -> float | None:
+        return self.config.data_timeout if timeout is None else timeout
+
+    async def tokenize(
+        self,
+        text: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        add_special_tokens: bool = True,
+        session_id: str | None = None,
+        timeout: float | None = None,
+    ) -> list[int]:
+        """Token ids of ``text``, or of ``messages`` through the chat template."""
+        if (text is None) == (messages is None):
+            raise ValueError("pass exactly one of text and messages")
+        if messages is not None:
+            request = data_plane_pb2.TokenizeRequest(
+                conversation=data_plane_pb2.ChatConversation(messages=chat_messages(messages))
+            )
+        else:
+            request = data_plane_pb2.TokenizeRequest(
+                text=text, add_special_tokens=add_special_tokens
+            )
+        router = self.config.router
+        response = await self._unary(
+            router, self._data().Tokenize, request, self._data_timeout(timeout), session_id
+        )
+        return list(response.token_ids)
+
+    async def detokenize(
+        self,
+        token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        *,
+        timeout: float | None = None,
+    ) -> str:
+        request = data_plane_pb2.DetokenizeRequest(
+            token_ids=list(token_ids), skip_special_tokens=skip_special_tokens
+        )
+        response = await self._unary(
+            self.config.router, self._data().Detokenize, request, self._data_timeout(timeout)
+        )
+        return str(response.text)
+
+    async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        """The served model: vocabulary, special tokens, context length, LoRA adapters."""
+        request = data_plane_pb2.GetModelInfoRequest()
+        response = await self._unary(
+            self.config.router, self._data().GetModelInfo, request, self._data_timeout(timeout)
+        )
+        return ModelInfo.from_proto(response)
+
+    async def finish_session(self, session_id: str, *, timeout: float | None = None) -> bool:
+        """End a session: its server frees the session's place (and the router stops counting
+        it), so new sessions can use it. True if a server held the session. Sessions that are
+        never finished are released after the servers' ``--session-idle-seconds``."""
+        request = data_plane_pb2.FinishSessionRequest(session_id=session_id)
+        response = await self._unary(
+            self.config.router, self._data().FinishSession, request, self._data_timeout(timeout)
+        )
+        return bool(response.found)

@@ -1,0 +1,325 @@
+"""Weights on every server of the fleet: the collective group, updates as fleet-wide
+transactions (``weight_transaction``), cancel, rollback, checksums and versions.
+
+How bytes move is ``trainer_client.weights`` (buckets over the collective group, or chunks
+over gRPC streams); this module makes the calls around them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+import grpc
+
+from skyrl_grpc.names import PUSH_WEIGHTS
+from skyrl_grpc.process_group import free_port
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+
+from .client_core import ClientCore, ControlRpc, Request, Response
+from .errors import FailedPrecondition
+from .fanout import failures_of, fan_out
+from .fleet_info import WeightCommit
+from .results import WeightVersions
+from .weight_transaction import run_weight_transaction
+from .weights import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_CHUNK_BYTES,
+    CollectiveSender,
+    plan_buckets,
+    push_messages,
+    rank_offsets,
+)
+
+WeightTransport = Literal["collective", "grpc"]
+
+
+def owner_name() -> str:
+    """How this process names itself to the servers (in weight-update leases)."""
+    return f"trainer@{socket.gethostname()}:{os.getpid()}"
+
+
+class WeightUpdates(ClientCore):
+    """Weight calls (mixin of ``InferenceClient``)."""
+
+    def _setup_weights(self) -> None:
+        # Rank 0 of the collective weight-transfer group (process-local, never pickled).
+        self._sender: CollectiveSender | None = None
+
+    @property
+    def has_weight_group(self) -> bool:
+        """True once ``init_weight_transfer`` formed the collective group."""
+        return self._sender is not None
+
+    async def init_weight_transfer(
+        self,
+        backend: str = "gloo",
+        *,
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        group_name: str = "skyrl",
+        timeout_seconds: float = 300.0,
+    ) -> dict[str, int]:
+        """Forms the collective group: this process is rank 0, each server joins with its own
+        rank offset (computed from the servers' world sizes). Returns each server's offset."""
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend {backend!r}: use 'gloo' or 'nccl' (in-band needs no group)")
+        request = cp.GetServerInfoRequest()
+        sizes = await self._fan_out(lambda s: s.GetServerInfo, request, None, _world_size)
+        servers = list(self.config.servers)
+        offsets, world_size = rank_offsets([sizes[a] for a in servers])
+        port = master_port or free_port(master_address)
+        sender = CollectiveSender(
+            backend, master_address, port, world_size, group_name, timeout_seconds
+        )
+        by_server = dict(zip(servers, offsets, strict=True))
+        proto_backend = (
+            cp.WEIGHT_TRANSFER_BACKEND_GLOO
+            if backend == "gloo"
+            else cp.WEIGHT_TRANSFER_BACKEND_NCCL
+        )
+
+        async def init_or_give_up(address: str) -> cp.InitWeightTransferResponse:
+            request = cp.InitWeightTransferRequest(
+                backend=proto_backend,
+                master_address=master_address,
+                master_port=port,
+                rank_offset=by_server[address],
+                world_size=world_size,
+                group_name=group_name,
+                timeout_seconds=int(timeout_seconds),
+            )
+            try:
+                return await self._unary(
+                    address, self._control(address).InitWeightTransfer, request, timeout_seconds
+                )
+            except BaseException:
+                sender.cancel_join()  # the others stop waiting for this server at once
+                raise
+
+        # Both sides block until every rank joined: run the trainer's join beside the servers'.
+        join = asyncio.ensure_future(asyncio.to_thread(sender.join))
+        try:
+            await fan_out("InitWeightTransfer", servers, init_or_give_up)
+        except BaseException:
+            sender.cancel_join()
+            # The join thread ends promptly; its error (the rendezvous given up) says nothing
+            # the fan-out's does not. Every server's call has ended, so none still reads the
+            # store: close it, freeing the master port.
+            await asyncio.gather(join, return_exceptions=True)
+            sender.release()
+            raise
+        await join
+        self._sender = sender
+        return by_server
+
+    async def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        weight_version: int | None = None,
+        *,
+        transport: WeightTransport | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        checksums: bool = True,
+        timeout: float = 600.0,
+        lease_seconds: int = 0,
+    ) -> dict[str, WeightCommit]:
+        """Pushes new weights to every server and commits ``weight_version`` on all of them,
+        or on none: a fleet-wide transaction (``trainer_client.weight_transaction``).
+
+        ``weight_version``: what the new weights serve as; must be newer than what every server
+        serves, and is checked before any weight is sent. None: one more than the newest
+        version any server serves. ``transport``: "collective" (the group from
+        ``init_weight_transfer``) or "grpc" (in-band streams, no group needed); None: the
+        group if one was formed, else "grpc". ``timeout``: seconds for the transfer.
+        ``lease_seconds``: how long the servers keep the update open if this process dies
+        mid-way (0: their default).
+
+        On any failure (a server unreachable, a rejected chunk or version, a timeout) the update
+        is cancelled on every server and rolled back where it was already committed, then
+        ``WeightUpdateError`` names each server, what happened there and the version it serves
+        now. Returns each server's answer to the commit (the version, parameters replaced).
+        """
+        tensors = list(named_tensors)
+        servers = list(self.config.servers)
+        sender = self._sender
+        if transport is None:
+            transport = "collective" if sender is not None else "grpc"
+        if transport not in ("collective", "grpc"):
+            raise ValueError(f"transport {transport!r}: use 'collective' or 'grpc'")
+        if transport == "collective" and sender is None:
+            raise ValueError(
+                "no collective group: call init_weight_transfer() or use transport='grpc'"
+            )
+        if not servers:
+            raise ValueError("update_weights: the client has no server addresses")
+        if weight_version is not None and weight_version <= 0:
+            # 0 means "unset" on the wire and every server starts at 0: refused before a byte
+            # moves, instead of after the whole model was pushed.
+            raise ValueError(
+                f"weight_version={weight_version}: versions start at 1 and must increase "
+                "(None: one more than the newest version any server serves)"
+            )
+        calls = _TransactionCalls(self, lease_seconds)
+        if weight_version is None:
+            # From the servers that answer: one that does not fails the update at its start,
+            # where the error reports every server.
+            versions = await asyncio.gather(
+                *(calls.serving_version(a) for a in servers), return_exceptions=True
+            )
+            weight_version = 1 + max((v for v in versions if isinstance(v, int)), default=0)
+
+        async def transfer(addresses: Sequence[str]) -> dict[str, BaseException]:
+            if sender is not None and transport == "collective":
+                return await self._broadcast(
+                    sender, addresses, tensors, bucket_bytes, checksums, timeout
+                )
+            return await self._push(addresses, tensors, chunk_bytes, checksums, timeout)
+
+        return await run_weight_transaction(servers, weight_version, calls, transfer)
+
+    async def _broadcast(
+        self,
+        sender: CollectiveSender,
+        addresses: Sequence[str],
+        tensors: list[tuple[str, Any]],
+        bucket_bytes: int,
+        checksums: bool,
+        timeout: float,
+    ) -> dict[str, BaseException]:
+        buckets = plan_buckets(tensors, bucket_bytes, checksums)
+        request = cp.UpdateWeightsRequest(buckets=[b.layout for b in buckets])
+
+        async def update(address: str) -> object:
+            return await self._unary(
+                address, self._control(address).UpdateWeights, request, timeout
+            )
+
+        # Every server receives while rank 0 broadcasts; a server that rejects the layout still
+        # receives (and drops) the bytes, so the broadcast completes.
+        broadcast = asyncio.ensure_future(asyncio.to_thread(sender.broadcast, buckets))
+        failures = await failures_of(addresses, update)
+        try:
+            await broadcast
+        except Exception as error:
+            failures.update({a: error for a in addresses if a not in failures})
+        return failures
+
+    async def _push(
+        self,
+        addresses: Sequence[str],
+        tensors: list[tuple[str, Any]],
+        chunk_bytes: int,
+        checksums: bool,
+        timeout: float,
+    ) -> dict[str, BaseException]:
+        messages = push_messages(tensors, chunk_bytes, checksums)  # serialized once for all
+
+        async def push(address: str) -> object:
+            method: grpc.aio.StreamUnaryMultiCallable[bytes, cp.PushWeightsResponse]
+            method = self.channel(address).stream_unary(
+                PUSH_WEIGHTS,
+                request_serializer=None,
+                response_deserializer=cp.PushWeightsResponse.FromString,
+            )
+            return await self._unary(address, method, iter(messages), timeout)
+
+        return await failures_of(addresses, push)
+
+    async def cancel_weight_update(self, *, timeout: float | None = None) -> dict[str, int]:
+        """Cancels the weight update open on any server (e.g. one a crashed trainer left);
+        returns the parameters each server dropped (0 where none was open)."""
+        deadline = self.config.control_timeout if timeout is None else timeout
+
+        async def cancel(address: str) -> int:
+            try:
+                response = await self._unary(
+                    address,
+                    self._control(address).CancelWeightUpdate,
+                    cp.CancelWeightUpdateRequest(),
+                    deadline,
+                )
+            except FailedPrecondition:
+                return 0  # nothing open there
+            return response.parameters_discarded
+
+        return await fan_out("CancelWeightUpdate", self.config.servers, cancel)
+
+    async def rollback_weights(
+        self, weight_version: int, *, timeout: float | None = None
+    ) -> dict[str, int]:
+        """On every server, undoes the commit of ``weight_version`` (possible until the next
+        update starts); returns the version each server serves again."""
+        request = cp.RollbackWeightUpdateRequest(weight_version=weight_version)
+        return await self._fan_out(
+            lambda s: s.RollbackWeightUpdate, request, timeout, lambda r: r.weight_version
+        )
+
+    async def weight_checksums(
+        self, names: Sequence[str] = (), *, timeout: float | None = None
+    ) -> dict[str, dict[str, bytes]]:
+        """SHA-256 of every server's serving weights, per parameter (checkpoint names)."""
+        request = cp.GetWeightChecksumsRequest(names=list(names))
+        return await self._fan_out(
+            lambda s: s.GetWeightChecksums,
+            request,
+            timeout,
+            lambda r: {c.name: c.sha256 for c in r.checksums},
+        )
+
+    async def weight_versions(self, *, timeout: float | None = None) -> WeightVersions:
+        """The version each server serves; ``.consistent`` / ``.behind()`` show a mismatch
+        (e.g. a restarted server back on its initial weights)."""
+        request = cp.GetServerInfoRequest()
+        versions = await self._fan_out(
+            lambda s: s.GetServerInfo, request, timeout, lambda r: r.weight_version
+        )
+        return WeightVersions(versions)
+
+
+def _world_size(info: cp.GetServerInfoResponse) -> int:
+    return info.world_size
+
+
+class _TransactionCalls:
+    """The per-server calls of a fleet weight update, over the client's channels."""
+
+    def __init__(self, client: ClientCore, lease_seconds: int) -> None:
+        self._client = client
+        self._lease_seconds = lease_seconds
+        self._owner = owner_name()
+
+    async def start(self, address: str, version: int) -> int:
+        request = cp.StartWeightUpdateRequest(
+            weight_version=version, owner=self._owner, lease_seconds=self._lease_seconds
+        )
+        response = await self._call(address, request, lambda s: s.StartWeightUpdate)
+        return response.serving_weight_version
+
+    async def finish(self, address: str, version: int) -> WeightCommit:
+        request = cp.FinishWeightUpdateRequest(weight_version=version)
+        response = await self._call(address, request, lambda s: s.FinishWeightUpdate)
+        return WeightCommit.from_proto(response)
+
+    async def cancel(self, address: str) -> None:
+        await self._call(address, cp.CancelWeightUpdateRequest(), lambda s: s.CancelWeightUpdate)
+
+    async def rollback(self, address: str, version: int) -> int:
+        request = cp.RollbackWeightUpdateRequest(weight_version=version)
+        response = await self._call(address, request, lambda s: s.RollbackWeightUpdate)
+        return response.weight_version
+
+    async def serving_version(self, address: str) -> int:
+        info = await self._call(address, cp.GetServerInfoRequest(), lambda s: s.GetServerInfo)
+        return info.weight_version
+
+    async def _call(
+        self, address: str, request: Request, rpc: ControlRpc[Request, Response]
+    ) -> Response:
+        client = self._client
+        stub_method = rpc(client._control(address))
+        return await client._unary(address, stub_method, request, client.config.control_timeout)
