@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -19,9 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
+from tests.helpers.server_process import ServerProcess
 
 pytestmark = [pytest.mark.engine]
-ROOT = Path(__file__).resolve().parents[1]
 GRPCURL = str(Path(sys.executable).with_name("grpcurl"))
 DATA_PLANE = "skyrl.inference.v1.DataPlane"
 CONTROL_PLANE = "skyrl.inference.v1.ControlPlane"
@@ -29,39 +28,12 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class ServerProcess:
-    def __init__(self, *args: str, command: tuple[str, ...] = ("-m", "servers.engine")) -> None:
-        launcher = [sys.executable, *command] if command[0] == "-m" else list(command)
-        self.proc = subprocess.Popen(
-            [*launcher, "--port", "0", *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-        )
-        self.address = self.next_event("listening")["address"]
-
-    def next_event(self, name: str) -> dict[str, str]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                event = json.loads(line)
-                if event["event"] == name:
-                    return event  # type: ignore[no-any-return]
-        raise AssertionError(f"server exited before {name!r} (code {self.proc.wait()})")
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server_process() -> Iterator[ServerProcess]:
     server = ServerProcess("--drain-grace-seconds", "20")
+    server.until("listening")
     yield server
-    server.stop()
+    server.kill()
 
 
 def health_status(address: str, service: str) -> int:
@@ -81,7 +53,7 @@ def test_health_not_serving_while_starting_then_serving(server_process: ServerPr
             )
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
         assert "starting" in raised.value.details()  # type: ignore[attr-defined]
-    server_process.next_event("ready")
+    server_process.until("ready")
     assert health_status(server_process.address, DATA_PLANE) == SERVING
     assert health_status(server_process.address, CONTROL_PLANE) == SERVING
 
@@ -159,7 +131,7 @@ def test_sigkill_of_skyrl_grpc_serve_leaves_no_process_of_its_tree() -> None:
     launcher = str(Path(sys.executable).with_name("skyrl-grpc"))
     server = ServerProcess(command=(launcher, "serve"))
     try:
-        server.next_event("ready")
+        server.until("ready")
         tree = psutil.Process(server.proc.pid).children(recursive=True)
         assert tree, "the server started no process of its own (engine core, watchdog)"
         os.kill(server.proc.pid, signal.SIGKILL)
@@ -171,7 +143,7 @@ def test_sigkill_of_skyrl_grpc_serve_leaves_no_process_of_its_tree() -> None:
             alive = [p for p in alive if _alive(p)]
         assert not alive, [(p.pid, p.name()) for p in alive]
     finally:
-        server.stop()
+        server.kill()
 
 
 def _alive(process: object) -> bool:

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +33,27 @@ pytestmark = [pytest.mark.engine]
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@dataclass
+class GuardedFleet:
+    """Two real servers, a client of both, the model's original weights and each server's
+    greedy outputs on them."""
+
+    client: InferenceClient
+    servers: list[str]
+    original: dict[str, Any]  # name -> tensor
+    reference: Any
+
+
 @pytest.fixture(scope="module")
-async def fleet(
+async def guarded_fleet(
     engine_server: Any, second_engine_server: Any, tiny_model_dir: Path
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncIterator[GuardedFleet]:
     servers = [engine_server.address, second_engine_server.address]
     client = InferenceClient(servers[0], servers)
     original = load_file(str(tiny_model_dir / "model.safetensors"))
     await client.update_weights(original.items(), transport="grpc")
     reference = await greedy_per_server(servers)
-    yield {"client": client, "servers": servers, "original": original, "reference": reference}
+    yield GuardedFleet(client, servers, original, reference)
     await client.cancel_weight_update()
     await client.update_weights(original.items(), transport="grpc")
 
@@ -54,50 +66,50 @@ async def info(address: str) -> cp.GetServerInfoResponse:
     return await control(address).GetServerInfo(cp.GetServerInfoRequest())
 
 
-async def assert_on_previous_weights(fleet: dict[str, Any], versions: dict[str, int]) -> None:
+async def assert_on_previous_weights(guarded_fleet: GuardedFleet, versions: dict[str, int]) -> None:
     """Every server serves the version it served before, with the same greedy outputs, and
     holds no open update."""
-    for address in fleet["servers"]:
+    for address in guarded_fleet.servers:
         state = await info(address)
         assert state.weight_version == versions[address], address
         assert not state.HasField("open_weight_update"), address
-    assert await greedy_per_server(fleet["servers"]) == fleet["reference"]
+    assert await greedy_per_server(guarded_fleet.servers) == guarded_fleet.reference
 
 
 async def test_a_version_refused_by_one_server_leaves_the_fleet_on_its_previous_weights(
-    fleet: dict[str, Any],
+    guarded_fleet: GuardedFleet,
 ) -> None:
-    client: InferenceClient = fleet["client"]
-    first, second = fleet["servers"]
+    client: InferenceClient = guarded_fleet.client
+    first, second = guarded_fleet.servers
     # The second server is ahead (e.g. it was updated alone): it refuses the fleet's version.
     ahead = await next_version(client) + 5
     alone = InferenceClient(second, [second])
-    await alone.update_weights(fleet["original"].items(), ahead, transport="grpc")
+    await alone.update_weights(guarded_fleet.original.items(), ahead, transport="grpc")
     before = await client.weight_versions()
     with pytest.raises(WeightUpdateError) as raised:
         await client.update_weights(
-            perturbed(fleet["original"], 11).items(), ahead - 1, transport="grpc"
+            perturbed(guarded_fleet.original, 11).items(), ahead - 1, transport="grpc"
         )
     error = raised.value
     assert error.phase == "StartWeightUpdate"
     assert "INVALID_ARGUMENT" in error.outcomes[second].what
     assert error.outcomes[first].serving_version == before[first]
-    await assert_on_previous_weights(fleet, before)
+    await assert_on_previous_weights(guarded_fleet, before)
     # The next update goes through on both (the newest version + 1 by default).
-    finished = await client.update_weights(fleet["original"].items(), transport="grpc")
+    finished = await client.update_weights(guarded_fleet.original.items(), transport="grpc")
     assert {r.weight_version for r in finished.values()} == {ahead + 1}
-    assert await greedy_per_server(fleet["servers"]) == fleet["reference"]
+    assert await greedy_per_server(guarded_fleet.servers) == guarded_fleet.reference
 
 
 async def test_an_unreachable_server_leaves_no_update_open_on_the_others(
-    fleet: dict[str, Any], unused_tcp_port: int
+    guarded_fleet: GuardedFleet, unused_tcp_port: int
 ) -> None:
-    reachable = fleet["servers"][0]
+    reachable = guarded_fleet.servers[0]
     gone = f"127.0.0.1:{unused_tcp_port}"
     client = InferenceClient(reachable, [reachable, gone], control_timeout=5)
     version = await InferenceClient(reachable, [reachable]).weight_versions()
     with pytest.raises(WeightUpdateError) as raised:
-        await client.update_weights(perturbed(fleet["original"], 12).items(), transport="grpc")
+        await client.update_weights(perturbed(guarded_fleet.original, 12).items(), transport="grpc")
     assert "UNAVAILABLE" in raised.value.outcomes[gone].what
     assert raised.value.outcomes[gone].serving_version is None  # it could not be asked
     state = await info(reachable)
@@ -105,7 +117,7 @@ async def test_an_unreachable_server_leaves_no_update_open_on_the_others(
     assert state.weight_version == version[reachable]
     # An update of the reachable server alone succeeds.
     alone = InferenceClient(reachable, [reachable])
-    finished = await alone.update_weights(fleet["original"].items(), transport="grpc")
+    finished = await alone.update_weights(guarded_fleet.original.items(), transport="grpc")
     assert finished[reachable].weight_version == version[reachable] + 1
 
 
@@ -126,9 +138,9 @@ asyncio.run(main())
 
 
 async def test_an_update_whose_trainer_exited_expires_with_its_lease(
-    fleet: dict[str, Any],
+    guarded_fleet: GuardedFleet,
 ) -> None:
-    servers = fleet["servers"]
+    servers = guarded_fleet.servers
     exited = await asyncio.to_thread(
         subprocess.run,
         [sys.executable, "-c", ABANDONING_TRAINER, ",".join(servers)],
@@ -142,25 +154,25 @@ async def test_an_update_whose_trainer_exited_expires_with_its_lease(
     state = await info(servers[0])
     assert state.open_weight_update.owner == "crashing-trainer"
     assert state.open_weight_update.lease_seconds == 2
-    client: InferenceClient = fleet["client"]
+    client: InferenceClient = guarded_fleet.client
     with pytest.raises(WeightUpdateError, match="owner crashing-trainer"):
-        await client.update_weights(fleet["original"].items(), transport="grpc")
+        await client.update_weights(guarded_fleet.original.items(), transport="grpc")
 
     async def expired() -> bool:
         return not any([(await info(a)).HasField("open_weight_update") for a in servers])
 
     await until(expired, timeout=10, what="the lease to expire")
-    await client.update_weights(fleet["original"].items(), transport="grpc")
-    assert await greedy_per_server(servers) == fleet["reference"]
+    await client.update_weights(guarded_fleet.original.items(), transport="grpc")
+    assert await greedy_per_server(servers) == guarded_fleet.reference
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 async def test_non_finite_weights_are_refused_and_change_nothing(
-    fleet: dict[str, Any], value: float
+    guarded_fleet: GuardedFleet, value: float
 ) -> None:
-    client: InferenceClient = fleet["client"]
+    client: InferenceClient = guarded_fleet.client
     before = await client.weight_versions()
-    poisoned = perturbed(fleet["original"], 13)
+    poisoned = perturbed(guarded_fleet.original, 13)
     poisoned["model.layers.1.mlp.down_proj.weight"].view(-1)[17] = value
     for transport in ("grpc", "collective"):
         if transport == "collective":
@@ -170,7 +182,7 @@ async def test_non_finite_weights_are_refused_and_change_nothing(
         for outcome in raised.value.outcomes.values():
             assert "INVALID_ARGUMENT" in outcome.what
             assert "model.layers.1.mlp.down_proj.weight holds a NaN or an infinity" in outcome.what
-        await assert_on_previous_weights(fleet, before)
+        await assert_on_previous_weights(guarded_fleet, before)
 
 
 FAULTS = [
@@ -185,9 +197,9 @@ FAULTS = [
 
 
 async def test_each_call_of_an_update_failing_on_one_server_leaves_the_fleet_consistent(
-    fleet: dict[str, Any],
+    guarded_fleet: GuardedFleet,
 ) -> None:
-    first, second = fleet["servers"]
+    first, second = guarded_fleet.servers
     proxy = await FaultyProxy(second).start()
     try:
         client = InferenceClient(first, [first, proxy.address])
@@ -197,30 +209,30 @@ async def test_each_call_of_an_update_failing_on_one_server_leaves_the_fleet_con
             proxy.fault = fault
             with pytest.raises(WeightUpdateError) as raised:
                 await client.update_weights(
-                    perturbed(fleet["original"], 20 + number).items(), transport="grpc"
+                    perturbed(guarded_fleet.original, 20 + number).items(), transport="grpc"
                 )
             assert proxy.faults_injected[-1] == f"{fault.method}:{fault.when}"
             assert raised.value.consistent, str(raised.value)
-            await assert_on_previous_weights(fleet, before)
+            await assert_on_previous_weights(guarded_fleet, before)
             # The next update succeeds on both.
-            finished = await client.update_weights(fleet["original"].items(), transport="grpc")
+            finished = await client.update_weights(guarded_fleet.original.items(), transport="grpc")
             assert len({r.weight_version for r in finished.values()}) == 1, str(fault)
     finally:
         await proxy.stop()
 
 
 async def test_no_stale_prefix_blocks_after_pushing_the_original_weights_back(
-    fleet: dict[str, Any],
+    guarded_fleet: GuardedFleet,
 ) -> None:
     """The prefix cache cannot be reset while paused requests hold blocks; requests after the
     update must still never reuse blocks computed under the weights it replaced."""
-    address = fleet["servers"][0]
+    address = guarded_fleet.servers[0]
     client = InferenceClient(address, [address])
     prefix = [1, *range(100, 400)]  # several full cache blocks (128 tokens each on CPU)
     prompts = [[*prefix, 500 + i] for i in range(32)]
     greedy = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
     reference = [r.token_ids for r in await client.generate_batch(prompts, greedy)]
-    await client.update_weights(perturbed(fleet["original"], 30).items(), transport="grpc")
+    await client.update_weights(perturbed(guarded_fleet.original, 30).items(), transport="grpc")
     changed = [r.token_ids for r in await client.generate_batch(prompts, greedy)]
     assert changed != reference
     # Requests sharing the prefix hold its blocks while paused in KEEP mode.
@@ -232,7 +244,7 @@ async def test_no_stale_prefix_blocks_after_pushing_the_original_weights_back(
     )
     await running_on_engines(client, 4, holding)
     await client.pause("keep")
-    await client.update_weights(fleet["original"].items(), transport="grpc")
+    await client.update_weights(guarded_fleet.original.items(), transport="grpc")
     await client.resume()
     restored = [r.token_ids for r in await client.generate_batch(prompts, greedy)]
     await holding
@@ -291,7 +303,7 @@ async def test_a_server_refusing_to_join_frees_the_group_at_once(engine_server: 
     # up at once (not after the group's timeout), free its master port and leave the real
     # server able to join again.
     from servers.common.listener import bind, server_options
-    from trainer_client.client import free_port
+    from skyrl_grpc.process_group import free_port
 
     refusing = grpc.aio.server(options=server_options())
     control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(_RefusingControlPlane(), refusing)

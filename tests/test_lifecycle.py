@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import psutil
@@ -23,53 +22,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from skyrl_grpc.names import DATA_PLANE
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from tests.helpers.server_process import ENV, ROOT, ServerProcess
 from tests.helpers.waits import running_on_engines
 from trainer_client import InferenceClient
 
 pytestmark = [pytest.mark.engine]
-ROOT = Path(__file__).resolve().parents[1]
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
-
-
-class ServerProcess:
-    """``python -m servers.engine`` with its lifecycle lines read as they come."""
-
-    def __init__(self, *args: str, stderr: Path | None = None) -> None:
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "servers.engine", "--port", "0", *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=open(stderr, "w") if stderr else subprocess.DEVNULL,
-            text=True,
-            env=ENV,
-        )
-        self.events: list[tuple[float, dict[str, Any]]] = []
-
-    def next_event(self) -> dict[str, Any] | None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                event = json.loads(line)
-                self.events.append((time.monotonic() - self.started, event))
-                return event  # type: ignore[no-any-return]
-        return None
-
-    def until(self, name: str) -> dict[str, Any]:
-        while (event := self.next_event()) is not None:
-            if event["event"] == name:
-                return event
-        raise AssertionError(f"exited before {name!r} (code {self.proc.wait()}): {self.events}")
-
-    def descendants(self) -> list[psutil.Process]:
-        return psutil.Process(self.proc.pid).children(recursive=True)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
 
 
 @pytest.fixture

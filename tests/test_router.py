@@ -45,7 +45,9 @@ async def start_router(backends: list[FakeBackend], **kw: object) -> RouterServe
 
 
 @pytest.fixture
-async def fleet() -> AsyncIterator[tuple[list[FakeBackend], RouterServer, grpc.aio.Channel]]:
+async def router_on_stand_ins() -> AsyncIterator[
+    tuple[list[FakeBackend], RouterServer, grpc.aio.Channel]
+]:
     backends = [await FakeBackend(f"b{i}").start() for i in range(4)]
     router = await start_router(backends, metrics_port=0)
     channel = grpc.aio.insecure_channel(router.address)
@@ -81,8 +83,8 @@ async def health_status(channel: grpc.aio.Channel, service: str = "") -> int:
     return response.status  # type: ignore[no-any-return]
 
 
-async def test_streams_and_unary_are_forwarded_unchanged(fleet) -> None:  # type: ignore[no-untyped-def]
-    backends, router, channel = fleet
+async def test_streams_and_unary_are_forwarded_unchanged(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = router_on_stand_ins
     address, tokens = await routed_stream(channel, max_tokens=5)
     assert tokens == [0, 1, 2, 3, 4]
     assert address in {b.address for b in backends}
@@ -97,8 +99,8 @@ async def test_streams_and_unary_are_forwarded_unchanged(fleet) -> None:  # type
     assert dict(await call.initial_metadata())[ROUTED_TO] in {b.address for b in backends}
 
 
-async def test_session_affinity_and_metadata_forwarding(fleet) -> None:  # type: ignore[no-untyped-def]
-    backends, router, channel = fleet
+async def test_session_affinity_and_metadata_forwarding(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = router_on_stand_ins
     by_address = {b.address: b for b in backends}
     landed: dict[str, set[str]] = {}
     for _turn in range(3):
@@ -123,8 +125,8 @@ async def test_session_affinity_and_metadata_forwarding(fleet) -> None:  # type:
     assert seen["traceparent"] == "00-abc-def-01"
 
 
-async def test_no_session_goes_to_least_loaded(fleet) -> None:  # type: ignore[no-untyped-def]
-    backends, router, channel = fleet
+async def test_no_session_goes_to_least_loaded(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = router_on_stand_ins
     for b in backends:
         b.servicer.delay = 0.05
     long_calls = [asyncio.ensure_future(routed_stream(channel, max_tokens=40)) for _ in range(3)]
@@ -137,8 +139,8 @@ async def test_no_session_goes_to_least_loaded(fleet) -> None:  # type: ignore[n
         call.cancel()
 
 
-async def test_unhealthy_backend_is_ejected_and_readmitted(fleet) -> None:  # type: ignore[no-untyped-def]
-    backends, router, channel = fleet
+async def test_unhealthy_backend_is_ejected_and_readmitted(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = router_on_stand_ins
     sessions = [f"s{i}" for i in range(40)]
     before = {s: router.pool.owner(s) for s in sessions}
     victim = backends[1]
@@ -161,8 +163,8 @@ async def test_unhealthy_backend_is_ejected_and_readmitted(fleet) -> None:  # ty
         assert (await routed_stream(channel, s))[0] == before[s]  # sessions came back
 
 
-async def test_stopped_backend_is_ejected_and_restarted_one_rejoins(fleet) -> None:  # type: ignore[no-untyped-def]
-    backends, router, channel = fleet
+async def test_stopped_backend_is_ejected_and_restarted_one_rejoins(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = router_on_stand_ins
     victim = backends[3]
     port = victim.port
     await victim.stop()
@@ -181,8 +183,8 @@ async def test_stopped_backend_is_ejected_and_restarted_one_rejoins(fleet) -> No
     await restarted.stop()
 
 
-async def test_no_healthy_backend_is_unavailable_with_reason(fleet) -> None:  # type: ignore[no-untyped-def]
-    backends, router, channel = fleet
+async def test_no_healthy_backend_is_unavailable_with_reason(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = router_on_stand_ins
     for b in backends:
         await b.set_serving(False)
     await until(lambda: not router.pool.healthy(), what="every backend ejected")
@@ -200,8 +202,8 @@ async def test_no_healthy_backend_is_unavailable_with_reason(fleet) -> None:  # 
     assert await health_status(channel) == SERVING
 
 
-async def test_retry_before_first_chunk_but_never_after(fleet) -> None:  # type: ignore[no-untyped-def]
-    backends, router, channel = fleet
+async def test_retry_before_first_chunk_but_never_after(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = router_on_stand_ins
     first_choice = router.pool.owner("retry-me")
     by_address = {b.address: b for b in backends}
     by_address[first_choice].servicer.fail_next_with = grpc.StatusCode.UNAVAILABLE
@@ -251,8 +253,8 @@ async def test_lost_backend_without_migration_is_unavailable_naming_it() -> None
         await b.stop()
 
 
-async def test_cancel_and_deadline_pass_through(fleet) -> None:  # type: ignore[no-untyped-def]
-    backends, router, channel = fleet
+async def test_cancel_and_deadline_pass_through(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = router_on_stand_ins
     for b in backends:
         b.servicer.delay = 0.05
     stub = data_plane_pb2_grpc.DataPlaneStub(channel)
@@ -274,8 +276,8 @@ async def test_cancel_and_deadline_pass_through(fleet) -> None:  # type: ignore[
     await until(lambda: owner.observed.in_flight == 0, what="the upstream call to end")
 
 
-async def test_admin_lists_adds_removes_and_drains(fleet) -> None:  # type: ignore[no-untyped-def]
-    backends, router, channel = fleet
+async def test_admin_lists_adds_removes_and_drains(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = router_on_stand_ins
     admin = router_pb2_grpc.RouterAdminStub(channel)
     listed = await admin.ListBackends(router_pb2.ListBackendsRequest())
     assert sorted(b.address for b in listed.backends) == sorted(b.address for b in backends)
@@ -316,8 +318,8 @@ async def test_admin_lists_adds_removes_and_drains(fleet) -> None:  # type: igno
     await extra.stop()
 
 
-async def test_metrics_endpoint(fleet) -> None:  # type: ignore[no-untyped-def]
-    backends, router, channel = fleet
+async def test_metrics_endpoint(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = router_on_stand_ins
     await routed_stream(channel, "m")
     body = await asyncio.to_thread(
         lambda: (
@@ -337,8 +339,10 @@ async def test_metrics_endpoint(fleet) -> None:  # type: ignore[no-untyped-def]
     assert f'skyrl_router_backend_healthy{{backend="{backends[0].address}"}} 1.0' in body
 
 
-async def test_methods_unknown_to_the_router_are_relayed_as_raw_streams(fleet) -> None:  # type: ignore[no-untyped-def]
-    backends, router, channel = fleet
+async def test_methods_unknown_to_the_router_are_relayed_as_raw_streams(
+    router_on_stand_ins,
+) -> None:  # type: ignore[no-untyped-def]
+    backends, router, channel = router_on_stand_ins
     # A router built from an older contract knows none of the methods: all are relayed raw.
     handler = ForwardingHandler(router.proxy)
     handler._streaming.clear()

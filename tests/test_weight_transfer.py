@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import shutil
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +29,31 @@ pytestmark = [pytest.mark.engine]
 UNUSED_VERSION = 1 << 40
 
 
+@dataclass
+class PushedFleet:
+    """Both real servers behind the router, a client of them and the model's original weights
+    (restored after the module)."""
+
+    client: InferenceClient
+    servers: list[str]
+    original: dict[str, torch.Tensor]
+
+
 @pytest.fixture(scope="module")
-async def fleet(
+async def pushed_fleet(
     two_server_router: Any, engine_server: Any, second_engine_server: Any, tiny_model_dir: Path
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncIterator[PushedFleet]:
     servers = [engine_server.address, second_engine_server.address]
     client = InferenceClient(two_server_router.address, servers)
     original = load_file(str(tiny_model_dir / "model.safetensors"))
-    yield {"client": client, "servers": servers, "original": original}
+    yield PushedFleet(client, servers, original)
     # Leave the shared engines with their original weights.
     await client.update_weights(original.items(), transport="grpc")
 
 
 @pytest.fixture(scope="module")
-def new_weights(fleet: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return perturbed(fleet["original"], seed=1)
+def new_weights(pushed_fleet: PushedFleet) -> dict[str, torch.Tensor]:
+    return perturbed(pushed_fleet.original, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +82,8 @@ def new_weights_reference(
 
 
 @pytest.fixture(scope="module")
-async def original_greedy(fleet: dict[str, Any]) -> dict[str, list[list[int]]]:
-    return await greedy_per_server(fleet["servers"])
+async def original_greedy(pushed_fleet: PushedFleet) -> dict[str, list[list[int]]]:
+    return await greedy_per_server(pushed_fleet.servers)
 
 
 def sender_checksums(weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
@@ -80,30 +91,32 @@ def sender_checksums(weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
 
 
 async def assert_serving(
-    fleet: dict[str, Any],
+    pushed_fleet: PushedFleet,
     weights: dict[str, torch.Tensor],
     greedy: dict[str, list[list[int]]] | list[list[int]],
 ) -> None:
-    client: InferenceClient = fleet["client"]
+    client: InferenceClient = pushed_fleet.client
     checksums = await client.weight_checksums()
-    for address in fleet["servers"]:
+    for address in pushed_fleet.servers:
         assert checksums[address] == sender_checksums(weights), f"checksums differ on {address}"
-    outputs = await greedy_per_server(fleet["servers"])
-    for address in fleet["servers"]:
+    outputs = await greedy_per_server(pushed_fleet.servers)
+    for address in pushed_fleet.servers:
         expected = greedy[address] if isinstance(greedy, dict) else greedy
         assert outputs[address] == expected, f"greedy output differs on {address}"
 
 
 async def test_in_band_push_serves_exactly_the_new_weights_and_back(
-    fleet: dict[str, Any],
+    pushed_fleet: PushedFleet,
     new_weights: dict[str, torch.Tensor],
     new_weights_reference: list[list[int]],
     original_greedy: dict[str, list[list[int]]],
 ) -> None:
-    client: InferenceClient = fleet["client"]
+    client: InferenceClient = pushed_fleet.client
     assert all(
         o != r
-        for o, r in zip(original_greedy[fleet["servers"][0]], new_weights_reference, strict=True)
+        for o, r in zip(
+            original_greedy[pushed_fleet.servers[0]], new_weights_reference, strict=True
+        )
     )
     version = await next_version(client)
     finished = await client.update_weights(
@@ -111,31 +124,31 @@ async def test_in_band_push_serves_exactly_the_new_weights_and_back(
     )
     assert {r.weight_version for r in finished.values()} == {version}
     assert all(r.parameters_updated == len(new_weights) for r in finished.values())
-    await assert_serving(fleet, new_weights, new_weights_reference)
+    await assert_serving(pushed_fleet, new_weights, new_weights_reference)
     result = await client.generate(REFERENCE_PROMPTS[0], {"temperature": 0.0, "max_tokens": 4})
     assert [(s.weight_version, s.length) for s in result.weight_versions] == [(version, 4)]
     assert set((await client.weight_versions()).values()) == {version}
     # Pushing the original weights back restores the original output exactly.
-    await client.update_weights(fleet["original"].items(), transport="grpc")
-    await assert_serving(fleet, fleet["original"], original_greedy)
+    await client.update_weights(pushed_fleet.original.items(), transport="grpc")
+    await assert_serving(pushed_fleet, pushed_fleet.original, original_greedy)
 
 
 async def test_collective_gloo_updates_two_servers_with_their_own_rank_offsets(
-    fleet: dict[str, Any],
+    pushed_fleet: PushedFleet,
     new_weights: dict[str, torch.Tensor],
     new_weights_reference: list[list[int]],
     original_greedy: dict[str, list[list[int]]],
 ) -> None:
-    client: InferenceClient = fleet["client"]
+    client: InferenceClient = pushed_fleet.client
     offsets = await client.init_weight_transfer("gloo", timeout_seconds=30)
-    assert offsets == {fleet["servers"][0]: 1, fleet["servers"][1]: 2}
+    assert offsets == {pushed_fleet.servers[0]: 1, pushed_fleet.servers[1]: 2}
     # Small buckets: several broadcasts, parameters packed several to a bucket.
     await client.update_weights(new_weights.items(), transport="collective", bucket_bytes=300_000)
-    await assert_serving(fleet, new_weights, new_weights_reference)
-    await client.update_weights(fleet["original"].items(), transport="collective")
-    await assert_serving(fleet, fleet["original"], original_greedy)
+    await assert_serving(pushed_fleet, new_weights, new_weights_reference)
+    await client.update_weights(pushed_fleet.original.items(), transport="collective")
+    await assert_serving(pushed_fleet, pushed_fleet.original, original_greedy)
     # A corrupted bucket (checksums disagree with the bytes) is rejected everywhere.
-    corrupt = dict(fleet["original"])
+    corrupt = dict(pushed_fleet.original)
     from trainer_client import weights as sender_module
 
     real_spec = sender_module.parameter_spec
@@ -155,7 +168,7 @@ async def test_collective_gloo_updates_two_servers_with_their_own_rank_offsets(
     assert raised.value.consistent
     for outcome in raised.value.outcomes.values():
         assert "DATA_LOSS: checksum mismatch for lm_head.weight" in outcome.what
-    await assert_serving(fleet, fleet["original"], original_greedy)
+    await assert_serving(pushed_fleet, pushed_fleet.original, original_greedy)
 
 
 def control(address: str) -> control_plane_pb2_grpc.ControlPlaneStub:
@@ -180,10 +193,10 @@ def stream_of(weights: dict[str, torch.Tensor]) -> list[cp.PushWeightsRequest]:
 
 
 async def test_every_rejected_update_leaves_the_old_weights_serving(
-    fleet: dict[str, Any], original_greedy: dict[str, list[list[int]]]
+    pushed_fleet: PushedFleet, original_greedy: dict[str, list[list[int]]]
 ) -> None:
-    address = fleet["servers"][0]
-    original = fleet["original"]
+    address = pushed_fleet.servers[0]
+    original = pushed_fleet.original
     changed = perturbed(original, 9)
     cases: dict[str, tuple[list[cp.PushWeightsRequest], grpc.StatusCode]] = {}
     unknown = stream_of({**changed, "model.no_such.weight": torch.zeros(2)})
@@ -236,14 +249,16 @@ async def test_every_rejected_update_leaves_the_old_weights_serving(
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await stub.FinishWeightUpdate(cp.FinishWeightUpdateRequest(weight_version=UNUSED_VERSION))
     assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    await assert_serving(fleet, original, original_greedy)
+    await assert_serving(pushed_fleet, original, original_greedy)
 
 
-async def test_out_of_order_calls_are_failed_precondition(fleet: dict[str, Any]) -> None:
-    stub = control(fleet["servers"][1])
+async def test_out_of_order_calls_are_failed_precondition(pushed_fleet: PushedFleet) -> None:
+    stub = control(pushed_fleet.servers[1])
     for call in (
         stub.FinishWeightUpdate(cp.FinishWeightUpdateRequest(weight_version=UNUSED_VERSION)),
-        stub.PushWeights(iter(stream_of({"lm_head.weight": fleet["original"]["lm_head.weight"]}))),
+        stub.PushWeights(
+            iter(stream_of({"lm_head.weight": pushed_fleet.original["lm_head.weight"]}))
+        ),
         stub.CancelWeightUpdate(cp.CancelWeightUpdateRequest()),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -263,10 +278,10 @@ async def test_out_of_order_calls_are_failed_precondition(fleet: dict[str, Any])
 
 
 async def test_update_while_paused_abort_then_retried_rollouts_report_both_versions(
-    fleet: dict[str, Any],
+    pushed_fleet: PushedFleet,
 ) -> None:
-    client: InferenceClient = fleet["client"]
-    before = (await client.weight_versions())[fleet["servers"][0]]
+    client: InferenceClient = pushed_fleet.client
+    before = (await client.weight_versions())[pushed_fleet.servers[0]]
     prompts = [[1, 60 + i, 61, 62] for i in range(6)]
     running = asyncio.ensure_future(
         client.generate_batch(
@@ -278,7 +293,9 @@ async def test_update_while_paused_abort_then_retried_rollouts_report_both_versi
     await running_on_engines(client, 6, running)
     await client.pause("abort")
     version = await next_version(client)
-    await client.update_weights(perturbed(fleet["original"], 3).items(), version, transport="grpc")
+    await client.update_weights(
+        perturbed(pushed_fleet.original, 3).items(), version, transport="grpc"
+    )
     await client.resume()
     results = await asyncio.wait_for(running, 60)
     for result in results:
@@ -286,12 +303,14 @@ async def test_update_while_paused_abort_then_retried_rollouts_report_both_versi
         versions = [s.weight_version for s in result.weight_versions]
         assert versions == [before, version], result.weight_versions
         assert sum(s.length for s in result.weight_versions) == 400
-    await client.update_weights(fleet["original"].items(), transport="grpc")
+    await client.update_weights(pushed_fleet.original.items(), transport="grpc")
 
 
-async def test_update_while_paused_keep_spans_report_both_versions(fleet: dict[str, Any]) -> None:
-    client: InferenceClient = fleet["client"]
-    address = fleet["servers"][1]
+async def test_update_while_paused_keep_spans_report_both_versions(
+    pushed_fleet: PushedFleet,
+) -> None:
+    client: InferenceClient = pushed_fleet.client
+    address = pushed_fleet.servers[1]
     before = (await client.weight_versions())[address]
     channel = grpc.aio.insecure_channel(address)
     data = data_plane_pb2_grpc.DataPlaneStub(channel)
@@ -313,7 +332,9 @@ async def test_update_while_paused_keep_spans_report_both_versions(fleet: dict[s
     await client.pause("keep")
     assert not any(p.done() for p in pending), "the requests ended before the pause"
     version = await next_version(client)
-    await client.update_weights(perturbed(fleet["original"], 4).items(), version, transport="grpc")
+    await client.update_weights(
+        perturbed(pushed_fleet.original, 4).items(), version, transport="grpc"
+    )
     await client.resume()
     responses = await asyncio.wait_for(asyncio.gather(*pending), 120)
     for response in responses:
@@ -322,4 +343,4 @@ async def test_update_while_paused_keep_spans_report_both_versions(fleet: dict[s
         assert [s[0] for s in spans] == [before, version], spans
         assert spans[1][1] == spans[0][2] and spans[0][2] + spans[1][2] == 400
     await channel.close()
-    await client.update_weights(fleet["original"].items(), transport="grpc")
+    await client.update_weights(pushed_fleet.original.items(), transport="grpc")

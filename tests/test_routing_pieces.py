@@ -1,0 +1,113 @@
+"""Small pieces of routing and fan-out on their own (no engine, no server): the client's view
+of the router's feed (``DirectRoutes.apply``), status announcements, and fan-out outcomes."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from servers.engine.status import StatusChanges
+from skyrl_grpc.v1 import router_pb2
+from trainer_client.direct import DirectRoutes
+from trainer_client.errors import FanOutError, NotFound, ServerError
+from trainer_client.fanout import failures_of, fan_out
+
+HEALTHY, UNHEALTHY = router_pb2.BACKEND_STATE_HEALTHY, router_pb2.BACKEND_STATE_UNHEALTHY
+
+
+def _unused_address() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+@pytest.fixture
+async def routes_and_moves() -> AsyncIterator[tuple[DirectRoutes, list[tuple[str, str]]]]:
+    """A routing view fed by hand (its router is unreachable); the moves it reports."""
+    moves: list[tuple[str, str]] = []
+    channel = grpc.aio.insecure_channel(_unused_address())
+    routes = DirectRoutes(channel, (), lambda address, session: moves.append((address, session)))
+    yield routes, moves
+    await routes.close()
+    await channel.close()
+
+
+def _view(
+    states: dict[str, int], sessions: dict[str, str], complete: bool = True, removed: tuple = ()
+) -> router_pb2.WatchBackendsResponse:
+    return router_pb2.WatchBackendsResponse(
+        placement="bounded-load",
+        backends=[router_pb2.Backend(address=a, state=s) for a, s in states.items()],
+        complete=complete,
+        sessions_added=[
+            router_pb2.SessionPlacement(session_id=s, address=a) for s, a in sessions.items()
+        ],
+        sessions_removed=list(removed),
+    )
+
+
+async def test_the_view_places_sessions_where_the_feed_says(
+    routes_and_moves: tuple[DirectRoutes, list[tuple[str, str]]],
+) -> None:
+    routes, moves = routes_and_moves
+    routes.apply(_view({"a": HEALTHY, "b": HEALTHY}, {"s1": "a", "s2": "b"}))
+    assert await routes.ready()
+    assert (routes.pick("s1"), routes.pick("s2")) == ("a", "b")
+    # The router moved s1 (a change message): this client follows.
+    routes.apply(_view({"a": HEALTHY, "b": HEALTHY}, {"s1": "b"}, complete=False))
+    assert routes.pick("s1") == "b"
+    assert moves == []  # the router moved it and tells the server itself
+    # A server gone unhealthy gets nothing; its sessions move, and the server is told.
+    routes.apply(_view({"a": HEALTHY, "b": UNHEALTHY}, {}, complete=False))
+    assert routes.pick(None) == "a" and routes.pick("s2") == "a"
+    assert moves == [("b", "s2")]
+
+
+async def test_a_server_that_failed_is_skipped_for_a_while_and_tried_ones_are_not_picked(
+    routes_and_moves: tuple[DirectRoutes, list[tuple[str, str]]],
+) -> None:
+    routes, _ = routes_and_moves
+    routes.apply(_view({"a": HEALTHY, "b": HEALTHY}, {}))
+    routes.mark_unavailable("a")
+    assert {routes.pick(None) for _ in range(5)} == {"b"}
+    assert routes.pick(None, tried=["b"]) is None
+    # A member the feed no longer lists is gone from the view.
+    routes.apply(_view({"b": HEALTHY}, {}))
+    assert set(routes.members) == {"b"}
+
+
+async def test_status_watchers_wake_at_an_announcement_or_their_timeout() -> None:
+    changes = StatusChanges()
+    waiting = asyncio.ensure_future(changes.wait(timeout=30))
+    await asyncio.sleep(0)
+    changes.announce()
+    await asyncio.wait_for(waiting, 1)
+    started = asyncio.get_running_loop().time()
+    await changes.wait(timeout=0.05)  # nothing announced: the timeout
+    assert asyncio.get_running_loop().time() - started >= 0.04
+
+
+async def test_fan_out_keeps_each_servers_outcome() -> None:
+    async def call(address: str) -> int:
+        if address == "bad":
+            raise ServerError.of(address, grpc.StatusCode.NOT_FOUND, "no such adapter")
+        return len(address)
+
+    assert await fan_out("Op", ["a", "bb"], call) == {"a": 1, "bb": 2}
+    with pytest.raises(FanOutError) as raised:
+        await fan_out("Op", ["a", "bad"], call)
+    assert raised.value.results == {"a": 1} and isinstance(raised.value.failures["bad"], NotFound)
+    with pytest.raises(ValueError, match="no server addresses"):
+        await fan_out("Op", [], call)
+    failures = await failures_of(["a", "bad"], call)
+    assert list(failures) == ["bad"]
+
+    async def bug(address: str) -> int:
+        raise KeyError(address)  # not a server's answer: a bug, raised as is
+
+    with pytest.raises(KeyError):
+        await fan_out("Op", ["a"], bug)
