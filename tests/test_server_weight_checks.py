@@ -96,10 +96,11 @@ def test_a_parameter_whose_bytes_differ_from_its_manifest_sha256_is_data_loss() 
     stream = messages()
     stream[0].manifest.parameters[0].sha256 = hashlib.sha256(b"other bytes").digest()
     assembler = InBandAssembler(LAYOUT)
-    for message in stream:
-        assembler.add(message)
+    # Refused as soon as the parameter is complete, before the rest of the stream.
     with pytest.raises(DataLoss, match=r"checksum mismatch for a\.weight"):
-        assembler.finish()
+        for message in stream:
+            assembler.add(message)
+    assert assembler.bytes_received == 12 * 4
 
 
 @pytest.mark.parametrize(
@@ -418,3 +419,53 @@ def test_a_peft_models_own_state_dict_names_map_to_the_saved_adapter_names() -> 
 
     manifest = lora_push_messages([(f"{prefix}.lora_A.default.weight", torch.zeros(2, 4))])[0]
     assert [p.name for p in manifest.manifest.parameters] == [f"{prefix}.lora_A.weight"]
+
+
+async def test_parameters_reach_the_workers_as_they_complete_not_after_the_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A batch smaller than one parameter: each parameter is staged as soon as it is complete,
+    # while the rest of the stream is still arriving (the server never holds it whole).
+    from servers.engine.weights import transaction
+
+    monkeypatch.setattr(transaction, "STAGE_BATCH_BYTES", 8)
+    workers = FakeWorkers()
+    manager = WeightTransferManager(protocol.WorkerCalls(workers), lambda v: None, lambda: 0)
+    await manager.start()
+    stages_seen_mid_stream = []
+
+    async def watched() -> Any:
+        sent = messages()
+        for index, message in enumerate(sent):
+            if index == len(sent) - 1:
+                stages_seen_mid_stream.append(workers.calls.count(protocol.STAGE))
+            yield message
+
+    assert await manager.push(watched()) == (2, 68)
+    assert stages_seen_mid_stream == [1]  # a.weight went on before b.bias's last chunk came
+    assert workers.calls.count(protocol.STAGE) == 2
+
+    # A stream cut after a parameter was staged: the staged part is discarded, nothing commits.
+    await manager.cancel()
+    await manager.start()
+
+    async def cut() -> Any:
+        for message in messages()[:-1]:
+            yield message
+
+    with pytest.raises(InvalidArgument, match="truncated push"):
+        await manager.push(cut())
+    assert protocol.DISCARD in workers.calls and protocol.COMMIT not in workers.calls
+    assert not manager.update_open
+
+
+def test_the_assembler_hands_over_complete_parameters_and_keeps_no_reference() -> None:
+    assembler = InBandAssembler(LAYOUT)
+    sent = messages()
+    for message in sent[:-1]:
+        assembler.add(message)
+    early = assembler.take_complete()
+    assert [p["name"] for p in early] == ["a.weight"]
+    assert assembler.take_complete() == []  # handed over once
+    assembler.add(sent[-1])
+    assert [p["name"] for p in assembler.finish()] == ["b.bias"]

@@ -101,6 +101,9 @@ class InBandAssembler:
         self.non_finite: list[str] = []
         self._incoming: dict[str, _Incoming] | None = None
         self.bytes_received = 0
+        # Parameters complete and verified, not yet taken (``take_complete``), in order.
+        self._complete: list[str] = []
+        self._taken: set[str] = set()
 
     def add(self, message: cp.PushWeightsRequest | WireChunk) -> None:
         """Takes the next message, as protobuf parsed it or as ``decode_push_request`` read it."""
@@ -161,13 +164,50 @@ class InBandAssembler:
             incoming.digest.update(data)
         incoming.received = end
         self.bytes_received += len(data)
+        if end == incoming.layout.num_bytes:
+            self._check_digest(chunk.name, incoming)
+            self._complete.append(chunk.name)
+
+    @property
+    def complete_bytes(self) -> int:
+        """Bytes of the parameters complete and not yet taken."""
+        assert self._incoming is not None or not self._complete
+        return sum(self._incoming[n].received for n in self._complete) if self._incoming else 0
+
+    def take_complete(self) -> list[StagedParameter]:
+        """The parameters completed (and verified) since the last call, handed over: the
+        assembler drops its references to their chunks, so a stream is never held whole."""
+        assert self._incoming is not None or not self._complete
+        taken = [self._staged(name) for name in self._complete]
+        for name in self._complete:
+            self._taken.add(name)
+            self._incoming[name].chunks = []  # type: ignore[index]
+        self._complete = []
+        return taken
+
+    @staticmethod
+    def _check_digest(name: str, incoming: _Incoming) -> None:
+        if incoming.digest is not None and incoming.digest.digest() != incoming.sha256:
+            raise DataLoss(
+                f"checksum mismatch for {name}: the assembled bytes differ from the sender's"
+            )
+
+    def _staged(self, name: str) -> StagedParameter:
+        assert self._incoming is not None
+        incoming = self._incoming[name]
+        layout = incoming.layout
+        return StagedParameter(
+            name=name,
+            dtype=layout.dtype.torch_name,
+            shape=list(layout.shape),
+            chunks=incoming.chunks,
+        )
 
     def finish(self) -> list[StagedParameter]:
-        """Checks the stream was complete; returns its parameters, each with its bytes as the
-        list of received chunks, in order."""
+        """Checks the stream was complete; returns the parameters not taken yet, each with its
+        bytes as the list of received chunks, in order."""
         if self._incoming is None:
             raise InvalidArgument("the PushWeights stream was empty (no manifest)")
-        items: list[StagedParameter] = []
         for name, incoming in self._incoming.items():
             expected = incoming.layout.num_bytes
             if incoming.received != expected:
@@ -175,20 +215,9 @@ class InBandAssembler:
                     f"the stream ended before {name} was complete ({incoming.received} of "
                     f"{expected} bytes): truncated push"
                 )
-            if incoming.digest is not None and incoming.digest.digest() != incoming.sha256:
-                raise DataLoss(
-                    f"checksum mismatch for {name}: the assembled bytes differ from the sender's"
-                )
-            layout = incoming.layout
-            items.append(
-                StagedParameter(
-                    name=name,
-                    dtype=layout.dtype.torch_name,
-                    shape=list(layout.shape),
-                    chunks=incoming.chunks,
-                )
-            )
-        return items
+            if expected == 0 and name not in self._taken and name not in self._complete:
+                self._complete.append(name)  # an empty tensor, which no chunk completed
+        return self.take_complete()
 
 
 def bucket_layout(bucket: cp.WeightBucket, layout: dict[str, ParamLayout]) -> Bucket:

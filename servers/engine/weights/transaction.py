@@ -279,27 +279,35 @@ class WeightTransferManager:
         async with self._lock:
             update = self._require_open("PushWeights")
             assembler = InBandAssembler(await self.layout(), self.allow_non_finite)
+            staged = 0
             try:
                 received_before = update.bytes_received
                 async for message in messages:
                     assembler.add(message)
                     update.bytes_received = received_before + assembler.bytes_received
                     update.touch()
-                params = assembler.finish()
+                    # Complete parameters go on to the workers as they arrive: the server holds
+                    # at most a batch and the parameters still arriving, never the whole stream.
+                    if assembler.complete_bytes >= STAGE_BATCH_BYTES:
+                        staged += await self._stage(assembler.take_complete())
+                staged += await self._stage(assembler.finish())
             except SkyrlError as error:
                 await self._abandon(None)
                 raise type(error)(
                     f"{error}; update rejected, the serving weights are unchanged"
                 ) from error
-            except asyncio.CancelledError:
-                await self._abandon(None)  # the sender went away mid-stream
+            except BaseException:
+                await self._abandon(None)  # the sender went away mid-stream, or a worker failed
                 raise
-            for batch in _batches(params, STAGE_BATCH_BYTES):
-                await self._workers.stage(batch)
-            update.parameters_staged += len(params)
+            update.parameters_staged += staged
             update.non_finite = update.non_finite or bool(assembler.non_finite)
             update.touch()
-            return len(params), assembler.bytes_received
+            return staged, assembler.bytes_received
+
+    async def _stage(self, params: list[StagedParameter]) -> int:
+        for batch in _batches(params, STAGE_BATCH_BYTES):
+            await self._workers.stage(batch)
+        return len(params)
 
     async def finish(self, weight_version: int = 0) -> tuple[int, int]:
         async with self._lock:
