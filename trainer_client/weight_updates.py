@@ -29,8 +29,8 @@ from .weights import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHUNK_BYTES,
     CollectiveSender,
+    PushStream,
     plan_buckets,
-    push_messages,
     rank_offsets,
 )
 
@@ -217,7 +217,8 @@ class WeightUpdates(ClientCore):
         checksums: bool,
         timeout: float,
     ) -> dict[str, BaseException]:
-        messages = push_messages(tensors, chunk_bytes, checksums)  # serialized once for all
+        # Checksummed once for all servers; each server's stream is serialized as it is sent.
+        stream = PushStream(tensors, chunk_bytes, checksums)
 
         async def push(address: str) -> object:
             method: grpc.aio.StreamUnaryMultiCallable[bytes, cp.PushWeightsResponse]
@@ -226,7 +227,7 @@ class WeightUpdates(ClientCore):
                 request_serializer=None,
                 response_deserializer=cp.PushWeightsResponse.FromString,
             )
-            return await self._unary(address, method, iter(messages), timeout)
+            return await self._unary(address, method, iter(stream), timeout)
 
         return await failures_of(addresses, push)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,23 +110,56 @@ def plan_buckets(
     return buckets
 
 
+class PushStream:
+    """A PushWeights stream made as it is sent: the manifest, then every tensor in
+    checksummed chunks. Checksums are computed once, up front (SHA-256 per tensor when asked,
+    CRC-32 per chunk: a few bytes each); each iteration then serializes one chunk at a time
+    from the tensors' own memory, so sending to several servers never holds a serialized copy
+    of the model (each message is one chunk, copied once into it)."""
+
+    def __init__(
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        with_checksums: bool = True,
+    ) -> None:
+        import zlib
+
+        pairs = list(named_tensors)
+        manifest = cp.WeightManifest(
+            parameters=[parameter_spec(name, t, with_checksums) for name, t in pairs]
+        )
+        self._manifest = cp.PushWeightsRequest(manifest=manifest).SerializeToString()
+        self._chunk_bytes = chunk_bytes
+        # Each tensor's bytes (a view of its memory when contiguous on the CPU) and the CRC-32
+        # of each of its chunks.
+        self._tensors = [(name, raw_bytes(tensor).numpy()) for name, tensor in pairs]
+        self._crcs = [
+            [
+                zlib.crc32(memoryview(data[offset : offset + chunk_bytes]))
+                for offset in range(0, max(len(data), 1), chunk_bytes)
+            ]
+            for _, data in self._tensors
+        ]
+        self.total_bytes = sum(len(data) for _, data in self._tensors)
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield self._manifest
+        size = self._chunk_bytes
+        for (name, data), crcs in zip(self._tensors, self._crcs, strict=True):
+            for index, crc in enumerate(crcs):
+                offset = index * size
+                yield encode_chunk(name, offset, memoryview(data[offset : offset + size]), crc)
+
+
 def push_messages(
     named_tensors: Iterable[tuple[str, Any]],
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     with_checksums: bool = True,
 ) -> list[bytes]:
-    """The serialized PushWeights stream: manifest, then every tensor in checksummed chunks."""
-    tensors = list(named_tensors)
-    manifest = cp.WeightManifest(
-        parameters=[parameter_spec(n, t, with_checksums) for n, t in tensors]
-    )
-    messages = [cp.PushWeightsRequest(manifest=manifest).SerializeToString()]
-    for name, tensor in tensors:
-        data = raw_bytes(tensor).numpy()
-        for offset in range(0, max(len(data), 1), chunk_bytes):
-            piece = memoryview(data[offset : offset + chunk_bytes])
-            messages.append(encode_chunk(name, offset, piece))
-    return messages
+    """The serialized PushWeights stream as a list (for tests and benchmarks; the client sends
+    a ``PushStream``)."""
+    return list(PushStream(named_tensors, chunk_bytes, with_checksums))
 
 
 _PEFT_ADAPTER_SEGMENT = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
