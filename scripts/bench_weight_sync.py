@@ -1,0 +1,322 @@
+"""Weight sync as the trainer waits for it, end to end, at a size people train (issue: weight
+sync at real sizes).
+
+A Llama of ~0.3B parameters is built on the spot with the project's own builder
+(``skyrl_grpc.tiny_model``), served by real engine servers started as processes
+(``python -m servers.engine --model DIR``), and updated through ``InferenceClient.update_weights``
+from this process: each figure is from the call until every server serves the new version.
+Beside them, in the same run, the raw links for the same bytes: a loopback TCP socket, and a
+gloo broadcast between two fresh processes. Also measured: the servers' process-tree resident
+memory above its level right after start (peak while updating, and what stays), and this
+trainer's own peak extra resident memory.
+
+Run: .venv/bin/python scripts/bench_weight_sync.py [--servers 1] [--tp 1] [--rounds 2]
+     [--transports grpc,collective] [--output docs/bench-weight-sync.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GiB = 1 << 30
+# The issue's model: hidden 2048, 8 layers, 16 heads / 4 KV heads (~294M parameters).
+MODEL = dict(
+    hidden_size=2048,
+    intermediate_size=4096,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+)
+
+
+def build_model() -> Path:
+    from skyrl_grpc.tiny_model import TinyModelSpec, ensure_tiny_model
+
+    return ensure_tiny_model(spec=TinyModelSpec(**MODEL))  # type: ignore[arg-type]
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+
+def tree_rss(pid: int) -> int:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+class PeakRss:
+    """Samples the resident memory of process trees every 20 ms while in use."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, sum(tree_rss(p) for p in self.pids))
+            time.sleep(0.02)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, sum(tree_rss(p) for p in self.pids))
+
+
+# -- servers ------------------------------------------------------------------------------------
+
+
+@contextmanager
+def engine_servers(model: Path, count: int, tp: int) -> Iterator[list[subprocess.Popen[str]]]:
+    from servers.common.process import read_announcement
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+    args = ["--model", str(model), "--dtype", "float32", "--kv-cache-gib", "1", "--port", "0"]
+    if tp > 1:
+        args += ["--tensor-parallel-size", str(tp), "--cpu-threads", "1"]
+    processes = []
+    try:
+        for _ in range(count):
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "servers.engine", *args],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                )
+            )
+        for process in processes:
+            assert process.stdout is not None
+            for line in process.stdout:
+                event = read_announcement(line)
+                if event is not None and event["event"] == "listening":
+                    process.address = event["address"]  # type: ignore[attr-defined]
+                if event is not None and event["event"] in ("ready", "failed"):
+                    assert event["event"] == "ready", event
+                    break
+        yield processes
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+# -- raw links ----------------------------------------------------------------------------------
+
+
+def raw_tcp(tensors: list[tuple[str, Any]], chunk: int = 4 << 20) -> float:
+    """Seconds to send every tensor's bytes over one loopback TCP connection."""
+    import torch
+
+    views = [memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()) for _, t in tensors]
+    total = sum(len(v) for v in views)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def receive() -> None:
+        connection, _ = listener.accept()
+        buffer = memoryview(bytearray(chunk))
+        received = 0
+        while received < total:
+            n = connection.recv_into(buffer)
+            if not n:
+                break
+            received += n
+        connection.sendall(b"k")
+        connection.close()
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    sender = socket.create_connection(("127.0.0.1", listener.getsockname()[1]))
+    started = time.perf_counter()
+    for view in views:
+        for offset in range(0, len(view), chunk):
+            sender.sendall(view[offset : offset + chunk])
+    sender.recv(1)
+    elapsed = time.perf_counter() - started
+    sender.close()
+    thread.join()
+    listener.close()
+    return elapsed
+
+
+def _gloo_receiver(port: int, sizes: list[int], rounds: int, done: Any) -> None:
+    import torch
+
+    from skyrl_grpc.process_group import join_group
+
+    group = join_group("gloo", "127.0.0.1", port, 1, 2, "bench-raw-gloo", 120)
+    for _ in range(rounds):
+        for size in sizes:
+            group.broadcast(torch.empty(size, dtype=torch.uint8), 0).wait()
+        done.put(0)
+
+
+def raw_gloo(tensors: list[tuple[str, Any]], rounds: int) -> float:
+    """Best seconds of a gloo broadcast of every tensor (one broadcast each) to a fresh process,
+    after a warm-up round."""
+    import torch
+
+    from skyrl_grpc.process_group import free_port
+    from trainer_client.weights import CollectiveSender
+
+    port = free_port("127.0.0.1")
+    sizes = [t.numel() * t.element_size() for _, t in tensors]
+    context = multiprocessing.get_context("spawn")
+    done = context.Queue()
+    receiver = context.Process(target=_gloo_receiver, args=(port, sizes, rounds + 1, done))
+    receiver.start()
+    sender = CollectiveSender("gloo", "127.0.0.1", port, 2, "bench-raw-gloo", 120)
+    sender.join()
+    best = float("inf")
+    for round_index in range(rounds + 1):
+        started = time.perf_counter()
+        for _, tensor in tensors:
+            sender.group.broadcast(tensor.contiguous().view(-1).view(torch.uint8), 0).wait()
+        done.get(timeout=300)
+        if round_index:
+            best = min(best, time.perf_counter() - started)
+    receiver.join()
+    sender.release()
+    return best
+
+
+# -- the update the trainer waits for -----------------------------------------------------------
+
+
+def perturbed(tensors: list[tuple[str, Any]], seed: int) -> list[tuple[str, Any]]:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (n, t + 1e-3 * torch.randn(t.shape, generator=generator, dtype=t.dtype)) for n, t in tensors
+    ]
+
+
+async def updates(
+    servers: list[subprocess.Popen[str]],
+    tensors: list[tuple[str, Any]],
+    transports: list[str],
+    rounds: int,
+) -> list[dict[str, Any]]:
+    from trainer_client import InferenceClient
+
+    addresses = [s.address for s in servers]  # type: ignore[attr-defined]
+    client = InferenceClient(addresses[0], addresses, direct=False, control_timeout=600)
+    pids = [s.pid for s in servers]
+    idle = sum(tree_rss(p) for p in pids)
+    rows = []
+    version = 0
+    for transport in transports:
+        if transport == "collective":
+            await client.init_weight_transfer("gloo", timeout_seconds=600)
+        for round_index in range(rounds):
+            new = perturbed(tensors, seed=version + 1)
+            trainer_before = tree_rss(os.getpid())
+            version += 1
+            with PeakRss(pids) as servers_peak, PeakRss([os.getpid()]) as trainer_peak:
+                started = time.perf_counter()
+                await client.update_weights(new, version, transport=transport, timeout=1800)  # type: ignore[arg-type]
+                seconds = time.perf_counter() - started
+            versions = await client.weight_versions()
+            assert set(versions.values()) == {version}, versions
+            rows.append(
+                {
+                    "transport": transport,
+                    "round": round_index + 1,
+                    "seconds": seconds,
+                    "servers_peak_above_idle": servers_peak.peak - idle,
+                    "servers_kept_above_idle": sum(tree_rss(p) for p in pids) - idle,
+                    "trainer_peak_extra": trainer_peak.peak - trainer_before,
+                }
+            )
+            print(rows[-1], flush=True)
+            del new
+    await client.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--servers", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--transports", default="grpc,collective")
+    parser.add_argument("--output", default=None, help="append the table to this markdown file")
+    args = parser.parse_args()
+
+    import torch
+    from safetensors.torch import load_file
+
+    model = build_model()
+    tensors = sorted(load_file(str(model / "model.safetensors")).items())
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    parameters = sum(t.numel() for _, t in tensors)
+    print(f"model: {parameters / 1e6:.0f}M parameters, {total / GiB:.2f} GiB float32", flush=True)
+    torch.set_num_threads(1)
+    tcp = min(raw_tcp(tensors) for _ in range(args.rounds))
+    gloo = raw_gloo(tensors, args.rounds)
+    print(f"raw loopback TCP {tcp:.2f} s, raw gloo broadcast {gloo:.2f} s", flush=True)
+    transports = [t for t in args.transports.split(",") if t]
+    with engine_servers(model, args.servers, args.tp) as servers:
+        rows = asyncio.run(updates(servers, tensors, transports, args.rounds))
+    lines = [
+        f"\n### {parameters / 1e6:.0f}M parameters ({total / GiB:.2f} GiB float32), "
+        f"{args.servers} server(s), TP={args.tp}\n",
+        f"Raw links for the same bytes, same run: loopback TCP {tcp:.2f} s, gloo broadcast "
+        f"{gloo:.2f} s.\n",
+        "| transport | round | seconds | x raw link | servers' peak above idle (x model) "
+        "| kept above idle (x model) | trainer's peak extra (x model) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        link = tcp if row["transport"] == "grpc" else gloo
+        lines.append(
+            f"| {row['transport']} | {row['round']} | {row['seconds']:.2f} | "
+            f"{row['seconds'] / link:.1f}x | {row['servers_peak_above_idle'] / total:.2f} | "
+            f"{row['servers_kept_above_idle'] / total:.2f} | "
+            f"{row['trainer_peak_extra'] / total:.2f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.output:
+        with open(args.output, "a") as out:
+            out.write(text)
+
+
+if __name__ == "__main__":
+    main()
