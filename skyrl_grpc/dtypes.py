@@ -54,8 +54,12 @@ def from_torch(dtype: object) -> DTypeInfo:
         raise InvalidArgument(f"tensors of dtype {name} cannot be transferred") from None
 
 
-def num_bytes(shape: list[int] | tuple[int, ...], info: DTypeInfo) -> int:
+def num_elements(shape: list[int] | tuple[int, ...]) -> int:
     count = 1
     for dim in shape:
         count *= dim
-    return count * info.itemsize
+    return count
+
+
+def num_bytes(shape: list[int] | tuple[int, ...], info: DTypeInfo) -> int:
+    return num_elements(shape) * info.itemsize

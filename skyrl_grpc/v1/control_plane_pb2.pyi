@@ -168,16 +168,26 @@ class StartWeightUpdateResponse(_message.Message):
     def __init__(self, serving_weight_version: _Optional[int] = ..., lease_seconds: _Optional[int] = ...) -> None: ...
 
 class ParameterSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "sha256")
+    __slots__ = ("name", "dtype", "shape", "sha256", "patch")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    PATCH_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     sha256: bytes
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+    patch: WeightPatch
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., sha256: _Optional[bytes] = ..., patch: _Optional[_Union[WeightPatch, _Mapping]] = ...) -> None: ...
+
+class WeightPatch(_message.Message):
+    __slots__ = ("base_weight_version", "changed")
+    BASE_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    base_weight_version: int
+    changed: int
+    def __init__(self, base_weight_version: _Optional[int] = ..., changed: _Optional[int] = ...) -> None: ...
 
 class PackedParameter(_message.Message):
     __slots__ = ("parameter", "offset_bytes")

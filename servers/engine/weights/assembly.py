@@ -33,7 +33,8 @@ class ParamLayout:
 
 
 def check_parameter(spec: cp.ParameterSpec, layout: dict[str, ParamLayout]) -> ParamLayout:
-    """The model's layout of ``spec.name``, if the spec matches it exactly."""
+    """The model's layout of ``spec.name``, if the spec matches it exactly (a patch too: its
+    dtype and shape are those of the parameter it patches)."""
     expected = layout.get(spec.name)
     if expected is None:
         examples = ", ".join(sorted(layout)[:3])
@@ -54,7 +55,38 @@ def check_parameter(spec: cp.ParameterSpec, layout: dict[str, ParamLayout]) -> P
         )
     if spec.sha256 and len(spec.sha256) != 32:
         raise InvalidArgument(f"sha256 of {spec.name} has {len(spec.sha256)} bytes, not 32")
+    if spec.HasField("patch"):
+        elements = dtypes.num_elements(expected.shape)
+        if not 0 < spec.patch.changed <= elements:
+            raise InvalidArgument(
+                f"the patch of {spec.name} changes {spec.patch.changed} elements: it has "
+                f"{elements} (send the whole parameter when nothing or everything changed)"
+            )
+        if elements >= 1 << 32:
+            raise InvalidArgument(f"{spec.name} is too large for a patch's uint32 indices")
     return expected
+
+
+PATCH_INDEX_BYTES = 4  # little-endian uint32 flat element indices
+
+
+def patch_bytes(layout: ParamLayout, changed: int) -> int:
+    """Bytes of a patch of ``changed`` elements on the wire: indices, then values."""
+    return changed * (PATCH_INDEX_BYTES + layout.dtype.itemsize)
+
+
+def check_patch(name: str, layout: ParamLayout, payload: bytes, changed: int) -> None:
+    """Indices strictly increasing and inside the parameter."""
+    import numpy as np
+
+    indices = np.frombuffer(payload, dtype="<u4", count=changed)
+    elements = dtypes.num_elements(layout.shape)
+    if changed and int(indices[-1]) >= elements:
+        raise InvalidArgument(
+            f"the patch of {name} names element {int(indices[-1])}; it has {elements}"
+        )
+    if changed > 1 and not bool(np.all(indices[1:] > indices[:-1])):
+        raise InvalidArgument(f"the patch of {name}: indices must be strictly increasing")
 
 
 NON_FINITE_FLAG = "--allow-non-finite-weights"
@@ -72,6 +104,9 @@ def non_finite_error(name: str) -> InvalidArgument:
 class _Incoming:
     layout: ParamLayout
     sha256: bytes
+    # A patch: elements changed and the version it applies to (0 / 0: the whole value).
+    patch_changed: int = 0
+    patch_base: int = 0
     received: int = 0
     # The chunks as received (views into the received messages): the worker copies them into
     # the parameter's buffer, so joining them here would only add a pass over memory.
@@ -82,9 +117,15 @@ class _Incoming:
     finite: FiniteCheck = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.sha256:
+        if self.sha256 and not self.patch_changed:  # a patch's digest is of the patched bytes
             self.digest = hashlib.sha256()
         self.finite = FiniteCheck(self.layout.dtype.torch_name, self.layout.dtype.itemsize)
+
+    @property
+    def expected_bytes(self) -> int:
+        if self.patch_changed:
+            return patch_bytes(self.layout, self.patch_changed)
+        return self.layout.num_bytes
 
 
 class InBandAssembler:
@@ -119,7 +160,10 @@ class InBandAssembler:
                 if spec.name in self._incoming:
                     raise InvalidArgument(f"parameter {spec.name} is listed twice in the manifest")
                 self._incoming[spec.name] = _Incoming(
-                    check_parameter(spec, self._layout), spec.sha256
+                    check_parameter(spec, self._layout),
+                    spec.sha256,
+                    patch_changed=spec.patch.changed if spec.HasField("patch") else 0,
+                    patch_base=spec.patch.base_weight_version if spec.HasField("patch") else 0,
                 )
             return
         if kind != "chunk":
@@ -139,9 +183,9 @@ class InBandAssembler:
                 f"{incoming.received} (chunks of a parameter must arrive in order)"
             )
         end = incoming.received + len(data)
-        if end > incoming.layout.num_bytes:
+        if end > incoming.expected_bytes:
             raise InvalidArgument(
-                f"chunks of {chunk.name} exceed its {incoming.layout.num_bytes} bytes"
+                f"chunks of {chunk.name} exceed its {incoming.expected_bytes} bytes"
             )
         if not chunk.sha256 and chunk.crc32 is None:
             raise InvalidArgument(
@@ -155,18 +199,38 @@ class InBandAssembler:
                 f"checksum mismatch in the chunk of {chunk.name} at offset {chunk.offset_bytes}: "
                 "the bytes were corrupted in transit"
             )
-        if incoming.finite.finite and not incoming.finite.add(data):
-            if not self._allow_non_finite:
-                raise non_finite_error(chunk.name)
-            self.non_finite.append(chunk.name)
+        # A patch's values follow its indices: checked once it is complete.
+        if not incoming.patch_changed and incoming.finite.finite and not incoming.finite.add(data):
+            self._non_finite(chunk.name)
         incoming.chunks.append(data)
         if incoming.digest is not None:
             incoming.digest.update(data)
         incoming.received = end
         self.bytes_received += len(data)
-        if end == incoming.layout.num_bytes:
+        if end == incoming.expected_bytes:
             self._check_digest(chunk.name, incoming)
+            if incoming.patch_changed:
+                self._check_patch(chunk.name, incoming)
             self._complete.append(chunk.name)
+
+    def _non_finite(self, name: str) -> None:
+        if not self._allow_non_finite:
+            raise non_finite_error(name)
+        self.non_finite.append(name)
+
+    def _check_patch(self, name: str, incoming: _Incoming) -> None:
+        payload = b"".join(incoming.chunks)
+        incoming.chunks = [payload]
+        check_patch(name, incoming.layout, payload, incoming.patch_changed)
+        values = memoryview(payload)[incoming.patch_changed * PATCH_INDEX_BYTES :]
+        if not incoming.finite.add(values):
+            self._non_finite(name)
+
+    @property
+    def patch_bases(self) -> dict[str, int]:
+        """The version each patch of the manifest applies to (empty before the manifest)."""
+        incoming = self._incoming or {}
+        return {n: i.patch_base for n, i in incoming.items() if i.patch_changed}
 
     @property
     def complete_bytes(self) -> int:
@@ -201,6 +265,8 @@ class InBandAssembler:
             dtype=layout.dtype.torch_name,
             shape=list(layout.shape),
             chunks=incoming.chunks,
+            patch=incoming.patch_changed,
+            sha256=incoming.sha256 if incoming.patch_changed else b"",
         )
 
     def finish(self) -> list[StagedParameter]:
@@ -209,7 +275,7 @@ class InBandAssembler:
         if self._incoming is None:
             raise InvalidArgument("the PushWeights stream was empty (no manifest)")
         for name, incoming in self._incoming.items():
-            expected = incoming.layout.num_bytes
+            expected = incoming.expected_bytes
             if incoming.received != expected:
                 raise InvalidArgument(
                     f"the stream ended before {name} was complete ({incoming.received} of "

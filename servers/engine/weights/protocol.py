@@ -48,12 +48,17 @@ class ParameterShape(TypedDict):
 
 
 class StagedParameter(TypedDict):
-    """An in-band parameter, verified by the server: its bytes as the chunks received."""
+    """An in-band parameter, verified by the server: its bytes as the chunks received. A
+    patch (``patch`` > 0 elements changed) carries the indices then the values
+    (``control_plane.proto``'s WeightPatch); the worker applies it to the serving weights and
+    checks the result against ``sha256`` (b"": not checked)."""
 
     name: str
     dtype: str
     shape: list[int]
     chunks: list[bytes | memoryview]
+    patch: int
+    sha256: bytes
 
 
 class BucketParameter(TypedDict):
@@ -133,8 +138,11 @@ class WorkerCalls:
         results: list[Received] = await self._rpc(RECEIVE_BUCKETS, (buckets, check_finite))
         return results
 
-    async def stage(self, params: list[StagedParameter]) -> None:
-        await self._rpc(STAGE, (params,))
+    async def stage(self, params: list[StagedParameter]) -> list[str]:
+        """Stages the parameters on every worker; returns the names whose patched bytes did
+        not match their SHA-256 (nothing of the call is staged then)."""
+        results = await self._rpc(STAGE, (params,))
+        return sorted({str(name) for result in results for name in (result or [])})
 
     async def discard(self) -> int:
         """Drops staged parameters; returns how many there were."""

@@ -282,8 +282,12 @@ class WeightTransferManager:
             staged = 0
             try:
                 received_before = update.bytes_received
+                bases_checked = False
                 async for message in messages:
                     assembler.add(message)
+                    if not bases_checked:  # the manifest: patches must fit what this serves
+                        bases_checked = True
+                        self._check_patch_bases(assembler.patch_bases)
                     update.bytes_received = received_before + assembler.bytes_received
                     update.touch()
                     # Complete parameters go on to the workers as they arrive: the server holds
@@ -291,6 +295,8 @@ class WeightTransferManager:
                     if assembler.complete_bytes >= STAGE_BATCH_BYTES:
                         staged += await self._stage(assembler.take_complete())
                 staged += await self._stage(assembler.finish())
+            except PatchBaseMismatch:
+                raise  # nothing staged: the update stays open for the whole weights
             except SkyrlError as error:
                 await self._abandon(None)
                 raise type(error)(
@@ -304,9 +310,24 @@ class WeightTransferManager:
             update.touch()
             return staged, assembler.bytes_received
 
+    def _check_patch_bases(self, bases: dict[str, int]) -> None:
+        serving = self._get_version()
+        wrong = sorted(name for name, base in bases.items() if base != serving)
+        if wrong:
+            raise PatchBaseMismatch(
+                f"{len(wrong)} patches (e.g. {wrong[0]}) apply to version {bases[wrong[0]]}, "
+                f"but this server serves version {serving}: send the whole parameters (the "
+                "update stays open, nothing was staged)"
+            )
+
     async def _stage(self, params: list[StagedParameter]) -> int:
         for batch in _batches(params, STAGE_BATCH_BYTES):
-            await self._workers.stage(batch)
+            mismatches = await self._workers.stage(batch)
+            if mismatches:
+                raise DataLoss(
+                    f"checksum mismatch for {', '.join(mismatches[:3])} after applying the "
+                    "patch: the result differs from the sender's weights"
+                )
         return len(params)
 
     async def finish(self, weight_version: int = 0) -> tuple[int, int]:
@@ -416,6 +437,11 @@ class WeightTransferManager:
     async def close(self) -> None:
         """Stops the lease timer (server shutdown)."""
         await self._tasks.close()
+
+
+class PatchBaseMismatch(FailedPrecondition):
+    """Patches for a version this server does not serve: refused before anything is staged,
+    leaving the update open for the whole weights."""
 
 
 def _batches(params: list[StagedParameter], batch_bytes: int) -> list[list[StagedParameter]]:

@@ -42,6 +42,22 @@ def _dtype_name(tensor: Any) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
+def _sha256_of(tensor: Any) -> bytes:
+    return hashlib.sha256(tensor.contiguous().view(-1).view(torch_uint8()).numpy()).digest()
+
+
+class _Bits:
+    """The integer type of each element size: a patch writes bits, never float values."""
+
+    def __getitem__(self, itemsize: int) -> Any:
+        import torch
+
+        return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+
+
+_BITS = _Bits()
+
+
 def torch_uint8() -> Any:
     import torch
 
@@ -190,17 +206,48 @@ class WeightTransferWorker:
             bytes=total, params=len(received), mismatches=mismatches, non_finite=non_finite
         )
 
-    def skyrl_stage(self, params: list[StagedParameter]) -> int:
-        """Stages in-band parameters (already verified by the server)."""
+    def skyrl_stage(self, params: list[StagedParameter]) -> list[str]:
+        """Stages in-band parameters (already verified by the server). A patch is applied to
+        the serving weights (bit for bit, as integers) and checked against its SHA-256;
+        returns the names that did not match, and stages nothing of the call then."""
         import torch
 
-        staging = self._skyrl_staging()
+        staged: dict[str, Any] = {}
+        mismatches: list[str] = []
         for param in params:
+            dtype = getattr(torch, param["dtype"])
+            if param.get("patch"):
+                tensor = self._skyrl_patched(param, dtype)
+                expected = param.get("sha256", b"")
+                if expected and _sha256_of(tensor) != expected:
+                    mismatches.append(param["name"])
+                staged[param["name"]] = tensor
+                continue
             # One copy, into memory torch may keep writable.
             buffer = bytearray().join(param["chunks"])
-            dtype = getattr(torch, param["dtype"])
-            staging[param["name"]] = torch.frombuffer(buffer, dtype=dtype).reshape(param["shape"])
-        return len(params)
+            staged[param["name"]] = torch.frombuffer(buffer, dtype=dtype).reshape(param["shape"])
+        if not mismatches:
+            self._skyrl_staging().update(staged)
+        return mismatches
+
+    def _skyrl_patched(self, param: StagedParameter, dtype: Any) -> Any:
+        """The serving value of ``param`` with its patch applied."""
+        import numpy as np
+        import torch
+
+        changed = int(param["patch"])
+        payload = b"".join(param["chunks"])
+        indices = torch.from_numpy(
+            np.frombuffer(payload, dtype="<u4", count=changed).astype(np.int64)
+        )
+        base = self._skyrl_staging().get(param["name"])
+        if base is None:
+            base = self._skyrl_weights()[param["name"]]
+        as_bits = _BITS[dtype.itemsize]
+        tensor = base.clone()
+        values = torch.frombuffer(bytearray(payload[changed * 4 :]), dtype=as_bits)
+        tensor.view(-1).view(as_bits)[indices] = values
+        return tensor
 
     def skyrl_discard(self) -> int:
         count = len(self._skyrl_staging())
