@@ -362,6 +362,7 @@ class BlockingInferenceClient:
         checksums: bool = True,
         timeout: float = 600.0,
         lease_seconds: int = 0,
+        delta: bool = True,
     ) -> dict[str, WeightCommit]:
         return self._run(
             self._client.update_weights(
@@ -373,6 +374,7 @@ class BlockingInferenceClient:
                 checksums=checksums,
                 timeout=timeout,
                 lease_seconds=lease_seconds,
+                delta=delta,
             )
         )
 

@@ -8,9 +8,11 @@ over gRPC streams); this module makes the calls around them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import grpc
@@ -30,10 +32,13 @@ from .weights import (
     DEFAULT_CHUNK_BYTES,
     CollectiveSender,
     PushStream,
+    full_entries,
     plan_buckets,
     rank_offsets,
+    weight_patches,
 )
 
+log = logging.getLogger(__name__)
 WeightTransport = Literal["collective", "grpc"]
 
 
@@ -48,6 +53,11 @@ class WeightUpdates(ClientCore):
     def _setup_weights(self) -> None:
         # Rank 0 of the collective weight-transfer group (process-local, never pickled).
         self._sender: CollectiveSender | None = None
+        # The weights last committed in-band, the base of the next update's patches
+        # (process-local, never pickled): one copy of each pushed tensor, on its device.
+        self._last_pushed: _PushedWeights | None = None
+        # Bytes of parameter data the last in-band update sent to each server.
+        self.last_push_bytes: dict[str, int] = {}
 
     @property
     def has_weight_group(self) -> bool:
@@ -127,6 +137,7 @@ class WeightUpdates(ClientCore):
         checksums: bool = True,
         timeout: float = 600.0,
         lease_seconds: int = 0,
+        delta: bool = True,
     ) -> dict[str, WeightCommit]:
         """Pushes new weights to every server and commits ``weight_version`` on all of them,
         or on none: a fleet-wide transaction (``trainer_client.weight_transaction``).
@@ -137,7 +148,11 @@ class WeightUpdates(ClientCore):
         ``init_weight_transfer``) or "grpc" (in-band streams, no group needed); None: the
         group if one was formed, else "grpc". ``timeout``: seconds for the transfer.
         ``lease_seconds``: how long the servers keep the update open if this process dies
-        mid-way (0: their default).
+        mid-way (0: their default). ``delta`` (in-band): send each server that serves the
+        version this client pushed last only what changed since (``weights.weight_patches``);
+        a server on another version gets the whole weights in the same transaction. The
+        client then keeps a copy of the weights it pushed (on their device), the base of the
+        next delta; ``delta=False`` keeps none.
 
         On any failure (a server unreachable, a rejected chunk or version, a timeout) the update
         is cancelled on every server and rolled back where it was already committed, then
@@ -173,14 +188,30 @@ class WeightUpdates(ClientCore):
             )
             weight_version = 1 + max((v for v in versions if isinstance(v, int)), default=0)
 
+        in_band = not (sender is not None and transport == "collective")
+        base = self._last_pushed if (delta and in_band) else None
+        serving: dict[str, int] = {}
+        if base is not None:
+            answers = await asyncio.gather(
+                *(calls.serving_version(a) for a in servers), return_exceptions=True
+            )
+            serving = {a: v for a, v in zip(servers, answers, strict=True) if isinstance(v, int)}
+
         async def transfer(addresses: Sequence[str]) -> dict[str, BaseException]:
-            if sender is not None and transport == "collective":
+            if not in_band:
+                assert sender is not None
                 return await self._broadcast(
                     sender, addresses, tensors, bucket_bytes, checksums, timeout
                 )
-            return await self._push(addresses, tensors, chunk_bytes, checksums, timeout)
+            return await self._push(
+                addresses, tensors, base, serving, chunk_bytes, checksums, timeout
+            )
 
-        return await run_weight_transaction(servers, weight_version, calls, transfer)
+        commits = await run_weight_transaction(servers, weight_version, calls, transfer)
+        self._last_pushed = None
+        if delta and in_band:
+            self._last_pushed = _PushedWeights.after(base, weight_version, tensors)
+        return commits
 
     async def _broadcast(
         self,
@@ -213,22 +244,51 @@ class WeightUpdates(ClientCore):
         self,
         addresses: Sequence[str],
         tensors: list[tuple[str, Any]],
+        base: _PushedWeights | None,
+        serving: dict[str, int],
         chunk_bytes: int,
         checksums: bool,
         timeout: float,
     ) -> dict[str, BaseException]:
-        # Checksummed once for all servers; each server's stream is serialized as it is sent.
-        stream = PushStream(tensors, chunk_bytes, checksums)
+        """Pushes to every server: a patch against ``base`` where the server serves its version,
+        the whole weights elsewhere, and to a server that refuses the patch (its version
+        moved). Each stream is checksummed once for all servers and serialized as it is
+        sent."""
+        streams: dict[bool, PushStream] = {}
 
-        async def push(address: str) -> object:
-            method: grpc.aio.StreamUnaryMultiCallable[bytes, cp.PushWeightsResponse]
-            method = self.channel(address).stream_unary(
+        def stream(patched: bool) -> PushStream:
+            if patched not in streams:
+                if patched:
+                    assert base is not None
+                    entries, _ = weight_patches(tensors, base.tensors, base.version, checksums)
+                else:
+                    entries = full_entries(tensors, checksums)
+                streams[patched] = PushStream(entries, chunk_bytes)
+            return streams[patched]
+
+        def method(
+            address: str,
+        ) -> grpc.aio.StreamUnaryMultiCallable[bytes, cp.PushWeightsResponse]:
+            return self.channel(address).stream_unary(
                 PUSH_WEIGHTS,
                 request_serializer=None,
                 response_deserializer=cp.PushWeightsResponse.FromString,
             )
-            return await self._unary(address, method, iter(stream), timeout)
 
+        async def push(address: str) -> object:
+            patched = base is not None and serving.get(address) == base.version
+            if patched:
+                try:
+                    sent = stream(True)
+                    self.last_push_bytes[address] = sent.total_bytes
+                    return await self._unary(address, method(address), iter(sent), timeout)
+                except FailedPrecondition:
+                    log.info("%s refused the patch (its version moved): sending it all", address)
+            sent = stream(False)
+            self.last_push_bytes[address] = sent.total_bytes
+            return await self._unary(address, method(address), iter(sent), timeout)
+
+        self.last_push_bytes = {}
         return await failures_of(addresses, push)
 
     async def cancel_weight_update(self, *, timeout: float | None = None) -> dict[str, int]:
@@ -280,6 +340,27 @@ class WeightUpdates(ClientCore):
             lambda s: s.GetServerInfo, request, timeout, lambda r: r.weight_version
         )
         return WeightVersions(versions)
+
+
+@dataclass
+class _PushedWeights:
+    """The tensors this client last committed in-band, as ``version`` (copies, on their
+    device): what the next update's patches are computed against."""
+
+    version: int
+    tensors: dict[str, Any]
+
+    @staticmethod
+    def after(
+        previous: _PushedWeights | None, version: int, pushed: list[tuple[str, Any]]
+    ) -> _PushedWeights:
+        """The record once ``pushed`` committed as ``version``: the previous record's tensors
+        (parameters not pushed this time are unchanged on the servers) with the pushed ones
+        replaced by copies."""
+        tensors = dict(previous.tensors) if previous is not None else {}
+        for name, tensor in pushed:
+            tensors[name] = tensor.detach().clone()
+        return _PushedWeights(version, tensors)
 
 
 def _world_size(info: cp.GetServerInfoResponse) -> int:

@@ -111,45 +111,110 @@ def plan_buckets(
 
 
 class PushStream:
-    """A PushWeights stream made as it is sent: the manifest, then every tensor in
+    """A PushWeights stream made as it is sent: the manifest, then every parameter's bytes in
     checksummed chunks. Checksums are computed once, up front (SHA-256 per tensor when asked,
     CRC-32 per chunk: a few bytes each); each iteration then serializes one chunk at a time
     from the tensors' own memory, so sending to several servers never holds a serialized copy
-    of the model (each message is one chunk, copied once into it)."""
+    of the model (each message is one chunk, copied once into it).
+
+    ``entries``: each parameter's spec and bytes (a flat uint8 array); ``full_entries`` and
+    ``weight_patches`` make them."""
 
     def __init__(
-        self,
-        named_tensors: Iterable[tuple[str, Any]],
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        with_checksums: bool = True,
+        self, entries: list[tuple[cp.ParameterSpec, Any]], chunk_bytes: int = DEFAULT_CHUNK_BYTES
     ) -> None:
         import zlib
 
-        pairs = list(named_tensors)
-        manifest = cp.WeightManifest(
-            parameters=[parameter_spec(name, t, with_checksums) for name, t in pairs]
-        )
+        manifest = cp.WeightManifest(parameters=[spec for spec, _ in entries])
         self._manifest = cp.PushWeightsRequest(manifest=manifest).SerializeToString()
         self._chunk_bytes = chunk_bytes
-        # Each tensor's bytes (a view of its memory when contiguous on the CPU) and the CRC-32
-        # of each of its chunks.
-        self._tensors = [(name, raw_bytes(tensor).numpy()) for name, tensor in pairs]
+        self._entries = [(spec.name, data) for spec, data in entries]
         self._crcs = [
             [
                 zlib.crc32(memoryview(data[offset : offset + chunk_bytes]))
                 for offset in range(0, max(len(data), 1), chunk_bytes)
             ]
-            for _, data in self._tensors
+            for _, data in self._entries
         ]
-        self.total_bytes = sum(len(data) for _, data in self._tensors)
+        # Bytes of parameter data this stream carries (what a server receives).
+        self.total_bytes = sum(len(data) for _, data in self._entries)
 
     def __iter__(self) -> Iterator[bytes]:
         yield self._manifest
         size = self._chunk_bytes
-        for (name, data), crcs in zip(self._tensors, self._crcs, strict=True):
+        for (name, data), crcs in zip(self._entries, self._crcs, strict=True):
             for index, crc in enumerate(crcs):
                 offset = index * size
                 yield encode_chunk(name, offset, memoryview(data[offset : offset + size]), crc)
+
+
+def full_entries(
+    named_tensors: Iterable[tuple[str, Any]], with_checksums: bool = True
+) -> list[tuple[cp.ParameterSpec, Any]]:
+    """Every tensor whole: its spec and its bytes (a view of its memory when contiguous on
+    the CPU)."""
+    return [
+        (parameter_spec(name, tensor, with_checksums), raw_bytes(tensor).numpy())
+        for name, tensor in named_tensors
+    ]
+
+
+# A patch is sent only when it is smaller than this share of the parameter's bytes; a
+# parameter that changed more goes whole.
+PATCH_MAX_FRACTION = 0.5
+_INTEGER_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def weight_patches(
+    named_tensors: Iterable[tuple[str, Any]],
+    base: dict[str, Any],
+    base_version: int,
+    with_checksums: bool = True,
+) -> tuple[list[tuple[cp.ParameterSpec, Any]], int]:
+    """What changed since ``base`` (the tensors last pushed as ``base_version``), compared bit
+    for bit as integers: for each parameter a sparse patch (changed indices and their new
+    values), the whole tensor where a patch would not be much smaller or the base lacks it,
+    nothing where nothing changed. Returns the entries and how many parameters were
+    unchanged. Runs on the tensors' device (a GPU computes it in milliseconds)."""
+    import numpy as np
+    import torch
+
+    entries: list[tuple[cp.ParameterSpec, Any]] = []
+    unchanged = 0
+    for name, tensor in named_tensors:
+        old = base.get(name)
+        itemsize = tensor.element_size()
+        if (
+            old is None
+            or old.shape != tensor.shape
+            or old.dtype != tensor.dtype
+            or tensor.numel() >= 1 << 32
+            or itemsize not in _INTEGER_OF_SIZE
+        ):
+            entries.append(
+                (parameter_spec(name, tensor, with_checksums), raw_bytes(tensor).numpy())
+            )
+            continue
+        bits = getattr(torch, _INTEGER_OF_SIZE[itemsize])
+        new_bits = tensor.detach().contiguous().reshape(-1).view(bits)
+        old_bits = old.reshape(-1).view(bits).to(new_bits.device)
+        indices = (new_bits != old_bits).nonzero().reshape(-1)
+        changed = int(indices.numel())
+        if changed == 0:
+            unchanged += 1
+            continue
+        if changed * (4 + itemsize) >= PATCH_MAX_FRACTION * tensor.numel() * itemsize:
+            entries.append(
+                (parameter_spec(name, tensor, with_checksums), raw_bytes(tensor).numpy())
+            )
+            continue
+        spec = parameter_spec(name, tensor, with_checksums)  # SHA-256 of the patched whole
+        spec.patch.base_weight_version = base_version
+        spec.patch.changed = changed
+        index_bytes = indices.to(torch.int32).cpu().numpy().astype("<u4").view("uint8")
+        value_bytes = new_bits[indices].cpu().numpy().view("uint8")
+        entries.append((spec, np.concatenate([index_bytes, value_bytes])))
+    return entries, unchanged
 
 
 def push_messages(
@@ -157,9 +222,9 @@ def push_messages(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     with_checksums: bool = True,
 ) -> list[bytes]:
-    """The serialized PushWeights stream as a list (for tests and benchmarks; the client sends
-    a ``PushStream``)."""
-    return list(PushStream(named_tensors, chunk_bytes, with_checksums))
+    """The serialized PushWeights stream of whole tensors as a list (for tests and benchmarks;
+    the client sends a ``PushStream``)."""
+    return list(PushStream(full_entries(named_tensors, with_checksums), chunk_bytes))
 
 
 _PEFT_ADAPTER_SEGMENT = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")

@@ -1,0 +1,220 @@
+"""Weight updates that send only what changed, against real vLLM servers: a delta gives the
+same weights as a full push (the servers' SHA-256 checksums, and greedy outputs), a server on
+another version gets everything inside the same transaction, and bad patches are refused with
+the serving weights unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from skyrl_grpc.chunk_wire import encode_chunk
+from skyrl_grpc.names import PUSH_WEIGHTS
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import control_plane_pb2_grpc
+from tests.helpers.weights import greedy_per_server, next_version, perturbed
+from trainer_client import InferenceClient
+from trainer_client.weights import parameter_spec, sha256_of
+
+pytestmark = [pytest.mark.engine]
+
+
+@dataclass
+class DeltaFleet:
+    """Both real servers, a client of them, and the model's original weights (restored after
+    the module)."""
+
+    client: InferenceClient
+    servers: list[str]
+    original: dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="module")
+async def delta_fleet(
+    engine_server: Any, second_engine_server: Any, tiny_model_dir: Path
+) -> AsyncIterator[DeltaFleet]:
+    servers = [engine_server.address, second_engine_server.address]
+    client = InferenceClient(servers[0], servers, direct=False)
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+    yield DeltaFleet(client, servers, original)
+    await client.cancel_weight_update()
+    await client.update_weights(original.items(), delta=False)
+    await client.close()
+
+
+def a_training_step(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """About 2% of each tensor's elements changed, as a small RL step changes them."""
+    generator = torch.Generator().manual_seed(seed)
+    stepped = {}
+    for name, tensor in weights.items():
+        mask = torch.rand(tensor.shape, generator=generator) < 0.02
+        noise = 1e-3 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+        stepped[name] = torch.where(mask, tensor + noise, tensor)
+    return stepped
+
+
+async def served_checksums(client: InferenceClient) -> dict[str, dict[str, bytes]]:
+    return await client.weight_checksums()
+
+
+def expected_checksums(weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    return {name: sha256_of(tensor) for name, tensor in weights.items()}
+
+
+async def test_a_delta_gives_the_same_weights_as_a_full_push(delta_fleet: DeltaFleet) -> None:
+    client, servers = delta_fleet.client, delta_fleet.servers
+    full_bytes = sum(t.numel() * t.element_size() for t in delta_fleet.original.values())
+    first = perturbed(delta_fleet.original, seed=21)
+    version = await next_version(client)
+    await client.update_weights(first.items(), version)  # no base yet: everything
+    assert client.last_push_bytes == dict.fromkeys(servers, full_bytes)
+
+    stepped = a_training_step(first, seed=22)
+    await client.update_weights(stepped.items(), version + 1)
+    # ~2% of the elements, each as a 4-byte index and a 4-byte value: about 4% of the bytes.
+    assert all(0 < sent < 0.1 * full_bytes for sent in client.last_push_bytes.values())
+    checksums = await served_checksums(client)
+    assert checksums == dict.fromkeys(servers, expected_checksums(stepped))
+    after_delta = await greedy_per_server(servers)
+
+    # The same weights pushed whole: the same checksums and the same greedy outputs.
+    await client.update_weights(stepped.items(), version + 2, delta=False)
+    assert client.last_push_bytes == dict.fromkeys(servers, full_bytes)
+    assert await served_checksums(client) == checksums
+    assert await greedy_per_server(servers) == after_delta
+
+    # delta=False kept no base: the next update sends everything again, and keeps one.
+    await client.update_weights(stepped.items(), version + 3)
+    assert client.last_push_bytes == dict.fromkeys(servers, full_bytes)
+    # Nothing changed since: nothing but the manifest travels, and the version moves on.
+    await client.update_weights(stepped.items(), version + 4)
+    assert client.last_push_bytes == dict.fromkeys(servers, 0)
+    assert set((await client.weight_versions()).values()) == {version + 4}
+
+
+async def test_a_server_on_another_version_gets_everything_in_the_same_transaction(
+    delta_fleet: DeltaFleet,
+) -> None:
+    client, (first_server, second_server) = delta_fleet.client, delta_fleet.servers
+    full_bytes = sum(t.numel() * t.element_size() for t in delta_fleet.original.values())
+    base = perturbed(delta_fleet.original, seed=31)
+    version = await next_version(client)
+    await client.update_weights(base.items(), version)
+    # Another trainer moves the second server on (as a restarted or separately updated one).
+    other = InferenceClient(second_server, [second_server], direct=False)
+    await other.update_weights(perturbed(delta_fleet.original, seed=32).items(), version + 1)
+    await other.close()
+
+    stepped = a_training_step(base, seed=33)
+    await client.update_weights(stepped.items(), version + 2)
+    assert client.last_push_bytes[first_server] < 0.1 * full_bytes  # a patch
+    assert client.last_push_bytes[second_server] == full_bytes  # its base is not the client's
+    assert await served_checksums(client) == dict.fromkeys(
+        delta_fleet.servers, expected_checksums(stepped)
+    )
+
+
+def _patch_stream(
+    name: str, tensor: torch.Tensor, base_version: int, indices: list[int], values: list[float]
+) -> list[bytes]:
+    spec = parameter_spec(name, tensor, with_checksum=False)
+    spec.patch.base_weight_version = base_version
+    spec.patch.changed = len(indices)
+    payload = torch.tensor(indices, dtype=torch.int32).numpy().astype("<u4").tobytes()
+    payload += torch.tensor(values, dtype=tensor.dtype).numpy().tobytes()
+    manifest = cp.PushWeightsRequest(manifest=cp.WeightManifest(parameters=[spec]))
+    return [manifest.SerializeToString(), encode_chunk(name, 0, memoryview(payload))]
+
+
+async def test_bad_patches_are_refused_and_the_weights_stay(delta_fleet: DeltaFleet) -> None:
+    address = delta_fleet.servers[0]
+    client = InferenceClient(address, [address], direct=False)
+    before = (await client.weight_checksums())[address]
+    serving = (await client.weight_versions())[address]
+    name, tensor = next(iter(sorted(delta_fleet.original.items())))
+    channel = grpc.aio.insecure_channel(address)
+    control = control_plane_pb2_grpc.ControlPlaneStub(channel)
+    push = channel.stream_unary(PUSH_WEIGHTS, request_serializer=None)
+
+    cases = [
+        # (the stream, the status, words of the message)
+        (
+            _patch_stream(name, tensor, serving + 7, [0], [1.0]),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"apply to version {serving + 7}, but this server serves version {serving}",
+        ),
+        (
+            _patch_stream(name, tensor, serving, [tensor.numel()], [1.0]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"names element {tensor.numel()}",
+        ),
+        (
+            _patch_stream(name, tensor, serving, [3, 1], [1.0, 2.0]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "strictly increasing",
+        ),
+        (
+            _patch_stream("model.no_such.weight", tensor, serving, [0], [1.0]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "unknown parameter",
+        ),
+        (
+            _patch_stream(name, tensor, serving, [0], [float("nan")]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "NaN or an infinity",
+        ),
+        (
+            _patch_stream(name, tensor, serving, [0, 1], [1.0, 2.0])[:1],  # truncated
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "truncated push",
+        ),
+    ]
+    for stream, code, words in cases:
+        await control.StartWeightUpdate(cp.StartWeightUpdateRequest(weight_version=serving + 1))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await push(iter(stream))
+        assert refused.value.code() == code, refused.value.details()
+        assert words in (refused.value.details() or ""), refused.value.details()
+        await client.cancel_weight_update()
+        assert (await client.weight_checksums())[address] == before
+    # The next update succeeds.
+    version = await next_version(client)
+    await client.update_weights(delta_fleet.original.items(), version, delta=False)
+    assert (await client.weight_versions())[address] == version
+    await channel.close()
+    await client.close()
+
+
+async def test_a_tensor_parallel_server_takes_deltas_and_rolls_back_exactly(
+    delta_fleet: DeltaFleet,
+) -> None:
+    # Two workers, each with its shard: the patch is applied in checkpoint coordinates, so
+    # both see the same whole parameters (checksums), and greedy outputs match a TP=1 server
+    # serving the same weights.
+    from tests.conftest import running_engine_server
+
+    single = delta_fleet.servers[0]
+    async for tp_server in running_engine_server(tensor_parallel_size=2):
+        both = [single, tp_server.address]
+        client = InferenceClient(single, both, direct=False)
+        assert (await client.server_info())[tp_server.address].world_size == 2
+        base = perturbed(delta_fleet.original, seed=41)
+        version = await next_version(client)
+        await client.update_weights(base.items(), version)
+        before = await served_checksums(client)
+        stepped = a_training_step(base, seed=42)
+        await client.update_weights(stepped.items(), version + 1)
+        assert client.last_push_bytes[tp_server.address] < client.last_push_bytes[single] * 1.01
+        assert await served_checksums(client) == dict.fromkeys(both, expected_checksums(stepped))
+        outputs = await greedy_per_server(both)
+        assert outputs[single] == outputs[tp_server.address]
+        assert await client.rollback_weights(version + 1) == dict.fromkeys(both, version)
+        assert await served_checksums(client) == before
+        await client.close()
