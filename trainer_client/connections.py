@@ -87,12 +87,21 @@ class Connections:
     async def _end_with_loop(self, resources: LoopResources) -> None:
         try:
             await asyncio.get_running_loop().create_future()  # until cancelled
-        finally:
+        except GeneratorExit:
+            # The loop was dropped without running this task to its end: nothing can be
+            # awaited any more (grpc closes the channels it drops itself).
+            self._forget(resources)
+            raise
+        except BaseException:
             # Cancelled by close(), or by asyncio.run ending its loop: the loop still runs
             # here, so the channels close cleanly.
-            if self._loops.get(resources.loop) is resources:
-                del self._loops[resources.loop]
+            self._forget(resources)
             await resources.close()
+            raise
+
+    def _forget(self, resources: LoopResources) -> None:
+        if self._loops.get(resources.loop) is resources:
+            del self._loops[resources.loop]
 
     @property
     def open_loops(self) -> int:
