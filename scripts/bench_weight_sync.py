@@ -10,8 +10,13 @@ gloo broadcast between two fresh processes. Also measured: the servers' process-
 memory above its level right after start (peak while updating, and what stays), and this
 trainer's own peak extra resident memory.
 
+RL-like steps (``--rl-lrs``): the trainer keeps fp32 master weights and takes Adam steps on
+random gradients at each learning rate; the servers serve the master weights cast to the
+serving dtype, pushed with ``update_weights`` (deltas: only what changed since the last push).
+
 Run: .venv/bin/python scripts/bench_weight_sync.py [--servers 1] [--tp 1] [--rounds 2]
-     [--transports grpc,collective] [--output docs/bench-weight-sync.md]
+     [--dtype bfloat16] [--transports grpc,collective] [--rl-lrs 1e-6,1e-5]
+     [--output docs/bench-weight-sync.md]
 """
 
 from __future__ import annotations
@@ -44,10 +49,29 @@ MODEL = dict(
 )
 
 
-def build_model() -> Path:
+def build_model(dtype: str) -> Path:
+    """The model directory, its weights saved in ``dtype`` (what the servers serve)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
     from skyrl_grpc.tiny_model import TinyModelSpec, ensure_tiny_model
 
-    return ensure_tiny_model(spec=TinyModelSpec(**MODEL))  # type: ignore[arg-type]
+    built = ensure_tiny_model(spec=TinyModelSpec(**MODEL))  # type: ignore[arg-type]
+    if dtype == "float32":
+        return built
+    copy = built.with_name(built.name + f"-{dtype}")
+    if not (copy / "model.safetensors").exists():
+        shutil.copytree(built, copy, dirs_exist_ok=True)
+        weights = load_file(str(built / "model.safetensors"))
+        target = getattr(torch, dtype)
+        save_file({n: t.to(target) for n, t in weights.items()}, str(copy / "model.safetensors"))
+        config = json.loads((copy / "config.json").read_text())
+        config["torch_dtype"] = dtype
+        (copy / "config.json").write_text(json.dumps(config))
+    return copy
 
 
 # -- memory -------------------------------------------------------------------------------------
@@ -98,11 +122,13 @@ class PeakRss:
 
 
 @contextmanager
-def engine_servers(model: Path, count: int, tp: int) -> Iterator[list[subprocess.Popen[str]]]:
+def engine_servers(
+    model: Path, count: int, tp: int, dtype: str
+) -> Iterator[list[subprocess.Popen[str]]]:
     from servers.common.process import read_announcement
 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
-    args = ["--model", str(model), "--dtype", "float32", "--kv-cache-gib", "1", "--port", "0"]
+    args = ["--model", str(model), "--dtype", dtype, "--kv-cache-gib", "1", "--port", "0"]
     if tp > 1:
         args += ["--tensor-parallel-size", str(tp), "--cpu-threads", "1"]
     processes = []
@@ -227,11 +253,42 @@ def perturbed(tensors: list[tuple[str, Any]], seed: int) -> list[tuple[str, Any]
     ]
 
 
+class AdamMaster:
+    """fp32 master weights and Adam's moments, stepped on random gradients."""
+
+    def __init__(self, tensors: list[tuple[str, Any]], lr: float, seed: int) -> None:
+        import torch
+
+        self.lr = lr
+        self.step_count = 0
+        self.generator = torch.Generator().manual_seed(seed)
+        self.master = {n: t.float().clone() for n, t in tensors}
+        self.m = {n: torch.zeros_like(t) for n, t in self.master.items()}
+        self.v = {n: torch.zeros_like(t) for n, t in self.master.items()}
+
+    def step(self) -> None:
+        import torch
+
+        self.step_count += 1
+        t = self.step_count
+        for name, weight in self.master.items():
+            grad = torch.randn(weight.shape, generator=self.generator)
+            self.m[name].mul_(0.9).add_(grad, alpha=0.1)
+            self.v[name].mul_(0.999).addcmul_(grad, grad, value=0.001)
+            m_hat = self.m[name] / (1 - 0.9**t)
+            v_hat = self.v[name] / (1 - 0.999**t)
+            weight.sub_(self.lr * m_hat / (v_hat.sqrt() + 1e-8))
+
+    def serving(self, dtype: Any) -> list[tuple[str, Any]]:
+        return [(n, t.to(dtype)) for n, t in self.master.items()]
+
+
 async def updates(
     servers: list[subprocess.Popen[str]],
     tensors: list[tuple[str, Any]],
     transports: list[str],
     rounds: int,
+    rl_lrs: list[float],
 ) -> list[dict[str, Any]]:
     from trainer_client import InferenceClient
 
@@ -239,33 +296,50 @@ async def updates(
     client = InferenceClient(addresses[0], addresses, direct=False, control_timeout=600)
     pids = [s.pid for s in servers]
     idle = sum(tree_rss(p) for p in pids)
+    full = sum(t.numel() * t.element_size() for _, t in tensors)
     rows = []
     version = 0
+
+    async def measure(label: str, new: list[tuple[str, Any]], transport: str) -> None:
+        nonlocal version
+        trainer_before = tree_rss(os.getpid())
+        version += 1
+        with PeakRss(pids) as servers_peak, PeakRss([os.getpid()]) as trainer_peak:
+            started = time.perf_counter()
+            await client.update_weights(new, version, transport=transport, timeout=1800)  # type: ignore[arg-type]
+            seconds = time.perf_counter() - started
+        versions = await client.weight_versions()
+        assert set(versions.values()) == {version}, versions
+        sent = max(client.last_push_bytes.values()) if transport == "grpc" else full
+        rows.append(
+            {
+                "update": label,
+                "transport": transport,
+                "seconds": seconds,
+                "wire_fraction": sent / full,
+                "servers_peak_above_idle": servers_peak.peak - idle,
+                "servers_kept_above_idle": sum(tree_rss(p) for p in pids) - idle,
+                "trainer_peak_extra": trainer_peak.peak - trainer_before,
+            }
+        )
+        print(rows[-1], flush=True)
+
     for transport in transports:
         if transport == "collective":
             await client.init_weight_transfer("gloo", timeout_seconds=600)
         for round_index in range(rounds):
-            new = perturbed(tensors, seed=version + 1)
-            trainer_before = tree_rss(os.getpid())
-            version += 1
-            with PeakRss(pids) as servers_peak, PeakRss([os.getpid()]) as trainer_peak:
-                started = time.perf_counter()
-                await client.update_weights(new, version, transport=transport, timeout=1800)  # type: ignore[arg-type]
-                seconds = time.perf_counter() - started
-            versions = await client.weight_versions()
-            assert set(versions.values()) == {version}, versions
-            rows.append(
-                {
-                    "transport": transport,
-                    "round": round_index + 1,
-                    "seconds": seconds,
-                    "servers_peak_above_idle": servers_peak.peak - idle,
-                    "servers_kept_above_idle": sum(tree_rss(p) for p in pids) - idle,
-                    "trainer_peak_extra": trainer_peak.peak - trainer_before,
-                }
-            )
-            print(rows[-1], flush=True)
+            new = perturbed(tensors, seed=version + 1)  # the trainer's weights, made before
+            await measure(f"full {round_index + 1}", new, transport)
             del new
+    if rl_lrs and "grpc" in transports:
+        dtype = tensors[0][1].dtype
+        for lr in rl_lrs:
+            trainer = AdamMaster(tensors, lr, seed=int(1 / lr))
+            await measure(f"RL lr {lr:g}: base", trainer.serving(dtype), "grpc")
+            for step in range(rounds):
+                trainer.step()
+                await measure(f"RL lr {lr:g}: step {step + 1}", trainer.serving(dtype), "grpc")
+            del trainer
     await client.close()
     return rows
 
@@ -276,38 +350,43 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--transports", default="grpc,collective")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--rl-lrs", default="1e-6,1e-5", help="learning rates of RL-like steps")
     parser.add_argument("--output", default=None, help="append the table to this markdown file")
     args = parser.parse_args()
 
     import torch
     from safetensors.torch import load_file
 
-    model = build_model()
+    model = build_model(args.dtype)
     tensors = sorted(load_file(str(model / "model.safetensors")).items())
     total = sum(t.numel() * t.element_size() for _, t in tensors)
     parameters = sum(t.numel() for _, t in tensors)
-    print(f"model: {parameters / 1e6:.0f}M parameters, {total / GiB:.2f} GiB float32", flush=True)
+    print(f"model: {parameters / 1e6:.0f}M parameters, {total / GiB:.2f} GiB {args.dtype}")
     torch.set_num_threads(1)
     tcp = min(raw_tcp(tensors) for _ in range(args.rounds))
     gloo = raw_gloo(tensors, args.rounds)
     print(f"raw loopback TCP {tcp:.2f} s, raw gloo broadcast {gloo:.2f} s", flush=True)
     transports = [t for t in args.transports.split(",") if t]
-    with engine_servers(model, args.servers, args.tp) as servers:
-        rows = asyncio.run(updates(servers, tensors, transports, args.rounds))
+    rl_lrs = [float(x) for x in args.rl_lrs.split(",") if x]
+    with engine_servers(model, args.servers, args.tp, args.dtype) as servers:
+        rows = asyncio.run(updates(servers, tensors, transports, args.rounds, rl_lrs))
     lines = [
-        f"\n### {parameters / 1e6:.0f}M parameters ({total / GiB:.2f} GiB float32), "
+        f"\n### {parameters / 1e6:.0f}M parameters ({total / GiB:.2f} GiB {args.dtype}), "
         f"{args.servers} server(s), TP={args.tp}\n",
-        f"Raw links for the same bytes, same run: loopback TCP {tcp:.2f} s, gloo broadcast "
-        f"{gloo:.2f} s.\n",
-        "| transport | round | seconds | x raw link | servers' peak above idle (x model) "
-        "| kept above idle (x model) | trainer's peak extra (x model) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"Raw links for the same (full) bytes, same run: loopback TCP {tcp:.2f} s, gloo "
+        f"broadcast {gloo:.2f} s.\n",
+        "| update | transport | seconds | x raw link (full bytes) | bytes sent (x full) "
+        "| servers' peak above idle (x model) | kept above idle (x model) "
+        "| trainer's peak extra (x model) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
         link = tcp if row["transport"] == "grpc" else gloo
         lines.append(
-            f"| {row['transport']} | {row['round']} | {row['seconds']:.2f} | "
-            f"{row['seconds'] / link:.1f}x | {row['servers_peak_above_idle'] / total:.2f} | "
+            f"| {row['update']} | {row['transport']} | {row['seconds']:.2f} | "
+            f"{row['seconds'] / link:.2f}x | {row['wire_fraction']:.3f} | "
+            f"{row['servers_peak_above_idle'] / total:.2f} | "
             f"{row['servers_kept_above_idle'] / total:.2f} | "
             f"{row['trainer_peak_extra'] / total:.2f} |"
         )
