@@ -299,7 +299,7 @@ async def membership_change(router: Any, address: str, remove_at: float, readd_a
 
 async def engines_report(args: argparse.Namespace) -> list[str]:
     from servers.fleet.local import LocalFleet
-    from servers.router.server import RouterOptions, RouterServer
+    from servers.router.router_server import RouterOptions, RouterServer
 
     workload = [
         Session(s.sid, s.arrival_s, s.turns[:12])

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_stack import GrpcContender, Workload, compare, percentile, write_report  # noqa: E402
 
 from servers.fleet.local import LocalFleet  # noqa: E402
-from servers.router.server import RouterOptions, RouterServer  # noqa: E402
+from servers.router.router_server import RouterOptions, RouterServer  # noqa: E402
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc  # noqa: E402
 from skyrl_grpc.v1 import generation_pb2 as gen  # noqa: E402
 from tests.helpers.fake_backend import FakeBackend  # noqa: E402

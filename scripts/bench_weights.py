@@ -203,7 +203,7 @@ def collective(tensors: list[tuple[str, Any]], rounds: int) -> dict[str, list[fl
     """Seconds per update for each mode, over ``rounds`` alternating rounds after a warm-up."""
     import torch
 
-    from trainer_client.weights import CollectiveSender, plan_buckets
+    from trainer_client.weight_sending import CollectiveSender, plan_buckets
 
     buckets = {c: plan_buckets(tensors, BUCKET, with_checksums=c) for c in (False, True)}
     plans = {
@@ -297,7 +297,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from skyrl_grpc.host_memory import keep_freed_memory
-    from trainer_client.weights import push_messages
+    from trainer_client.weight_sending import push_messages
 
     tensors = make_state_dict(int(args.gib * (1 << 30)))
     total = sum(t.numel() * 4 for _, t in tensors)

@@ -1,7 +1,7 @@
 """``skyrl-grpc``: one command line for the stack. Every command has ``--help``.
 
 - ``serve``: one engine server (the same as ``python -m servers.engine``: one entry point,
-  ``servers.engine.server.run``, whichever command starts it).
+  ``servers.engine.engine_server.run``, whichever command starts it).
 - ``route``: the router (the same as ``python -m servers.router``).
 - ``up``: N engine servers and a router, as local processes or on Ray; runs until Ctrl-C.
 - ``demo``: the end-to-end RL loop on the embedded tiny model: starts a fleet, then runs the
@@ -24,11 +24,11 @@ from .common.process import configure_logging
 from .engine import options as engine_options
 from .fleet import Fleet
 from .fleet.local import LocalFleet
-from .router import server as router
+from .router import router_server as router
 
 
 def _serve(args: argparse.Namespace, _: list[str]) -> None:
-    from .engine import server
+    from .engine import engine_server as server
 
     server.run(engine_options.options_from_args(args))
 

@@ -65,8 +65,8 @@ def greedy_reference(
 async def running_engine_server(**engine: Any) -> AsyncIterator[Any]:
     """A real vLLM engine server on the tiny model (``engine``: EngineOptions fields), in this
     process, drained afterwards."""
+    from servers.engine.engine_server import EngineServer
     from servers.engine.options import EngineOptions, ServerOptions
-    from servers.engine.server import EngineServer
 
     server = EngineServer(ServerOptions(engine=EngineOptions(**engine)))
     await server.start()
@@ -98,7 +98,7 @@ async def second_engine_server(engine_server: Any) -> AsyncIterator[Any]:
 async def running_router(backends: list[str], **options: Any) -> AsyncIterator[Any]:
     """A router in this process in front of ``backends`` (``options``: RouterOptions fields),
     yielded once every backend is healthy."""
-    from servers.router.server import RouterOptions, RouterServer
+    from servers.router.router_server import RouterOptions, RouterServer
 
     router = RouterServer(RouterOptions(backends=backends, health_check_interval=0.2, **options))
     await router.start()

@@ -20,7 +20,7 @@ from servers.engine.adapters import (
 )
 from skyrl_grpc.errors import FailedPrecondition, InvalidArgument, NotFound
 from skyrl_grpc.v1 import control_plane_pb2 as cp
-from trainer_client.weights import lora_push_messages
+from trainer_client.weight_sending import lora_push_messages
 
 SHAPES = ModelShapes(layers=2, features={"q_proj": (8, 8), "v_proj": (8, 4), "lm_head": (8, 32)})
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from servers.router.server import RouterServer
+from servers.router.router_server import RouterServer
 from trainer_client import InferenceClient
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from trainer_client.errors import ServerError
+from trainer_client.exceptions import ServerError
 from trainer_client.weight_transaction import WeightUpdateError, run_weight_transaction
 
 SERVERS = ["s1:1", "s2:2", "s3:3"]

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from servers.router.server import RouterOptions, RouterServer
+from servers.router.router_server import RouterOptions, RouterServer
 from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
 from skyrl_grpc.names import GENERATE_STREAM
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, router_pb2, router_pb2_grpc

@@ -12,10 +12,10 @@ from typing import Any
 import grpc
 import pytest
 
+from servers.engine.engine_server import EngineServer
 from servers.engine.options import EngineOptions, RequestLimits, ServerOptions
-from servers.engine.server import EngineServer
 from servers.router.proxy import ProxyOptions
-from servers.router.server import RouterOptions, RouterServer
+from servers.router.router_server import RouterOptions, RouterServer
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import (
     control_plane_pb2_grpc,

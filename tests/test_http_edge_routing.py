@@ -14,7 +14,7 @@ import pytest
 
 from servers.router.http_edge import parse
 from servers.router.http_edge.http_status import error_body
-from servers.router.server import RouterOptions, RouterServer
+from servers.router.router_server import RouterOptions, RouterServer
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
 from skyrl_grpc.names import GENERATE_STREAM

@@ -20,8 +20,8 @@ from skyrl_grpc.v1 import control_plane_pb2_grpc
 from tests.conftest import running_engine_server
 from tests.helpers.waits import running_on_engines
 from trainer_client import FanOutError, InferenceClient
-from trainer_client.errors import ServerError
-from trainer_client.weights import lora_push_messages
+from trainer_client.exceptions import ServerError
+from trainer_client.weight_sending import lora_push_messages
 
 pytestmark = pytest.mark.engine
 PROMPTS = [[1, 17, 33, 95, 200, 311], [1, 5, 9, 13, 400, 77, 78]]
@@ -96,7 +96,7 @@ def merged_reference(
 async def lora_fleet(tiny_model_dir: Path) -> AsyncIterator[tuple[Any, list[Any]]]:
     """Two engine servers with --enable-lora (rank <= 8, two adapters per batch, three kept)
     behind a router."""
-    from servers.router.server import RouterOptions, RouterServer
+    from servers.router.router_server import RouterOptions, RouterServer
 
     starters = [
         running_engine_server(enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3)

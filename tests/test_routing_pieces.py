@@ -13,7 +13,7 @@ import pytest
 from servers.engine.status import StatusChanges
 from skyrl_grpc.v1 import router_pb2
 from trainer_client.direct import DirectRoutes
-from trainer_client.errors import FanOutError, NotFound, ServerError
+from trainer_client.exceptions import FanOutError, NotFound, ServerError
 from trainer_client.fanout import failures_of, fan_out
 
 HEALTHY, UNHEALTHY = router_pb2.BACKEND_STATE_HEALTHY, router_pb2.BACKEND_STATE_UNHEALTHY

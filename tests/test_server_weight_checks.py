@@ -17,7 +17,7 @@ from servers.engine.weights.worker import WeightTransferWorker
 from skyrl_grpc import dtypes
 from skyrl_grpc.errors import DataLoss, FailedPrecondition, InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
-from trainer_client.weights import plan_buckets, push_messages, rank_offsets
+from trainer_client.weight_sending import plan_buckets, push_messages, rank_offsets
 
 LAYOUT = {
     "a.weight": ParamLayout(dtypes.BY_TORCH["float32"], (4, 3)),
@@ -407,7 +407,7 @@ async def test_replacing_non_finite_weights_asks_the_engine_to_clear_their_trace
 
 
 def test_a_peft_models_own_state_dict_names_map_to_the_saved_adapter_names() -> None:
-    from trainer_client.weights import lora_push_messages, peft_tensor_name
+    from trainer_client.weight_sending import lora_push_messages, peft_tensor_name
 
     prefix = "base_model.model.model.layers.0.self_attn.q_proj"
     assert peft_tensor_name(f"{prefix}.lora_A.default.weight") == f"{prefix}.lora_A.weight"

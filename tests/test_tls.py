@@ -12,8 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servers.common.listener import ServerTls
 from servers.engine import options as engine_options
-from servers.engine import server as engine_server
-from servers.router.server import RouterOptions, RouterServer
+from servers.engine import engine_server
+from servers.router.router_server import RouterOptions, RouterServer
 from skyrl_grpc.tls import TlsConfig
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
@@ -118,7 +118,7 @@ def test_tls_flags_reach_the_options(certs: Certificates, tmp_path: Path) -> Non
     assert engine_options.options_from_args(args).tls == ServerTls(
         certs.server_cert, certs.server_key, certs.ca
     )
-    from servers.router import server as router
+    from servers.router import router_server as router
 
     routed = router.options_from_args(
         router.build_parser().parse_args(

@@ -21,7 +21,7 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
 from tests.helpers.weights import greedy_per_server, next_version, perturbed
 from trainer_client import InferenceClient
-from trainer_client.weights import parameter_spec, sha256_of
+from trainer_client.weight_sending import parameter_spec, sha256_of
 
 pytestmark = [pytest.mark.engine]
 

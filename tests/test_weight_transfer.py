@@ -22,7 +22,7 @@ from tests.conftest import REFERENCE_PROMPTS, offline_reference
 from tests.helpers.waits import running_on_engines, until
 from tests.helpers.weights import MAX_TOKENS, greedy_per_server, next_version, perturbed
 from trainer_client import InferenceClient, WeightUpdateError
-from trainer_client.weights import push_messages, sha256_of
+from trainer_client.weight_sending import push_messages, sha256_of
 
 pytestmark = [pytest.mark.engine]
 # Any version: the calls using it are refused before the version matters.
@@ -149,7 +149,7 @@ async def test_collective_gloo_updates_two_servers_with_their_own_rank_offsets(
     await assert_serving(pushed_fleet, pushed_fleet.original, original_greedy)
     # A corrupted bucket (checksums disagree with the bytes) is rejected everywhere.
     corrupt = dict(pushed_fleet.original)
-    from trainer_client import weights as sender_module
+    from trainer_client import weight_sending as sender_module
 
     real_spec = sender_module.parameter_spec
 

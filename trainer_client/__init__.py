@@ -9,7 +9,7 @@ server. Results are plain dataclasses; errors are ``InferenceError`` subclasses.
 from .blocking import BlockingInferenceClient
 from .client import InferenceClient
 from .config import ClientConfig, ClientSettings, TlsConfig
-from .errors import (
+from .exceptions import (
     Aborted,
     AlreadyExists,
     Cancelled,

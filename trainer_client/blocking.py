@@ -21,8 +21,8 @@ from .config import ClientConfig, ClientSettings
 from .fleet_info import LoraAdapter, ModelInfo, PauseMode, ServerInfo, ServerLoad, WeightCommit
 from .results import GenerationResult, WeightVersions
 from .sampling import Message, Sampling
+from .weight_sending import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES
 from .weight_updates import WeightTransport
-from .weights import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES
 
 T = TypeVar("T")
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Unpack
 
-from .adapters import Adapters
 from .config import ClientConfig, ClientSettings
 from .fleet_control import FleetControl
 from .generation import Generation
+from .lora import Adapters
 from .weight_updates import WeightUpdates
 
 

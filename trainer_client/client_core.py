@@ -19,7 +19,7 @@ from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2_grpc
 
 from .config import ClientConfig
 from .connections import Connections
-from .errors import ServerError
+from .exceptions import ServerError
 from .fanout import fan_out
 
 T = TypeVar("T")

@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import grpc
 
-from .errors import FanOutError, ServerError
+from .exceptions import FanOutError, ServerError
 
 T = TypeVar("T")
 

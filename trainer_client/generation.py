@@ -20,7 +20,7 @@ from skyrl_grpc.v1 import data_plane_pb2
 
 from .abort_retry import AbortRetry
 from .client_core import ClientCore
-from .errors import ServerError
+from .exceptions import ServerError
 from .fleet_info import ModelInfo
 from .results import GenerationResult
 from .sampling import Message, Sampling, chat_messages, sampling_params

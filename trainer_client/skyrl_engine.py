@@ -48,7 +48,7 @@ from skyrl.backends.skyrl_train.weight_sync.base import WeightUpdateRequest  # n
 from skyrl_grpc.concurrency import all_or_cancel  # noqa: E402
 
 from .client import InferenceClient  # noqa: E402
-from .errors import InferenceError  # noqa: E402
+from .exceptions import InferenceError  # noqa: E402
 from .results import GenerationResult  # noqa: E402
 from .weight_updates import WeightTransport  # noqa: E402
 

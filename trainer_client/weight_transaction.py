@@ -25,7 +25,7 @@ from typing import Protocol, TypeVar
 
 import grpc
 
-from .errors import InferenceError, ServerError
+from .exceptions import InferenceError, ServerError
 from .fanout import failures_of
 
 R = TypeVar("R", covariant=True)

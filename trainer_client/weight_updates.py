@@ -1,7 +1,7 @@
 """Weights on every server of the fleet: the collective group, updates as fleet-wide
 transactions (``weight_transaction``), cancel, rollback, checksums and versions.
 
-How bytes move is ``trainer_client.weights`` (buckets over the collective group, or chunks
+How bytes move is ``trainer_client.weight_sending`` (buckets over the collective group, or chunks
 over gRPC streams); this module makes the calls around them.
 """
 
@@ -22,12 +22,11 @@ from skyrl_grpc.process_group import free_port
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from .client_core import ClientCore, ControlRpc, Request, Response
-from .errors import FailedPrecondition
+from .exceptions import FailedPrecondition
 from .fanout import failures_of, fan_out
 from .fleet_info import WeightCommit
 from .results import WeightVersions
-from .weight_transaction import run_weight_transaction
-from .weights import (
+from .weight_sending import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHUNK_BYTES,
     CollectiveSender,
@@ -37,6 +36,7 @@ from .weights import (
     rank_offsets,
     weight_patches,
 )
+from .weight_transaction import run_weight_transaction
 
 log = logging.getLogger(__name__)
 WeightTransport = Literal["collective", "grpc"]

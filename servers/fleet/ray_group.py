@@ -31,8 +31,8 @@ class EngineServerActor:
 
     def __init__(self, engine: dict[str, Any], host: str, env: dict[str, str]) -> None:
         os.environ.update(env)
+        from ..engine.engine_server import EngineServer
         from ..engine.options import EngineOptions, ServerOptions
-        from ..engine.server import EngineServer
 
         self._server = EngineServer(
             ServerOptions(host=host, port=0, engine=EngineOptions(**engine))
@@ -54,7 +54,7 @@ class RouterActor:
     """Runs the router inside a Ray actor."""
 
     def __init__(self, backends: list[str], host: str) -> None:
-        from ..router.server import RouterOptions, RouterServer
+        from ..router.router_server import RouterOptions, RouterServer
 
         self._router = RouterServer(RouterOptions(backends=backends, host=host, port=0))
 

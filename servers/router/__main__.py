@@ -1,5 +1,5 @@
 """``python -m servers.router``: the router (the same as ``skyrl-grpc route``)."""
 
-from .server import main
+from .router_server import main
 
 main()

@@ -11,7 +11,7 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 from .client_core import ClientCore
 from .fanout import fan_out
 from .fleet_info import LoraAdapter
-from .weights import DEFAULT_CHUNK_BYTES, lora_push_messages
+from .weight_sending import DEFAULT_CHUNK_BYTES, lora_push_messages
 
 
 class Adapters(ClientCore):

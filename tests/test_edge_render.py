@@ -1,0 +1,63 @@
+"""The HTTP edge's answers built from the contract's samples (pure: no server)."""
+
+from __future__ import annotations
+
+from servers.router.http_edge import parse, render
+from skyrl_grpc.v1 import data_plane_pb2, lora_pb2
+from skyrl_grpc.v1 import generation_pb2 as gen
+
+
+def _call(chat: bool, **body: object) -> parse.GenerationCall:
+    base: dict[str, object] = (
+        {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": [1, 2]}
+    )
+    return parse.read_generation({**base, **body}, chat=chat)
+
+
+def test_a_whole_sample_reads_as_vllm_reports_it() -> None:
+    call = _call(False, stop=["END"], include_stop_str_in_output=True, return_token_ids=True)
+    sample = gen.Sample(
+        index=1,
+        token_ids=[5, 6],
+        text="ab",
+        finish_reason=gen.FINISH_REASON_STOP,
+        stop=gen.StopMatch(text="END"),
+    )
+    out = render.sample_out(sample, call, index_offset=2)
+    assert (out.index, out.text, out.finish_reason, out.stop_reason) == (3, "abEND", "stop", "END")
+    choice = render.choice(call, out, {}, prompt=[1, 2])
+    assert choice["token_ids"] == [5, 6] and choice["prompt_token_ids"] == [1, 2]
+    assert choice["logprobs"] is None
+
+
+def test_chat_answers_and_chunks_have_openais_shapes() -> None:
+    call = _call(True, return_token_ids=True)
+    out = render.SampleOut(0, [7], "hello", "length")
+    whole = render.response(call, [render.choice(call, out, {}, [1])], render.usage(1, 1, 0), [1])
+    assert whole["object"] == "chat.completion" and whole["prompt_token_ids"] == [1]
+    assert whole["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "hello",
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "tool_calls": [],
+    }
+    first = render.chunk_choice(call, 0, "he", [7], None, None, None, {}, first=True, prompt=[1])
+    assert first["delta"] == {"content": "he", "role": "assistant"}
+    assert first["prompt_token_ids"] == [1] and "stop_reason" not in first
+    last = render.chunk_choice(call, 0, "", [], "stop", 9, None, {})
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == 9
+    assert render.chunk(call, [last])["object"] == "chat.completion.chunk"
+
+
+def test_models_lists_the_base_then_its_adapters() -> None:
+    info = data_plane_pb2.GetModelInfoResponse(
+        served_model_name="base",
+        max_context_length=512,
+        lora_adapters=[lora_pb2.LoraAdapter(name="policy", version=3)],
+    )
+    listed = render.models(info, created=0)["data"]
+    assert [(m["id"], m["parent"]) for m in listed] == [("base", None), ("policy", "base")]
+    assert listed[1]["lora_version"] == 3 and listed[0]["max_model_len"] == 512
