@@ -12,8 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servers.engine import options as engine_options
 from servers.engine import engine_server
+from servers.engine import options as engine_options
 from servers.router.router_server import RouterOptions, RouterServer
 from skyrl_grpc.metadata import bearer
 from skyrl_grpc.v1 import control_plane_pb2 as cp
