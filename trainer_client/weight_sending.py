@@ -198,16 +198,19 @@ def weight_patches(
         bits = getattr(torch, _INTEGER_OF_SIZE[itemsize])
         new_bits = tensor.detach().contiguous().reshape(-1).view(bits)
         old_bits = old.reshape(-1).view(bits).to(new_bits.device)
-        indices = (new_bits != old_bits).nonzero().reshape(-1)
-        changed = int(indices.numel())
+        differs = new_bits != old_bits
+        changed = int(differs.sum())
         if changed == 0:
             unchanged += 1
             continue
+        # Counted before any index is made: a tensor that changed a lot goes whole at once.
         if changed * (4 + itemsize) >= PATCH_MAX_FRACTION * tensor.numel() * itemsize:
             entries.append(
                 (parameter_spec(name, tensor, with_checksums), raw_bytes(tensor).numpy())
             )
             continue
+        indices = differs.nonzero().reshape(-1)
+        del differs
         spec = parameter_spec(name, tensor, with_checksums)  # SHA-256 of the patched whole
         spec.patch.base_weight_version = base_version
         spec.patch.changed = changed
