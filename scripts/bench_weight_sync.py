@@ -77,6 +77,13 @@ def build_model(dtype: str) -> Path:
 # -- memory -------------------------------------------------------------------------------------
 
 
+def own_rss(pid: int) -> int:
+    """Resident memory of the process alone (the engine servers are this one's children)."""
+    import psutil
+
+    return int(psutil.Process(pid).memory_info().rss)
+
+
 def tree_rss(pid: int) -> int:
     import psutil
 
@@ -95,17 +102,19 @@ def tree_rss(pid: int) -> int:
 
 
 class PeakRss:
-    """Samples the resident memory of process trees every 20 ms while in use."""
+    """Samples the resident memory of process trees (``alone``: of the processes alone) every
+    20 ms while in use."""
 
-    def __init__(self, pids: list[int]) -> None:
+    def __init__(self, pids: list[int], alone: bool = False) -> None:
         self.pids = pids
+        self._rss = own_rss if alone else tree_rss
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, sum(tree_rss(p) for p in self.pids))
+            self.peak = max(self.peak, sum(self._rss(p) for p in self.pids))
             time.sleep(0.02)
 
     def __enter__(self) -> PeakRss:
@@ -115,7 +124,7 @@ class PeakRss:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, sum(tree_rss(p) for p in self.pids))
+        self.peak = max(self.peak, sum(self._rss(p) for p in self.pids))
 
 
 # -- servers ------------------------------------------------------------------------------------
@@ -302,9 +311,9 @@ async def updates(
 
     async def measure(label: str, new: list[tuple[str, Any]], transport: str) -> None:
         nonlocal version
-        trainer_before = tree_rss(os.getpid())
+        trainer_before = own_rss(os.getpid())
         version += 1
-        with PeakRss(pids) as servers_peak, PeakRss([os.getpid()]) as trainer_peak:
+        with PeakRss(pids) as servers_peak, PeakRss([os.getpid()], alone=True) as trainer_peak:
             started = time.perf_counter()
             await client.update_weights(new, version, transport=transport, timeout=1800)  # type: ignore[arg-type]
             seconds = time.perf_counter() - started
