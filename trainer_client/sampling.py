@@ -3,6 +3,7 @@ a mapping (or a message), chat messages as dicts."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,11 +25,41 @@ def sampling_params(sampling: Sampling = None, **overrides: Any) -> generation_p
     for name, value in overrides.items():
         if value is None:
             continue
-        if name in ("stop_token_ids", "stop_strings"):
+        if name in ("stop_token_ids", "stop_strings", "allowed_token_ids"):
             getattr(params, name)[:] = list(value)
+        elif name == "logit_bias":
+            params.logit_bias.clear()
+            params.logit_bias.update({int(k): float(v) for k, v in dict(value).items()})
+        elif name == "structured_output":
+            params.structured_output.CopyFrom(structured_output(value))
         else:
             setattr(params, name, value)
     return params
+
+
+def structured_output(
+    constraint: generation_pb2.StructuredOutput | Mapping[str, Any],
+) -> generation_pb2.StructuredOutput:
+    """A constraint from the message or one of ``{"json_schema": schema (a dict or JSON
+    text)}``, ``{"json_object": True}``, ``{"regex": ...}``, ``{"choice": [...]}``,
+    ``{"grammar": ...}``."""
+    if isinstance(constraint, generation_pb2.StructuredOutput):
+        return constraint
+    if len(constraint) != 1:
+        raise ValueError(f"structured_output takes exactly one constraint, got {list(constraint)}")
+    ((kind, value),) = constraint.items()
+    if kind == "json_schema":
+        text = value if isinstance(value, str) else json.dumps(value)
+        return generation_pb2.StructuredOutput(json_schema=text)
+    if kind == "choice":
+        return generation_pb2.StructuredOutput(
+            choice=generation_pb2.ChoiceList(choices=list(value))
+        )
+    if kind in ("json_object", "regex", "grammar"):
+        return generation_pb2.StructuredOutput(**{kind: value})
+    raise ValueError(
+        f"structured_output {kind!r}: use json_schema, json_object, regex, choice or grammar"
+    )
 
 
 def chat_messages(messages: Sequence[Message]) -> list[data_plane_pb2.ChatMessage]:

@@ -70,11 +70,35 @@ def build_sampling_params(
     for name in _PASSED_WHEN_SET:
         if params.HasField(name):
             kwargs[name] = getattr(params, name)
+    if params.logit_bias:
+        kwargs["logit_bias"] = dict(params.logit_bias)
+    if params.allowed_token_ids:
+        kwargs["allowed_token_ids"] = list(params.allowed_token_ids)
+    if params.HasField("structured_output"):
+        kwargs["structured_outputs"] = structured_outputs_params(params.structured_output)
     try:
         return VllmSamplingParams(**kwargs)
     except (ValueError, VLLMValidationError) as exc:
         # vLLM's own checks, for any combination the contract's ranges do not cover.
         raise InvalidArgument(f"sampling_params rejected: {exc}") from exc
+
+
+def structured_outputs_params(constraint: generation_pb2.StructuredOutput) -> Any:
+    """vLLM's StructuredOutputsParams for a validated constraint."""
+    import json
+
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kind = constraint.WhichOneof("constraint")
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=json.loads(constraint.json_schema))
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "regex":
+        return StructuredOutputsParams(regex=constraint.regex)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=list(constraint.choice.choices))
+    return StructuredOutputsParams(grammar=constraint.grammar)
 
 
 class _LogprobEntry(Protocol):

@@ -9,7 +9,9 @@ ports) are in ``servers.common.addresses``.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -189,6 +191,15 @@ def sampling(params: generation_pb2.SamplingParams, *, prompt_len: int, limits: 
     for penalty in ("presence_penalty", "frequency_penalty"):
         if params.HasField(penalty):
             _in_range(penalty, getattr(params, penalty), -2.0, 2.0)
+    token_ids(list(params.logit_bias), limits, "sampling_params.logit_bias")
+    for token, bias in params.logit_bias.items():
+        if math.isnan(bias) or not -100.0 <= bias <= 100.0:
+            raise InvalidArgument(
+                f"sampling_params.logit_bias[{token}] = {bias}: must be in -100..100"
+            )
+    token_ids(params.allowed_token_ids, limits, "sampling_params.allowed_token_ids")
+    if params.HasField("structured_output"):
+        structured_output(params.structured_output)
     if params.HasField("repetition_penalty"):
         _in_range("repetition_penalty", params.repetition_penalty, 0.0, 1e6, low_open=True)
     for name in ("logprobs", "prompt_logprobs"):
@@ -248,3 +259,53 @@ def weight_transfer_group(request: cp.InitWeightTransferRequest) -> Group:
         group_name=request.group_name or "default",
         timeout_seconds=float(request.timeout_seconds or DEFAULT_GROUP_TIMEOUT_SECONDS),
     )
+
+
+# The most bytes a structured-output constraint may have: compiling one costs engine time.
+MAX_CONSTRAINT_BYTES = 64 * 1024
+
+
+def structured_output(constraint: generation_pb2.StructuredOutput) -> None:
+    """A constraint the engine can compile: one of them, not too large, a JSON schema that is
+    a JSON object, a regex that compiles, a non-empty choice."""
+    kind = constraint.WhichOneof("constraint")
+    if kind is None:
+        raise InvalidArgument(
+            "sampling_params.structured_output is set but empty: set json_schema, "
+            "json_object, regex, choice or grammar"
+        )
+    text = {
+        "json_schema": constraint.json_schema,
+        "regex": constraint.regex,
+        "grammar": constraint.grammar,
+    }.get(kind, "")
+    size = len(text.encode()) + sum(len(c.encode()) for c in constraint.choice.choices)
+    if size > MAX_CONSTRAINT_BYTES:
+        raise InvalidArgument(
+            f"sampling_params.structured_output.{kind} has {size} bytes; the limit is "
+            f"{MAX_CONSTRAINT_BYTES}"
+        )
+    if kind == "json_schema":
+        try:
+            schema = json.loads(constraint.json_schema)
+        except ValueError as error:
+            raise InvalidArgument(
+                f"sampling_params.structured_output.json_schema is not valid JSON: {error}"
+            ) from None
+        if not isinstance(schema, dict):
+            raise InvalidArgument(
+                "sampling_params.structured_output.json_schema must be a JSON object (a schema)"
+            )
+    elif kind == "json_object" and not constraint.json_object:
+        raise InvalidArgument("sampling_params.structured_output.json_object must be true")
+    elif kind == "regex":
+        try:
+            re.compile(constraint.regex)
+        except re.error as error:
+            raise InvalidArgument(
+                f"sampling_params.structured_output.regex does not compile: {error}"
+            ) from None
+    elif kind == "choice" and not constraint.choice.choices:
+        raise InvalidArgument("sampling_params.structured_output.choice lists no choice")
+    elif kind == "grammar" and not constraint.grammar.strip():
+        raise InvalidArgument("sampling_params.structured_output.grammar is empty")

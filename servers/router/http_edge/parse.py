@@ -27,7 +27,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "tools": (None, []),
     "functions": (None, []),
-    "logit_bias": (None, {}),
 }
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's and vLLM's completions endpoint
 
@@ -123,6 +122,23 @@ def _sampling(body: Json, chat: bool) -> gen.SamplingParams:
         if ids is None:
             raise InvalidArgument("'stop_token_ids' must be a list of token ids")
         p.stop_token_ids.extend(ids)
+    bias = _get(body, "logit_bias", dict)
+    if bias:
+        try:
+            p.logit_bias.update({int(k): float(v) for k, v in bias.items()})
+        except (TypeError, ValueError):
+            raise InvalidArgument(
+                "'logit_bias' maps token ids (as strings) to numbers in -100..100"
+            ) from None
+    allowed = body.get("allowed_token_ids")
+    if allowed:
+        ids = _token_ids(allowed, "allowed_token_ids")
+        if ids is None:
+            raise InvalidArgument("'allowed_token_ids' must be a list of token ids")
+        p.allowed_token_ids.extend(ids)
+    constraint = _structured_output(body)
+    if constraint is not None:
+        p.structured_output.CopyFrom(constraint)
     if chat:
         if _get(body, "logprobs", bool, False):
             p.logprobs = _get(body, "top_logprobs", int, 0)
@@ -133,6 +149,56 @@ def _sampling(body: Json, chat: bool) -> gen.SamplingParams:
         if logprobs is not None:
             p.logprobs = logprobs
     return p
+
+
+def _structured_output(body: Json) -> gen.StructuredOutput | None:
+    """OpenAI's ``response_format`` (json_object, json_schema), vLLM's ``structured_outputs``
+    (json, json_object, regex, choice, grammar) and its older ``guided_*`` fields."""
+    import json
+
+    found: list[gen.StructuredOutput] = []
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict):
+            raise InvalidArgument("'response_format' must be an object")
+        kind = response_format.get("type")
+        if kind == "json_object":
+            found.append(gen.StructuredOutput(json_object=True))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidArgument("'response_format.json_schema.schema' must be an object")
+            found.append(gen.StructuredOutput(json_schema=json.dumps(schema)))
+        elif kind not in (None, "text"):
+            raise InvalidArgument(
+                f"'response_format.type' {kind!r}: use text, json_object or json_schema"
+            )
+    fields = dict(body.get("structured_outputs") or {})
+    for old, new in (("guided_json", "json"), ("guided_regex", "regex"),
+                     ("guided_choice", "choice"), ("guided_grammar", "grammar")):  # fmt: skip
+        if body.get(old) is not None:
+            fields[new] = body[old]
+    for key, value in fields.items():
+        if value is None or value is False:
+            continue
+        if key == "json":
+            text = value if isinstance(value, str) else json.dumps(value)
+            found.append(gen.StructuredOutput(json_schema=text))
+        elif key == "json_object":
+            found.append(gen.StructuredOutput(json_object=True))
+        elif key == "regex" and isinstance(value, str):
+            found.append(gen.StructuredOutput(regex=value))
+        elif key == "grammar" and isinstance(value, str):
+            found.append(gen.StructuredOutput(grammar=value))
+        elif key == "choice" and isinstance(value, list):
+            choices = gen.ChoiceList(choices=[str(c) for c in value])
+            found.append(gen.StructuredOutput(choice=choices))
+        else:
+            raise InvalidArgument(f"'structured_outputs.{key}' is not supported here")
+    if len(found) > 1:
+        raise InvalidArgument("give one output constraint (response_format or structured_outputs)")
+    return found[0] if found else None
 
 
 def _message(raw: Any, index: int) -> data_plane_pb2.ChatMessage:
