@@ -465,12 +465,20 @@ class VllmEngine:
                 ),
                 count_then,
             )
+            started = False
             async for output in outputs:
+                started = True
                 yield output
         except Exception as error:
             death = self._death(error)
             if death is not None:
                 raise death from error
+            from vllm.exceptions import VLLMClientError
+
+            if not started and isinstance(error, ValueError | VLLMClientError):
+                # vLLM's own checks as it takes the request (e.g. a JSON schema its grammar
+                # compiler rejects): the request's fault, refused before anything ran.
+                raise InvalidArgument(f"the engine refused the request: {error}") from error
             raise
         finally:
             self._in_flight.discard(request_id)
