@@ -148,15 +148,17 @@ class PushStream:
                 yield encode_chunk(name, offset, memoryview(data[offset : offset + size]), crc)
 
 
+def whole_entry(name: str, tensor: Any, with_checksum: bool) -> tuple[cp.ParameterSpec, Any]:
+    """One tensor whole: its spec and its bytes (a view of its memory when contiguous on the
+    CPU)."""
+    return parameter_spec(name, tensor, with_checksum), raw_bytes(tensor).numpy()
+
+
 def full_entries(
     named_tensors: Iterable[tuple[str, Any]], with_checksums: bool = True
 ) -> list[tuple[cp.ParameterSpec, Any]]:
-    """Every tensor whole: its spec and its bytes (a view of its memory when contiguous on
-    the CPU)."""
-    return [
-        (parameter_spec(name, tensor, with_checksums), raw_bytes(tensor).numpy())
-        for name, tensor in named_tensors
-    ]
+    """Every tensor whole."""
+    return [whole_entry(name, tensor, with_checksums) for name, tensor in named_tensors]
 
 
 # A patch is sent only when it is smaller than this share of the parameter's bytes; a
@@ -170,17 +172,16 @@ def weight_patches(
     base: dict[str, Any],
     base_version: int,
     with_checksums: bool = True,
-) -> tuple[list[tuple[cp.ParameterSpec, Any]], int]:
+) -> list[tuple[cp.ParameterSpec, Any]]:
     """What changed since ``base`` (the tensors last pushed as ``base_version``), compared bit
     for bit as integers: for each parameter a sparse patch (changed indices and their new
     values), the whole tensor where a patch would not be much smaller or the base lacks it,
-    nothing where nothing changed. Returns the entries and how many parameters were
-    unchanged. Runs on the tensors' device (a GPU computes it in milliseconds)."""
+    nothing where nothing changed. Runs on the tensors' device (a GPU computes it in
+    milliseconds)."""
     import numpy as np
     import torch
 
     entries: list[tuple[cp.ParameterSpec, Any]] = []
-    unchanged = 0
     for name, tensor in named_tensors:
         old = base.get(name)
         itemsize = tensor.element_size()
@@ -191,23 +192,18 @@ def weight_patches(
             or tensor.numel() >= 1 << 32
             or itemsize not in _INTEGER_OF_SIZE
         ):
-            entries.append(
-                (parameter_spec(name, tensor, with_checksums), raw_bytes(tensor).numpy())
-            )
+            entries.append(whole_entry(name, tensor, with_checksums))
             continue
         bits = getattr(torch, _INTEGER_OF_SIZE[itemsize])
-        new_bits = tensor.detach().contiguous().reshape(-1).view(bits)
-        old_bits = old.reshape(-1).view(bits).to(new_bits.device)
+        new_bits = flat_bytes(tensor).view(bits)
+        old_bits = flat_bytes(old).view(bits).to(new_bits.device)
         differs = new_bits != old_bits
         changed = int(differs.sum())
         if changed == 0:
-            unchanged += 1
             continue
         # Counted before any index is made: a tensor that changed a lot goes whole at once.
         if changed * (4 + itemsize) >= PATCH_MAX_FRACTION * tensor.numel() * itemsize:
-            entries.append(
-                (parameter_spec(name, tensor, with_checksums), raw_bytes(tensor).numpy())
-            )
+            entries.append(whole_entry(name, tensor, with_checksums))
             continue
         indices = differs.nonzero().reshape(-1)
         del differs
@@ -217,7 +213,7 @@ def weight_patches(
         index_bytes = indices.to(torch.int32).cpu().numpy().astype("<u4").view("uint8")
         value_bytes = new_bits[indices].cpu().numpy().view("uint8")
         entries.append((spec, np.concatenate([index_bytes, value_bytes])))
-    return entries, unchanged
+    return entries
 
 
 def push_messages(

@@ -149,7 +149,8 @@ class WeightUpdates(ClientCore):
         group if one was formed, else "grpc". ``timeout``: seconds for the transfer.
         ``lease_seconds``: how long the servers keep the update open if this process dies
         mid-way (0: their default). ``delta`` (in-band): send each server that serves the
-        version this client pushed last only what changed since (``weights.weight_patches``);
+        version this client pushed last only what changed since
+        (``weight_sending.weight_patches``);
         a server on another version gets the whole weights in the same transaction. The
         client then keeps a copy of the weights it pushed (on their device), the base of the
         next delta; ``delta=False`` keeps none.
@@ -180,22 +181,19 @@ class WeightUpdates(ClientCore):
                 "(None: one more than the newest version any server serves)"
             )
         calls = _TransactionCalls(self, lease_seconds)
-        if weight_version is None:
-            # From the servers that answer: one that does not fails the update at its start,
-            # where the error reports every server.
-            versions = await asyncio.gather(
-                *(calls.serving_version(a) for a in servers), return_exceptions=True
-            )
-            weight_version = 1 + max((v for v in versions if isinstance(v, int)), default=0)
-
         in_band = not (sender is not None and transport == "collective")
         base = self._last_pushed if (delta and in_band) else None
+        # What each server serves, from those that answer (one that does not fails the update
+        # at its start, where the error reports every server): asked once, when the version
+        # is to be chosen or a delta's base is to be matched.
         serving: dict[str, int] = {}
-        if base is not None:
+        if weight_version is None or base is not None:
             answers = await asyncio.gather(
                 *(calls.serving_version(a) for a in servers), return_exceptions=True
             )
             serving = {a: v for a, v in zip(servers, answers, strict=True) if isinstance(v, int)}
+        if weight_version is None:
+            weight_version = 1 + max(serving.values(), default=0)
 
         async def transfer(addresses: Sequence[str]) -> dict[str, BaseException]:
             if not in_band:
@@ -260,7 +258,7 @@ class WeightUpdates(ClientCore):
             if patched not in streams:
                 if patched:
                     assert base is not None
-                    entries, _ = weight_patches(tensors, base.tensors, base.version, checksums)
+                    entries = weight_patches(tensors, base.tensors, base.version, checksums)
                 else:
                     entries = full_entries(tensors, checksums)
                 streams[patched] = PushStream(entries, chunk_bytes)
