@@ -19,7 +19,13 @@ from skyrl_grpc.errors import DataLoss, InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from .finite import FiniteCheck
-from .protocol import Bucket, BucketParameter, ParameterShape, StagedParameter
+from .protocol import (
+    PATCH_INDEX_BYTES,
+    Bucket,
+    BucketParameter,
+    ParameterShape,
+    StagedParameter,
+)
 
 
 @dataclass(frozen=True)
@@ -65,9 +71,6 @@ def check_parameter(spec: cp.ParameterSpec, layout: dict[str, ParamLayout]) -> P
         if elements >= 1 << 32:
             raise InvalidArgument(f"{spec.name} is too large for a patch's uint32 indices")
     return expected
-
-
-PATCH_INDEX_BYTES = 4  # little-endian uint32 flat element indices
 
 
 def patch_bytes(layout: ParamLayout, changed: int) -> int:

@@ -40,6 +40,11 @@ METHODS = (
 )
 
 
+# A patch's bytes start with its changed elements' indices, little-endian uint32 each
+# (control_plane.proto's WeightPatch).
+PATCH_INDEX_BYTES = 4
+
+
 class ParameterShape(TypedDict):
     """A checkpoint parameter's element type (torch's name, e.g. "float32") and shape."""
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from .finite import all_finite
 from .protocol import (
+    PATCH_INDEX_BYTES,
     Bucket,
     Checksum,
     Group,
@@ -43,19 +44,15 @@ def _dtype_name(tensor: Any) -> str:
 
 
 def _sha256_of(tensor: Any) -> bytes:
+    """SHA-256 of a tensor's raw bytes (the checksums a trainer compares with its own)."""
     return hashlib.sha256(tensor.contiguous().view(-1).view(torch_uint8()).numpy()).digest()
 
 
-class _Bits:
-    """The integer type of each element size: a patch writes bits, never float values."""
+def _bits_of(itemsize: int) -> Any:
+    """The integer type of an element size: a patch writes bits, never float values."""
+    import torch
 
-    def __getitem__(self, itemsize: int) -> Any:
-        import torch
-
-        return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
-
-
-_BITS = _Bits()
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
 
 
 def torch_uint8() -> Any:
@@ -152,8 +149,8 @@ class WeightTransferWorker:
         weights = self._skyrl_weights()
         result = []
         for name in names or sorted(weights):
-            tensor = weights[name].contiguous()
-            digest = hashlib.sha256(tensor.view(-1).view(torch_uint8()).numpy().tobytes()).digest()
+            tensor = weights[name]
+            digest = _sha256_of(tensor)
             result.append(
                 Checksum(
                     name=name, sha256=digest, dtype=_dtype_name(tensor), shape=list(tensor.shape)
@@ -243,9 +240,9 @@ class WeightTransferWorker:
         base = self._skyrl_staging().get(param["name"])
         if base is None:
             base = self._skyrl_weights()[param["name"]]
-        as_bits = _BITS[dtype.itemsize]
+        as_bits = _bits_of(dtype.itemsize)
         tensor = base.clone()
-        values = torch.frombuffer(bytearray(payload[changed * 4 :]), dtype=as_bits)
+        values = torch.frombuffer(bytearray(payload[changed * PATCH_INDEX_BYTES :]), dtype=as_bits)
         tensor.view(-1).view(as_bits)[indices] = values
         return tensor
 
