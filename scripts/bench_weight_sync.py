@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # bench_weights, beside this script
 
 GiB = 1 << 30
 # The issue's model: hidden 2048, 8 layers, 16 heads / 4 KV heads (~294M parameters).
@@ -173,40 +173,13 @@ def engine_servers(
 
 
 def raw_tcp(tensors: list[tuple[str, Any]], chunk: int = 4 << 20) -> float:
-    """Seconds to send every tensor's bytes over one loopback TCP connection."""
+    """Seconds to send every tensor's bytes over one loopback TCP connection (the socket
+    measurement of ``bench_weights``, fed views of the tensors' own memory)."""
     import torch
+    from bench_weights import raw_tcp as send_over_tcp
 
     views = [memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()) for _, t in tensors]
-    total = sum(len(v) for v in views)
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-
-    def receive() -> None:
-        connection, _ = listener.accept()
-        buffer = memoryview(bytearray(chunk))
-        received = 0
-        while received < total:
-            n = connection.recv_into(buffer)
-            if not n:
-                break
-            received += n
-        connection.sendall(b"k")
-        connection.close()
-
-    thread = threading.Thread(target=receive)
-    thread.start()
-    sender = socket.create_connection(("127.0.0.1", listener.getsockname()[1]))
-    started = time.perf_counter()
-    for view in views:
-        for offset in range(0, len(view), chunk):
-            sender.sendall(view[offset : offset + chunk])
-    sender.recv(1)
-    elapsed = time.perf_counter() - started
-    sender.close()
-    thread.join()
-    listener.close()
-    return elapsed
+    return send_over_tcp([v[o : o + chunk] for v in views for o in range(0, len(v), chunk)])
 
 
 def _gloo_receiver(port: int, sizes: list[int], rounds: int, done: Any) -> None:
