@@ -14,6 +14,16 @@ from collections.abc import Sequence
 from skyrl_grpc.v1 import data_plane_pb2
 
 
+def resumable(request: data_plane_pb2.GenerateStreamRequest) -> bool:
+    """Whether a sample cut after some tokens can go on from them. Not when its output is
+    constrained -- a structured output, or tools offered to a chat output (a tool choice may
+    constrain the output on the server): the engine compiles a constraint for a whole output,
+    so a continuation would start it over in the middle. Such a sample starts over instead."""
+    if request.sampling_params.HasField("structured_output"):
+        return False
+    return not (request.HasField("chat_output") and request.chat_output.tool_use.tools)
+
+
 def continue_request(
     request: data_plane_pb2.GenerateStreamRequest, generated: Sequence[int]
 ) -> data_plane_pb2.GenerateStreamRequest:
@@ -34,4 +44,7 @@ def continue_request(
     if params.HasField("min_tokens"):
         params.min_tokens = max(params.min_tokens - done, 0)
     params.ClearField("prompt_logprobs")
+    if continued.HasField("chat_output"):
+        # The server's chat parser reads the tokens so far before the new ones.
+        continued.chat_output.resumed_tokens += done
     return continued

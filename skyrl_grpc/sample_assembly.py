@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
+from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2, generation_pb2
 
 
 @dataclass
@@ -31,12 +31,16 @@ class ResponseAssembler:
         self.request_id = ""
         self.usage = generation_pb2.Usage()
         self.prompt_logprobs: generation_pb2.Logprobs | None = None
+        # Each sample's parsed assistant message (requests with chat_output.whole_messages).
+        self.chat_messages: dict[int, chat_tools_pb2.ChatMessageOut] = {}
 
     def add(self, chunk: data_plane_pb2.GenerateStreamResponse) -> None:
         self.request_id = chunk.request_id
         self.usage.CopyFrom(chunk.usage)
         if chunk.HasField("prompt_logprobs"):
             self.prompt_logprobs = chunk.prompt_logprobs
+        if chunk.HasField("chat_message"):
+            self.chat_messages[chunk.sample_index] = chunk.chat_message
         state = self._samples.get(chunk.sample_index)
         if state is None:
             state = _SampleState(generation_pb2.Sample(index=chunk.sample_index))

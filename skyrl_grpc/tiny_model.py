@@ -33,6 +33,39 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+# A tool-calling template in the style of Hermes / Qwen 2.5 (tools listed in <tools>, calls
+# written as <tool_call>{"name": ..., "arguments": {...}}</tool_call>), so vLLM's `hermes`
+# tool-call parser applies to the embedded model: `TinyModelSpec(chat_template="hermes")`.
+HERMES_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    "{{ eos_token }}\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and tools and loop.first %}"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>\n"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% if message['content'] or not loop.first %}\n{% endif %}<tool_call>\n"
+    '{"name": "{{ call[\'function\'][\'name\'] }}", "arguments": '
+    "{{ call['function']['arguments'] | tojson }}}\n</tool_call>"
+    "{% endfor %}{{ eos_token }}\n"
+    "{% elif message['role'] == 'tool' %}<|user|>\n<tool_response>\n{{ message['content'] }}"
+    "\n</tool_response>{{ eos_token }}\n"
+    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+CHAT_TEMPLATES = {"plain": CHAT_TEMPLATE, "hermes": HERMES_CHAT_TEMPLATE}
 
 
 @dataclass(frozen=True)
@@ -48,6 +81,9 @@ class TinyModelSpec:
     max_position_embeddings: int = 512
     seed: int = 0
     initializer_range: float = 0.02
+    # Which chat template the tokenizer carries (CHAT_TEMPLATES): "plain" role turns, or
+    # "hermes" tool calling.
+    chat_template: str = "plain"
 
 
 def default_cache_dir() -> Path:
@@ -62,7 +98,7 @@ def _cache_key(spec: TinyModelSpec) -> str:
     digest = hashlib.sha256()
     digest.update(json.dumps({"recipe": RECIPE_VERSION, **asdict(spec)}, sort_keys=True).encode())
     digest.update(CORPUS_PATH.read_bytes())
-    digest.update(CHAT_TEMPLATE.encode())
+    digest.update(CHAT_TEMPLATES[spec.chat_template].encode())
     return digest.hexdigest()[:16]
 
 
@@ -93,7 +129,7 @@ def build_tiny_model(out_dir: Path, spec: TinyModelSpec = TinyModelSpec()) -> Pa
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=CHAT_TEMPLATES[spec.chat_template],
         model_max_length=spec.max_position_embeddings,
     )
     hf_tokenizer.save_pretrained(out_dir)

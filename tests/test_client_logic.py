@@ -61,3 +61,29 @@ def test_budget_used_up_by_aborted_tokens_ends_as_length() -> None:
     assert not retry.should_resubmit()
     assert retry.sample().finish_reason == generation_pb2.FINISH_REASON_LENGTH
     assert list(retry.sample().token_ids) == [5, 6, 7]
+
+
+def test_a_constrained_sample_cut_by_an_abort_starts_over() -> None:
+    from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
+    from trainer_client.abort_retry import AbortRetry
+
+    params = generation_pb2.SamplingParams(
+        max_tokens=8, structured_output=generation_pb2.StructuredOutput(regex="(ab)+")
+    )
+    retry = AbortRetry([1, 2], params)
+    retry.add(
+        data_plane_pb2.GenerateStreamResponse(
+            token_ids=[5, 6], finish_reason=generation_pb2.FINISH_REASON_ABORTED
+        )
+    )
+    assert retry.should_resubmit()
+    again = retry.request()
+    assert list(again.prompt_token_ids) == [1, 2] and again.sampling_params.max_tokens == 8
+    assert retry.token_ids == []  # the cut attempt's tokens are dropped, not spliced
+    retry.add(
+        data_plane_pb2.GenerateStreamResponse(
+            token_ids=[7, 8, 9], finish_reason=generation_pb2.FINISH_REASON_STOP
+        )
+    )
+    assert not retry.should_resubmit()
+    assert list(retry.sample().token_ids) == [7, 8, 9] and retry.retries == 1

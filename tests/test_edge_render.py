@@ -44,9 +44,12 @@ def test_chat_answers_and_chunks_have_openais_shapes() -> None:
         "function_call": None,
         "tool_calls": [],
     }
-    first = render.chunk_choice(call, 0, "he", [7], None, None, None, {}, first=True, prompt=[1])
-    assert first["delta"] == {"content": "he", "role": "assistant"}
-    assert first["prompt_token_ids"] == [1] and "stop_reason" not in first
+    # A choice opens with its role (as vLLM's server streams it), the prompt's ids on that event.
+    opening = render.role_chunk(call, 0, [1])
+    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert opening["prompt_token_ids"] == [1]
+    piece = render.chunk_choice(call, 0, "he", [7], None, None, None, {}, delta={"content": "he"})
+    assert piece["delta"] == {"content": "he"} and "stop_reason" not in piece
     last = render.chunk_choice(call, 0, "", [], "stop", 9, None, {})
     assert last["finish_reason"] == "stop" and last["stop_reason"] == 9
     assert render.chunk(call, [last])["object"] == "chat.completion.chunk"

@@ -90,3 +90,30 @@ def test_a_finished_stream_does_not_migrate() -> None:
     assert migration is not None
     migration.observe(chunk([1, 2], finish=generation_pb2.FINISH_REASON_LENGTH))
     assert not migration.can_migrate()
+
+
+def test_a_constrained_stream_migrates_only_before_its_first_token() -> None:
+    """The engine compiles a constraint for a whole output: continuing one mid-way would start
+    it over inside the output, so such a stream fails over only while nothing was sent."""
+    from skyrl_grpc.continuation import resumable
+
+    schema = generation_pb2.StructuredOutput(json_object=True)
+    constrained = request(max_tokens=9, structured_output=schema)
+    with_tools = request(max_tokens=9)
+    with_tools.chat_output.tool_use.tools.add(name="f")
+    plain_chat = request(max_tokens=9)
+    plain_chat.chat_output.whole_messages = True
+    assert not resumable(constrained) and not resumable(with_tools)
+    assert resumable(plain_chat) and resumable(request(max_tokens=9))
+    for held in (constrained, with_tools):
+        migration = StreamMigration(held, max_migrations=2)
+        assert migration.can_migrate()  # nothing sent yet: a plain retry elsewhere
+        migration.observe(chunk([4, 5]))
+        assert not migration.can_migrate()
+    migration = StreamMigration(plain_chat, max_migrations=2)
+    migration.observe(chunk([4, 5]))
+    assert migration.can_migrate()
+    # The continuation tells the chat parser which prompt tokens are the sample's own.
+    continued = continue_request(continue_request(plain_chat, [4, 5]), [6])
+    assert continued.chat_output.resumed_tokens == 3
+    assert list(continued.prompt_token_ids) == [1, 2, 3, 4, 5, 6]

@@ -39,12 +39,15 @@ from .fleet_info import (
 )
 from .results import FinishReason, GenerationResult, WeightSpan, WeightVersions
 from .sampling import sampling_params
+from .tool_use import AssistantMessage, CallFunction, Tool, ToolCall, ToolChoice
 from .weight_transaction import WeightUpdateError
 
 __all__ = [
     "Aborted",
     "AlreadyExists",
+    "AssistantMessage",
     "BlockingInferenceClient",
+    "CallFunction",
     "Cancelled",
     "Capabilities",
     "ClientConfig",
@@ -70,6 +73,9 @@ __all__ = [
     "ServerInfo",
     "ServerLoad",
     "TlsConfig",
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
     "Unauthenticated",
     "Unavailable",
     "WeightCommit",

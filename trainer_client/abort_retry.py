@@ -4,14 +4,16 @@ When a pause in ABORT mode (a weight update) cuts a generation, the client resub
 plus every token generated so far, with the remaining token budget, to the same session
 (``skyrl_grpc.continuation``, the rule the router's migration follows too). Tokens and logprobs
 accumulate as ids (never through text), so the final result looks exactly like an
-uninterrupted generation. ``AbortRetry`` decides what to send next and when to stop.
+uninterrupted generation -- except for a constrained output (a structured output or tools),
+which starts over (``skyrl_grpc.continuation.resumable``). ``AbortRetry`` decides what to send
+next and when to stop.
 """
 
 from __future__ import annotations
 
-from skyrl_grpc.continuation import continue_request
+from skyrl_grpc.continuation import continue_request, resumable
 from skyrl_grpc.sample_assembly import ResponseAssembler
-from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
+from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2, generation_pb2
 
 
 class AbortRetry:
@@ -25,6 +27,7 @@ class AbortRetry:
         max_abort_retries: int | None = None,
         stream_interval: int = 0,
         lora: str = "",
+        chat_output: chat_tools_pb2.ChatOutput | None = None,
     ) -> None:
         self.prompt_token_ids = list(prompt_token_ids)
         self.lora = lora
@@ -32,6 +35,8 @@ class AbortRetry:
         self.include_text = include_text
         self.max_abort_retries = max_abort_retries
         self.stream_interval = stream_interval
+        # Chat: the servers parse the output into an assistant message (tool calls).
+        self.chat_output = chat_output
         self.retries = 0
         # Of the prompt, tokens the server took from its prefix cache (first attempt).
         self.cached_prompt_tokens = 0
@@ -54,14 +59,23 @@ class AbortRetry:
             include_text=self.include_text,
             stream_interval=self.stream_interval,
             lora=self.lora,
+            chat_output=self.chat_output,
         )
         generated = self.token_ids
+        if generated and not resumable(first):
+            # A constrained output cannot go on mid-way: the sample starts over.
+            self._assembler = ResponseAssembler()
+            return first
         return continue_request(first, generated) if generated else first
 
     def add(self, chunk: data_plane_pb2.GenerateStreamResponse) -> None:
         if self.retries == 0 and chunk.HasField("usage"):
             self.cached_prompt_tokens = chunk.usage.cached_prompt_tokens
         self._assembler.add(chunk)
+
+    def message(self) -> chat_tools_pb2.ChatMessageOut | None:
+        """The parsed assistant message (chat), from the attempt that finished the sample."""
+        return self._assembler.chat_messages.get(0)
 
     def sample(self) -> generation_pb2.Sample:
         samples = self._assembler.samples()

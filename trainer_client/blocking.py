@@ -21,6 +21,7 @@ from .config import ClientConfig, ClientSettings
 from .fleet_info import LoraAdapter, ModelInfo, PauseMode, ServerInfo, ServerLoad, WeightCommit
 from .results import GenerationResult, WeightVersions
 from .sampling import Message, Sampling
+from .tool_use import Tool, ToolChoice
 from .weight_sending import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES
 from .weight_updates import WeightTransport
 
@@ -197,12 +198,24 @@ class BlockingInferenceClient:
         messages: Sequence[Message],
         sampling: Sampling = None,
         *,
+        tools: Sequence[Tool | Mapping[str, Any]] = (),
+        tool_choice: ToolChoice | None = None,
+        parallel_tool_calls: bool | None = None,
         session_id: str | None = None,
         lora: str = "",
         timeout: float | None = None,
     ) -> GenerationResult:
         return self._run(
-            self._client.chat(messages, sampling, session_id=session_id, lora=lora, timeout=timeout)
+            self._client.chat(
+                messages,
+                sampling,
+                tools=tools,
+                tool_choice=tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
+                session_id=session_id,
+                lora=lora,
+                timeout=timeout,
+            )
         )
 
     def complete(

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from typing import Any
 
 import grpc
 
 from skyrl_grpc.concurrency import all_or_cancel
-from skyrl_grpc.v1 import data_plane_pb2
+from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2
 
 from .abort_retry import AbortRetry
 from .client_core import ClientCore
@@ -24,6 +25,7 @@ from .exceptions import ServerError
 from .fleet_info import ModelInfo
 from .results import GenerationResult
 from .sampling import Message, Sampling, chat_messages, sampling_params
+from .tool_use import AssistantMessage, Tool, ToolChoice, tool_use
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,20 @@ class Generation(ClientCore):
         are used up (0: none) is returned as it is, ``finish_reason`` ABORTED, with the tokens
         generated so far and ``abort_retries``; it is never raised, so one sample cannot
         fail a batch. ``timeout`` bounds each attempt."""
+        return await self._generate(
+            prompt_token_ids, sampling, session_id, include_text, lora, timeout
+        )
+
+    async def _generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling,
+        session_id: str | None,
+        include_text: bool,
+        lora: str,
+        timeout: float | None,
+        chat_output: chat_tools_pb2.ChatOutput | None = None,
+    ) -> GenerationResult:
         params = sampling_params(sampling)
         retry = AbortRetry(
             list(prompt_token_ids),
@@ -134,6 +150,7 @@ class Generation(ClientCore):
             self.config.max_abort_retries,
             self.config.stream_interval,
             lora,
+            chat_output,
         )
         tried: set[str] = set()
         while True:
@@ -158,6 +175,8 @@ class Generation(ClientCore):
             list(prompt_token_ids), retry.sample(), params.HasField("logprobs"), retry.retries
         )
         result.cached_prompt_tokens = retry.cached_prompt_tokens
+        if (message := retry.message()) is not None:
+            result.message = AssistantMessage.from_proto(message)
         if include_text and retry.retries:
             # Text deltas split at a retry boundary may cut a multi-byte character: decode the
             # whole id sequence instead.
@@ -215,15 +234,22 @@ class Generation(ClientCore):
         messages: Sequence[Message],
         sampling: Sampling = None,
         *,
+        tools: Sequence[Tool | Mapping[str, Any]] = (),
+        tool_choice: ToolChoice | None = None,
+        parallel_tool_calls: bool | None = None,
         session_id: str | None = None,
         lora: str = "",
         timeout: float | None = None,
     ) -> GenerationResult:
-        """Chat completion: the model's chat template, then ``generate`` (so aborts retry)."""
-        prompt = await self.tokenize(messages=messages, session_id=session_id, timeout=timeout)
-        return await self.generate(
-            prompt, sampling, session_id=session_id, include_text=True, lora=lora, timeout=timeout
-        )
+        """Chat completion: the model's chat template (showing ``tools``), then ``generate``
+        (so aborts retry). ``result.message`` is the output as the servers parsed it: tool
+        calls (``--tool-call-parser``), reasoning (``--reasoning-parser``), content.
+        ``tool_choice``: "auto" (the default with tools), "none", "required" or
+        ``CallFunction(name)``; the last two constrain the output to calls."""
+        use = tool_use(tools, tool_choice, parallel_tool_calls)
+        prompt = await self._render(messages, use.tools, session_id, timeout)
+        chat = chat_tools_pb2.ChatOutput(tool_use=use, whole_messages=True)
+        return await self._generate(prompt, sampling, session_id, True, lora, timeout, chat)
 
     async def complete(
         self,
@@ -256,16 +282,32 @@ class Generation(ClientCore):
         if (text is None) == (messages is None):
             raise ValueError("pass exactly one of text and messages")
         if messages is not None:
-            request = data_plane_pb2.TokenizeRequest(
-                conversation=data_plane_pb2.ChatConversation(messages=chat_messages(messages))
-            )
-        else:
-            request = data_plane_pb2.TokenizeRequest(
-                text=text, add_special_tokens=add_special_tokens
-            )
+            return await self._render(messages, (), session_id, timeout)
+        request = data_plane_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
         router = self.config.router
         response = await self._unary(
             router, self._data().Tokenize, request, self._data_timeout(timeout), session_id
+        )
+        return list(response.token_ids)
+
+    async def _render(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[chat_tools_pb2.Tool],
+        session_id: str | None,
+        timeout: float | None,
+    ) -> list[int]:
+        """The conversation through the chat template, as token ids."""
+        conversation = data_plane_pb2.ChatConversation(
+            messages=chat_messages(messages), tools=tools
+        )
+        request = data_plane_pb2.TokenizeRequest(conversation=conversation)
+        response = await self._unary(
+            self.config.router,
+            self._data().Tokenize,
+            request,
+            self._data_timeout(timeout),
+            session_id,
         )
         return list(response.token_ids)
 

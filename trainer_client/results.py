@@ -9,6 +9,8 @@ from enum import StrEnum
 from skyrl_grpc import finish_reasons
 from skyrl_grpc.v1 import generation_pb2
 
+from .tool_use import AssistantMessage
+
 
 class FinishReason(StrEnum):
     """Why a sample ended; the values are the names vLLM, OpenAI and SkyRL use
@@ -55,6 +57,8 @@ class GenerationResult:
     # Prompt tokens the server served from its prefix cache instead of computing them (of the
     # first attempt, when resubmitted): how much a session's placement saved.
     cached_prompt_tokens: int = 0
+    # Chat: the output as the servers parsed it (content, reasoning, tool calls).
+    message: AssistantMessage | None = None
 
     @classmethod
     def from_sample(

@@ -9,10 +9,13 @@ from typing import Any
 
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
 
+from .tool_use import chat_message
+
 # Sampling settings: the message itself, a mapping of its field names, or None (defaults).
 Sampling = generation_pb2.SamplingParams | Mapping[str, Any] | None
-# A chat message: {"role": ..., "content": ...} or the message itself.
-Message = Mapping[str, str] | data_plane_pb2.ChatMessage
+# A chat message: {"role": ..., "content": ...} (OpenAI's shape, tool calls included) or the
+# message itself.
+Message = Mapping[str, Any] | data_plane_pb2.ChatMessage
 
 
 def sampling_params(sampling: Sampling = None, **overrides: Any) -> generation_pb2.SamplingParams:
@@ -42,7 +45,7 @@ def structured_output(
 ) -> generation_pb2.StructuredOutput:
     """A constraint from the message or one of ``{"json_schema": schema (a dict or JSON
     text)}``, ``{"json_object": True}``, ``{"regex": ...}``, ``{"choice": [...]}``,
-    ``{"grammar": ...}``."""
+    ``{"grammar": ...}``, ``{"structural_tag": tag (a dict or JSON text)}``."""
     if isinstance(constraint, generation_pb2.StructuredOutput):
         return constraint
     if len(constraint) != 1:
@@ -55,15 +58,16 @@ def structured_output(
         return generation_pb2.StructuredOutput(
             choice=generation_pb2.ChoiceList(choices=list(value))
         )
+    if kind == "structural_tag":
+        text = value if isinstance(value, str) else json.dumps(value)
+        return generation_pb2.StructuredOutput(structural_tag=text)
     if kind in ("json_object", "regex", "grammar"):
         return generation_pb2.StructuredOutput(**{kind: value})
     raise ValueError(
-        f"structured_output {kind!r}: use json_schema, json_object, regex, choice or grammar"
+        f"structured_output {kind!r}: use json_schema, json_object, regex, choice, grammar "
+        "or structural_tag"
     )
 
 
 def chat_messages(messages: Sequence[Message]) -> list[data_plane_pb2.ChatMessage]:
-    return [
-        m if isinstance(m, data_plane_pb2.ChatMessage) else data_plane_pb2.ChatMessage(**m)
-        for m in messages
-    ]
+    return [chat_message(m) for m in messages]

@@ -98,6 +98,8 @@ def structured_outputs_params(constraint: generation_pb2.StructuredOutput) -> An
         return StructuredOutputsParams(regex=constraint.regex)
     if kind == "choice":
         return StructuredOutputsParams(choice=list(constraint.choice.choices))
+    if kind == "structural_tag":
+        return StructuredOutputsParams(structural_tag=constraint.structural_tag)
     return StructuredOutputsParams(grammar=constraint.grammar)
 
 

@@ -4,26 +4,22 @@ the conversions in ``convert``, the engine calls in ``vllm_engine``."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from skyrl_grpc.metadata import session_of
 from skyrl_grpc.sample_assembly import ResponseAssembler
-from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
+from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2, data_plane_pb2_grpc, generation_pb2
 
 from ..common.grpc_types import Context
 from . import convert, validate
 from .admission import Admission
+from .chat_parsing import message_dicts, tool_dicts
 from .convert import ChunkCoalescer, StreamConverter, build_sampling_params
 from .serving_state import ServingState
 from .vllm_engine import VllmEngine
 
 GenerateLike = data_plane_pb2.GenerateRequest | data_plane_pb2.GenerateStreamRequest
-
-
-def _as_dicts(messages: Iterable[data_plane_pb2.ChatMessage]) -> list[dict[str, str]]:
-    """Chat messages as the tokenizer's chat template takes them."""
-    return [{"role": m.role, "content": m.content} for m in messages]
 
 
 class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
@@ -54,8 +50,19 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         include_text: bool,
         stream_interval: int = 0,
         lora: str = "",
+        chat: chat_tools_pb2.ChatOutput | None = None,
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
         request_id = request_id or uuid.uuid4().hex
+        parsing = None
+        if chat is not None:
+            # vLLM's server's rules for the tools: the choice checked, a required or named
+            # choice turned into a constraint, the samples parsed as they come.
+            sampling, parsing = engine.chat_parsers.prepare(chat, sampling, prompt_token_ids, n)
+            skip = (
+                sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True
+            )
+            parsing.resume(lambda ids: engine.decode(ids, skip))
+            include_text = True
         max_tokens = validate.sampling(
             sampling, prompt_len=len(prompt_token_ids), limits=engine.limits
         )
@@ -72,9 +79,11 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             # Runs on the engine's loop (see vllm_engine.generate): this loop only relays.
             chunks = converter.chunks(output, engine.weight_version)
             ready = [ready for chunk in chunks for ready in coalescer.push(chunk)]
-            if lora_version:
-                for message in ready:
+            for message in ready:
+                if lora_version:
                     message.lora_version = lora_version
+                if parsing is not None:
+                    parsing.annotate(message)
             return ready
 
         try:
@@ -99,6 +108,10 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             request.include_text,
             stream_interval,
             request.lora,
+            request.chat_output
+            if isinstance(request, data_plane_pb2.GenerateStreamRequest)
+            and request.HasField("chat_output")
+            else None,
         )
 
     async def _collect(
@@ -132,10 +145,18 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         request: data_plane_pb2.ChatRequest | data_plane_pb2.CompleteRequest,
         prompt: list[int],
         n: int,
+        chat: chat_tools_pb2.ChatOutput | None = None,
     ) -> ResponseAssembler:
         """A chat or completion request's whole result, with text."""
         stream = self._stream(
-            engine, request.request_id, prompt, request.sampling_params, n, True, lora=request.lora
+            engine,
+            request.request_id,
+            prompt,
+            request.sampling_params,
+            n,
+            True,
+            lora=request.lora,
+            chat=chat,
         )
         return await self._collect(stream)
 
@@ -143,13 +164,20 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         self, request: data_plane_pb2.ChatRequest, context: Context
     ) -> data_plane_pb2.ChatResponse:
         engine, n = self._engine_for(request.request_id, request.n, context)
-        prompt = self._render_chat(engine, request.messages, request)
-        result = await self._text_result(engine, request, prompt, n)
+        prompt = self._render_chat(engine, request.messages, request, request.tool_use.tools)
+        chat = chat_tools_pb2.ChatOutput(tool_use=request.tool_use, whole_messages=True)
+        result = await self._text_result(engine, request, prompt, n, chat)
+        samples = result.samples()
+        messages = [
+            result.chat_messages.get(i) or chat_tools_pb2.ChatMessageOut(content=sample.text)
+            for i, sample in enumerate(samples)
+        ]
         return data_plane_pb2.ChatResponse(
             request_id=result.request_id,
             prompt_token_ids=prompt,
-            samples=result.samples(),
+            samples=samples,
             usage=result.usage,
+            messages=messages,
         )
 
     async def Complete(
@@ -175,7 +203,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         engine = self._state.engine()
         if request.HasField("conversation"):
             conversation = request.conversation
-            ids = self._render_chat(engine, conversation.messages, conversation)
+            ids = self._render_chat(engine, conversation.messages, conversation, conversation.tools)
         else:
             add_special = (
                 request.add_special_tokens if request.HasField("add_special_tokens") else True
@@ -189,6 +217,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         engine: VllmEngine,
         messages: Sequence[data_plane_pb2.ChatMessage],
         options: data_plane_pb2.ChatRequest | data_plane_pb2.ChatConversation,
+        tools: Sequence[chat_tools_pb2.Tool] = (),
     ) -> list[int]:
         """The messages through the chat template, as a checked prompt."""
         validate.chat_messages(messages)
@@ -201,7 +230,9 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         add_generation_prompt = (
             options.add_generation_prompt if options.HasField("add_generation_prompt") else True
         )
-        rendered = engine.apply_chat_template(_as_dicts(messages), add_generation_prompt)
+        rendered = engine.apply_chat_template(
+            message_dicts(messages), add_generation_prompt, tool_dicts(tools) if tools else None
+        )
         return validate.prompt(rendered, engine.limits, "the rendered chat prompt")
 
     async def Detokenize(

@@ -59,6 +59,11 @@ class EngineOptions:
     max_loras: int = 2
     max_lora_rank: int = 8
     max_cpu_loras: int | None = None  # None: max_loras
+    # Chat outputs parsed into tool calls and reasoning by vLLM's parsers of these names
+    # (vLLM's --tool-call-parser / --reasoning-parser); "auto" tool choice needs the flag too.
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
+    enable_auto_tool_choice: bool = False
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -165,6 +170,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accept pushed weights holding NaN or infinity (refused by default)",
     )
+    group.add_argument(
+        "--tool-call-parser",
+        default=d.tool_call_parser,
+        help="vLLM tool-call parser for chat outputs (e.g. hermes); needed for tool_choice "
+        "required or a named function",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs '
+        "--tool-call-parser",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=d.reasoning_parser,
+        help="vLLM reasoning parser: the model's reasoning returned apart from its answer",
+    )
 
 
 def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
@@ -188,6 +210,9 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

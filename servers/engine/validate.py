@@ -272,12 +272,13 @@ def structured_output(constraint: generation_pb2.StructuredOutput) -> None:
     if kind is None:
         raise InvalidArgument(
             "sampling_params.structured_output is set but empty: set json_schema, "
-            "json_object, regex, choice or grammar"
+            "json_object, regex, choice, grammar or structural_tag"
         )
     text = {
         "json_schema": constraint.json_schema,
         "regex": constraint.regex,
         "grammar": constraint.grammar,
+        "structural_tag": constraint.structural_tag,
     }.get(kind, "")
     size = len(text.encode()) + sum(len(c.encode()) for c in constraint.choice.choices)
     if size > MAX_CONSTRAINT_BYTES:
@@ -285,17 +286,15 @@ def structured_output(constraint: generation_pb2.StructuredOutput) -> None:
             f"sampling_params.structured_output.{kind} has {size} bytes; the limit is "
             f"{MAX_CONSTRAINT_BYTES}"
         )
-    if kind == "json_schema":
+    if kind in ("json_schema", "structural_tag"):
         try:
-            schema = json.loads(constraint.json_schema)
+            schema = json.loads(text)
         except ValueError as error:
             raise InvalidArgument(
-                f"sampling_params.structured_output.json_schema is not valid JSON: {error}"
+                f"sampling_params.structured_output.{kind} is not valid JSON: {error}"
             ) from None
         if not isinstance(schema, dict):
-            raise InvalidArgument(
-                "sampling_params.structured_output.json_schema must be a JSON object (a schema)"
-            )
+            raise InvalidArgument(f"sampling_params.structured_output.{kind} must be a JSON object")
     elif kind == "json_object" and not constraint.json_object:
         raise InvalidArgument("sampling_params.structured_output.json_object must be true")
     elif kind == "regex":

@@ -29,6 +29,7 @@ from .adapters import (
     ModelShapes,
     write_zero_adapter,
 )
+from .chat_parsing import ChatParsers
 from .descriptions import ModelDescription, ServerDescription
 from .engine_args import Platform, engine_arguments, resolved_model
 from .engine_logs import root_cause
@@ -122,6 +123,14 @@ class VllmEngine:
         default_name = TINY_MODEL_NAME if options.model is None else Path(model_path).name
         self.served_model_name = options.served_model_name or default_name
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        # Tool calls and reasoning in chat outputs, by vLLM's parsers named in the options.
+        self.chat_parsers = ChatParsers(
+            self.tokenizer,
+            self.served_model_name,
+            tool_call_parser=options.tool_call_parser,
+            reasoning_parser=options.reasoning_parser,
+            enable_auto_tool_choice=options.enable_auto_tool_choice,
+        )
         model_config = llm.model_config
         self.limits = ModelLimits(
             vocab_size=model_config.get_vocab_size(),
@@ -495,7 +504,10 @@ class VllmEngine:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         if not self.tokenizer.chat_template:
             raise FailedPrecondition(
@@ -504,7 +516,10 @@ class VllmEngine:
             )
         try:
             text = self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+                list(messages),
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
             )
         except Exception as exc:  # jinja errors: the template rejected these messages
             raise InvalidArgument(f"the chat template rejected the messages: {exc}") from exc

@@ -5,13 +5,13 @@ chunk (without changing it) to remember the tokens generated so far. When the ba
 mid-stream, ``StreamMigration`` builds the continuation request (prompt + tokens so far, with the
 remaining budget: ``skyrl_grpc.continuation``) for another backend, and rewrites the
 continuation's chunks so the caller sees one uninterrupted stream (usage counted from the
-original prompt). Only single-sample streams migrate; others fail UNAVAILABLE naming the lost
-server.
+original prompt). Only single-sample streams migrate, and constrained ones only before their
+first token; others fail UNAVAILABLE naming the lost server.
 """
 
 from __future__ import annotations
 
-from skyrl_grpc.continuation import continue_request
+from skyrl_grpc.continuation import continue_request, resumable
 from skyrl_grpc.names import GENERATE_STREAM
 from skyrl_grpc.v1 import data_plane_pb2
 
@@ -73,7 +73,12 @@ class StreamMigration:
         return chunk.SerializeToString()
 
     def can_migrate(self) -> bool:
-        return not self.finished and len(self.lost) < self.max_migrations
+        """Not finished, migrations left, and either nothing sent yet (a plain retry) or an
+        output that can continue where it was cut (``resumable``: a constrained one cannot,
+        and the caller has its first tokens)."""
+        if self.finished or len(self.lost) >= self.max_migrations:
+            return False
+        return resumable(self._request) or not self.tokens
 
     def continuation(self, lost_backend: str) -> bytes:
         """The request for the next backend: prompt + tokens so far, the budget that is left."""

@@ -22,57 +22,58 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from skyrl_grpc.v1 import chat_tools_pb2 as skyrl_dot_inference_dot_v1_dot_chat__tools__pb2
 from skyrl_grpc.v1 import generation_pb2 as skyrl_dot_inference_dot_v1_dot_generation__pb2
 from skyrl_grpc.v1 import lora_pb2 as skyrl_dot_inference_dot_v1_dot_lora__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#skyrl/inference/v1/data_plane.proto\x12\x12skyrl.inference.v1\x1a#skyrl/inference/v1/generation.proto\x1a\x1dskyrl/inference/v1/lora.proto\"\xec\x01\n\x0fGenerateRequest\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12(\n\x10prompt_token_ids\x18\x02 \x03(\rR\x0epromptTokenIds\x12K\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\".skyrl.inference.v1.SamplingParamsR\x0esamplingParams\x12\x0c\n\x01n\x18\x04 \x01(\x05R\x01n\x12!\n\x0cinclude_text\x18\x05 \x01(\x08R\x0bincludeText\x12\x12\n\x04lora\x18\x07 \x01(\tR\x04lora\"\xdf\x01\n\x10GenerateResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x34\n\x07samples\x18\x02 \x03(\x0b\x32\x1a.skyrl.inference.v1.SampleR\x07samples\x12/\n\x05usage\x18\x03 \x01(\x0b\x32\x19.skyrl.inference.v1.UsageR\x05usage\x12\x45\n\x0fprompt_logprobs\x18\x04 \x01(\x0b\x32\x1c.skyrl.inference.v1.LogprobsR\x0epromptLogprobs\"\x9b\x02\n\x15GenerateStreamRequest\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12(\n\x10prompt_token_ids\x18\x02 \x03(\rR\x0epromptTokenIds\x12K\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\".skyrl.inference.v1.SamplingParamsR\x0esamplingParams\x12\x0c\n\x01n\x18\x04 \x01(\x05R\x01n\x12!\n\x0cinclude_text\x18\x05 \x01(\x08R\x0bincludeText\x12\'\n\x0fstream_interval\x18\x06 \x01(\rR\x0estreamInterval\x12\x12\n\x04lora\x18\x07 \x01(\tR\x04lora\"\x81\x04\n\x16GenerateStreamResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12!\n\x0csample_index\x18\x02 \x01(\rR\x0bsampleIndex\x12\x1b\n\ttoken_ids\x18\x03 \x03(\rR\x08tokenIds\x12\x38\n\x08logprobs\x18\x04 \x01(\x0b\x32\x1c.skyrl.inference.v1.LogprobsR\x08logprobs\x12\x45\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .skyrl.inference.v1.FinishReasonR\x0c\x66inishReason\x12\x31\n\x04stop\x18\x06 \x01(\x0b\x32\x1d.skyrl.inference.v1.StopMatchR\x04stop\x12/\n\x05usage\x18\x07 \x01(\x0b\x32\x19.skyrl.inference.v1.UsageR\x05usage\x12%\n\x0eweight_version\x18\x08 \x01(\x03R\rweightVersion\x12\x45\n\x0fprompt_logprobs\x18\t \x01(\x0b\x32\x1c.skyrl.inference.v1.LogprobsR\x0epromptLogprobs\x12\x12\n\x04text\x18\n \x01(\tR\x04text\x12!\n\x0clora_version\x18\x0b \x01(\x03R\x0bloraVersion\";\n\x0b\x43hatMessage\x12\x12\n\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n\x07\x63ontent\x18\x02 \x01(\tR\x07\x63ontent\"\xab\x02\n\x0b\x43hatRequest\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12;\n\x08messages\x18\x02 \x03(\x0b\x32\x1f.skyrl.inference.v1.ChatMessageR\x08messages\x12K\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\".skyrl.inference.v1.SamplingParamsR\x0esamplingParams\x12\x0c\n\x01n\x18\x04 \x01(\x05R\x01n\x12\x37\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08H\x00R\x13\x61\x64\x64GenerationPrompt\x88\x01\x01\x12\x12\n\x04lora\x18\x06 \x01(\tR\x04loraB\x18\n\x16_add_generation_prompt\"\xbe\x01\n\x0c\x43hatResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12(\n\x10prompt_token_ids\x18\x02 \x03(\rR\x0epromptTokenIds\x12\x34\n\x07samples\x18\x03 \x03(\x0b\x32\x1a.skyrl.inference.v1.SampleR\x07samples\x12/\n\x05usage\x18\x04 \x01(\x0b\x32\x19.skyrl.inference.v1.UsageR\x05usage\"\x81\x02\n\x0f\x43ompleteRequest\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x16\n\x06prompt\x18\x02 \x01(\tR\x06prompt\x12K\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\".skyrl.inference.v1.SamplingParamsR\x0esamplingParams\x12\x0c\n\x01n\x18\x04 \x01(\x05R\x01n\x12\x31\n\x12\x61\x64\x64_special_tokens\x18\x05 \x01(\x08H\x00R\x10\x61\x64\x64SpecialTokens\x88\x01\x01\x12\x12\n\x04lora\x18\x06 \x01(\tR\x04loraB\x15\n\x13_add_special_tokens\"\xc2\x01\n\x10\x43ompleteResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12(\n\x10prompt_token_ids\x18\x02 \x03(\rR\x0epromptTokenIds\x12\x34\n\x07samples\x18\x03 \x03(\x0b\x32\x1a.skyrl.inference.v1.SampleR\x07samples\x12/\n\x05usage\x18\x04 \x01(\x0b\x32\x19.skyrl.inference.v1.UsageR\x05usage\"\xa2\x01\n\x10\x43hatConversation\x12;\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.skyrl.inference.v1.ChatMessageR\x08messages\x12\x37\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00R\x13\x61\x64\x64GenerationPrompt\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xc6\x01\n\x0fTokenizeRequest\x12\x14\n\x04text\x18\x01 \x01(\tH\x00R\x04text\x12J\n\x0c\x63onversation\x18\x02 \x01(\x0b\x32$.skyrl.inference.v1.ChatConversationH\x00R\x0c\x63onversation\x12\x31\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01R\x10\x61\x64\x64SpecialTokens\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"/\n\x10TokenizeResponse\x12\x1b\n\ttoken_ids\x18\x01 \x03(\rR\x08tokenIds\"}\n\x11\x44\x65tokenizeRequest\x12\x1b\n\ttoken_ids\x18\x01 \x03(\rR\x08tokenIds\x12\x33\n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00R\x11skipSpecialTokens\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"(\n\x12\x44\x65tokenizeResponse\x12\x12\n\x04text\x18\x01 \x01(\tR\x04text\"\x15\n\x13GetModelInfoRequest\"\x95\x03\n\x14GetModelInfoResponse\x12*\n\x11served_model_name\x18\x01 \x01(\tR\x0fservedModelName\x12\x1d\n\nvocab_size\x18\x02 \x01(\rR\tvocabSize\x12%\n\x0c\x62os_token_id\x18\x03 \x01(\rH\x00R\nbosTokenId\x88\x01\x01\x12\"\n\reos_token_ids\x18\x04 \x03(\rR\x0b\x65osTokenIds\x12%\n\x0cpad_token_id\x18\x05 \x01(\rH\x01R\npadTokenId\x88\x01\x01\x12,\n\x12max_context_length\x18\x06 \x01(\rR\x10maxContextLength\x12*\n\x11has_chat_template\x18\x07 \x01(\x08R\x0fhasChatTemplate\x12\x44\n\rlora_adapters\x18\x08 \x03(\x0b\x32\x1f.skyrl.inference.v1.LoraAdapterR\x0cloraAdaptersB\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"/\n\x0c\x41\x62ortRequest\x12\x1f\n\x0brequest_ids\x18\x01 \x03(\tR\nrequestIds\"?\n\rAbortResponse\x12.\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\tR\x11\x61\x62ortedRequestIds\"5\n\x14\x46inishSessionRequest\x12\x1d\n\nsession_id\x18\x01 \x01(\tR\tsessionId\"-\n\x15\x46inishSessionResponse\x12\x14\n\x05\x66ound\x18\x01 \x01(\x08R\x05\x66ound2\xba\x06\n\tDataPlane\x12i\n\x0eGenerateStream\x12).skyrl.inference.v1.GenerateStreamRequest\x1a*.skyrl.inference.v1.GenerateStreamResponse0\x01\x12U\n\x08Generate\x12#.skyrl.inference.v1.GenerateRequest\x1a$.skyrl.inference.v1.GenerateResponse\x12I\n\x04\x43hat\x12\x1f.skyrl.inference.v1.ChatRequest\x1a .skyrl.inference.v1.ChatResponse\x12U\n\x08\x43omplete\x12#.skyrl.inference.v1.CompleteRequest\x1a$.skyrl.inference.v1.CompleteResponse\x12U\n\x08Tokenize\x12#.skyrl.inference.v1.TokenizeRequest\x1a$.skyrl.inference.v1.TokenizeResponse\x12[\n\nDetokenize\x12%.skyrl.inference.v1.DetokenizeRequest\x1a&.skyrl.inference.v1.DetokenizeResponse\x12\x61\n\x0cGetModelInfo\x12\'.skyrl.inference.v1.GetModelInfoRequest\x1a(.skyrl.inference.v1.GetModelInfoResponse\x12L\n\x05\x41\x62ort\x12 .skyrl.inference.v1.AbortRequest\x1a!.skyrl.inference.v1.AbortResponse\x12\x64\n\rFinishSession\x12(.skyrl.inference.v1.FinishSessionRequest\x1a).skyrl.inference.v1.FinishSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#skyrl/inference/v1/data_plane.proto\x12\x12skyrl.inference.v1\x1a#skyrl/inference/v1/chat_tools.proto\x1a#skyrl/inference/v1/generation.proto\x1a\x1dskyrl/inference/v1/lora.proto\"\xec\x01\n\x0fGenerateRequest\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12(\n\x10prompt_token_ids\x18\x02 \x03(\rR\x0epromptTokenIds\x12K\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\".skyrl.inference.v1.SamplingParamsR\x0esamplingParams\x12\x0c\n\x01n\x18\x04 \x01(\x05R\x01n\x12!\n\x0cinclude_text\x18\x05 \x01(\x08R\x0bincludeText\x12\x12\n\x04lora\x18\x07 \x01(\tR\x04lora\"\xdf\x01\n\x10GenerateResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x34\n\x07samples\x18\x02 \x03(\x0b\x32\x1a.skyrl.inference.v1.SampleR\x07samples\x12/\n\x05usage\x18\x03 \x01(\x0b\x32\x19.skyrl.inference.v1.UsageR\x05usage\x12\x45\n\x0fprompt_logprobs\x18\x04 \x01(\x0b\x32\x1c.skyrl.inference.v1.LogprobsR\x0epromptLogprobs\"\xdc\x02\n\x15GenerateStreamRequest\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12(\n\x10prompt_token_ids\x18\x02 \x03(\rR\x0epromptTokenIds\x12K\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\".skyrl.inference.v1.SamplingParamsR\x0esamplingParams\x12\x0c\n\x01n\x18\x04 \x01(\x05R\x01n\x12!\n\x0cinclude_text\x18\x05 \x01(\x08R\x0bincludeText\x12\'\n\x0fstream_interval\x18\x06 \x01(\rR\x0estreamInterval\x12\x12\n\x04lora\x18\x07 \x01(\tR\x04lora\x12?\n\x0b\x63hat_output\x18\x08 \x01(\x0b\x32\x1e.skyrl.inference.v1.ChatOutputR\nchatOutput\"\x86\x05\n\x16GenerateStreamResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12!\n\x0csample_index\x18\x02 \x01(\rR\x0bsampleIndex\x12\x1b\n\ttoken_ids\x18\x03 \x03(\rR\x08tokenIds\x12\x38\n\x08logprobs\x18\x04 \x01(\x0b\x32\x1c.skyrl.inference.v1.LogprobsR\x08logprobs\x12\x45\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .skyrl.inference.v1.FinishReasonR\x0c\x66inishReason\x12\x31\n\x04stop\x18\x06 \x01(\x0b\x32\x1d.skyrl.inference.v1.StopMatchR\x04stop\x12/\n\x05usage\x18\x07 \x01(\x0b\x32\x19.skyrl.inference.v1.UsageR\x05usage\x12%\n\x0eweight_version\x18\x08 \x01(\x03R\rweightVersion\x12\x45\n\x0fprompt_logprobs\x18\t \x01(\x0b\x32\x1c.skyrl.inference.v1.LogprobsR\x0epromptLogprobs\x12\x12\n\x04text\x18\n \x01(\tR\x04text\x12!\n\x0clora_version\x18\x0b \x01(\x03R\x0bloraVersion\x12<\n\nchat_delta\x18\x0c \x01(\x0b\x32\x1d.skyrl.inference.v1.ChatDeltaR\tchatDelta\x12\x45\n\x0c\x63hat_message\x18\r \x01(\x0b\x32\".skyrl.inference.v1.ChatMessageOutR\x0b\x63hatMessage\"\xae\x01\n\x0b\x43hatMessage\x12\x12\n\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n\x07\x63ontent\x18\x02 \x01(\tR\x07\x63ontent\x12;\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1c.skyrl.inference.v1.ToolCallR\ttoolCalls\x12 \n\x0ctool_call_id\x18\x04 \x01(\tR\ntoolCallId\x12\x12\n\x04name\x18\x05 \x01(\tR\x04name\"\xe3\x02\n\x0b\x43hatRequest\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12;\n\x08messages\x18\x02 \x03(\x0b\x32\x1f.skyrl.inference.v1.ChatMessageR\x08messages\x12K\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\".skyrl.inference.v1.SamplingParamsR\x0esamplingParams\x12\x0c\n\x01n\x18\x04 \x01(\x05R\x01n\x12\x37\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08H\x00R\x13\x61\x64\x64GenerationPrompt\x88\x01\x01\x12\x12\n\x04lora\x18\x06 \x01(\tR\x04lora\x12\x36\n\x08tool_use\x18\x07 \x01(\x0b\x32\x1b.skyrl.inference.v1.ToolUseR\x07toolUseB\x18\n\x16_add_generation_prompt\"\xfe\x01\n\x0c\x43hatResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12(\n\x10prompt_token_ids\x18\x02 \x03(\rR\x0epromptTokenIds\x12\x34\n\x07samples\x18\x03 \x03(\x0b\x32\x1a.skyrl.inference.v1.SampleR\x07samples\x12/\n\x05usage\x18\x04 \x01(\x0b\x32\x19.skyrl.inference.v1.UsageR\x05usage\x12>\n\x08messages\x18\x05 \x03(\x0b\x32\".skyrl.inference.v1.ChatMessageOutR\x08messages\"\x81\x02\n\x0f\x43ompleteRequest\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x16\n\x06prompt\x18\x02 \x01(\tR\x06prompt\x12K\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\".skyrl.inference.v1.SamplingParamsR\x0esamplingParams\x12\x0c\n\x01n\x18\x04 \x01(\x05R\x01n\x12\x31\n\x12\x61\x64\x64_special_tokens\x18\x05 \x01(\x08H\x00R\x10\x61\x64\x64SpecialTokens\x88\x01\x01\x12\x12\n\x04lora\x18\x06 \x01(\tR\x04loraB\x15\n\x13_add_special_tokens\"\xc2\x01\n\x10\x43ompleteResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12(\n\x10prompt_token_ids\x18\x02 \x03(\rR\x0epromptTokenIds\x12\x34\n\x07samples\x18\x03 \x03(\x0b\x32\x1a.skyrl.inference.v1.SampleR\x07samples\x12/\n\x05usage\x18\x04 \x01(\x0b\x32\x19.skyrl.inference.v1.UsageR\x05usage\"\xd2\x01\n\x10\x43hatConversation\x12;\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.skyrl.inference.v1.ChatMessageR\x08messages\x12\x37\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00R\x13\x61\x64\x64GenerationPrompt\x88\x01\x01\x12.\n\x05tools\x18\x03 \x03(\x0b\x32\x18.skyrl.inference.v1.ToolR\x05toolsB\x18\n\x16_add_generation_prompt\"\xc6\x01\n\x0fTokenizeRequest\x12\x14\n\x04text\x18\x01 \x01(\tH\x00R\x04text\x12J\n\x0c\x63onversation\x18\x02 \x01(\x0b\x32$.skyrl.inference.v1.ChatConversationH\x00R\x0c\x63onversation\x12\x31\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01R\x10\x61\x64\x64SpecialTokens\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"/\n\x10TokenizeResponse\x12\x1b\n\ttoken_ids\x18\x01 \x03(\rR\x08tokenIds\"}\n\x11\x44\x65tokenizeRequest\x12\x1b\n\ttoken_ids\x18\x01 \x03(\rR\x08tokenIds\x12\x33\n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00R\x11skipSpecialTokens\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"(\n\x12\x44\x65tokenizeResponse\x12\x12\n\x04text\x18\x01 \x01(\tR\x04text\"\x15\n\x13GetModelInfoRequest\"\x95\x03\n\x14GetModelInfoResponse\x12*\n\x11served_model_name\x18\x01 \x01(\tR\x0fservedModelName\x12\x1d\n\nvocab_size\x18\x02 \x01(\rR\tvocabSize\x12%\n\x0c\x62os_token_id\x18\x03 \x01(\rH\x00R\nbosTokenId\x88\x01\x01\x12\"\n\reos_token_ids\x18\x04 \x03(\rR\x0b\x65osTokenIds\x12%\n\x0cpad_token_id\x18\x05 \x01(\rH\x01R\npadTokenId\x88\x01\x01\x12,\n\x12max_context_length\x18\x06 \x01(\rR\x10maxContextLength\x12*\n\x11has_chat_template\x18\x07 \x01(\x08R\x0fhasChatTemplate\x12\x44\n\rlora_adapters\x18\x08 \x03(\x0b\x32\x1f.skyrl.inference.v1.LoraAdapterR\x0cloraAdaptersB\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id\"/\n\x0c\x41\x62ortRequest\x12\x1f\n\x0brequest_ids\x18\x01 \x03(\tR\nrequestIds\"?\n\rAbortResponse\x12.\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\tR\x11\x61\x62ortedRequestIds\"5\n\x14\x46inishSessionRequest\x12\x1d\n\nsession_id\x18\x01 \x01(\tR\tsessionId\"-\n\x15\x46inishSessionResponse\x12\x14\n\x05\x66ound\x18\x01 \x01(\x08R\x05\x66ound2\xba\x06\n\tDataPlane\x12i\n\x0eGenerateStream\x12).skyrl.inference.v1.GenerateStreamRequest\x1a*.skyrl.inference.v1.GenerateStreamResponse0\x01\x12U\n\x08Generate\x12#.skyrl.inference.v1.GenerateRequest\x1a$.skyrl.inference.v1.GenerateResponse\x12I\n\x04\x43hat\x12\x1f.skyrl.inference.v1.ChatRequest\x1a .skyrl.inference.v1.ChatResponse\x12U\n\x08\x43omplete\x12#.skyrl.inference.v1.CompleteRequest\x1a$.skyrl.inference.v1.CompleteResponse\x12U\n\x08Tokenize\x12#.skyrl.inference.v1.TokenizeRequest\x1a$.skyrl.inference.v1.TokenizeResponse\x12[\n\nDetokenize\x12%.skyrl.inference.v1.DetokenizeRequest\x1a&.skyrl.inference.v1.DetokenizeResponse\x12\x61\n\x0cGetModelInfo\x12\'.skyrl.inference.v1.GetModelInfoRequest\x1a(.skyrl.inference.v1.GetModelInfoResponse\x12L\n\x05\x41\x62ort\x12 .skyrl.inference.v1.AbortRequest\x1a!.skyrl.inference.v1.AbortResponse\x12\x64\n\rFinishSession\x12(.skyrl.inference.v1.FinishSessionRequest\x1a).skyrl.inference.v1.FinishSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'skyrl_grpc.v1.data_plane_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=128
-  _globals['_GENERATEREQUEST']._serialized_end=364
-  _globals['_GENERATERESPONSE']._serialized_start=367
-  _globals['_GENERATERESPONSE']._serialized_end=590
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=593
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=876
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=879
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1392
-  _globals['_CHATMESSAGE']._serialized_start=1394
-  _globals['_CHATMESSAGE']._serialized_end=1453
-  _globals['_CHATREQUEST']._serialized_start=1456
-  _globals['_CHATREQUEST']._serialized_end=1755
-  _globals['_CHATRESPONSE']._serialized_start=1758
-  _globals['_CHATRESPONSE']._serialized_end=1948
-  _globals['_COMPLETEREQUEST']._serialized_start=1951
-  _globals['_COMPLETEREQUEST']._serialized_end=2208
-  _globals['_COMPLETERESPONSE']._serialized_start=2211
-  _globals['_COMPLETERESPONSE']._serialized_end=2405
-  _globals['_CHATCONVERSATION']._serialized_start=2408
-  _globals['_CHATCONVERSATION']._serialized_end=2570
-  _globals['_TOKENIZEREQUEST']._serialized_start=2573
-  _globals['_TOKENIZEREQUEST']._serialized_end=2771
-  _globals['_TOKENIZERESPONSE']._serialized_start=2773
-  _globals['_TOKENIZERESPONSE']._serialized_end=2820
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2822
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2947
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2949
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2989
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2991
-  _globals['_GETMODELINFOREQUEST']._serialized_end=3012
-  _globals['_GETMODELINFORESPONSE']._serialized_start=3015
-  _globals['_GETMODELINFORESPONSE']._serialized_end=3420
-  _globals['_ABORTREQUEST']._serialized_start=3422
-  _globals['_ABORTREQUEST']._serialized_end=3469
-  _globals['_ABORTRESPONSE']._serialized_start=3471
-  _globals['_ABORTRESPONSE']._serialized_end=3534
-  _globals['_FINISHSESSIONREQUEST']._serialized_start=3536
-  _globals['_FINISHSESSIONREQUEST']._serialized_end=3589
-  _globals['_FINISHSESSIONRESPONSE']._serialized_start=3591
-  _globals['_FINISHSESSIONRESPONSE']._serialized_end=3636
-  _globals['_DATAPLANE']._serialized_start=3639
-  _globals['_DATAPLANE']._serialized_end=4465
+  _globals['_GENERATEREQUEST']._serialized_start=165
+  _globals['_GENERATEREQUEST']._serialized_end=401
+  _globals['_GENERATERESPONSE']._serialized_start=404
+  _globals['_GENERATERESPONSE']._serialized_end=627
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=630
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=978
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=981
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1627
+  _globals['_CHATMESSAGE']._serialized_start=1630
+  _globals['_CHATMESSAGE']._serialized_end=1804
+  _globals['_CHATREQUEST']._serialized_start=1807
+  _globals['_CHATREQUEST']._serialized_end=2162
+  _globals['_CHATRESPONSE']._serialized_start=2165
+  _globals['_CHATRESPONSE']._serialized_end=2419
+  _globals['_COMPLETEREQUEST']._serialized_start=2422
+  _globals['_COMPLETEREQUEST']._serialized_end=2679
+  _globals['_COMPLETERESPONSE']._serialized_start=2682
+  _globals['_COMPLETERESPONSE']._serialized_end=2876
+  _globals['_CHATCONVERSATION']._serialized_start=2879
+  _globals['_CHATCONVERSATION']._serialized_end=3089
+  _globals['_TOKENIZEREQUEST']._serialized_start=3092
+  _globals['_TOKENIZEREQUEST']._serialized_end=3290
+  _globals['_TOKENIZERESPONSE']._serialized_start=3292
+  _globals['_TOKENIZERESPONSE']._serialized_end=3339
+  _globals['_DETOKENIZEREQUEST']._serialized_start=3341
+  _globals['_DETOKENIZEREQUEST']._serialized_end=3466
+  _globals['_DETOKENIZERESPONSE']._serialized_start=3468
+  _globals['_DETOKENIZERESPONSE']._serialized_end=3508
+  _globals['_GETMODELINFOREQUEST']._serialized_start=3510
+  _globals['_GETMODELINFOREQUEST']._serialized_end=3531
+  _globals['_GETMODELINFORESPONSE']._serialized_start=3534
+  _globals['_GETMODELINFORESPONSE']._serialized_end=3939
+  _globals['_ABORTREQUEST']._serialized_start=3941
+  _globals['_ABORTREQUEST']._serialized_end=3988
+  _globals['_ABORTRESPONSE']._serialized_start=3990
+  _globals['_ABORTRESPONSE']._serialized_end=4053
+  _globals['_FINISHSESSIONREQUEST']._serialized_start=4055
+  _globals['_FINISHSESSIONREQUEST']._serialized_end=4108
+  _globals['_FINISHSESSIONRESPONSE']._serialized_start=4110
+  _globals['_FINISHSESSIONRESPONSE']._serialized_end=4155
+  _globals['_DATAPLANE']._serialized_start=4158
+  _globals['_DATAPLANE']._serialized_end=4984
 # @@protoc_insertion_point(module_scope)

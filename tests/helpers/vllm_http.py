@@ -28,8 +28,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def vllm_http_server(stream_interval: int = 1, model: Path | None = None) -> Iterator[str]:
-    """vLLM's server on ``model`` (default: the embedded one); yields its base URL."""
+def vllm_http_server(
+    stream_interval: int = 1, model: Path | None = None, extra_args: tuple[str, ...] = ()
+) -> Iterator[str]:
+    """vLLM's server on ``model`` (default: the embedded one), with ``extra_args`` on its
+    command line; yields its base URL."""
     import urllib.request
 
     options = EngineOptions()
@@ -57,6 +60,7 @@ def vllm_http_server(stream_interval: int = 1, model: Path | None = None) -> Ite
         str(port),
         "--uvicorn-log-level",
         "warning",
+        *extra_args,
     ]
     # The CPU layout servers.engine gives the embedded model's engine, as flags and environment.
     layout_args, layout_env = cpu_layout(options)

@@ -22,12 +22,12 @@ from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.metadata import SESSION_ID
 from skyrl_grpc.names import DETOKENIZE, GENERATE_STREAM, GET_MODEL_INFO, TOKENIZE
 from skyrl_grpc.sample_assembly import ResponseAssembler
-from skyrl_grpc.v1 import data_plane_pb2
+from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2
 from skyrl_grpc.v1 import generation_pb2 as gen
 
 from ..backends import BackendPool
 from ..proxy import Proxy
-from . import parse, render
+from . import parse, render, tool_calls
 from .asgi import AsgiApp, Request, Responder
 from .http_status import error_body
 
@@ -107,6 +107,13 @@ class OpenAIEdge(AsgiApp):
         interval: int,
         offset: int = 0,
     ) -> AsyncIterator[bytes]:
+        # Chat outputs are parsed by the engine (tool calls, reasoning): once per sample for
+        # whole answers, as deltas for streamed ones.
+        chat_output = (
+            chat_tools_pb2.ChatOutput(tool_use=call.tool_use, whole_messages=interval == WHOLE)
+            if call.chat
+            else None
+        )
         message = data_plane_pb2.GenerateStreamRequest(
             # One id per prompt, as vLLM's server names them: two prompts of one request on
             # one server must not collide there.
@@ -117,6 +124,7 @@ class OpenAIEdge(AsgiApp):
             include_text=True,
             stream_interval=interval,
             lora=call.lora,
+            chat_output=chat_output,
         )
         return self.proxy.unary_stream(GENERATE_STREAM, message.SerializeToString(), request.call())
 
@@ -158,7 +166,10 @@ class OpenAIEdge(AsgiApp):
             assembler = ResponseAssembler()  # the chunks folded as every whole answer is
             async for raw in self._stream(prompt, call, request, WHOLE, offset):
                 assembler.add(data_plane_pb2.GenerateStreamResponse.FromString(raw))
-            samples = [render.sample_out(s, call, offset) for s in assembler.samples()]
+            samples = [
+                render.sample_out(s, call, offset, assembler.chat_messages.get(s.index))
+                for s in assembler.samples()
+            ]
             return samples, assembler.usage
 
         outcomes = await all_or_cancel(one(i * call.n, p) for i, p in enumerate(prompts))
@@ -184,6 +195,7 @@ class OpenAIEdge(AsgiApp):
     ) -> None:
         usages: dict[int, gen.Usage] = {}
         started: set[int] = set()
+        tools_streamed: set[int] = set()
 
         async def relay(offset: int, prompt: list[int]) -> None:
             async for raw in self._stream(prompt, call, request, self.stream_interval, offset):
@@ -204,9 +216,26 @@ class OpenAIEdge(AsgiApp):
                 )
                 first = index not in started
                 started.add(index)
+                delta = None
+                if call.chat:
+                    usages[offset] = message.usage
+                    if first:  # each choice opens with its role, as vLLM's server sends it
+                        await responder.event(render.role_chunk(call, index, prompt))
+                        first = False
+                    if message.HasField("chat_delta"):
+                        delta = tool_calls.delta_fields(message.chat_delta)
+                        if message.chat_delta.tool_calls:
+                            tools_streamed.add(index)
+                    elif finish is None and logprobs is None and not call.return_token_ids:
+                        continue  # the parser holds these tokens back (e.g. a call's markup)
+                    else:
+                        delta = {}
+                    finish = tool_calls.streamed_finish_reason(
+                        call.tool_use, index in tools_streamed, finish
+                    )
                 choice = render.chunk_choice(
                     call, index, text, message.token_ids, finish, stop_reason, logprobs, texts,
-                    first=first, prompt=prompt,
+                    first=first, prompt=prompt, delta=delta,
                 )  # fmt: skip
                 await responder.event(render.chunk(call, [choice]))
                 usages[offset] = message.usage

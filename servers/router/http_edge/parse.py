@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skyrl_grpc.errors import InvalidArgument
-from skyrl_grpc.v1 import data_plane_pb2
+from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2
 from skyrl_grpc.v1 import generation_pb2 as gen
+
+from .tool_calls import read_message_tools, read_tool_use
 
 Json = dict[str, Any]
 
@@ -25,7 +27,6 @@ Json = dict[str, Any]
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (False, None),
     "suffix": (None, ""),
-    "tools": (None, []),
     "functions": (None, []),
 }
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's and vLLM's completions endpoint
@@ -53,13 +54,17 @@ class GenerationCall:
     created: int = 0
     # The LoRA adapter ``model`` named (empty: the base model).
     lora: str = ""
+    # Chat: the tools offered and the tool choice.
+    tool_use: chat_tools_pb2.ToolUse = field(default_factory=chat_tools_pb2.ToolUse)
 
     def tokenize_request(self, prompt: str | None = None) -> data_plane_pb2.TokenizeRequest:
         """What turns a text prompt (or the conversation, for chat) into token ids."""
         if self.chat:
             return data_plane_pb2.TokenizeRequest(
                 conversation=data_plane_pb2.ChatConversation(
-                    messages=self.messages, add_generation_prompt=self.add_generation_prompt
+                    messages=self.messages,
+                    add_generation_prompt=self.add_generation_prompt,
+                    tools=self.tool_use.tools,
                 )
             )
         return data_plane_pb2.TokenizeRequest(
@@ -153,7 +158,8 @@ def _sampling(body: Json, chat: bool) -> gen.SamplingParams:
 
 def _structured_output(body: Json) -> gen.StructuredOutput | None:
     """OpenAI's ``response_format`` (json_object, json_schema), vLLM's ``structured_outputs``
-    (json, json_object, regex, choice, grammar) and its older ``guided_*`` fields."""
+    (json, json_object, regex, choice, grammar, structural_tag) and its older ``guided_*``
+    fields."""
     import json
 
     found: list[gen.StructuredOutput] = []
@@ -191,6 +197,9 @@ def _structured_output(body: Json) -> gen.StructuredOutput | None:
             found.append(gen.StructuredOutput(regex=value))
         elif key == "grammar" and isinstance(value, str):
             found.append(gen.StructuredOutput(grammar=value))
+        elif key == "structural_tag" and isinstance(value, str | dict):
+            text = value if isinstance(value, str) else json.dumps(value)
+            found.append(gen.StructuredOutput(structural_tag=text))
         elif key == "choice" and isinstance(value, list):
             choices = gen.ChoiceList(choices=[str(c) for c in value])
             found.append(gen.StructuredOutput(choice=choices))
@@ -218,7 +227,9 @@ def _message(raw: Any, index: int) -> data_plane_pb2.ChatMessage:
         text = "".join(parts)
     else:
         raise InvalidArgument(f"'messages[{index}].content' must be a string or a list of parts")
-    return data_plane_pb2.ChatMessage(role=raw["role"], content=text)
+    message = data_plane_pb2.ChatMessage(role=raw["role"], content=text)
+    read_message_tools(raw, index, message)
+    return message
 
 
 def read_generation(body: Json, chat: bool) -> GenerationCall:
@@ -254,6 +265,7 @@ def read_generation(body: Json, chat: bool) -> GenerationCall:
         if not isinstance(messages, list) or not messages:
             raise InvalidArgument("'messages' must be a non-empty list")
         call.messages = [_message(m, i) for i, m in enumerate(messages)]
+        call.tool_use = read_tool_use(body)
         return call
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -287,6 +299,7 @@ def read_tokenize(body: Json) -> data_plane_pb2.TokenizeRequest:
             conversation=data_plane_pb2.ChatConversation(
                 messages=[_message(m, i) for i, m in enumerate(messages)],
                 add_generation_prompt=bool(_get(body, "add_generation_prompt", bool, True)),
+                tools=read_tool_use(body).tools,
             )
         )
     prompt = body.get("prompt")

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from skyrl_grpc import finish_reasons
-from skyrl_grpc.v1 import data_plane_pb2
+from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2
 from skyrl_grpc.v1 import generation_pb2 as gen
 
+from . import tool_calls
 from .parse import GenerationCall
 
 Json = dict[str, Any]
@@ -29,6 +30,8 @@ class SampleOut:
     finish_reason: str | None
     stop_reason: int | str | None = None
     logprobs: gen.Logprobs | None = None
+    # Chat: the engine's parse of the whole output (content, reasoning, tool calls).
+    message: chat_tools_pb2.ChatMessageOut | None = None
 
 
 def finish_of(
@@ -150,6 +153,7 @@ def choice(
                 "audio": None,
                 "function_call": None,
                 "tool_calls": [],
+                **(tool_calls.message_fields(sample.message) if sample.message else {}),
             },
             "logprobs": _chat_logprobs(sample.logprobs, sample.token_ids, texts)
             if sample.logprobs is not None
@@ -222,12 +226,12 @@ def chunk_choice(
     texts: Mapping[int, str],
     first: bool = False,
     prompt: Sequence[int] | None = None,
+    delta: Json | None = None,
 ) -> Json:
-    """One choice of a streamed event: a delta of text (and token ids)."""
+    """One choice of a streamed event: a delta of text (and token ids); for chat, ``delta``
+    is what the engine parsed (content, reasoning, tool-call pieces)."""
     if call.chat:
-        delta: Json = {"content": text}
-        if first:
-            delta["role"] = "assistant"
+        delta = {"content": text} if delta is None else delta
         out: Json = {
             "index": index,
             "delta": delta,
@@ -251,6 +255,21 @@ def chunk_choice(
         out["token_ids"] = list(token_ids)
         if first and prompt is not None:
             out["prompt_token_ids"] = list(prompt)
+    return out
+
+
+def role_chunk(call: GenerationCall, index: int, prompt: Sequence[int]) -> Json:
+    """A chat stream's first event for a sample: the role, no text yet (as vLLM's server
+    opens each choice), with the prompt's token ids when asked for."""
+    choice = {
+        "index": index,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    out = chunk(call, [choice])
+    if call.return_token_ids:
+        out["prompt_token_ids"] = list(prompt)
     return out
 
 
@@ -284,9 +303,17 @@ def models(model_info: data_plane_pb2.GetModelInfoResponse, created: int) -> Jso
     return {"object": "list", "data": entries}
 
 
-def sample_out(sample: gen.Sample, call: GenerationCall, index_offset: int = 0) -> SampleOut:
-    """A whole sample (folded by ``skyrl_grpc.sample_assembly``) as the edge reports it."""
+def sample_out(
+    sample: gen.Sample,
+    call: GenerationCall,
+    index_offset: int = 0,
+    message: chat_tools_pb2.ChatMessageOut | None = None,
+) -> SampleOut:
+    """A whole sample (folded by ``skyrl_grpc.sample_assembly``) as the edge reports it;
+    ``message``: a chat sample's parsed assistant message."""
     finish, stop_reason, text = finish_of(sample.finish_reason, sample.stop, sample.text, call)
+    if message is not None:
+        finish = tool_calls.whole_finish_reason(call.tool_use, message, finish)
     return SampleOut(
         index=index_offset + sample.index,
         token_ids=list(sample.token_ids),
@@ -294,4 +321,5 @@ def sample_out(sample: gen.Sample, call: GenerationCall, index_offset: int = 0) 
         finish_reason=finish,
         stop_reason=stop_reason,
         logprobs=sample.logprobs if sample.HasField("logprobs") else None,
+        message=message,
     )

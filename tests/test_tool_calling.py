@@ -1,0 +1,500 @@
+"""Tool calling on real engines: this stack's OpenAI edge against vLLM's own OpenAI server, on
+the embedded model built with a Hermes-style tool template, both running vLLM's `hermes`
+parser. The same greedy requests give the same tool calls, content, finish reasons and streamed
+deltas; the openai SDK reads every answer; bad tool requests are refused, naming the problem."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from skyrl_grpc.tiny_model import TinyModelSpec, ensure_tiny_model
+from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2, data_plane_pb2_grpc
+from tests.conftest import running_engine_server, running_router
+from tests.helpers.vllm_http import SERVED_NAME, vllm_http_server
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "strict": True,  # arguments held to the schema: short, so calls finish
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}},
+            "required": ["city"],
+        },
+    },
+}
+TIME: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a zone.",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+        },
+    },
+}
+TOOLS: list[dict[str, Any]] = [WEATHER, TIME]
+MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
+# A hermes call the model is held to (auto choice with a regex): the parser must find it.
+HERMES_CALL = (
+    r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)"\}\}\n</tool_call>'
+)
+# Enough for a whole call: the constraint allows whitespace, which a random model writes too.
+CALL_TOKENS = 160
+CALL_ID = re.compile(r"^chatcmpl-tool-[0-9a-f]{16,}$")
+
+
+@pytest.fixture(scope="module")
+def hermes_model_dir() -> Path:
+    # The tool prompt (template text and two schemas) is longer than the default 512 tokens.
+    return ensure_tiny_model(
+        spec=TinyModelSpec(chat_template="hermes", max_position_embeddings=2048)
+    )
+
+
+@pytest.fixture(scope="module")
+async def tool_router(hermes_model_dir: Path) -> AsyncIterator[Any]:
+    """This stack: an engine server with vLLM's hermes parser, behind a router (gRPC and its
+    HTTP edge)."""
+    async for engine in running_engine_server(
+        model=str(hermes_model_dir),
+        served_model_name=SERVED_NAME,
+        dtype="float32",
+        tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
+    ):
+        async for router in running_router([engine.address], http_port=0):
+            yield router
+
+
+@pytest.fixture(scope="module")
+def no_whitespace(hermes_model_dir: Path) -> dict[str, int]:
+    """A logit bias against whitespace-only tokens: JSON constraints allow any whitespace
+    between tokens, and a random model would write nothing else; with this, its calls end."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hermes_model_dir)
+    return {
+        str(i): -100
+        for i in range(len(tokenizer))
+        if i not in tokenizer.all_special_ids and not tokenizer.decode([i]).strip()
+    }
+
+
+@pytest.fixture(scope="module")
+def tool_edge(tool_router: Any) -> str:
+    return f"http://127.0.0.1:{tool_router.http_port}"
+
+
+@pytest.fixture(scope="module")
+async def vllm_edge(hermes_model_dir: Path) -> AsyncIterator[str]:
+    """vLLM's own OpenAI server on the same model and template, with the same parser."""
+    server = vllm_http_server(model=hermes_model_dir, extra_args=TOOL_FLAGS)
+    base_url = await asyncio.to_thread(server.__enter__)
+    yield base_url
+    await asyncio.to_thread(server.__exit__, None, None, None)
+
+
+async def whole(client: httpx.AsyncClient, base: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = await client.post(f"{base}/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]
+
+
+async def streamed(
+    client: httpx.AsyncClient, base: str, body: dict[str, Any]
+) -> list[dict[str, Any]]:
+    async with client.stream(
+        "POST", f"{base}/v1/chat/completions", json={**body, "stream": True}
+    ) as response:
+        assert response.status_code == 200, await response.aread()
+        lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def without_ids(value: Any) -> Any:
+    """``value`` with every tool-call id checked for vLLM's shape and blanked (ids are random)."""
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if key == "id" and isinstance(item, str) and item.startswith("chatcmpl-tool"):
+                assert CALL_ID.match(item), item
+                item = "<id>"
+            out[key] = without_ids(item)
+        return out
+    if isinstance(value, list | tuple):
+        return [without_ids(v) for v in value]
+    return value
+
+
+def message_of(answer: dict[str, Any]) -> dict[str, Any]:
+    choice = answer["choices"][0]
+    message = choice["message"]
+    return without_ids(
+        {
+            "content": message["content"],
+            "tool_calls": message.get("tool_calls") or [],
+            "finish_reason": choice["finish_reason"],
+        }
+    )
+
+
+def deltas_of(events: list[dict[str, Any]]) -> list[Any]:
+    """The sequence of (delta, finish_reason) a client folds, ids blanked. Consecutive pieces
+    of plain content are joined: how many tokens one event carries depends on timing (vLLM's
+    output handler merges what its consumer has not taken yet), what they say does not."""
+    folded: list[Any] = []
+    for event in events:
+        for choice in event["choices"]:
+            delta, finish = without_ids(choice["delta"]), choice["finish_reason"]
+            key = _appending(delta)
+            if key is not None and folded and folded[-1][2] == key:
+                _append(folded[-1][0], delta)
+                folded[-1][1] = finish
+            else:
+                folded.append([delta, finish, key])
+            if finish is not None:
+                folded[-1][2] = None
+    return [(delta, finish) for delta, finish, _ in folded]
+
+
+def _appending(delta: dict[str, Any]) -> str | None:
+    """What a delta only appends to (content, or one call's arguments), else None."""
+    if set(delta) == {"content"} and isinstance(delta["content"], str):
+        return "content"
+    calls = delta.get("tool_calls") or []
+    if (
+        set(delta) <= {"content", "tool_calls"}
+        and delta.get("content") is None
+        and len(calls) == 1
+        and set(calls[0]) == {"index", "function"}
+        and set(calls[0]["function"]) == {"arguments"}
+    ):
+        return f"arguments {calls[0]['index']}"
+    return None
+
+
+def _append(into: dict[str, Any], delta: dict[str, Any]) -> None:
+    if "tool_calls" in delta:
+        into["tool_calls"][0]["function"]["arguments"] += delta["tool_calls"][0]["function"][
+            "arguments"
+        ]
+    else:
+        into["content"] += delta["content"]
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "required": {"tool_choice": "required"},
+    "named": {"tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+    "auto, no call": {"tool_choice": "auto"},
+    "auto, a call": {"tool_choice": "auto", "structured_outputs": {"regex": HERMES_CALL}},
+    "none": {"tool_choice": "none"},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_tool_calls_and_deltas_match_vllms_server(
+    tool_edge: str, vllm_edge: str, no_whitespace: dict[str, int], case: str
+) -> None:
+    body = {
+        "model": SERVED_NAME, "messages": MESSAGES, "tools": TOOLS, "max_tokens": CALL_TOKENS,
+        "temperature": 0.0, "logit_bias": no_whitespace, **CASES[case],
+    }  # fmt: skip
+    async with httpx.AsyncClient(timeout=120) as client:
+        ours, theirs = await whole(client, tool_edge, body), await whole(client, vllm_edge, body)
+        assert message_of(ours) == message_of(theirs)
+        ours_events = await streamed(client, tool_edge, body)
+        theirs_events = await streamed(client, vllm_edge, body)
+    assert deltas_of(ours_events) == deltas_of(theirs_events)
+    calls = message_of(ours)["tool_calls"]
+    if case in ("required", "named", "auto, a call"):
+        assert calls, ours  # the case is about calls: there must be some to compare
+        for call in calls:
+            json.loads(call["function"]["arguments"])
+    if case == "named":
+        assert {c["function"]["name"] for c in calls} == {"get_time"}
+    if case == "auto, a call":
+        assert ours["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_response_format_json_schema_matches_vllms_server(
+    tool_edge: str, vllm_edge: str
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"enum": [1, 2, 3]}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    body = {
+        "model": SERVED_NAME, "messages": MESSAGES, "max_tokens": CALL_TOKENS,
+        "temperature": 0.0, "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+    }  # fmt: skip
+    async with httpx.AsyncClient(timeout=120) as client:
+        ours, theirs = await whole(client, tool_edge, body), await whole(client, vllm_edge, body)
+    content = ours["choices"][0]["message"]["content"]
+    assert content == theirs["choices"][0]["message"]["content"]
+    finish = ours["choices"][0]["finish_reason"]
+    assert finish == theirs["choices"][0]["finish_reason"]
+    if finish == "stop":  # (the schema allows any whitespace: a random model may not finish)
+        assert set(json.loads(content)) == {"city", "days"}
+
+
+SDK_MESSAGES: Any = MESSAGES
+SDK_TOOLS: Any = TOOLS
+
+
+async def test_the_openai_sdk_reads_tool_calls_whole_and_streamed(
+    tool_edge: str, no_whitespace: dict[str, int]
+) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{tool_edge}/v1", api_key="unused")
+    answer = await client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=SDK_MESSAGES,
+        tools=SDK_TOOLS,
+        tool_choice="required",
+        max_tokens=CALL_TOKENS,
+        temperature=0.0,
+        logit_bias=no_whitespace,
+    )
+    calls = answer.choices[0].message.tool_calls
+    assert calls and answer.choices[0].finish_reason == "tool_calls"
+    first = calls[0]
+    assert first.type == "function" and CALL_ID.match(first.id)
+    assert first.function.name in ("get_weather", "get_time")  # type: ignore[union-attr]
+    # Streamed: fold the deltas as agent harnesses do.
+    folded: dict[int, dict[str, str]] = {}
+    stream = await client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=SDK_MESSAGES,
+        tools=SDK_TOOLS,
+        tool_choice="required",
+        max_tokens=CALL_TOKENS,
+        temperature=0.0,
+        logit_bias=no_whitespace,
+        stream=True,
+    )
+    finish = None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            for piece in choice.delta.tool_calls or []:
+                entry = folded.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
+                entry["id"] += piece.id or ""
+                if piece.function is not None:
+                    entry["name"] += piece.function.name or ""
+                    entry["arguments"] += piece.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in folded.values()] == [
+        (c.function.name, json.loads(c.function.arguments))  # type: ignore[union-attr]
+        for c in calls
+    ]
+    await client.close()
+
+
+async def test_a_tool_conversation_renders_as_vllms_server_renders_it(
+    tool_edge: str, vllm_edge: str
+) -> None:
+    """History with a call and its answer: the same prompt tokens on both servers."""
+    call = {"id": "call-1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "rain"},
+    ]
+    body = {"model": SERVED_NAME, "messages": messages, "tools": TOOLS, "max_tokens": 4,
+            "temperature": 0.0, "return_token_ids": True}  # fmt: skip
+    async with httpx.AsyncClient(timeout=120) as client:
+        ours, theirs = await whole(client, tool_edge, body), await whole(client, vllm_edge, body)
+    assert ours["prompt_token_ids"] == theirs["prompt_token_ids"]
+    assert ours["choices"][0]["token_ids"] == theirs["choices"][0]["token_ids"]
+
+
+BROKEN = {"type": "object", "properties": {"x": {"type": 7}}}
+NAMED_TIME = {"type": "function", "function": {"name": "get_time"}}
+BAD: dict[str, tuple[dict[str, Any], str]] = {
+    "unknown function": (
+        {"tool_choice": {"type": "function", "function": {"name": "launch"}}},
+        "launch",
+    ),
+    "invalid parameter schema": (
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "broken",
+                        "parameters": {"type": "object", "properties": {"x": {"type": 7}}},
+                    },
+                }
+            ]
+        },
+        "broken",
+    ),
+    "tools over the size limit": (
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "big", "description": "x" * 300_000}}
+            ]
+        },
+        "over",
+    ),
+    "tool_choice of another kind": ({"tool_choice": "sometimes"}, "tool_choice"),
+    "named choice and a schema": (
+        {
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+            "response_format": {"type": "json_object"},
+        },
+        "tool_choice",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+async def test_bad_tool_requests_are_400_naming_the_problem(tool_edge: str, case: str) -> None:
+    extra, named = BAD[case]
+    body = {"model": SERVED_NAME, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 4, **extra}
+    async with httpx.AsyncClient(timeout=120) as client:
+        response = await client.post(f"{tool_edge}/v1/chat/completions", json=body)
+        assert response.status_code == 400, response.text
+        assert named in response.json()["error"]["message"], response.text
+        # The server serves on.
+        ok = await client.post(
+            f"{tool_edge}/v1/chat/completions",
+            json={"model": SERVED_NAME, "messages": MESSAGES, "max_tokens": 2},
+        )
+        assert ok.status_code == 200
+
+
+async def test_the_trainer_client_gets_the_edges_tool_calls_typed(
+    tool_router: Any, tool_edge: str, no_whitespace: dict[str, int]
+) -> None:
+    """``InferenceClient.chat`` with tools: the same calls the HTTP edge answers, as
+    ``ToolCall``s, and the conversation goes on with the call's answer."""
+    from trainer_client import CallFunction, InferenceClient, Tool
+
+    bias = {int(k): v for k, v in no_whitespace.items()}
+    sampling = {"temperature": 0.0, "max_tokens": CALL_TOKENS, "logit_bias": bias}
+    client = InferenceClient(tool_router.address)
+    tools: list[Tool | dict[str, Any]] = [Tool.of(WEATHER), TIME]  # typed, or OpenAI's dicts
+    result = await client.chat(MESSAGES, sampling, tools=tools, tool_choice="required")
+    assert result.message is not None and result.message.tool_calls, result
+    body = {"model": SERVED_NAME, "messages": MESSAGES, "tools": TOOLS, "max_tokens": CALL_TOKENS,
+            "temperature": 0.0, "logit_bias": no_whitespace, "tool_choice": "required"}  # fmt: skip
+    async with httpx.AsyncClient(timeout=120) as http:
+        edge = message_of(await whole(http, tool_edge, body))
+    assert [(c.name, c.parsed_arguments()) for c in result.message.tool_calls] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in edge["tool_calls"]
+    ]
+    assert all(CALL_ID.match(c.id) for c in result.message.tool_calls)
+    # A named choice, then the next turn with the call answered.
+    named = await client.chat(MESSAGES, sampling, tools=tools, tool_choice=CallFunction("get_time"))
+    assert named.message is not None
+    assert [c.name for c in named.message.tool_calls] == ["get_time"]
+    call = named.message.tool_calls[0]
+    follow_up = [
+        *MESSAGES,
+        named.message.as_message(),
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"},
+    ]
+    answer = await client.chat(follow_up, {"max_tokens": 4}, tools=tools, tool_choice="none")
+    assert answer.message is not None and answer.message.tool_calls == []
+    assert answer.message.content == answer.text
+    await client.close()
+
+
+async def test_a_resumed_generation_parses_as_one_uninterrupted(tool_router: Any) -> None:
+    """What an abort retry or a mid-stream move sends (``skyrl_grpc.continuation``): the prompt
+    plus the tokens so far, ``resumed_tokens`` naming them. The parsed message (whole) and the
+    deltas after the cut (streamed) are those of the uninterrupted generation. (Tools offered
+    but no choice forcing a call: a constrained output starts over instead of resuming.)"""
+    from skyrl_grpc.continuation import continue_request
+    from skyrl_grpc.v1 import generation_pb2
+
+    async with grpc.aio.insecure_channel(tool_router.address) as channel:
+        stub = data_plane_pb2_grpc.DataPlaneStub(channel)
+        conversation = data_plane_pb2.ChatConversation(
+            messages=[data_plane_pb2.ChatMessage(role="user", content="Hello there.")]
+        )
+        tokenized = await stub.Tokenize(data_plane_pb2.TokenizeRequest(conversation=conversation))
+        sampling = generation_pb2.SamplingParams(temperature=0.0, max_tokens=24)
+
+        async def run(
+            request: data_plane_pb2.GenerateStreamRequest,
+        ) -> list[data_plane_pb2.GenerateStreamResponse]:
+            return [m async for m in stub.GenerateStream(request)]
+
+        for whole_messages in (True, False):
+            request = data_plane_pb2.GenerateStreamRequest(
+                prompt_token_ids=tokenized.token_ids, sampling_params=sampling, include_text=True,
+                chat_output=chat_tools_pb2.ChatOutput(whole_messages=whole_messages),
+            )  # fmt: skip
+            full = await run(request)
+            tokens = [t for m in full for t in m.token_ids]
+            cut = len(full[0].token_ids) + len(full[1].token_ids)
+            assert 0 < cut < len(tokens) - 2
+            resumed = await run(continue_request(request, tokens[:cut]))
+            assert [t for m in resumed for t in m.token_ids] == tokens[cut:]
+            if whole_messages:
+                text = "".join(m.text for m in full)
+                assert full[-1].chat_message.content == text
+                assert resumed[-1].chat_message == full[-1].chat_message
+            else:
+                after = "".join(m.chat_delta.content for m in full[2:])
+                assert "".join(m.chat_delta.content for m in resumed) == after
+
+
+async def test_grpc_bad_tool_use_is_invalid_argument_and_auto_needs_the_flag(
+    tool_router: Any, one_server_router: Any
+) -> None:
+    """Through the contract: a choice naming no offered tool is INVALID_ARGUMENT naming it; auto
+    on a server started without --enable-auto-tool-choice is FAILED_PRECONDITION naming the
+    flag (as vLLM's server refuses it)."""
+    tools = [chat_tools_pb2.Tool(name="get_weather")]
+    bad = data_plane_pb2.ChatRequest(
+        messages=[data_plane_pb2.ChatMessage(role="user", content="hi")],
+        tool_use=chat_tools_pb2.ToolUse(
+            tools=tools, tool_choice=chat_tools_pb2.ToolChoice(function_name="launch")
+        ),
+    )
+    async with grpc.aio.insecure_channel(tool_router.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await data_plane_pb2_grpc.DataPlaneStub(channel).Chat(bad)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "launch" in str(refused.value.details())
+    auto = data_plane_pb2.ChatRequest(
+        messages=[data_plane_pb2.ChatMessage(role="user", content="hi")],
+        tool_use=chat_tools_pb2.ToolUse(tools=tools),
+    )
+    async with grpc.aio.insecure_channel(one_server_router.address) as channel:
+        stub = data_plane_pb2_grpc.DataPlaneStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Chat(auto)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "--enable-auto-tool-choice" in str(refused.value.details())
+        # Without tools the same server answers, its message all content.
+        plain = data_plane_pb2.ChatRequest(
+            messages=auto.messages, sampling_params={"max_tokens": 3}
+        )
+        answer = await stub.Chat(plain)
+        assert answer.messages[0].content == answer.samples[0].text
