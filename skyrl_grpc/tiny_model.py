@@ -19,7 +19,7 @@ from pathlib import Path
 
 CORPUS_PATH = Path(__file__).with_name("data") / "tiny_corpus.txt"
 # Bump when the recipe changes in a way the spec's fields do not capture.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -66,6 +66,9 @@ HERMES_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 CHAT_TEMPLATES = {"plain": CHAT_TEMPLATE, "hermes": HERMES_CHAT_TEMPLATE}
+# Reasoning markers, added as whole (not special) tokens to the "hermes" build so vLLM's
+# token-based reasoning parsers (e.g. deepseek_r1) apply to it, as to Qwen3 or R1.
+THINK_TOKENS = ("<think>", "</think>")
 
 
 @dataclass(frozen=True)
@@ -132,10 +135,12 @@ def build_tiny_model(out_dir: Path, spec: TinyModelSpec = TinyModelSpec()) -> Pa
         chat_template=CHAT_TEMPLATES[spec.chat_template],
         model_max_length=spec.max_position_embeddings,
     )
+    if spec.chat_template == "hermes":
+        hf_tokenizer.add_tokens(list(THINK_TOKENS))
     hf_tokenizer.save_pretrained(out_dir)
 
     config = LlamaConfig(
-        vocab_size=spec.vocab_size,
+        vocab_size=len(hf_tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,

@@ -60,9 +60,10 @@ async def test_every_sampled_output_satisfies_its_json_schema(client: InferenceC
     results = await client.sample(
         prompt,
         {"temperature": 1.0, "max_tokens": 400, "structured_output": {"json_schema": SCHEMA}},
-        n=16,
+        n=64,
         include_text=True,
     )
+    assert len(results) == 64
     for result in results:
         assert result.finish_reason == FinishReason.STOP, result.text  # the grammar ended it
         value = json.loads(result.text or "")
@@ -120,9 +121,10 @@ async def test_the_openai_edge_takes_response_format_and_logit_bias(http_router:
         messages=[{"role": "user", "content": "Answer in JSON"}],
         max_tokens=400,
         temperature=1.0,
-        n=4,
+        n=64,
         response_format=response_format,
     )
+    assert len(answers.choices) == 64
     for choice in answers.choices:
         assert choice.finish_reason == "stop"
         assert json.loads(choice.message.content or "")["answer"] in ("yes", "no")

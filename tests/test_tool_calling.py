@@ -202,11 +202,21 @@ def _append(into: dict[str, Any], delta: dict[str, Any]) -> None:
         into["content"] += delta["content"]
 
 
+LOOSE_TOOLS = [{**t, "function": {k: v for k, v in t["function"].items() if k != "strict"}}
+               for t in TOOLS]  # fmt: skip
 CASES: dict[str, dict[str, Any]] = {
-    "required": {"tool_choice": "required"},
+    # One call: with parallel calls allowed the random model calls again and again.
+    "required": {"tool_choice": "required", "parallel_tool_calls": False},
+    "required, parallel allowed": {"tool_choice": "required", "max_tokens": 48},
     "named": {"tool_choice": {"type": "function", "function": {"name": "get_time"}}},
     "auto, no call": {"tool_choice": "auto"},
-    "auto, a call": {"tool_choice": "auto", "structured_outputs": {"regex": HERMES_CALL}},
+    # Held to one hermes call by a regex (tools not strict: their grammar would replace it).
+    "auto, a call": {
+        "tool_choice": "auto",
+        "tools": LOOSE_TOOLS,
+        "logit_bias": None,
+        "structured_outputs": {"regex": HERMES_CALL},
+    },
     "none": {"tool_choice": "none"},
 }
 
@@ -219,6 +229,7 @@ async def test_tool_calls_and_deltas_match_vllms_server(
         "model": SERVED_NAME, "messages": MESSAGES, "tools": TOOLS, "max_tokens": CALL_TOKENS,
         "temperature": 0.0, "logit_bias": no_whitespace, **CASES[case],
     }  # fmt: skip
+    body = {k: v for k, v in body.items() if v is not None}
     async with httpx.AsyncClient(timeout=120) as client:
         ours, theirs = await whole(client, tool_edge, body), await whole(client, vllm_edge, body)
         assert message_of(ours) == message_of(theirs)
@@ -272,6 +283,7 @@ async def test_the_openai_sdk_reads_tool_calls_whole_and_streamed(
         messages=SDK_MESSAGES,
         tools=SDK_TOOLS,
         tool_choice="required",
+        parallel_tool_calls=False,
         max_tokens=CALL_TOKENS,
         temperature=0.0,
         logit_bias=no_whitespace,
@@ -288,6 +300,7 @@ async def test_the_openai_sdk_reads_tool_calls_whole_and_streamed(
         messages=SDK_MESSAGES,
         tools=SDK_TOOLS,
         tool_choice="required",
+        parallel_tool_calls=False,
         max_tokens=CALL_TOKENS,
         temperature=0.0,
         logit_bias=no_whitespace,
@@ -397,10 +410,13 @@ async def test_the_trainer_client_gets_the_edges_tool_calls_typed(
     sampling = {"temperature": 0.0, "max_tokens": CALL_TOKENS, "logit_bias": bias}
     client = InferenceClient(tool_router.address)
     tools: list[Tool | dict[str, Any]] = [Tool.of(WEATHER), TIME]  # typed, or OpenAI's dicts
-    result = await client.chat(MESSAGES, sampling, tools=tools, tool_choice="required")
+    result = await client.chat(
+        MESSAGES, sampling, tools=tools, tool_choice="required", parallel_tool_calls=False
+    )
     assert result.message is not None and result.message.tool_calls, result
     body = {"model": SERVED_NAME, "messages": MESSAGES, "tools": TOOLS, "max_tokens": CALL_TOKENS,
-            "temperature": 0.0, "logit_bias": no_whitespace, "tool_choice": "required"}  # fmt: skip
+            "temperature": 0.0, "logit_bias": no_whitespace, "tool_choice": "required",
+            "parallel_tool_calls": False}  # fmt: skip
     async with httpx.AsyncClient(timeout=120) as http:
         edge = message_of(await whole(http, tool_edge, body))
     assert [(c.name, c.parsed_arguments()) for c in result.message.tool_calls] == [
@@ -498,3 +514,59 @@ async def test_grpc_bad_tool_use_is_invalid_argument_and_auto_needs_the_flag(
         )
         answer = await stub.Chat(plain)
         assert answer.messages[0].content == answer.samples[0].text
+
+
+@pytest.fixture(scope="module")
+async def reasoning_router(hermes_model_dir: Path) -> AsyncIterator[Any]:
+    """An engine server with vLLM's deepseek_r1 reasoning parser, behind a router."""
+    async for engine in running_engine_server(
+        model=str(hermes_model_dir),
+        served_model_name=SERVED_NAME,
+        dtype="float32",
+        reasoning_parser="deepseek_r1",
+    ):
+        async for router in running_router([engine.address], http_port=0):
+            yield router
+
+
+async def test_reasoning_comes_apart_from_the_answer(
+    reasoning_router: Any, hermes_model_dir: Path
+) -> None:
+    """With --reasoning-parser, what the model writes inside <think> ... </think> is the
+    message's ``reasoning``, the rest its ``content``: whole, streamed and through the client.
+    (The random model is held to such an output with a regex, and kept from spelling the
+    markers out character by character: reasoning parsers find them as tokens, as models
+    trained with them write them.)"""
+    from transformers import AutoTokenizer
+
+    from trainer_client import InferenceClient
+
+    tokenizer = AutoTokenizer.from_pretrained(hermes_model_dir)
+    markers = set(tokenizer.convert_tokens_to_ids(["<think>", "</think>"]))
+    spelled = {
+        i: -100.0
+        for i in range(len(tokenizer))
+        if "<" in tokenizer.decode([i]) and i not in markers
+    }
+    thought, answer = "rain is likely", "Take an umbrella"  # no regex metacharacters
+    body = {
+        "model": SERVED_NAME, "messages": MESSAGES, "max_tokens": 40, "temperature": 0.0,
+        "structured_outputs": {"regex": f"<think>{thought}</think>{answer}"},
+        "logit_bias": {str(i): b for i, b in spelled.items()},
+    }  # fmt: skip
+    edge = f"http://127.0.0.1:{reasoning_router.http_port}"
+    async with httpx.AsyncClient(timeout=120) as client:
+        message = (await whole(client, edge, body))["choices"][0]["message"]
+        events = await streamed(client, edge, body)
+    assert (message["reasoning"], message["content"]) == (thought, answer)
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == thought
+    assert "".join(d.get("content") or "" for d in deltas) == answer
+    sampling = {"temperature": 0.0, "max_tokens": 40, "logit_bias": spelled,
+                "structured_output": {"regex": f"<think>{thought}</think>{answer}"}}  # fmt: skip
+    client = InferenceClient(reasoning_router.address)
+    result = await client.chat(MESSAGES, sampling)
+    assert result.message is not None
+    assert (result.message.reasoning, result.message.content) == (thought, answer)
+    assert result.text == f"<think>{thought}</think>{answer}"  # the tokens trained on, whole
+    await client.close()

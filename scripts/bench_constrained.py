@@ -1,0 +1,155 @@
+"""What constrained generation costs the requests beside it (issue: the agent surface).
+
+One engine server and a router, started as processes on a model built on the spot; streams of
+generations through the trainer client, in closed loops, for a fixed time per phase:
+
+1. ``plain alone``: S unconstrained streams.
+2. ``plain + plain``: the same S streams while S more unconstrained streams share the engine.
+3. ``plain + constrained``: the same S streams while S streams constrained by a JSON schema
+   (sampled at temperature 1.0) share the engine.
+4. ``constrained alone``: S constrained streams.
+
+The target compares 3 with 2 -- the same engine load, one half constrained or not -- so it
+measures what the constraint costs its neighbours, not what sharing an engine costs (any
+co-load slows a saturated engine). 3 against 1 is printed beside it. The cost per constrained
+token is the difference of phases 4 and 1 in seconds per generated token.
+
+Run: .venv/bin/python scripts/bench_constrained.py [--streams 8] [--seconds 15]
+     [--model tiny|0.1b] [--output docs/bench-constrained.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from servers.fleet.local import LocalFleet  # noqa: E402
+from skyrl_grpc.tiny_model import TinyModelSpec, ensure_tiny_model  # noqa: E402
+from trainer_client import InferenceClient  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no", "maybe"]},
+        "reason": {"type": "string", "maxLength": 40},
+        "score": {"type": "integer"},
+    },
+    "required": ["answer", "reason", "score"],
+    "additionalProperties": False,
+}
+MODELS = {
+    "tiny": TinyModelSpec(),
+    # ~0.1B parameters: matrices large enough that the model, not Python, sets the pace.
+    "0.1b": TinyModelSpec(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+    ),
+}
+
+
+async def closed_loop(
+    client: InferenceClient, sampling: dict[str, Any], streams: int, stop: asyncio.Event
+) -> tuple[int, int]:
+    """Generations back to back on ``streams`` streams until ``stop``; (tokens, requests)."""
+    tokens = requests = 0
+
+    async def stream(index: int) -> None:
+        nonlocal tokens, requests
+        rng = random.Random(index)
+        while not stop.is_set():
+            prompt = [1, *(rng.randrange(10, 2000) for _ in range(16))]
+            result = await client.generate(prompt, sampling)
+            tokens += len(result.token_ids)
+            requests += 1
+
+    await asyncio.gather(*(stream(i) for i in range(streams)))
+    return tokens, requests
+
+
+async def phase(
+    client: InferenceClient, loads: list[dict[str, Any]], streams: int, seconds: float
+) -> list[float]:
+    """Runs every load (S streams each) together for ``seconds``; tokens/s of each."""
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(closed_loop(client, s, streams, stop)) for s in loads]
+    started = time.perf_counter()
+    await asyncio.sleep(seconds)
+    stop.set()
+    counts = await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - started  # includes the requests in flight at the end
+    return [tokens / elapsed for tokens, _ in counts]
+
+
+async def measure(address: str, streams: int, seconds: float, max_tokens: int) -> list[str]:
+    client = InferenceClient(address)
+    plain = {"temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True}
+    constrained = {
+        "temperature": 1.0,
+        "max_tokens": max_tokens,
+        "structured_output": {"json_schema": SCHEMA},
+    }
+    await phase(client, [plain, constrained], streams, 3)  # warm up (grammar compile cache too)
+    (alone,) = await phase(client, [plain], streams, seconds)
+    with_plain, _ = await phase(client, [plain, plain], streams, seconds)
+    with_constrained, constrained_beside = await phase(
+        client, [plain, constrained], streams, seconds
+    )
+    (constrained_alone,) = await phase(client, [constrained], streams, seconds)
+    await client.close()
+    cost_us = (1 / constrained_alone - 1 / alone) * 1e6
+    return [
+        "| phase | plain streams' tokens/s | constrained streams' tokens/s |",
+        "| --- | --- | --- |",
+        f"| plain alone | {alone:.0f} | |",
+        f"| plain + plain | {with_plain:.0f} | |",
+        f"| plain + constrained | {with_constrained:.0f} | {constrained_beside:.0f} |",
+        f"| constrained alone | | {constrained_alone:.0f} |",
+        "",
+        f"- plain throughput beside constrained / beside plain (target >= 0.9x): "
+        f"**{with_constrained / with_plain:.2f}x**",
+        f"- plain throughput beside constrained / alone: {with_constrained / alone:.2f}x",
+        f"- cost per constrained token: {cost_us:+.0f} us "
+        f"({1e6 / constrained_alone:.0f} us against {1e6 / alone:.0f} us per plain token, "
+        f"{streams} streams)",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--output", default="")
+    args = parser.parse_args()
+    model = ensure_tiny_model(spec=MODELS[args.model])
+    engine_args = ["--model", str(model)]
+    with LocalFleet(1, engine_args=engine_args) as fleet:
+        lines = asyncio.run(
+            measure(fleet.addresses.router, args.streams, args.seconds, args.max_tokens)
+        )
+    title = (
+        f"### {args.model} model, 1 server, {args.streams}+{args.streams} streams, "
+        f"{args.max_tokens} tokens per request, {args.seconds:g} s per phase"
+    )
+    report = "\n".join([title, "", *lines, ""])
+    print(report)
+    if args.output:
+        path = ROOT / args.output
+        previous = path.read_text() if path.exists() else ""
+        path.write_text(previous + "\n" + report)
+
+
+if __name__ == "__main__":
+    main()
