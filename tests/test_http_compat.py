@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 @pytest.fixture(scope="module")
 async def vllm_http(tiny_model_dir: Path) -> AsyncIterator[str]:
     """vLLM's server, started in a thread: the in-process engine servers keep serving."""
-    server = vllm_http_server(model=tiny_model_dir)
+    # With its token-in / token-out and render endpoints (off by default in vLLM's server).
+    server = vllm_http_server(model=tiny_model_dir, extra_args=("--enable-scale-out",))
     base_url = await asyncio.to_thread(server.__enter__)
     yield base_url
     await asyncio.to_thread(server.__exit__, None, None, None)
@@ -123,3 +124,56 @@ async def test_same_tokens_finish_reasons_and_sdk_keys_as_vllms_server(
         assert tokens[0] == tokens[1] == theirs["choices"][0]["token_ids"]
         assert missing_keys(ours_events[0], theirs_events[0], CHUNK) == []
         assert missing_keys(ours_events[-1], theirs_events[-1], CHUNK) == []
+
+
+async def test_token_in_token_out_and_render_match_vllms_server(
+    http_router: Any, vllm_http: str
+) -> None:
+    """``/inference/v1/generate`` and ``/v1/chat/completions/render`` as vLLM serves them (what
+    SkyRL's RemoteInferenceClient posts and reads): the same token ids, logprobs and finish
+    reasons for greedy requests, the same rendered prompt, plus each token's weight version."""
+    edge = f"http://127.0.0.1:{http_router.http_port}"
+    async with httpx.AsyncClient(timeout=120) as client:
+        for prompt, extra in (([1, 5, 9, 200], {}), (list(range(3, 40)), {"stop_token_ids": [7]})):
+            body = {
+                "token_ids": prompt, "model": "tiny",
+                "sampling_params": {"temperature": 0.0, "max_tokens": 12, "logprobs": 2, **extra},
+            }  # fmt: skip
+            ours = await client.post(f"{edge}/inference/v1/generate", json={**body, "model": ""})
+            theirs = await client.post(f"{vllm_http}/inference/v1/generate", json=body)
+            assert ours.status_code == theirs.status_code == 200, (ours.text, theirs.text)
+            a, b = ours.json()["choices"][0], theirs.json()["choices"][0]
+            assert a["token_ids"] == b["token_ids"] and a["finish_reason"] == b["finish_reason"]
+            assert [c["token_id"] for c in a["logprobs"]["content"]] == a["token_ids"]
+            for x, y in zip(a["logprobs"]["content"], b["logprobs"]["content"], strict=True):
+                assert abs(x["logprob"] - y["logprob"]) < 1e-3
+                assert [t["token_id"] for t in x["top_logprobs"]] == [
+                    t["token_id"] for t in y["top_logprobs"]
+                ][: len(x["top_logprobs"])]
+            assert a["weight_versions"] == [
+                {"version": "0", "start": 0, "end": len(a["token_ids"])}
+            ]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Say something."}],
+                "max_tokens": 7}  # fmt: skip
+        ours_render = (
+            await client.post(f"{edge}/v1/chat/completions/render", json={**chat, "model": ""})
+        ).json()
+        theirs_render = (
+            await client.post(f"{vllm_http}/v1/chat/completions/render", json=chat)
+        ).json()
+        assert ours_render["token_ids"] == theirs_render["token_ids"]
+        assert ours_render["sampling_params"]["max_tokens"] == 7
+        # The render is the request that serves the chat: post it as it came.
+        generated = await client.post(
+            f"{edge}/inference/v1/generate",
+            json={k: v for k, v in ours_render.items() if k != "features"},
+        )
+        assert (
+            generated.status_code == 200 and len(generated.json()["choices"][0]["token_ids"]) == 7
+        )
+        # A sampling key this server does not know is refused by name, not ignored.
+        refused = await client.post(
+            f"{edge}/inference/v1/generate",
+            json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 2, "best_of_n": 3}},
+        )
+        assert refused.status_code == 400 and "best_of_n" in refused.json()["error"]["message"]

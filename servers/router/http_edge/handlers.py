@@ -27,7 +27,7 @@ from skyrl_grpc.v1 import generation_pb2 as gen
 
 from ..backends import BackendPool
 from ..proxy import Proxy
-from . import parse, render, tool_calls
+from . import parse, render, token_generate, tool_calls
 from .asgi import AsgiApp, Request, Responder
 from .http_status import error_body
 
@@ -50,6 +50,8 @@ class OpenAIEdge(AsgiApp):
             {
                 ("POST", "/v1/completions"): self.completions,
                 ("POST", "/v1/chat/completions"): self.chat_completions,
+                ("POST", "/v1/chat/completions/render"): self.render_chat,
+                ("POST", "/inference/v1/generate"): self.generate_tokens,
                 ("GET", "/v1/models"): self.models,
                 ("GET", "/health"): self.health,
                 ("POST", "/tokenize"): self.tokenize,
@@ -139,14 +141,7 @@ class OpenAIEdge(AsgiApp):
     async def _generate(
         self, call: parse.GenerationCall, request: Request, responder: Responder
     ) -> None:
-        model = await self._model_info(request)
-        if call.model and call.model != model.served_model_name:
-            # Not the base model: a LoRA adapter of that name. The engine checks the name as
-            # it starts the generation (no round trip here); an unknown one is its NOT_FOUND,
-            # answered 404.
-            call.lora = call.model
-        else:
-            call.model = model.served_model_name
+        await self._resolve_model(call, request)
         prompts = await self._prompt_ids(call, request)
         if len(prompts) > 1 and call.chat:
             raise InvalidArgument("chat takes one conversation")
@@ -249,6 +244,66 @@ class OpenAIEdge(AsgiApp):
         if call.include_usage:
             await responder.event(render.chunk(call, [], render.usage_of(usages.values())))
         await responder.done()
+
+    # -- vLLM's token-in / token-out endpoints ---------------------------------------------
+
+    async def _resolve_model(self, call: parse.GenerationCall, request: Request) -> None:
+        """``call.model``: the served name, or a LoRA adapter's (the engine checks the name
+        as the generation starts: an unknown one is its NOT_FOUND, answered 404)."""
+        model = await self._model_info(request)
+        if call.model and call.model != model.served_model_name:
+            call.lora = call.model
+        else:
+            call.model = model.served_model_name
+
+    async def generate_tokens(self, request: Request, responder: Responder) -> None:
+        """vLLM's ``/inference/v1/generate``: token ids in, token ids (and logprobs, weight
+        versions) out, whole or streamed."""
+        call = token_generate.read_generate(request.body)
+        await self._resolve_model(call, request)
+        (prompt,) = call.prompts
+        assert isinstance(prompt, list)
+        if call.stream:
+            usage: gen.Usage | None = None
+            async for raw in self._stream(prompt, call, request, self.stream_interval):
+                message = data_plane_pb2.GenerateStreamResponse.FromString(raw)
+                usage = message.usage
+                finish, stop_reason = None, None
+                if message.finish_reason:
+                    finish, stop_reason, _ = render.finish_of(
+                        message.finish_reason, message.stop, "", call
+                    )
+                sample = gen.Sample(token_ids=message.token_ids)
+                if message.HasField("logprobs"):
+                    sample.logprobs.CopyFrom(message.logprobs)
+                piece = token_generate.choice(sample, finish, stop_reason, message.sample_index)
+                del piece["weight_versions"]
+                await responder.event(token_generate.stream_chunk(call, [piece]))
+            if usage is not None:
+                await responder.event(
+                    token_generate.stream_chunk(call, [], render.usage_of([usage]))
+                )
+            await responder.done()
+            return
+        assembler = ResponseAssembler()
+        async for raw in self._stream(prompt, call, request, WHOLE):
+            assembler.add(data_plane_pb2.GenerateStreamResponse.FromString(raw))
+        choices = []
+        for sample in assembler.samples():
+            finish, stop_reason, _ = render.finish_of(sample.finish_reason, sample.stop, "", call)
+            choices.append(token_generate.choice(sample, finish, stop_reason, sample.index))
+        usage_ = render.usage_of([assembler.usage])
+        await responder.json(
+            200, token_generate.response(call, choices, usage_, call.created, prompt)
+        )
+
+    async def render_chat(self, request: Request, responder: Responder) -> None:
+        """vLLM's ``/v1/chat/completions/render``: the chat request as the token-in request
+        that serves it (the template applied with its tools, nothing generated)."""
+        call = parse.read_generation(request.body, chat=True)
+        await self._resolve_model(call, request)
+        (prompt,) = await self._prompt_ids(call, request)
+        await responder.json(200, token_generate.render_response(call, prompt))
 
     # -- the rest ----------------------------------------------------------------------------
 

@@ -86,7 +86,7 @@ def _get(body: Json, key: str, kinds: type | tuple[type, ...], default: Any = No
     return value
 
 
-def _token_ids(value: Any, key: str) -> list[int] | None:
+def token_ids_of(value: Any, key: str) -> list[int] | None:
     if isinstance(value, list) and value and all(type(t) is int for t in value):
         if any(t < 0 for t in value):
             raise InvalidArgument(f"'{key}': token ids must be >= 0")
@@ -94,7 +94,7 @@ def _token_ids(value: Any, key: str) -> list[int] | None:
     return None
 
 
-def _sampling(body: Json, chat: bool) -> gen.SamplingParams:
+def read_sampling(body: Json, chat: bool) -> gen.SamplingParams:
     p = gen.SamplingParams()
     for key in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty"):  # fmt: skip
@@ -123,7 +123,7 @@ def _sampling(body: Json, chat: bool) -> gen.SamplingParams:
         raise InvalidArgument("'stop' must be a string or a list of strings")
     stop_ids = body.get("stop_token_ids")
     if stop_ids:
-        ids = _token_ids(stop_ids, "stop_token_ids")
+        ids = token_ids_of(stop_ids, "stop_token_ids")
         if ids is None:
             raise InvalidArgument("'stop_token_ids' must be a list of token ids")
         p.stop_token_ids.extend(ids)
@@ -137,7 +137,7 @@ def _sampling(body: Json, chat: bool) -> gen.SamplingParams:
             ) from None
     allowed = body.get("allowed_token_ids")
     if allowed:
-        ids = _token_ids(allowed, "allowed_token_ids")
+        ids = token_ids_of(allowed, "allowed_token_ids")
         if ids is None:
             raise InvalidArgument("'allowed_token_ids' must be a list of token ids")
         p.allowed_token_ids.extend(ids)
@@ -249,7 +249,7 @@ def read_generation(body: Json, chat: bool) -> GenerationCall:
     call = GenerationCall(
         chat=chat,
         model=str(body.get("model") or ""),
-        sampling=_sampling(body, chat),
+        sampling=read_sampling(body, chat),
         n=n,
         stream=bool(_get(body, "stream", bool, False)),
         include_usage=bool(stream_options.get("include_usage", False)),
@@ -270,13 +270,13 @@ def read_generation(body: Json, chat: bool) -> GenerationCall:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         call.prompts = [prompt]
-    elif (ids := _token_ids(prompt, "prompt")) is not None:
+    elif (ids := token_ids_of(prompt, "prompt")) is not None:
         call.prompts = [ids]
     elif isinstance(prompt, list) and prompt:
         for i, item in enumerate(prompt):
             if isinstance(item, str):
                 call.prompts.append(item)
-            elif (ids := _token_ids(item, f"prompt[{i}]")) is not None:
+            elif (ids := token_ids_of(item, f"prompt[{i}]")) is not None:
                 call.prompts.append(ids)
             else:
                 raise InvalidArgument(f"'prompt[{i}]' must be text or a list of token ids")
@@ -315,7 +315,7 @@ def read_detokenize(body: Json) -> data_plane_pb2.DetokenizeRequest:
     if not isinstance(body, dict):
         raise InvalidArgument("the request body must be a JSON object")
     tokens = body.get("tokens")
-    ids = _token_ids(tokens, "tokens") if tokens != [] else []
+    ids = token_ids_of(tokens, "tokens") if tokens != [] else []
     if ids is None:
         raise InvalidArgument("'tokens' must be a list of token ids")
     return data_plane_pb2.DetokenizeRequest(token_ids=ids)
