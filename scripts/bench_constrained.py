@@ -3,16 +3,18 @@
 One engine server and a router, started as processes on a model built on the spot; streams of
 generations through the trainer client, in closed loops, for a fixed time per phase:
 
-1. ``plain alone``: S unconstrained streams.
-2. ``plain + plain``: the same S streams while S more unconstrained streams share the engine.
-3. ``plain + constrained``: the same S streams while S streams constrained by a JSON schema
-   (sampled at temperature 1.0) share the engine.
-4. ``constrained alone``: S constrained streams.
+1. ``constrained alone``: S streams constrained by a JSON schema (sampled at temperature 1.0);
+   their mean output length L is measured.
+2. ``plain alone``: S unconstrained streams.
+3. ``plain + plain``: the same S streams while S more unconstrained streams of L tokens each
+   share the engine.
+4. ``plain + constrained``: the same S streams while the S constrained streams share it.
 
-The target compares 3 with 2 -- the same engine load, one half constrained or not -- so it
-measures what the constraint costs its neighbours, not what sharing an engine costs (any
-co-load slows a saturated engine). 3 against 1 is printed beside it. The cost per constrained
-token is the difference of phases 4 and 1 in seconds per generated token.
+The target compares 4 with 3 -- the same engine load (as many requests, as many tokens each),
+half of it constrained or not -- so it measures what the constraint costs its neighbours, not
+what sharing an engine costs (any co-load slows a saturated engine) nor the request churn of
+short answers. 4 against 2 is printed beside it. The cost per constrained token compares the
+co-load's own throughput in 4 and 3.
 
 Run: .venv/bin/python scripts/bench_constrained.py [--streams 8] [--seconds 15]
      [--model tiny|0.1b] [--output docs/bench-constrained.md]
@@ -79,8 +81,9 @@ async def closed_loop(
 
 async def phase(
     client: InferenceClient, loads: list[dict[str, Any]], streams: int, seconds: float
-) -> list[float]:
-    """Runs every load (S streams each) together for ``seconds``; tokens/s of each."""
+) -> list[tuple[float, float]]:
+    """Runs every load (S streams each) together for ``seconds``; per load, tokens/s and mean
+    tokens per request."""
     stop = asyncio.Event()
     tasks = [asyncio.create_task(closed_loop(client, s, streams, stop)) for s in loads]
     started = time.perf_counter()
@@ -88,7 +91,7 @@ async def phase(
     stop.set()
     counts = await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - started  # includes the requests in flight at the end
-    return [tokens / elapsed for tokens, _ in counts]
+    return [(tokens / elapsed, tokens / max(requests, 1)) for tokens, requests in counts]
 
 
 async def measure(address: str, streams: int, seconds: float, max_tokens: int) -> list[str]:
@@ -100,28 +103,30 @@ async def measure(address: str, streams: int, seconds: float, max_tokens: int) -
         "structured_output": {"json_schema": SCHEMA},
     }
     await phase(client, [plain, constrained], streams, 3)  # warm up (grammar compile cache too)
-    (alone,) = await phase(client, [plain], streams, seconds)
-    with_plain, _ = await phase(client, [plain, plain], streams, seconds)
-    with_constrained, constrained_beside = await phase(
+    ((constrained_alone, length),) = await phase(client, [constrained], streams, seconds)
+    # The plain co-load: as many tokens per request as the constrained answers have.
+    short = {**plain, "max_tokens": max(1, round(length))}
+    ((alone, _),) = await phase(client, [plain], streams, seconds)
+    (with_plain, _), (co_plain, _) = await phase(client, [plain, short], streams, seconds)
+    (with_constrained, _), (co_constrained, _) = await phase(
         client, [plain, constrained], streams, seconds
     )
-    (constrained_alone,) = await phase(client, [constrained], streams, seconds)
     await client.close()
-    cost_us = (1 / constrained_alone - 1 / alone) * 1e6
+    cost_us = (1 / co_constrained - 1 / co_plain) * 1e6
     return [
-        "| phase | plain streams' tokens/s | constrained streams' tokens/s |",
+        "| phase | plain streams' tokens/s | co-load's tokens/s |",
         "| --- | --- | --- |",
+        f"| constrained alone ({length:.1f} tokens per answer) | | {constrained_alone:.0f} |",
         f"| plain alone | {alone:.0f} | |",
-        f"| plain + plain | {with_plain:.0f} | |",
-        f"| plain + constrained | {with_constrained:.0f} | {constrained_beside:.0f} |",
-        f"| constrained alone | | {constrained_alone:.0f} |",
+        f"| plain + plain of {round(length)} tokens | {with_plain:.0f} | {co_plain:.0f} |",
+        f"| plain + constrained | {with_constrained:.0f} | {co_constrained:.0f} |",
         "",
         f"- plain throughput beside constrained / beside plain (target >= 0.9x): "
         f"**{with_constrained / with_plain:.2f}x**",
         f"- plain throughput beside constrained / alone: {with_constrained / alone:.2f}x",
         f"- cost per constrained token: {cost_us:+.0f} us "
-        f"({1e6 / constrained_alone:.0f} us against {1e6 / alone:.0f} us per plain token, "
-        f"{streams} streams)",
+        f"({1e6 / co_constrained:.0f} us against {1e6 / co_plain:.0f} us per token of the "
+        f"plain co-load, {streams} + {streams} streams)",
     ]
 
 
