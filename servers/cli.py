@@ -61,8 +61,10 @@ def _server_ports(args: argparse.Namespace) -> list[int]:
     return [args.base_port + i for i in range(args.servers)]
 
 
-def make_fleet(args: argparse.Namespace) -> Fleet:
-    """The fleet the stack flags describe (not started)."""
+def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -> Fleet:
+    """The fleet the stack flags describe (not started); ``server_args``: more `serve` flags
+    for every server (``up`` passes through whatever it does not know itself)."""
+    server_flags = [*_engine_flags(args), *(server_args or [])]
     if args.ray:
         import ray
 
@@ -70,12 +72,7 @@ def make_fleet(args: argparse.Namespace) -> Fleet:
 
         if not ray.is_initialized():
             ray.init(address=args.ray_address, include_dashboard=False)
-        engine = {
-            "model": args.model,
-            "max_model_len": args.max_model_len,
-            "kv_cache_gib": args.kv_cache_gib,
-        }
-        return RayFleet(args.servers, cpu_only=args.cpu_only, engine=engine)
+        return RayFleet(args.servers, cpu_only=args.cpu_only, server_args=server_flags)
     router_args = []
     if args.metrics_port is not None:
         router_args += ["--metrics-port", str(args.metrics_port)]
@@ -83,7 +80,7 @@ def make_fleet(args: argparse.Namespace) -> Fleet:
         router_args += ["--http-port", str(args.http_port)]
     return LocalFleet(
         args.servers,
-        engine_args=_engine_flags(args),
+        engine_args=server_flags,
         router_args=router_args,
         log_dir=Path(args.log_dir) if args.log_dir else None,
         host=args.host,
@@ -131,8 +128,8 @@ def _add_stack_arguments(
     )
 
 
-def _up(args: argparse.Namespace, _: list[str]) -> None:
-    with make_fleet(args) as fleet:
+def _up(args: argparse.Namespace, server_args: list[str]) -> None:
+    with make_fleet(args, server_args) as fleet:
         print(f"router: {fleet.addresses.router}")
         for index, address in enumerate(fleet.addresses.servers):
             print(f"server {index}: {address}")
@@ -218,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="start N engine servers and a router (locally or on Ray) and keep them running",
         description="Starts N engine servers and a router and supervises them: a server that "
         "dies is reported and restarted on its address (with backoff); the router re-admits "
-        "it. A restarted server serves its initial weights (version 0): push weights again.",
+        "it. A restarted server serves its initial weights (version 0): push weights again. "
+        "Every `skyrl-grpc serve` flag not listed here (--tool-call-parser, --data-token, "
+        "--max-n, --dtype, TLS, ...) goes to every server, locally and on Ray.",
     )
     _add_stack_arguments(up, servers=2, router_port=50050, base_port=50051)
     up.set_defaults(func=_up)
@@ -237,7 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args, rest = build_parser().parse_known_args(argv)
-    if rest and args.command != "demo":
+    if rest and args.command == "up":
+        # Every other `serve` flag goes to every server: checked here, before anything starts.
+        serve = engine_options.build_parser()
+        serve.prog = "skyrl-grpc up (server flags)"
+        serve.parse_args(rest)
+        if any(a.split("=")[0] in ("--host", "--port") for a in rest):
+            raise SystemExit("skyrl-grpc up: servers' ports are --base-port / --server-ports")
+    elif rest and args.command != "demo":
         build_parser().parse_args(argv)  # reports the unknown arguments and exits
     configure_logging(logging.WARNING if args.command in ("demo", "up") else logging.INFO)
     args.func(args, rest)

@@ -70,3 +70,45 @@ def test_every_installed_console_script_runs(script: str) -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "usage:" in result.stdout
+
+
+def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None:
+    """One rule for both fleets: the servers take `skyrl-grpc serve`'s flags; `up` checks the
+    ones it passes through before anything starts."""
+    from servers.cli import build_parser, make_fleet
+    from servers.fleet.local import LocalFleet
+    from servers.fleet.ray_group import RayFleet, server_options
+
+    extra = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--data-token", "t",
+             "--max-n", "4", "--dtype", "float32"]  # fmt: skip
+    args, rest = build_parser().parse_known_args(["up", "--enable-lora", *extra])
+    assert rest == extra
+    local = make_fleet(args, rest)
+    assert isinstance(local, LocalFleet) and local.engine_args[-len(extra) :] == extra
+    assert "--enable-lora" in local.engine_args
+    args.ray = True
+    ray_fleet = make_fleet(args, rest)  # (not started: Ray is only touched by start())
+    assert isinstance(ray_fleet, RayFleet)
+    options = server_options(ray_fleet.options.server_args, {"seed": 7}, "0.0.0.0")
+    engine = options.engine
+    assert engine.enable_lora and engine.tool_call_parser == "hermes"
+    assert engine.enable_auto_tool_choice and engine.dtype == "float32" and engine.seed == 7
+    assert options.data_token == "t" and options.limits.max_n == 4
+    assert (options.host, options.port) == ("0.0.0.0", 0)
+    with pytest.raises(ValueError, match="--port"):
+        server_options(["--port", "5"], {}, "127.0.0.1")
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [(["--no-such-flag"], "unrecognized arguments: --no-such-flag"), (["--port", "9"], "ports")],
+)
+def test_up_refuses_a_server_flag_it_cannot_pass(flags: list[str], words: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "servers.cli", "up", *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0 and words in result.stderr, result.stderr

@@ -5,10 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import grpc
 import psutil
 import pytest
 
 from servers.fleet.ray_group import RayFleet
+from skyrl_grpc.v1.data_plane_pb2 import GenerateRequest
+from skyrl_grpc.v1.data_plane_pb2_grpc import DataPlaneStub
 from trainer_client import BlockingInferenceClient
 
 pytestmark = [pytest.mark.engine]
@@ -40,7 +43,8 @@ def ray_cluster() -> Iterator[None]:
 def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(ray_cluster: None) -> None:
     import ray
 
-    group = RayFleet(2, cpu_only=True)
+    # Server flags reach the servers on Ray as they do local processes.
+    group = RayFleet(2, cpu_only=True, server_args=["--enable-lora", "--max-n", "3"])
     addresses = group.start()
     router, servers = addresses.router, list(addresses.servers)
     actor_pids = group.pids()
@@ -51,6 +55,12 @@ def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(ray_cluster
         result = client.generate([1, 2, 3], {"temperature": 0.0, "max_tokens": 6})
         assert len(result.token_ids) == 6
         assert client.world_size() == 2
+        assert all(i.capabilities.lora.enabled for i in client.server_info().values())
+        with grpc.insecure_channel(servers[0]) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                DataPlaneStub(channel).Generate(GenerateRequest(prompt_token_ids=[1, 2], n=4))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+        assert "--max-n" in refused.value.details()  # type: ignore[attr-defined]
         assert len(tree) > len(actor_pids)  # the engines run in processes of their own
 
         @ray.remote(num_cpus=0)

@@ -26,17 +26,34 @@ def _node_ip() -> str:
     return str(ray.util.get_node_ip_address())
 
 
+def server_options(server_args: list[str], engine: dict[str, Any], host: str) -> Any:
+    """One server's options: ``skyrl-grpc serve``'s flags (every one of them: LoRA, limits,
+    tokens, TLS, dtype, ...), then ``engine`` (``EngineOptions`` fields) over them; the fleet
+    picks the address. The rule ``LocalFleet`` follows too: servers take the serve command's
+    flags."""
+    import dataclasses
+
+    from ..engine.options import build_parser, options_from_args
+
+    for flag in ("--host", "--port"):
+        if any(a == flag or a.startswith(f"{flag}=") for a in server_args):
+            raise ValueError(f"{flag} is the fleet's to choose, not a server flag here")
+    options = options_from_args(build_parser().parse_args(server_args))
+    return dataclasses.replace(
+        options, host=host, port=0, engine=dataclasses.replace(options.engine, **engine)
+    )
+
+
 class EngineServerActor:
     """Runs one EngineServer inside a Ray actor (an async actor: the server shares its loop)."""
 
-    def __init__(self, engine: dict[str, Any], host: str, env: dict[str, str]) -> None:
+    def __init__(
+        self, server_args: list[str], engine: dict[str, Any], host: str, env: dict[str, str]
+    ) -> None:
         os.environ.update(env)
         from ..engine.engine_server import EngineServer
-        from ..engine.options import EngineOptions, ServerOptions
 
-        self._server = EngineServer(
-            ServerOptions(host=host, port=0, engine=EngineOptions(**engine))
-        )
+        self._server = EngineServer(server_options(server_args, engine, host))
 
     async def start(self) -> str:
         await self._server.start()
@@ -75,7 +92,9 @@ class ServerGroupOptions:
     num_servers: int = 2
     cpu_only: bool = False
     cpus_per_engine: float = 1.0
-    # Engine options (servers.engine.options.EngineOptions fields) for every server.
+    # `skyrl-grpc serve` flags for every server (--enable-lora, --data-token, limits, ...).
+    server_args: list[str] = field(default_factory=list)
+    # Engine options (servers.engine.options.EngineOptions fields), over server_args.
     engine: dict[str, Any] = field(default_factory=dict)
     # Bind address: loopback for a single machine, 0.0.0.0 (advertised as the node IP) for many.
     host: str = "127.0.0.1"
@@ -146,7 +165,7 @@ class RayFleet(Fleet):
             )
             self._servers.append(
                 engine_actor.options(scheduling_strategy=strategy, **resources).remote(
-                    self.options.engine, self.options.host, env
+                    self.options.server_args, self.options.engine, self.options.host, env
                 )
             )
         try:
