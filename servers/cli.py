@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import subprocess
@@ -72,7 +73,14 @@ def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -
 
         if not ray.is_initialized():
             ray.init(address=args.ray_address, include_dashboard=False)
-        return RayFleet(args.servers, cpu_only=args.cpu_only, server_args=server_flags)
+        return RayFleet(
+            args.servers,
+            cpu_only=args.cpu_only,
+            server_args=server_flags,
+            strategy=args.placement_strategy,
+            resources=json.loads(args.ray_resources) if args.ray_resources else {},
+            host=args.host,
+        )
     router_args = []
     if args.metrics_port is not None:
         router_args += ["--metrics-port", str(args.metrics_port)]
@@ -106,8 +114,24 @@ def _add_stack_arguments(
         "--ray-address", default=None, help="Ray cluster to join (default: start one)"
     )
     parser.add_argument("--cpu-only", action="store_true", help="Ray placement without GPUs")
+    parser.add_argument(
+        "--placement-strategy",
+        default="PACK",
+        choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+        help="Ray: how servers' bundles spread over nodes (STRICT_SPREAD: one per node)",
+    )
+    parser.add_argument(
+        "--ray-resources",
+        default=None,
+        help="Ray: custom resources each server needs, as JSON (e.g. '{\"inference\": 1}' "
+        "for nodes started with --resources '{\"inference\": N}')",
+    )
     ports = parser.add_argument_group("addresses and logs (local processes)")
-    ports.add_argument("--host", default="127.0.0.1", help="address every process binds")
+    ports.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address every process binds (Ray across nodes: 0.0.0.0, advertised as the node IP)",
+    )
     ports.add_argument("--router-port", type=int, default=router_port, help="0: any free port")
     ports.add_argument(
         "--base-port",

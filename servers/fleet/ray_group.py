@@ -1,9 +1,12 @@
 """RayFleet: N engine servers as Ray actors on a placement group, plus a router.
 
-Each engine gets ``tensor_parallel_size x pipeline_parallel_size`` bundles (one per device:
-``{"GPU": 1, "CPU": 1}``, or ``{"CPU": cpus_per_engine}`` in CPU mode) and its server actor is
-pinned to the engine's first bundle. Pass an existing placement group (``placement_group=`` and
-``bundle_offset=``) to colocate inference with training. ``start()`` waits until every server
+Each server gets one bundle holding all its devices (``{"GPU": tp x pp, "CPU": 1}``, or
+``{"CPU": cpus_per_engine}`` in CPU mode; an engine's devices stay on one node) plus any
+``resources`` named (custom node resources: ``ray start --resources '{"inference": 8}'`` and
+``resources={"inference": 1}`` keep servers to those nodes), and its actor takes that bundle.
+``strategy`` is Ray's: PACK (default), SPREAD, STRICT_SPREAD (one server per node), STRICT_PACK.
+Pass an existing placement group (``placement_group=`` and ``bundle_offset=``, one bundle per
+server) to colocate inference with training. ``start()`` waits until every server
 is healthy and the router is up, then returns the addresses; ``close()`` drains the servers,
 kills the actors and removes the placement group it created, so no process outlives it.
 
@@ -38,7 +41,10 @@ def server_options(server_args: list[str], engine: dict[str, Any], host: str) ->
     for flag in ("--host", "--port"):
         if any(a == flag or a.startswith(f"{flag}=") for a in server_args):
             raise ValueError(f"{flag} is the fleet's to choose, not a server flag here")
-    options = options_from_args(build_parser().parse_args(server_args))
+    parsed, unknown = build_parser().parse_known_args(server_args)
+    if unknown:
+        raise ValueError(f"not flags of `skyrl-grpc serve`: {' '.join(unknown)}")
+    options = options_from_args(parsed)
     return dataclasses.replace(
         options, host=host, port=0, engine=dataclasses.replace(options.engine, **engine)
     )
@@ -65,6 +71,11 @@ class EngineServerActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node_id(self) -> str:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
 
 
 class RouterActor:
@@ -99,6 +110,13 @@ class ServerGroupOptions:
     # Bind address: loopback for a single machine, 0.0.0.0 (advertised as the node IP) for many.
     host: str = "127.0.0.1"
     env: dict[str, str] = field(default_factory=dict)
+    # Ray's placement strategy for the servers' bundles.
+    strategy: str = "PACK"
+    # Custom resources every server's bundle asks for (which nodes may hold servers).
+    resources: dict[str, float] = field(default_factory=dict)
+
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 class RayFleet(Fleet):
@@ -117,6 +135,12 @@ class RayFleet(Fleet):
         self.options = ServerGroupOptions(
             num_servers=num_servers, cpu_only=cpu_only, engine=engine or {}, **options
         )
+        if self.options.strategy not in STRATEGIES:
+            raise ValueError(
+                f"placement strategy {self.options.strategy!r}: use one of {', '.join(STRATEGIES)}"
+            )
+        # Checked now, before Ray starts anything: the flags every server will take.
+        self._server = server_options(self.options.server_args, self.options.engine, "")
         self._external_pg = placement_group
         self._bundle_offset = bundle_offset
         self._pg: Any = None
@@ -125,15 +149,19 @@ class RayFleet(Fleet):
 
     @property
     def devices_per_engine(self) -> int:
-        engine = self.options.engine
-        return int(engine.get("tensor_parallel_size", 1)) * int(
-            engine.get("pipeline_parallel_size", 1)
-        )
+        engine = self._server.engine
+        return int(engine.tensor_parallel_size) * int(engine.pipeline_parallel_size)
+
+    def bundle(self) -> dict[str, float]:
+        """One server's bundle: its devices (one node) and the resources asked for."""
+        if self.options.cpu_only:
+            devices = {"CPU": self.options.cpus_per_engine}
+        else:
+            devices = {"GPU": float(self.devices_per_engine), "CPU": 1.0}
+        return {**devices, **self.options.resources}
 
     def bundles(self) -> list[dict[str, float]]:
-        if self.options.cpu_only:
-            return [{"CPU": self.options.cpus_per_engine}] * self.options.num_servers
-        return [{"GPU": 1, "CPU": 1}] * (self.options.num_servers * self.devices_per_engine)
+        return [self.bundle()] * self.options.num_servers
 
     def start(self, timeout: float = 600) -> FleetAddresses:
         import ray
@@ -143,10 +171,9 @@ class RayFleet(Fleet):
         if not ray.is_initialized():
             ray.init()
         if self._external_pg is None:
-            self._pg = placement_group(self.bundles(), strategy="PACK")
+            self._pg = placement_group(self.bundles(), strategy=self.options.strategy)
             ray.get(self._pg.ready(), timeout=timeout)
         pg = self._external_pg or self._pg
-        per_engine = 1 if self.options.cpu_only else self.devices_per_engine
         env = (
             {"VLLM_CPU_KVCACHE_SPACE": "1", **self.options.env}
             if self.options.cpu_only
@@ -156,13 +183,14 @@ class RayFleet(Fleet):
         for index in range(self.options.num_servers):
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=pg,
-                placement_group_bundle_index=self._bundle_offset + index * per_engine,
+                placement_group_bundle_index=self._bundle_offset + index,
             )
-            resources: dict[str, Any] = (
-                {"num_cpus": self.options.cpus_per_engine}
-                if self.options.cpu_only
-                else {"num_gpus": 1, "num_cpus": 1}
-            )
+            bundle = self.bundle()
+            resources: dict[str, Any] = {
+                "num_cpus": bundle.get("CPU", 0),
+                "num_gpus": bundle.get("GPU", 0),
+                "resources": self.options.resources,
+            }
             self._servers.append(
                 engine_actor.options(scheduling_strategy=strategy, **resources).remote(
                     self.options.server_args, self.options.engine, self.options.host, env
@@ -186,6 +214,12 @@ class RayFleet(Fleet):
     def _advertised(self, address: str) -> str:
         host, _, port = address.rpartition(":")
         return f"{_node_ip()}:{port}" if host == "0.0.0.0" else address
+
+    def node_ids(self) -> list[str]:
+        """The Ray node each server runs on, in server order (Ray's own view)."""
+        import ray
+
+        return list(ray.get([s.node_id.remote() for s in self._servers]))
 
     def pids(self) -> list[int]:
         import ray
