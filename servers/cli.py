@@ -67,12 +67,8 @@ def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -
     for every server (``up`` passes through whatever it does not know itself)."""
     server_flags = [*_engine_flags(args), *(server_args or [])]
     if args.ray:
-        import ray
-
         from .fleet.ray_group import RayFleet
 
-        if not ray.is_initialized():
-            ray.init(address=args.ray_address, include_dashboard=False)
         return RayFleet(
             args.servers,
             cpu_only=args.cpu_only,
@@ -80,6 +76,7 @@ def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -
             strategy=args.placement_strategy,
             resources=json.loads(args.ray_resources) if args.ray_resources else {},
             host=args.host,
+            ray_address=args.ray_address,
         )
     router_args = []
     if args.metrics_port is not None:

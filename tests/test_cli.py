@@ -87,8 +87,11 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
     assert isinstance(local, LocalFleet) and local.engine_args[-len(extra) :] == extra
     assert "--enable-lora" in local.engine_args
     args.ray = True
-    ray_fleet = make_fleet(args, rest)  # (not started: Ray is only touched by start())
+    ray_fleet = make_fleet(args, rest)
     assert isinstance(ray_fleet, RayFleet)
+    import ray
+
+    assert not ray.is_initialized()  # Ray is only touched by start()
     options = server_options(ray_fleet.options.server_args, {"seed": 7}, "0.0.0.0")
     engine = options.engine
     assert engine.enable_lora and engine.tool_call_parser == "hermes"

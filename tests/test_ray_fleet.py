@@ -1,4 +1,7 @@
-"""RayFleet on a local Ray cluster: 2 CPU servers + router, a client in a Ray actor, teardown."""
+"""RayFleet on a Ray cluster of three nodes simulated on this machine (several raylets,
+``ray.cluster_utils.Cluster``): 2 CPU servers + router, a client in a Ray actor, teardown; and
+placement across nodes by strategy and named resources, by Ray's own view of where each actor
+runs. One cluster for the module: starting Ray is the slow part."""
 
 from __future__ import annotations
 
@@ -30,17 +33,29 @@ def process_tree(pids: list[int]) -> set[int]:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
+def ray_cluster() -> Iterator[list[str]]:
+    """A head without room for servers and two worker nodes offering an "inference" resource;
+    yields the workers' node ids."""
     import ray
+    from ray.cluster_utils import Cluster
 
-    ray.init(
-        num_cpus=4, include_dashboard=False, object_store_memory=256 << 20, log_to_driver=False
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
     )
-    yield
+    workers = [
+        cluster.add_node(num_cpus=2, resources={"inference": 2}, object_store_memory=128 << 20)
+        for _ in range(2)
+    ]
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    yield [w.node_id for w in workers]
     ray.shutdown()
+    cluster.shutdown()
 
 
-def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(ray_cluster: None) -> None:
+def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(
+    ray_cluster: list[str],
+) -> None:
     import ray
 
     # Server flags reach the servers on Ray as they do local processes.
@@ -84,3 +99,25 @@ def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(ray_cluster
     ]:
         assert time.monotonic() < deadline, f"processes left behind: {alive}"
         time.sleep(0.5)
+
+
+def test_strict_spread_puts_one_server_on_each_named_node(ray_cluster: list[str]) -> None:
+    fleet = RayFleet(2, cpu_only=True, strategy="STRICT_SPREAD", resources={"inference": 1})
+    fleet.start()
+    try:
+        nodes = fleet.node_ids()
+        assert len(set(nodes)) == 2 and set(nodes) == set(ray_cluster)  # not on the head
+        client = BlockingInferenceClient(fleet.addresses.router, list(fleet.addresses.servers))
+        for session in ("a", "b", "c"):
+            result = client.generate([1, 2, 3], {"max_tokens": 4}, session_id=session)
+            assert len(result.token_ids) == 4
+        client.close()
+    finally:
+        fleet.close()
+
+
+def test_an_unknown_strategy_or_flag_is_refused_before_ray_is_touched() -> None:
+    with pytest.raises(ValueError, match="STRICT_SPREAD"):
+        RayFleet(2, strategy="EVERYWHERE")
+    with pytest.raises(ValueError, match="--no-such-flag"):  # the serve command's parser
+        RayFleet(2, server_args=["--no-such-flag"])

@@ -114,6 +114,8 @@ class ServerGroupOptions:
     strategy: str = "PACK"
     # Custom resources every server's bundle asks for (which nodes may hold servers).
     resources: dict[str, float] = field(default_factory=dict)
+    # The Ray cluster to join when start() finds Ray not initialized (None: start one).
+    ray_address: str | None = None
 
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -169,7 +171,7 @@ class RayFleet(Fleet):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
-            ray.init()
+            ray.init(address=self.options.ray_address, include_dashboard=False)
         if self._external_pg is None:
             self._pg = placement_group(self.bundles(), strategy=self.options.strategy)
             ray.get(self._pg.ready(), timeout=timeout)
