@@ -48,15 +48,11 @@ class WireChunk:
         )
 
 
-def encode_chunk(
-    name: str, offset: int, piece: memoryview, crc32: int | None = None, *, with_crc: bool = True
-) -> bytes:
+def encode_chunk(name: str, offset: int, piece: memoryview, crc32: int | None = None) -> bytes:
     """A serialized ``PushWeightsRequest`` carrying one chunk with its CRC-32 (``crc32`` when
-    the caller computed it already; none with ``with_crc=False``, for a parameter whose
-    manifest SHA-256 covers it); ``piece`` is copied once, into the result."""
-    head = cp.WeightChunk(name=name, offset_bytes=offset)
-    if with_crc:
-        head.crc32 = zlib.crc32(piece) if crc32 is None else crc32
+    the caller computed it already); ``piece`` is copied once, into the result."""
+    crc = zlib.crc32(piece) if crc32 is None else crc32
+    head = cp.WeightChunk(name=name, offset_bytes=offset, crc32=crc)
     head_bytes = head.SerializeToString()
     data_prefix = _varint(_DATA << 3 | _LENGTH_DELIMITED) + _varint(len(piece))
     inner = len(head_bytes) + len(data_prefix) + len(piece)

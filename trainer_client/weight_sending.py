@@ -112,10 +112,10 @@ def plan_buckets(
 
 class PushStream:
     """A PushWeights stream made as it is sent: the manifest, then every parameter's bytes in
-    chunks. Checksums are computed once, up front (SHA-256 per tensor when asked; CRC-32 per
-    chunk for the rest: patches and unchecked tensors); each iteration then serializes one
-    chunk at a time from the tensors' own memory, so sending to several servers never holds a
-    serialized copy of the model (each message is one chunk, copied once into it).
+    checksummed chunks. Checksums are computed once, up front (SHA-256 per tensor when asked,
+    CRC-32 per chunk: a few bytes each); each iteration then serializes one chunk at a time
+    from the tensors' own memory, so sending to several servers never holds a serialized copy
+    of the model (each message is one chunk, copied once into it).
 
     ``entries``: each parameter's spec and bytes (a flat uint8 array); ``full_entries`` and
     ``weight_patches`` make them."""
@@ -129,17 +129,12 @@ class PushStream:
         self._manifest = cp.PushWeightsRequest(manifest=manifest).SerializeToString()
         self._chunk_bytes = chunk_bytes
         self._entries = [(spec.name, data) for spec, data in entries]
-        # A whole parameter with its SHA-256 in the manifest needs no chunk checksums: the
-        # server checks the digest as the parameter completes (a CRC pass on each side would
-        # only find the same corruption sooner, at a tenth of an update's time).
-        self._crcs: list[list[int] | None] = [
-            None
-            if spec.sha256 and not spec.HasField("patch")
-            else [
+        self._crcs = [
+            [
                 zlib.crc32(memoryview(data[offset : offset + chunk_bytes]))
                 for offset in range(0, max(len(data), 1), chunk_bytes)
             ]
-            for spec, data in entries
+            for _, data in self._entries
         ]
         # Bytes of parameter data this stream carries (what a server receives).
         self.total_bytes = sum(len(data) for _, data in self._entries)
@@ -148,12 +143,9 @@ class PushStream:
         yield self._manifest
         size = self._chunk_bytes
         for (name, data), crcs in zip(self._entries, self._crcs, strict=True):
-            for index, offset in enumerate(range(0, max(len(data), 1), size)):
-                piece = memoryview(data[offset : offset + size])
-                if crcs is None:
-                    yield encode_chunk(name, offset, piece, with_crc=False)
-                else:
-                    yield encode_chunk(name, offset, piece, crcs[index])
+            for index, crc in enumerate(crcs):
+                offset = index * size
+                yield encode_chunk(name, offset, memoryview(data[offset : offset + size]), crc)
 
 
 def whole_entry(name: str, tensor: Any, with_checksum: bool) -> tuple[cp.ParameterSpec, Any]:

@@ -190,10 +190,10 @@ class InBandAssembler:
             raise InvalidArgument(
                 f"chunks of {chunk.name} exceed its {incoming.expected_bytes} bytes"
             )
-        if not chunk.sha256 and chunk.crc32 is None and incoming.digest is None:
+        if not chunk.sha256 and chunk.crc32 is None:
             raise InvalidArgument(
                 f"the chunk of {chunk.name} at offset {chunk.offset_bytes} has no checksum: set "
-                "crc32 (zlib.crc32 of data) or sha256, or the parameter's sha256 in the manifest"
+                "crc32 (zlib.crc32 of data) or sha256"
             )
         if (chunk.crc32 is not None and zlib.crc32(data) != chunk.crc32) or (
             chunk.sha256 and hashlib.sha256(data).digest() != chunk.sha256
