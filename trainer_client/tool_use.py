@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from skyrl_grpc import tool_choices
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2
 
 
@@ -53,11 +54,6 @@ class CallFunction:
 
 # none / auto / required, or one function.
 ToolChoice = Literal["none", "auto", "required"] | CallFunction
-_MODES = {
-    "none": chat_tools_pb2.TOOL_CHOICE_MODE_NONE,
-    "auto": chat_tools_pb2.TOOL_CHOICE_MODE_AUTO,
-    "required": chat_tools_pb2.TOOL_CHOICE_MODE_REQUIRED,
-}
 
 
 def tool_use(
@@ -70,11 +66,11 @@ def tool_use(
     if isinstance(tool_choice, CallFunction):
         use.tool_choice.function_name = tool_choice.name
     elif tool_choice is not None:
-        if tool_choice not in _MODES:
+        if tool_choice not in tool_choices.BY_NAME:
             raise ValueError(
                 f"tool_choice {tool_choice!r}: use none, auto, required or CallFunction"
             )
-        use.tool_choice.mode = _MODES[tool_choice]
+        use.tool_choice.mode = tool_choices.BY_NAME[tool_choice]
     if parallel_tool_calls is not None:
         use.parallel_tool_calls = parallel_tool_calls
     return use

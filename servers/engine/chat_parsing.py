@@ -16,21 +16,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from skyrl_grpc import tool_choices
 from skyrl_grpc.errors import FailedPrecondition, InvalidArgument
 from skyrl_grpc.v1 import chat_tools_pb2 as tools_pb2
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
 
 from .convert import structured_outputs_params
 
-_MODES = {
-    tools_pb2.TOOL_CHOICE_MODE_NONE: "none",
-    tools_pb2.TOOL_CHOICE_MODE_AUTO: "auto",
-    tools_pb2.TOOL_CHOICE_MODE_REQUIRED: "required",
-}
 # Tool definitions are JSON the template renders and, for required / named choices, a grammar
-# the engine compiles: bounded like the other constraints.
-# Below the engine's constraint limit (validate.MAX_CONSTRAINT_BYTES), which the constraint a
-# required or named choice derives from them must pass too.
+# the engine compiles: bounded below the engine's constraint limit
+# (validate.MAX_CONSTRAINT_BYTES), which the constraint derived from them must pass too.
 MAX_TOOLS_BYTES = 32 * 1024
 
 
@@ -82,8 +77,8 @@ def tool_choice(use: tools_pb2.ToolUse) -> str | dict[str, Any] | None:
     which = choice.WhichOneof("choice")
     if which == "function_name":
         return {"type": "function", "function": {"name": choice.function_name}}
-    if which == "mode" and choice.mode in _MODES:
-        return _MODES[choice.mode]
+    if which == "mode" and choice.mode in tool_choices.BY_PROTO:
+        return tool_choices.BY_PROTO[choice.mode]
     return None
 
 
@@ -285,7 +280,8 @@ class ChatOutputParsing:
         if reasoning is not None:
             out.reasoning = reasoning
         choice = self._request.tool_choice
-        forced = choice == "required" or isinstance(choice, dict) or hasattr(choice, "function")
+        # After validation a named choice is vLLM's ChatCompletionNamedToolChoiceParam.
+        forced = choice == "required" or hasattr(choice, "function")
         if forced:
             out.content = content or ""  # vLLM's server: "" rather than null for forced calls
         elif content is not None:

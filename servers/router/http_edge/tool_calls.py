@@ -11,17 +11,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from skyrl_grpc import tool_choices
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.v1 import chat_tools_pb2 as tools_pb2
 from skyrl_grpc.v1 import data_plane_pb2
 
 Json = dict[str, Any]
-
-_MODES = {
-    "none": tools_pb2.TOOL_CHOICE_MODE_NONE,
-    "auto": tools_pb2.TOOL_CHOICE_MODE_AUTO,
-    "required": tools_pb2.TOOL_CHOICE_MODE_REQUIRED,
-}
 
 
 def read_tool_use(body: Json) -> tools_pb2.ToolUse:
@@ -35,12 +30,12 @@ def read_tool_use(body: Json) -> tools_pb2.ToolUse:
             use.tools.append(_tool(tool, i))
     choice = body.get("tool_choice")
     if isinstance(choice, str):
-        if choice not in _MODES:
+        if choice not in tool_choices.BY_NAME:
             raise InvalidArgument(
                 f"'tool_choice' {choice!r}: use none, auto, required or "
                 "{'type': 'function', 'function': {'name': ...}}"
             )
-        use.tool_choice.mode = _MODES[choice]
+        use.tool_choice.mode = tool_choices.BY_NAME[choice]
     elif isinstance(choice, dict):
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
@@ -112,7 +107,7 @@ def _choice(use: tools_pb2.ToolUse) -> str:
     if which == "function_name":
         return "named"
     if which == "mode" and use.tool_choice.mode != tools_pb2.TOOL_CHOICE_MODE_UNSPECIFIED:
-        return {v: k for k, v in _MODES.items()}[use.tool_choice.mode]
+        return tool_choices.BY_PROTO[use.tool_choice.mode]
     return "auto" if use.tools else "none"
 
 
