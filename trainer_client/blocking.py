@@ -372,7 +372,7 @@ class BlockingInferenceClient:
         transport: WeightTransport | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        checksums: bool = True,
+        checksums: bool = False,
         timeout: float = 600.0,
         lease_seconds: int = 0,
         delta: bool = True,

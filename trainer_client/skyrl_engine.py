@@ -17,10 +17,10 @@ What maps and what does not:
   version themselves, so no request reuses blocks computed under other weights.
 - Weight sync: SkyRL's NCCL broadcast and CUDA-IPC requests carry only names, dtypes and
   shapes (the tensors travel on their own channel), which does not exist on CPU. Pass the
-  tensors instead (``NamedTensorsRequest``, or ``(name, tensor)`` pairs); they go in-band with
-  checksums, or over this stack's collective (``transport="collective"`` after
-  ``client.init_weight_transfer``). ``init_weight_update_communicator`` records nothing and
-  says so in the log.
+  tensors instead (``NamedTensorsRequest``, or ``(name, tensor)`` pairs); they go in-band
+  (CRC-checked chunks, only what changed), or over this stack's collective
+  (``transport="collective"`` after ``client.init_weight_transfer``).
+  ``init_weight_update_communicator`` records nothing and says so in the log.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ class WeightUpdates(ClientCore):
         transport: WeightTransport | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        checksums: bool = True,
+        checksums: bool = False,
         timeout: float = 600.0,
         lease_seconds: int = 0,
         delta: bool = True,
@@ -146,7 +146,12 @@ class WeightUpdates(ClientCore):
         serves, and is checked before any weight is sent. None: one more than the newest
         version any server serves. ``transport``: "collective" (the group from
         ``init_weight_transfer``) or "grpc" (in-band streams, no group needed); None: the
-        group if one was formed, else "grpc". ``timeout``: seconds for the transfer.
+        group if one was formed, else "grpc". ``checksums``: also send every parameter's
+        SHA-256, which each server checks on what it assembled (after applying a patch): an
+        end-to-end proof that costs about a second per GB on each side. Without it in-band
+        chunks are still CRC-32-checked and patches apply only to the version they name;
+        ``weight_checksums()`` gives the same proof on demand. ``timeout``: seconds for the
+        transfer.
         ``lease_seconds``: how long the servers keep the update open if this process dies
         mid-way (0: their default). ``delta`` (in-band): send each server that serves the
         version this client pushed last only what changed since

@@ -5,17 +5,19 @@ the server calls its ``skyrl_*`` methods through ``collective_rpc`` with the nam
 of ``protocol``, serialized without pickle: only plain values and bytes cross (tensors are
 rebuilt from bytes here).
 
-Received parameters are staged on the host; nothing touches the serving weights before
-``skyrl_commit``. The worker keeps a host copy of the serving weights in checkpoint format (the
-"shadow", first read from the model's safetensors files): a commit reloads shadow + staged as a
-complete checkpoint, because vLLM fuses parameters (q/k/v, gate/up) and a partial reload would
-reinitialise the fused halves it was not given. ``reload_weights`` re-runs vLLM's post-load
-processing, which plain ``load_weights`` after start-up does not. If the reload fails, the shadow
-(the previous weights) is loaded back. Checksums are computed from the shadow.
+Received parameters are staged on the host; nothing touches the serving model before
+``skyrl_commit``. The worker keeps the serving weights in checkpoint format
+(``checkpoint.ServingCheckpoint``, first read from the model's safetensors files): whole new
+tensors are staged beside it, patches are written into it in place with a record of what they
+overwrote. A commit reloads it as a complete checkpoint, because vLLM fuses parameters (q/k/v,
+gate/up) and a partial reload would reinitialise the fused halves it was not given;
+``reload_weights`` re-runs vLLM's post-load processing, which plain ``load_weights`` after
+start-up does not. If the reload fails, the previous weights are loaded back. Checksums are
+computed from the serving values.
 
-After a commit the previous shadow is kept (only the replaced tensors cost memory: the rest are
-shared) until the next update starts, so ``skyrl_rollback`` can serve it again when another
-server of the fleet failed to commit.
+After a commit what it replaced is kept (whole tensors: the previous ones; patches: the
+overwritten elements) until the next update starts, so ``skyrl_rollback`` can serve the
+previous weights again when another server of the fleet failed to commit.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import logging
 from datetime import timedelta
 from typing import Any
 
+from .checkpoint import ServingCheckpoint, bits_of
 from .finite import all_finite
 from .protocol import (
     PATCH_INDEX_BYTES,
@@ -46,13 +49,6 @@ def _dtype_name(tensor: Any) -> str:
 def _sha256_of(tensor: Any) -> bytes:
     """SHA-256 of a tensor's raw bytes (the checksums a trainer compares with its own)."""
     return hashlib.sha256(tensor.contiguous().view(-1).view(torch_uint8()).numpy()).digest()
-
-
-def _bits_of(itemsize: int) -> Any:
-    """The integer type of an element size: a patch writes bits, never float values."""
-    import torch
-
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
 
 
 def torch_uint8() -> Any:
@@ -115,53 +111,50 @@ class WeightTransferWorker:
     # vLLM's Worker, which this class is mixed into, provides the model runner.
     model_runner: Any
     _skyrl_group: Any = None
-    _skyrl_staged: dict[str, Any] | None = None
-    _skyrl_shadow: dict[str, Any] | None = None
-    # The shadow before the last commit, kept for a rollback until the next update starts.
-    _skyrl_previous: dict[str, Any] | None = None
+    _skyrl_checkpoint: ServingCheckpoint | None = None
     _skyrl_timeout: float = 300.0
 
-    def _skyrl_weights(self) -> dict[str, Any]:
-        """The serving weights in checkpoint format (host tensors), loaded on first use."""
-        if self._skyrl_shadow is None:
-            from pathlib import Path
+    def _skyrl_serving(self) -> ServingCheckpoint:
+        """The serving weights in checkpoint format, read from the model's files on first use."""
+        if self._skyrl_checkpoint is None:
+            self._skyrl_checkpoint = ServingCheckpoint(self._skyrl_read_checkpoint)
+        return self._skyrl_checkpoint
 
-            from safetensors.torch import load_file
+    def _skyrl_read_checkpoint(self) -> dict[str, Any]:
+        from pathlib import Path
 
-            model_dir = Path(self.model_runner.model_config.model)
-            shadow: dict[str, Any] = {}
-            for path in sorted(model_dir.glob("*.safetensors")):
-                shadow.update(load_file(str(path), device="cpu"))
-            if not shadow:
-                raise RuntimeError(f"no safetensors weights in {model_dir} to update")
-            self._skyrl_shadow = shadow
-        return self._skyrl_shadow
+        from safetensors.torch import load_file
+
+        model_dir = Path(self.model_runner.model_config.model)
+        weights: dict[str, Any] = {}
+        for path in sorted(model_dir.glob("*.safetensors")):
+            weights.update(load_file(str(path), device="cpu"))
+        if not weights:
+            raise RuntimeError(f"no safetensors weights in {model_dir} to update")
+        return weights
 
     def skyrl_layout(self) -> dict[str, ParameterShape]:
         """Element type and shape of every checkpoint parameter."""
         return {
             name: ParameterShape(dtype=_dtype_name(t), shape=list(t.shape))
-            for name, t in self._skyrl_weights().items()
+            for name, t in self._skyrl_serving().tensors.items()
         }
 
     def skyrl_checksums(self, names: list[str]) -> list[Checksum]:
         """SHA-256 of the serving weights (all when ``names`` is empty), sorted by name."""
-        weights = self._skyrl_weights()
+        serving = self._skyrl_serving()
         result = []
-        for name in names or sorted(weights):
-            tensor = weights[name]
-            digest = _sha256_of(tensor)
+        for name in names or sorted(serving.tensors):
+            tensor = serving.serving_value(name)
             result.append(
                 Checksum(
-                    name=name, sha256=digest, dtype=_dtype_name(tensor), shape=list(tensor.shape)
+                    name=name,
+                    sha256=_sha256_of(tensor),
+                    dtype=_dtype_name(tensor),
+                    shape=list(tensor.shape),
                 )
             )
         return result
-
-    def _skyrl_staging(self) -> dict[str, Any]:
-        if self._skyrl_staged is None:
-            self._skyrl_staged = {}
-        return self._skyrl_staged
 
     def skyrl_join_group(self, group: Group) -> int:
         """Joins the trainer's group as ``rank_offset + this worker's rank``; returns the rank."""
@@ -198,37 +191,42 @@ class WeightTransferWorker:
             self._skyrl_group, buckets, self._skyrl_timeout, check_finite
         )
         if not mismatches and not non_finite:
-            self._skyrl_staging().update(received)
+            serving = self._skyrl_serving()
+            for name, tensor in received.items():
+                serving.stage_whole(name, tensor)
         return Received(
             bytes=total, params=len(received), mismatches=mismatches, non_finite=non_finite
         )
 
     def skyrl_stage(self, params: list[StagedParameter]) -> list[str]:
         """Stages in-band parameters (already verified by the server). A patch is applied to
-        the serving weights (bit for bit, as integers) and checked against its SHA-256;
-        returns the names that did not match, and stages nothing of the call then."""
+        the serving copy in place (bit for bit, as integers; what it overwrote is recorded) and
+        checked against its SHA-256 when it carries one; returns the names that did not match,
+        and stages nothing of the call then."""
         import torch
 
-        staged: dict[str, Any] = {}
+        serving = self._skyrl_serving()
+        mark = serving.mark()
         mismatches: list[str] = []
         for param in params:
             dtype = getattr(torch, param["dtype"])
             if param.get("patch"):
-                tensor = self._skyrl_patched(param, dtype)
+                tensor = self._skyrl_patch(serving, param, dtype)
                 expected = param.get("sha256", b"")
                 if expected and _sha256_of(tensor) != expected:
                     mismatches.append(param["name"])
-                staged[param["name"]] = tensor
                 continue
             # One copy, into memory torch may keep writable.
             buffer = bytearray().join(param["chunks"])
-            staged[param["name"]] = torch.frombuffer(buffer, dtype=dtype).reshape(param["shape"])
-        if not mismatches:
-            self._skyrl_staging().update(staged)
+            tensor = torch.frombuffer(buffer, dtype=dtype).reshape(param["shape"])
+            serving.stage_whole(param["name"], tensor)
+        if mismatches:
+            serving.revert_to(mark)
         return mismatches
 
-    def _skyrl_patched(self, param: StagedParameter, dtype: Any) -> Any:
-        """The serving value of ``param`` with its patch applied."""
+    @staticmethod
+    def _skyrl_patch(serving: ServingCheckpoint, param: StagedParameter, dtype: Any) -> Any:
+        """Applies ``param``'s patch; returns the patched tensor."""
         import numpy as np
         import torch
 
@@ -237,52 +235,37 @@ class WeightTransferWorker:
         indices = torch.from_numpy(
             np.frombuffer(payload, dtype="<u4", count=changed).astype(np.int64)
         )
-        base = self._skyrl_staging().get(param["name"])
-        if base is None:
-            base = self._skyrl_weights()[param["name"]]
-        as_bits = _bits_of(dtype.itemsize)
-        tensor = base.clone()
-        values = torch.frombuffer(bytearray(payload[changed * PATCH_INDEX_BYTES :]), dtype=as_bits)
-        tensor.view(-1).view(as_bits)[indices] = values
-        return tensor
+        values = torch.frombuffer(
+            bytearray(payload[changed * PATCH_INDEX_BYTES :]), dtype=bits_of(dtype.itemsize)
+        )
+        return serving.patch(param["name"], indices, values)
 
     def skyrl_discard(self) -> int:
-        count = len(self._skyrl_staging())
-        self._skyrl_staged = {}
-        return count
+        return self._skyrl_serving().discard()
 
     def skyrl_commit(self) -> int:
-        """Loads the staged parameters (completed by the shadow) into the serving model."""
-        staged = self._skyrl_staging()
-        if not staged:
+        """Loads the open update (completed by the serving copy) into the serving model."""
+        serving = self._skyrl_serving()
+        if not serving.staged_count:
             return 0
-        previous = self._skyrl_weights()
-        merged = {**previous, **staged}
         try:
-            self.model_runner.reload_weights(weights_iterator=iter(merged.items()))
+            self.model_runner.reload_weights(weights_iterator=iter(serving.pending().items()))
         except Exception:
             log.exception("reloading the new weights failed; restoring the previous ones")
-            self.model_runner.reload_weights(weights_iterator=iter(previous.items()))
-            self._skyrl_staged = {}
+            serving.discard()
+            self.model_runner.reload_weights(weights_iterator=iter(serving.tensors.items()))
             raise
-        self._skyrl_previous = previous
-        self._skyrl_shadow = merged
-        self._skyrl_staged = {}
-        return len(staged)
+        return serving.commit()
 
     def skyrl_rollback(self) -> int:
         """Serves the weights from before the last commit again."""
-        previous = self._skyrl_previous
-        if previous is None:
-            raise RuntimeError("no previous weights kept: nothing to roll back")
-        current = self._skyrl_weights()
-        self.model_runner.reload_weights(weights_iterator=iter(previous.items()))
-        self._skyrl_shadow = previous
-        self._skyrl_previous = None
-        return sum(1 for name, tensor in previous.items() if current.get(name) is not tensor)
+        serving = self._skyrl_serving()
+        restored = serving.revert_commit()
+        self.model_runner.reload_weights(weights_iterator=iter(serving.tensors.items()))
+        return restored
 
     def skyrl_release_rollback(self) -> None:
-        self._skyrl_previous = None
+        self._skyrl_serving().release_commit()
 
     def skyrl_clear_kv_cache(self) -> int:
         """Zeroes every KV cache tensor; returns the bytes cleared. Only while no request holds

@@ -1,0 +1,157 @@
+"""A worker's copy of the serving weights in checkpoint format, and what an open update changed.
+
+On CPU vLLM repacks weights after loading, so new weights reach the model through
+``reload_weights`` of complete checkpoint tensors (fused q/k/v and gate/up included): the worker
+keeps the serving weights as the checkpoint holds them, first read from its safetensors files.
+
+An update either stages whole new tensors (held beside the serving ones until the commit) or
+patches elements in place: a patch writes its new values into the serving copy at once and
+records what it overwrote, so its memory is O(changed), never a clone of the parameter.
+Cancelling replays those records backwards. After a commit the records of the last update (and
+the tensors whole values replaced) are kept until the next update starts, so a rollback restores
+the previous weights exactly: for a delta that costs what it overwrote.
+
+Plain tensors only (no vLLM): ``worker`` loads the result into the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def bits_of(itemsize: int) -> Any:
+    """The integer type of an element size: a patch writes bits, never float values."""
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+
+
+def flat_bits(tensor: Any) -> Any:
+    """A contiguous tensor's elements as integers of the same size (a view: writes go through)."""
+    return tensor.view(-1).view(bits_of(tensor.element_size()))
+
+
+@dataclass
+class _Overwritten:
+    """What one patch replaced: the elements' indices and their previous bits."""
+
+    name: str
+    indices: Any
+    old_bits: Any
+
+
+@dataclass
+class _Changes:
+    """One update's changes to the serving copy: whole tensors replaced (their previous values
+    after a commit, their new ones before) and patches applied in place, in order."""
+
+    whole: dict[str, Any] = field(default_factory=dict)
+    overwritten: list[_Overwritten] = field(default_factory=list)
+
+
+class ServingCheckpoint:
+    """The serving weights (checkpoint names → host tensors) with the open update's changes."""
+
+    def __init__(self, load: Callable[[], dict[str, Any]]) -> None:
+        self._load = load
+        self._tensors: dict[str, Any] | None = None
+        self._open = _Changes()  # whole: the staged new values
+        self._committed: _Changes | None = None  # whole: the values the commit replaced
+
+    @property
+    def tensors(self) -> dict[str, Any]:
+        """The weights as the open update leaves them so far (patches in place, whole tensors
+        not yet): read on first use."""
+        if self._tensors is None:
+            self._tensors = self._load()
+        return self._tensors
+
+    @property
+    def staged_count(self) -> int:
+        return len(self._open.whole) + len({o.name for o in self._open.overwritten})
+
+    def mark(self) -> tuple[dict[str, Any], int]:
+        """A point the open update can be taken back to (``revert_to``): what was staged whole
+        (a patch of a tensor staged whole in the same update is not undone: the update is
+        rejected then)."""
+        return dict(self._open.whole), len(self._open.overwritten)
+
+    def revert_to(self, mark: tuple[dict[str, Any], int]) -> None:
+        whole, count = mark
+        self._open.whole = whole
+        _undo(self.tensors, self._open.overwritten[count:])
+        del self._open.overwritten[count:]
+
+    def stage_whole(self, name: str, tensor: Any) -> None:
+        self._open.whole[name] = tensor
+
+    def patch(self, name: str, indices: Any, new_bits: Any) -> Any:
+        """Writes ``new_bits`` at ``indices`` (flat) of ``name``; returns the patched tensor.
+
+        A parameter staged whole in this update is patched in its staged buffer (nothing to
+        record: it is new); otherwise the serving copy is written and what it held recorded."""
+        staged = self._open.whole.get(name)
+        if staged is not None:
+            flat_bits(staged)[indices] = new_bits
+            return staged
+        tensor = self.tensors[name]
+        flat = flat_bits(tensor)
+        self._open.overwritten.append(_Overwritten(name, indices, flat[indices].clone()))
+        flat[indices] = new_bits
+        return tensor
+
+    def pending(self) -> dict[str, Any]:
+        """The complete checkpoint the open update makes."""
+        return {**self.tensors, **self._open.whole}
+
+    def discard(self) -> int:
+        """Drops the open update; returns how many parameters it had changed."""
+        count = self.staged_count
+        _undo(self.tensors, self._open.overwritten)
+        self._open = _Changes()
+        return count
+
+    def commit(self) -> int:
+        """Makes the open update the serving weights, keeping what it replaced for a rollback."""
+        count = self.staged_count
+        tensors = self.tensors
+        replaced = {name: tensors[name] for name in self._open.whole}
+        tensors.update(self._open.whole)
+        self._committed = _Changes(whole=replaced, overwritten=self._open.overwritten)
+        self._open = _Changes()
+        return count
+
+    def revert_commit(self) -> int:
+        """Restores the weights from before the last commit; returns the parameters restored."""
+        committed = self._committed
+        if committed is None:
+            raise RuntimeError("no previous weights kept: nothing to roll back")
+        self.tensors.update(committed.whole)
+        _undo(self.tensors, committed.overwritten)
+        self._committed = None
+        return len(committed.whole) + len({o.name for o in committed.overwritten})
+
+    @property
+    def can_revert_commit(self) -> bool:
+        return self._committed is not None
+
+    def release_commit(self) -> None:
+        """Forgets what the last commit replaced (a new update starts)."""
+        self._committed = None
+
+    def serving_value(self, name: str) -> Any:
+        """``name`` as it serves now: without the open update's patches."""
+        tensor = self.tensors[name]
+        mine = [o for o in self._open.overwritten if o.name == name]
+        if not mine:
+            return tensor
+        copy = tensor.clone()
+        _undo({name: copy}, mine)
+        return copy
+
+
+def _undo(tensors: dict[str, Any], overwritten: list[_Overwritten]) -> None:
+    for record in reversed(overwritten):
+        flat_bits(tensors[record.name])[record.indices] = record.old_bits

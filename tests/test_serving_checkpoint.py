@@ -1,0 +1,99 @@
+"""The worker's checkpoint-format copy of the serving weights (``ServingCheckpoint``): patches
+written in place with a record of what they overwrote, whole tensors staged beside, and exact
+restores on cancel and rollback, without vLLM."""
+
+from __future__ import annotations
+
+import torch
+
+from servers.engine.weights.checkpoint import ServingCheckpoint, flat_bits
+
+
+def weights() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return {
+        "a": torch.randn(4, 8, generator=generator).to(torch.bfloat16),
+        "b": torch.randn(16, generator=generator),
+    }
+
+
+def snapshot(checkpoint: ServingCheckpoint) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in checkpoint.tensors.items()}
+
+
+def same(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> bool:
+    return left.keys() == right.keys() and all(
+        torch.equal(flat_bits(left[n]), flat_bits(right[n])) for n in left
+    )
+
+
+def patch(checkpoint: ServingCheckpoint, name: str, indices: list[int], value: float) -> None:
+    tensor = checkpoint.tensors[name]
+    new = torch.full((len(indices),), value, dtype=tensor.dtype)
+    checkpoint.patch(name, torch.tensor(indices), flat_bits(new))
+
+
+def test_a_patch_writes_in_place_and_a_cancel_restores_every_bit() -> None:
+    checkpoint = ServingCheckpoint(weights)
+    before = snapshot(checkpoint)
+    storage = checkpoint.tensors["a"].data_ptr()
+    patch(checkpoint, "a", [0, 5], 2.0)
+    patch(checkpoint, "a", [5, 7], 3.0)  # the same element twice in one update
+    assert checkpoint.tensors["a"].data_ptr() == storage  # no clone of the parameter
+    assert checkpoint.tensors["a"].view(-1)[[0, 5, 7]].tolist() == [2.0, 3.0, 3.0]
+    # What serves meanwhile is the value before the update.
+    assert torch.equal(checkpoint.serving_value("a"), before["a"])
+    assert checkpoint.staged_count == 1
+    assert checkpoint.discard() == 1
+    assert same(snapshot(checkpoint), before)
+
+
+def test_a_commit_keeps_what_it_replaced_until_released_and_rolls_back_exactly() -> None:
+    checkpoint = ServingCheckpoint(weights)
+    before = snapshot(checkpoint)
+    checkpoint.stage_whole("b", torch.zeros(16))
+    patch(checkpoint, "a", [1], -1.0)
+    pending = checkpoint.pending()
+    assert torch.equal(pending["b"], torch.zeros(16))
+    assert pending["a"].view(-1)[1].item() == -1.0
+    assert checkpoint.commit() == 2
+    after = snapshot(checkpoint)
+    assert torch.equal(after["b"], torch.zeros(16))
+    assert checkpoint.revert_commit() == 2
+    assert same(snapshot(checkpoint), before)
+    # Rolled back once: nothing more is kept.
+    assert not checkpoint.can_revert_commit
+
+
+def test_a_patch_of_a_tensor_staged_whole_patches_the_staged_value() -> None:
+    checkpoint = ServingCheckpoint(weights)
+    before = snapshot(checkpoint)
+    checkpoint.stage_whole("b", torch.ones(16))
+    patch(checkpoint, "b", [3], 9.0)
+    assert checkpoint.pending()["b"][3].item() == 9.0
+    assert same(snapshot(checkpoint), before)  # the serving copy untouched
+
+
+def test_revert_to_a_mark_drops_only_what_came_after() -> None:
+    checkpoint = ServingCheckpoint(weights)
+    patch(checkpoint, "a", [0], 4.0)
+    after_first = snapshot(checkpoint)
+    mark = checkpoint.mark()
+    patch(checkpoint, "a", [0, 2], 5.0)
+    checkpoint.stage_whole("b", torch.ones(16))
+    checkpoint.revert_to(mark)
+    assert same(snapshot(checkpoint), after_first)
+    assert "b" not in {n for n, t in checkpoint.pending().items() if torch.equal(t, torch.ones(16))}
+
+
+def test_release_forgets_the_previous_weights() -> None:
+    checkpoint = ServingCheckpoint(weights)
+    patch(checkpoint, "a", [0], 4.0)
+    checkpoint.commit()
+    checkpoint.release_commit()
+    try:
+        checkpoint.revert_commit()
+    except RuntimeError as error:
+        assert "nothing to roll back" in str(error)
+    else:
+        raise AssertionError("a released commit was rolled back")
