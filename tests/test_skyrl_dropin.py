@@ -1,4 +1,4 @@
-"""SkyRL's own SkyRLGymGenerator (package ``skyrl`` 0.3.0, unmodified) running its multi-turn
+"""SkyRL's own SkyRLGymGenerator (package ``skyrl`` 0.4.0, unmodified) running its multi-turn
 agent loop on this stack through ``trainer_client.skyrl_engine``, against two real engine
 servers behind a router (tiny model)."""
 
@@ -223,3 +223,43 @@ async def test_http_calls_share_a_connection_pool_and_raise_the_servers_errors(
     assert raised.value.status == 400 and "99999" in raised.value.message
     await engine.teardown()
     assert opened[0].is_closed  # closed with the client's other per-loop resources
+
+
+async def test_skyrl_0_4_surface_samples_pauses_and_refuses_what_it_cannot_do(
+    two_server_router: Any, engine_server: Any, second_engine_server: Any
+) -> None:
+    from trainer_client.exceptions import NotFound
+
+    servers = [engine_server.address, second_engine_server.address]
+    engine = SkyRLInferenceEngine(two_server_router.address, servers, model_name="tiny")
+    # Tinker-style sample: n completions of a token prompt, with logprobs.
+    sampled = await engine.sample(
+        {
+            "json": {
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 4, 8]}]},
+                "num_samples": 2,
+                "sampling_params": {"max_tokens": 4, "temperature": 1.0},
+            }
+        }
+    )
+    assert [len(s["tokens"]) == len(s["logprobs"]) for s in sampled["sequences"]] == [True] * 2
+    with pytest.raises(ValueError, match="best_of"):
+        await engine.sample({"json": {"prompt": {"chunks": []}, "sampling_params": {"best_of": 2}}})
+    # pause(mode) as SkyRL's client has it; the default KEEP of pause_generation.
+    assert set(await engine.pause("wait")) == set(servers)
+    assert set(await engine.resume()) == set(servers)
+    assert set(await engine.pause_generation()) == set(servers)
+    assert await engine.client.is_paused() == dict.fromkeys(servers, True)
+    await engine.resume_generation()
+    # An unknown sampling key, a LoRA adapter never loaded, weights without tensors.
+    with pytest.raises(ValueError, match="best_of"):
+        await engine.generate({"prompt_token_ids": [[1, 2]], "sampling_params": {"best_of": 2}})
+    with pytest.raises(NotFound, match="no LoRA adapter named 'never-loaded'"):
+        await engine.generate(
+            {"prompt_token_ids": [[1, 2]], "sampling_params": {"max_tokens": 2}},
+            model="never-loaded",
+        )
+    with pytest.raises(NotImplementedError, match="carries no tensors"):
+        await engine.update_named_weights({"names": ["w"], "dtype_names": ["bfloat16"]})
+    assert await engine.get_world_size() == (2, 1)
+    await engine.teardown()

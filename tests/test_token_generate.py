@@ -108,3 +108,13 @@ def test_a_render_is_the_generate_request_that_serves_it() -> None:
     )))  # fmt: skip
     assert again.prompts == [[1, 2, 3]] and again.sampling.max_tokens == 5
     assert again.sampling.structured_output.json_schema == '{"type": "object"}'
+
+
+def test_output_kind_is_accepted_as_vllm_names_it_and_other_values_refused() -> None:
+    # SkyRL's sample() sends FINAL_ONLY (2); a whole answer is the same for every kind.
+    call = token_generate.read_generate(
+        {"token_ids": [1, 2], "sampling_params": {"output_kind": 2, "max_tokens": 3}}
+    )
+    assert call.sampling.max_tokens == 3
+    with pytest.raises(InvalidArgument, match="output_kind"):
+        token_generate.read_generate({"token_ids": [1], "sampling_params": {"output_kind": 7}})

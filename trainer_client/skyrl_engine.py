@@ -1,26 +1,35 @@
-"""SkyRL's ``InferenceEngineInterface`` on this stack: SkyRL's generators run unchanged.
+"""SkyRL's ``InferenceEngineInterface`` (skyrl 0.4.0) on this stack: SkyRL's generators and
+trainer run unchanged.
 
 ``SkyRLInferenceEngine(router, servers)`` stands where SkyRL's ``RemoteInferenceClient``
-stands: ``generate`` goes through ``InferenceClient`` (gRPC streams through the router, a
+stands (a trainer switches by overriding ``BasePPOExp.get_inference_client``; see the
+README): ``generate`` goes through ``InferenceClient`` (gRPC streams through the router, a
 session per trajectory, aborted samples resubmitted), control calls fan out to every server,
 and ``update_named_weights`` pushes tensors with this stack's fleet-wide weight transaction
 (in-band by default). ``chat_completion`` / ``completion`` go to the router's OpenAI HTTP edge
 (``http_url``). Picklable like the client: only addresses and settings are kept.
 
 Needs the ``skyrl`` extra (see the README: ``skyrl`` and ``skyrl-gym`` are installed without
-their dependencies, whose pins would replace the transformers vLLM runs on).
+their dependencies, whose pins would replace the transformers vLLM runs on; skyrl 0.4.0 declares
+Python >= 3.12 and its code runs on this project's 3.11 once ``typing.TypedDict`` is
+pydantic's, below).
 
 What maps and what does not:
 - Sampling dicts with SkyRL's (vLLM's) keys map onto ``SamplingParams``; an unknown key is an
   error naming it. ``n`` must be 1 (SkyRL samples repetitions as separate trajectories).
 - ``cache_salt`` is accepted and not needed: servers salt the prefix cache with the weight
   version themselves, so no request reuses blocks computed under other weights.
-- Weight sync: SkyRL's NCCL broadcast and CUDA-IPC requests carry only names, dtypes and
-  shapes (the tensors travel on their own channel), which does not exist on CPU. Pass the
-  tensors instead (``NamedTensorsRequest``, or ``(name, tensor)`` pairs); they go in-band
-  (CRC-checked chunks, only what changed), or over this stack's collective
-  (``transport="collective"`` after ``client.init_weight_transfer``).
-  ``init_weight_update_communicator`` records nothing and says so in the log.
+- Weight sync: SkyRL 0.4.0's trainer-side weight-transfer engines drive vLLM's HTTP
+  weight-update routes, which this stack does not serve; ``update_named_weights`` takes the
+  tensors (``NamedTensorsRequest``, ``(name, tensor)`` pairs, or a dict with ``names`` and
+  ``tensors``) and pushes them as one fleet-wide transaction, in-band (CRC-checked chunks,
+  only what changed since the last push) or over this stack's collective
+  (``transport="collective"`` after ``client.init_weight_transfer``). A dict of names, dtypes
+  and shapes alone (SkyRL's NCCL / IPC metadata) is refused, naming why.
+- LoRA: ``load_lora_adapter(name, path)`` and ``update_named_weights(LoraLoadRequest)`` load a
+  PEFT directory on every server; generate with it by passing ``model=name``.
+- ``pause_generation`` freezes running requests (KEEP), as SkyRL's does; ``pause(mode)`` takes
+  "keep", "wait" or "abort".
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from typing import Any
 
 import typing_extensions
 
-# skyrl 0.3.0's pydantic models use typing.TypedDict, which pydantic refuses on Python < 3.12
+# skyrl's pydantic models use typing.TypedDict, which pydantic refuses on Python < 3.12
 # ("Please use typing_extensions.TypedDict"): bind the compatible one before skyrl is imported.
 # The one place this is done.
 typing.TypedDict = typing_extensions.TypedDict
@@ -43,7 +52,7 @@ from skyrl.backends.skyrl_train.inference_servers.base import (  # noqa: E402
     InferenceEngineInterface,
     InferenceEngineOutput,
 )
-from skyrl.backends.skyrl_train.weight_sync.base import WeightUpdateRequest  # noqa: E402
+from skyrl.backends.skyrl_train.weight_sync import LoraLoadRequest  # noqa: E402
 
 from skyrl_grpc.concurrency import all_or_cancel  # noqa: E402
 
@@ -123,20 +132,28 @@ def sampling_from_skyrl(params: dict[str, Any] | None) -> tuple[dict[str, Any], 
 
 
 @dataclass
-class NamedTensorsRequest(WeightUpdateRequest):  # type: ignore[misc]
-    """A SkyRL weight update that carries its tensors (CPU, or any trainer that has them)."""
+class NamedTensorsRequest:
+    """A weight update that carries its tensors (CPU, or any trainer that has them)."""
 
+    names: list[str] = field(default_factory=list)
     tensors: list[Any] = field(default_factory=list)
 
     @classmethod
     def of(cls, named_tensors: Iterable[tuple[str, Any]]) -> NamedTensorsRequest:
         pairs = list(named_tensors)
-        return cls(
-            names=[n for n, _ in pairs],
-            dtypes=[str(t.dtype).removeprefix("torch.") for _, t in pairs],
-            shapes=[list(t.shape) for _, t in pairs],
-            tensors=[t for _, t in pairs],
-        )
+        return cls(names=[n for n, _ in pairs], tensors=[t for _, t in pairs])
+
+
+# Tinker sampling key (SkyRL's ``sample``) -> SkyRL / vLLM key, as SkyRL's client maps them.
+TINKER_SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "max_tokens": "max_tokens",
+    "seed": "seed",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "stop_strings": "stop",
+    "stop_tokens": "stop_token_ids",
+}
 
 
 class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
@@ -194,8 +211,7 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
     async def generate(
         self, input_batch: InferenceEngineInput, model: str | None = None
     ) -> InferenceEngineOutput:
-        if model and self._model_name and model != self._model_name:
-            raise ValueError(f"model {model!r}: this stack serves {self._model_name!r}")
+        lora = self._adapter_of(model)
         sampling, keep_stop = sampling_from_skyrl(input_batch.get("sampling_params"))
         prompts = input_batch.get("prompt_token_ids")
         if prompts is None:
@@ -213,6 +229,7 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
                 sampling,
                 session_id=None if session is None else str(session),
                 include_text=True,
+                lora=lora,
             )
             for prompt, session in zip(prompts, sessions, strict=True)
         )
@@ -224,7 +241,58 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
             response_logprobs=[list(r.logprobs or []) for r in results] if with_logprobs else None,
             prompt_logprobs=None,
             rollout_expert_indices=None,
+            rollout_sample_support=None,
         )
+
+    def _adapter_of(self, model: str | None) -> str:
+        """The LoRA adapter a request's ``model`` names ("" for the base model); the servers
+        refuse a name no one loaded (NOT_FOUND)."""
+        if not model or model == self._model_name:
+            return ""
+        return model
+
+    async def sample(self, request_payload: dict[str, Any]) -> dict[str, Any]:
+        """SkyRL's Tinker-style ``sample``: ``num_samples`` completions of a token prompt in one
+        session, as ``RemoteInferenceClient.sample`` answers (without prompt logprobs)."""
+        body = dict(request_payload.get("json", {}))
+        if body.get("include_prompt_logprobs") or body.get("prompt_logprobs"):
+            raise ValueError("sample: prompt logprobs are not supported by skyrl-grpc")
+        chunks = body.get("prompt", {}).get("chunks", [])
+        if any(c.get("type", "encoded_text") != "encoded_text" for c in chunks):
+            raise ValueError("sample: only token (encoded_text) prompt chunks are supported")
+        prompt = [int(t) for c in chunks for t in c.get("tokens", [])]
+        tinker = body.get("sampling_params") or {}
+        unknown = sorted(set(tinker) - set(TINKER_SAMPLING_KEYS))
+        if unknown:
+            raise ValueError(
+                f"sample: sampling params {unknown} are not supported; supported: "
+                f"{', '.join(sorted(TINKER_SAMPLING_KEYS))}"
+            )
+        params = {TINKER_SAMPLING_KEYS[k]: v for k, v in tinker.items() if v is not None}
+        sampling, _ = sampling_from_skyrl({**params, "logprobs": 0})
+        session = request_payload.get("session_id") or body.get("session_id")
+        results: list[GenerationResult] = await all_or_cancel(
+            self.client.generate(
+                prompt,
+                sampling,
+                session_id=None if session is None else str(session),
+                lora=self._adapter_of(body.get("model")),
+            )
+            for _ in range(int(body.get("num_samples", 1)))
+        )
+        return {
+            "type": "sample",
+            "sequences": [
+                {
+                    "tokens": list(r.token_ids),
+                    "logprobs": list(r.logprobs or []),
+                    "stop_reason": r.finish_reason.value,
+                }
+                for r in results
+            ],
+            "prompt_logprobs": None,
+            "topk_prompt_logprobs": None,
+        }
 
     async def finish_session(self, session_id: str) -> None:
         await self.client.finish_session(str(session_id))
@@ -260,47 +328,75 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
     async def render_chat_completion(self, request_payload: dict[str, Any]) -> dict[str, Any]:
         body = request_payload.get("json", {})
         ids = await self.client.tokenize(messages=body.get("messages", []))
-        return {"prompt_token_ids": ids}
+        # vLLM's render answer, as SkyRL reads it (``token_ids``, ``features``).
+        return {"token_ids": ids, "features": None, "model": body.get("model", self._model_name)}
 
     # -- control plane -----------------------------------------------------------------------
 
-    async def pause_generation(self, clear_cache: bool = False) -> None:
-        # SkyRL's pause freezes in-flight requests and resumes them in place: KEEP.
-        await self.client.pause("keep", clear_cache=clear_cache)
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> dict[str, Any]:
+        """Pauses every server (``mode``: "keep" freezes running requests, "wait" lets them
+        finish, "abort" ends them); returns what SkyRL's client returns, per server."""
+        paused = await self.client.pause(str(getattr(mode, "value", mode)), clear_cache=clear_cache)
+        return {address: {"paused": True} for address in paused}
 
-    async def resume_generation(self) -> None:
-        await self.client.resume()
+    async def resume(self) -> dict[str, Any]:
+        return {address: {"resumed": True} for address in await self.client.resume()}
+
+    async def pause_generation(self, clear_cache: bool = False) -> dict[str, Any]:
+        # SkyRL's pause freezes in-flight requests and resumes them in place: KEEP.
+        return await self.pause("keep", clear_cache=clear_cache)
+
+    async def resume_generation(self) -> dict[str, Any]:
+        return await self.resume()
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         await self.client.reset_prefix_cache()
 
-    async def sleep(self, *args: Any, **kwargs: Any) -> None:
-        await self.client.sleep(int(kwargs.get("level", args[0] if args else 1)))
+    async def sleep(self, level: int = 2, tags: list[str] | None = None) -> None:
+        """Refused on CPU servers (FAILED_PRECONDITION, naming why)."""
+        await self.client.sleep(int(level))
 
-    async def wake_up(self, *args: Any, **kwargs: Any) -> None:
-        await self.client.wake_up(tuple(kwargs.get("tags") or ()))
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.client.wake_up(tuple(tags or ()))
 
-    async def init_weight_update_communicator(self, init_info: Any) -> None:
-        log.info(
-            "skyrl-grpc: %s is not used; weights travel %s (update_named_weights needs tensors)",
-            type(init_info).__name__,
-            "in-band" if self.transport == "grpc" else "over this stack's collective",
-        )
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str | None = None, *, in_memory: bool = False
+    ) -> dict[str, Any]:
+        """Loads the PEFT directory ``lora_path`` (readable by every server) as ``lora_name``
+        on every server; generate with ``model=lora_name``."""
+        if in_memory or lora_path is None:
+            raise ValueError(
+                "load_lora_adapter needs lora_path here: adapters staged in-memory by SkyRL's "
+                "weight-transfer engines do not reach this stack (client.load_lora(name, "
+                "tensors=..., config=...) sends them in-band)"
+            )
+        loaded = await self.client.load_lora(lora_name, path=lora_path)
+        return {
+            address: {"lora_name": lora_name, "version": a.version} for address, a in loaded.items()
+        }
 
-    async def update_named_weights(self, request: Any) -> None:
-        """Pushes a ``NamedTensorsRequest`` (or ``(name, tensor)`` pairs) to every server as one
-        transaction, then bumps the weight version."""
+    async def update_named_weights(self, request: Any) -> dict[str, Any]:
+        """Pushes tensors (``NamedTensorsRequest``, a dict with ``names`` and ``tensors``, or
+        ``(name, tensor)`` pairs) to every server as one transaction and records the version
+        committed; a ``LoraLoadRequest`` loads that adapter instead."""
+        if isinstance(request, LoraLoadRequest):
+            return await self.load_lora_adapter(request.lora_name, request.lora_path)
         if isinstance(request, NamedTensorsRequest):
             pairs = list(zip(request.names, request.tensors, strict=True))
-        elif isinstance(request, WeightUpdateRequest):
-            raise NotImplementedError(
-                f"{type(request).__name__} carries no tensors (they travel over NCCL or CUDA "
-                "IPC, which this stack does not receive): pass NamedTensorsRequest.of(...)"
-            )
+        elif isinstance(request, dict):
+            if "tensors" not in request:
+                raise NotImplementedError(
+                    f"a weight update of {sorted(request)} carries no tensors (SkyRL's NCCL / IPC "
+                    "engines send them on their own channel, which this stack does not receive): "
+                    "pass NamedTensorsRequest.of(model.named_parameters()) or a dict with names "
+                    "and tensors"
+                )
+            pairs = list(zip(request["names"], request["tensors"], strict=True))
         else:
             pairs = list(request)
         committed = await self.client.update_weights(pairs, transport=self.transport)
         self._weight_version = max(int(r.weight_version) for r in committed.values())
+        return {a: {"weight_version": int(r.weight_version)} for a, r in committed.items()}
 
     async def teardown(self) -> None:
         await self.client.close()

@@ -32,9 +32,12 @@ SAMPLING_KEYS = frozenset(
         "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids",
         "ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens", "logit_bias",
         "allowed_token_ids", "structured_outputs", "include_stop_str_in_output", "detokenize",
-        "spaces_between_special_tokens",
+        "spaces_between_special_tokens", "output_kind",
     }
 )  # fmt: skip
+# vLLM's RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY): how a stream reports; a whole
+# answer is the same for each. SkyRL's ``sample`` sends FINAL_ONLY.
+_OUTPUT_KINDS = (0, 1, 2)
 # Top-level fields of vLLM's GenerateRequest that need nothing from this edge.
 _IGNORED = frozenset({"stream_options", "priority", "output_mode", "return_token_ids"})
 
@@ -62,6 +65,11 @@ def read_generate(body: Json) -> GenerationCall:
             f"sampling_params: {', '.join(unknown)} not supported (supported: "
             f"{', '.join(sorted(SAMPLING_KEYS))})"
         )
+    if sampling.get("output_kind", 0) not in _OUTPUT_KINDS:
+        raise InvalidArgument(
+            "'sampling_params.output_kind' must be 0 (cumulative), 1 (delta) or 2 (final only)"
+        )
+    sampling = {k: v for k, v in sampling.items() if k != "output_kind"}
     params = read_sampling(sampling, chat=False)
     if sampling.get("prompt_logprobs") is not None:
         params.prompt_logprobs = int(sampling["prompt_logprobs"])
