@@ -13,9 +13,9 @@ use) goes to protobuf's own parser instead, so the contract stays the protobuf d
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
+from skyrl_grpc.crc import crc32 as crc_of
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 _CHUNK = cp.PushWeightsRequest.DESCRIPTOR.fields_by_name["chunk"].number
@@ -51,7 +51,7 @@ class WireChunk:
 def encode_chunk(name: str, offset: int, piece: memoryview, crc32: int | None = None) -> bytes:
     """A serialized ``PushWeightsRequest`` carrying one chunk with its CRC-32 (``crc32`` when
     the caller computed it already); ``piece`` is copied once, into the result."""
-    crc = zlib.crc32(piece) if crc32 is None else crc32
+    crc = crc_of(piece) if crc32 is None else crc32
     head = cp.WeightChunk(name=name, offset_bytes=offset, crc32=crc)
     head_bytes = head.SerializeToString()
     data_prefix = _varint(_DATA << 3 | _LENGTH_DELIMITED) + _varint(len(piece))

@@ -16,6 +16,7 @@ from typing import Any
 
 from skyrl_grpc import dtypes
 from skyrl_grpc.chunk_wire import encode_chunk
+from skyrl_grpc.crc import crc32
 from skyrl_grpc.process_group import join_group, master_store
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
@@ -123,15 +124,13 @@ class PushStream:
     def __init__(
         self, entries: list[tuple[cp.ParameterSpec, Any]], chunk_bytes: int = DEFAULT_CHUNK_BYTES
     ) -> None:
-        import zlib
-
         manifest = cp.WeightManifest(parameters=[spec for spec, _ in entries])
         self._manifest = cp.PushWeightsRequest(manifest=manifest).SerializeToString()
         self._chunk_bytes = chunk_bytes
         self._entries = [(spec.name, data) for spec, data in entries]
         self._crcs = [
             [
-                zlib.crc32(memoryview(data[offset : offset + chunk_bytes]))
+                crc32(memoryview(data[offset : offset + chunk_bytes]))
                 for offset in range(0, max(len(data), 1), chunk_bytes)
             ]
             for _, data in self._entries

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from skyrl_grpc import dtypes
 from skyrl_grpc.chunk_wire import WireChunk
+from skyrl_grpc.crc import crc32
 from skyrl_grpc.errors import DataLoss, InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
@@ -195,7 +195,7 @@ class InBandAssembler:
                 f"the chunk of {chunk.name} at offset {chunk.offset_bytes} has no checksum: set "
                 "crc32 (zlib.crc32 of data) or sha256"
             )
-        if (chunk.crc32 is not None and zlib.crc32(data) != chunk.crc32) or (
+        if (chunk.crc32 is not None and crc32(data) != chunk.crc32) or (
             chunk.sha256 and hashlib.sha256(data).digest() != chunk.sha256
         ):
             raise DataLoss(
