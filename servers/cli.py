@@ -161,7 +161,7 @@ def _up(args: argparse.Namespace, server_args: list[str]) -> None:
                 print(f"OpenAI API: http://{args.host}:{fleet.http_port}/v1")
             if args.log_dir:
                 print(f"logs: {Path(args.log_dir).resolve()}")
-            fleet.supervise()  # a server that dies is reported and started again
+        fleet.supervise()  # a server that dies is reported and started again
         print("Ctrl-C to stop", flush=True)
         stopping = False
 

@@ -3,6 +3,7 @@
 ``Fleet`` is what every launcher is: ``start()`` returns the addresses once the router sees
 every server healthy, ``close()`` stops everything it started (also as a context manager).
 ``local.LocalFleet`` runs processes on this machine; ``ray_group.RayFleet`` places Ray actors.
+Both supervise by one rule (``supervision``): ``supervise()`` restarts servers that die.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ class Fleet(abc.ABC):
     @abc.abstractmethod
     def start(self, timeout: float = 600) -> FleetAddresses:
         """Starts everything; returns once the router sees every server healthy."""
+
+    @abc.abstractmethod
+    def supervise(self) -> None:
+        """Restarts servers that die, until ``close()`` (``supervision.ServerSupervisor``)."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -6,10 +6,9 @@ ports. Each process's log (its stderr, and its lifecycle lines) goes to a file o
 a log directory is given.
 
 With ``supervise()``, a server that dies (its engine died, it was killed, it ran out of memory)
-is reported and started again on the same address, with backoff; the router re-admits it when
-its health check passes and moves the server's sessions back. A restarted server serves the
-weights it started from (version 0): the trainer must push its weights again
-(``client.weight_versions()`` shows which servers are behind).
+is reported and started again on the same address by the fleets' one rule
+(``supervision.ServerSupervisor``: backoff, a crash loop reported and left down); the router
+re-admits it when its health check passes and moves the server's sessions back.
 
 Teardown sends SIGTERM (drain), then SIGKILL to anything left, so no process outlives the fleet.
 """
@@ -30,14 +29,10 @@ from typing import IO, Any
 
 from ..common.process import read_announcement
 from . import Fleet, FleetAddresses
+from .supervision import RestartPolicy, ServerSupervisor
 
 ENGINE_MODULE = "servers.engine"
 ROUTER_MODULE = "servers.router"
-# Restart backoff: the first restart waits this long, each further one twice as long, up to
-# the maximum; a server that stayed up for RESET_AFTER seconds starts from the first again.
-RESTART_DELAY_SECONDS = 1.0
-RESTART_MAX_DELAY_SECONDS = 30.0
-RESTART_RESET_AFTER_SECONDS = 60.0
 
 
 @dataclass
@@ -90,6 +85,7 @@ class LocalFleet(Fleet):
         server_ports: Sequence[int] | None = None,
         router_port: int = 0,
         on_event: Callable[[str], None] | None = None,
+        restart_policy: RestartPolicy | None = None,
     ) -> None:
         self.num_servers = num_servers
         self.engine_args = engine_args or []
@@ -110,7 +106,8 @@ class LocalFleet(Fleet):
         self._router: _Process | None = None
         self._closing = threading.Event()
         self._supervisor: threading.Thread | None = None
-        self.restarts = [0] * num_servers
+        self.restart_policy = restart_policy or RestartPolicy()
+        self.supervision: ServerSupervisor | None = None
         self.metrics_port: int | None = None
         self.http_port: int | None = None  # the router's OpenAI HTTP edge, if it has one
 
@@ -210,44 +207,37 @@ class LocalFleet(Fleet):
 
     def supervise(self) -> None:
         """Starts restarting servers that die (in a background thread) until ``close()``."""
-        if self._supervisor is None:
-            self._supervisor = threading.Thread(
-                target=self._supervise, name="fleet supervisor", daemon=True
-            )
-            self._supervisor.start()
+        if self._supervisor is not None:
+            return
+        self.supervision = ServerSupervisor(
+            self.num_servers,
+            death=self._death,
+            restart=lambda index: self.restart_server(index),
+            on_event=self.on_event,
+            policy=self.restart_policy,
+            addresses=list(self.addresses.servers),
+            sleep=self._closing.wait,
+        )
+        self._supervisor = threading.Thread(
+            target=self.supervision.run,
+            args=(self._closing, 0.2),
+            name="fleet supervisor",
+            daemon=True,
+        )
+        self._supervisor.start()
 
-    def _supervise(self) -> None:
-        delays = [RESTART_DELAY_SECONDS] * self.num_servers
-        while not self._closing.wait(0.2):
-            for index, server in enumerate(self._servers):
-                code = server.popen.poll()
-                if code is None or self._closing.is_set():
-                    continue
-                address = self.addresses.servers[index]
-                if time.monotonic() - server.started > RESTART_RESET_AFTER_SECONDS:
-                    delays[index] = RESTART_DELAY_SECONDS
-                failed = server.event("failed")
-                why = f": {failed['error']}" if failed and failed.get("error") else ""
-                self.on_event(
-                    f"server {index} ({address}) died (exit code {code}){why}; restarting in "
-                    f"{delays[index]:.0f} s"
-                )
-                if self._closing.wait(delays[index]):
-                    return
-                delays[index] = min(delays[index] * 2, RESTART_MAX_DELAY_SECONDS)
-                self._servers[index] = self._spawn_server(index)
-                self.restarts[index] += 1
-                threading.Thread(
-                    target=self._announce_back, args=(index, self._servers[index]), daemon=True
-                ).start()
+    @property
+    def restarts(self) -> list[int]:
+        return self.supervision.restarts if self.supervision else [0] * self.num_servers
 
-    def _announce_back(self, index: int, server: _Process) -> None:
-        server.ready.wait()
-        if server.event("ready") is not None and not self._closing.is_set():
-            self.on_event(
-                f"server {index} ({self.addresses.servers[index]}) is back; it serves its "
-                "initial weights (version 0): push the trainer's weights again"
-            )
+    def _death(self, index: int) -> str | None:
+        server = self._servers[index]
+        code = server.popen.poll()
+        if code is None or self._closing.is_set():
+            return None
+        failed = server.event("failed")
+        why = f": {failed['error']}" if failed and failed.get("error") else ""
+        return f"exit code {code}{why}"
 
     # -- for tests and tools ------------------------------------------------------------------
 

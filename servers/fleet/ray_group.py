@@ -10,6 +10,11 @@ server) to colocate inference with training. ``start()`` waits until every serve
 is healthy and the router is up, then returns the addresses; ``close()`` drains the servers,
 kills the actors and removes the placement group it created, so no process outlives it.
 
+``supervise()`` applies the fleets' one rule (``supervision.ServerSupervisor``): a server whose
+actor, node or engine died is re-created in its bundle — Ray re-places a lost node's bundles on
+a node with room — and the router's membership follows (RouterAdmin: the old address removed,
+the new one added; its sessions move as on any server death).
+
     with RayFleet(num_servers=2, cpu_only=True) as fleet:
         router = fleet.addresses.router
 """
@@ -17,10 +22,12 @@ kills the actors and removes the placement group it created, so no process outli
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import Fleet, FleetAddresses
+from .supervision import RestartPolicy, ServerSupervisor
 
 
 def _node_ip() -> str:
@@ -68,6 +75,10 @@ class EngineServerActor:
 
     async def stop(self) -> None:
         await self._server.drain(grace=5)
+
+    def failure(self) -> str | None:
+        """Why the server stopped serving (its engine failed or died); None while it serves."""
+        return self._server.failure
 
     def pid(self) -> int:
         return os.getpid()
@@ -148,6 +159,11 @@ class RayFleet(Fleet):
         self._pg: Any = None
         self._servers: list[Any] = []
         self._router: Any = None
+        self._env: dict[str, str] = {}
+        self._closing = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self.supervision: ServerSupervisor | None = None
+        self.on_event: Any = lambda line: print(line, flush=True)
 
     @property
     def devices_per_engine(self) -> int:
@@ -168,7 +184,7 @@ class RayFleet(Fleet):
     def start(self, timeout: float = 600) -> FleetAddresses:
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         if not ray.is_initialized():
             ray.init(address=self.options.ray_address, include_dashboard=False)
@@ -181,30 +197,22 @@ class RayFleet(Fleet):
             if self.options.cpu_only
             else dict(self.options.env)
         )
-        engine_actor = ray.remote(EngineServerActor)
-        for index in range(self.options.num_servers):
-            strategy = PlacementGroupSchedulingStrategy(
-                placement_group=pg,
-                placement_group_bundle_index=self._bundle_offset + index,
-            )
-            bundle = self.bundle()
-            resources: dict[str, Any] = {
-                "num_cpus": bundle.get("CPU", 0),
-                "num_gpus": bundle.get("GPU", 0),
-                "resources": self.options.resources,
-            }
-            self._servers.append(
-                engine_actor.options(scheduling_strategy=strategy, **resources).remote(
-                    self.options.server_args, self.options.engine, self.options.host, env
-                )
-            )
+        self._env = env
+        self._servers = [self._new_server(pg, index) for index in range(self.options.num_servers)]
         try:
             servers = [
                 self._advertised(a)
                 for a in ray.get([s.start.remote() for s in self._servers], timeout=timeout)
             ]
+            # The router stays on this (the driver's) node: a node that leaves takes servers
+            # with it, never the router that moves their sessions.
+            here = NodeAffinitySchedulingStrategy(
+                ray.get_runtime_context().get_node_id(), soft=False
+            )
             self._router = (
-                ray.remote(RouterActor).options(num_cpus=0).remote(servers, self.options.host)
+                ray.remote(RouterActor)
+                .options(num_cpus=0, scheduling_strategy=here)
+                .remote(servers, self.options.host)
             )
             router = self._advertised(ray.get(self._router.start.remote(), timeout=timeout))
         except Exception:
@@ -212,6 +220,96 @@ class RayFleet(Fleet):
             raise
         self.addresses = FleetAddresses(router, tuple(servers))
         return self.addresses
+
+    def _new_server(self, pg: Any, index: int) -> Any:
+        """A server actor in bundle ``index`` of the placement group (not started)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=self._bundle_offset + index
+        )
+        bundle = self.bundle()
+        return (
+            ray.remote(EngineServerActor)
+            .options(
+                scheduling_strategy=strategy,
+                num_cpus=bundle.get("CPU", 0),
+                num_gpus=bundle.get("GPU", 0),
+                resources=self.options.resources,
+            )
+            .remote(self.options.server_args, self.options.engine, self.options.host, self._env)
+        )
+
+    # -- supervision ---------------------------------------------------------------------------
+
+    def supervise(self, policy: RestartPolicy | None = None, interval: float = 1.0) -> None:
+        """Starts re-creating servers that die (in a background thread) until ``close()``."""
+        if self._supervisor is not None:
+            return
+        self.supervision = ServerSupervisor(
+            self.options.num_servers,
+            death=self._death,
+            restart=self._restart,
+            on_event=self.on_event,
+            policy=policy or RestartPolicy(),
+            on_moved=self._moved,
+            addresses=list(self.addresses.servers),
+            sleep=self._closing.wait,
+        )
+        self._supervisor = threading.Thread(
+            target=self.supervision.run,
+            args=(self._closing, interval),
+            name="ray fleet supervisor",
+            daemon=True,
+        )
+        self._supervisor.start()
+
+    def _death(self, index: int) -> str | None:
+        import ray
+
+        try:
+            failure = ray.get(self._servers[index].failure.remote(), timeout=30)
+        except ray.exceptions.GetTimeoutError:
+            return None  # busy, not dead: asked again next pass
+        except ray.exceptions.RayActorError as error:
+            return f"its actor died: {str(error).splitlines()[0]}"
+        return None if failure is None else str(failure)
+
+    def _restart(self, index: int) -> str:
+        import ray
+
+        try:
+            ray.kill(self._servers[index])
+        except Exception:  # already gone with its node
+            pass
+        self._servers[index] = self._new_server(self._external_pg or self._pg, index)
+        return self._advertised(ray.get(self._servers[index].start.remote(), timeout=600))
+
+    def _moved(self, index: int, old: str, new: str) -> None:
+        """The router forgets the old address and watches the new one."""
+        import grpc
+
+        from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+
+        with grpc.insecure_channel(self.addresses.router) as channel:
+            admin = router_pb2_grpc.RouterAdminStub(channel)
+            try:
+                admin.RemoveBackend(router_pb2.RemoveBackendRequest(address=old), timeout=30)
+            except grpc.RpcError as error:  # already ejected: nothing to remove
+                if error.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+            admin.AddBackend(router_pb2.AddBackendRequest(address=new), timeout=30)
+        servers = list(self.addresses.servers)
+        servers[index] = new
+        self.addresses = replace(self.addresses, servers=tuple(servers))
+        self.on_event(f"the router now routes to {new} in place of {old}")
+
+    def kill_server(self, index: int) -> None:
+        """Kills server ``index``'s actor (for fault tests and tools)."""
+        import ray
+
+        ray.kill(self._servers[index])
 
     def _advertised(self, address: str) -> str:
         host, _, port = address.rpartition(":")
@@ -233,6 +331,10 @@ class RayFleet(Fleet):
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        self._closing.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=30)
+            self._supervisor = None
         stops = []
         if self._router is not None:
             stops.append(self._router.stop.remote())

@@ -1,0 +1,131 @@
+"""A RayFleet that heals itself when a node leaves (its raylet killed mid-generation), on a Ray
+cluster of three nodes simulated on this machine (``ray.cluster_utils.Cluster``): streams
+migrate, the lost server is re-created on the surviving node and rejoins the router, and a
+training step succeeds across the new fleet. Timings printed for the closing note."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from safetensors.torch import load_file
+
+from servers.fleet.ray_group import RayFleet
+from servers.fleet.supervision import RestartPolicy
+from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from tests.helpers.waits import running_on_engines
+from trainer_client import InferenceClient
+
+pytestmark = [pytest.mark.engine]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+async def wait_for(events: list[str], words: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [e for e in events if words in e]
+        if found:
+            return found[-1]
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no event with {words!r} in {timeout} s: {events}")
+
+
+async def test_a_node_that_leaves_takes_its_server_and_the_fleet_heals(
+    cluster: Any, tiny_model_dir: Any
+) -> None:
+    doomed = cluster.add_node(num_cpus=2, resources={"inference": 1})
+    survivor = cluster.add_node(num_cpus=2, resources={"inference": 2})
+    cluster.wait_for_nodes()
+    events: list[str] = []
+    fleet = RayFleet(2, cpu_only=True, strategy="SPREAD", resources={"inference": 1})
+    fleet.on_event = events.append
+    await asyncio.to_thread(fleet.start)
+    try:
+        fleet.supervise(RestartPolicy(first_delay=0.5), interval=0.5)
+        nodes = await asyncio.to_thread(fleet.node_ids)
+        assert set(nodes) == {doomed.node_id, survivor.node_id}  # Ray's own view
+        victim = nodes.index(doomed.node_id)
+        old_address = fleet.addresses.servers[victim]
+        client = InferenceClient(fleet.addresses.router, list(fleet.addresses.servers))
+        prompts = [[1, 100 + i, 7] for i in range(32)]
+        greedy = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+        sessions = [f"node-death-{i}" for i in range(32)]
+        batch = asyncio.ensure_future(client.generate_batch(prompts, greedy, session_ids=sessions))
+        await running_on_engines(client, 1, batch, servers=[old_address])
+        left = time.monotonic()
+        cluster.remove_node(doomed)  # its raylet and every process on it
+        results = await asyncio.wait_for(batch, 300)  # migrated: every one completes
+        assert [len(r.token_ids) for r in results] == [48] * 32
+        back = await wait_for(events, "is back", 600)
+        whole = time.monotonic() - left
+        assert f"server {victim}" in back
+        assert any("died" in e and "actor died" in e for e in events), events
+        new_address = fleet.addresses.servers[victim]
+        assert new_address != old_address
+        assert (await asyncio.to_thread(fleet.node_ids))[victim] == survivor.node_id
+        async with grpc.aio.insecure_channel(fleet.addresses.router) as channel:
+            admin = router_pb2_grpc.RouterAdminStub(channel)
+            deadline = time.monotonic() + 60
+            while True:
+                listed = await admin.ListBackends(router_pb2.ListBackendsRequest())
+                states = {b.address: b.state for b in listed.backends}
+                if states.get(new_address) == router_pb2.BACKEND_STATE_HEALTHY:
+                    break
+                assert time.monotonic() < deadline, states
+                await asyncio.sleep(0.2)
+            assert old_address not in states
+        # A training step across the new fleet: pause, a fleet-wide update, resume.
+        await client.close()
+        client = InferenceClient(fleet.addresses.router, list(fleet.addresses.servers))
+        await client.pause("keep")
+        weights = load_file(str(tiny_model_dir / "model.safetensors"))
+        await client.update_weights(weights.items(), 1)
+        await client.resume()
+        stepped = time.monotonic() - left
+        versions = await client.weight_versions()
+        assert versions.consistent and versions.newest == 1
+        # The same greedy tokens as before the node left (the same weights, re-pushed).
+        again = await client.generate_batch(prompts[:4], greedy, session_ids=sessions[:4])
+        assert [r.token_ids for r in again] == [r.token_ids for r in results[:4]]
+        print(f"\nnode left -> fleet whole: {whole:.1f} s; -> training step done: {stepped:.1f} s")
+        await client.close()
+    finally:
+        await asyncio.to_thread(fleet.close)
+
+
+async def test_a_server_that_dies_at_every_start_is_reported_after_bounded_tries(
+    cluster: Any,
+) -> None:
+    cluster.add_node(num_cpus=2, resources={"crashy": 2})
+    cluster.wait_for_nodes()
+    events: list[str] = []
+    fleet = RayFleet(1, cpu_only=True, resources={"crashy": 1})
+    fleet.on_event = events.append
+    await asyncio.to_thread(fleet.start)
+    try:
+        # From now on every start fails: the model directory the server reads is gone.
+        fleet.options.server_args = ["--model", "/nonexistent/model"]
+        fleet.supervise(RestartPolicy(first_delay=0.1, max_failures=2), interval=0.2)
+        fleet.kill_server(0)  # the actor dies
+        reported = await wait_for(events, "times in a row", 600)
+        assert "failed 2 times in a row" in reported and "/nonexistent/model" in reported
+        assert fleet.supervision is not None and fleet.supervision.restarts == [2]
+    finally:
+        await asyncio.to_thread(fleet.close)
