@@ -18,6 +18,7 @@ from skyrl_grpc.placement import (
 )
 from skyrl_grpc.placement.balancer import LeastOutstanding, RoundRobin
 from skyrl_grpc.placement.hash_ring import HashRing, stable_hash
+from skyrl_grpc.placement.policy import behind
 
 BACKENDS = [f"10.0.0.{i}:50051" for i in range(1, 5)]
 SESSIONS = [f"session-{i}" for i in range(10_000)]
@@ -91,12 +92,14 @@ class View:
         in_flight: int = 0,
         paused: bool = False,
         reported_load: int = 0,
+        weight_version: int = 0,
     ) -> None:
         self.address = address
         self.eligible = eligible
         self.in_flight = in_flight
         self.paused = paused
         self.reported_load = reported_load
+        self.weight_version = weight_version
 
 
 def placed(
@@ -317,3 +320,24 @@ def test_policies_are_named() -> None:
     assert isinstance(make_policy("consistent-hash"), ConsistentHashPolicy)
     with pytest.raises(ValueError, match="bounded-load"):
         make_policy("random")
+
+
+@pytest.mark.parametrize("policy", ["bounded-load", "consistent-hash", "sticky-least-loaded"])
+def test_a_backend_behind_the_fleets_weights_gets_no_calls_until_it_catches_up(
+    policy: str,
+) -> None:
+    # "c" came back (or was added) serving version 0 while the others serve 3.
+    views = [View("a", weight_version=3), View("b", weight_version=3), View("c")]
+    chosen, backends = placed(views, make_policy(policy))
+    assert behind(backends) == {"c"}
+    picks = {chosen.choose(f"s{i}", backends).address for i in range(40)}  # type: ignore[union-attr]
+    picks |= {chosen.choose(None, backends).address for _ in range(5)}  # type: ignore[union-attr]
+    assert picks == {"a", "b"}
+    # An ineligible backend does not count: with only "c" healthy, it serves.
+    views[0].eligible = views[1].eligible = False
+    assert chosen.choose("alone", backends).address == "c"  # type: ignore[union-attr]
+    # Caught up: it takes calls again.
+    views[0].eligible = views[1].eligible = True
+    views[2].weight_version = 3
+    assert behind(backends) == frozenset()
+    assert "c" in {chosen.choose(f"t{i}", backends).address for i in range(40)}  # type: ignore[union-attr]

@@ -45,6 +45,7 @@ class Member:
     paused: bool = False
     reported_load: int = 0
     in_flight: int = 0
+    weight_version: int = 0
 
 
 class DirectRoutes:
@@ -127,6 +128,7 @@ class DirectRoutes:
             member.eligible = backend.state == router_pb2.BACKEND_STATE_HEALTHY
             member.paused = backend.paused
             member.reported_load = backend.running_requests + backend.waiting_requests
+            member.weight_version = backend.weight_version
         self._apply_sessions(update)
         self._first_answer.set()
 

@@ -21,8 +21,10 @@ the new one added; its sessions move as on any server death).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -157,6 +159,8 @@ class RayFleet(Fleet):
         self._external_pg = placement_group
         self._bundle_offset = bundle_offset
         self._pg: Any = None
+        # Placement groups of servers added by scale() (one bundle each), by server index.
+        self._added_pgs: dict[int, Any] = {}
         self._servers: list[Any] = []
         self._router: Any = None
         self._env: dict[str, str] = {}
@@ -191,14 +195,13 @@ class RayFleet(Fleet):
         if self._external_pg is None:
             self._pg = placement_group(self.bundles(), strategy=self.options.strategy)
             ray.get(self._pg.ready(), timeout=timeout)
-        pg = self._external_pg or self._pg
         env = (
             {"VLLM_CPU_KVCACHE_SPACE": "1", **self.options.env}
             if self.options.cpu_only
             else dict(self.options.env)
         )
         self._env = env
-        self._servers = [self._new_server(pg, index) for index in range(self.options.num_servers)]
+        self._servers = [self._new_server(index) for index in range(self.options.num_servers)]
         try:
             servers = [
                 self._advertised(a)
@@ -221,13 +224,18 @@ class RayFleet(Fleet):
         self.addresses = FleetAddresses(router, tuple(servers))
         return self.addresses
 
-    def _new_server(self, pg: Any, index: int) -> Any:
-        """A server actor in bundle ``index`` of the placement group (not started)."""
+    def _new_server(self, index: int) -> Any:
+        """A server actor in its bundle (not started): the fleet's placement group for the
+        first ``num_servers``, a group of its own for one ``scale()`` added."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        if index in self._added_pgs:
+            pg, bundle_index = self._added_pgs[index], 0
+        else:
+            pg, bundle_index = self._external_pg or self._pg, self._bundle_offset + index
         strategy = PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=self._bundle_offset + index
+            placement_group=pg, placement_group_bundle_index=bundle_index
         )
         bundle = self.bundle()
         return (
@@ -283,20 +291,19 @@ class RayFleet(Fleet):
             ray.kill(self._servers[index])
         except Exception:  # already gone with its node
             pass
-        self._servers[index] = self._new_server(self._external_pg or self._pg, index)
+        self._servers[index] = self._new_server(index)
         return self._advertised(ray.get(self._servers[index].start.remote(), timeout=600))
 
     def _moved(self, index: int, old: str, new: str) -> None:
         """The router forgets the old address and watches the new one."""
         import grpc
 
-        from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+        from skyrl_grpc.v1 import router_pb2
 
-        with grpc.insecure_channel(self.addresses.router) as channel:
-            admin = router_pb2_grpc.RouterAdminStub(channel)
+        with self._router_admin() as admin:
             try:
                 admin.RemoveBackend(router_pb2.RemoveBackendRequest(address=old), timeout=30)
-            except grpc.RpcError as error:  # already ejected: nothing to remove
+            except grpc.RpcError as error:  # already removed: nothing to do
                 if error.code() != grpc.StatusCode.NOT_FOUND:
                     raise
             admin.AddBackend(router_pb2.AddBackendRequest(address=new), timeout=30)
@@ -304,6 +311,59 @@ class RayFleet(Fleet):
         servers[index] = new
         self.addresses = replace(self.addresses, servers=tuple(servers))
         self.on_event(f"the router now routes to {new} in place of {old}")
+
+    @contextlib.contextmanager
+    def _router_admin(self) -> Iterator[Any]:
+        import grpc
+
+        from skyrl_grpc.v1 import router_pb2_grpc
+
+        with grpc.insecure_channel(self.addresses.router) as channel:
+            yield router_pb2_grpc.RouterAdminStub(channel)
+
+    # -- growth and shrinkage ------------------------------------------------------------------
+
+    def scale(self, count: int, timeout: float = 600) -> FleetAddresses:
+        """Grows or shrinks the fleet to ``count`` servers. An added server gets a placement
+        group of its own (one bundle, on a node with room), starts, and joins the router; it
+        serves version 0 and the router keeps new calls off it (it is behind) until the
+        trainer's next update reaches it. A removed server (the newest first) is drained at the
+        router (no new calls; its in-flight calls finish, up to ``timeout``), then stopped."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        from skyrl_grpc.v1 import router_pb2
+
+        if count < 1:
+            raise ValueError(f"scale({count}): a fleet keeps at least one server")
+        servers = list(self.addresses.servers)
+        with self._router_admin() as admin:
+            while len(servers) < count:
+                index = len(servers)
+                group = placement_group([self.bundle()], strategy=self.options.strategy)
+                ray.get(group.ready(), timeout=timeout)
+                self._added_pgs[index] = group
+                self._servers.append(self._new_server(index))
+                started = ray.get(self._servers[index].start.remote(), timeout=timeout)
+                servers.append(self._advertised(started))
+                admin.AddBackend(router_pb2.AddBackendRequest(address=servers[-1]), timeout=30)
+                self.on_event(f"server {index} ({servers[-1]}) added")
+            while len(servers) > count:
+                index = len(servers) - 1
+                address = servers.pop()
+                admin.DrainBackend(router_pb2.DrainBackendRequest(address=address), timeout=timeout)
+                actor = self._servers.pop()
+                try:
+                    ray.get(actor.stop.remote(), timeout=60)
+                finally:
+                    ray.kill(actor)
+                if index in self._added_pgs:
+                    remove_placement_group(self._added_pgs.pop(index))
+                self.on_event(f"server {index} ({address}) drained and removed")
+        self.addresses = replace(self.addresses, servers=tuple(servers))
+        if self.supervision is not None:
+            self.supervision.resize(list(servers))
+        return self.addresses
 
     def kill_server(self, index: int) -> None:
         """Kills server ``index``'s actor (for fault tests and tools)."""
@@ -348,6 +408,7 @@ class RayFleet(Fleet):
             ray.kill(actor)
         self._servers.clear()
         self._router = None
-        if self._pg is not None:
-            remove_placement_group(self._pg)
-            self._pg = None
+        for group in [*([self._pg] if self._pg is not None else []), *self._added_pgs.values()]:
+            remove_placement_group(group)
+        self._pg = None
+        self._added_pgs.clear()

@@ -76,6 +76,17 @@ class ServerSupervisor:
         """Servers left down after failing ``max_failures`` times in a row, with the cause."""
         return {i: w.given_up for i, w in enumerate(self._watched) if w.given_up is not None}
 
+    def resize(self, addresses: list[str]) -> None:
+        """The fleet grew or shrank (servers added or removed at the end): watch ``addresses``."""
+        now = self.clock()
+        count = len(addresses)
+        self._watched = self._watched[:count] + [
+            _Watched(now, self.policy.first_delay) for _ in range(count - len(self._watched))
+        ]
+        self.restarts = self.restarts[:count] + [0] * (count - len(self.restarts))
+        self.addresses[:] = addresses
+        self.count = count
+
     def check_once(self) -> None:
         """One pass: restarts each server found dead (blocking until it is ready or failed)."""
         for index, watched in enumerate(self._watched):

@@ -71,6 +71,10 @@ class Backend:
         return self.status.paused
 
     @property
+    def weight_version(self) -> int:
+        return int(self.status.weight_version)
+
+    @property
     def reported_load(self) -> int:
         return self.status.running_requests + self.status.waiting_requests
 
@@ -191,7 +195,7 @@ class BackendPool:
     def choose(
         self, session_id: str | None, exclude: frozenset[str] = frozenset()
     ) -> Backend | None:
-        """The backend for a call (see ``placement``)."""
+        """The backend for a call (see ``placement``: never one that is behind)."""
         return self.placement.choose(session_id, self._backends, exclude)
 
     def owner(self, session_id: str) -> str | None:

@@ -18,6 +18,11 @@ left) is placed by the policy:
 - ``ConsistentHashPolicy`` (``consistent-hash``): the session's owner on a hash ring, walking on
   past ineligible backends; balanced only on average.
 
+Under every policy a backend that is behind -- healthy, but serving an older weight version
+than another healthy one (a server restarted or added since the fleet's last update, until the
+trainer's next update reaches it) -- gets no calls while one on the newest version can take
+them: a rollout never mixes the fleet's weights with stale ones.
+
 Both are deterministic functions of what they are shown (membership, reported sessions and
 load): two router replicas, a router that restarted, and a trainer client routing itself place
 a session the same way, with no state shared between them. Pure: no network; every rule is
@@ -56,8 +61,18 @@ class Candidate(Protocol):
     @property
     def reported_load(self) -> int: ...  # requests the server itself runs and queues
 
+    @property
+    def weight_version(self) -> int: ...  # the weights it serves, as it reports (0: unknown)
+
 
 C = TypeVar("C", bound=Candidate)
+
+
+def behind(backends: Mapping[str, Candidate]) -> frozenset[str]:
+    """Eligible backends serving an older weight version than the newest eligible one's."""
+    eligible = [b for b in backends.values() if b.eligible]
+    newest = max((b.weight_version for b in eligible), default=0)
+    return frozenset(b.address for b in eligible if b.weight_version < newest)
 Eligible = Callable[[str], bool]
 # Told when a live session moves: (session, the backend it left, the one it went to).
 OnMove = Callable[[str, str, str], None]
@@ -96,7 +111,8 @@ class PlacementPolicy:
         backends: Mapping[str, C],
         exclude: frozenset[str] = frozenset(),
     ) -> C | None:
-        """The backend for a call, among eligible ``backends`` not in ``exclude``."""
+        """The backend for a call, among eligible ``backends`` not in ``exclude`` nor behind."""
+        exclude = exclude | behind(backends)
 
         def eligible(address: str) -> bool:
             backend = backends.get(address)
