@@ -73,6 +73,8 @@ def behind(backends: Mapping[str, Candidate]) -> frozenset[str]:
     eligible = [b for b in backends.values() if b.eligible]
     newest = max((b.weight_version for b in eligible), default=0)
     return frozenset(b.address for b in eligible if b.weight_version < newest)
+
+
 Eligible = Callable[[str], bool]
 # Told when a live session moves: (session, the backend it left, the one it went to).
 OnMove = Callable[[str, str, str], None]
