@@ -107,6 +107,27 @@ async def running_router(backends: list[str], **options: Any) -> AsyncIterator[A
     await router.stop(0)
 
 
+@pytest.fixture(autouse=True)
+async def _shared_servers_on_one_version(request: pytest.FixtureRequest) -> None:
+    """A test on both shared engine servers starts with them on one weight version: placement
+    keeps calls off a server behind the other, so what an earlier test left (a delta to one, a
+    version pushed to one) must not decide where this test's calls go."""
+    if "second_engine_server" not in request.fixturenames:
+        return
+    from safetensors.torch import load_file
+
+    from tests.helpers.weights import on_one_version
+    from trainer_client import InferenceClient
+
+    servers = [
+        request.getfixturevalue(f).address for f in ("engine_server", "second_engine_server")
+    ]
+    client = InferenceClient(servers[0], servers, direct=False)
+    model = request.getfixturevalue("tiny_model_dir")
+    await on_one_version(client, load_file(str(model / "model.safetensors")))
+    await client.close()
+
+
 @pytest.fixture(scope="session")
 async def two_server_router(engine_server: Any, second_engine_server: Any) -> AsyncIterator[Any]:
     """A router in front of both real engine servers."""

@@ -137,6 +137,8 @@ class PushStream:
         ]
         # Bytes of parameter data this stream carries (what a server receives).
         self.total_bytes = sum(len(data) for _, data in self._entries)
+        # No parameter at all (a group where nothing changed): not worth a stream.
+        self.empty = not self._entries
 
     def __iter__(self) -> Iterator[bytes]:
         yield self._manifest
@@ -145,6 +147,22 @@ class PushStream:
             for index, crc in enumerate(crcs):
                 offset = index * size
                 yield encode_chunk(name, offset, memoryview(data[offset : offset + size]), crc)
+
+
+def push_groups(
+    named_tensors: list[tuple[str, Any]], group_bytes: int
+) -> list[list[tuple[str, Any]]]:
+    """The tensors in order, in groups of about ``group_bytes`` (a bigger tensor alone)."""
+    groups: list[list[tuple[str, Any]]] = [[]]
+    size = 0
+    for name, tensor in named_tensors:
+        tensor_bytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + tensor_bytes > group_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, tensor))
+        size += tensor_bytes
+    return groups
 
 
 def whole_entry(name: str, tensor: Any, with_checksum: bool) -> tuple[cp.ParameterSpec, Any]:

@@ -33,10 +33,16 @@ from .weight_sending import (
     PushStream,
     full_entries,
     plan_buckets,
+    push_groups,
     rank_offsets,
     weight_patches,
 )
 from .weight_transaction import run_weight_transaction
+
+# Source bytes of the tensors in one PushWeights stream (see ``_push``): big enough that a
+# stream's own cost (a manifest, a round trip) is negligible, small enough that preparing the
+# next group overlaps sending this one.
+PUSH_GROUP_BYTES = 64 << 20
 
 log = logging.getLogger(__name__)
 WeightTransport = Literal["collective", "grpc"]
@@ -255,19 +261,30 @@ class WeightUpdates(ClientCore):
     ) -> dict[str, BaseException]:
         """Pushes to every server: a patch against ``base`` where the server serves its version,
         the whole weights elsewhere, and to a server that refuses the patch (its version
-        moved). Each stream is checksummed once for all servers and serialized as it is
-        sent."""
-        streams: dict[bool, PushStream] = {}
+        moved). The tensors go in groups of ``PUSH_GROUP_BYTES``, one PushWeights stream each
+        (an update takes any number): a worker thread prepares the next group's stream (its
+        patches, checksums) while the current one is sent, so the trainer's work overlaps the
+        transfer and the servers' instead of preceding them. Each group is prepared once for
+        all servers; a group with nothing changed sends nothing."""
+        groups = push_groups(tensors, PUSH_GROUP_BYTES)
+        prepared: dict[tuple[bool, int], asyncio.Future[PushStream]] = {}
 
-        def stream(patched: bool) -> PushStream:
-            if patched not in streams:
-                if patched:
-                    assert base is not None
-                    entries = weight_patches(tensors, base.tensors, base.version, checksums)
-                else:
-                    entries = full_entries(tensors, checksums)
-                streams[patched] = PushStream(entries, chunk_bytes)
-            return streams[patched]
+        def make(patched: bool, group: list[tuple[str, Any]]) -> PushStream:
+            if patched:
+                assert base is not None
+                entries = weight_patches(group, base.tensors, base.version, checksums)
+            else:
+                entries = full_entries(group, checksums)
+            return PushStream(entries, chunk_bytes)
+
+        def stream(patched: bool, index: int) -> asyncio.Future[PushStream]:
+            """Group ``index``'s stream, the next one's started too."""
+            for k in (index, index + 1):
+                if k < len(groups) and (patched, k) not in prepared:
+                    prepared[patched, k] = asyncio.ensure_future(
+                        asyncio.to_thread(make, patched, groups[k])
+                    )
+            return prepared[patched, index]
 
         def method(
             address: str,
@@ -278,21 +295,33 @@ class WeightUpdates(ClientCore):
                 response_deserializer=cp.PushWeightsResponse.FromString,
             )
 
-        async def push(address: str) -> object:
+        async def send_all(address: str, patched: bool) -> None:
+            self.last_push_bytes[address] = 0
+            for index in range(len(groups)):
+                sent = await stream(patched, index)
+                if sent.empty:
+                    continue
+                self.last_push_bytes[address] += sent.total_bytes
+                await self._unary(address, method(address), iter(sent), timeout)
+
+        async def push(address: str) -> None:
             patched = base is not None and serving.get(address) == base.version
             if patched:
                 try:
-                    sent = stream(True)
-                    self.last_push_bytes[address] = sent.total_bytes
-                    return await self._unary(address, method(address), iter(sent), timeout)
+                    await send_all(address, True)
+                    return
                 except FailedPrecondition:
+                    # Refused before anything of that stream was staged; whole tensors staged
+                    # by earlier streams are staged again, whole.
                     log.info("%s refused the patch (its version moved): sending it all", address)
-            sent = stream(False)
-            self.last_push_bytes[address] = sent.total_bytes
-            return await self._unary(address, method(address), iter(sent), timeout)
+            await send_all(address, False)
 
         self.last_push_bytes = {}
-        return await failures_of(addresses, push)
+        try:
+            return await failures_of(addresses, push)
+        finally:
+            for pending in prepared.values():
+                pending.cancel()  # a failed update leaves no preparation running
 
     async def cancel_weight_update(self, *, timeout: float | None = None) -> dict[str, int]:
         """Cancels the weight update open on any server (e.g. one a crashed trainer left);

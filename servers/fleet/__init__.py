@@ -36,6 +36,10 @@ class Fleet(abc.ABC):
         """Restarts servers that die, until ``close()`` (``supervision.ServerSupervisor``)."""
 
     @abc.abstractmethod
+    def scale(self, count: int, timeout: float = 600) -> FleetAddresses:
+        """Grows or shrinks the fleet to ``count`` servers (removed ones drained first)."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """Stops everything this fleet started (no process outlives it)."""
 

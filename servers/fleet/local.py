@@ -239,6 +239,48 @@ class LocalFleet(Fleet):
         why = f": {failed['error']}" if failed and failed.get("error") else ""
         return f"exit code {code}{why}"
 
+    # -- growth and shrinkage ------------------------------------------------------------------
+
+    def scale(self, count: int, timeout: float = 600) -> FleetAddresses:
+        """Grows or shrinks the fleet to ``count`` servers. An added server starts on a free
+        port and joins the router (behind until the trainer's next update reaches it); a
+        removed one (the newest first) is drained at the router (its in-flight calls finish,
+        up to ``timeout``), then stopped."""
+        import grpc
+
+        from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+
+        if count < 1:
+            raise ValueError(f"scale({count}): a fleet keeps at least one server")
+        servers = list(self.addresses.servers)
+        lock = self.supervision.lock if self.supervision else contextlib.nullcontext()
+        with grpc.insecure_channel(self.addresses.router) as channel, lock:
+            admin = router_pb2_grpc.RouterAdminStub(channel)
+            while len(servers) < count:
+                index = len(servers)
+                self.server_ports.append(0)
+                self._servers.append(self._spawn_server(index))
+                servers.append(self._await_ready(self._servers[index], time.monotonic() + timeout))
+                self.server_ports[index] = int(servers[-1].rpartition(":")[2])
+                admin.AddBackend(router_pb2.AddBackendRequest(address=servers[-1]), timeout=30)
+                self._resized(servers)
+                self.on_event(f"server {index} ({servers[-1]}) added")
+            while len(servers) > count:
+                index = len(servers) - 1
+                address = servers.pop()
+                admin.DrainBackend(router_pb2.DrainBackendRequest(address=address), timeout=timeout)
+                self._resized(servers)  # no longer watched: stopping it is not a death
+                self.server_ports.pop()
+                self._stop([self._servers.pop()], grace=15)
+                self.on_event(f"server {index} ({address}) drained and removed")
+        return self.addresses
+
+    def _resized(self, servers: list[str]) -> None:
+        self.num_servers = len(servers)
+        self.addresses = FleetAddresses(self.addresses.router, tuple(servers))
+        if self.supervision is not None:
+            self.supervision.resize(list(servers))
+
     # -- for tests and tools ------------------------------------------------------------------
 
     def kill_server(self, index: int) -> None:
@@ -259,11 +301,9 @@ class LocalFleet(Fleet):
         processes = [*self._servers, *([self._router] if self._router else [])]
         return [p.popen.pid for p in processes]
 
-    def close(self, grace: float = 15) -> None:
-        self._closing.set()
-        if self._supervisor is not None:
-            self._supervisor.join(timeout=5)
-        processes = [*([self._router] if self._router else []), *self._servers]
+    @staticmethod
+    def _stop(processes: list[_Process], grace: float) -> None:
+        """SIGTERM (drain), then SIGKILL to whatever is left, the engines' children too."""
         for process in processes:
             if process.popen.poll() is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -273,9 +313,15 @@ class LocalFleet(Fleet):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.popen.wait(max(deadline - time.monotonic(), 0.1))
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.popen.pid, signal.SIGKILL)  # the engine's children too
+                os.killpg(process.popen.pid, signal.SIGKILL)
             process.popen.wait()
             if process.log is not None:
                 process.log.close()
+
+    def close(self, grace: float = 15) -> None:
+        self._closing.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=5)
+        self._stop([*([self._router] if self._router else []), *self._servers], grace)
         self._servers.clear()
         self._router = None

@@ -337,7 +337,7 @@ class RayFleet(Fleet):
         if count < 1:
             raise ValueError(f"scale({count}): a fleet keeps at least one server")
         servers = list(self.addresses.servers)
-        with self._router_admin() as admin:
+        with self._router_admin() as admin, self._resizing():
             while len(servers) < count:
                 index = len(servers)
                 group = placement_group([self.bundle()], strategy=self.options.strategy)
@@ -347,11 +347,13 @@ class RayFleet(Fleet):
                 started = ray.get(self._servers[index].start.remote(), timeout=timeout)
                 servers.append(self._advertised(started))
                 admin.AddBackend(router_pb2.AddBackendRequest(address=servers[-1]), timeout=30)
+                self._resized(servers)
                 self.on_event(f"server {index} ({servers[-1]}) added")
             while len(servers) > count:
                 index = len(servers) - 1
                 address = servers.pop()
                 admin.DrainBackend(router_pb2.DrainBackendRequest(address=address), timeout=timeout)
+                self._resized(servers)  # no longer watched: stopping it is not a death
                 actor = self._servers.pop()
                 try:
                     ray.get(actor.stop.remote(), timeout=60)
@@ -360,16 +362,21 @@ class RayFleet(Fleet):
                 if index in self._added_pgs:
                     remove_placement_group(self._added_pgs.pop(index))
                 self.on_event(f"server {index} ({address}) drained and removed")
+        return self.addresses
+
+    @contextlib.contextmanager
+    def _resizing(self) -> Iterator[None]:
+        """Holds supervision off while the fleet changes size."""
+        if self.supervision is None:
+            yield
+            return
+        with self.supervision.lock:
+            yield
+
+    def _resized(self, servers: list[str]) -> None:
         self.addresses = replace(self.addresses, servers=tuple(servers))
         if self.supervision is not None:
             self.supervision.resize(list(servers))
-        return self.addresses
-
-    def kill_server(self, index: int) -> None:
-        """Kills server ``index``'s actor (for fault tests and tools)."""
-        import ray
-
-        ray.kill(self._servers[index])
 
     def _advertised(self, address: str) -> str:
         host, _, port = address.rpartition(":")

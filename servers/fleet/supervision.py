@@ -64,6 +64,9 @@ class ServerSupervisor:
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], bool] = lambda seconds: False  # True: stop waiting (closing)
     restarts: list[int] = field(init=False)
+    # Held by each pass and by a fleet changing its size, so a server being removed is never
+    # mistaken for a dead one.
+    lock: threading.RLock = field(init=False, default_factory=threading.RLock)
     _watched: list[_Watched] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -77,7 +80,8 @@ class ServerSupervisor:
         return {i: w.given_up for i, w in enumerate(self._watched) if w.given_up is not None}
 
     def resize(self, addresses: list[str]) -> None:
-        """The fleet grew or shrank (servers added or removed at the end): watch ``addresses``."""
+        """The fleet grew or shrank (servers added or removed at the end): watch ``addresses``.
+        Call it holding ``lock`` before stopping a removed server."""
         now = self.clock()
         count = len(addresses)
         self._watched = self._watched[:count] + [
@@ -89,13 +93,14 @@ class ServerSupervisor:
 
     def check_once(self) -> None:
         """One pass: restarts each server found dead (blocking until it is ready or failed)."""
-        for index, watched in enumerate(self._watched):
-            if watched.given_up is not None:
-                continue
-            cause = self.death(index)
-            if cause is None:
-                continue
-            self._handle_death(index, watched, cause)
+        with self.lock:
+            for index, watched in enumerate(self._watched):
+                if watched.given_up is not None:
+                    continue
+                cause = self.death(index)
+                if cause is None:
+                    continue
+                self._handle_death(index, watched, cause)
 
     def _handle_death(self, index: int, watched: _Watched, cause: str) -> None:
         name = f"server {index} ({self._address(index)})"

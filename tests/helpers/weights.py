@@ -33,3 +33,10 @@ async def greedy_per_server(servers: list[str]) -> dict[str, list[list[int]]]:
 async def next_version(client: InferenceClient) -> int:
     """One more than the newest version any of the client's servers serves."""
     return max((await client.weight_versions()).values()) + 1
+
+
+async def on_one_version(client: InferenceClient, weights: dict[str, torch.Tensor]) -> None:
+    """Puts the client's servers on one version (pushing ``weights`` if they differ): placement
+    keeps calls off a server behind the others, so a test of spreading needs none behind."""
+    if not (await client.weight_versions()).consistent:
+        await client.update_weights(weights.items(), await next_version(client), delta=False)

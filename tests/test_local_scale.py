@@ -1,0 +1,67 @@
+"""LocalFleet.scale: a server added joins the router and gets no calls while it is behind the
+fleet's weights, takes sessions once the trainer's update reached it, and a removed one is
+drained first and not mistaken for a dead one by the supervisor (real engine processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from safetensors.torch import load_file
+
+from servers.fleet.local import LocalFleet
+from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from trainer_client import InferenceClient
+
+pytestmark = pytest.mark.engine
+
+
+async def listed(router: str) -> dict[str, Any]:
+    async with grpc.aio.insecure_channel(router) as channel:
+        admin = router_pb2_grpc.RouterAdminStub(channel)
+        response = await admin.ListBackends(router_pb2.ListBackendsRequest())
+    return {b.address: b for b in response.backends}
+
+
+async def test_a_fleet_scales_up_behind_catches_up_and_scales_down_by_draining(
+    tiny_model_dir: Path,
+) -> None:
+    events: list[str] = []
+    fleet = LocalFleet(1, engine_args=["--model", str(tiny_model_dir)], on_event=events.append)
+    await asyncio.to_thread(fleet.start)
+    try:
+        fleet.supervise()
+        weights = load_file(str(tiny_model_dir / "model.safetensors"))
+        first = InferenceClient(fleet.addresses.router, list(fleet.addresses.servers))
+        await first.update_weights(weights.items(), 1)
+        await first.close()
+        await asyncio.to_thread(fleet.scale, 2)
+        old, new = fleet.addresses.servers
+        client = InferenceClient(fleet.addresses.router, [old, new], direct=False)
+        sampling = {"temperature": 0.0, "max_tokens": 4}
+        prompts = [[1, 60 + i] for i in range(6)]
+        deadline = time.monotonic() + 60
+        while (await listed(fleet.addresses.router))[new].state != router_pb2.BACKEND_STATE_HEALTHY:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        await client.generate_batch(prompts, sampling, session_ids=[f"g{i}" for i in range(6)])
+        assert (await listed(fleet.addresses.router))[new].total_requests == 0  # behind
+        await client.update_weights(weights.items(), 2)
+        while (await listed(fleet.addresses.router))[new].weight_version != 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        await client.generate_batch(prompts, sampling, session_ids=[f"h{i}" for i in range(6)])
+        assert (await listed(fleet.addresses.router))[new].total_requests > 0
+        await client.close()
+        await asyncio.to_thread(fleet.scale, 1)
+        assert fleet.addresses.servers == (old,)
+        assert list(await listed(fleet.addresses.router)) == [old]
+        await asyncio.sleep(1.5)  # a supervision pass or more
+        assert not any("died" in e for e in events), events
+        assert any(f"server 1 ({new}) drained and removed" in e for e in events), events
+    finally:
+        await asyncio.to_thread(fleet.close)
