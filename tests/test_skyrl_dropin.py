@@ -263,3 +263,26 @@ async def test_skyrl_0_4_surface_samples_pauses_and_refuses_what_it_cannot_do(
         await engine.update_named_weights({"names": ["w"], "dtype_names": ["bfloat16"]})
     assert await engine.get_world_size() == (2, 1)
     await engine.teardown()
+
+
+async def test_a_skyrl_batch_on_a_paused_fleet_behind_a_fail_fast_router_is_a_clear_error(
+    engine_server: Any, second_engine_server: Any
+) -> None:
+    from servers.router.proxy import ProxyOptions
+    from tests.conftest import running_router
+    from tests.helpers.waits import engines_idle, until
+
+    servers = [engine_server.address, second_engine_server.address]
+    async for router in running_router(servers, proxy=ProxyOptions(fail_when_paused=True)):
+        engine = SkyRLInferenceEngine(router.address, servers, direct=False)
+        await engine.pause_generation()
+        try:
+            await until(lambda pool=router.pool: all(b.paused for b in pool.backends))
+            batch = {"prompt_token_ids": [[1, 2, 3], [1, 4]], "sampling_params": {"max_tokens": 4}}
+            with pytest.raises(Exception, match="--fail-when-paused") as raised:
+                await asyncio.wait_for(engine.generate(batch), 30)
+            assert "UNAVAILABLE" in str(raised.value)
+            await until(lambda c=engine.client: engines_idle(c), 10, "nothing left running")
+        finally:
+            await engine.resume_generation()
+            await engine.teardown()
