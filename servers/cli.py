@@ -18,6 +18,7 @@ import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -149,6 +150,25 @@ def _add_stack_arguments(
     )
 
 
+def _read_commands(fleet: Fleet) -> None:
+    """``up``'s standard input: ``scale N`` grows or shrinks the fleet (``Fleet.scale``: added
+    servers join the router, removed ones are drained first), then prints the servers."""
+    for line in sys.stdin:
+        words = line.split()
+        if not words:
+            continue
+        if len(words) != 2 or words[0] != "scale" or not words[1].isdigit():
+            print(f"unknown command {line.strip()!r}: use `scale N`", flush=True)
+            continue
+        try:
+            addresses = fleet.scale(int(words[1]))
+        except Exception as error:  # reported; up keeps supervising what it has
+            print(f"scale {words[1]} failed: {error}", flush=True)
+            continue
+        for index, address in enumerate(addresses.servers):
+            print(f"server {index}: {address}", flush=True)
+
+
 def _up(args: argparse.Namespace, server_args: list[str]) -> None:
     with make_fleet(args, server_args) as fleet:
         print(f"router: {fleet.addresses.router}")
@@ -162,7 +182,8 @@ def _up(args: argparse.Namespace, server_args: list[str]) -> None:
             if args.log_dir:
                 print(f"logs: {Path(args.log_dir).resolve()}")
         fleet.supervise()  # a server that dies is reported and started again
-        print("Ctrl-C to stop", flush=True)
+        threading.Thread(target=_read_commands, args=(fleet,), daemon=True).start()
+        print("Ctrl-C to stop; type `scale N` to grow or shrink the fleet", flush=True)
         stopping = False
 
         def stop(*_: object) -> None:

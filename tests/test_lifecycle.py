@@ -143,7 +143,7 @@ def test_sigterm_of_an_idle_server_with_a_router_attached_exits_promptly(
 class Up:
     """``skyrl-grpc up`` as a process, its output lines collected by a thread."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, servers: int = 2) -> None:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -151,7 +151,7 @@ class Up:
                 "servers.cli",
                 "up",
                 "--servers",
-                "2",
+                str(servers),
                 "--router-port",
                 "0",
                 "--base-port",
@@ -160,6 +160,7 @@ class Up:
                 str(log_dir),
             ],
             cwd=ROOT,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -185,6 +186,11 @@ class Up:
                 assert left > 0, f"no {fragment!r} from up in {timeout} s: {self.lines}"
                 self._new_line.wait(left)
             return next(line for line in self.lines if fragment in line)
+
+    def type(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -262,3 +268,26 @@ async def test_up_survives_an_engine_death_under_load_and_restarts_the_server(
     finally:
         up.stop()
     assert up.proc.returncode is not None
+
+
+async def test_up_scales_its_fleet_from_its_standard_input(tmp_path: Path) -> None:
+    up = Up(tmp_path / "logs", servers=1)
+    try:
+        await asyncio.to_thread(up.wait_for, "Ctrl-C to stop", 300)
+        router = up.wait_for("router: ", 1).split(": ", 1)[1]
+        up.type("grow please")
+        await asyncio.to_thread(up.wait_for, "use `scale N`", 10)
+        up.type("scale 2")
+        added = await asyncio.to_thread(up.wait_for, "server 1 (", 300)
+        new = added.split("(", 1)[1].split(")", 1)[0]
+        async with grpc.aio.insecure_channel(router) as channel:
+            admin = router_pb2_grpc.RouterAdminStub(channel)
+            listed = await admin.ListBackends(router_pb2.ListBackendsRequest())
+            assert new in {b.address for b in listed.backends}
+            up.type("scale 1")
+            await asyncio.to_thread(up.wait_for, "drained and removed", 120)
+            listed = await admin.ListBackends(router_pb2.ListBackendsRequest())
+            assert new not in {b.address for b in listed.backends}
+        assert not any("died" in line for line in up.lines), up.lines
+    finally:
+        up.stop()
