@@ -29,6 +29,7 @@ from typing import IO, Any
 
 from ..common.process import read_announcement
 from . import Fleet, FleetAddresses
+from .scaling import scale_fleet
 from .supervision import RestartPolicy, ServerSupervisor
 
 ENGINE_MODULE = "servers.engine"
@@ -246,40 +247,34 @@ class LocalFleet(Fleet):
         port and joins the router (behind until the trainer's next update reaches it); a
         removed one (the newest first) is drained at the router (its in-flight calls finish,
         up to ``timeout``), then stopped."""
-        import grpc
 
-        from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+        def start(index: int) -> str:
+            self.server_ports.append(0)
+            self._servers.append(self._spawn_server(index))
+            address = self._await_ready(self._servers[index], time.monotonic() + timeout)
+            self.server_ports[index] = int(address.rpartition(":")[2])
+            return address
 
-        if count < 1:
-            raise ValueError(f"scale({count}): a fleet keeps at least one server")
-        servers = list(self.addresses.servers)
-        lock = self.supervision.lock if self.supervision else contextlib.nullcontext()
-        with grpc.insecure_channel(self.addresses.router) as channel, lock:
-            admin = router_pb2_grpc.RouterAdminStub(channel)
-            while len(servers) < count:
-                index = len(servers)
-                self.server_ports.append(0)
-                self._servers.append(self._spawn_server(index))
-                servers.append(self._await_ready(self._servers[index], time.monotonic() + timeout))
-                self.server_ports[index] = int(servers[-1].rpartition(":")[2])
-                admin.AddBackend(router_pb2.AddBackendRequest(address=servers[-1]), timeout=30)
-                self._resized(servers)
-                self.on_event(f"server {index} ({servers[-1]}) added")
-            while len(servers) > count:
-                index = len(servers) - 1
-                address = servers.pop()
-                admin.DrainBackend(router_pb2.DrainBackendRequest(address=address), timeout=timeout)
-                self._resized(servers)  # no longer watched: stopping it is not a death
-                self.server_ports.pop()
-                self._stop([self._servers.pop()], grace=15)
-                self.on_event(f"server {index} ({address}) drained and removed")
+        def stop(index: int) -> None:
+            self.server_ports.pop()
+            self._stop([self._servers.pop()], grace=15)
+
+        def resized(servers: list[str]) -> None:
+            self.num_servers = len(servers)
+            self.addresses = FleetAddresses(self.addresses.router, tuple(servers))
+
+        scale_fleet(
+            count,
+            list(self.addresses.servers),
+            router=self.addresses.router,
+            start=start,
+            stop=stop,
+            resized=resized,
+            on_event=self.on_event,
+            supervision=self.supervision,
+            timeout=timeout,
+        )
         return self.addresses
-
-    def _resized(self, servers: list[str]) -> None:
-        self.num_servers = len(servers)
-        self.addresses = FleetAddresses(self.addresses.router, tuple(servers))
-        if self.supervision is not None:
-            self.supervision.resize(list(servers))
 
     # -- for tests and tools ------------------------------------------------------------------
 

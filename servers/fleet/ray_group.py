@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import Fleet, FleetAddresses
+from .scaling import scale_fleet
 from .supervision import RestartPolicy, ServerSupervisor
 
 
@@ -332,51 +333,43 @@ class RayFleet(Fleet):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        from skyrl_grpc.v1 import router_pb2
+        def start(index: int) -> str:
+            group = placement_group([self.bundle()], strategy=self.options.strategy)
+            ray.get(group.ready(), timeout=timeout)
+            self._added_pgs[index] = group
+            self._servers.append(self._new_server(index))
+            return self._advertised(ray.get(self._servers[index].start.remote(), timeout=timeout))
 
-        if count < 1:
-            raise ValueError(f"scale({count}): a fleet keeps at least one server")
-        servers = list(self.addresses.servers)
-        with self._router_admin() as admin, self._resizing():
-            while len(servers) < count:
-                index = len(servers)
-                group = placement_group([self.bundle()], strategy=self.options.strategy)
-                ray.get(group.ready(), timeout=timeout)
-                self._added_pgs[index] = group
-                self._servers.append(self._new_server(index))
-                started = ray.get(self._servers[index].start.remote(), timeout=timeout)
-                servers.append(self._advertised(started))
-                admin.AddBackend(router_pb2.AddBackendRequest(address=servers[-1]), timeout=30)
-                self._resized(servers)
-                self.on_event(f"server {index} ({servers[-1]}) added")
-            while len(servers) > count:
-                index = len(servers) - 1
-                address = servers.pop()
-                admin.DrainBackend(router_pb2.DrainBackendRequest(address=address), timeout=timeout)
-                self._resized(servers)  # no longer watched: stopping it is not a death
-                actor = self._servers.pop()
-                try:
-                    ray.get(actor.stop.remote(), timeout=60)
-                finally:
-                    ray.kill(actor)
+        def stop(index: int) -> None:
+            actor = self._servers.pop()
+            try:
+                ray.get(actor.stop.remote(), timeout=60)
+            finally:
+                ray.kill(actor)
                 if index in self._added_pgs:
                     remove_placement_group(self._added_pgs.pop(index))
-                self.on_event(f"server {index} ({address}) drained and removed")
+
+        def resized(servers: list[str]) -> None:
+            self.addresses = replace(self.addresses, servers=tuple(servers))
+
+        scale_fleet(
+            count,
+            list(self.addresses.servers),
+            router=self.addresses.router,
+            start=start,
+            stop=stop,
+            resized=resized,
+            on_event=self.on_event,
+            supervision=self.supervision,
+            timeout=timeout,
+        )
         return self.addresses
 
-    @contextlib.contextmanager
-    def _resizing(self) -> Iterator[None]:
-        """Holds supervision off while the fleet changes size."""
-        if self.supervision is None:
-            yield
-            return
-        with self.supervision.lock:
-            yield
+    def kill_server(self, index: int) -> None:
+        """Kills server ``index``'s actor (for fault tests and tools)."""
+        import ray
 
-    def _resized(self, servers: list[str]) -> None:
-        self.addresses = replace(self.addresses, servers=tuple(servers))
-        if self.supervision is not None:
-            self.supervision.resize(list(servers))
+        ray.kill(self._servers[index])
 
     def _advertised(self, address: str) -> str:
         host, _, port = address.rpartition(":")
