@@ -9,8 +9,12 @@ Both supervise by one rule (``supervision``): ``supervise()`` restarts servers t
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
-from typing import Self
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Self
+
+if TYPE_CHECKING:
+    from .supervision import ServerSupervisor
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,10 @@ class Fleet(abc.ABC):
 
     #: Set by ``start()``; empty before.
     addresses: FleetAddresses = FleetAddresses("", ())
+    #: Set by ``supervise()``.
+    supervision: ServerSupervisor | None = None
+    #: Receives one line per supervision or scaling event.
+    on_event: Callable[[str], None] = staticmethod(lambda line: print(line, flush=True))
 
     @abc.abstractmethod
     def start(self, timeout: float = 600) -> FleetAddresses:
@@ -35,9 +43,35 @@ class Fleet(abc.ABC):
     def supervise(self) -> None:
         """Restarts servers that die, until ``close()`` (``supervision.ServerSupervisor``)."""
 
-    @abc.abstractmethod
     def scale(self, count: int, timeout: float = 600) -> FleetAddresses:
-        """Grows or shrinks the fleet to ``count`` servers (removed ones drained first)."""
+        """Grows or shrinks the fleet to ``count`` servers by the one rule of ``scaling``: an
+        added server joins the router (behind until the trainer's next update reaches it); a
+        removed one (the newest first) is drained at the router, then stopped."""
+        from .scaling import scale_fleet
+
+        def resized(servers: list[str]) -> None:
+            self.addresses = replace(self.addresses, servers=tuple(servers))
+
+        scale_fleet(
+            count,
+            list(self.addresses.servers),
+            router=self.addresses.router,
+            start=lambda index: self._add_server(index, timeout),
+            stop=self._remove_server,
+            resized=resized,
+            on_event=self.on_event,
+            supervision=self.supervision,
+            timeout=timeout,
+        )
+        return self.addresses
+
+    @abc.abstractmethod
+    def _add_server(self, index: int, timeout: float) -> str:
+        """Starts server ``index`` (one past the last); returns its address once it is ready."""
+
+    @abc.abstractmethod
+    def _remove_server(self, index: int) -> None:
+        """Stops the last server, ``index`` (already drained and no longer supervised)."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -29,7 +29,6 @@ from typing import IO, Any
 
 from ..common.process import read_announcement
 from . import Fleet, FleetAddresses
-from .scaling import scale_fleet
 from .supervision import RestartPolicy, ServerSupervisor
 
 ENGINE_MODULE = "servers.engine"
@@ -108,7 +107,6 @@ class LocalFleet(Fleet):
         self._closing = threading.Event()
         self._supervisor: threading.Thread | None = None
         self.restart_policy = restart_policy or RestartPolicy()
-        self.supervision: ServerSupervisor | None = None
         self.metrics_port: int | None = None
         self.http_port: int | None = None  # the router's OpenAI HTTP edge, if it has one
 
@@ -211,25 +209,19 @@ class LocalFleet(Fleet):
         if self._supervisor is not None:
             return
         self.supervision = ServerSupervisor(
-            self.num_servers,
+            len(self._servers),
             death=self._death,
-            restart=lambda index: self.restart_server(index),
+            restart=self.restart_server,
             on_event=self.on_event,
             policy=self.restart_policy,
             addresses=list(self.addresses.servers),
             sleep=self._closing.wait,
         )
-        self._supervisor = threading.Thread(
-            target=self.supervision.run,
-            args=(self._closing, 0.2),
-            name="fleet supervisor",
-            daemon=True,
-        )
-        self._supervisor.start()
+        self._supervisor = self.supervision.start(self._closing, 0.2, "fleet supervisor")
 
     @property
     def restarts(self) -> list[int]:
-        return self.supervision.restarts if self.supervision else [0] * self.num_servers
+        return self.supervision.restarts if self.supervision else [0] * len(self._servers)
 
     def _death(self, index: int) -> str | None:
         server = self._servers[index]
@@ -242,39 +234,17 @@ class LocalFleet(Fleet):
 
     # -- growth and shrinkage ------------------------------------------------------------------
 
-    def scale(self, count: int, timeout: float = 600) -> FleetAddresses:
-        """Grows or shrinks the fleet to ``count`` servers. An added server starts on a free
-        port and joins the router (behind until the trainer's next update reaches it); a
-        removed one (the newest first) is drained at the router (its in-flight calls finish,
-        up to ``timeout``), then stopped."""
+    def _add_server(self, index: int, timeout: float) -> str:
+        """A server on a free port (``scale``)."""
+        self.server_ports.append(0)
+        self._servers.append(self._spawn_server(index))
+        address = self._await_ready(self._servers[index], time.monotonic() + timeout)
+        self.server_ports[index] = int(address.rpartition(":")[2])
+        return address
 
-        def start(index: int) -> str:
-            self.server_ports.append(0)
-            self._servers.append(self._spawn_server(index))
-            address = self._await_ready(self._servers[index], time.monotonic() + timeout)
-            self.server_ports[index] = int(address.rpartition(":")[2])
-            return address
-
-        def stop(index: int) -> None:
-            self.server_ports.pop()
-            self._stop([self._servers.pop()], grace=15)
-
-        def resized(servers: list[str]) -> None:
-            self.num_servers = len(servers)
-            self.addresses = FleetAddresses(self.addresses.router, tuple(servers))
-
-        scale_fleet(
-            count,
-            list(self.addresses.servers),
-            router=self.addresses.router,
-            start=start,
-            stop=stop,
-            resized=resized,
-            on_event=self.on_event,
-            supervision=self.supervision,
-            timeout=timeout,
-        )
-        return self.addresses
+    def _remove_server(self, index: int) -> None:
+        self.server_ports.pop()
+        self._stop([self._servers.pop()], grace=15)
 
     # -- for tests and tools ------------------------------------------------------------------
 

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import Fleet, FleetAddresses
-from .scaling import scale_fleet
 from .supervision import RestartPolicy, ServerSupervisor
 
 
@@ -167,8 +166,6 @@ class RayFleet(Fleet):
         self._env: dict[str, str] = {}
         self._closing = threading.Event()
         self._supervisor: threading.Thread | None = None
-        self.supervision: ServerSupervisor | None = None
-        self.on_event: Any = lambda line: print(line, flush=True)
 
     @property
     def devices_per_engine(self) -> int:
@@ -257,7 +254,7 @@ class RayFleet(Fleet):
         if self._supervisor is not None:
             return
         self.supervision = ServerSupervisor(
-            self.options.num_servers,
+            len(self._servers),
             death=self._death,
             restart=self._restart,
             on_event=self.on_event,
@@ -266,13 +263,7 @@ class RayFleet(Fleet):
             addresses=list(self.addresses.servers),
             sleep=self._closing.wait,
         )
-        self._supervisor = threading.Thread(
-            target=self.supervision.run,
-            args=(self._closing, interval),
-            name="ray fleet supervisor",
-            daemon=True,
-        )
-        self._supervisor.start()
+        self._supervisor = self.supervision.start(self._closing, interval, "ray fleet supervisor")
 
     def _death(self, index: int) -> str | None:
         import ray
@@ -324,46 +315,28 @@ class RayFleet(Fleet):
 
     # -- growth and shrinkage ------------------------------------------------------------------
 
-    def scale(self, count: int, timeout: float = 600) -> FleetAddresses:
-        """Grows or shrinks the fleet to ``count`` servers. An added server gets a placement
-        group of its own (one bundle, on a node with room), starts, and joins the router; it
-        serves version 0 and the router keeps new calls off it (it is behind) until the
-        trainer's next update reaches it. A removed server (the newest first) is drained at the
-        router (no new calls; its in-flight calls finish, up to ``timeout``), then stopped."""
+    def _add_server(self, index: int, timeout: float) -> str:
+        """A server in a placement group of its own, on a node with room (``scale``)."""
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import placement_group
 
-        def start(index: int) -> str:
-            group = placement_group([self.bundle()], strategy=self.options.strategy)
-            ray.get(group.ready(), timeout=timeout)
-            self._added_pgs[index] = group
-            self._servers.append(self._new_server(index))
-            return self._advertised(ray.get(self._servers[index].start.remote(), timeout=timeout))
+        group = placement_group([self.bundle()], strategy=self.options.strategy)
+        ray.get(group.ready(), timeout=timeout)
+        self._added_pgs[index] = group
+        self._servers.append(self._new_server(index))
+        return self._advertised(ray.get(self._servers[index].start.remote(), timeout=timeout))
 
-        def stop(index: int) -> None:
-            actor = self._servers.pop()
-            try:
-                ray.get(actor.stop.remote(), timeout=60)
-            finally:
-                ray.kill(actor)
-                if index in self._added_pgs:
-                    remove_placement_group(self._added_pgs.pop(index))
+    def _remove_server(self, index: int) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
 
-        def resized(servers: list[str]) -> None:
-            self.addresses = replace(self.addresses, servers=tuple(servers))
-
-        scale_fleet(
-            count,
-            list(self.addresses.servers),
-            router=self.addresses.router,
-            start=start,
-            stop=stop,
-            resized=resized,
-            on_event=self.on_event,
-            supervision=self.supervision,
-            timeout=timeout,
-        )
-        return self.addresses
+        actor = self._servers.pop()
+        try:
+            ray.get(actor.stop.remote(), timeout=60)
+        finally:
+            ray.kill(actor)
+            if index in self._added_pgs:
+                remove_placement_group(self._added_pgs.pop(index))
 
     def kill_server(self, index: int) -> None:
         """Kills server ``index``'s actor (for fault tests and tools)."""

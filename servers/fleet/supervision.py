@@ -139,6 +139,12 @@ class ServerSupervisor:
     def _address(self, index: int) -> str:
         return self.addresses[index] if index < len(self.addresses) else "?"
 
+    def start(self, stop: threading.Event, interval: float, name: str) -> threading.Thread:
+        """Runs the passes in a daemon thread (returned) until ``stop`` is set."""
+        thread = threading.Thread(target=self.run, args=(stop, interval), name=name, daemon=True)
+        thread.start()
+        return thread
+
     def run(self, stop: threading.Event, interval: float = 0.5) -> None:
         """Passes every ``interval`` seconds until ``stop`` is set."""
         while not stop.wait(interval):
