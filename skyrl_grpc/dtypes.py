@@ -32,6 +32,9 @@ DTYPES = (
     DTypeInfo(cp.D_TYPE_FLOAT8_E5M2, "float8_e5m2", 1),
 )
 BY_PROTO: dict[int, DTypeInfo] = {d.proto: d for d in DTYPES}
+# The integer type (torch's name) of each element size: weight patches compare and write
+# elements as bits, never as float values, on the trainer and in the worker alike.
+BITS_BY_ITEMSIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 BY_TORCH = {d.torch_name: d for d in DTYPES}
 
 

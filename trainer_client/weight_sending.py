@@ -181,7 +181,6 @@ def full_entries(
 # A patch is sent only when it is smaller than this share of the parameter's bytes; a
 # parameter that changed more goes whole.
 PATCH_MAX_FRACTION = 0.5
-_INTEGER_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 def weight_patches(
@@ -207,11 +206,11 @@ def weight_patches(
             or old.shape != tensor.shape
             or old.dtype != tensor.dtype
             or tensor.numel() >= 1 << 32
-            or itemsize not in _INTEGER_OF_SIZE
+            or itemsize not in dtypes.BITS_BY_ITEMSIZE
         ):
             entries.append(whole_entry(name, tensor, with_checksums))
             continue
-        bits = getattr(torch, _INTEGER_OF_SIZE[itemsize])
+        bits = getattr(torch, dtypes.BITS_BY_ITEMSIZE[itemsize])
         new_bits = flat_bytes(tensor).view(bits)
         old_bits = flat_bytes(old).view(bits).to(new_bits.device)
         differs = new_bits != old_bits

@@ -321,7 +321,9 @@ class WeightUpdates(ClientCore):
             return await failures_of(addresses, push)
         finally:
             for pending in prepared.values():
-                pending.cancel()  # a failed update leaves no preparation running
+                # A failed update drops what was prepared; a preparation already running in its
+                # thread (at most one group ahead) finishes there and is discarded.
+                pending.cancel()
 
     async def cancel_weight_update(self, *, timeout: float | None = None) -> dict[str, int]:
         """Cancels the weight update open on any server (e.g. one a crashed trainer left);

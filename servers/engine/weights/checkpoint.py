@@ -22,10 +22,13 @@ from typing import Any
 
 
 def bits_of(itemsize: int) -> Any:
-    """The integer type of an element size: a patch writes bits, never float values."""
+    """The integer type of an element size (``dtypes.BITS_BY_ITEMSIZE``): a patch writes bits,
+    never float values."""
     import torch
 
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+    from skyrl_grpc.dtypes import BITS_BY_ITEMSIZE
+
+    return getattr(torch, BITS_BY_ITEMSIZE[itemsize])
 
 
 def flat_bits(tensor: Any) -> Any:
