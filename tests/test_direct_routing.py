@@ -25,6 +25,11 @@ def holders(servers: list[Any], session: str) -> set[str]:
     return {s.address for s in servers if session in s.state.started.sessions.snapshot()}
 
 
+def live(servers: list[Any]) -> dict[str, int]:
+    """Live sessions per server, as the servers themselves count them."""
+    return {s.address: len(s.state.started.sessions.snapshot()) for s in servers}
+
+
 async def routed_to(router: str, session: str) -> str:
     async with grpc.aio.insecure_channel(router) as channel:
         call = data_plane_pb2_grpc.DataPlaneStub(channel).Tokenize(
@@ -59,6 +64,10 @@ async def test_sessions_land_on_the_same_servers_through_the_router_and_directly
     client = InferenceClient(router.address, [s.address for s in servers])
     try:
         before = forwarded(router)
+        # Earlier tests may have left live sessions on these shared servers (they end after
+        # ten idle minutes): placement balances what is live, so the check below starts there.
+        await until(lambda: router.pool.placement.sessions.live_sessions() == live(servers))
+        held_before = live(servers)
         direct = [f"direct-{i}" for i in range(6)]
         await client.generate_batch([[1, 2, 3]] * 6, GREEDY, session_ids=direct)
         assert forwarded(router) == before  # nothing went through the router
@@ -66,7 +75,13 @@ async def test_sessions_land_on_the_same_servers_through_the_router_and_directly
             (home,) = holders(servers, session)
             await until(lambda s=session: router.pool.placement.sessions.home(s) is not None)
             assert await routed_to(router.address, session) == home
-        assert {next(iter(holders(servers, s))) for s in direct} == {s.address for s in servers}
+        # Each new session went to the server with the fewest live sessions: the gap narrowed
+        # by every placement, or to one where six could not close it.
+        gap_before = abs(held_before[servers[0].address] - held_before[servers[1].address])
+        after = live(servers)
+        assert abs(after[servers[0].address] - after[servers[1].address]) == max(
+            gap_before - 6, (gap_before - 6) % 2
+        ), (held_before, after)
         # And the other way round: placed by the router first, then followed by the client.
         via_router = [f"router-{i}" for i in range(6)]
         homes = {s: await routed_to(router.address, s) for s in via_router}
