@@ -48,9 +48,14 @@ def from_proto(value: int, where: str = "dtype") -> DTypeInfo:
         ) from None
 
 
+def torch_name(dtype: object) -> str:
+    """torch's name of a ``torch.dtype`` (``torch.float32`` → "float32")."""
+    return str(dtype).removeprefix("torch.")
+
+
 def from_torch(dtype: object) -> DTypeInfo:
     """The entry of a ``torch.dtype`` (e.g. ``torch.float32``)."""
-    name = str(dtype).removeprefix("torch.")
+    name = torch_name(dtype)
     try:
         return BY_TORCH[name]
     except KeyError:

@@ -390,10 +390,22 @@ class _PushedWeights:
     ) -> _PushedWeights:
         """The record once ``pushed`` committed as ``version``: the previous record's tensors
         (parameters not pushed this time are unchanged on the servers) with the pushed ones
-        replaced by copies."""
+        copied in. A copy goes into the previous record's tensor of the same shape, type and
+        device (the previous record is dropped): no second copy of the model, no fresh memory
+        to fault in every step."""
         tensors = dict(previous.tensors) if previous is not None else {}
         for name, tensor in pushed:
-            tensors[name] = tensor.detach().clone()
+            source = tensor.detach()
+            kept = tensors.get(name)
+            if (
+                kept is not None
+                and kept.shape == source.shape
+                and kept.dtype == source.dtype
+                and kept.device == source.device
+            ):
+                kept.copy_(source)
+            else:
+                tensors[name] = source.clone()
         return _PushedWeights(version, tensors)
 
 
