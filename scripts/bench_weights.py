@@ -178,7 +178,7 @@ def gloo_receiver(
     """
     import torch
 
-    from servers.engine.weights.worker import receive_buckets
+    from servers.engine.weights.transfer_engine import receive_buckets
     from skyrl_grpc.host_memory import keep_freed_memory
     from skyrl_grpc.process_group import join_group
 

@@ -163,9 +163,28 @@ def test_rank_offsets_follow_server_world_sizes() -> None:
     assert rank_offsets([2, 4, 1]) == ([1, 3, 7], 8)
 
 
+# What FakeWorkers records: vLLM's lifecycle calls, and each update payload by its kind.
+JOIN_GROUP = "init_weight_transfer_engine"
+LEAVE_GROUP = "shutdown_weight_transfer_engine"
+START = "start_weight_update"
+STAGE = "update_weights: stage"
+RECEIVE = "update_weights: receive"
+DISCARD = "update_weights: discard"
+ROLLBACK = "update_weights: restore_previous"
+COMMIT = "finish_weight_update: commit"
+CLOSE = "finish_weight_update: close"
+
+
 class FakeWorkers:
+    """One worker: vLLM's weight lifecycle (``protocol.Lifecycle``) and the worker extension's
+    methods (``rpc``), answering as an engine whose every update succeeds."""
+
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.staged: set[str] = set()
+        # The bytes staged for each parameter, put together from their pieces.
+        self.values: dict[str, bytes] = {}
+        self.report = _report()
 
     async def __call__(self, method: str, args: tuple[Any, ...]) -> list[Any]:
         self.calls.append(method)
@@ -173,13 +192,50 @@ class FakeWorkers:
             protocol.LAYOUT: {
                 n: {"dtype": p.dtype.torch_name, "shape": list(p.shape)} for n, p in LAYOUT.items()
             },
-            protocol.COMMIT: 2,
-            protocol.DISCARD: 0,
-            protocol.JOIN_GROUP: 1,
-            protocol.ROLLBACK: 2,
-            protocol.STAGE: [],  # no patched parameter mismatched
+            protocol.REPORT: self.report,
         }
         return [answers.get(method)]
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.calls.append(JOIN_GROUP)
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        self.calls.append(LEAVE_GROUP)
+
+    async def start_weight_update(self) -> None:
+        self.calls.append(START)
+        self.staged = set()
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        kind = next(
+            k for k in ("stage", "receive", "discard", "restore_previous") if k in update_info
+        )
+        self.calls.append(f"update_weights: {kind}")
+        self.report = _report()
+        if kind == "stage":
+            for param in update_info["stage"]:
+                self.staged.add(param["name"])
+                value = self.values[param["name"]] if param["offset"] else b""  # 0: a new value
+                assert len(value) == param["offset"], "pieces must arrive in order"
+                self.values[param["name"]] = value + b"".join(param["chunks"])
+            self.report["params"] = sum(1 for param in update_info["stage"] if param["last"])
+        elif kind == "discard":
+            self.report["changed"], self.staged = len(self.staged), set()
+        elif kind == "restore_previous":
+            self.staged = set(LAYOUT)
+
+    async def finish_weight_update(self, weight_version: str | None) -> None:
+        self.calls.append(COMMIT if weight_version is not None else CLOSE)
+        self.report = _report()
+        self.report["changed"], self.staged = len(self.staged), set()
+
+
+def _report() -> protocol.Report:
+    return protocol.Report(bytes=0, params=0, changed=0, mismatches=[], non_finite=[], error="")
+
+
+def calls(workers: FakeWorkers) -> protocol.WorkerCalls:
+    return protocol.WorkerCalls(workers, workers)
 
 
 async def _messages() -> Any:
@@ -190,9 +246,7 @@ async def _messages() -> Any:
 async def test_calls_out_of_order_are_failed_precondition() -> None:
     versions = [0]
     workers = FakeWorkers()
-    manager = WeightTransferManager(
-        protocol.WorkerCalls(workers), versions.append, lambda: versions[-1]
-    )
+    manager = WeightTransferManager(calls(workers), versions.append, lambda: versions[-1])
     with pytest.raises(FailedPrecondition, match="before InitWeightTransfer"):
         await manager.update(cp.UpdateWeightsRequest())
     with pytest.raises(FailedPrecondition, match="FinishWeightUpdate before StartWeightUpdate"):
@@ -208,7 +262,7 @@ async def test_calls_out_of_order_are_failed_precondition() -> None:
     with pytest.raises(InvalidArgument, match="not newer than the serving version 0"):
         await manager.finish(-1)
     assert await manager.finish(3) == (3, 2)
-    assert versions[-1] == 3 and protocol.COMMIT in workers.calls
+    assert versions[-1] == 3 and COMMIT in workers.calls
     with pytest.raises(InvalidArgument, match="InitWeightTransfer takes GLOO"):
         validate.weight_transfer_group(
             cp.InitWeightTransferRequest(backend=cp.WEIGHT_TRANSFER_BACKEND_GRPC_STREAM)
@@ -217,7 +271,7 @@ async def test_calls_out_of_order_are_failed_precondition() -> None:
 
 async def test_a_failed_push_closes_the_update_without_touching_weights() -> None:
     workers = FakeWorkers()
-    manager = WeightTransferManager(protocol.WorkerCalls(workers), lambda v: None, lambda: 0)
+    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0)
     await manager.start()
 
     async def truncated() -> Any:
@@ -226,7 +280,7 @@ async def test_a_failed_push_closes_the_update_without_touching_weights() -> Non
 
     with pytest.raises(InvalidArgument, match="truncated push; update rejected"):
         await manager.push(truncated())
-    assert protocol.COMMIT not in workers.calls and protocol.STAGE not in workers.calls
+    assert COMMIT not in workers.calls and STAGE not in workers.calls
     assert not manager.update_open
     with pytest.raises(FailedPrecondition):
         await manager.finish(1)
@@ -242,9 +296,27 @@ def test_every_protocol_method_is_a_method_of_the_worker_extension() -> None:
     )
 
 
+def test_the_lifecycle_the_server_drives_is_vllms() -> None:
+    """``protocol.Lifecycle`` names AsyncLLM's weight-transfer methods: a vLLM that renamed one
+    fails here. The engine registered under ``protocol.BACKEND`` is this project's."""
+    import inspect
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from servers.engine.weights.transfer_engine import SkyrlWeightTransferEngine
+    from servers.engine.weights.vllm_plugin import register
+
+    for name in [n for n in vars(protocol.Lifecycle) if not n.startswith("_")]:
+        assert inspect.iscoroutinefunction(getattr(AsyncLLM, name)), name
+    register()
+    register()  # vLLM may run a plugin more than once
+    assert WeightTransferEngineFactory._registry[protocol.BACKEND]() is SkyrlWeightTransferEngine
+
+
 async def test_leaving_a_group_before_joining_another() -> None:
     workers = FakeWorkers()
-    manager = WeightTransferManager(protocol.WorkerCalls(workers), lambda v: None, lambda: 0)
+    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0)
     spec = validate.weight_transfer_group(
         cp.InitWeightTransferRequest(
             backend=cp.WEIGHT_TRANSFER_BACKEND_GLOO,
@@ -256,7 +328,7 @@ async def test_leaving_a_group_before_joining_another() -> None:
     )
     await manager.init(spec)
     await manager.init(spec)
-    assert workers.calls == [protocol.JOIN_GROUP, protocol.LEAVE_GROUP, protocol.JOIN_GROUP]
+    assert workers.calls == [JOIN_GROUP, LEAVE_GROUP, JOIN_GROUP]
 
 
 def manager_at(
@@ -265,7 +337,7 @@ def manager_at(
     versions = [version]
     workers = FakeWorkers()
     manager = WeightTransferManager(
-        protocol.WorkerCalls(workers), versions.append, lambda: versions[-1], **options
+        calls(workers), versions.append, lambda: versions[-1], **options
     )
     return manager, workers, versions
 
@@ -275,7 +347,7 @@ async def test_the_target_version_is_checked_before_any_weight_is_sent() -> None
     for stale in (4, 3):
         with pytest.raises(InvalidArgument, match="not newer than the serving version 4"):
             await manager.start(stale)
-    assert not manager.update_open and protocol.DISCARD not in workers.calls
+    assert not manager.update_open and DISCARD not in workers.calls
     update = await manager.start(4, allow_same_version=True)  # re-pushing version 4
     assert update.target_version == 4
     await manager.cancel()
@@ -297,12 +369,12 @@ async def test_an_open_update_locks_out_other_owners_until_its_lease_expires() -
     restarted = await manager.start(1, owner="trainer-a", lease_seconds=0.3)  # same owner
     assert manager.open is restarted
     # Nobody calls: the lease expires on its own and the staging is dropped.
-    discards = workers.calls.count(protocol.DISCARD)
+    discards = workers.calls.count(DISCARD)
     deadline = asyncio.get_running_loop().time() + 3
     while manager.update_open:
         assert asyncio.get_running_loop().time() < deadline, "the lease never expired"
         await asyncio.sleep(0.02)
-    assert workers.calls.count(protocol.DISCARD) == discards + 1
+    assert workers.calls.count(DISCARD) == discards + 1
     taken = await manager.start(1, owner="trainer-b")
     assert taken.owner == "trainer-b"
     await manager.close()
@@ -330,7 +402,7 @@ async def test_a_commit_can_be_rolled_back_until_the_next_update_starts() -> Non
     with pytest.raises(FailedPrecondition, match="is not the serving version 3"):
         await manager.rollback(4)
     assert await manager.rollback(3) == 2
-    assert versions[-1] == 2 and protocol.ROLLBACK in workers.calls
+    assert versions[-1] == 2 and ROLLBACK in workers.calls
     with pytest.raises(FailedPrecondition, match="nothing to roll back"):
         await manager.rollback(2)
     await manager.start(3)
@@ -381,7 +453,7 @@ async def test_replacing_non_finite_weights_asks_the_engine_to_clear_their_trace
 
     versions = [0]
     manager = WeightTransferManager(
-        protocol.WorkerCalls(FakeWorkers()),
+        calls(FakeWorkers()),
         versions.append,
         lambda: versions[-1],
         changed,
@@ -421,16 +493,12 @@ def test_a_peft_models_own_state_dict_names_map_to_the_saved_adapter_names() -> 
     assert [p.name for p in manifest.manifest.parameters] == [f"{prefix}.lora_A.weight"]
 
 
-async def test_parameters_reach_the_workers_as_they_complete_not_after_the_stream(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A batch smaller than one parameter: each parameter is staged as soon as it is complete,
-    # while the rest of the stream is still arriving (the server never holds it whole).
-    from servers.engine.weights import transaction
-
-    monkeypatch.setattr(transaction, "STAGE_BATCH_BYTES", 8)
+async def test_bytes_reach_the_workers_as_they_arrive_not_after_the_stream() -> None:
+    # A batch smaller than one chunk: each chunk goes on to the workers once it arrived, while
+    # the rest of the stream (and of its parameter) is still coming: the server never holds
+    # the stream or a parameter whole, and the workers put the pieces together exactly.
     workers = FakeWorkers()
-    manager = WeightTransferManager(protocol.WorkerCalls(workers), lambda v: None, lambda: 0)
+    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0, stage_batch_bytes=8)
     await manager.start()
     stages_seen_mid_stream = []
 
@@ -438,12 +506,14 @@ async def test_parameters_reach_the_workers_as_they_complete_not_after_the_strea
         sent = messages()
         for index, message in enumerate(sent):
             if index == len(sent) - 1:
-                stages_seen_mid_stream.append(workers.calls.count(protocol.STAGE))
+                stages_seen_mid_stream.append(workers.calls.count(STAGE))
             yield message
 
     assert await manager.push(watched()) == (2, 68)
-    assert stages_seen_mid_stream == [1]  # a.weight went on before b.bias's last chunk came
-    assert workers.calls.count(protocol.STAGE) == 2
+    # a.weight's three chunks and b.bias's first went on before b.bias's last chunk came
+    assert stages_seen_mid_stream == [4]
+    assert workers.calls.count(STAGE) == 5
+    assert workers.values == {n: t.numpy().tobytes() for n, t in TENSORS}
 
     # A stream cut after a parameter was staged: the staged part is discarded, nothing commits.
     await manager.cancel()
@@ -455,17 +525,47 @@ async def test_parameters_reach_the_workers_as_they_complete_not_after_the_strea
 
     with pytest.raises(InvalidArgument, match="truncated push"):
         await manager.push(cut())
-    assert protocol.DISCARD in workers.calls and protocol.COMMIT not in workers.calls
+    assert DISCARD in workers.calls and COMMIT not in workers.calls
     assert not manager.update_open
 
 
-def test_the_assembler_hands_over_complete_parameters_and_keeps_no_reference() -> None:
+def test_the_assembler_hands_over_what_arrived_in_pieces_and_keeps_no_reference() -> None:
     assembler = InBandAssembler(LAYOUT)
-    sent = messages()
+    sent = messages()  # b.bias (20 bytes) in two chunks: 16 + 4
     for message in sent[:-1]:
         assembler.add(message)
-    early = assembler.take_complete()
-    assert [p["name"] for p in early] == ["a.weight"]
-    assert assembler.take_complete() == []  # handed over once
+    early = assembler.take_ready()
+    assert [(p["name"], p["offset"], p["last"]) for p in early] == [
+        ("a.weight", 0, True),
+        ("b.bias", 0, False),  # a large parameter need not be complete to go on
+    ]
+    assert assembler.take_ready() == [] and assembler.ready_bytes == 0  # handed over once
     assembler.add(sent[-1])
-    assert [p["name"] for p in assembler.finish()] == ["b.bias"]
+    rest = assembler.finish()
+    assert [(p["name"], p["offset"], p["last"]) for p in rest] == [("b.bias", 16, True)]
+    assert sum(len(c) for c in rest[0]["chunks"]) == 4
+
+
+async def test_a_session_an_engine_error_left_open_is_closed_before_the_next_update() -> None:
+    """vLLM's worker keeps its update session open when a finish raised; the next update must
+    not fail on it forever: what it staged is dropped, it is closed and a new one opens."""
+
+    class StaleOnce(FakeWorkers):
+        stale = True
+
+        async def start_weight_update(self) -> None:
+            if self.stale:
+                self.stale = False
+                raise RuntimeError(
+                    "start_weight_update called while a weight update is already active. "
+                    "Call finish_weight_update first."
+                )
+            await super().start_weight_update()
+
+    workers = StaleOnce()
+    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0)
+    await manager.start(1)
+    lifecycle = [c for c in workers.calls if c != protocol.REPORT]  # without report reads
+    assert lifecycle[-3:] == [DISCARD, CLOSE, START] and manager.update_open
+    await manager.push(_messages())
+    assert await manager.finish() == (1, 2)

@@ -195,9 +195,9 @@ async def test_bad_patches_are_refused_and_the_weights_stay(delta_fleet: DeltaFl
 async def test_a_tensor_parallel_server_takes_deltas_and_rolls_back_exactly(
     delta_fleet: DeltaFleet,
 ) -> None:
-    # Two workers, each with its shard: the patch is applied in checkpoint coordinates, so
-    # both see the same whole parameters (checksums), and greedy outputs match a TP=1 server
-    # serving the same weights.
+    # Two workers, each with its shard: the patch is applied in checkpoint coordinates (to the
+    # one copy TP rank 0 keeps), the server reports the whole parameters (checksums), and greedy
+    # outputs match a TP=1 server serving the same weights.
     from tests.conftest import running_engine_server
 
     single = delta_fleet.servers[0]
@@ -217,4 +217,7 @@ async def test_a_tensor_parallel_server_takes_deltas_and_rolls_back_exactly(
         assert outputs[single] == outputs[tp_server.address]
         assert await client.rollback_weights(version + 1) == dict.fromkeys(both, version)
         assert await served_checksums(client) == before
+        # Only TP rank 0 keeps the checkpoint copy; rank 1 reloads from what rank 0 streams it.
+        rolled_back = await greedy_per_server(both)
+        assert rolled_back[single] == rolled_back[tp_server.address]
         await client.close()

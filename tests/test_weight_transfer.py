@@ -56,19 +56,16 @@ def new_weights(pushed_fleet: PushedFleet) -> dict[str, torch.Tensor]:
     return perturbed(pushed_fleet.original, seed=1)
 
 
-@pytest.fixture(scope="module")
-def new_weights_reference(
-    new_weights: dict[str, torch.Tensor],
-    tiny_model_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
+def fresh_engine_greedy(
+    weights: dict[str, torch.Tensor], tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> list[list[int]]:
-    """Greedy outputs of a fresh vLLM engine started from the new weights saved to disk."""
+    """Greedy outputs of a fresh vLLM engine started from ``weights`` saved to disk."""
     saved = tmp_path_factory.mktemp("new-weights")
     for path in tiny_model_dir.iterdir():
         if path.name != "model.safetensors":
             shutil.copy(path, saved / path.name)
     save_file(
-        {n: t.contiguous() for n, t in new_weights.items()},
+        {n: t.contiguous() for n, t in weights.items()},
         str(saved / "model.safetensors"),
         metadata={"format": "pt"},
     )
@@ -79,6 +76,15 @@ def new_weights_reference(
             saved, REFERENCE_PROMPTS, sampling, tmp_path_factory.mktemp("ref")
         )
     ]
+
+
+@pytest.fixture(scope="module")
+def new_weights_reference(
+    new_weights: dict[str, torch.Tensor],
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> list[list[int]]:
+    return fresh_engine_greedy(new_weights, tiny_model_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +137,52 @@ async def test_in_band_push_serves_exactly_the_new_weights_and_back(
     # Pushing the original weights back restores the original output exactly.
     await client.update_weights(pushed_fleet.original.items(), transport="grpc")
     await assert_serving(pushed_fleet, pushed_fleet.original, original_greedy)
+
+
+async def test_an_update_of_part_of_a_layer_reloads_that_layer_and_keeps_the_others(
+    pushed_fleet: PushedFleet,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    original_greedy: dict[str, list[list[int]]],
+) -> None:
+    """The commit reloads only the decoder layers an update touched (vLLM's layerwise reload);
+    a touched layer is reloaded whole, because vLLM fuses q/k/v and gate/up: sending q_proj and
+    up_proj alone must leave k/v and gate as they were, and every other layer untouched."""
+    client: InferenceClient = pushed_fleet.client
+    generator = torch.Generator().manual_seed(7)
+    names = ["model.layers.1.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight"]
+    changed = {
+        n: pushed_fleet.original[n]
+        + 0.5 * torch.randn(pushed_fleet.original[n].shape, generator=generator)
+        for n in names
+    }
+    expected = {**pushed_fleet.original, **changed}
+    reference = fresh_engine_greedy(expected, tiny_model_dir, tmp_path_factory)
+    assert reference != original_greedy[pushed_fleet.servers[0]]
+    finished = await client.update_weights(changed.items(), transport="grpc", delta=False)
+    assert all(r.parameters_updated == len(names) for r in finished.values())
+    await assert_serving(pushed_fleet, expected, reference)
+    await client.update_weights(pushed_fleet.original.items(), transport="grpc")
+    await assert_serving(pushed_fleet, pushed_fleet.original, original_greedy)
+
+
+async def test_a_push_handed_to_the_engine_in_small_pieces_serves_exactly_the_new_weights(
+    pushed_fleet: PushedFleet,
+    new_weights: dict[str, torch.Tensor],
+    new_weights_reference: list[list[int]],
+) -> None:
+    """With 16 KB per worker call every parameter larger than that reaches the engine in
+    pieces, each copied into place as it comes: the result is the sender's bytes exactly."""
+    from tests.conftest import running_engine_server
+
+    async for server in running_engine_server(weight_stage_batch_bytes=16 << 10):
+        client = InferenceClient(server.address, [server.address])
+        assert max(t.numel() * t.element_size() for t in new_weights.values()) > 8 * (16 << 10)
+        await client.update_weights(new_weights.items(), 1, transport="grpc", chunk_bytes=4 << 10)
+        checksums = await client.weight_checksums()
+        assert checksums[server.address] == sender_checksums(new_weights)
+        assert (await greedy_per_server([server.address]))[server.address] == new_weights_reference
+        await client.close()
 
 
 async def test_collective_gloo_updates_two_servers_with_their_own_rank_offsets(

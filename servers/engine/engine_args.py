@@ -9,6 +9,7 @@ from typing import Any
 from skyrl_grpc.tiny_model import ensure_tiny_model
 
 from .options import TINY_MODEL_NAME, EngineOptions, RequestLimits
+from .weights.protocol import BACKEND as WEIGHT_TRANSFER_BACKEND
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ def engine_arguments(
         enable_prefix_caching=options.enable_prefix_caching,
         enforce_eager=options.enforce_eager,
         worker_extension_cls=options.worker_extension_cls,
+        # New weights go through vLLM's weight-transfer lifecycle, into this project's engine
+        # (servers/engine/weights/transfer_engine.py, registered by its vLLM plugin).
+        weight_transfer_config={"backend": WEIGHT_TRANSFER_BACKEND},
         disable_log_stats=False,
         max_logprobs=limits.max_logprobs,
     )

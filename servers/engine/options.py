@@ -50,6 +50,9 @@ class EngineOptions:
     # Seconds an open weight update lives without a call before it expires (a trainer that
     # died must not lock the next one out); StartWeightUpdate may ask for another lease.
     weight_update_lease_seconds: float = 600.0
+    # In-band weight bytes handed to vLLM's workers per call: what the server and the engine
+    # core hold of a push at a time.
+    weight_stage_batch_bytes: int = 32 << 20
     # Accept weights holding NaN or infinity (refused by default: they poison generation).
     allow_non_finite_weights: bool = False
     # A session without a request for this long ends (its place is free for placement).
@@ -139,6 +142,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="an open weight update without a call for this long expires (default %(default)s)",
     )
     group.add_argument(
+        "--weight-stage-batch-bytes",
+        type=int,
+        default=d.weight_stage_batch_bytes,
+        help="in-band weight bytes handed to the engine's workers per call: what the server "
+        "holds of a push at a time (default %(default)s)",
+    )
+    group.add_argument(
         "--session-idle-seconds",
         type=float,
         default=d.session_idle_seconds,
@@ -204,6 +214,7 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
         seed=args.seed,
         enable_prefix_caching=not args.no_prefix_caching,
         weight_update_lease_seconds=args.weight_update_lease_seconds,
+        weight_stage_batch_bytes=args.weight_stage_batch_bytes,
         allow_non_finite_weights=args.allow_non_finite_weights,
         session_idle_seconds=args.session_idle_seconds,
         enable_lora=args.enable_lora,

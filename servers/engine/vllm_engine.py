@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -47,6 +47,34 @@ U = TypeVar("U")
 
 # How long an idle engine process gets to exit on shutdown before it is killed.
 ENGINE_EXIT_SECONDS = 0.5
+
+
+class _WeightLifecycle:
+    """vLLM's weight-transfer lifecycle on ``AsyncLLM`` (``weights.protocol.Lifecycle``), each
+    call run by ``run`` (``VllmEngine._call``: on the engine loop, the engine's death named)."""
+
+    def __init__(self, llm: Any, run: Callable[[Coroutine[Any, Any, Any]], Awaitable[Any]]):
+        self._llm = llm
+        self._run = run
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self._run(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info)))
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self._run(self._llm.shutdown_weight_transfer_engine())
+
+    async def start_weight_update(self) -> None:
+        await self._run(self._llm.start_weight_update())
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self._run(self._llm.update_weights(WeightTransferUpdateRequest(update_info)))
+
+    async def finish_weight_update(self, weight_version: str | None) -> None:
+        await self._run(self._llm.finish_weight_update(weight_version))
 
 
 class EngineCannotRun(Exception):
@@ -191,13 +219,16 @@ class VllmEngine:
         )
         # CPU only: the zero adapter base-model requests run on while LoRA is enabled.
         self._base_adapter: Any = None
-        self.weights_workers = WorkerCalls(self._collective_rpc)
+        self.weights_workers = WorkerCalls(
+            self._collective_rpc, _WeightLifecycle(self.llm, self._call)
+        )
         self.weights = WeightTransferManager(
             self.weights_workers,
             self._set_weight_version,
             lambda: self.weight_version,
             self._weights_changed,
             default_lease_seconds=options.weight_update_lease_seconds,
+            stage_batch_bytes=options.weight_stage_batch_bytes,
             allow_non_finite=options.allow_non_finite_weights,
         )
 

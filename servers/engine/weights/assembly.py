@@ -111,8 +111,11 @@ class _Incoming:
     patch_changed: int = 0
     patch_base: int = 0
     received: int = 0
-    # The chunks as received (views into the received messages): the worker copies them into
-    # the parameter's buffer, so joining them here would only add a pass over memory.
+    # Bytes already handed to the workers (``take_ready``): the chunks start there.
+    taken: int = 0
+    # The chunks as received and not yet handed over (views into the received messages): the
+    # worker copies them into the parameter's buffer, so joining them here would only add a
+    # pass over memory.
     chunks: list[bytes | memoryview] = field(default_factory=list)
     # Running SHA-256 of the chunks, when the manifest gave one to check.
     digest: Any = None
@@ -145,8 +148,9 @@ class InBandAssembler:
         self.non_finite: list[str] = []
         self._incoming: dict[str, _Incoming] | None = None
         self.bytes_received = 0
-        # Parameters complete and verified, not yet taken (``take_complete``), in order.
-        self._complete: list[str] = []
+        # Parameters with bytes ready for the workers (``take_ready``), in arrival order: whole
+        # values as their chunks arrive, patches once complete and checked.
+        self._ready: dict[str, None] = {}
         self._taken: set[str] = set()
 
     def add(self, message: cp.PushWeightsRequest | WireChunk) -> None:
@@ -214,7 +218,9 @@ class InBandAssembler:
             self._check_digest(chunk.name, incoming)
             if incoming.patch_changed:
                 self._check_patch(chunk.name, incoming)
-            self._complete.append(chunk.name)
+                self._ready[chunk.name] = None
+        if not incoming.patch_changed:
+            self._ready[chunk.name] = None
 
     def _non_finite(self, name: str) -> None:
         if not self._allow_non_finite:
@@ -236,20 +242,25 @@ class InBandAssembler:
         return {n: i.patch_base for n, i in incoming.items() if i.patch_changed}
 
     @property
-    def complete_bytes(self) -> int:
-        """Bytes of the parameters complete and not yet taken."""
-        assert self._incoming is not None or not self._complete
-        return sum(self._incoming[n].received for n in self._complete) if self._incoming else 0
+    def ready_bytes(self) -> int:
+        """Bytes ready for the workers and not yet taken."""
+        incoming = self._incoming or {}
+        return sum(incoming[n].received - incoming[n].taken for n in self._ready)
 
-    def take_complete(self) -> list[StagedParameter]:
-        """The parameters completed (and verified) since the last call, handed over: the
-        assembler drops its references to their chunks, so a stream is never held whole."""
-        assert self._incoming is not None or not self._complete
-        taken = [self._staged(name) for name in self._complete]
-        for name in self._complete:
-            self._taken.add(name)
-            self._incoming[name].chunks = []  # type: ignore[index]
-        self._complete = []
+    def take_ready(self) -> list[StagedParameter]:
+        """The bytes ready since the last call, handed over: whole values in pieces as they
+        arrived (a large parameter need not be complete to start reaching the workers),
+        patches whole. The assembler drops its references to them, so neither a stream nor a
+        large parameter is ever held whole."""
+        assert self._incoming is not None or not self._ready
+        taken = [self._staged(name) for name in self._ready]
+        for name in self._ready:
+            incoming = self._incoming[name]  # type: ignore[index]
+            incoming.taken = incoming.received
+            incoming.chunks = []
+            if incoming.received == incoming.expected_bytes:
+                self._taken.add(name)
+        self._ready = {}
         return taken
 
     @staticmethod
@@ -267,14 +278,15 @@ class InBandAssembler:
             name=name,
             dtype=layout.dtype.torch_name,
             shape=list(layout.shape),
+            offset=incoming.taken,
             chunks=incoming.chunks,
+            last=incoming.received == incoming.expected_bytes,
             patch=incoming.patch_changed,
             sha256=incoming.sha256 if incoming.patch_changed else b"",
         )
 
     def finish(self) -> list[StagedParameter]:
-        """Checks the stream was complete; returns the parameters not taken yet, each with its
-        bytes as the list of received chunks, in order."""
+        """Checks the stream was complete; returns what was not taken yet (``take_ready``)."""
         if self._incoming is None:
             raise InvalidArgument("the PushWeights stream was empty (no manifest)")
         for name, incoming in self._incoming.items():
@@ -284,9 +296,9 @@ class InBandAssembler:
                     f"the stream ended before {name} was complete ({incoming.received} of "
                     f"{expected} bytes): truncated push"
                 )
-            if expected == 0 and name not in self._taken and name not in self._complete:
-                self._complete.append(name)  # an empty tensor, which no chunk completed
-        return self.take_complete()
+            if expected == 0 and name not in self._taken:
+                self._ready[name] = None  # an empty tensor, which no chunk completed
+        return self.take_ready()
 
 
 def bucket_layout(bucket: cp.WeightBucket, layout: dict[str, ParamLayout]) -> Bucket:

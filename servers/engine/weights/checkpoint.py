@@ -73,7 +73,15 @@ class ServingCheckpoint:
 
     @property
     def staged_count(self) -> int:
-        return len(self._open.whole) + len({o.name for o in self._open.overwritten})
+        return len(self.open_names())
+
+    def open_names(self) -> set[str]:
+        """The parameters the open update changes."""
+        return _names(self._open)
+
+    def committed_names(self) -> set[str]:
+        """The parameters the last commit changed (none once released or rolled back)."""
+        return _names(self._committed) if self._committed is not None else set()
 
     def mark(self) -> tuple[dict[str, Any], int]:
         """A point the open update can be taken back to (``revert_to``): what was staged whole
@@ -89,6 +97,10 @@ class ServingCheckpoint:
 
     def stage_whole(self, name: str, tensor: Any) -> None:
         self._open.whole[name] = tensor
+
+    def staged_whole(self, name: str) -> Any:
+        """The new value staged for ``name`` (KeyError: none)."""
+        return self._open.whole[name]
 
     def patch(self, name: str, indices: Any, new_bits: Any) -> Any:
         """Writes ``new_bits`` at ``indices`` (flat) of ``name``; returns the patched tensor.
@@ -134,7 +146,7 @@ class ServingCheckpoint:
         self.tensors.update(committed.whole)
         _undo(self.tensors, committed.overwritten)
         self._committed = None
-        return len(committed.whole) + len({o.name for o in committed.overwritten})
+        return len(_names(committed))
 
     @property
     def can_revert_commit(self) -> bool:
@@ -153,6 +165,10 @@ class ServingCheckpoint:
         copy = tensor.clone()
         _undo({name: copy}, mine)
         return copy
+
+
+def _names(changes: _Changes) -> set[str]:
+    return set(changes.whole) | {o.name for o in changes.overwritten}
 
 
 def _undo(tensors: dict[str, Any], overwritten: list[_Overwritten]) -> None:

@@ -1,43 +1,33 @@
-"""The calls between the engine server and the worker extension inside vLLM's workers.
+"""The calls between the engine server and vLLM's workers for weight updates.
 
-The server reaches the workers only through vLLM's ``collective_rpc(method_name, args)``, whose
-arguments and results are serialized without pickle: plain values, lists, dicts and bytes.
-This module is the one definition both sides import: the method names, the typed payloads, and
-``WorkerCalls``, the server's typed view of the calls (``transaction`` never names a method by
-string). Every method runs on every worker of the engine (one per tensor/pipeline rank); the
-results come back one per worker.
+Weights reach the model through vLLM's own weight-transfer lifecycle, driven on ``AsyncLLM``
+(``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+``finish_weight_update(weight_version)``), which runs this project's engine
+(``transfer_engine.SkyrlWeightTransferEngine``) in every worker. What the lifecycle does not
+carry (the layout, checksums, the last call's report, dropping the rollback copy, clearing KV
+memory) goes through ``collective_rpc`` to the worker extension (``worker``). Everything crosses
+without pickle: plain values, lists, dicts and bytes. This module is the one definition both
+sides import: the payloads and ``WorkerCalls``, the server's typed view of all of it
+(``transaction`` never names a method by string). Every call runs on every worker of the engine
+(one per tensor/pipeline rank); results come back one per worker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, TypedDict
+from typing import Any, Protocol, TypedDict
 
-# Method names of ``servers.engine.weights.worker.WeightTransferWorker``.
+# The name vLLM's weight-transfer factory knows ``transfer_engine``'s engine by: engines start
+# with ``weight_transfer_config={"backend": BACKEND}``.
+BACKEND = "skyrl"
+
+# Methods of ``servers.engine.weights.worker.WeightTransferWorker`` (``collective_rpc``).
 LAYOUT = "skyrl_layout"
 CHECKSUMS = "skyrl_checksums"
-JOIN_GROUP = "skyrl_join_group"
-LEAVE_GROUP = "skyrl_leave_group"
-RECEIVE_BUCKETS = "skyrl_receive_buckets"
-STAGE = "skyrl_stage"
-DISCARD = "skyrl_discard"
-COMMIT = "skyrl_commit"
-ROLLBACK = "skyrl_rollback"
+REPORT = "skyrl_report"
 RELEASE_ROLLBACK = "skyrl_release_rollback"
 CLEAR_KV_CACHE = "skyrl_clear_kv_cache"
-METHODS = (
-    LAYOUT,
-    CHECKSUMS,
-    JOIN_GROUP,
-    LEAVE_GROUP,
-    RECEIVE_BUCKETS,
-    STAGE,
-    DISCARD,
-    COMMIT,
-    ROLLBACK,
-    RELEASE_ROLLBACK,
-    CLEAR_KV_CACHE,
-)
+METHODS = (LAYOUT, CHECKSUMS, REPORT, RELEASE_ROLLBACK, CLEAR_KV_CACHE)
 
 
 # A patch's bytes start with its changed elements' indices, little-endian uint32 each
@@ -53,15 +43,18 @@ class ParameterShape(TypedDict):
 
 
 class StagedParameter(TypedDict):
-    """An in-band parameter, verified by the server: its bytes as the chunks received. A
-    patch (``patch`` > 0 elements changed) carries the indices then the values
-    (``control_plane.proto``'s WeightPatch); the worker applies it to the serving weights and
-    checks the result against ``sha256`` (b"": not checked)."""
+    """In-band bytes of one parameter, verified by the server: the chunks received from byte
+    ``offset`` of its value on (a whole value may come in several pieces, in order; ``last``:
+    this piece completes it). A patch (``patch`` > 0 elements changed) comes whole, carrying the
+    indices then the values (``control_plane.proto``'s WeightPatch); the worker applies it to
+    the serving weights and checks the result against ``sha256`` (b"": not checked)."""
 
     name: str
     dtype: str
     shape: list[int]
+    offset: int
     chunks: list[bytes | memoryview]
+    last: bool
     patch: int
     sha256: bytes
 
@@ -83,15 +76,19 @@ class Bucket(TypedDict):
     params: list[BucketParameter]
 
 
-class Received(TypedDict):
-    """What one worker received by broadcast; ``mismatches`` names parameters whose SHA-256
-    did not match, ``non_finite`` those holding a NaN or infinity (when checked); nothing of
-    the call is staged if either is non-empty."""
+class Report(TypedDict):
+    """What one worker's last ``update_weights`` or ``finish_weight_update`` did: bytes
+    received by broadcast, parameters staged, parameters changed (discarded, committed or
+    restored); ``mismatches`` names parameters whose SHA-256 did not match, ``non_finite`` those
+    holding a NaN or infinity (when checked): nothing of the call is staged if either is
+    non-empty; ``error``: applying failed and the previous weights were restored."""
 
     bytes: int
     params: int
+    changed: int
     mismatches: list[str]
     non_finite: list[str]
+    error: str
 
 
 class Checksum(TypedDict):
@@ -115,13 +112,37 @@ class Group(TypedDict):
 
 Rpc = Callable[[str, tuple[Any, ...]], Awaitable[list[Any]]]
 
+# What vLLM's worker says when ``start_weight_update`` finds a session still open.
+STALE_SESSION = "weight update is already active"
+
+
+class Lifecycle(Protocol):
+    """vLLM's weight-transfer lifecycle as ``AsyncLLM`` has it (requests as plain dicts)."""
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+    async def shutdown_weight_transfer_engine(self) -> None: ...
+
+    async def start_weight_update(self) -> None: ...
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None: ...
+
+    async def finish_weight_update(self, weight_version: str | None) -> None: ...
+
 
 class WorkerCalls:
-    """The server's typed calls to every worker, over an ``rpc(method, args)`` callable
-    (``collective_rpc`` on a real engine; a plain function in tests)."""
+    """The server's typed calls to every worker: vLLM's lifecycle for anything that changes
+    weights, ``rpc(method, args)`` (``collective_rpc`` on a real engine; plain functions in
+    tests) for the rest.
 
-    def __init__(self, rpc: Rpc) -> None:
+    vLLM's worker holds one update session at a time: ``start_weight_update`` opens it, and
+    ``finish_weight_update`` closes it; an ``update_weights`` that raises closes it too.
+    ``session_open`` follows that, so ``discard`` closes exactly what is open."""
+
+    def __init__(self, rpc: Rpc, lifecycle: Lifecycle) -> None:
         self._rpc = rpc
+        self._lifecycle = lifecycle
+        self.session_open = False
 
     async def layout(self) -> dict[str, ParameterShape]:
         """Every checkpoint parameter (the first worker's view: all hold the same names)."""
@@ -132,36 +153,83 @@ class WorkerCalls:
         result: list[Checksum] = (await self._rpc(CHECKSUMS, (names,)))[0]
         return result
 
-    async def join_group(self, group: Group) -> list[int]:
-        """Joins every worker; returns their ranks."""
-        return [int(rank) for rank in await self._rpc(JOIN_GROUP, (group,))]
+    async def join_group(self, group: Group) -> None:
+        """Joins every worker to the trainer's group (each as ``rank_offset`` + its rank)."""
+        await self._lifecycle.init_weight_transfer_engine(dict(group))
 
     async def leave_group(self) -> None:
-        await self._rpc(LEAVE_GROUP, ())
+        await self._lifecycle.shutdown_weight_transfer_engine()
 
-    async def receive_buckets(self, buckets: list[Bucket], check_finite: bool) -> list[Received]:
-        results: list[Received] = await self._rpc(RECEIVE_BUCKETS, (buckets, check_finite))
-        return results
+    async def open(self) -> None:
+        """Opens an update session (closing one left open first)."""
+        await self.discard()
+        try:
+            await self._lifecycle.start_weight_update()
+        except Exception as error:
+            if STALE_SESSION not in str(error):
+                raise
+            # vLLM's worker kept a session that an engine error left open (a finish that
+            # raised keeps it): drop what it staged, close it, open anew.
+            self.session_open = True
+            await self.discard()
+            await self._lifecycle.start_weight_update()
+        self.session_open = True
+
+    async def _update(self, update_info: dict[str, Any]) -> list[Report]:
+        try:
+            await self._lifecycle.update_weights(update_info)
+        except Exception:
+            self.session_open = False  # vLLM's worker ended the session
+            raise
+        # Cancelled (the caller went away): the call goes on in the engine, the session stays.
+        return await self._reports()
+
+    async def _reports(self) -> list[Report]:
+        reports: list[Report] = await self._rpc(REPORT, ())
+        return reports
+
+    async def receive_buckets(self, buckets: list[Bucket], check_finite: bool) -> list[Report]:
+        return await self._update({"receive": buckets, "check_finite": check_finite})
 
     async def stage(self, params: list[StagedParameter]) -> list[str]:
         """Stages the parameters on every worker; returns the names whose patched bytes did
         not match their SHA-256 (nothing of the call is staged then)."""
-        results = await self._rpc(STAGE, (params,))
-        return sorted({str(name) for result in results for name in (result or [])})
+        reports = await self._update({"stage": params})
+        return sorted({str(name) for report in reports for name in report["mismatches"]})
 
     async def discard(self) -> int:
-        """Drops staged parameters; returns how many there were."""
-        return int((await self._rpc(DISCARD, ()))[0])
+        """Ends the open session without applying it; returns how many parameters it had
+        changed (0 when none was open)."""
+        if not self.session_open:
+            return 0
+        try:
+            reports = await self._update({"discard": True})
+        except Exception:
+            return 0  # vLLM's worker had already ended the session (and this one with it)
+        await self._finish(None)
+        return reports[0]["changed"]
 
-    async def commit(self) -> int:
-        """Makes the staged parameters serve, keeping the previous weights for a rollback;
-        returns how many were replaced."""
-        return int((await self._rpc(COMMIT, ()))[0])
+    async def _finish(self, weight_version: str | None) -> list[Report]:
+        self.session_open = False
+        await self._lifecycle.finish_weight_update(weight_version)
+        return await self._reports()
 
-    async def rollback(self) -> int:
-        """Serves the weights from before the last commit again; returns how many parameters
-        were restored."""
-        return int((await self._rpc(ROLLBACK, ()))[0])
+    async def commit(self, weight_version: int) -> int:
+        """Makes the staged parameters serve as ``weight_version``, keeping the previous
+        weights for a rollback; returns how many were replaced. Raises when applying failed
+        (the previous weights serve again)."""
+        reports = await self._finish(str(weight_version))
+        errors = sorted({report["error"] for report in reports if report["error"]})
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        return reports[0]["changed"]
+
+    async def rollback(self, weight_version: int) -> int:
+        """Serves the weights from before the last commit again, as ``weight_version``;
+        returns how many parameters were restored."""
+        await self.open()
+        await self._update({"restore_previous": True})
+        return (await self._finish(str(weight_version)))[0]["changed"]
 
     async def release_rollback(self) -> None:
         """Drops the weights kept for a rollback (their memory)."""

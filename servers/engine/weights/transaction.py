@@ -36,7 +36,6 @@ from .protocol import Bucket, Group, StagedParameter, WorkerCalls
 
 log = logging.getLogger(__name__)
 
-STAGE_BATCH_BYTES = 32 << 20  # bytes per worker call when shipping in-band weights
 DRAIN_SECONDS = 10.0  # how long a rejected push keeps reading before answering
 
 
@@ -85,6 +84,7 @@ class WeightTransferManager:
         *,
         default_lease_seconds: float = 600.0,
         allow_non_finite: bool = False,
+        stage_batch_bytes: int = 32 << 20,
     ) -> None:
         self._workers = workers
         self._set_version = set_version
@@ -92,6 +92,9 @@ class WeightTransferManager:
         self._on_weights_changed = on_weights_changed
         self.default_lease_seconds = default_lease_seconds
         self.allow_non_finite = allow_non_finite
+        # In-band bytes per worker call: large enough to amortise a call, small enough that the
+        # server and the engine core never hold much of a push.
+        self.stage_batch_bytes = stage_batch_bytes
         self._layout: dict[str, ParamLayout] | None = None
         self.group: Group | None = None
         self.open: OpenUpdate | None = None
@@ -170,8 +173,8 @@ class WeightTransferManager:
             if weight_version:
                 self._check_version(weight_version, allow_same_version)
             await self.layout()
-            await self._workers.discard()
             await self._workers.release_rollback()
+            await self._workers.open()
             self.rollback_version = None
             update = OpenUpdate(
                 owner=owner,
@@ -290,10 +293,10 @@ class WeightTransferManager:
                         self._check_patch_bases(assembler.patch_bases)
                     update.bytes_received = received_before + assembler.bytes_received
                     update.touch()
-                    # Complete parameters go on to the workers as they arrive: the server holds
-                    # at most a batch and the parameters still arriving, never the whole stream.
-                    if assembler.complete_bytes >= STAGE_BATCH_BYTES:
-                        staged += await self._stage(assembler.take_complete())
+                    # Bytes go on to the workers as they arrive, in batches: the server holds at
+                    # most a batch, never the whole stream nor a whole large parameter.
+                    if assembler.ready_bytes >= self.stage_batch_bytes:
+                        staged += await self._stage(assembler.take_ready())
                 staged += await self._stage(assembler.finish())
             except PatchBaseMismatch:
                 raise  # nothing staged: the update stays open for the whole weights
@@ -321,14 +324,14 @@ class WeightTransferManager:
             )
 
     async def _stage(self, params: list[StagedParameter]) -> int:
-        for batch in _batches(params, STAGE_BATCH_BYTES):
+        for batch in _batches(params, self.stage_batch_bytes):
             mismatches = await self._workers.stage(batch)
             if mismatches:
                 raise DataLoss(
                     f"checksum mismatch for {', '.join(mismatches[:3])} after applying the "
                     "patch: the result differs from the sender's weights"
                 )
-        return len(params)
+        return sum(1 for param in params if param["last"])
 
     async def finish(self, weight_version: int = 0) -> tuple[int, int]:
         async with self._lock:
@@ -348,7 +351,7 @@ class WeightTransferManager:
             self._check_version(version, update.allow_same_version)
             previous = self._get_version()
             try:
-                replaced = await self._workers.commit()
+                replaced = await self._workers.commit(version)
             except Exception as exc:
                 await self._abandon(None)
                 raise Unavailable(
@@ -378,11 +381,11 @@ class WeightTransferManager:
                     f"weight_version = {weight_version} is not the serving version {current}: "
                     "only the last commit can be rolled back"
                 )
+            restored = self.rollback_version
             try:
-                await self._workers.rollback()
+                await self._workers.rollback(restored)
             except Exception as exc:
                 raise Unavailable(f"restoring the previous weights failed: {exc}") from exc
-            restored = self.rollback_version
             self.rollback_version = None
             self._set_version(restored)
             replaced_non_finite = self._serving_non_finite

@@ -1,0 +1,376 @@
+"""This project's weight-transfer engine for vLLM (``vllm.distributed.weight_transfer``).
+
+vLLM creates one ``WeightTransferEngine`` per worker when the engine starts with
+``weight_transfer_config={"backend": "skyrl"}`` (registered through vLLM's factory by
+``vllm_plugin``), and drives it through its own lifecycle: ``AsyncLLM.init_weight_transfer_engine``
+(join the trainer's process group), ``start_weight_update``, any number of ``update_weights``,
+``finish_weight_update(weight_version)``. vLLM has no engine for what this one carries: weights
+pushed in-band over gRPC (the server hands the verified chunks on as ``update_weights`` payloads),
+gloo broadcasts for CPU fleets, and sparse patches against a checkpoint-format copy.
+
+Why a copy: on CPU vLLM repacks linear weights after loading (oneDNN), so neither a patch in
+checkpoint coordinates nor ``load_weights`` can be written into the serving parameters; new
+weights reach them through vLLM's layerwise reload of checkpoint tensors. The engine keeps the
+serving weights as the checkpoint holds them (``checkpoint.ServingCheckpoint``, read from the
+model's safetensors files on first use): whole tensors are staged beside it, patches written into
+it in place with a record of what they overwrote. Nothing touches the serving model before
+``finish_weight_update``, which reloads only the decoder layers the update touched (vLLM fuses
+q/k/v and gate/up within a layer, so a layer is reloaded whole; an untouched layer keeps its
+kernel tensors). A fleet transaction needs that separation: every server stages, then all commit.
+
+What a transaction needs beyond vLLM's lifecycle rides in the update payload (``SkyrlUpdate``):
+``discard`` ends the open update without applying it, ``restore_previous`` serves the weights
+from before the last commit again (a fleet rollback). Expected failures (a checksum mismatch, a
+non-finite value, a reload that failed and was undone) are recorded in ``report`` instead of
+raised, because vLLM's worker ends the update session on an exception and a failed finish leaves
+it open; the server reads the report through the worker extension (``worker``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+    layerwise_groups,
+)
+from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+from skyrl_grpc.dtypes import torch_name
+
+from .checkpoint import ServingCheckpoint, bits_of
+from .finite import all_finite
+from .protocol import PATCH_INDEX_BYTES, Bucket, Group, Report, StagedParameter
+from .tp_share import Plan, TensorParallelShare
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SkyrlGroup(WeightTransferInitInfo):
+    """How the workers join the trainer's process group."""
+
+    group: Group
+
+
+@dataclass
+class SkyrlUpdate(WeightTransferUpdateInfo):
+    """One ``update_weights`` payload: exactly one of its parts is set."""
+
+    # In-band parameters verified by the server (whole tensors or patches).
+    stage: list[StagedParameter] = field(default_factory=list)
+    # Broadcasts to receive from rank 0 of the group, and whether to refuse non-finite values.
+    receive: list[Bucket] = field(default_factory=list)
+    check_finite: bool = False
+    # End the open update without applying it.
+    discard: bool = False
+    # Serve the weights from before the last commit again (applied by finish).
+    restore_previous: bool = False
+
+
+def sha256_of(tensor: torch.Tensor) -> bytes:
+    """SHA-256 of a tensor's raw bytes (the checksums a trainer compares with its own)."""
+    raw: Any = tensor.contiguous().view(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(raw).digest()
+
+
+class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
+    init_info_cls = SkyrlGroup
+    update_info_cls = SkyrlUpdate
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group: Any = None
+        self.timeout_seconds = 300.0
+        self._checkpoint: ServingCheckpoint | None = None
+        self._restoring = False
+        self.report: Report = _empty_report()
+        # Only TP rank 0 keeps the checkpoint-format copy; it streams it to the others.
+        self.share = TensorParallelShare()
+
+    @property
+    def holds_copy(self) -> bool:
+        return self.share.holds_copy
+
+    # -- the serving weights in checkpoint format ------------------------------------------
+
+    @property
+    def serving(self) -> ServingCheckpoint:
+        if not self.holds_copy:
+            raise RuntimeError("only tensor-parallel rank 0 keeps the serving checkpoint")
+        if self._checkpoint is None:
+            self._checkpoint = ServingCheckpoint(self._read_checkpoint)
+        return self._checkpoint
+
+    def _read_checkpoint(self) -> dict[str, Any]:
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        model_dir = Path(self.model_config.model)
+        weights: dict[str, Any] = {}
+        for path in sorted(model_dir.glob("*.safetensors")):
+            weights.update(load_file(str(path), device="cpu"))
+        if not weights:
+            raise RuntimeError(f"no safetensors weights in {model_dir} to update")
+        return weights
+
+    # -- vLLM's lifecycle ------------------------------------------------------------------
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> SkyrlGroup:
+        expected = set(Group.__required_keys__)
+        if set(init_dict) != expected:
+            raise ValueError(f"init_info needs exactly {sorted(expected)}, got {sorted(init_dict)}")
+        return SkyrlGroup(Group(**init_dict))  # type: ignore[typeddict-item]
+
+    def init_transfer_engine(self, init_info: SkyrlGroup) -> None:
+        """Joins the trainer's group as ``rank_offset + this worker's rank``."""
+        from skyrl_grpc.process_group import join_group
+
+        group = init_info.group
+        self.group = join_group(
+            group["backend"],
+            group["master_address"],
+            group["master_port"],
+            group["rank_offset"] + int(self.parallel_config.rank),
+            group["world_size"],
+            group["group_name"],
+            group["timeout_seconds"],
+        )
+        self.timeout_seconds = group["timeout_seconds"]
+
+    def shutdown(self) -> None:
+        self.group = None  # its connections close with it
+
+    def start_weight_update(self) -> None:
+        """Opens an update: staging left by an update that never finished is dropped."""
+        self.report = _empty_report()
+        self._restoring = False
+        if self._checkpoint is not None:
+            self._checkpoint.discard()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronizes an accelerator; here everything received is on the host.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: SkyrlUpdate) -> None:
+        self.report = _empty_report()
+        if update_info.discard:
+            if self.holds_copy:
+                self.report["changed"] = self.serving.discard()
+        elif update_info.restore_previous:
+            self._restoring = True
+        elif update_info.receive:
+            self._receive(update_info.receive, update_info.check_finite)
+        elif self.holds_copy:
+            self._stage(update_info.stage)
+
+    def finish_weight_update(self) -> None:
+        """Applies the open update (or the restore) to the serving model, on every rank in
+        step (the holder decides what is reloaded)."""
+        holder = self.holds_copy
+        self.report = _empty_report()
+        if self._restoring:
+            self._restoring = False
+            names = self.serving.committed_names() if holder else set()
+            if holder:
+                self.report["changed"] = self.serving.revert_commit()
+            self._reload(names)
+            return
+        names = self.serving.open_names() if holder else set()
+        try:
+            self._reload(names, pending=True)
+        except Exception as exc:
+            log.exception("reloading the new weights failed; restoring the previous ones")
+            if holder:
+                self.serving.discard()
+            self._reload(names)
+            self.report["error"] = f"{type(exc).__name__}: {exc}"
+            return
+        if holder:
+            self.report["changed"] = self.serving.commit()
+
+    # -- receiving --------------------------------------------------------------------------
+
+    def _stage(self, params: list[StagedParameter]) -> None:
+        """Stages in-band parameters (verified by the server). A patch is applied to the serving
+        copy in place (bit for bit, as integers; what it overwrote recorded) and checked against
+        its SHA-256 when it carries one; on a mismatch nothing of the call stays staged."""
+        serving = self.serving
+        mark = serving.mark()
+        mismatches: list[str] = []
+        for param in params:
+            dtype = getattr(torch, param["dtype"])
+            if param.get("patch"):
+                tensor = _apply_patch(serving, param, dtype)
+                expected = param.get("sha256", b"")
+                if expected and sha256_of(tensor) != expected:
+                    mismatches.append(param["name"])
+                continue
+            # A whole value, possibly in pieces: one copy, into a tensor made at its first.
+            if param["offset"] == 0:
+                serving.stage_whole(param["name"], torch.empty(param["shape"], dtype=dtype))
+            _copy_into(serving.staged_whole(param["name"]), param["offset"], param["chunks"])
+        if mismatches:
+            serving.revert_to(mark)
+        self.report["params"] = sum(1 for param in params if param["last"])
+        self.report["mismatches"] = mismatches
+
+    def _receive(self, buckets: list[Bucket], check_finite: bool) -> None:
+        """Receives each bucket by broadcast from rank 0 and stages its parameters.
+
+        Every bucket is received even after a checksum mismatch or a non-finite value, so the
+        trainer's broadcasts never hang; nothing of this call is staged then."""
+        if self.group is None:
+            raise RuntimeError("not in a weight-transfer group: call InitWeightTransfer first")
+        # Every rank receives (the trainer broadcasts to all); only the copy's holder keeps it.
+        received, total, mismatches, non_finite = receive_buckets(
+            self.group, buckets, self.timeout_seconds, check_finite, keep=self.holds_copy
+        )
+        if not mismatches and not non_finite and self.holds_copy:
+            for name, tensor in received.items():
+                self.serving.stage_whole(name, tensor)
+        self.report["bytes"] = total
+        self.report["params"] = sum(len(bucket["params"]) for bucket in buckets)
+        self.report["mismatches"] = mismatches
+        self.report["non_finite"] = non_finite
+
+    # -- applying ---------------------------------------------------------------------------
+
+    def _reload(self, names: set[str], pending: bool = False) -> None:
+        """Reloads the decoder layers holding ``names`` through vLLM's layerwise reload: whole
+        layers (fused parameters need all their parts), from the open update when ``pending``,
+        else from the serving copy."""
+        weights: dict[str, Any] | None = None
+        plan: Plan | None = None
+        if self.holds_copy:
+            weights = self.serving.pending() if pending else self.serving.tensors
+            layers = [g for g in layerwise_groups(list(weights)) if names.intersection(g)]
+            plan = [
+                (name, torch_name(weights[name].dtype), list(weights[name].shape))
+                for group in layers
+                for name in group
+            ]
+        plan = self.share.agree(plan)
+        if not plan:
+            return
+        # vLLM warns for every layer a reload leaves as it was: expected here, not a failure.
+        with _quiet(*_RELOAD_LOGGERS):
+            reload_weights(
+                self.vllm_config,
+                self.model,
+                weights_iterator=self.share.stream(plan, weights),
+                weights_path=None,
+                is_checkpoint_format=True,
+            )
+
+
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
+
+
+@contextmanager
+def _quiet(*names: str) -> Iterator[None]:
+    """Raises the named loggers to ERROR while the block runs."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _empty_report() -> Report:
+    return Report(bytes=0, params=0, changed=0, mismatches=[], non_finite=[], error="")
+
+
+def _copy_into(tensor: torch.Tensor, offset: int, chunks: list[bytes | memoryview]) -> None:
+    """Writes ``chunks`` into ``tensor``'s bytes from ``offset`` on."""
+    import numpy as np
+
+    raw: Any = tensor.view(-1).view(torch.uint8).numpy()
+    for chunk in chunks:
+        data = np.frombuffer(chunk, dtype=np.uint8)
+        raw[offset : offset + data.size] = data
+        offset += data.size
+
+
+def _apply_patch(serving: ServingCheckpoint, param: StagedParameter, dtype: Any) -> Any:
+    """Applies ``param``'s patch (indices, then values: ``control_plane.proto``'s WeightPatch);
+    returns the patched tensor."""
+    import numpy as np
+
+    changed = int(param["patch"])
+    payload = b"".join(param["chunks"])
+    indices = torch.from_numpy(np.frombuffer(payload, dtype="<u4", count=changed).astype(np.int64))
+    values = torch.frombuffer(
+        bytearray(payload[changed * PATCH_INDEX_BYTES :]), dtype=bits_of(dtype.itemsize)
+    )
+    return serving.patch(param["name"], indices, values)
+
+
+def receive_buckets(
+    group: Any,
+    buckets: list[Bucket],
+    timeout_seconds: float,
+    check_finite: bool = False,
+    keep: bool = True,
+) -> tuple[dict[str, Any], int, list[str], list[str]]:
+    """Receives ``buckets`` from rank 0 of ``group``.
+
+    Returns the parameters as host tensors (views of their bucket: each bucket has a buffer of
+    its own, so no copy; none when not ``keep``: each bucket is dropped once checked), the bytes
+    received and the names whose SHA-256 did not match or that hold a non-finite value. The
+    receive of the next bucket is posted before the current one is sliced and verified, so
+    checking overlaps the transfer.
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    timeout = timedelta(seconds=timeout_seconds)
+
+    def post(bucket: Bucket) -> tuple[Any, Any]:
+        buffer = torch.empty(int(bucket["size"]), dtype=torch.uint8, device=device)
+        return buffer, group.broadcast(buffer, 0)
+
+    received: dict[str, Any] = {}
+    mismatches: list[str] = []
+    non_finite: list[str] = []
+    total = 0
+    pending = post(buckets[0]) if buckets else None
+    for index, bucket in enumerate(buckets):
+        assert pending is not None
+        buffer, work = pending
+        work.wait(timeout)
+        pending = post(buckets[index + 1]) if index + 1 < len(buckets) else None
+        host = buffer.cpu()
+        total += host.numel()
+        for param in bucket["params"]:
+            start = int(param["offset"])
+            dtype = getattr(torch, param["dtype"])
+            count = 1
+            for dim in param["shape"]:
+                count *= int(dim)
+            raw = host[start : start + count * dtype.itemsize]
+            if param.get("sha256") and hashlib.sha256(raw.numpy()).digest() != param["sha256"]:
+                mismatches.append(param["name"])
+                continue
+            if check_finite and not all_finite(raw.numpy(), param["dtype"]):
+                non_finite.append(param["name"])
+                continue
+            if keep:
+                received[param["name"]] = raw.view(dtype).reshape(param["shape"])
+    return received, total, mismatches, non_finite
