@@ -292,7 +292,7 @@ async def updates(
             seconds = time.perf_counter() - started
         versions = await client.weight_versions()
         assert set(versions.values()) == {version}, versions
-        sent = max(client.last_push_bytes.values()) if transport == "grpc" else full
+        sent = max(client.last_push_bytes.values())
         rows.append(
             {
                 "update": label,
@@ -313,14 +313,14 @@ async def updates(
             new = perturbed(tensors, seed=version + 1)  # the trainer's weights, made before
             await measure(f"full {round_index + 1}", new, transport)
             del new
-    if rl_lrs and "grpc" in transports:
-        dtype = tensors[0][1].dtype
+    dtype = tensors[0][1].dtype
+    for transport in transports:
         for lr in rl_lrs:
             trainer = AdamMaster(tensors, lr, seed=int(1 / lr))
-            await measure(f"RL lr {lr:g}: base", trainer.serving(dtype), "grpc")
+            await measure(f"RL lr {lr:g}: base", trainer.serving(dtype), transport)
             for step in range(rounds):
                 trainer.step()
-                await measure(f"RL lr {lr:g}: step {step + 1}", trainer.serving(dtype), "grpc")
+                await measure(f"RL lr {lr:g}: step {step + 1}", trainer.serving(dtype), transport)
             del trainer
     await client.close()
     return rows

@@ -193,9 +193,9 @@ def gloo_receiver(
                     group.broadcast(buffer, 0).wait()
                 done.put(0)
             else:
-                received, _, mismatches = receive_buckets(group, plans[checksums], 120)
-                assert not mismatches
-                serving = received  # the commit: the previous update is released
+                received = receive_buckets(group, plans[checksums], 120)
+                assert not received.mismatches
+                serving = received.whole  # the commit: the previous update is released
                 done.put(len(serving))
 
 
@@ -203,9 +203,9 @@ def collective(tensors: list[tuple[str, Any]], rounds: int) -> dict[str, list[fl
     """Seconds per update for each mode, over ``rounds`` alternating rounds after a warm-up."""
     import torch
 
-    from trainer_client.weight_sending import CollectiveSender, plan_buckets
+    from trainer_client.weight_sending import CollectiveSender, plan_buckets, tensor_entries
 
-    buckets = {c: plan_buckets(tensors, BUCKET, with_checksums=c) for c in (False, True)}
+    buckets = {c: plan_buckets(tensor_entries(tensors, c), BUCKET) for c in (False, True)}
     plans = {
         c: [
             {
@@ -214,11 +214,12 @@ def collective(tensors: list[tuple[str, Any]], rounds: int) -> dict[str, list[fl
                     {
                         "name": p.parameter.name,
                         "dtype": "float32",
-                        "shape": list(t.shape),
+                        "shape": list(p.parameter.shape),
                         "offset": p.offset_bytes,
                         "sha256": p.parameter.sha256,
+                        "patch": 0,
                     }
-                    for p, (_, t) in zip(b.layout.parameters, b.tensors, strict=True)
+                    for p in b.layout.parameters
                 ],
             }
             for b in bs

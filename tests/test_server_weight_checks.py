@@ -17,7 +17,7 @@ from servers.engine.weights.worker import WeightTransferWorker
 from skyrl_grpc import dtypes
 from skyrl_grpc.errors import DataLoss, FailedPrecondition, InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
-from trainer_client.weight_sending import plan_buckets, push_messages, rank_offsets
+from trainer_client.weight_sending import plan_buckets, push_messages, rank_offsets, tensor_entries
 
 LAYOUT = {
     "a.weight": ParamLayout(dtypes.BY_TORCH["float32"], (4, 3)),
@@ -128,7 +128,7 @@ def test_manifest_entries_must_match_the_model(spec: cp.ParameterSpec, fragment:
 
 
 def test_large_tensors_are_sent_from_their_own_memory_and_small_ones_packed() -> None:
-    big, small = plan_buckets(TENSORS, bucket_bytes=1 << 20, direct_bytes=48)
+    big, small = plan_buckets(tensor_entries(TENSORS), bucket_bytes=1 << 20, direct_bytes=48)
     assert big.direct and not small.direct
     assert [p.parameter.name for p in big.layout.parameters] == ["a.weight"]
     assert big.layout.size_bytes == 48 and big.layout.parameters[0].offset_bytes == 0
@@ -139,7 +139,7 @@ def test_large_tensors_are_sent_from_their_own_memory_and_small_ones_packed() ->
 
 
 def test_buckets_pack_at_their_offsets_and_overlaps_are_rejected() -> None:
-    (bucket,) = plan_buckets(TENSORS, bucket_bytes=1 << 20)
+    (bucket,) = plan_buckets(tensor_entries(TENSORS), bucket_bytes=1 << 20)
     assert [p.offset_bytes for p in bucket.layout.parameters] == [0, 48]
     packed = bucket.pack()
     assert torch.equal(packed[48:].view(torch.float32), torch.ones(5))
@@ -147,7 +147,7 @@ def test_buckets_pack_at_their_offsets_and_overlaps_are_rejected() -> None:
         bucket.layout.parameters[0].parameter.sha256
         == hashlib.sha256(TENSORS[0][1].numpy().tobytes()).digest()
     )
-    assert len(plan_buckets(TENSORS, bucket_bytes=40)) == 2
+    assert len(plan_buckets(tensor_entries(TENSORS), bucket_bytes=40)) == 2
     validated = bucket_layout(bucket.layout, LAYOUT)
     assert [p["offset"] for p in validated["params"]] == [0, 48]
     bucket.layout.parameters[1].offset_bytes = 40
@@ -231,7 +231,9 @@ class FakeWorkers:
 
 
 def _report() -> protocol.Report:
-    return protocol.Report(bytes=0, params=0, changed=0, mismatches=[], non_finite=[], error="")
+    return protocol.Report(
+        bytes=0, params=0, changed=0, mismatches=[], non_finite=[], invalid=[], error=""
+    )
 
 
 def calls(workers: FakeWorkers) -> protocol.WorkerCalls:

@@ -17,11 +17,13 @@ from safetensors.torch import load_file
 
 from skyrl_grpc.chunk_wire import encode_chunk
 from skyrl_grpc.names import PUSH_WEIGHTS
+from skyrl_grpc.tensor_bytes import sha256_of
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
 from tests.helpers.weights import greedy_per_server, next_version, perturbed
 from trainer_client import InferenceClient
-from trainer_client.weight_sending import parameter_spec, sha256_of
+from trainer_client.exceptions import ServerError
+from trainer_client.weight_sending import parameter_spec
 
 pytestmark = [pytest.mark.engine]
 
@@ -221,3 +223,136 @@ async def test_a_tensor_parallel_server_takes_deltas_and_rolls_back_exactly(
         rolled_back = await greedy_per_server(both)
         assert rolled_back[single] == rolled_back[tp_server.address]
         await client.close()
+
+
+@pytest.fixture(scope="module")
+async def broadcasting_client(delta_fleet: DeltaFleet) -> AsyncIterator[InferenceClient]:
+    """A client of both servers that formed a gloo group with them (rank 0)."""
+    client = InferenceClient(delta_fleet.servers[0], delta_fleet.servers, direct=False)
+    await client.init_weight_transfer("gloo", timeout_seconds=60)
+    yield client
+    await client.close()
+
+
+async def test_a_delta_over_the_collective_gives_the_same_weights_as_a_full_broadcast(
+    delta_fleet: DeltaFleet, broadcasting_client: InferenceClient
+) -> None:
+    client, servers = broadcasting_client, delta_fleet.servers
+    full_bytes = sum(t.numel() * t.element_size() for t in delta_fleet.original.values())
+    first = perturbed(delta_fleet.original, seed=51)
+    version = await next_version(client)
+    await client.update_weights(first.items(), version, transport="collective")
+    assert client.last_push_bytes == dict.fromkeys(servers, full_bytes)  # no base yet
+
+    stepped = a_training_step(first, seed=52)
+    await client.update_weights(stepped.items(), version + 1, transport="collective")
+    assert all(0 < sent < 0.1 * full_bytes for sent in client.last_push_bytes.values())
+    assert await served_checksums(client) == dict.fromkeys(servers, expected_checksums(stepped))
+    after_delta = await greedy_per_server(servers)
+    await client.update_weights(stepped.items(), version + 2, delta=False)
+    assert await greedy_per_server(servers) == after_delta
+
+    # delta=False kept no base: whole again, and a base kept. Then the second server moves on
+    # elsewhere: one broadcast reaches both, so both get it all.
+    await client.update_weights(stepped.items(), version + 3)
+    assert client.last_push_bytes == dict.fromkeys(servers, full_bytes)
+    await other_version_moves(servers[1], version + 4)
+    moved = a_training_step(stepped, seed=54)
+    await client.update_weights(moved.items(), version + 5, transport="collective")
+    assert client.last_push_bytes == dict.fromkeys(servers, full_bytes)
+    assert await served_checksums(client) == dict.fromkeys(servers, expected_checksums(moved))
+
+
+async def other_version_moves(address: str, version: int) -> None:
+    """Another trainer commits ``version`` on ``address`` with the weights it serves."""
+    other = InferenceClient(address, [address], direct=False)
+    await other.update_weights([], version)  # the same weights as a new version
+    await other.close()
+
+
+async def test_a_server_that_moved_since_the_client_looked_refuses_the_patch_and_gets_it_all(
+    delta_fleet: DeltaFleet, broadcasting_client: InferenceClient, monkeypatch: Any
+) -> None:
+    client, servers = broadcasting_client, delta_fleet.servers
+    full_bytes = sum(t.numel() * t.element_size() for t in delta_fleet.original.values())
+    base = perturbed(delta_fleet.original, seed=61)
+    version = await next_version(client)
+    await client.update_weights(base.items(), version, transport="collective")
+    await other_version_moves(servers[1], version + 1)
+    # The client looked before the second server moved: it broadcasts patches, which that
+    # server refuses (FAILED_PRECONDITION, nothing staged); the whole weights follow to both.
+    from trainer_client import weight_updates
+
+    async def stale_view(self: Any, address: str) -> int:
+        return version
+
+    monkeypatch.setattr(weight_updates._TransactionCalls, "serving_version", stale_view)
+    stepped = a_training_step(base, seed=62)
+    await client.update_weights(stepped.items(), version + 2, transport="collective")
+    sent = client.last_push_bytes
+    assert all(full_bytes < b < 1.1 * full_bytes for b in sent.values()), (sent, full_bytes)
+    assert await served_checksums(client) == dict.fromkeys(servers, expected_checksums(stepped))
+    assert set((await client.weight_versions()).values()) == {version + 2}
+
+
+def _patch_bucket(
+    name: str, tensor: torch.Tensor, base_version: int, indices: list[int], values: list[float]
+) -> list[Any]:
+    from trainer_client.weight_sending import plan_buckets
+
+    spec = parameter_spec(name, tensor, with_checksum=False)
+    spec.patch.base_weight_version = base_version
+    spec.patch.changed = len(indices)
+    payload = torch.tensor(indices, dtype=torch.int32).view(torch.uint8)
+    payload = torch.cat([payload, torch.tensor(values, dtype=tensor.dtype).view(torch.uint8)])
+    return plan_buckets([(spec, payload)])
+
+
+async def test_bad_patches_over_the_collective_are_refused_and_the_weights_stay(
+    delta_fleet: DeltaFleet, broadcasting_client: InferenceClient
+) -> None:
+    client, servers = broadcasting_client, delta_fleet.servers
+    await client.update_weights(delta_fleet.original.items(), await next_version(client))
+    before = await client.weight_checksums()
+    serving = (await client.weight_versions())[servers[0]]
+    name, tensor = next(iter(sorted(delta_fleet.original.items())))
+    sender = client._sender
+    assert sender is not None
+    cases = [
+        (
+            _patch_bucket(name, tensor, serving + 7, [0], [1.0]),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"apply to version {serving + 7}, but this server serves version {serving}",
+        ),
+        (
+            _patch_bucket(name, tensor, serving, [tensor.numel()], [1.0]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"names element {tensor.numel()}",
+        ),
+        (
+            _patch_bucket(name, tensor, serving, [3, 1], [1.0, 2.0]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "strictly increasing",
+        ),
+        (
+            _patch_bucket(name, tensor, serving, [0], [float("inf")]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "NaN or an infinity",
+        ),
+    ]
+    for buckets, code, words in cases:
+        for address in servers:
+            await client._control(address).StartWeightUpdate(
+                cp.StartWeightUpdateRequest(weight_version=serving + 1)
+            )
+        failures = await client._broadcast_buckets(sender, servers, buckets, 60)
+        assert set(failures) == set(servers)
+        for failure in failures.values():
+            assert isinstance(failure, ServerError), failure
+            assert failure.code == code and words in failure.details, failure
+        await client.cancel_weight_update()
+        assert await client.weight_checksums() == before
+    # The next update succeeds, as a patch.
+    stepped = a_training_step(delta_fleet.original, seed=71)
+    await client.update_weights(stepped.items(), serving + 1)
+    assert await served_checksums(client) == dict.fromkeys(servers, expected_checksums(stepped))

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from skyrl_grpc.tensor_bytes import sha256_of
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
@@ -22,7 +23,7 @@ from tests.conftest import REFERENCE_PROMPTS, offline_reference
 from tests.helpers.waits import running_on_engines, until
 from tests.helpers.weights import MAX_TOKENS, greedy_per_server, next_version, perturbed
 from trainer_client import InferenceClient, WeightUpdateError
-from trainer_client.weight_sending import push_messages, sha256_of
+from trainer_client.weight_sending import push_messages
 
 pytestmark = [pytest.mark.engine]
 # Any version: the calls using it are refused before the version matters.

@@ -7,7 +7,6 @@ checksummed chunks after a manifest, serialized once and streamed to every serve
 
 from __future__ import annotations
 
-import hashlib
 import re
 import threading
 from collections.abc import Iterable, Iterator
@@ -18,6 +17,7 @@ from skyrl_grpc import dtypes
 from skyrl_grpc.chunk_wire import encode_chunk
 from skyrl_grpc.crc import crc32
 from skyrl_grpc.process_group import join_group, master_store
+from skyrl_grpc.tensor_bytes import flat_bytes, sha256_of
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -26,22 +26,6 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 # bucket: on two cores that copy was a third of the work (the kernel's send and receive copies
 # are the rest), while one more broadcast costs well under a millisecond.
 DEFAULT_DIRECT_BYTES = 4 << 20
-
-
-def raw_bytes(tensor: Any) -> Any:
-    """A tensor's bytes as a flat uint8 CPU tensor (no copy when already contiguous on CPU)."""
-    return flat_bytes(tensor).cpu()
-
-
-def flat_bytes(tensor: Any) -> Any:
-    """A tensor's bytes as a flat uint8 tensor on the tensor's own device."""
-    import torch
-
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def sha256_of(tensor: Any) -> bytes:
-    return hashlib.sha256(raw_bytes(tensor).numpy()).digest()
 
 
 def parameter_spec(name: str, tensor: Any, with_checksum: bool) -> cp.ParameterSpec:
@@ -53,60 +37,75 @@ def parameter_spec(name: str, tensor: Any, with_checksum: bool) -> cp.ParameterS
     )
 
 
+# A parameter as it travels: its spec and its bytes (a flat uint8 tensor, on the tensor's own
+# device): the whole value, or a patch (``weight_patches``).
+Entry = tuple[cp.ParameterSpec, Any]
+
+
 @dataclass
 class Bucket:
-    """Tensors packed back to back; ``layout`` tells the servers where each one lies.
+    """Entries' bytes packed back to back; ``layout`` tells the servers where each one lies.
 
-    A ``direct`` bucket holds one large tensor and is sent from that tensor's own memory.
+    A ``direct`` bucket holds one large entry and is sent from that entry's own memory.
     """
 
     layout: cp.WeightBucket
-    tensors: list[tuple[str, Any]]
+    parts: list[Any]  # each entry's bytes, in the layout's order
     direct: bool = False
 
     def pack(self, into: Any = None) -> Any:
         """The bucket's bytes, written into ``into`` (a uint8 tensor at least that large) when
         given: reusing one buffer avoids touching fresh memory for every bucket. A direct
-        bucket returns its tensor's own bytes and ignores ``into``."""
+        bucket returns its entry's own bytes and ignores ``into``."""
         import torch
 
         if self.direct:
-            return flat_bytes(self.tensors[0][1])
+            return self.parts[0]
         if into is None:
             buffer = torch.empty(self.layout.size_bytes, dtype=torch.uint8)
         else:
             buffer = into[: self.layout.size_bytes]
-        for packed, (_, tensor) in zip(self.layout.parameters, self.tensors, strict=True):
-            data = flat_bytes(tensor)  # copy_ crosses devices when the buffer is elsewhere
+        for packed, data in zip(self.layout.parameters, self.parts, strict=True):
+            # copy_ crosses devices when the buffer is elsewhere
             buffer[packed.offset_bytes : packed.offset_bytes + data.numel()].copy_(data)
         return buffer
 
 
+def whole_entry(name: str, tensor: Any, with_checksum: bool) -> Entry:
+    """One tensor whole, its bytes on its own device (a view when contiguous)."""
+    return parameter_spec(name, tensor, with_checksum), flat_bytes(tensor)
+
+
+def tensor_entries(
+    named_tensors: Iterable[tuple[str, Any]], with_checksums: bool = True
+) -> list[Entry]:
+    """Every tensor whole."""
+    return [whole_entry(name, tensor, with_checksums) for name, tensor in named_tensors]
+
+
 def plan_buckets(
-    named_tensors: Iterable[tuple[str, Any]],
+    entries: Iterable[Entry],
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    with_checksums: bool = True,
     direct_bytes: int = DEFAULT_DIRECT_BYTES,
 ) -> list[Bucket]:
-    """Groups tensors into buckets of at most ``bucket_bytes``; a tensor of ``direct_bytes`` or
+    """Groups entries into buckets of at most ``bucket_bytes``; an entry of ``direct_bytes`` or
     more (or larger than a bucket) gets a direct bucket of its own."""
     buckets: list[Bucket] = []
     current = Bucket(cp.WeightBucket(), [])
-    for name, tensor in named_tensors:
-        size = tensor.numel() * tensor.element_size()
-        spec = parameter_spec(name, tensor, with_checksums)
+    for spec, data in entries:
+        size = data.numel()
         if size >= min(direct_bytes, bucket_bytes):
             layout = cp.WeightBucket(size_bytes=size)
             layout.parameters.add(parameter=spec, offset_bytes=0)
-            buckets.append(Bucket(layout, [(name, tensor)], direct=True))
+            buckets.append(Bucket(layout, [data], direct=True))
             continue
-        if current.tensors and current.layout.size_bytes + size > bucket_bytes:
+        if current.parts and current.layout.size_bytes + size > bucket_bytes:
             buckets.append(current)
             current = Bucket(cp.WeightBucket(), [])
         current.layout.parameters.add(parameter=spec, offset_bytes=current.layout.size_bytes)
         current.layout.size_bytes += size
-        current.tensors.append((name, tensor))
-    if current.tensors:
+        current.parts.append(data)
+    if current.parts:
         buckets.append(current)
     return buckets
 
@@ -118,16 +117,14 @@ class PushStream:
     from the tensors' own memory, so sending to several servers never holds a serialized copy
     of the model (each message is one chunk, copied once into it).
 
-    ``entries``: each parameter's spec and bytes (a flat uint8 array); ``full_entries`` and
-    ``weight_patches`` make them."""
+    ``entries``: each parameter's spec and bytes (a flat uint8 tensor, moved to the host here,
+    or array); ``tensor_entries`` and ``weight_patches`` make them."""
 
-    def __init__(
-        self, entries: list[tuple[cp.ParameterSpec, Any]], chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    ) -> None:
+    def __init__(self, entries: list[Entry], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         manifest = cp.WeightManifest(parameters=[spec for spec, _ in entries])
         self._manifest = cp.PushWeightsRequest(manifest=manifest).SerializeToString()
         self._chunk_bytes = chunk_bytes
-        self._entries = [(spec.name, data) for spec, data in entries]
+        self._entries = [(spec.name, _host_array(data)) for spec, data in entries]
         self._crcs = [
             [
                 crc32(memoryview(data[offset : offset + chunk_bytes]))
@@ -165,17 +162,9 @@ def push_groups(
     return groups
 
 
-def whole_entry(name: str, tensor: Any, with_checksum: bool) -> tuple[cp.ParameterSpec, Any]:
-    """One tensor whole: its spec and its bytes (a view of its memory when contiguous on the
-    CPU)."""
-    return parameter_spec(name, tensor, with_checksum), raw_bytes(tensor).numpy()
-
-
-def full_entries(
-    named_tensors: Iterable[tuple[str, Any]], with_checksums: bool = True
-) -> list[tuple[cp.ParameterSpec, Any]]:
-    """Every tensor whole."""
-    return [whole_entry(name, tensor, with_checksums) for name, tensor in named_tensors]
+def _host_array(data: Any) -> Any:
+    """Bytes as a host numpy array (no copy for a CPU tensor or an array)."""
+    return data.cpu().numpy() if hasattr(data, "cpu") else data
 
 
 # A patch is sent only when it is smaller than this share of the parameter's bytes; a
@@ -188,16 +177,15 @@ def weight_patches(
     base: dict[str, Any],
     base_version: int,
     with_checksums: bool = True,
-) -> list[tuple[cp.ParameterSpec, Any]]:
+) -> list[Entry]:
     """What changed since ``base`` (the tensors last pushed as ``base_version``), compared bit
     for bit as integers: for each parameter a sparse patch (changed indices and their new
     values), the whole tensor where a patch would not be much smaller or the base lacks it,
     nothing where nothing changed. Runs on the tensors' device (a GPU computes it in
-    milliseconds)."""
-    import numpy as np
+    milliseconds) and leaves the entries there."""
     import torch
 
-    entries: list[tuple[cp.ParameterSpec, Any]] = []
+    entries: list[Entry] = []
     for name, tensor in named_tensors:
         old = base.get(name)
         itemsize = tensor.element_size()
@@ -226,9 +214,9 @@ def weight_patches(
         spec = parameter_spec(name, tensor, with_checksums)  # SHA-256 of the patched whole
         spec.patch.base_weight_version = base_version
         spec.patch.changed = changed
-        index_bytes = indices.to(torch.int32).cpu().numpy().astype("<u4").view("uint8")
-        value_bytes = new_bits[indices].cpu().numpy().view("uint8")
-        entries.append((spec, np.concatenate([index_bytes, value_bytes])))
+        # Little-endian uint32 indices (int32 has the same bytes below 2**32), then values.
+        index_bytes = indices.to(torch.int32).view(torch.uint8)
+        entries.append((spec, torch.cat([index_bytes, new_bits[indices].view(torch.uint8)])))
     return entries
 
 
@@ -239,7 +227,7 @@ def push_messages(
 ) -> list[bytes]:
     """The serialized PushWeights stream of whole tensors as a list (for tests and benchmarks;
     the client sends a ``PushStream``)."""
-    return list(PushStream(full_entries(named_tensors, with_checksums), chunk_bytes))
+    return list(PushStream(tensor_entries(named_tensors, with_checksums), chunk_bytes))
 
 
 _PEFT_ADAPTER_SEGMENT = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")

@@ -29,12 +29,13 @@ from .results import WeightVersions
 from .weight_sending import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHUNK_BYTES,
+    Bucket,
     CollectiveSender,
     PushStream,
-    full_entries,
     plan_buckets,
     push_groups,
     rank_offsets,
+    tensor_entries,
     weight_patches,
 )
 from .weight_transaction import run_weight_transaction
@@ -43,6 +44,9 @@ from .weight_transaction import run_weight_transaction
 # stream's own cost (a manifest, a round trip) is negligible, small enough that preparing the
 # next group overlaps sending this one.
 PUSH_GROUP_BYTES = 64 << 20
+# Source bytes whose patches one UpdateWeights call broadcasts (see ``_broadcast``): a call and
+# its broadcasts cost milliseconds, and the next group's patches are computed meanwhile.
+BROADCAST_GROUP_BYTES = 256 << 20
 
 log = logging.getLogger(__name__)
 WeightTransport = Literal["collective", "grpc"]
@@ -62,7 +66,7 @@ class WeightUpdates(ClientCore):
         # The weights last committed in-band, the base of the next update's patches
         # (process-local, never pickled): one copy of each pushed tensor, on its device.
         self._last_pushed: _PushedWeights | None = None
-        # Bytes of parameter data the last in-band update sent to each server.
+        # Bytes of parameter data the last update sent to each server.
         self.last_push_bytes: dict[str, int] = {}
 
     @property
@@ -159,12 +163,13 @@ class WeightUpdates(ClientCore):
         ``weight_checksums()`` gives the same proof on demand. ``timeout``: seconds for the
         transfer.
         ``lease_seconds``: how long the servers keep the update open if this process dies
-        mid-way (0: their default). ``delta`` (in-band): send each server that serves the
-        version this client pushed last only what changed since
-        (``weight_sending.weight_patches``);
-        a server on another version gets the whole weights in the same transaction. The
-        client then keeps a copy of the weights it pushed (on their device), the base of the
-        next delta; ``delta=False`` keeps none.
+        mid-way (0: their default). ``delta``: send only what changed since the version
+        this client pushed last (``weight_sending.weight_patches``), to each server serving
+        it; a server on another version gets the whole weights in the same transaction
+        (in-band: that server alone; over the collective, whose broadcasts reach every
+        server: all of them). The client then keeps a copy of the weights it pushed (on their
+        device: one model's bytes of GPU or host memory), the base of the next delta;
+        ``delta=False`` keeps none.
 
         On any failure (a server unreachable, a rejected chunk or version, a timeout) the update
         is cancelled on every server and rolled back where it was already committed, then
@@ -193,7 +198,7 @@ class WeightUpdates(ClientCore):
             )
         calls = _TransactionCalls(self, lease_seconds)
         in_band = not (sender is not None and transport == "collective")
-        base = self._last_pushed if (delta and in_band) else None
+        base = self._last_pushed if delta else None
         # What each server serves, from those that answer (one that does not fails the update
         # at its start, where the error reports every server): asked once, when the version
         # is to be chosen or a delta's base is to be matched.
@@ -209,8 +214,18 @@ class WeightUpdates(ClientCore):
         async def transfer(addresses: Sequence[str]) -> dict[str, BaseException]:
             if not in_band:
                 assert sender is not None
+                # One broadcast reaches every server: patches only when all serve the base.
+                patched = base is not None and all(
+                    serving.get(a) == base.version for a in addresses
+                )
                 return await self._broadcast(
-                    sender, addresses, tensors, bucket_bytes, checksums, timeout
+                    sender,
+                    addresses,
+                    tensors,
+                    base if patched else None,
+                    bucket_bytes,
+                    checksums,
+                    timeout,
                 )
             return await self._push(
                 addresses, tensors, base, serving, chunk_bytes, checksums, timeout
@@ -218,7 +233,7 @@ class WeightUpdates(ClientCore):
 
         commits = await run_weight_transaction(servers, weight_version, calls, transfer)
         self._last_pushed = None
-        if delta and in_band:
+        if delta:
             self._last_pushed = _PushedWeights.after(base, weight_version, tensors)
         return commits
 
@@ -227,12 +242,75 @@ class WeightUpdates(ClientCore):
         sender: CollectiveSender,
         addresses: Sequence[str],
         tensors: list[tuple[str, Any]],
+        base: _PushedWeights | None,
         bucket_bytes: int,
         checksums: bool,
         timeout: float,
     ) -> dict[str, BaseException]:
-        buckets = plan_buckets(tensors, bucket_bytes, checksums)
+        """Broadcasts to every server: patches against ``base`` (when given), else the whole
+        weights, and the whole weights again if a server refuses the patches (its version
+        moved: the others stage the whole values over their patches). Patches are computed a
+        group at a time, one group ahead of the broadcast (as ``_push`` does); whole weights go
+        as one call."""
+        self.last_push_bytes = dict.fromkeys(addresses, 0)
+        if base is not None:
+            failures = await self._broadcast_groups(
+                sender, addresses, tensors, base, bucket_bytes, checksums, timeout
+            )
+            if not any(isinstance(f, FailedPrecondition) for f in failures.values()):
+                return failures
+            log.info("a server refused the patches (its version moved): broadcasting it all")
+        return await self._broadcast_groups(
+            sender, addresses, tensors, None, bucket_bytes, checksums, timeout
+        )
+
+    async def _broadcast_groups(
+        self,
+        sender: CollectiveSender,
+        addresses: Sequence[str],
+        tensors: list[tuple[str, Any]],
+        base: _PushedWeights | None,
+        bucket_bytes: int,
+        checksums: bool,
+        timeout: float,
+    ) -> dict[str, BaseException]:
+        groups = push_groups(tensors, BROADCAST_GROUP_BYTES) if base is not None else [tensors]
+
+        def make(group: list[tuple[str, Any]]) -> list[Bucket]:
+            if base is None:
+                return plan_buckets(tensor_entries(group, checksums), bucket_bytes)
+            return plan_buckets(
+                weight_patches(group, base.tensors, base.version, checksums), bucket_bytes
+            )
+
+        prepared = [asyncio.ensure_future(asyncio.to_thread(make, groups[0]))]
+        try:
+            for index in range(len(groups)):
+                buckets = await prepared[index]
+                if index + 1 < len(groups):
+                    prepared.append(
+                        asyncio.ensure_future(asyncio.to_thread(make, groups[index + 1]))
+                    )
+                if not buckets:
+                    continue  # nothing of this group changed
+                failures = await self._broadcast_buckets(sender, addresses, buckets, timeout)
+                if failures:
+                    return failures
+            return {}
+        finally:
+            for pending in prepared:
+                pending.cancel()  # one running in its thread finishes there, discarded
+
+    async def _broadcast_buckets(
+        self,
+        sender: CollectiveSender,
+        addresses: Sequence[str],
+        buckets: list[Bucket],
+        timeout: float,
+    ) -> dict[str, BaseException]:
         request = cp.UpdateWeightsRequest(buckets=[b.layout for b in buckets])
+        for address in addresses:  # what each server receives (every one gets every bucket)
+            self.last_push_bytes[address] += sum(b.layout.size_bytes for b in buckets)
 
         async def update(address: str) -> object:
             return await self._unary(
@@ -274,7 +352,7 @@ class WeightUpdates(ClientCore):
                 assert base is not None
                 entries = weight_patches(group, base.tensors, base.version, checksums)
             else:
-                entries = full_entries(group, checksums)
+                entries = tensor_entries(group, checksums)
             return PushStream(entries, chunk_bytes)
 
         def stream(patched: bool, index: int) -> asyncio.Future[PushStream]:

@@ -78,12 +78,12 @@ def patch_bytes(layout: ParamLayout, changed: int) -> int:
     return changed * (PATCH_INDEX_BYTES + layout.dtype.itemsize)
 
 
-def check_patch(name: str, layout: ParamLayout, payload: bytes, changed: int) -> None:
-    """Indices strictly increasing and inside the parameter."""
+def check_patch(name: str, elements: int, payload: Any, changed: int) -> None:
+    """Indices strictly increasing and inside the parameter (of ``elements`` elements);
+    ``payload``: the patch's bytes (anything holding a buffer)."""
     import numpy as np
 
     indices = np.frombuffer(payload, dtype="<u4", count=changed)
-    elements = dtypes.num_elements(layout.shape)
     if changed and int(indices[-1]) >= elements:
         raise InvalidArgument(
             f"the patch of {name} names element {int(indices[-1])}; it has {elements}"
@@ -230,7 +230,8 @@ class InBandAssembler:
     def _check_patch(self, name: str, incoming: _Incoming) -> None:
         payload = b"".join(incoming.chunks)
         incoming.chunks = [payload]
-        check_patch(name, incoming.layout, payload, incoming.patch_changed)
+        elements = dtypes.num_elements(incoming.layout.shape)
+        check_patch(name, elements, payload, incoming.patch_changed)
         values = memoryview(payload)[incoming.patch_changed * PATCH_INDEX_BYTES :]
         if not incoming.finite.add(values):
             self._non_finite(name)
@@ -306,8 +307,11 @@ def bucket_layout(bucket: cp.WeightBucket, layout: dict[str, ParamLayout]) -> Bu
     params: list[BucketParameter] = []
     spans = []
     for packed in bucket.parameters:
-        expected = check_parameter(packed.parameter, layout)
-        end = packed.offset_bytes + expected.num_bytes
+        spec = packed.parameter
+        expected = check_parameter(spec, layout)
+        changed = spec.patch.changed if spec.HasField("patch") else 0
+        size = patch_bytes(expected, changed) if changed else expected.num_bytes
+        end = packed.offset_bytes + size
         if end > bucket.size_bytes:
             raise InvalidArgument(
                 f"{packed.parameter.name} spans bytes {packed.offset_bytes}..{end} of a "
@@ -321,6 +325,7 @@ def bucket_layout(bucket: cp.WeightBucket, layout: dict[str, ParamLayout]) -> Bu
                 shape=list(expected.shape),
                 offset=packed.offset_bytes,
                 sha256=packed.parameter.sha256,
+                patch=changed,
             )
         )
     spans.sort()
@@ -328,6 +333,16 @@ def bucket_layout(bucket: cp.WeightBucket, layout: dict[str, ParamLayout]) -> Bu
         if start < end:
             raise InvalidArgument(f"{name} and {other} overlap in a bucket")
     return Bucket(size=bucket.size_bytes, params=params)
+
+
+def bucket_patch_bases(request: cp.UpdateWeightsRequest) -> dict[str, int]:
+    """The version each patch in the buckets applies to, by parameter."""
+    return {
+        packed.parameter.name: packed.parameter.patch.base_weight_version
+        for bucket in request.buckets
+        for packed in bucket.parameters
+        if packed.parameter.HasField("patch")
+    }
 
 
 def model_layout(shapes: dict[str, ParameterShape]) -> dict[str, ParamLayout]:

@@ -60,13 +60,16 @@ class StagedParameter(TypedDict):
 
 
 class BucketParameter(TypedDict):
-    """Where one parameter lies in a broadcast bucket, and its expected SHA-256 (or b"")."""
+    """Where one parameter lies in a broadcast bucket, and its expected SHA-256 (or b""). A
+    patch (``patch`` > 0 elements changed) lies there as indices then values, as in-band; its
+    SHA-256 is of the parameter once patched."""
 
     name: str
     dtype: str
     shape: list[int]
     offset: int
     sha256: bytes
+    patch: int
 
 
 class Bucket(TypedDict):
@@ -80,14 +83,17 @@ class Report(TypedDict):
     """What one worker's last ``update_weights`` or ``finish_weight_update`` did: bytes
     received by broadcast, parameters staged, parameters changed (discarded, committed or
     restored); ``mismatches`` names parameters whose SHA-256 did not match, ``non_finite`` those
-    holding a NaN or infinity (when checked): nothing of the call is staged if either is
-    non-empty; ``error``: applying failed and the previous weights were restored."""
+    holding a NaN or infinity (when checked), ``invalid`` says which broadcast patches do not
+    fit their parameter (indices out of range or not increasing): nothing of the call is
+    staged if any is non-empty; ``error``: applying failed and the previous weights were
+    restored."""
 
     bytes: int
     params: int
     changed: int
     mismatches: list[str]
     non_finite: list[str]
+    invalid: list[str]
     error: str
 
 

@@ -31,7 +31,14 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from ...common.early_answer import read_rest
 from ...common.tasks import BackgroundTasks
-from .assembly import InBandAssembler, ParamLayout, bucket_layout, model_layout, non_finite_error
+from .assembly import (
+    InBandAssembler,
+    ParamLayout,
+    bucket_layout,
+    bucket_patch_bases,
+    model_layout,
+    non_finite_error,
+)
 from .protocol import Bucket, Group, StagedParameter, WorkerCalls
 
 log = logging.getLogger(__name__)
@@ -220,14 +227,19 @@ class WeightTransferManager:
                 )
             update = self._require_open("UpdateWeights")
             layout = await self.layout()
+            # The trainer broadcasts regardless of an answer: a refused call still receives
+            # (and drops) the bytes, so neither side hangs.
+            empty = [Bucket(size=b.size_bytes, params=[]) for b in request.buckets]
             try:
                 buckets = [bucket_layout(b, layout) for b in request.buckets]
             except SkyrlError:
-                # The trainer broadcasts regardless: receive and drop the bytes so neither side
-                # hangs, then reject.
-                empty = [Bucket(size=b.size_bytes, params=[]) for b in request.buckets]
                 await self._abandon(self._workers.receive_buckets(empty, False))
                 raise
+            try:
+                self._check_patch_bases(bucket_patch_bases(request))
+            except PatchBaseMismatch:
+                await self._workers.receive_buckets(empty, False)
+                raise  # nothing staged: the update stays open for the whole weights
             started = time.monotonic()
             try:
                 results = await self._workers.receive_buckets(buckets, True)
@@ -245,6 +257,12 @@ class WeightTransferManager:
                 raise DataLoss(
                     f"checksum mismatch for {', '.join(mismatches)}: update rejected, the serving "
                     "weights are unchanged; start a new update"
+                )
+            invalid = sorted({i for r in results for i in r["invalid"]})
+            if invalid:
+                await self._abandon(None)
+                raise InvalidArgument(
+                    f"{'; '.join(invalid[:3])}; update rejected, the serving weights are unchanged"
                 )
             non_finite = [n for r in results for n in r["non_finite"]]
             if non_finite and not self.allow_non_finite:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,10 +47,20 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
 from skyrl_grpc.dtypes import torch_name
+from skyrl_grpc.errors import InvalidArgument
+from skyrl_grpc.tensor_bytes import sha256_of
 
+from .assembly import check_patch
 from .checkpoint import ServingCheckpoint, bits_of
 from .finite import all_finite
-from .protocol import PATCH_INDEX_BYTES, Bucket, Group, Report, StagedParameter
+from .protocol import (
+    PATCH_INDEX_BYTES,
+    Bucket,
+    BucketParameter,
+    Group,
+    Report,
+    StagedParameter,
+)
 from .tp_share import Plan, TensorParallelShare
 
 log = logging.getLogger(__name__)
@@ -75,12 +86,6 @@ class SkyrlUpdate(WeightTransferUpdateInfo):
     discard: bool = False
     # Serve the weights from before the last commit again (applied by finish).
     restore_previous: bool = False
-
-
-def sha256_of(tensor: torch.Tensor) -> bytes:
-    """SHA-256 of a tensor's raw bytes (the checksums a trainer compares with its own)."""
-    raw: Any = tensor.contiguous().view(-1).view(torch.uint8).numpy()
-    return hashlib.sha256(raw).digest()
 
 
 class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
@@ -212,7 +217,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         for param in params:
             dtype = getattr(torch, param["dtype"])
             if param.get("patch"):
-                tensor = _apply_patch(serving, param, dtype)
+                tensor = _apply_patch(serving, param, b"".join(param["chunks"]))
                 expected = param.get("sha256", b"")
                 if expected and sha256_of(tensor) != expected:
                     mismatches.append(param["name"])
@@ -227,23 +232,35 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self.report["mismatches"] = mismatches
 
     def _receive(self, buckets: list[Bucket], check_finite: bool) -> None:
-        """Receives each bucket by broadcast from rank 0 and stages its parameters.
+        """Receives each bucket by broadcast from rank 0 and stages its parameters: whole ones
+        beside the serving copy, patches into it (checked against their SHA-256 once applied).
 
-        Every bucket is received even after a checksum mismatch or a non-finite value, so the
-        trainer's broadcasts never hang; nothing of this call is staged then."""
+        Every bucket is received even after a checksum mismatch, a non-finite value or a patch
+        that does not fit, so the trainer's broadcasts never hang; nothing of this call is
+        staged then."""
         if self.group is None:
             raise RuntimeError("not in a weight-transfer group: call InitWeightTransfer first")
         # Every rank receives (the trainer broadcasts to all); only the copy's holder keeps it.
-        received, total, mismatches, non_finite = receive_buckets(
+        received = receive_buckets(
             self.group, buckets, self.timeout_seconds, check_finite, keep=self.holds_copy
         )
-        if not mismatches and not non_finite and self.holds_copy:
-            for name, tensor in received.items():
-                self.serving.stage_whole(name, tensor)
-        self.report["bytes"] = total
+        rejected = received.mismatches or received.non_finite or received.invalid
+        if not rejected and self.holds_copy:
+            serving = self.serving
+            mark = serving.mark()
+            for name, tensor in received.whole.items():
+                serving.stage_whole(name, tensor)
+            for param, raw in received.patches:
+                patched = _apply_patch(serving, param, raw)
+                if param["sha256"] and sha256_of(patched) != param["sha256"]:
+                    received.mismatches.append(param["name"])
+            if received.mismatches:
+                serving.revert_to(mark)
+        self.report["bytes"] = received.bytes
         self.report["params"] = sum(len(bucket["params"]) for bucket in buckets)
-        self.report["mismatches"] = mismatches
-        self.report["non_finite"] = non_finite
+        self.report["mismatches"] = received.mismatches
+        self.report["non_finite"] = received.non_finite
+        self.report["invalid"] = received.invalid
 
     # -- applying ---------------------------------------------------------------------------
 
@@ -296,7 +313,7 @@ def _quiet(*names: str) -> Iterator[None]:
 
 
 def _empty_report() -> Report:
-    return Report(bytes=0, params=0, changed=0, mismatches=[], non_finite=[], error="")
+    return Report(bytes=0, params=0, changed=0, mismatches=[], non_finite=[], invalid=[], error="")
 
 
 def _copy_into(tensor: torch.Tensor, offset: int, chunks: list[bytes | memoryview]) -> None:
@@ -310,18 +327,37 @@ def _copy_into(tensor: torch.Tensor, offset: int, chunks: list[bytes | memoryvie
         offset += data.size
 
 
-def _apply_patch(serving: ServingCheckpoint, param: StagedParameter, dtype: Any) -> Any:
-    """Applies ``param``'s patch (indices, then values: ``control_plane.proto``'s WeightPatch);
-    returns the patched tensor."""
+def _apply_patch(
+    serving: ServingCheckpoint, param: StagedParameter | BucketParameter, payload: Any
+) -> Any:
+    """Applies ``param``'s patch (``payload``: indices, then values, as ``control_plane.proto``'s
+    WeightPatch lays them out; bytes or a uint8 tensor); returns the patched tensor."""
     import numpy as np
 
     changed = int(param["patch"])
-    payload = b"".join(param["chunks"])
-    indices = torch.from_numpy(np.frombuffer(payload, dtype="<u4", count=changed).astype(np.int64))
-    values = torch.frombuffer(
-        bytearray(payload[changed * PATCH_INDEX_BYTES :]), dtype=bits_of(dtype.itemsize)
+    dtype = getattr(torch, param["dtype"])
+    raw = np.frombuffer(payload, dtype=np.uint8)
+    indices = torch.from_numpy(raw[: changed * PATCH_INDEX_BYTES].view("<u4").astype(np.int64))
+    values = torch.from_numpy(raw[changed * PATCH_INDEX_BYTES :].copy()).view(
+        bits_of(dtype.itemsize)
     )
     return serving.patch(param["name"], indices, values)
+
+
+@dataclass
+class Received:
+    """What ``receive_buckets`` took from the broadcasts."""
+
+    # Whole parameters as host tensors (views of their bucket: each bucket has a buffer of its
+    # own, so no copy), and patches as their bytes (indices, then values).
+    whole: dict[str, Any] = field(default_factory=dict)
+    patches: list[tuple[BucketParameter, Any]] = field(default_factory=list)
+    bytes: int = 0
+    # Parameters whose SHA-256 did not match (whole ones; a patch's is checked once applied),
+    # that hold a non-finite value, or patches that do not fit their parameter (why).
+    mismatches: list[str] = field(default_factory=list)
+    non_finite: list[str] = field(default_factory=list)
+    invalid: list[str] = field(default_factory=list)
 
 
 def receive_buckets(
@@ -330,14 +366,10 @@ def receive_buckets(
     timeout_seconds: float,
     check_finite: bool = False,
     keep: bool = True,
-) -> tuple[dict[str, Any], int, list[str], list[str]]:
-    """Receives ``buckets`` from rank 0 of ``group``.
-
-    Returns the parameters as host tensors (views of their bucket: each bucket has a buffer of
-    its own, so no copy; none when not ``keep``: each bucket is dropped once checked), the bytes
-    received and the names whose SHA-256 did not match or that hold a non-finite value. The
-    receive of the next bucket is posted before the current one is sliced and verified, so
-    checking overlaps the transfer.
+) -> Received:
+    """Receives ``buckets`` from rank 0 of ``group`` and checks each parameter (none is kept
+    when not ``keep``: each bucket is dropped once checked). The receive of the next bucket is
+    posted before the current one is sliced and verified, so checking overlaps the transfer.
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
     timeout = timedelta(seconds=timeout_seconds)
@@ -346,10 +378,7 @@ def receive_buckets(
         buffer = torch.empty(int(bucket["size"]), dtype=torch.uint8, device=device)
         return buffer, group.broadcast(buffer, 0)
 
-    received: dict[str, Any] = {}
-    mismatches: list[str] = []
-    non_finite: list[str] = []
-    total = 0
+    received = Received()
     pending = post(buckets[0]) if buckets else None
     for index, bucket in enumerate(buckets):
         assert pending is not None
@@ -357,20 +386,41 @@ def receive_buckets(
         work.wait(timeout)
         pending = post(buckets[index + 1]) if index + 1 < len(buckets) else None
         host = buffer.cpu()
-        total += host.numel()
+        received.bytes += host.numel()
         for param in bucket["params"]:
-            start = int(param["offset"])
-            dtype = getattr(torch, param["dtype"])
-            count = 1
-            for dim in param["shape"]:
-                count *= int(dim)
-            raw = host[start : start + count * dtype.itemsize]
-            if param.get("sha256") and hashlib.sha256(raw.numpy()).digest() != param["sha256"]:
-                mismatches.append(param["name"])
-                continue
-            if check_finite and not all_finite(raw.numpy(), param["dtype"]):
-                non_finite.append(param["name"])
-                continue
-            if keep:
-                received[param["name"]] = raw.view(dtype).reshape(param["shape"])
-    return received, total, mismatches, non_finite
+            _check_received(param, host, check_finite, keep, received)
+    return received
+
+
+def _check_received(
+    param: BucketParameter, host: Any, check_finite: bool, keep: bool, received: Received
+) -> None:
+    """Checks one parameter's bytes in a received bucket and keeps them (when ``keep``)."""
+    name = param["name"]
+    start = int(param["offset"])
+    dtype = getattr(torch, param["dtype"])
+    elements = math.prod(int(dim) for dim in param["shape"])
+    changed = int(param.get("patch", 0))
+    if changed:
+        raw = host[start : start + changed * (PATCH_INDEX_BYTES + dtype.itemsize)]
+        try:
+            check_patch(name, elements, raw.numpy(), changed)
+        except InvalidArgument as error:
+            received.invalid.append(str(error))
+            return
+        values = raw[changed * PATCH_INDEX_BYTES :]
+    else:
+        raw = host[start : start + elements * dtype.itemsize]
+        if param.get("sha256") and hashlib.sha256(raw.numpy()).digest() != param["sha256"]:
+            received.mismatches.append(name)
+            return
+        values = raw
+    if check_finite and not all_finite(values.numpy(), param["dtype"]):
+        received.non_finite.append(name)
+        return
+    if not keep:
+        return
+    if changed:
+        received.patches.append((param, raw))
+    else:
+        received.whole[name] = raw.view(dtype).reshape(param["shape"])

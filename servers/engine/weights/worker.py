@@ -51,7 +51,7 @@ class WeightTransferWorker:
 
     def skyrl_checksums(self, names: list[str]) -> list[Checksum]:
         """SHA-256 of the serving weights (all when ``names`` is empty), sorted by name."""
-        from .transfer_engine import sha256_of
+        from skyrl_grpc.tensor_bytes import sha256_of
 
         engine = self._skyrl_engine()
         if not engine.holds_copy:
