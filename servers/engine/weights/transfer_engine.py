@@ -251,7 +251,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             for name, tensor in received.whole.items():
                 serving.stage_whole(name, tensor)
             for param, raw in received.patches:
-                patched = _apply_patch(serving, param, raw)
+                patched = _apply_patch(serving, param, raw.numpy())
                 if param["sha256"] and sha256_of(patched) != param["sha256"]:
                     received.mismatches.append(param["name"])
             if received.mismatches:
