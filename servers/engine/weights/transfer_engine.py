@@ -102,6 +102,15 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self.report: Report = _empty_report()
         # Only TP rank 0 keeps the checkpoint-format copy; it streams it to the others.
         self.share = TensorParallelShare()
+        if self.holds_copy:
+            # Read now, while the engine starts, not at the first update: that update's time
+            # and the server's memory then never hold a surprise (an RL server is updated
+            # every step). A model without safetensors files still serves; updating it fails.
+            try:
+                self.serving.tensors  # noqa: B018 - read for its effect
+            except Exception:
+                log.warning("no checkpoint copy to update: weight updates will fail", exc_info=True)
+                self._checkpoint = None
 
     @property
     def holds_copy(self) -> bool:
@@ -337,7 +346,10 @@ def _apply_patch(
     changed = int(param["patch"])
     dtype = getattr(torch, param["dtype"])
     raw = np.frombuffer(payload, dtype=np.uint8)
-    indices = torch.from_numpy(raw[: changed * PATCH_INDEX_BYTES].view("<u4").astype(np.int64))
+    # Indices as 32-bit integers where they fit (the undo record keeps them: half the memory).
+    elements = math.prod(int(dim) for dim in param["shape"])
+    index_type = np.int32 if elements < 1 << 31 else np.int64
+    indices = torch.from_numpy(raw[: changed * PATCH_INDEX_BYTES].view("<u4").astype(index_type))
     values = torch.from_numpy(raw[changed * PATCH_INDEX_BYTES :].copy()).view(
         bits_of(dtype.itemsize)
     )
