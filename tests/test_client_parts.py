@@ -141,3 +141,23 @@ async def test_control_calls_fan_out_with_typed_results(
     assert "GetLoad failed on 1 of 3 servers" in str(raised.value)
     await client.close()
     await with_refusing.close()
+
+
+def test_patches_carry_exactly_what_changed_and_a_dense_change_goes_whole() -> None:
+    import torch
+
+    from trainer_client.weight_sending import weight_patches
+
+    base = {n: torch.randn(64, 64, dtype=torch.bfloat16) for n in ("sparse", "dense", "same")}
+    new = {n: t.clone() for n, t in base.items()}
+    new["sparse"].view(-1)[[3, 700, 4000]] += 1.0
+    new["dense"] += 1.0  # every element: compared on a sample only, and sent whole
+    entries = {spec.name: (spec, data) for spec, data in weight_patches(new.items(), base, 7)}
+    assert set(entries) == {"sparse", "dense"}  # nothing where nothing changed
+    spec, data = entries["sparse"]
+    assert (spec.patch.base_weight_version, spec.patch.changed) == (7, 3)
+    assert data[:12].view(torch.int32).tolist() == [3, 700, 4000]
+    assert torch.equal(data[12:].view(torch.bfloat16), new["sparse"].view(-1)[[3, 700, 4000]])
+    spec, data = entries["dense"]
+    assert not spec.HasField("patch")
+    assert torch.equal(data.view(torch.bfloat16).view(64, 64), new["dense"])

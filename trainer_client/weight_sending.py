@@ -201,6 +201,9 @@ def weight_patches(
         bits = getattr(torch, dtypes.BITS_BY_ITEMSIZE[itemsize])
         new_bits = flat_bytes(tensor).view(bits)
         old_bits = flat_bytes(old).view(bits).to(new_bits.device)
+        if _surely_dense(new_bits, old_bits, itemsize):
+            entries.append(whole_entry(name, tensor, with_checksums))
+            continue
         differs = new_bits != old_bits
         changed = int(torch.count_nonzero(differs))  # a sum of bools is several times slower
         if changed == 0:
@@ -218,6 +221,22 @@ def weight_patches(
         index_bytes = indices.to(torch.int32).view(torch.uint8)
         entries.append((spec, torch.cat([index_bytes, new_bits[indices].view(torch.uint8)])))
     return entries
+
+
+# Elements compared to guess, before comparing them all, that a tensor changed too much for a
+# patch (a full update: every element differs), and how far past the limit the guess must be.
+SAMPLE_ELEMENTS = 4096
+SAMPLE_MARGIN = 1.5
+
+
+def _surely_dense(new_bits: Any, old_bits: Any, itemsize: int) -> bool:
+    """Whether an evenly spaced sample says the tensor goes whole anyway (well past
+    ``PATCH_MAX_FRACTION``): then the full comparison, a pass over both copies, is skipped.
+    Only the choice between a patch and the whole value rests on it; either is exact."""
+    step = max(1, new_bits.numel() // SAMPLE_ELEMENTS)
+    sampled = new_bits[::step] != old_bits[::step]
+    fraction = float(sampled.sum()) / max(1, sampled.numel())
+    return fraction * (4 + itemsize) >= SAMPLE_MARGIN * PATCH_MAX_FRACTION * itemsize
 
 
 def push_messages(
