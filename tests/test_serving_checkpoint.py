@@ -97,3 +97,31 @@ def test_release_forgets_the_previous_weights() -> None:
         assert "nothing to roll back" in str(error)
     else:
         raise AssertionError("a released commit was rolled back")
+
+
+def test_full_updates_reuse_the_two_copies_they_need() -> None:
+    checkpoint = ServingCheckpoint(weights)
+    first = checkpoint.tensors["b"]
+
+    def full_update(value: float) -> torch.Tensor:
+        buffer = checkpoint.buffer_for("b", [16], torch.float32)
+        buffer.fill_(value)
+        checkpoint.stage_whole("b", buffer)
+        checkpoint.commit()
+        return buffer
+
+    checkpoint.release_commit()  # no commit yet: nothing to reuse
+    second = full_update(1.0)  # a new tensor: the first is kept for a rollback
+    assert second.data_ptr() != first.data_ptr()
+    checkpoint.release_commit()
+    third = full_update(2.0)  # into the first's memory, released by the rollback
+    assert third.data_ptr() == first.data_ptr()
+    assert torch.equal(checkpoint.tensors["b"], torch.full((16,), 2.0))
+    assert checkpoint.revert_commit() == 1  # the rollback still restores the value before
+    assert torch.equal(checkpoint.tensors["b"], torch.ones(16))
+    # A cancelled update's buffer is reused too; a shape that differs gets a new one.
+    staged = checkpoint.buffer_for("b", [16], torch.float32)
+    checkpoint.stage_whole("b", staged)
+    checkpoint.discard()
+    assert checkpoint.buffer_for("b", [16], torch.float32).data_ptr() == staged.data_ptr()
+    assert checkpoint.buffer_for("b", [4, 4], torch.float32).data_ptr() != staged.data_ptr()

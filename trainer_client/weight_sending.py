@@ -236,7 +236,7 @@ def _surely_dense(new_bits: Any, old_bits: Any, itemsize: int) -> bool:
     step = max(1, new_bits.numel() // SAMPLE_ELEMENTS)
     sampled = new_bits[::step] != old_bits[::step]
     fraction = float(sampled.sum()) / max(1, sampled.numel())
-    return fraction * (4 + itemsize) >= SAMPLE_MARGIN * PATCH_MAX_FRACTION * itemsize
+    return bool(fraction * (4 + itemsize) >= SAMPLE_MARGIN * PATCH_MAX_FRACTION * itemsize)
 
 
 def push_messages(

@@ -11,6 +11,12 @@ Cancelling replays those records backwards. After a commit the records of the la
 the tensors whole values replaced) are kept until the next update starts, so a rollback restores
 the previous weights exactly: for a delta that costs what it overwrote.
 
+Whole values arrive into recycled tensors (``buffer_for``): the ones the rollback kept, once the
+next update starts, or ones a cancelled update staged. A full update every step then reuses the
+same two copies of the model instead of allocating a new one each time, which fragments the
+heap (the engine server keeps freed memory mapped: ``skyrl_grpc.host_memory``) and page-faults
+through fresh memory. What the update that follows does not reuse is dropped at its commit.
+
 Plain tensors only (no vLLM): ``worker`` loads the result into the model.
 """
 
@@ -62,6 +68,8 @@ class ServingCheckpoint:
         self._tensors: dict[str, Any] | None = None
         self._open = _Changes()  # whole: the staged new values
         self._committed: _Changes | None = None  # whole: the values the commit replaced
+        # Tensors no longer holding weights, for the next whole values of the same name.
+        self._spare: dict[str, Any] = {}
 
     @property
     def tensors(self) -> dict[str, Any]:
@@ -98,6 +106,16 @@ class ServingCheckpoint:
     def stage_whole(self, name: str, tensor: Any) -> None:
         self._open.whole[name] = tensor
 
+    def buffer_for(self, name: str, shape: list[int], dtype: Any) -> Any:
+        """A tensor to receive ``name``'s new whole value into: a spare one of its shape and
+        type when there is one, else a new one."""
+        import torch
+
+        spare = self._spare.pop(name, None)
+        if spare is not None and list(spare.shape) == list(shape) and spare.dtype == dtype:
+            return spare
+        return torch.empty(shape, dtype=dtype)
+
     def staged_whole(self, name: str) -> Any:
         """The new value staged for ``name`` (KeyError: none)."""
         return self._open.whole[name]
@@ -125,6 +143,7 @@ class ServingCheckpoint:
         """Drops the open update; returns how many parameters it had changed."""
         count = self.staged_count
         _undo(self.tensors, self._open.overwritten)
+        self._spare.update(self._open.whole)
         self._open = _Changes()
         return count
 
@@ -136,6 +155,7 @@ class ServingCheckpoint:
         tensors.update(self._open.whole)
         self._committed = _Changes(whole=replaced, overwritten=self._open.overwritten)
         self._open = _Changes()
+        self._spare = {}  # what this update did not reuse is not needed
         return count
 
     def revert_commit(self) -> int:
@@ -153,7 +173,10 @@ class ServingCheckpoint:
         return self._committed is not None
 
     def release_commit(self) -> None:
-        """Forgets what the last commit replaced (a new update starts)."""
+        """Forgets what the last commit replaced (a new update starts): its whole tensors
+        become spares for the new values."""
+        if self._committed is not None:
+            self._spare.update(self._committed.whole)
         self._committed = None
 
     def serving_value(self, name: str) -> Any:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -102,6 +102,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self.report: Report = _empty_report()
         # Only TP rank 0 keeps the checkpoint-format copy; it streams it to the others.
         self.share = TensorParallelShare()
+        self._scratch: list[torch.Tensor | None] = [None, None]  # a peer's receive buffers
         if self.holds_copy:
             # Read now, while the engine starts, not at the first update: that update's time
             # and the server's memory then never hold a surprise (an RL server is updated
@@ -233,7 +234,8 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
                 continue
             # A whole value, possibly in pieces: one copy, into a tensor made at its first.
             if param["offset"] == 0:
-                serving.stage_whole(param["name"], torch.empty(param["shape"], dtype=dtype))
+                buffer = serving.buffer_for(param["name"], param["shape"], dtype)
+                serving.stage_whole(param["name"], buffer)
             _copy_into(serving.staged_whole(param["name"]), param["offset"], param["chunks"])
         if mismatches:
             serving.revert_to(mark)
@@ -251,7 +253,12 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             raise RuntimeError("not in a weight-transfer group: call InitWeightTransfer first")
         # Every rank receives (the trainer broadcasts to all); only the copy's holder keeps it.
         received = receive_buckets(
-            self.group, buckets, self.timeout_seconds, check_finite, keep=self.holds_copy
+            self.group,
+            buckets,
+            self.timeout_seconds,
+            check_finite,
+            keep=self.holds_copy,
+            buffer=None if torch.cuda.is_available() else self._host_buffer,
         )
         rejected = received.mismatches or received.non_finite or received.invalid
         if not rejected and self.holds_copy:
@@ -270,6 +277,29 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self.report["mismatches"] = received.mismatches
         self.report["non_finite"] = received.non_finite
         self.report["invalid"] = received.invalid
+
+    def _host_buffer(self, index: int, bucket: Bucket) -> torch.Tensor:
+        """Where bucket ``index`` of a broadcast is received on the host: the copy's holder
+        receives a one-parameter bucket straight into a recycled tensor of that parameter
+        (``ServingCheckpoint.buffer_for``); a peer, which drops what it receives, into one of
+        two buffers it keeps across updates."""
+        size = int(bucket["size"])
+        params = bucket["params"]
+        if self.holds_copy:
+            if len(params) == 1 and not params[0]["patch"] and params[0]["offset"] == 0:
+                param = params[0]
+                dtype = getattr(torch, param["dtype"])
+                if math.prod(param["shape"]) * dtype.itemsize == size:
+                    tensor: torch.Tensor = self.serving.buffer_for(
+                        param["name"], param["shape"], dtype
+                    )
+                    return tensor.view(-1).view(torch.uint8)
+            return torch.empty(size, dtype=torch.uint8)
+        slot = index % 2  # the next bucket is received while this one is checked
+        scratch = self._scratch[slot]
+        if scratch is None or scratch.numel() < size:
+            scratch = self._scratch[slot] = torch.empty(size, dtype=torch.uint8)
+        return scratch[:size]
 
     # -- applying ---------------------------------------------------------------------------
 
@@ -378,26 +408,33 @@ def receive_buckets(
     timeout_seconds: float,
     check_finite: bool = False,
     keep: bool = True,
+    buffer: Callable[[int, Bucket], Any] | None = None,
 ) -> Received:
     """Receives ``buckets`` from rank 0 of ``group`` and checks each parameter (none is kept
     when not ``keep``: each bucket is dropped once checked). The receive of the next bucket is
     posted before the current one is sliced and verified, so checking overlaps the transfer.
+    ``buffer(index, bucket)``: the uint8 tensor to receive a bucket into (default: a new one,
+    on the accelerator when there is one).
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
     timeout = timedelta(seconds=timeout_seconds)
 
-    def post(bucket: Bucket) -> tuple[Any, Any]:
-        buffer = torch.empty(int(bucket["size"]), dtype=torch.uint8, device=device)
-        return buffer, group.broadcast(buffer, 0)
+    def post(index: int) -> tuple[Any, Any]:
+        bucket = buckets[index]
+        if buffer is not None:
+            target = buffer(index, bucket)
+        else:
+            target = torch.empty(int(bucket["size"]), dtype=torch.uint8, device=device)
+        return target, group.broadcast(target, 0)
 
     received = Received()
-    pending = post(buckets[0]) if buckets else None
+    pending = post(0) if buckets else None
     for index, bucket in enumerate(buckets):
         assert pending is not None
-        buffer, work = pending
+        target, work = pending
         work.wait(timeout)
-        pending = post(buckets[index + 1]) if index + 1 < len(buckets) else None
-        host = buffer.cpu()
+        pending = post(index + 1) if index + 1 < len(buckets) else None
+        host = target.cpu()
         received.bytes += host.numel()
         for param in bucket["params"]:
             _check_received(param, host, check_finite, keep, received)
