@@ -123,6 +123,31 @@ async def test_a_server_on_another_version_gets_everything_in_the_same_transacti
     )
 
 
+def bad_patches(
+    tensor: torch.Tensor, serving: int
+) -> list[tuple[int, list[int], list[float], grpc.StatusCode, str]]:
+    """Patches of ``tensor`` a server serving version ``serving`` refuses: (the version the
+    patch names, its indices, its values, the status, words of the message)."""
+    return [
+        (
+            serving + 7,
+            [0],
+            [1.0],
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"apply to version {serving + 7}, but this server serves version {serving}",
+        ),
+        (
+            serving,
+            [tensor.numel()],
+            [1.0],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"names element {tensor.numel()}",
+        ),
+        (serving, [3, 1], [1.0, 2.0], grpc.StatusCode.INVALID_ARGUMENT, "strictly increasing"),
+        (serving, [0], [float("nan")], grpc.StatusCode.INVALID_ARGUMENT, "NaN or an infinity"),
+    ]
+
+
 def _patch_stream(
     name: str, tensor: torch.Tensor, base_version: int, indices: list[int], values: list[float]
 ) -> list[bytes]:
@@ -146,31 +171,13 @@ async def test_bad_patches_are_refused_and_the_weights_stay(delta_fleet: DeltaFl
     push = channel.stream_unary(PUSH_WEIGHTS, request_serializer=None)
 
     cases = [
-        # (the stream, the status, words of the message)
-        (
-            _patch_stream(name, tensor, serving + 7, [0], [1.0]),
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"apply to version {serving + 7}, but this server serves version {serving}",
-        ),
-        (
-            _patch_stream(name, tensor, serving, [tensor.numel()], [1.0]),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"names element {tensor.numel()}",
-        ),
-        (
-            _patch_stream(name, tensor, serving, [3, 1], [1.0, 2.0]),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "strictly increasing",
-        ),
+        (_patch_stream(name, tensor, base, indices, values), code, words)
+        for base, indices, values, code, words in bad_patches(tensor, serving)
+    ] + [
         (
             _patch_stream("model.no_such.weight", tensor, serving, [0], [1.0]),
             grpc.StatusCode.INVALID_ARGUMENT,
             "unknown parameter",
-        ),
-        (
-            _patch_stream(name, tensor, serving, [0], [float("nan")]),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "NaN or an infinity",
         ),
         (
             _patch_stream(name, tensor, serving, [0, 1], [1.0, 2.0])[:1],  # truncated
@@ -319,26 +326,8 @@ async def test_bad_patches_over_the_collective_are_refused_and_the_weights_stay(
     sender = client._sender
     assert sender is not None
     cases = [
-        (
-            _patch_bucket(name, tensor, serving + 7, [0], [1.0]),
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"apply to version {serving + 7}, but this server serves version {serving}",
-        ),
-        (
-            _patch_bucket(name, tensor, serving, [tensor.numel()], [1.0]),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"names element {tensor.numel()}",
-        ),
-        (
-            _patch_bucket(name, tensor, serving, [3, 1], [1.0, 2.0]),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "strictly increasing",
-        ),
-        (
-            _patch_bucket(name, tensor, serving, [0], [float("inf")]),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "NaN or an infinity",
-        ),
+        (_patch_bucket(name, tensor, base, indices, values), code, words)
+        for base, indices, values, code, words in bad_patches(tensor, serving)
     ]
     for buckets, code, words in cases:
         for address in servers:
