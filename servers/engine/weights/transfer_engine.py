@@ -61,7 +61,7 @@ from .protocol import (
     Report,
     StagedParameter,
 )
-from .tp_share import Plan, TensorParallelShare
+from .tp_share import Plan, StreamAborted, TensorParallelShare
 
 log = logging.getLogger(__name__)
 
@@ -203,14 +203,20 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             self._reload(names)
             return
         names = self.serving.open_names() if holder else set()
+        error = ""
         try:
             self._reload(names, pending=True)
+        except StreamAborted as exc:
+            error = str(exc)
         except Exception as exc:
             log.exception("reloading the new weights failed; restoring the previous ones")
+            error = f"{type(exc).__name__}: {exc}"
+        # Every rank restores if any failed: they reload in lockstep.
+        if not self.share.outcome(not error):
             if holder:
                 self.serving.discard()
             self._reload(names)
-            self.report["error"] = f"{type(exc).__name__}: {exc}"
+            self.report["error"] = error or "another tensor-parallel rank failed to reload"
             return
         if holder:
             self.report["changed"] = self.serving.commit()
