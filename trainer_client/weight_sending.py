@@ -204,23 +204,58 @@ def weight_patches(
         if _surely_dense(new_bits, old_bits, itemsize):
             entries.append(whole_entry(name, tensor, with_checksums))
             continue
-        differs = new_bits != old_bits
-        changed = int(torch.count_nonzero(differs))  # a sum of bools is several times slower
+        changed, patch = _patch_of(new_bits, old_bits, itemsize)
         if changed == 0:
             continue
-        # Counted before any index is made: a tensor that changed a lot goes whole at once.
-        if changed * (4 + itemsize) >= PATCH_MAX_FRACTION * tensor.numel() * itemsize:
+        if patch is None:  # it changed too much for a patch to be much smaller
             entries.append(whole_entry(name, tensor, with_checksums))
             continue
-        indices = differs.nonzero().reshape(-1)
-        del differs
         spec = parameter_spec(name, tensor, with_checksums)  # SHA-256 of the patched whole
         spec.patch.base_weight_version = base_version
         spec.patch.changed = changed
-        # Little-endian uint32 indices (int32 has the same bytes below 2**32), then values.
-        index_bytes = indices.to(torch.int32).view(torch.uint8)
-        entries.append((spec, torch.cat([index_bytes, new_bits[indices].view(torch.uint8)])))
+        entries.append((spec, patch))
     return entries
+
+
+def _patch_of(new_bits: Any, old_bits: Any, itemsize: int) -> tuple[int, Any]:
+    """How many elements differ, and the patch's bytes (little-endian uint32 indices, then the
+    new values) on the tensors' device; None instead of the bytes when the patch would not be
+    under ``PATCH_MAX_FRACTION`` of the tensor's bytes (counted before any index is made)."""
+    limit = PATCH_MAX_FRACTION * new_bits.numel() * itemsize
+    if new_bits.device.type == "cpu":
+        # numpy compares, counts and finds the changed elements 2-5x faster than torch on a
+        # CPU (one thread, 0.3B parameters: ~0.3 s instead of ~0.6 s).
+        return _host_patch_of(new_bits, old_bits, itemsize, limit)
+    return _device_patch_of(new_bits, old_bits, itemsize, limit)
+
+
+def _host_patch_of(new_bits: Any, old_bits: Any, itemsize: int, limit: float) -> tuple[int, Any]:
+    import numpy as np
+    import torch
+
+    new, old = new_bits.numpy(), old_bits.numpy()
+    differs = new != old
+    changed = int(np.count_nonzero(differs))
+    if changed == 0 or changed * (4 + itemsize) >= limit:
+        return changed, None
+    indices = np.flatnonzero(differs)
+    del differs
+    patch = np.concatenate([indices.astype("<u4").view(np.uint8), new[indices].view(np.uint8)])
+    return changed, torch.from_numpy(patch)
+
+
+def _device_patch_of(new_bits: Any, old_bits: Any, itemsize: int, limit: float) -> tuple[int, Any]:
+    import torch
+
+    differs = new_bits != old_bits
+    changed = int(torch.count_nonzero(differs))  # a sum of bools is several times slower
+    if changed == 0 or changed * (4 + itemsize) >= limit:
+        return changed, None
+    indices = differs.nonzero().reshape(-1)
+    del differs
+    # int32 has the same bytes as uint32 below 2**32 (the device is little-endian).
+    index_bytes = indices.to(torch.int32).view(torch.uint8)
+    return changed, torch.cat([index_bytes, new_bits[indices].view(torch.uint8)])
 
 
 # Elements compared to guess, before comparing them all, that a tensor changed too much for a
