@@ -135,7 +135,12 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         model_dir = Path(self.model_config.model)
         weights: dict[str, Any] = {}
         for path in sorted(model_dir.glob("*.safetensors")):
-            weights.update(load_file(str(path), device="cpu"))
+            # load_file maps the file: its tensors would be read at the first reload and
+            # copied page by page at the first write (patches, or a full update reusing them:
+            # ~0.7 GB of page faults in the second update of a 0.3B bf16 model). Copied into
+            # memory of their own now, once, while the engine starts.
+            for name, mapped in load_file(str(path), device="cpu").items():
+                weights[name] = mapped.clone()
         if not weights:
             raise RuntimeError(f"no safetensors weights in {model_dir} to update")
         return weights
