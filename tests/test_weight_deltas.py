@@ -148,16 +148,25 @@ def bad_patches(
     ]
 
 
-def _patch_stream(
+def _patch(
     name: str, tensor: torch.Tensor, base_version: int, indices: list[int], values: list[float]
-) -> list[bytes]:
+) -> tuple[cp.ParameterSpec, torch.Tensor]:
+    """A hand-made patch of ``tensor`` (any indices and values, good or bad): its spec and its
+    bytes, uint32 indices then values."""
     spec = parameter_spec(name, tensor, with_checksum=False)
     spec.patch.base_weight_version = base_version
     spec.patch.changed = len(indices)
-    payload = torch.tensor(indices, dtype=torch.int32).numpy().astype("<u4").tobytes()
-    payload += torch.tensor(values, dtype=tensor.dtype).numpy().tobytes()
+    payload = torch.tensor(indices, dtype=torch.int32).view(torch.uint8)
+    payload = torch.cat([payload, torch.tensor(values, dtype=tensor.dtype).view(torch.uint8)])
+    return spec, payload
+
+
+def _patch_stream(
+    name: str, tensor: torch.Tensor, base_version: int, indices: list[int], values: list[float]
+) -> list[bytes]:
+    spec, payload = _patch(name, tensor, base_version, indices, values)
     manifest = cp.PushWeightsRequest(manifest=cp.WeightManifest(parameters=[spec]))
-    return [manifest.SerializeToString(), encode_chunk(name, 0, memoryview(payload))]
+    return [manifest.SerializeToString(), encode_chunk(name, 0, memoryview(payload.numpy()))]
 
 
 async def test_bad_patches_are_refused_and_the_weights_stay(delta_fleet: DeltaFleet) -> None:
@@ -307,12 +316,7 @@ def _patch_bucket(
 ) -> list[Any]:
     from trainer_client.weight_sending import plan_buckets
 
-    spec = parameter_spec(name, tensor, with_checksum=False)
-    spec.patch.base_weight_version = base_version
-    spec.patch.changed = len(indices)
-    payload = torch.tensor(indices, dtype=torch.int32).view(torch.uint8)
-    payload = torch.cat([payload, torch.tensor(values, dtype=tensor.dtype).view(torch.uint8)])
-    return plan_buckets([(spec, payload)])
+    return plan_buckets([_patch(name, tensor, base_version, indices, values)])
 
 
 async def test_bad_patches_over_the_collective_are_refused_and_the_weights_stay(

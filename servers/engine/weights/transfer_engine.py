@@ -28,9 +28,7 @@ it open; the server reads the report through the worker extension (``worker``).
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,7 +44,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-from skyrl_grpc.dtypes import torch_name
+from skyrl_grpc.dtypes import num_elements, torch_name
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.tensor_bytes import sha256_of
 
@@ -300,7 +298,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             if len(params) == 1 and not params[0]["patch"] and params[0]["offset"] == 0:
                 param = params[0]
                 dtype = getattr(torch, param["dtype"])
-                if math.prod(param["shape"]) * dtype.itemsize == size:
+                if num_elements(param["shape"]) * dtype.itemsize == size:
                     tensor: torch.Tensor = self.serving.buffer_for(
                         param["name"], param["shape"], dtype
                     )
@@ -388,7 +386,7 @@ def _apply_patch(
     dtype = getattr(torch, param["dtype"])
     raw = np.frombuffer(payload, dtype=np.uint8)
     # Indices as 32-bit integers where they fit (the undo record keeps them: half the memory).
-    elements = math.prod(int(dim) for dim in param["shape"])
+    elements = num_elements(param["shape"])
     index_type = np.int32 if elements < 1 << 31 else np.int64
     indices = torch.from_numpy(raw[: changed * PATCH_INDEX_BYTES].view("<u4").astype(index_type))
     values = torch.from_numpy(raw[changed * PATCH_INDEX_BYTES :].copy()).view(
@@ -459,7 +457,7 @@ def _check_received(
     name = param["name"]
     start = int(param["offset"])
     dtype = getattr(torch, param["dtype"])
-    elements = math.prod(int(dim) for dim in param["shape"])
+    elements = num_elements(param["shape"])
     changed = int(param.get("patch", 0))
     if changed:
         raw = host[start : start + changed * (PATCH_INDEX_BYTES + dtype.itemsize)]
@@ -471,7 +469,7 @@ def _check_received(
         values = raw[changed * PATCH_INDEX_BYTES :]
     else:
         raw = host[start : start + elements * dtype.itemsize]
-        if param.get("sha256") and hashlib.sha256(raw.numpy()).digest() != param["sha256"]:
+        if param.get("sha256") and sha256_of(raw) != param["sha256"]:
             received.mismatches.append(name)
             return
         values = raw
