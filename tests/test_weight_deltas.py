@@ -37,6 +37,11 @@ class DeltaFleet:
     servers: list[str]
     original: dict[str, torch.Tensor]
 
+    @property
+    def full_bytes(self) -> int:
+        """The model's bytes: what a whole push sends each server."""
+        return sum(t.numel() * t.element_size() for t in self.original.values())
+
 
 @pytest.fixture(scope="module")
 async def delta_fleet(
@@ -72,7 +77,7 @@ def expected_checksums(weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
 
 async def test_a_delta_gives_the_same_weights_as_a_full_push(delta_fleet: DeltaFleet) -> None:
     client, servers = delta_fleet.client, delta_fleet.servers
-    full_bytes = sum(t.numel() * t.element_size() for t in delta_fleet.original.values())
+    full_bytes = delta_fleet.full_bytes
     first = perturbed(delta_fleet.original, seed=21)
     version = await next_version(client)
     await client.update_weights(first.items(), version)  # no base yet: everything
@@ -105,7 +110,7 @@ async def test_a_server_on_another_version_gets_everything_in_the_same_transacti
     delta_fleet: DeltaFleet,
 ) -> None:
     client, (first_server, second_server) = delta_fleet.client, delta_fleet.servers
-    full_bytes = sum(t.numel() * t.element_size() for t in delta_fleet.original.values())
+    full_bytes = delta_fleet.full_bytes
     base = perturbed(delta_fleet.original, seed=31)
     version = await next_version(client)
     await client.update_weights(base.items(), version)
@@ -254,7 +259,7 @@ async def test_a_delta_over_the_collective_gives_the_same_weights_as_a_full_broa
     delta_fleet: DeltaFleet, broadcasting_client: InferenceClient
 ) -> None:
     client, servers = broadcasting_client, delta_fleet.servers
-    full_bytes = sum(t.numel() * t.element_size() for t in delta_fleet.original.values())
+    full_bytes = delta_fleet.full_bytes
     first = perturbed(delta_fleet.original, seed=51)
     version = await next_version(client)
     await client.update_weights(first.items(), version, transport="collective")
@@ -290,7 +295,7 @@ async def test_a_server_that_moved_since_the_client_looked_refuses_the_patch_and
     delta_fleet: DeltaFleet, broadcasting_client: InferenceClient, monkeypatch: Any
 ) -> None:
     client, servers = broadcasting_client, delta_fleet.servers
-    full_bytes = sum(t.numel() * t.element_size() for t in delta_fleet.original.values())
+    full_bytes = delta_fleet.full_bytes
     base = perturbed(delta_fleet.original, seed=61)
     version = await next_version(client)
     await client.update_weights(base.items(), version, transport="collective")
