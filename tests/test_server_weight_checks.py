@@ -12,6 +12,7 @@ import torch
 from servers.engine import validate
 from servers.engine.weights import protocol
 from servers.engine.weights.assembly import InBandAssembler, ParamLayout, bucket_layout
+from servers.engine.weights.handoff import HandoffBuffer, HandoffReader
 from servers.engine.weights.transaction import WeightTransferManager
 from servers.engine.weights.worker import WeightTransferWorker
 from skyrl_grpc import dtypes
@@ -185,6 +186,7 @@ class FakeWorkers:
         # The bytes staged for each parameter, put together from their pieces.
         self.values: dict[str, bytes] = {}
         self.report = _report()
+        self.handoff = HandoffReader()
 
     async def __call__(self, method: str, args: tuple[Any, ...]) -> list[Any]:
         self.calls.append(method)
@@ -217,7 +219,13 @@ class FakeWorkers:
                 self.staged.add(param["name"])
                 value = self.values[param["name"]] if param["offset"] else b""  # 0: a new value
                 assert len(value) == param["offset"], "pieces must arrive in order"
-                self.values[param["name"]] = value + b"".join(param["chunks"])
+                region = param.get("region")
+                chunks = (
+                    [self.handoff.view(update_info["handoff"], region)]
+                    if region
+                    else param["chunks"]
+                )
+                self.values[param["name"]] = value + b"".join(chunks)
             self.report["params"] = sum(1 for param in update_info["stage"] if param["last"])
         elif kind == "discard":
             self.report["changed"], self.staged = len(self.staged), set()
@@ -236,8 +244,8 @@ def _report() -> protocol.Report:
     )
 
 
-def calls(workers: FakeWorkers) -> protocol.WorkerCalls:
-    return protocol.WorkerCalls(workers, workers)
+def calls(workers: FakeWorkers, handoff: HandoffBuffer | None = None) -> protocol.WorkerCalls:
+    return protocol.WorkerCalls(workers, workers, handoff)
 
 
 async def _messages() -> Any:
@@ -512,8 +520,9 @@ async def test_bytes_reach_the_workers_as_they_arrive_not_after_the_stream() -> 
             yield message
 
     assert await manager.push(watched()) == (2, 68)
-    # a.weight's three chunks and b.bias's first went on before b.bias's last chunk came
-    assert stages_seen_mid_stream == [4]
+    # a.weight's three chunks and b.bias's first went on before b.bias's last chunk came (the
+    # last of them may still be on its way: one batch is staged while the next arrives)
+    assert stages_seen_mid_stream[0] >= 3
     assert workers.calls.count(STAGE) == 5
     assert workers.values == {n: t.numpy().tobytes() for n, t in TENSORS}
 
@@ -571,3 +580,67 @@ async def test_a_session_an_engine_error_left_open_is_closed_before_the_next_upd
     assert lifecycle[-3:] == [DISCARD, CLOSE, START] and manager.update_open
     await manager.push(_messages())
     assert await manager.finish() == (1, 2)
+
+
+async def test_in_band_bytes_reach_the_workers_through_shared_memory(tmp_path: Any) -> None:
+    # The server copies each batch into its buffer; the call carries only where each piece
+    # lies, and the workers read the same bytes from there. The file's name goes once the
+    # workers have it mapped: a server killed later leaves nothing behind.
+    workers = FakeWorkers()
+    handoff = HandoffBuffer(64, directory=str(tmp_path))
+    manager = WeightTransferManager(
+        calls(workers, handoff), lambda v: None, lambda: 0, stage_batch_bytes=16
+    )
+    await manager.start()
+    sent: list[dict[str, Any]] = []
+    record = workers.update_weights
+
+    async def recording(update_info: dict[str, Any]) -> None:
+        sent.append(update_info)
+        await record(update_info)
+
+    workers.update_weights = recording  # type: ignore[method-assign]
+    assert await manager.push(_messages()) == (2, 68)
+    assert workers.values == {n: t.numpy().tobytes() for n, t in TENSORS}
+    staged = [p for info in sent for p in info["stage"]]
+    assert staged and all(p["chunks"] == [] and p["region"] for p in staged)
+    assert {info["handoff"] for info in sent} == {handoff.path}
+    assert list(tmp_path.iterdir()) == []
+    handoff.close()
+
+
+async def test_a_batch_larger_than_the_shared_buffer_goes_inline(tmp_path: Any) -> None:
+    workers = FakeWorkers()
+    handoff = HandoffBuffer(8, directory=str(tmp_path))  # smaller than any batch
+    manager = WeightTransferManager(calls(workers, handoff), lambda v: None, lambda: 0)
+    await manager.start()
+    assert await manager.push(_messages()) == (2, 68)
+    assert workers.values == {n: t.numpy().tobytes() for n, t in TENSORS}
+    handoff.close()
+    assert list(tmp_path.iterdir()) == []  # removed when the server closes it
+
+
+def test_a_shared_buffer_the_system_cannot_give_leaves_bytes_inline(tmp_path: Any) -> None:
+    assert HandoffBuffer.create(64, directory=str(tmp_path / "missing")) is None
+
+
+async def test_a_worker_failing_while_the_next_batch_arrives_rejects_the_push() -> None:
+    # One batch is staged while the next is received: its failure still ends the push, the
+    # staging is discarded and nothing commits.
+    workers = FakeWorkers()
+    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0, stage_batch_bytes=8)
+    await manager.start()
+    stage = workers.update_weights
+
+    async def failing_second(update_info: dict[str, Any]) -> None:
+        if workers.calls.count(STAGE) == 1 and "stage" in update_info:
+            raise RuntimeError("worker died")
+        await stage(update_info)
+
+    workers.update_weights = failing_second  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="worker died"):
+        await manager.push(_messages())
+    # vLLM's worker ended its session when the call raised: nothing left to discard
+    assert COMMIT not in workers.calls and not manager.update_open
+    with pytest.raises(FailedPrecondition):
+        await manager.finish(1)

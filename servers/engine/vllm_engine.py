@@ -37,6 +37,7 @@ from .engine_loop import EngineLoop
 from .live_sessions import LiveSessions
 from .options import TINY_MODEL_NAME, EngineOptions, RequestLimits
 from .validate import ModelLimits, PauseModeName
+from .weights.handoff import HandoffBuffer
 from .weights.protocol import WorkerCalls
 from .weights.transaction import WeightTransferManager
 
@@ -220,7 +221,10 @@ class VllmEngine:
         # CPU only: the zero adapter base-model requests run on while LoRA is enabled.
         self._base_adapter: Any = None
         self.weights_workers = WorkerCalls(
-            self._collective_rpc, _WeightLifecycle(self.llm, self._call)
+            self._collective_rpc,
+            _WeightLifecycle(self.llm, self._call),
+            # Room for a stage batch and the chunk or patch that overshoots it.
+            HandoffBuffer.create(2 * options.weight_stage_batch_bytes),
         )
         self.weights = WeightTransferManager(
             self.weights_workers,
@@ -636,6 +640,7 @@ class VllmEngine:
 
     async def shutdown(self) -> None:
         await self.weights.close()
+        self.weights_workers.close()
         self.adapters.close()
         # Stop vLLM's output loop first: otherwise it sees the engine process exit and logs
         # an EngineDeadError traceback on every clean shutdown.

@@ -15,7 +15,9 @@ sides import: the payloads and ``WorkerCalls``, the server's typed view of all o
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypedDict
+from typing import Any, NotRequired, Protocol, TypedDict
+
+from .handoff import HandoffBuffer
 
 # The name vLLM's weight-transfer factory knows ``transfer_engine``'s engine by: engines start
 # with ``weight_transfer_config={"backend": BACKEND}``.
@@ -57,6 +59,9 @@ class StagedParameter(TypedDict):
     last: bool
     patch: int
     sha256: bytes
+    # Where the bytes lie in the server's shared-memory buffer (``[start, length]``, the
+    # buffer named by the call's ``handoff``) instead of in ``chunks`` (``handoff``).
+    region: NotRequired[list[int]]
 
 
 class BucketParameter(TypedDict):
@@ -145,10 +150,14 @@ class WorkerCalls:
     ``finish_weight_update`` closes it; an ``update_weights`` that raises closes it too.
     ``session_open`` follows that, so ``discard`` closes exactly what is open."""
 
-    def __init__(self, rpc: Rpc, lifecycle: Lifecycle) -> None:
+    def __init__(
+        self, rpc: Rpc, lifecycle: Lifecycle, handoff: HandoffBuffer | None = None
+    ) -> None:
         self._rpc = rpc
         self._lifecycle = lifecycle
         self.session_open = False
+        # In-band bytes go to the workers through this buffer where they fit (``handoff``).
+        self._handoff = handoff
 
     async def layout(self) -> dict[str, ParameterShape]:
         """Every checkpoint parameter (the first worker's view: all hold the same names)."""
@@ -200,8 +209,22 @@ class WorkerCalls:
     async def stage(self, params: list[StagedParameter]) -> list[str]:
         """Stages the parameters on every worker; returns the names whose patched bytes did
         not match their SHA-256 (nothing of the call is staged then)."""
-        reports = await self._update({"stage": params})
+        handoff = self._handoff
+        regions = handoff.place([p["chunks"] for p in params]) if handoff is not None else None
+        if handoff is None or regions is None:
+            reports = await self._update({"stage": params})
+        else:
+            placed = [
+                StagedParameter({**p, "chunks": [], "region": region})
+                for p, region in zip(params, regions, strict=True)
+            ]
+            reports = await self._update({"stage": placed, "handoff": handoff.path})
+            handoff.mapped()
         return sorted({str(name) for report in reports for name in report["mismatches"]})
+
+    def close(self) -> None:
+        if self._handoff is not None:
+            self._handoff.close()
 
     async def discard(self) -> int:
         """Ends the open session without applying it; returns how many parameters it had

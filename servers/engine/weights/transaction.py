@@ -300,7 +300,11 @@ class WeightTransferManager:
         async with self._lock:
             update = self._require_open("PushWeights")
             assembler = InBandAssembler(await self.layout(), self.allow_non_finite)
-            staged = 0
+            # Bytes go on to the workers as they arrive, in batches, one batch in flight while
+            # the next is received and checked: the server holds at most two batches, never
+            # the whole stream nor a whole large parameter, and reading the stream overlaps
+            # the workers' copying instead of alternating with it.
+            staging = _Pipeline(self._stage)
             try:
                 received_before = update.bytes_received
                 bases_checked = False
@@ -311,20 +315,20 @@ class WeightTransferManager:
                         self._check_patch_bases(assembler.patch_bases)
                     update.bytes_received = received_before + assembler.bytes_received
                     update.touch()
-                    # Bytes go on to the workers as they arrive, in batches: the server holds at
-                    # most a batch, never the whole stream nor a whole large parameter.
                     if assembler.ready_bytes >= self.stage_batch_bytes:
-                        staged += await self._stage(assembler.take_ready())
-                staged += await self._stage(assembler.finish())
+                        await staging.send(assembler.take_ready())
+                await staging.send(assembler.finish())
+                staged = await staging.drain()
             except PatchBaseMismatch:
                 raise  # nothing staged: the update stays open for the whole weights
             except SkyrlError as error:
-                await self._abandon(None)
+                await self._abandon(staging.settle())
                 raise type(error)(
                     f"{error}; update rejected, the serving weights are unchanged"
                 ) from error
             except BaseException:
-                await self._abandon(None)  # the sender went away mid-stream, or a worker failed
+                # The sender went away mid-stream, or a worker failed.
+                await self._abandon(staging.settle())
                 raise
             update.parameters_staged += staged
             update.non_finite = update.non_finite or bool(assembler.non_finite)
@@ -463,6 +467,35 @@ class WeightTransferManager:
 class PatchBaseMismatch(FailedPrecondition):
     """Patches for a version this server does not serve: refused before anything is staged,
     leaving the update open for the whole weights."""
+
+
+class _Pipeline:
+    """Stages batches one after another with at most one in flight: ``send`` waits for the
+    previous batch (raising its error) and starts the next; ``drain`` waits for the last and
+    returns how many parameters were completed."""
+
+    def __init__(self, stage: Callable[[list[StagedParameter]], Awaitable[int]]) -> None:
+        self._stage = stage
+        self._in_flight: asyncio.Future[int] | None = None
+        self._staged = 0
+
+    async def send(self, params: list[StagedParameter]) -> None:
+        await self.drain()
+        if params:
+            self._in_flight = asyncio.ensure_future(self._stage(params))
+
+    async def drain(self) -> int:
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            self._staged += await in_flight
+        return self._staged
+
+    async def settle(self) -> None:
+        """Waits for the batch in flight, ignoring how it ended (the update is abandoned and
+        its staging dropped after it; the workers must not be mid-copy then)."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            await asyncio.gather(in_flight, return_exceptions=True)
 
 
 def _batches(params: list[StagedParameter], batch_bytes: int) -> list[list[StagedParameter]]:

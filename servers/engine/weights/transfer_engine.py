@@ -51,6 +51,7 @@ from skyrl_grpc.tensor_bytes import sha256_of
 from .assembly import check_patch
 from .checkpoint import ServingCheckpoint, bits_of
 from .finite import all_finite
+from .handoff import HandoffReader
 from .protocol import (
     PATCH_INDEX_BYTES,
     Bucket,
@@ -77,6 +78,8 @@ class SkyrlUpdate(WeightTransferUpdateInfo):
 
     # In-band parameters verified by the server (whole tensors or patches).
     stage: list[StagedParameter] = field(default_factory=list)
+    # The server's shared-memory buffer the staged bytes lie in (``handoff``; "": inline).
+    handoff: str = ""
     # Broadcasts to receive from rank 0 of the group, and whether to refuse non-finite values.
     receive: list[Bucket] = field(default_factory=list)
     check_finite: bool = False
@@ -101,6 +104,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         # Only TP rank 0 keeps the checkpoint-format copy; it streams it to the others.
         self.share = TensorParallelShare()
         self._scratch: list[torch.Tensor | None] = [None, None]  # a peer's receive buffers
+        self._handoff = HandoffReader()
         if self.holds_copy:
             # Read now, while the engine starts, not at the first update: that update's time
             # and the server's memory then never hold a surprise (an RL server is updated
@@ -191,7 +195,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         elif update_info.receive:
             self._receive(update_info.receive, update_info.check_finite)
         elif self.holds_copy:
-            self._stage(update_info.stage)
+            self._stage(update_info.stage, update_info.handoff)
 
     def finish_weight_update(self) -> None:
         """Applies the open update (or the restore) to the serving model, on every rank in
@@ -226,7 +230,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
 
     # -- receiving --------------------------------------------------------------------------
 
-    def _stage(self, params: list[StagedParameter]) -> None:
+    def _stage(self, params: list[StagedParameter], handoff: str) -> None:
         """Stages in-band parameters (verified by the server). A patch is applied to the serving
         copy in place (bit for bit, as integers; what it overwrote recorded) and checked against
         its SHA-256 when it carries one; on a mismatch nothing of the call stays staged."""
@@ -235,8 +239,13 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         mismatches: list[str] = []
         for param in params:
             dtype = getattr(torch, param["dtype"])
+            region = param.get("region")
+            chunks: list[bytes | memoryview] = (
+                [self._handoff.view(handoff, region)] if region else param["chunks"]
+            )
             if param.get("patch"):
-                tensor = _apply_patch(serving, param, b"".join(param["chunks"]))
+                payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                tensor = _apply_patch(serving, param, payload)
                 expected = param.get("sha256", b"")
                 if expected and sha256_of(tensor) != expected:
                     mismatches.append(param["name"])
@@ -245,7 +254,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             if param["offset"] == 0:
                 buffer = serving.buffer_for(param["name"], param["shape"], dtype)
                 serving.stage_whole(param["name"], buffer)
-            _copy_into(serving.staged_whole(param["name"]), param["offset"], param["chunks"])
+            _copy_into(serving.staged_whole(param["name"]), param["offset"], chunks)
         if mismatches:
             serving.revert_to(mark)
         self.report["params"] = sum(1 for param in params if param["last"])
