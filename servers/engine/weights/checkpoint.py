@@ -42,6 +42,23 @@ def flat_bits(tensor: Any) -> Any:
     return tensor.view(-1).view(bits_of(tensor.element_size()))
 
 
+def _gather(flat: Any, indices: Any) -> Any:
+    """``flat[indices]`` as a new tensor. ``index_select`` takes 32-bit indices as they are
+    and runs 3x faster than advanced indexing, which widens them first (a patch of 5% of a
+    0.3B model: ~0.1 s of every RL step's staging)."""
+    import torch
+
+    return torch.index_select(flat, 0, indices)
+
+
+def _scatter(flat: Any, indices: Any, values: Any) -> None:
+    """``flat[indices] = values`` through numpy (2x torch's advanced indexing here; indices
+    out of range raise, though ``assembly.check_patch`` refused those already)."""
+    import numpy as np
+
+    np.put(flat.numpy(), indices.numpy(), values.numpy())
+
+
 @dataclass
 class _Overwritten:
     """What one patch replaced: the elements' indices and their previous bits."""
@@ -127,12 +144,12 @@ class ServingCheckpoint:
         record: it is new); otherwise the serving copy is written and what it held recorded."""
         staged = self._open.whole.get(name)
         if staged is not None:
-            flat_bits(staged)[indices] = new_bits
+            _scatter(flat_bits(staged), indices, new_bits)
             return staged
         tensor = self.tensors[name]
         flat = flat_bits(tensor)
-        self._open.overwritten.append(_Overwritten(name, indices, flat[indices].clone()))
-        flat[indices] = new_bits
+        self._open.overwritten.append(_Overwritten(name, indices, _gather(flat, indices)))
+        _scatter(flat, indices, new_bits)
         return tensor
 
     def pending(self) -> dict[str, Any]:
@@ -196,4 +213,4 @@ def _names(changes: _Changes) -> set[str]:
 
 def _undo(tensors: dict[str, Any], overwritten: list[_Overwritten]) -> None:
     for record in reversed(overwritten):
-        flat_bits(tensors[record.name])[record.indices] = record.old_bits
+        _scatter(flat_bits(tensors[record.name]), record.indices, record.old_bits)
