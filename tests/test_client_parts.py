@@ -166,14 +166,20 @@ def test_patches_carry_exactly_what_changed_and_a_dense_change_goes_whole() -> N
 def test_patches_found_on_the_host_and_on_a_device_are_the_same_bytes() -> None:
     import torch
 
-    from trainer_client.weight_sending import _device_patch_of, _host_patch_of
+    from trainer_client.weight_sending import (
+        HOST_BLOCK_ELEMENTS,
+        _device_patch_of,
+        _host_patch_of,
+    )
 
-    old = torch.randint(-(2**15), 2**15, (10_000,), dtype=torch.int16)
+    # Longer than the host path's comparison block: changes in the first, second and last.
+    size = HOST_BLOCK_ELEMENTS * 2 + 5
+    old = torch.randint(-(2**15), 2**15, (size,), dtype=torch.int16)
     new = old.clone()
-    new[[0, 17, 9_999]] += 1
+    new[[0, 17, HOST_BLOCK_ELEMENTS, HOST_BLOCK_ELEMENTS + 3, size - 1]] += 1
     host = _host_patch_of(new, old, 2, limit=1e9)
     device = _device_patch_of(new, old, 2, limit=1e9)  # the GPU path, run on the CPU here
-    assert host[0] == device[0] == 3
+    assert host[0] == device[0] == 5
     assert torch.equal(host[1], device[1])
     assert _host_patch_of(new, old, 2, limit=10)[1] is _device_patch_of(new, old, 2, 10)[1] is None
     assert _host_patch_of(old, old, 2, limit=1e9) == (0, None)

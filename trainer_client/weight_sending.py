@@ -229,18 +229,33 @@ def _patch_of(new_bits: Any, old_bits: Any, itemsize: int) -> tuple[int, Any]:
     return _device_patch_of(new_bits, old_bits, itemsize, limit)
 
 
+# Elements the host path compares at a time: a block's comparison stays in cache while its
+# changed elements are found, and no mask of the whole tensor is made (an lr-1e-6 step of the
+# 0.3B benchmark model, bf16: 0.34 s with one mask, 0.24-0.28 s in blocks; bound by memory
+# bandwidth: splitting the blocks over two threads gained nothing more here).
+HOST_BLOCK_ELEMENTS = 1 << 18
+
+
 def _host_patch_of(new_bits: Any, old_bits: Any, itemsize: int, limit: float) -> tuple[int, Any]:
     import numpy as np
     import torch
 
     new, old = new_bits.numpy(), old_bits.numpy()
-    differs = new != old
-    changed = int(np.count_nonzero(differs))
-    if changed == 0 or changed * (4 + itemsize) >= limit:
-        return changed, None
-    indices = np.flatnonzero(differs)
-    del differs
-    patch = np.concatenate([indices.astype("<u4").view(np.uint8), new[indices].view(np.uint8)])
+    changed = 0
+    found = []
+    for start in range(0, new.size, HOST_BLOCK_ELEMENTS):
+        end = start + HOST_BLOCK_ELEMENTS
+        block = np.flatnonzero(new[start:end] != old[start:end])
+        if block.size == 0:
+            continue
+        changed += block.size
+        if changed * (4 + itemsize) >= limit:
+            return changed, None  # a count so far: enough to know the patch does not pay
+        found.append((block + start).astype("<u4"))
+    if changed == 0:
+        return 0, None
+    indices = np.concatenate(found)
+    patch = np.concatenate([indices.view(np.uint8), new[indices].view(np.uint8)])
     return changed, torch.from_numpy(patch)
 
 
