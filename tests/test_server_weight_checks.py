@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -621,7 +622,33 @@ async def test_a_batch_larger_than_the_shared_buffer_goes_inline(tmp_path: Any) 
 
 
 def test_a_shared_buffer_the_system_cannot_give_leaves_bytes_inline(tmp_path: Any) -> None:
-    assert HandoffBuffer.create(64, directory=str(tmp_path / "missing")) is None
+    assert HandoffBuffer(64, directory=str(tmp_path / "missing")).place([[b"abc"]]) is None
+
+
+def test_a_shared_buffer_is_made_at_first_use_and_one_a_dead_server_left_is_removed(
+    tmp_path: Any,
+) -> None:
+    import subprocess
+    import sys
+
+    from servers.engine.weights.handoff import PREFIX
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    abandoned = tmp_path / f"{PREFIX}{dead.stdout.strip()}-x"
+    abandoned.write_bytes(b"left by a killed server")
+    buffer = HandoffBuffer(64, directory=str(tmp_path))
+    assert abandoned.exists()  # nothing made or removed before the first in-band update
+    assert buffer.place([[b"abc"], [b"de"]]) == [[0, 3], [3, 2]]
+    assert [p.name for p in tmp_path.iterdir()] == [Path(buffer.path).name]
+    assert HandoffReader().view(buffer.path, [3, 2]) == b"de"
+    buffer.mapped()
+    assert list(tmp_path.iterdir()) == []
+    buffer.close()
 
 
 async def test_a_worker_failing_while_the_next_batch_arrives_rejects_the_push() -> None:

@@ -224,7 +224,7 @@ class VllmEngine:
             self._collective_rpc,
             _WeightLifecycle(self.llm, self._call),
             # Room for a stage batch and the chunk or patch that overshoots it.
-            HandoffBuffer.create(2 * options.weight_stage_batch_bytes),
+            HandoffBuffer(2 * options.weight_stage_batch_bytes),
         )
         self.weights = WeightTransferManager(
             self.weights_workers,

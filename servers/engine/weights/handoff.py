@@ -16,9 +16,9 @@ engine core runs calls in order, so the worker finishes that one before it reads
 an update abandoned so is discarded anyway). A batch that does not fit, or a server where the
 file cannot be made, sends its bytes inline as before.
 
-The file is removed once the worker has mapped it (its mapping and the server's stay valid), so
-a server killed later leaves nothing in ``/dev/shm``; until the first update it removes it when
-it closes.
+The file is made at the first in-band update and removed as soon as the worker has mapped it
+(its mapping and the server's stay valid), so a server killed later leaves nothing in
+``/dev/shm``; one killed in between leaves a file that the next server to make one removes.
 """
 
 from __future__ import annotations
@@ -32,38 +32,30 @@ from collections.abc import Sequence
 log = logging.getLogger(__name__)
 
 SHARED_MEMORY_DIR = "/dev/shm"
+# Buffers are named PREFIX + the server's process id + "-" + a random part.
+PREFIX = "skyrl-weights-"
 
 
 class HandoffBuffer:
-    """The server's side: a fixed-size file in shared memory, mapped for writing."""
+    """The server's side: a fixed-size file in shared memory, mapped for writing, made at the
+    first in-band update (a server that never gets one holds none)."""
 
     def __init__(self, size: int, directory: str = SHARED_MEMORY_DIR) -> None:
-        fd, self.path = tempfile.mkstemp(prefix="skyrl-weights-", dir=directory)
-        try:
-            # Reserved now: a tmpfs out of space fails here, not with SIGBUS at a write.
-            os.posix_fallocate(fd, 0, size)
-            self._map = mmap.mmap(fd, size)
-        except BaseException:
-            os.unlink(self.path)
-            raise
-        finally:
-            os.close(fd)
         self.size = size
-        self._linked = True
-
-    @classmethod
-    def create(cls, size: int, directory: str = SHARED_MEMORY_DIR) -> HandoffBuffer | None:
-        """The buffer, or None (bytes go inline) where shared memory cannot be had."""
-        try:
-            return cls(size, directory)
-        except OSError as error:
-            log.warning("no shared memory for weight updates (%s): bytes go inline", error)
-            return None
+        self.directory = directory
+        self.path = ""
+        self._map: mmap.mmap | None = None
+        self._linked = False
+        self._unavailable = False
 
     def place(self, pieces: Sequence[Sequence[bytes | memoryview]]) -> list[list[int]] | None:
         """Copies each piece's chunks into the buffer, one after another; returns where each
-        piece lies (``[start, length]``), or None when they do not fit (nothing written)."""
+        piece lies (``[start, length]``), or None when they do not fit or the buffer cannot
+        be had (nothing written: the bytes go inline)."""
         if sum(len(chunk) for chunks in pieces for chunk in chunks) > self.size:
+            return None
+        buffer = self._buffer()
+        if buffer is None:
             return None
         regions = []
         offset = 0
@@ -71,7 +63,7 @@ class HandoffBuffer:
             start = offset
             for chunk in chunks:
                 end = offset + len(chunk)
-                self._map[offset:end] = chunk
+                buffer[offset:end] = chunk
                 offset = end
             regions.append([start, offset - start])
         return regions
@@ -82,7 +74,32 @@ class HandoffBuffer:
 
     def close(self) -> None:
         self._unlink()
-        self._map.close()
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+    def _buffer(self) -> mmap.mmap | None:
+        if self._map is None and not self._unavailable:
+            try:
+                self._map = self._make()
+            except OSError as error:
+                self._unavailable = True
+                log.warning("no shared memory for weight updates (%s): bytes go inline", error)
+        return self._map
+
+    def _make(self) -> mmap.mmap:
+        _remove_abandoned(self.directory)
+        fd, self.path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=self.directory)
+        self._linked = True
+        try:
+            # Reserved now: a tmpfs out of space fails here, not with SIGBUS at a write.
+            os.posix_fallocate(fd, 0, self.size)
+            return mmap.mmap(fd, self.size)
+        except BaseException:
+            self._unlink()
+            raise
+        finally:
+            os.close(fd)
 
     def _unlink(self) -> None:
         if self._linked:
@@ -91,6 +108,34 @@ class HandoffBuffer:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def _remove_abandoned(directory: str) -> None:
+    """Removes buffers whose server died before its worker mapped them (killed mid-way through
+    its first update): their names carry the server's process id."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX) :].partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 class HandoffReader:
