@@ -8,12 +8,13 @@ over gRPC streams); this module makes the calls around them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import grpc
 
@@ -49,6 +50,7 @@ PUSH_GROUP_BYTES = 64 << 20
 BROADCAST_GROUP_BYTES = 256 << 20
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 WeightTransport = Literal["collective", "grpc"]
 
 
@@ -276,21 +278,17 @@ class WeightUpdates(ClientCore):
     ) -> dict[str, BaseException]:
         groups = push_groups(tensors, BROADCAST_GROUP_BYTES) if base is not None else [tensors]
 
-        def make(group: list[tuple[str, Any]]) -> list[Bucket]:
+        def make(index: int) -> list[Bucket]:
             if base is None:
-                return plan_buckets(tensor_entries(group, checksums), bucket_bytes)
+                return plan_buckets(tensor_entries(groups[index], checksums), bucket_bytes)
             return plan_buckets(
-                weight_patches(group, base.tensors, base.version, checksums), bucket_bytes
+                weight_patches(groups[index], base.tensors, base.version, checksums), bucket_bytes
             )
 
-        prepared = [asyncio.ensure_future(asyncio.to_thread(make, groups[0]))]
+        prepared = _OneAhead(make, len(groups))
         try:
             for index in range(len(groups)):
-                buckets = await prepared[index]
-                if index + 1 < len(groups):
-                    prepared.append(
-                        asyncio.ensure_future(asyncio.to_thread(make, groups[index + 1]))
-                    )
+                buckets = await prepared.get(index)
                 if not buckets:
                     continue  # nothing of this group changed
                 failures = await self._broadcast_buckets(sender, addresses, buckets, timeout)
@@ -298,8 +296,7 @@ class WeightUpdates(ClientCore):
                     return failures
             return {}
         finally:
-            for pending in prepared:
-                pending.cancel()  # one running in its thread finishes there, discarded
+            prepared.cancel()
 
     async def _broadcast_buckets(
         self,
@@ -345,24 +342,20 @@ class WeightUpdates(ClientCore):
         transfer and the servers' instead of preceding them. Each group is prepared once for
         all servers; a group with nothing changed sends nothing."""
         groups = push_groups(tensors, PUSH_GROUP_BYTES)
-        prepared: dict[tuple[bool, int], asyncio.Future[PushStream]] = {}
 
-        def make(patched: bool, group: list[tuple[str, Any]]) -> PushStream:
+        def make(patched: bool, index: int) -> PushStream:
             if patched:
                 assert base is not None
-                entries = weight_patches(group, base.tensors, base.version, checksums)
+                entries = weight_patches(groups[index], base.tensors, base.version, checksums)
             else:
-                entries = tensor_entries(group, checksums)
+                entries = tensor_entries(groups[index], checksums)
             return PushStream(entries, chunk_bytes)
 
-        def stream(patched: bool, index: int) -> asyncio.Future[PushStream]:
-            """Group ``index``'s stream, the next one's started too."""
-            for k in (index, index + 1):
-                if k < len(groups) and (patched, k) not in prepared:
-                    prepared[patched, k] = asyncio.ensure_future(
-                        asyncio.to_thread(make, patched, groups[k])
-                    )
-            return prepared[patched, index]
+        # Each variant (patches, whole values) prepared once for every server that takes it.
+        prepared = {
+            patched: _OneAhead(functools.partial(make, patched), len(groups))
+            for patched in (True, False)
+        }
 
         def method(
             address: str,
@@ -376,7 +369,7 @@ class WeightUpdates(ClientCore):
         async def send_all(address: str, patched: bool) -> None:
             self.last_push_bytes[address] = 0
             for index in range(len(groups)):
-                sent = await stream(patched, index)
+                sent = await prepared[patched].get(index)
                 if sent.empty:
                     continue
                 self.last_push_bytes[address] += sent.total_bytes
@@ -398,10 +391,8 @@ class WeightUpdates(ClientCore):
         try:
             return await failures_of(addresses, push)
         finally:
-            for pending in prepared.values():
-                # A failed update drops what was prepared; a preparation already running in its
-                # thread (at most one group ahead) finishes there and is discarded.
-                pending.cancel()
+            for variant in prepared.values():
+                variant.cancel()
 
     async def cancel_weight_update(self, *, timeout: float | None = None) -> dict[str, int]:
         """Cancels the weight update open on any server (e.g. one a crashed trainer left);
@@ -452,6 +443,29 @@ class WeightUpdates(ClientCore):
             lambda s: s.GetServerInfo, request, timeout, lambda r: r.weight_version
         )
         return WeightVersions(versions)
+
+
+class _OneAhead(Generic[T]):
+    """Items ``make(index)`` prepared in a worker thread, each once, the next one started when
+    one is asked for: the trainer's work on group k+1 (patches, checksums, buckets) overlaps
+    the transfer of group k instead of preceding it."""
+
+    def __init__(self, make: Callable[[int], T], count: int) -> None:
+        self._make = make
+        self._count = count
+        self._started: dict[int, asyncio.Future[T]] = {}
+
+    async def get(self, index: int) -> T:
+        for k in (index, index + 1):
+            if k < self._count and k not in self._started:
+                self._started[k] = asyncio.ensure_future(asyncio.to_thread(self._make, k))
+        return await self._started[index]
+
+    def cancel(self) -> None:
+        """Drops what was prepared (a failed or finished update); a preparation already running
+        in its thread (at most one ahead) finishes there and is discarded."""
+        for pending in self._started.values():
+            pending.cancel()
 
 
 @dataclass
