@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +217,11 @@ class FakeWorkers:
         self.calls.append(f"update_weights: {kind}")
         self.report = _report()
         if kind == "stage":
+            if update_info.get("handoff"):  # as the engine does (``transfer_engine._stage``)
+                why = self.handoff.why_unreadable(update_info["handoff"])
+                if why:
+                    self.report["handoff_error"] = why
+                    return
             for param in update_info["stage"]:
                 self.staged.add(param["name"])
                 value = self.values[param["name"]] if param["offset"] else b""  # 0: a new value
@@ -241,7 +247,14 @@ class FakeWorkers:
 
 def _report() -> protocol.Report:
     return protocol.Report(
-        bytes=0, params=0, changed=0, mismatches=[], non_finite=[], invalid=[], error=""
+        bytes=0,
+        params=0,
+        changed=0,
+        mismatches=[],
+        non_finite=[],
+        invalid=[],
+        error="",
+        handoff_error="",
     )
 
 
@@ -619,6 +632,36 @@ async def test_a_batch_larger_than_the_shared_buffer_goes_inline(tmp_path: Any) 
     assert workers.values == {n: t.numpy().tobytes() for n, t in TENSORS}
     handoff.close()
     assert list(tmp_path.iterdir()) == []  # removed when the server closes it
+
+
+async def test_workers_that_cannot_map_the_shared_buffer_get_the_bytes_inline(
+    tmp_path: Any,
+) -> None:
+    # A worker on another host (or in a container with a /dev/shm of its own) does not see the
+    # server's file: it stages nothing and says why; the server sends that batch again inline,
+    # removes its file and sends every later batch inline. Nothing is lost.
+    workers = FakeWorkers()
+    handoff = HandoffBuffer(64, directory=str(tmp_path))
+    manager = WeightTransferManager(
+        calls(workers, handoff), lambda v: None, lambda: 0, stage_batch_bytes=16
+    )
+    await manager.start()
+    sent: list[dict[str, Any]] = []
+    record = workers.update_weights
+
+    async def elsewhere(update_info: dict[str, Any]) -> None:
+        sent.append(update_info)
+        if update_info.get("handoff"):
+            os.unlink(update_info["handoff"])  # this worker's /dev/shm has no such file
+        await record(update_info)
+
+    workers.update_weights = elsewhere  # type: ignore[method-assign]
+    assert await manager.push(_messages()) == (2, 68)
+    assert workers.values == {n: t.numpy().tobytes() for n, t in TENSORS}
+    assert [bool(info.get("handoff")) for info in sent][:2] == [True, False]
+    assert not any(info.get("handoff") for info in sent[1:])
+    assert list(tmp_path.iterdir()) == []
+    assert await manager.finish(1) == (1, 2)
 
 
 def test_a_shared_buffer_the_system_cannot_give_leaves_bytes_inline(tmp_path: Any) -> None:

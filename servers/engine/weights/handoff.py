@@ -10,6 +10,10 @@ reloading the model. Instead the server copies each stage batch into one file in
 (``/dev/shm``) and the call carries where each parameter's bytes lie in it; the worker maps the
 file once and copies from it into its staging tensors: one copy on each side.
 
+A worker that cannot map the file (on another host, or in a container with a ``/dev/shm`` of its
+own) says so in its report instead of staging; the server then sends that batch and every later
+one inline.
+
 One buffer serves every batch: the server writes a batch only after the worker finished with
 the previous one (the stage call returned, or, for a call the server stopped waiting for, the
 engine core runs calls in order, so the worker finishes that one before it reads the next, and
@@ -71,6 +75,12 @@ class HandoffBuffer:
     def mapped(self) -> None:
         """The worker has the file mapped: the name is no longer needed."""
         self._unlink()
+
+    def give_up(self, why: str) -> None:
+        """The workers cannot map the file: it is removed and every later batch goes inline."""
+        log.warning("the workers cannot read shared memory (%s): weight bytes go inline", why)
+        self._unavailable = True
+        self.close()
 
     def close(self) -> None:
         self._unlink()
@@ -143,6 +153,16 @@ class HandoffReader:
 
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
+
+    def why_unreadable(self, path: str) -> str:
+        """Maps the buffer at ``path``; returns why this worker cannot ("" when it can). A
+        worker on another host, or in a container with a /dev/shm of its own, does not see
+        the server's file: the server then sends the bytes inline."""
+        try:
+            self._map(path)
+        except (OSError, ValueError) as error:
+            return f"{type(error).__name__}: {error}"
+        return ""
 
     def view(self, path: str, region: Sequence[int]) -> memoryview:
         """The bytes at ``region`` (``[start, length]``) of the buffer at ``path``."""

@@ -91,7 +91,8 @@ class Report(TypedDict):
     holding a NaN or infinity (when checked), ``invalid`` says which broadcast patches do not
     fit their parameter (indices out of range or not increasing): nothing of the call is
     staged if any is non-empty; ``error``: applying failed and the previous weights were
-    restored."""
+    restored; ``handoff_error``: why the worker could not map the server's shared-memory
+    buffer (nothing of the call staged: the server sends it again inline)."""
 
     bytes: int
     params: int
@@ -100,6 +101,7 @@ class Report(TypedDict):
     non_finite: list[str]
     invalid: list[str]
     error: str
+    handoff_error: str
 
 
 class Checksum(TypedDict):
@@ -219,7 +221,12 @@ class WorkerCalls:
                 for p, region in zip(params, regions, strict=True)
             ]
             reports = await self._update({"stage": placed, "handoff": handoff.path})
-            handoff.mapped()
+            unreadable = sorted({r["handoff_error"] for r in reports if r["handoff_error"]})
+            if unreadable:
+                handoff.give_up("; ".join(unreadable))
+                reports = await self._update({"stage": params})
+            else:
+                handoff.mapped()
         return sorted({str(name) for report in reports for name in report["mismatches"]})
 
     def close(self) -> None:

@@ -234,6 +234,10 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         """Stages in-band parameters (verified by the server). A patch is applied to the serving
         copy in place (bit for bit, as integers; what it overwrote recorded) and checked against
         its SHA-256 when it carries one; on a mismatch nothing of the call stays staged."""
+        if handoff:
+            self.report["handoff_error"] = self._handoff.why_unreadable(handoff)
+            if self.report["handoff_error"]:
+                return
         serving = self.serving
         mark = serving.mark()
         mismatches: list[str] = []
@@ -370,7 +374,16 @@ def _quiet(*names: str) -> Iterator[None]:
 
 
 def _empty_report() -> Report:
-    return Report(bytes=0, params=0, changed=0, mismatches=[], non_finite=[], invalid=[], error="")
+    return Report(
+        bytes=0,
+        params=0,
+        changed=0,
+        mismatches=[],
+        non_finite=[],
+        invalid=[],
+        error="",
+        handoff_error="",
+    )
 
 
 def _copy_into(tensor: torch.Tensor, offset: int, chunks: list[bytes | memoryview]) -> None:
