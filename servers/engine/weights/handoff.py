@@ -72,6 +72,12 @@ class HandoffBuffer:
             regions.append([start, offset - start])
         return regions
 
+    def read(self, region: Sequence[int]) -> bytes:
+        """A copy of the bytes ``place`` put at ``region`` (``[start, length]``)."""
+        assert self._map is not None, "nothing was placed"
+        start, length = region
+        return self._map[start : start + length]
+
     def mapped(self) -> None:
         """The worker has the file mapped: the name is no longer needed."""
         self._unlink()

@@ -210,21 +210,30 @@ class WorkerCalls:
 
     async def stage(self, params: list[StagedParameter]) -> list[str]:
         """Stages the parameters on every worker; returns the names whose patched bytes did
-        not match their SHA-256 (nothing of the call is staged then)."""
+        not match their SHA-256 (nothing of the call is staged then). Where the bytes go
+        through the shared buffer, ``params`` give up their chunks."""
         handoff = self._handoff
         regions = handoff.place([p["chunks"] for p in params]) if handoff is not None else None
         if handoff is None or regions is None:
             reports = await self._update({"stage": params})
         else:
+            for param in params:
+                # The bytes lie in the buffer now: the received messages they came in can go
+                # while the workers copy (the server then holds one batch of them, not two).
+                param["chunks"] = []
             placed = [
-                StagedParameter({**p, "chunks": [], "region": region})
+                StagedParameter({**p, "region": region})
                 for p, region in zip(params, regions, strict=True)
             ]
             reports = await self._update({"stage": placed, "handoff": handoff.path})
             unreadable = sorted({r["handoff_error"] for r in reports if r["handoff_error"]})
             if unreadable:
+                inline = [
+                    StagedParameter({**p, "chunks": [handoff.read(region)]})
+                    for p, region in zip(params, regions, strict=True)
+                ]
                 handoff.give_up("; ".join(unreadable))
-                reports = await self._update({"stage": params})
+                reports = await self._update({"stage": inline})
             else:
                 handoff.mapped()
         return sorted({str(name) for report in reports for name in report["mismatches"]})
