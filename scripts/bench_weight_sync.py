@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -132,7 +132,7 @@ class PeakRss:
 
 @contextmanager
 def engine_servers(
-    model: Path, count: int, tp: int, dtype: str
+    model: Path, count: int, tp: int, dtype: str, extra_args: Sequence[str] = ()
 ) -> Iterator[list[subprocess.Popen[str]]]:
     from servers.common.process import read_announcement
 
@@ -140,6 +140,7 @@ def engine_servers(
     args = ["--model", str(model), "--dtype", dtype, "--kv-cache-gib", "1", "--port", "0"]
     if tp > 1:
         args += ["--tensor-parallel-size", str(tp), "--cpu-threads", "1"]
+    args += extra_args
     processes = []
     try:
         for _ in range(count):

@@ -9,10 +9,9 @@ totals against the raw links; this shows which process holds what (the gRPC serv
 engine core with this project's weight-transfer engine in its worker).
 
 Run: .venv/bin/python scripts/weight_memory_per_process.py [--transport grpc|collective]
-     [--dtype bfloat16] [--updates 4]
-Setting glibc's ``MALLOC_MMAP_THRESHOLD_`` (e.g. 1048576) in the environment turns off the
-server's ``keep_freed_memory`` (an operator's explicit choice stands): freed large blocks then
-go back to the system, so what stays is what is still referenced.
+     [--dtype bfloat16] [--updates 4] [-- ENGINE SERVER FLAGS]
+With ``-- --return-freed-memory`` the server does not ``keep_freed_memory``: freed large blocks
+then go back to the system, so what stays is what is still referenced.
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ def sample(pid: int, peaks: dict[str, int], done: threading.Event) -> None:
         time.sleep(0.05)
 
 
-async def run(transport: str, dtype: str, updates: int) -> None:
+async def run(transport: str, dtype: str, updates: int, server_args: list[str]) -> None:
     from safetensors.torch import load_file
 
     from trainer_client import InferenceClient
@@ -70,7 +69,7 @@ async def run(transport: str, dtype: str, updates: int) -> None:
     model = build_model(dtype)
     tensors = sorted(load_file(str(model / "model.safetensors")).items())
     print(f"model: {sum(t.numel() * t.element_size() for _, t in tensors) // MiB} MiB {dtype}")
-    with engine_servers(model, 1, 1, dtype) as (server,):
+    with engine_servers(model, 1, 1, dtype, server_args) as (server,):
         address: str = server.address  # type: ignore[attr-defined]
         print("after start (MiB resident, anonymous):", per_process(server.pid))
         client = InferenceClient(address, [address], direct=False, control_timeout=600)
@@ -97,8 +96,11 @@ def main() -> None:
     parser.add_argument("--transport", default="grpc", choices=["grpc", "collective"])
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--updates", type=int, default=4)
+    parser.add_argument(
+        "server_args", nargs="*", help="after --: engine server flags (--return-freed-memory)"
+    )
     args = parser.parse_args()
-    asyncio.run(run(args.transport, args.dtype, args.updates))
+    asyncio.run(run(args.transport, args.dtype, args.updates, args.server_args))
 
 
 if __name__ == "__main__":
