@@ -664,6 +664,44 @@ async def test_workers_that_cannot_map_the_shared_buffer_get_the_bytes_inline(
     assert await manager.finish(1) == (1, 2)
 
 
+@pytest.mark.parametrize(
+    ("buffer_bytes", "expected_calls"),
+    [
+        (50, [[True], [True]]),  # a.weight's 48 bytes fill it: b.bias follows in a second call
+        (40, [[False], [True]]),  # a.weight is larger than the whole buffer: inline, alone
+    ],
+)
+async def test_what_overflows_the_shared_buffer_follows_in_the_next_call(
+    tmp_path: Any, buffer_bytes: int, expected_calls: list[list[bool]]
+) -> None:
+    # The buffer holds a batch and the chunk that overshoots it; what does not fit (a large
+    # patch completing a batch) follows through the buffer in another call, in order, and
+    # only a piece larger than the whole buffer goes inline.
+    workers = FakeWorkers()
+    handoff = HandoffBuffer(buffer_bytes, directory=str(tmp_path))
+    manager = WeightTransferManager(calls(workers, handoff), lambda v: None, lambda: 0)
+    await manager.start()
+    sent: list[dict[str, Any]] = []
+    record = workers.update_weights
+
+    async def recording(update_info: dict[str, Any]) -> None:
+        sent.append(update_info)
+        await record(update_info)
+
+    workers.update_weights = recording  # type: ignore[method-assign]
+    assert await manager.push(_messages()) == (2, 68)
+    assert workers.values == {n: t.numpy().tobytes() for n, t in TENSORS}
+    assert [[bool(p.get("region")) for p in info["stage"]] for info in sent] == expected_calls
+    handoff.close()
+
+
+def test_a_shared_buffer_places_pieces_while_they_fit(tmp_path: Any) -> None:
+    buffer = HandoffBuffer(6, directory=str(tmp_path))
+    assert buffer.place([[b"ab", b"c"], [b"de"], [b"fg"], [b"h"]]) == [[0, 3], [3, 2]]
+    assert buffer.read([3, 2]) == b"de"
+    buffer.close()
+
+
 def test_a_shared_buffer_the_system_cannot_give_leaves_bytes_inline(tmp_path: Any) -> None:
     assert HandoffBuffer(64, directory=str(tmp_path / "missing")).place([[b"abc"]]) is None
 

@@ -37,7 +37,7 @@ from .engine_loop import EngineLoop
 from .live_sessions import LiveSessions
 from .options import TINY_MODEL_NAME, EngineOptions, RequestLimits
 from .validate import ModelLimits, PauseModeName
-from .weights.handoff import HandoffBuffer
+from .weights.handoff import HandoffBuffer, buffer_bytes_for
 from .weights.protocol import WorkerCalls
 from .weights.transaction import WeightTransferManager
 
@@ -223,8 +223,7 @@ class VllmEngine:
         self.weights_workers = WorkerCalls(
             self._collective_rpc,
             _WeightLifecycle(self.llm, self._call),
-            # Room for a stage batch and the chunk or patch that overshoots it.
-            HandoffBuffer(2 * options.weight_stage_batch_bytes),
+            HandoffBuffer(buffer_bytes_for(options.weight_stage_batch_bytes)),
         )
         self.weights = WeightTransferManager(
             self.weights_workers,

@@ -17,8 +17,10 @@ one inline.
 One buffer serves every batch: the server writes a batch only after the worker finished with
 the previous one (the stage call returned, or, for a call the server stopped waiting for, the
 engine core runs calls in order, so the worker finishes that one before it reads the next, and
-an update abandoned so is discarded anyway). A batch that does not fit, or a server where the
-file cannot be made, sends its bytes inline as before.
+an update abandoned so is discarded anyway). It holds a batch and the chunk that overshoots it
+(``buffer_bytes_for``); what does not fit (a large patch completing a batch) goes in the next
+call, through the buffer again. Only a piece larger than the whole buffer, or every piece on a
+server where the file cannot be made, goes inline as before.
 
 The file is made at the first in-band update and removed as soon as the worker has mapped it
 (its mapping and the server's stay valid), so a server killed later leaves nothing in
@@ -38,6 +40,14 @@ log = logging.getLogger(__name__)
 SHARED_MEMORY_DIR = "/dev/shm"
 # Buffers are named PREFIX + the server's process id + "-" + a random part.
 PREFIX = "skyrl-weights-"
+# What a stage batch overshoots its size by: the chunk that completes it (the trainer client
+# sends 4 MiB chunks by default).
+OVERSHOOT_BYTES = 4 << 20
+
+
+def buffer_bytes_for(stage_batch_bytes: int) -> int:
+    """The buffer for stage batches of ``stage_batch_bytes``: one batch and its overshoot."""
+    return stage_batch_bytes + OVERSHOOT_BYTES
 
 
 class HandoffBuffer:
@@ -53,23 +63,23 @@ class HandoffBuffer:
         self._unavailable = False
 
     def place(self, pieces: Sequence[Sequence[bytes | memoryview]]) -> list[list[int]] | None:
-        """Copies each piece's chunks into the buffer, one after another; returns where each
-        piece lies (``[start, length]``), or None when they do not fit or the buffer cannot
-        be had (nothing written: the bytes go inline)."""
-        if sum(len(chunk) for chunks in pieces for chunk in chunks) > self.size:
-            return None
+        """Copies the pieces' chunks into the buffer, one piece after another while they fit;
+        returns where each placed piece lies (``[start, length]``: the pieces that did not fit
+        are the ones past the list's end), or None when the buffer cannot be had."""
         buffer = self._buffer()
         if buffer is None:
             return None
-        regions = []
+        regions: list[list[int]] = []
         offset = 0
         for chunks in pieces:
-            start = offset
+            length = sum(len(chunk) for chunk in chunks)
+            if offset + length > self.size:
+                break
             for chunk in chunks:
                 end = offset + len(chunk)
                 buffer[offset:end] = chunk
                 offset = end
-            regions.append([start, offset - start])
+            regions.append([offset - length, length])
         return regions
 
     def read(self, region: Sequence[int]) -> bytes:

@@ -209,34 +209,43 @@ class WorkerCalls:
         return await self._update({"receive": buckets, "check_finite": check_finite})
 
     async def stage(self, params: list[StagedParameter]) -> list[str]:
-        """Stages the parameters on every worker; returns the names whose patched bytes did
-        not match their SHA-256 (nothing of the call is staged then). Where the bytes go
-        through the shared buffer, ``params`` give up their chunks."""
+        """Stages the parameters on every worker, in order; returns the names whose patched
+        bytes did not match their SHA-256 (nothing of the call is staged then). Where the bytes
+        go through the shared buffer, ``params`` give up their chunks."""
+        remaining = params
+        while remaining:
+            reports, remaining = await self._stage_some(remaining)
+            mismatches = {str(name) for report in reports for name in report["mismatches"]}
+            if mismatches:
+                return sorted(mismatches)  # the update is rejected: the rest need not go
+        return []
+
+    async def _stage_some(
+        self, params: list[StagedParameter]
+    ) -> tuple[list[Report], list[StagedParameter]]:
+        """One worker call for the first of ``params``: those that fit the shared buffer (the
+        first alone, inline, when even it does not); returns its reports and the rest."""
         handoff = self._handoff
         regions = handoff.place([p["chunks"] for p in params]) if handoff is not None else None
         if handoff is None or regions is None:
-            reports = await self._update({"stage": params})
+            return await self._update({"stage": params}), []
+        if not regions:
+            return await self._update({"stage": params[:1]}), params[1:]
+        placed = []
+        for param, region in zip(params, regions, strict=False):
+            # The bytes lie in the buffer now: the received messages they came in can go
+            # while the workers copy (the server then holds one batch of them, not two).
+            param["chunks"] = []
+            placed.append(StagedParameter({**param, "region": region}))
+        reports = await self._update({"stage": placed, "handoff": handoff.path})
+        unreadable = sorted({r["handoff_error"] for r in reports if r["handoff_error"]})
+        if unreadable:
+            inline = [_inline(param, handoff) for param in placed]
+            handoff.give_up("; ".join(unreadable))
+            reports = await self._update({"stage": inline})
         else:
-            for param in params:
-                # The bytes lie in the buffer now: the received messages they came in can go
-                # while the workers copy (the server then holds one batch of them, not two).
-                param["chunks"] = []
-            placed = [
-                StagedParameter({**p, "region": region})
-                for p, region in zip(params, regions, strict=True)
-            ]
-            reports = await self._update({"stage": placed, "handoff": handoff.path})
-            unreadable = sorted({r["handoff_error"] for r in reports if r["handoff_error"]})
-            if unreadable:
-                inline = [
-                    StagedParameter({**p, "chunks": [handoff.read(region)]})
-                    for p, region in zip(params, regions, strict=True)
-                ]
-                handoff.give_up("; ".join(unreadable))
-                reports = await self._update({"stage": inline})
-            else:
-                handoff.mapped()
-        return sorted({str(name) for report in reports for name in report["mismatches"]})
+            handoff.mapped()
+        return reports, params[len(regions) :]
 
     def close(self) -> None:
         if self._handoff is not None:
@@ -283,3 +292,13 @@ class WorkerCalls:
     async def clear_kv_cache(self) -> int:
         """Zeroes the KV cache memory (only while no request holds KV); returns its bytes."""
         return int(sum(await self._rpc(CLEAR_KV_CACHE, ())))
+
+
+def _inline(param: StagedParameter, handoff: HandoffBuffer) -> StagedParameter:
+    """``param`` with its bytes inline again (read back from the buffer where they lie)."""
+    region = param.get("region")
+    if region is None:
+        return param
+    inline = StagedParameter({**param, "chunks": [handoff.read(region)]})
+    del inline["region"]
+    return inline
