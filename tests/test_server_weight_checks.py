@@ -187,7 +187,7 @@ class FakeWorkers:
         self.staged: set[str] = set()
         # The bytes staged for each parameter, put together from their pieces.
         self.values: dict[str, bytes] = {}
-        self.report = _report()
+        self.report = protocol.empty_report()
         self.handoff = HandoffReader()
 
     async def __call__(self, method: str, args: tuple[Any, ...]) -> list[Any]:
@@ -215,7 +215,7 @@ class FakeWorkers:
             k for k in ("stage", "receive", "discard", "restore_previous") if k in update_info
         )
         self.calls.append(f"update_weights: {kind}")
-        self.report = _report()
+        self.report = protocol.empty_report()
         if kind == "stage":
             if update_info.get("handoff"):  # as the engine does (``transfer_engine._stage``)
                 why = self.handoff.why_unreadable(update_info["handoff"])
@@ -241,21 +241,8 @@ class FakeWorkers:
 
     async def finish_weight_update(self, weight_version: str | None) -> None:
         self.calls.append(COMMIT if weight_version is not None else CLOSE)
-        self.report = _report()
+        self.report = protocol.empty_report()
         self.report["changed"], self.staged = len(self.staged), set()
-
-
-def _report() -> protocol.Report:
-    return protocol.Report(
-        bytes=0,
-        params=0,
-        changed=0,
-        mismatches=[],
-        non_finite=[],
-        invalid=[],
-        error="",
-        handoff_error="",
-    )
 
 
 def calls(workers: FakeWorkers, handoff: HandoffBuffer | None = None) -> protocol.WorkerCalls:
@@ -596,26 +583,39 @@ async def test_a_session_an_engine_error_left_open_is_closed_before_the_next_upd
     assert await manager.finish() == (1, 2)
 
 
-async def test_in_band_bytes_reach_the_workers_through_shared_memory(tmp_path: Any) -> None:
-    # The server copies each batch into its buffer; the call carries only where each piece
-    # lies, and the workers read the same bytes from there. The file's name goes once the
-    # workers have it mapped: a server killed later leaves nothing behind.
+async def recorded_push(
+    handoff: HandoffBuffer,
+    stage_batch_bytes: int | None = None,
+    before_call: Any = None,
+) -> tuple[FakeWorkers, list[dict[str, Any]]]:
+    """Pushes ``_messages()`` through a manager whose workers record every ``update_weights``
+    (``before_call(update_info)`` first, when given); returns the workers and the calls."""
     workers = FakeWorkers()
-    handoff = HandoffBuffer(64, directory=str(tmp_path))
-    manager = WeightTransferManager(
-        calls(workers, handoff), lambda v: None, lambda: 0, stage_batch_bytes=16
-    )
+    extra = {} if stage_batch_bytes is None else {"stage_batch_bytes": stage_batch_bytes}
+    manager = WeightTransferManager(calls(workers, handoff), lambda v: None, lambda: 0, **extra)
     await manager.start()
     sent: list[dict[str, Any]] = []
     record = workers.update_weights
 
     async def recording(update_info: dict[str, Any]) -> None:
         sent.append(update_info)
+        if before_call is not None:
+            before_call(update_info)
         await record(update_info)
 
     workers.update_weights = recording  # type: ignore[method-assign]
     assert await manager.push(_messages()) == (2, 68)
     assert workers.values == {n: t.numpy().tobytes() for n, t in TENSORS}
+    assert await manager.finish(1) == (1, 2)
+    return workers, sent
+
+
+async def test_in_band_bytes_reach_the_workers_through_shared_memory(tmp_path: Any) -> None:
+    # The server copies each batch into its buffer; the call carries only where each piece
+    # lies, and the workers read the same bytes from there. The file's name goes once the
+    # workers have it mapped: a server killed later leaves nothing behind.
+    handoff = HandoffBuffer(64, directory=str(tmp_path))
+    _, sent = await recorded_push(handoff, stage_batch_bytes=16)
     staged = [p for info in sent for p in info["stage"]]
     assert staged and all(p["chunks"] == [] and p["region"] for p in staged)
     assert {info["handoff"] for info in sent} == {handoff.path}
@@ -640,28 +640,16 @@ async def test_workers_that_cannot_map_the_shared_buffer_get_the_bytes_inline(
     # A worker on another host (or in a container with a /dev/shm of its own) does not see the
     # server's file: it stages nothing and says why; the server sends that batch again inline,
     # removes its file and sends every later batch inline. Nothing is lost.
-    workers = FakeWorkers()
     handoff = HandoffBuffer(64, directory=str(tmp_path))
-    manager = WeightTransferManager(
-        calls(workers, handoff), lambda v: None, lambda: 0, stage_batch_bytes=16
-    )
-    await manager.start()
-    sent: list[dict[str, Any]] = []
-    record = workers.update_weights
 
-    async def elsewhere(update_info: dict[str, Any]) -> None:
-        sent.append(update_info)
+    def elsewhere(update_info: dict[str, Any]) -> None:
         if update_info.get("handoff"):
             os.unlink(update_info["handoff"])  # this worker's /dev/shm has no such file
-        await record(update_info)
 
-    workers.update_weights = elsewhere  # type: ignore[method-assign]
-    assert await manager.push(_messages()) == (2, 68)
-    assert workers.values == {n: t.numpy().tobytes() for n, t in TENSORS}
+    _, sent = await recorded_push(handoff, stage_batch_bytes=16, before_call=elsewhere)
     assert [bool(info.get("handoff")) for info in sent][:2] == [True, False]
     assert not any(info.get("handoff") for info in sent[1:])
     assert list(tmp_path.iterdir()) == []
-    assert await manager.finish(1) == (1, 2)
 
 
 @pytest.mark.parametrize(
@@ -677,21 +665,10 @@ async def test_what_overflows_the_shared_buffer_follows_in_the_next_call(
     # The buffer holds a batch and the chunk that overshoots it; what does not fit (a large
     # patch completing a batch) follows through the buffer in another call, in order, and
     # only a piece larger than the whole buffer goes inline.
-    workers = FakeWorkers()
     handoff = HandoffBuffer(buffer_bytes, directory=str(tmp_path))
-    manager = WeightTransferManager(calls(workers, handoff), lambda v: None, lambda: 0)
-    await manager.start()
-    sent: list[dict[str, Any]] = []
-    record = workers.update_weights
-
-    async def recording(update_info: dict[str, Any]) -> None:
-        sent.append(update_info)
-        await record(update_info)
-
-    workers.update_weights = recording  # type: ignore[method-assign]
-    assert await manager.push(_messages()) == (2, 68)
-    assert workers.values == {n: t.numpy().tobytes() for n, t in TENSORS}
-    assert [[bool(p.get("region")) for p in info["stage"]] for info in sent] == expected_calls
+    _, sent = await recorded_push(handoff)
+    staged = [info for info in sent if "stage" in info]
+    assert [[bool(p.get("region")) for p in info["stage"]] for info in staged] == expected_calls
     handoff.close()
 
 

@@ -104,6 +104,20 @@ class Report(TypedDict):
     handoff_error: str
 
 
+def empty_report() -> Report:
+    """A report of a call that did nothing (yet)."""
+    return Report(
+        bytes=0,
+        params=0,
+        changed=0,
+        mismatches=[],
+        non_finite=[],
+        invalid=[],
+        error="",
+        handoff_error="",
+    )
+
+
 class Checksum(TypedDict):
     name: str
     sha256: bytes

@@ -59,6 +59,7 @@ from .protocol import (
     Group,
     Report,
     StagedParameter,
+    empty_report,
 )
 from .tp_share import Plan, StreamAborted, TensorParallelShare
 
@@ -100,7 +101,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self.timeout_seconds = 300.0
         self._checkpoint: ServingCheckpoint | None = None
         self._restoring = False
-        self.report: Report = _empty_report()
+        self.report: Report = empty_report()
         # Only TP rank 0 keeps the checkpoint-format copy; it streams it to the others.
         self.share = TensorParallelShare()
         self._scratch: list[torch.Tensor | None] = [None, None]  # a peer's receive buffers
@@ -176,7 +177,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
 
     def start_weight_update(self) -> None:
         """Opens an update: staging left by an update that never finished is dropped."""
-        self.report = _empty_report()
+        self.report = empty_report()
         self._restoring = False
         if self._checkpoint is not None:
             self._checkpoint.discard()
@@ -186,7 +187,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: SkyrlUpdate) -> None:
-        self.report = _empty_report()
+        self.report = empty_report()
         if update_info.discard:
             if self.holds_copy:
                 self.report["changed"] = self.serving.discard()
@@ -201,7 +202,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         """Applies the open update (or the restore) to the serving model, on every rank in
         step (the holder decides what is reloaded)."""
         holder = self.holds_copy
-        self.report = _empty_report()
+        self.report = empty_report()
         if self._restoring:
             self._restoring = False
             names = self.serving.committed_names() if holder else set()
@@ -371,19 +372,6 @@ def _quiet(*names: str) -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
-
-
-def _empty_report() -> Report:
-    return Report(
-        bytes=0,
-        params=0,
-        changed=0,
-        mismatches=[],
-        non_finite=[],
-        invalid=[],
-        error="",
-        handoff_error="",
-    )
 
 
 def _copy_into(tensor: torch.Tensor, offset: int, chunks: list[bytes | memoryview]) -> None:
