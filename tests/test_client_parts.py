@@ -163,6 +163,38 @@ def test_patches_carry_exactly_what_changed_and_a_dense_change_goes_whole() -> N
     assert torch.equal(data.view(torch.bfloat16).view(64, 64), new["dense"])
 
 
+def test_a_patch_names_many_changes_with_a_bitmap_and_applies_to_the_same_bits() -> None:
+    import numpy as np
+    import torch
+
+    from skyrl_grpc import patch_format
+    from trainer_client.weight_sending import _device_patch_of, _host_patch_of, weight_patches
+
+    generator = torch.Generator().manual_seed(3)
+    base = {"w": torch.randn(123, 45, generator=generator).to(torch.bfloat16)}
+    new = {"w": base["w"].clone()}
+    changed = torch.rand(base["w"].shape, generator=generator) < 0.2  # an lr-1e-5-like step
+    new["w"][changed] += 1.0
+    ((spec, data),) = weight_patches(new.items(), base, 7)
+    count, elements = int(changed.sum()), base["w"].numel()
+    assert spec.patch.changed == count and spec.patch.bitmap  # 1 bit each beats 4-byte indices
+    assert data.numel() == (elements + 7) // 8 + 2 * count  # under half the tensor's bytes
+    assert data.numel() < 0.5 * 2 * elements
+    # Read back as the server does: the same bits as the new tensor, exactly.
+    raw = data.numpy()
+    indices = patch_format.changed_indices(raw, elements, count, bitmap=True)
+    assert indices.tolist() == changed.view(-1).nonzero().view(-1).tolist()
+    values = raw[patch_format.names_bytes(elements, count, True) :].view(np.int16)
+    patched = base["w"].view(-1).view(torch.int16).numpy().copy()
+    patched[indices] = values
+    assert np.array_equal(patched, new["w"].view(-1).view(torch.int16).numpy())
+    # The device path (run on the CPU here) writes the same bitmap.
+    new_bits, old_bits = new["w"].view(-1).view(torch.int16), base["w"].view(-1).view(torch.int16)
+    host = _host_patch_of(new_bits, old_bits, 2, limit=1e9)
+    device = _device_patch_of(new_bits, old_bits, 2, limit=1e9)
+    assert torch.equal(host[1], device[1]) and torch.equal(host[1], data)
+
+
 def test_patches_found_on_the_host_and_on_a_device_are_the_same_bytes() -> None:
     import torch
 

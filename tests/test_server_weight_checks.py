@@ -583,6 +583,23 @@ async def test_a_session_an_engine_error_left_open_is_closed_before_the_next_upd
     assert await manager.finish() == (1, 2)
 
 
+def test_bitmap_patches_must_name_exactly_the_changed_elements_inside_the_parameter() -> None:
+    import numpy as np
+
+    from servers.engine.weights.assembly import check_patch
+    from skyrl_grpc import patch_format
+    from skyrl_grpc.errors import InvalidArgument
+
+    bitmap = patch_format.bitmap_of(np.array([0, 5, 9]), 10)  # 10 elements: 2 bytes
+    check_patch("w", 10, bitmap.tobytes(), 3, bitmap=True)
+    with pytest.raises(InvalidArgument, match="names 3 elements, the manifest says 4"):
+        check_patch("w", 10, bitmap.tobytes(), 4, bitmap=True)
+    past_the_end = bitmap.copy()
+    past_the_end[1] |= 1 << 7  # element 15 of a 10-element parameter
+    with pytest.raises(InvalidArgument, match="past the last of 10"):
+        check_patch("w", 10, past_the_end.tobytes(), 4, bitmap=True)
+
+
 async def recorded_push(
     handoff: HandoffBuffer,
     stage_batch_bytes: int | None = None,

@@ -56,12 +56,15 @@ async def delta_fleet(
     await client.close()
 
 
-def a_training_step(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """About 2% of each tensor's elements changed, as a small RL step changes them."""
+def a_training_step(
+    weights: dict[str, torch.Tensor], seed: int, fraction: float = 0.02
+) -> dict[str, torch.Tensor]:
+    """About ``fraction`` of each tensor's elements changed (2%: as a small RL step changes
+    them; 12-25% at a higher learning rate)."""
     generator = torch.Generator().manual_seed(seed)
     stepped = {}
     for name, tensor in weights.items():
-        mask = torch.rand(tensor.shape, generator=generator) < 0.02
+        mask = torch.rand(tensor.shape, generator=generator) < fraction
         noise = 1e-3 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
         stepped[name] = torch.where(mask, tensor + noise, tensor)
     return stepped
@@ -282,6 +285,25 @@ async def test_a_delta_over_the_collective_gives_the_same_weights_as_a_full_broa
     await client.update_weights(moved.items(), version + 5, transport="collective")
     assert client.last_push_bytes == dict.fromkeys(servers, full_bytes)
     assert await served_checksums(client) == dict.fromkeys(servers, expected_checksums(moved))
+
+
+async def test_a_dense_step_names_its_changes_with_a_bitmap_in_band_and_over_the_collective(
+    delta_fleet: DeltaFleet, broadcasting_client: InferenceClient
+) -> None:
+    client, servers = broadcasting_client, delta_fleet.servers
+    full_bytes = delta_fleet.full_bytes
+    weights = perturbed(delta_fleet.original, seed=61)
+    version = await next_version(client)
+    await client.update_weights(weights.items(), version, transport="grpc")
+    for step, transport in enumerate(("grpc", "collective"), start=1):
+        weights = a_training_step(weights, seed=61 + step, fraction=0.2)
+        await client.update_weights(weights.items(), version + step, transport=transport)
+        # float32, 20% changed: 4-byte indices and 4-byte values would be 40% of the model's
+        # bytes; a bit per element and the values are ~23%.
+        sent = client.last_push_bytes
+        assert all(0.15 * full_bytes < n < 0.3 * full_bytes for n in sent.values()), sent
+        checksums = await served_checksums(client)
+        assert checksums == dict.fromkeys(servers, expected_checksums(weights))
 
 
 async def other_version_moves(address: str, version: int) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from skyrl_grpc import dtypes
+from skyrl_grpc import dtypes, patch_format
 from skyrl_grpc.chunk_wire import encode_chunk
 from skyrl_grpc.crc import crc32
 from skyrl_grpc.process_group import join_group, master_store
@@ -213,14 +213,16 @@ def weight_patches(
         spec = parameter_spec(name, tensor, with_checksums)  # SHA-256 of the patched whole
         spec.patch.base_weight_version = base_version
         spec.patch.changed = changed
+        spec.patch.bitmap = patch_format.prefers_bitmap(new_bits.numel(), changed)
         entries.append((spec, patch))
     return entries
 
 
 def _patch_of(new_bits: Any, old_bits: Any, itemsize: int) -> tuple[int, Any]:
-    """How many elements differ, and the patch's bytes (little-endian uint32 indices, then the
-    new values) on the tensors' device; None instead of the bytes when the patch would not be
-    under ``PATCH_MAX_FRACTION`` of the tensor's bytes (counted before any index is made)."""
+    """How many elements differ, and the patch's bytes (``skyrl_grpc.patch_format``: the changed
+    elements' indices, or their bitmap where that is smaller, then their new values) on the
+    tensors' device; None instead of the bytes when the patch would not be under
+    ``PATCH_MAX_FRACTION`` of the tensor's bytes (counted before any index is made)."""
     limit = PATCH_MAX_FRACTION * new_bits.numel() * itemsize
     if new_bits.device.type == "cpu":
         # numpy compares, counts and finds the changed elements 2-5x faster than torch on a
@@ -249,14 +251,24 @@ def _host_patch_of(new_bits: Any, old_bits: Any, itemsize: int, limit: float) ->
         if block.size == 0:
             continue
         changed += block.size
-        if changed * (4 + itemsize) >= limit:
+        if _patch_size(new.size, changed, itemsize) >= limit:
             return changed, None  # a count so far: enough to know the patch does not pay
         found.append((block + start).astype("<u4"))
     if changed == 0:
         return 0, None
     indices = np.concatenate(found)
-    patch = np.concatenate([indices.view(np.uint8), new[indices].view(np.uint8)])
+    if patch_format.prefers_bitmap(new.size, changed):
+        names = patch_format.bitmap_of(indices, new.size)
+    else:
+        names = indices.view(np.uint8)
+    patch = np.concatenate([names, new[indices].view(np.uint8)])
     return changed, torch.from_numpy(patch)
+
+
+def _patch_size(elements: int, changed: int, itemsize: int) -> int:
+    """Bytes of a patch of ``changed`` elements, named the smaller way."""
+    bitmap = patch_format.prefers_bitmap(elements, changed)
+    return patch_format.patch_bytes(elements, itemsize, changed, bitmap)
 
 
 def _device_patch_of(new_bits: Any, old_bits: Any, itemsize: int, limit: float) -> tuple[int, Any]:
@@ -264,13 +276,27 @@ def _device_patch_of(new_bits: Any, old_bits: Any, itemsize: int, limit: float) 
 
     differs = new_bits != old_bits
     changed = int(torch.count_nonzero(differs))  # a sum of bools is several times slower
-    if changed == 0 or changed * (4 + itemsize) >= limit:
+    if changed == 0 or _patch_size(new_bits.numel(), changed, itemsize) >= limit:
         return changed, None
     indices = differs.nonzero().reshape(-1)
+    if patch_format.prefers_bitmap(new_bits.numel(), changed):
+        names = _packed_bits(differs)
+    else:
+        # int32 has the same bytes as uint32 below 2**32 (the device is little-endian).
+        names = indices.to(torch.int32).view(torch.uint8)
     del differs
-    # int32 has the same bytes as uint32 below 2**32 (the device is little-endian).
-    index_bytes = indices.to(torch.int32).view(torch.uint8)
-    return changed, torch.cat([index_bytes, new_bits[indices].view(torch.uint8)])
+    return changed, torch.cat([names, new_bits[indices].view(torch.uint8)])
+
+
+def _packed_bits(mask: Any) -> Any:
+    """A bool tensor as bytes of 8 elements each, least significant bit first (numpy's
+    ``packbits(bitorder="little")``), on the mask's device."""
+    import torch
+
+    padded = torch.zeros((mask.numel() + 7) // 8 * 8, dtype=torch.uint8, device=mask.device)
+    padded[: mask.numel()] = mask
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
+    return (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
 
 
 # Elements compared to guess, before comparing them all, that a tensor changed too much for a
@@ -286,7 +312,9 @@ def _surely_dense(new_bits: Any, old_bits: Any, itemsize: int) -> bool:
     step = max(1, new_bits.numel() // SAMPLE_ELEMENTS)
     sampled = new_bits[::step] != old_bits[::step]
     fraction = float(sampled.sum()) / max(1, sampled.numel())
-    return bool(fraction * (4 + itemsize) >= SAMPLE_MARGIN * PATCH_MAX_FRACTION * itemsize)
+    # Bytes per element of a patch at that density: its names (the smaller way), its values.
+    per_element = min(fraction * patch_format.INDEX_BYTES, 1 / 8) + fraction * itemsize
+    return bool(per_element >= SAMPLE_MARGIN * PATCH_MAX_FRACTION * itemsize)
 
 
 def push_messages(

@@ -12,7 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from skyrl_grpc import dtypes
+from skyrl_grpc import dtypes, patch_format
 from skyrl_grpc.chunk_wire import WireChunk
 from skyrl_grpc.crc import crc32
 from skyrl_grpc.errors import DataLoss, InvalidArgument
@@ -20,7 +20,6 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from .finite import FiniteCheck
 from .protocol import (
-    PATCH_INDEX_BYTES,
     Bucket,
     BucketParameter,
     ParameterShape,
@@ -68,21 +67,30 @@ def check_parameter(spec: cp.ParameterSpec, layout: dict[str, ParamLayout]) -> P
                 f"the patch of {spec.name} changes {spec.patch.changed} elements: it has "
                 f"{elements} (send the whole parameter when nothing or everything changed)"
             )
-        if elements >= 1 << 32:
-            raise InvalidArgument(f"{spec.name} is too large for a patch's uint32 indices")
+        if elements >= 1 << 32 and not spec.patch.bitmap:
+            raise InvalidArgument(
+                f"{spec.name} is too large for a patch's uint32 indices: name its elements "
+                "with a bitmap"
+            )
     return expected
 
 
-def patch_bytes(layout: ParamLayout, changed: int) -> int:
-    """Bytes of a patch of ``changed`` elements on the wire: indices, then values."""
-    return changed * (PATCH_INDEX_BYTES + layout.dtype.itemsize)
+def patch_bytes(layout: ParamLayout, changed: int, bitmap: bool) -> int:
+    """Bytes of a patch of ``changed`` elements on the wire (``patch_format``)."""
+    elements = dtypes.num_elements(layout.shape)
+    return patch_format.patch_bytes(elements, layout.dtype.itemsize, changed, bitmap)
 
 
-def check_patch(name: str, elements: int, payload: Any, changed: int) -> None:
-    """Indices strictly increasing and inside the parameter (of ``elements`` elements);
-    ``payload``: the patch's bytes (anything holding a buffer)."""
+def check_patch(name: str, elements: int, payload: Any, changed: int, bitmap: bool) -> None:
+    """The patch names exactly ``changed`` elements inside the parameter (of ``elements``),
+    indices strictly increasing; ``payload``: the patch's bytes (anything holding a buffer)."""
     import numpy as np
 
+    if bitmap:
+        problem = patch_format.bitmap_problem(payload, elements, changed)
+        if problem:
+            raise InvalidArgument(f"the patch of {name}: {problem}")
+        return
     indices = np.frombuffer(payload, dtype="<u4", count=changed)
     if changed and int(indices[-1]) >= elements:
         raise InvalidArgument(
@@ -110,6 +118,8 @@ class _Incoming:
     # A patch: elements changed and the version it applies to (0 / 0: the whole value).
     patch_changed: int = 0
     patch_base: int = 0
+    # A patch naming its elements with a bitmap (``patch_format``), not indices.
+    patch_bitmap: bool = False
     received: int = 0
     # Bytes already handed to the workers (``take_ready``): the chunks start there.
     taken: int = 0
@@ -130,7 +140,7 @@ class _Incoming:
     @property
     def expected_bytes(self) -> int:
         if self.patch_changed:
-            return patch_bytes(self.layout, self.patch_changed)
+            return patch_bytes(self.layout, self.patch_changed, self.patch_bitmap)
         return self.layout.num_bytes
 
 
@@ -171,6 +181,7 @@ class InBandAssembler:
                     spec.sha256,
                     patch_changed=spec.patch.changed if spec.HasField("patch") else 0,
                     patch_base=spec.patch.base_weight_version if spec.HasField("patch") else 0,
+                    patch_bitmap=spec.HasField("patch") and spec.patch.bitmap,
                 )
             return
         if kind != "chunk":
@@ -231,8 +242,9 @@ class InBandAssembler:
         payload = b"".join(incoming.chunks)
         incoming.chunks = [payload]
         elements = dtypes.num_elements(incoming.layout.shape)
-        check_patch(name, elements, payload, incoming.patch_changed)
-        values = memoryview(payload)[incoming.patch_changed * PATCH_INDEX_BYTES :]
+        changed, bitmap = incoming.patch_changed, incoming.patch_bitmap
+        check_patch(name, elements, payload, changed, bitmap)
+        values = memoryview(payload)[patch_format.names_bytes(elements, changed, bitmap) :]
         if not incoming.finite.add(values):
             self._non_finite(name)
 
@@ -283,6 +295,7 @@ class InBandAssembler:
             chunks=incoming.chunks,
             last=incoming.received == incoming.expected_bytes,
             patch=incoming.patch_changed,
+            bitmap=incoming.patch_bitmap,
             sha256=incoming.sha256 if incoming.patch_changed else b"",
         )
 
@@ -310,7 +323,8 @@ def bucket_layout(bucket: cp.WeightBucket, layout: dict[str, ParamLayout]) -> Bu
         spec = packed.parameter
         expected = check_parameter(spec, layout)
         changed = spec.patch.changed if spec.HasField("patch") else 0
-        size = patch_bytes(expected, changed) if changed else expected.num_bytes
+        bitmap = spec.HasField("patch") and spec.patch.bitmap
+        size = patch_bytes(expected, changed, bitmap) if changed else expected.num_bytes
         end = packed.offset_bytes + size
         if end > bucket.size_bytes:
             raise InvalidArgument(
@@ -326,6 +340,7 @@ def bucket_layout(bucket: cp.WeightBucket, layout: dict[str, ParamLayout]) -> Bu
                 offset=packed.offset_bytes,
                 sha256=packed.parameter.sha256,
                 patch=changed,
+                bitmap=bitmap,
             )
         )
     spans.sort()

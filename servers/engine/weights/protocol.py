@@ -32,11 +32,6 @@ CLEAR_KV_CACHE = "skyrl_clear_kv_cache"
 METHODS = (LAYOUT, CHECKSUMS, REPORT, RELEASE_ROLLBACK, CLEAR_KV_CACHE)
 
 
-# A patch's bytes start with its changed elements' indices, little-endian uint32 each
-# (control_plane.proto's WeightPatch).
-PATCH_INDEX_BYTES = 4
-
-
 class ParameterShape(TypedDict):
     """A checkpoint parameter's element type (torch's name, e.g. "float32") and shape."""
 
@@ -47,9 +42,10 @@ class ParameterShape(TypedDict):
 class StagedParameter(TypedDict):
     """In-band bytes of one parameter, verified by the server: the chunks received from byte
     ``offset`` of its value on (a whole value may come in several pieces, in order; ``last``:
-    this piece completes it). A patch (``patch`` > 0 elements changed) comes whole, carrying the
-    indices then the values (``control_plane.proto``'s WeightPatch); the worker applies it to
-    the serving weights and checks the result against ``sha256`` (b"": not checked)."""
+    this piece completes it). A patch (``patch`` > 0 elements changed) comes whole, naming the
+    changed elements (indices, or a bitmap with ``bitmap``) then carrying their values
+    (``skyrl_grpc.patch_format``); the worker applies it to the serving weights and checks the
+    result against ``sha256`` (b"": not checked)."""
 
     name: str
     dtype: str
@@ -58,6 +54,7 @@ class StagedParameter(TypedDict):
     chunks: list[bytes | memoryview]
     last: bool
     patch: int
+    bitmap: bool
     sha256: bytes
     # Where the bytes lie in the server's shared-memory buffer (``[start, length]``, the
     # buffer named by the call's ``handoff``) instead of in ``chunks`` (``handoff``).
@@ -66,8 +63,8 @@ class StagedParameter(TypedDict):
 
 class BucketParameter(TypedDict):
     """Where one parameter lies in a broadcast bucket, and its expected SHA-256 (or b""). A
-    patch (``patch`` > 0 elements changed) lies there as indices then values, as in-band; its
-    SHA-256 is of the parameter once patched."""
+    patch (``patch`` > 0 elements changed) lies there as in-band (names, a bitmap with
+    ``bitmap``, then values); its SHA-256 is of the parameter once patched."""
 
     name: str
     dtype: str
@@ -75,6 +72,7 @@ class BucketParameter(TypedDict):
     offset: int
     sha256: bytes
     patch: int
+    bitmap: bool
 
 
 class Bucket(TypedDict):

@@ -44,6 +44,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
+from skyrl_grpc import patch_format
 from skyrl_grpc.dtypes import num_elements, torch_name
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.tensor_bytes import sha256_of
@@ -53,7 +54,6 @@ from .checkpoint import ServingCheckpoint, bits_of
 from .finite import all_finite
 from .handoff import HandoffReader
 from .protocol import (
-    PATCH_INDEX_BYTES,
     Bucket,
     BucketParameter,
     Group,
@@ -388,21 +388,21 @@ def _copy_into(tensor: torch.Tensor, offset: int, chunks: list[bytes | memoryvie
 def _apply_patch(
     serving: ServingCheckpoint, param: StagedParameter | BucketParameter, payload: Any
 ) -> Any:
-    """Applies ``param``'s patch (``payload``: indices, then values, as ``control_plane.proto``'s
-    WeightPatch lays them out; bytes or a uint8 tensor); returns the patched tensor."""
+    """Applies ``param``'s patch (``payload``: the changed elements' names, then their values,
+    as ``skyrl_grpc.patch_format`` lays them out; bytes or a uint8 tensor); returns the patched
+    tensor."""
     import numpy as np
 
     changed = int(param["patch"])
+    bitmap = bool(param.get("bitmap", False))
     dtype = getattr(torch, param["dtype"])
     raw = np.frombuffer(payload, dtype=np.uint8)
-    # Indices as 32-bit integers where they fit (the undo record keeps them: half the memory).
     elements = num_elements(param["shape"])
-    index_type = np.int32 if elements < 1 << 31 else np.int64
-    indices = torch.from_numpy(raw[: changed * PATCH_INDEX_BYTES].view("<u4").astype(index_type))
-    values = torch.from_numpy(raw[changed * PATCH_INDEX_BYTES :].copy()).view(
-        bits_of(dtype.itemsize)
-    )
-    return serving.patch(param["name"], indices, values)
+    # Indices as 32-bit integers where they fit (the undo record keeps them: half the memory).
+    indices = patch_format.changed_indices(raw, elements, changed, bitmap)
+    start = patch_format.names_bytes(elements, changed, bitmap)
+    values = torch.from_numpy(raw[start:].copy()).view(bits_of(dtype.itemsize))
+    return serving.patch(param["name"], torch.from_numpy(indices), values)
 
 
 @dataclass
@@ -470,13 +470,15 @@ def _check_received(
     elements = num_elements(param["shape"])
     changed = int(param.get("patch", 0))
     if changed:
-        raw = host[start : start + changed * (PATCH_INDEX_BYTES + dtype.itemsize)]
+        bitmap = bool(param.get("bitmap", False))
+        size = patch_format.patch_bytes(elements, dtype.itemsize, changed, bitmap)
+        raw = host[start : start + size]
         try:
-            check_patch(name, elements, raw.numpy(), changed)
+            check_patch(name, elements, raw.numpy(), changed, bitmap)
         except InvalidArgument as error:
             received.invalid.append(str(error))
             return
-        values = raw[changed * PATCH_INDEX_BYTES :]
+        values = raw[patch_format.names_bytes(elements, changed, bitmap) :]
     else:
         raw = host[start : start + elements * dtype.itemsize]
         if param.get("sha256") and sha256_of(raw) != param["sha256"]:
