@@ -75,6 +75,7 @@ def changed_indices(names: Any, elements: int, changed: int, bitmap: bool) -> An
     index_type = np.int32 if elements < 1 << 31 else np.int64
     if bitmap:
         bits = np.frombuffer(names, dtype=np.uint8, count=bitmap_bytes(elements))
-        mask = np.unpackbits(bits, count=elements, bitorder="little")
+        # As bools: numpy finds the set elements of a bool array ~7x faster than of uint8.
+        mask = np.unpackbits(bits, count=elements, bitorder="little").view(bool)
         return np.flatnonzero(mask).astype(index_type)
     return np.frombuffer(names, dtype="<u4", count=changed).astype(index_type)
