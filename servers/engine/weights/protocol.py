@@ -87,10 +87,11 @@ class Report(TypedDict):
     received by broadcast, parameters staged, parameters changed (discarded, committed or
     restored); ``mismatches`` names parameters whose SHA-256 did not match, ``non_finite`` those
     holding a NaN or infinity (when checked), ``invalid`` says which broadcast patches do not
-    fit their parameter (indices out of range or not increasing): nothing of the call is
-    staged if any is non-empty; ``error``: applying failed and the previous weights were
-    restored; ``handoff_error``: why the worker could not map the server's shared-memory
-    buffer (nothing of the call staged: the server sends it again inline)."""
+    fit their parameter (indices out of range or not increasing, a bitmap naming another count
+    or elements past the last): nothing of the call is staged if any is non-empty; ``error``:
+    applying failed and the previous weights were restored; ``handoff_error``: why the worker
+    could not map the server's shared-memory buffer (nothing of the call staged: the server
+    sends it again inline)."""
 
     bytes: int
     params: int
