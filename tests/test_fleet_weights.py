@@ -266,23 +266,27 @@ async def test_readme_loop_from_step_zero_on_a_fresh_fleet(tiny_model_dir: Path)
         await client.close()
 
 
+@pytest.mark.parametrize("transport", ["grpc", "collective"])
 async def test_allowed_non_finite_weights_leave_no_trace_once_replaced(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, transport: str
 ) -> None:
-    """With --allow-non-finite-weights, NaN weights serve (garbage); once good weights are
-    back, the very first batch is exact: their traces in KV cache memory are cleared."""
+    """With --allow-non-finite-weights, NaN weights serve (garbage), in-band and over the
+    collective; once good weights are back, the very first batch is exact: their traces in KV
+    cache memory are cleared."""
     async for server in running_engine_server(allow_non_finite_weights=True):
         client = InferenceClient(server.address, [server.address])
+        if transport == "collective":
+            await client.init_weight_transfer("gloo")
         original = load_file(str(tiny_model_dir / "model.safetensors"))
         prompts = [[1, 100 + i, 200 + i, *range(300, 315)] for i in range(32)]
         greedy = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
         reference = [r.token_ids for r in await client.generate_batch(prompts, greedy)]
         poisoned = {n: t.clone() for n, t in original.items()}
         poisoned["model.layers.0.self_attn.q_proj.weight"].view(-1)[5] = float("nan")
-        await client.update_weights(poisoned.items(), transport="grpc")
+        await client.update_weights(poisoned.items(), transport=transport)  # type: ignore[arg-type]
         garbage = [r.token_ids for r in await client.generate_batch(prompts, greedy)]
         assert sum(g == r for g, r in zip(garbage, reference, strict=True)) == 0
-        await client.update_weights(original.items(), transport="grpc")
+        await client.update_weights(original.items(), transport=transport)  # type: ignore[arg-type]
         first = [r.token_ids for r in await client.generate_batch(prompts, greedy)]
         assert sum(f == r for f, r in zip(first, reference, strict=True)) == 32
         await client.close()

@@ -269,9 +269,10 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         """Receives each bucket by broadcast from rank 0 and stages its parameters: whole ones
         beside the serving copy, patches into it (checked against their SHA-256 once applied).
 
-        Every bucket is received even after a checksum mismatch, a non-finite value or a patch
-        that does not fit, so the trainer's broadcasts never hang; nothing of this call is
-        staged then."""
+        Every bucket is received even after a checksum mismatch or a patch that does not fit,
+        so the trainer's broadcasts never hang; nothing of this call is staged then. Non-finite
+        values are staged and named in the report: the server rejects them (and discards the
+        update) unless it was started to accept them."""
         if self.group is None:
             raise RuntimeError("not in a weight-transfer group: call InitWeightTransfer first")
         # Every rank receives (the trainer broadcasts to all); only the copy's holder keeps it.
@@ -283,7 +284,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             keep=self.holds_copy,
             buffer=None if torch.cuda.is_available() else self._host_buffer,
         )
-        rejected = received.mismatches or received.non_finite or received.invalid
+        rejected = received.mismatches or received.invalid
         if not rejected and self.holds_copy:
             serving = self.serving
             mark = serving.mark()
@@ -486,8 +487,7 @@ def _check_received(
             return
         values = raw
     if check_finite and not all_finite(values.numpy(), param["dtype"]):
-        received.non_finite.append(name)
-        return
+        received.non_finite.append(name)  # kept: the server decides (``_receive``)
     if not keep:
         return
     if changed:
