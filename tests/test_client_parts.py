@@ -195,6 +195,63 @@ def test_a_patch_names_many_changes_with_a_bitmap_and_applies_to_the_same_bits()
     assert torch.equal(host[1], device[1]) and torch.equal(host[1], data)
 
 
+@pytest.mark.parametrize("fraction", [0.005, 0.1])  # indices; a bitmap
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_compressed_patch_is_smaller_and_decompresses_to_the_same_bits(
+    fraction: float, dtype: str
+) -> None:
+    import numpy as np
+    import torch
+
+    from skyrl_grpc import patch_format
+    from skyrl_grpc.tensor_bytes import flat_bytes
+    from trainer_client.weight_sending import weight_patches
+
+    generator = torch.Generator().manual_seed(11)
+    torch_dtype = getattr(torch, dtype)
+    master = 0.02 * torch.randn(300, 1000, generator=generator)
+    base = {"w": master.to(torch_dtype)}
+    # An optimizer step: small moves of some weights, which keep their sign and exponent.
+    moved = torch.rand(master.shape, generator=generator) < fraction
+    new = {"w": torch.where(moved, master * 1.01, master).to(torch_dtype)}
+    ((plain_spec, plain),) = weight_patches(new.items(), base, 4)
+    ((spec, frame),) = weight_patches(new.items(), base, 4, compress=True)
+    # bf16 ~0.2-0.4 of the patch; float32 less (the XORs' two low bytes are noise).
+    assert spec.patch.zstd_bytes == frame.numel() < 0.8 * plain.numel()
+    assert spec.patch.changed == plain_spec.patch.changed
+    assert spec.patch.bitmap == plain_spec.patch.bitmap == (fraction > 0.05)
+    # Read back as the server does: the same names; values XOR the base's give the new bits.
+    elements, itemsize, changed = master.numel(), base["w"].element_size(), spec.patch.changed
+    bitmap = spec.patch.bitmap
+    raw = patch_format.decompress(frame.numpy(), elements, itemsize, changed, bitmap)
+    start = patch_format.names_bytes(elements, changed, bitmap)
+    assert np.array_equal(raw[:start], plain.numpy()[:start])
+    bits = f"<u{itemsize}"
+    indices = patch_format.changed_indices(raw, elements, changed, bitmap)
+    old = flat_bytes(base["w"]).numpy().view(bits)
+    assert np.array_equal(raw[start:].view(bits) ^ old[indices], plain.numpy()[start:].view(bits))
+    # A frame that is not one, or holds another patch, says so.
+    with pytest.raises(ValueError, match="does not decompress"):
+        patch_format.decompress(frame.numpy()[:-9], elements, itemsize, changed, bitmap)
+    with pytest.raises(ValueError, match="holds"):
+        patch_format.decompress(frame.numpy(), elements, itemsize, changed - 1, bitmap)
+
+
+def test_patches_that_compress_badly_go_uncompressed() -> None:
+    import torch
+
+    from trainer_client.weight_sending import weight_patches
+
+    generator = torch.Generator().manual_seed(12)
+    base = {"w": torch.randn(64, 64, generator=generator)}
+    new = {"w": base["w"].clone()}
+    # Three new values: a zstd frame's own header outweighs what it could save.
+    new["w"].view(-1)[[5, 900, 3000]] = torch.randn(3, generator=generator)
+    ((spec, data),) = weight_patches(new.items(), base, 4, compress=True)
+    assert spec.patch.changed == 3 and spec.patch.zstd_bytes == 0
+    assert data.numel() == 3 * 8
+
+
 def test_patches_found_on_the_host_and_on_a_device_are_the_same_bytes() -> None:
     import torch
 

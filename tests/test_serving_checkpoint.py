@@ -125,3 +125,20 @@ def test_full_updates_reuse_the_two_copies_they_need() -> None:
     checkpoint.discard()
     assert checkpoint.buffer_for("b", [16], torch.float32).data_ptr() == staged.data_ptr()
     assert checkpoint.buffer_for("b", [4, 4], torch.float32).data_ptr() != staged.data_ptr()
+
+
+def test_xor_values_give_the_new_bits_and_a_cancel_restores_them() -> None:
+    checkpoint = ServingCheckpoint(weights)
+    before = snapshot(checkpoint)
+    indices = torch.tensor([1, 6, 30])
+    old = flat_bits(before["a"])[indices]
+    new = flat_bits(torch.tensor([0.5, -2.0, 3.0], dtype=torch.bfloat16))
+    checkpoint.patch("a", indices, old ^ new, xor=True)
+    assert torch.equal(flat_bits(checkpoint.tensors["a"])[indices], new)
+    checkpoint.discard()
+    assert same(snapshot(checkpoint), before)
+    # On a tensor staged whole in the same update: XORs with the staged value.
+    staged = torch.zeros(4, 8, dtype=torch.bfloat16)
+    checkpoint.stage_whole("a", staged)
+    checkpoint.patch("a", indices, new, xor=True)  # XOR with zero bits: the bits themselves
+    assert torch.equal(flat_bits(checkpoint.pending()["a"])[indices], new)

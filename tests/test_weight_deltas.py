@@ -376,3 +376,113 @@ async def test_bad_patches_over_the_collective_are_refused_and_the_weights_stay(
     stepped = a_training_step(delta_fleet.original, seed=71)
     await client.update_weights(stepped.items(), serving + 1)
     assert await served_checksums(client) == dict.fromkeys(servers, expected_checksums(stepped))
+
+
+async def test_compressed_patches_give_the_same_weights_in_band_and_over_the_collective(
+    delta_fleet: DeltaFleet, broadcasting_client: InferenceClient
+) -> None:
+    from trainer_client.weight_sending import weight_patches
+
+    client, servers = broadcasting_client, delta_fleet.servers
+    weights = perturbed(delta_fleet.original, seed=81)
+    version = await next_version(client)
+    await client.update_weights(weights.items(), version, transport="grpc")
+    steps = [(t, f) for t in ("grpc", "collective") for f in (0.02, 0.1)]  # indices; bitmaps
+    for step, (transport, fraction) in enumerate(steps, start=1):
+        stepped = a_training_step(weights, seed=81 + step, fraction=fraction)
+        plain = sum(data.numel() for _, data in weight_patches(stepped.items(), weights, 0))
+        await client.update_weights(
+            stepped.items(),
+            version + step,
+            transport=transport,  # type: ignore[arg-type]
+            compress_patches=True,
+        )
+        sent = client.last_push_bytes
+        assert all(0 < n < 0.8 * plain for n in sent.values()), (sent, plain)
+        assert await served_checksums(client) == dict.fromkeys(servers, expected_checksums(stepped))
+        weights = stepped
+
+
+def _compressed_patch(
+    name: str,
+    serving: torch.Tensor,
+    base_version: int,
+    indices: list[int],
+    values: list[float],
+    changed: int = 0,
+) -> tuple[cp.ParameterSpec, torch.Tensor]:
+    """A hand-made compressed patch of ``serving`` (the values the server holds), claiming
+    ``changed`` elements (0: as many as ``indices``)."""
+    from skyrl_grpc import patch_format
+    from skyrl_grpc.tensor_bytes import flat_bytes
+
+    spec, payload = _patch(name, serving, base_version, indices, values)
+    itemsize = serving.element_size()
+    base_values = flat_bytes(serving).numpy().view(f"<u{itemsize}")[indices]
+    frame = patch_format.compress(
+        payload.numpy(), base_values, serving.numel(), itemsize, len(indices), bitmap=False
+    )
+    spec.patch.changed = changed or len(indices)
+    spec.patch.zstd_bytes = len(frame)
+    return spec, torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+
+
+async def test_bad_compressed_patches_are_refused_and_the_weights_stay(
+    delta_fleet: DeltaFleet, broadcasting_client: InferenceClient
+) -> None:
+    from trainer_client.weight_sending import plan_buckets
+
+    client, servers = broadcasting_client, delta_fleet.servers
+    await client.update_weights(delta_fleet.original.items(), await next_version(client))
+    before = await client.weight_checksums()
+    serving = (await client.weight_versions())[servers[0]]
+    name, tensor = next(iter(sorted(delta_fleet.original.items())))
+    garbage_spec, _ = _patch(name, tensor, serving, list(range(10)), [1.0] * 10)
+    garbage_spec.patch.zstd_bytes = 40
+    many = list(range(0, 400, 5))  # enough that a frame is smaller than the patch
+    swapped = [*many[:10], many[11], many[10], *many[12:]]
+    poisoned = [1.0] * 79 + [float("nan")]
+    cases = [
+        ((garbage_spec, torch.arange(40, dtype=torch.uint8)), "does not decompress"),
+        (_compressed_patch(name, tensor, serving, many, [1.0] * 80, 160), "holds"),
+        (_compressed_patch(name, tensor, serving, [0] * 6, [1.0] * 6, 1), "send it uncompressed"),
+        (_compressed_patch(name, tensor, serving, swapped, [1.0] * 80), "strictly increasing"),
+        (_compressed_patch(name, tensor, serving, many, poisoned), "NaN or an infinity"),
+    ]
+    address = servers[0]
+    channel = grpc.aio.insecure_channel(address)
+    push = channel.stream_unary(PUSH_WEIGHTS, request_serializer=None)
+    sender = client._sender
+    assert sender is not None
+    for (spec, frame), words in cases:
+        # In-band, to one server.
+        await client._control(address).StartWeightUpdate(
+            cp.StartWeightUpdateRequest(weight_version=serving + 1)
+        )
+        manifest = cp.PushWeightsRequest(manifest=cp.WeightManifest(parameters=[spec]))
+        stream = [manifest.SerializeToString(), encode_chunk(name, 0, memoryview(frame.numpy()))]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await push(iter(stream))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in (refused.value.details() or ""), refused.value.details()
+        await client.cancel_weight_update()
+        # Over the collective, to both.
+        for each in servers:
+            await client._control(each).StartWeightUpdate(
+                cp.StartWeightUpdateRequest(weight_version=serving + 1)
+            )
+        failures = await client._broadcast_buckets(
+            sender, servers, plan_buckets([(spec, frame)]), 60
+        )
+        assert set(failures) == set(servers)
+        for failure in failures.values():
+            assert isinstance(failure, ServerError), failure
+            assert failure.code == grpc.StatusCode.INVALID_ARGUMENT, failure
+            assert words in failure.details, failure
+        await client.cancel_weight_update()
+        assert await client.weight_checksums() == before
+    # The next update succeeds, compressed.
+    stepped = a_training_step(delta_fleet.original, seed=91)
+    await client.update_weights(stepped.items(), serving + 1, compress_patches=True)
+    assert await served_checksums(client) == dict.fromkeys(servers, expected_checksums(stepped))
+    await channel.close()

@@ -376,6 +376,7 @@ class BlockingInferenceClient:
         timeout: float = 600.0,
         lease_seconds: int = 0,
         delta: bool = True,
+        compress_patches: bool = False,
     ) -> dict[str, WeightCommit]:
         return self._run(
             self._client.update_weights(
@@ -388,6 +389,7 @@ class BlockingInferenceClient:
                 timeout=timeout,
                 lease_seconds=lease_seconds,
                 delta=delta,
+                compress_patches=compress_patches,
             )
         )
 

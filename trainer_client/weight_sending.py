@@ -180,12 +180,15 @@ def weight_patches(
     base: dict[str, Any],
     base_version: int,
     with_checksums: bool = True,
+    compress: bool = False,
 ) -> list[Entry]:
     """What changed since ``base`` (the tensors last pushed as ``base_version``), compared bit
     for bit as integers: for each parameter a sparse patch (changed indices and their new
     values), the whole tensor where a patch would not be much smaller or the base lacks it,
     nothing where nothing changed. Runs on the tensors' device (a GPU computes it in
-    milliseconds) and leaves the entries there."""
+    milliseconds) and leaves the entries there. ``compress``: each patch goes as a zstd frame
+    (``patch_format.compress``, made on the host) where that makes it at most
+    ``COMPRESSED_MAX_FRACTION`` of its bytes."""
     import torch
 
     entries: list[Entry] = []
@@ -217,8 +220,40 @@ def weight_patches(
         spec.patch.base_weight_version = base_version
         spec.patch.changed = changed
         spec.patch.bitmap = patch_format.prefers_bitmap(new_bits.numel(), changed)
+        if compress:
+            frame = _compressed(patch, old_bits, changed, spec.patch.bitmap)
+            if frame is not None:
+                spec.patch.zstd_bytes = frame.numel()
+                patch = frame
         entries.append((spec, patch))
     return entries
+
+
+# A patch goes compressed only where its frame is at most this share of its bytes: the
+# receivers' decompression is not worth a few percent.
+COMPRESSED_MAX_FRACTION = 0.9
+
+
+def _compressed(patch: Any, old_bits: Any, changed: int, bitmap: bool) -> Any:
+    """The patch as a zstd frame (a uint8 tensor on the host), or None where that is not
+    under ``COMPRESSED_MAX_FRACTION`` of its bytes. XORs need the base values at the changed
+    elements: gathered where the base lies (on its device for a GPU trainer), a few bytes
+    each."""
+    import torch
+
+    payload = _host_array(patch)
+    elements, itemsize = old_bits.numel(), old_bits.element_size()
+    indices = patch_format.changed_indices(payload, elements, changed, bitmap)
+    if old_bits.device.type == "cpu":
+        base_values = old_bits.numpy()[indices]
+    else:
+        base_values = old_bits[torch.from_numpy(indices).to(old_bits.device)].cpu().numpy()
+    frame = patch_format.compress(
+        payload, base_values.view(f"<u{itemsize}"), elements, itemsize, changed, bitmap
+    )
+    if len(frame) > COMPRESSED_MAX_FRACTION * len(payload):
+        return None
+    return torch.frombuffer(bytearray(frame), dtype=torch.uint8)
 
 
 def _patch_of(new_bits: Any, old_bits: Any, itemsize: int) -> tuple[int, Any]:

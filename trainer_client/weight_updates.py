@@ -150,6 +150,7 @@ class WeightUpdates(ClientCore):
         timeout: float = 600.0,
         lease_seconds: int = 0,
         delta: bool = True,
+        compress_patches: bool = False,
     ) -> dict[str, WeightCommit]:
         """Pushes new weights to every server and commits ``weight_version`` on all of them,
         or on none: a fleet-wide transaction (``trainer_client.weight_transaction``).
@@ -171,7 +172,10 @@ class WeightUpdates(ClientCore):
         (in-band: that server alone; over the collective, whose broadcasts reach every
         server: all of them). The client then keeps a copy of the weights it pushed (on their
         device: one model's bytes of GPU or host memory), the base of the next delta;
-        ``delta=False`` keeps none.
+        ``delta=False`` keeps none. ``compress_patches``: patches travel zstd-compressed
+        (indices as gaps, values as XORs with the base: an RL step's patch shrinks 3-5x), for
+        links slower than the CPUs: compressing costs the trainer CPU time once, decompressing
+        each server less (``patch_format``; measured in docs/bench-weight-sync.md).
 
         On any failure (a server unreachable, a rejected chunk or version, a timeout) the update
         is cancelled on every server and rolled back where it was already committed, then
@@ -227,10 +231,11 @@ class WeightUpdates(ClientCore):
                     base if patched else None,
                     bucket_bytes,
                     checksums,
+                    compress_patches,
                     timeout,
                 )
             return await self._push(
-                addresses, tensors, base, serving, chunk_bytes, checksums, timeout
+                addresses, tensors, base, serving, chunk_bytes, checksums, compress_patches, timeout
             )
 
         commits = await run_weight_transaction(servers, weight_version, calls, transfer)
@@ -247,6 +252,7 @@ class WeightUpdates(ClientCore):
         base: _PushedWeights | None,
         bucket_bytes: int,
         checksums: bool,
+        compress: bool,
         timeout: float,
     ) -> dict[str, BaseException]:
         """Broadcasts to every server: patches against ``base`` (when given), else the whole
@@ -257,13 +263,13 @@ class WeightUpdates(ClientCore):
         self.last_push_bytes = dict.fromkeys(addresses, 0)
         if base is not None:
             failures = await self._broadcast_groups(
-                sender, addresses, tensors, base, bucket_bytes, checksums, timeout
+                sender, addresses, tensors, base, bucket_bytes, checksums, compress, timeout
             )
             if not any(isinstance(f, FailedPrecondition) for f in failures.values()):
                 return failures
             log.info("a server refused the patches (its version moved): broadcasting it all")
         return await self._broadcast_groups(
-            sender, addresses, tensors, None, bucket_bytes, checksums, timeout
+            sender, addresses, tensors, None, bucket_bytes, checksums, compress, timeout
         )
 
     async def _broadcast_groups(
@@ -274,6 +280,7 @@ class WeightUpdates(ClientCore):
         base: _PushedWeights | None,
         bucket_bytes: int,
         checksums: bool,
+        compress: bool,
         timeout: float,
     ) -> dict[str, BaseException]:
         groups = push_groups(tensors, BROADCAST_GROUP_BYTES) if base is not None else [tensors]
@@ -281,9 +288,8 @@ class WeightUpdates(ClientCore):
         def make(index: int) -> list[Bucket]:
             if base is None:
                 return plan_buckets(tensor_entries(groups[index], checksums), bucket_bytes)
-            return plan_buckets(
-                weight_patches(groups[index], base.tensors, base.version, checksums), bucket_bytes
-            )
+            entries = weight_patches(groups[index], base.tensors, base.version, checksums, compress)
+            return plan_buckets(entries, bucket_bytes)
 
         prepared = _OneAhead(make, len(groups))
         try:
@@ -332,6 +338,7 @@ class WeightUpdates(ClientCore):
         serving: dict[str, int],
         chunk_bytes: int,
         checksums: bool,
+        compress: bool,
         timeout: float,
     ) -> dict[str, BaseException]:
         """Pushes to every server: a patch against ``base`` where the server serves its version,
@@ -346,7 +353,9 @@ class WeightUpdates(ClientCore):
         def make(patched: bool, index: int) -> PushStream:
             if patched:
                 assert base is not None
-                entries = weight_patches(groups[index], base.tensors, base.version, checksums)
+                entries = weight_patches(
+                    groups[index], base.tensors, base.version, checksums, compress
+                )
             else:
                 entries = tensor_entries(groups[index], checksums)
             return PushStream(entries, chunk_bytes)

@@ -182,14 +182,16 @@ class ParameterSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., sha256: _Optional[bytes] = ..., patch: _Optional[_Union[WeightPatch, _Mapping]] = ...) -> None: ...
 
 class WeightPatch(_message.Message):
-    __slots__ = ("base_weight_version", "changed", "bitmap")
+    __slots__ = ("base_weight_version", "changed", "bitmap", "zstd_bytes")
     BASE_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHANGED_FIELD_NUMBER: _ClassVar[int]
     BITMAP_FIELD_NUMBER: _ClassVar[int]
+    ZSTD_BYTES_FIELD_NUMBER: _ClassVar[int]
     base_weight_version: int
     changed: int
     bitmap: bool
-    def __init__(self, base_weight_version: _Optional[int] = ..., changed: _Optional[int] = ..., bitmap: _Optional[bool] = ...) -> None: ...
+    zstd_bytes: int
+    def __init__(self, base_weight_version: _Optional[int] = ..., changed: _Optional[int] = ..., bitmap: _Optional[bool] = ..., zstd_bytes: _Optional[int] = ...) -> None: ...
 
 class PackedParameter(_message.Message):
     __slots__ = ("parameter", "offset_bytes")

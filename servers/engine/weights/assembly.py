@@ -72,6 +72,12 @@ def check_parameter(spec: cp.ParameterSpec, layout: dict[str, ParamLayout]) -> P
                 f"{spec.name} is too large for a patch's uint32 indices: name its elements "
                 "with a bitmap"
             )
+        size = patch_bytes(expected, spec.patch.changed, spec.patch.bitmap)
+        if spec.patch.zstd_bytes > size:
+            raise InvalidArgument(
+                f"the compressed patch of {spec.name} is {spec.patch.zstd_bytes} bytes, more "
+                f"than the {size} it holds: send it uncompressed (zstd_bytes = 0)"
+            )
     return expected
 
 
@@ -79,6 +85,18 @@ def patch_bytes(layout: ParamLayout, changed: int, bitmap: bool) -> int:
     """Bytes of a patch of ``changed`` elements on the wire (``patch_format``)."""
     elements = dtypes.num_elements(layout.shape)
     return patch_format.patch_bytes(elements, layout.dtype.itemsize, changed, bitmap)
+
+
+def decompressed(name: str, layout: ParamLayout, frame: Any, changed: int, bitmap: bool) -> Any:
+    """The patch a compressed patch's zstd ``frame`` holds (``patch_format.decompress``: its
+    values XORs with the serving ones), checked as ``check_patch`` checks a patch."""
+    elements = dtypes.num_elements(layout.shape)
+    try:
+        payload = patch_format.decompress(frame, elements, layout.dtype.itemsize, changed, bitmap)
+    except ValueError as error:
+        raise InvalidArgument(f"the compressed patch of {name}: {error}") from None
+    check_patch(name, elements, payload, changed, bitmap)
+    return payload
 
 
 def check_patch(name: str, elements: int, payload: Any, changed: int, bitmap: bool) -> None:
@@ -120,6 +138,8 @@ class _Incoming:
     patch_base: int = 0
     # A patch naming its elements with a bitmap (``patch_format``), not indices.
     patch_bitmap: bool = False
+    # A compressed patch: the bytes of its zstd frame (0: not compressed).
+    patch_zstd: int = 0
     received: int = 0
     # Bytes already handed to the workers (``take_ready``): the chunks start there.
     taken: int = 0
@@ -139,6 +159,8 @@ class _Incoming:
 
     @property
     def expected_bytes(self) -> int:
+        if self.patch_zstd:
+            return self.patch_zstd
         if self.patch_changed:
             return patch_bytes(self.layout, self.patch_changed, self.patch_bitmap)
         return self.layout.num_bytes
@@ -182,6 +204,7 @@ class InBandAssembler:
                     patch_changed=spec.patch.changed if spec.HasField("patch") else 0,
                     patch_base=spec.patch.base_weight_version if spec.HasField("patch") else 0,
                     patch_bitmap=spec.HasField("patch") and spec.patch.bitmap,
+                    patch_zstd=spec.patch.zstd_bytes if spec.HasField("patch") else 0,
                 )
             return
         if kind != "chunk":
@@ -240,9 +263,13 @@ class InBandAssembler:
 
     def _check_patch(self, name: str, incoming: _Incoming) -> None:
         payload = b"".join(incoming.chunks)
-        incoming.chunks = [payload]
         elements = dtypes.num_elements(incoming.layout.shape)
         changed, bitmap = incoming.patch_changed, incoming.patch_bitmap
+        if incoming.patch_zstd:
+            # Its values are XORs: the worker checks them once applied.
+            incoming.chunks = [decompressed(name, incoming.layout, payload, changed, bitmap)]
+            return
+        incoming.chunks = [payload]
         check_patch(name, elements, payload, changed, bitmap)
         values = memoryview(payload)[patch_format.names_bytes(elements, changed, bitmap) :]
         if not incoming.finite.add(values):
@@ -287,7 +314,7 @@ class InBandAssembler:
         assert self._incoming is not None
         incoming = self._incoming[name]
         layout = incoming.layout
-        return StagedParameter(
+        staged = StagedParameter(
             name=name,
             dtype=layout.dtype.torch_name,
             shape=list(layout.shape),
@@ -298,6 +325,9 @@ class InBandAssembler:
             bitmap=incoming.patch_bitmap,
             sha256=incoming.sha256 if incoming.patch_changed else b"",
         )
+        if incoming.patch_zstd:
+            staged["xor"] = True
+        return staged
 
     def finish(self) -> list[StagedParameter]:
         """Checks the stream was complete; returns what was not taken yet (``take_ready``)."""
@@ -324,7 +354,8 @@ def bucket_layout(bucket: cp.WeightBucket, layout: dict[str, ParamLayout]) -> Bu
         expected = check_parameter(spec, layout)
         changed = spec.patch.changed if spec.HasField("patch") else 0
         bitmap = spec.HasField("patch") and spec.patch.bitmap
-        size = patch_bytes(expected, changed, bitmap) if changed else expected.num_bytes
+        zstd = spec.patch.zstd_bytes if changed else 0
+        size = zstd or (patch_bytes(expected, changed, bitmap) if changed else expected.num_bytes)
         end = packed.offset_bytes + size
         if end > bucket.size_bytes:
             raise InvalidArgument(
@@ -332,17 +363,18 @@ def bucket_layout(bucket: cp.WeightBucket, layout: dict[str, ParamLayout]) -> Bu
                 f"{bucket.size_bytes}-byte bucket"
             )
         spans.append((packed.offset_bytes, end, packed.parameter.name))
-        params.append(
-            BucketParameter(
-                name=packed.parameter.name,
-                dtype=expected.dtype.torch_name,
-                shape=list(expected.shape),
-                offset=packed.offset_bytes,
-                sha256=packed.parameter.sha256,
-                patch=changed,
-                bitmap=bitmap,
-            )
+        param = BucketParameter(
+            name=packed.parameter.name,
+            dtype=expected.dtype.torch_name,
+            shape=list(expected.shape),
+            offset=packed.offset_bytes,
+            sha256=packed.parameter.sha256,
+            patch=changed,
+            bitmap=bitmap,
         )
+        if zstd:
+            param["zstd"] = zstd
+        params.append(param)
     spans.sort()
     for (_, end, name), (start, _, other) in itertools.pairwise(spans):
         if start < end:

@@ -137,19 +137,24 @@ class ServingCheckpoint:
         """The new value staged for ``name`` (KeyError: none)."""
         return self._open.whole[name]
 
-    def patch(self, name: str, indices: Any, new_bits: Any) -> Any:
-        """Writes ``new_bits`` at ``indices`` (flat) of ``name``; returns the patched tensor.
+    def patch(self, name: str, indices: Any, new_bits: Any, xor: bool = False) -> Any:
+        """Writes ``new_bits`` at ``indices`` (flat) of ``name`` (with ``xor``, the bits there
+        XOR ``new_bits``: a compressed patch's values); returns the patched tensor.
 
         A parameter staged whole in this update is patched in its staged buffer (nothing to
         record: it is new); otherwise the serving copy is written and what it held recorded."""
         staged = self._open.whole.get(name)
         if staged is not None:
-            _scatter(flat_bits(staged), indices, new_bits)
+            flat = flat_bits(staged)
+            if xor:
+                new_bits = _gather(flat, indices).bitwise_xor_(new_bits)
+            _scatter(flat, indices, new_bits)
             return staged
         tensor = self.tensors[name]
         flat = flat_bits(tensor)
-        self._open.overwritten.append(_Overwritten(name, indices, _gather(flat, indices)))
-        _scatter(flat, indices, new_bits)
+        old_bits = _gather(flat, indices)
+        self._open.overwritten.append(_Overwritten(name, indices, old_bits))
+        _scatter(flat, indices, old_bits ^ new_bits if xor else new_bits)
         return tensor
 
     def pending(self) -> dict[str, Any]:

@@ -59,6 +59,9 @@ class StagedParameter(TypedDict):
     # Where the bytes lie in the server's shared-memory buffer (``[start, length]``, the
     # buffer named by the call's ``handoff``) instead of in ``chunks`` (``handoff``).
     region: NotRequired[list[int]]
+    # A patch that came compressed, decompressed by the server: its values are XORs with the
+    # serving ones (``patch_format.decompress``), so the worker checks them once applied.
+    xor: NotRequired[bool]
 
 
 class BucketParameter(TypedDict):
@@ -73,6 +76,8 @@ class BucketParameter(TypedDict):
     sha256: bytes
     patch: int
     bitmap: bool
+    # A compressed patch: the bytes of its zstd frame there (``patch_format.decompress``).
+    zstd: NotRequired[int]
 
 
 class Bucket(TypedDict):
@@ -221,17 +226,20 @@ class WorkerCalls:
     async def receive_buckets(self, buckets: list[Bucket], check_finite: bool) -> list[Report]:
         return await self._update({"receive": buckets, "check_finite": check_finite})
 
-    async def stage(self, params: list[StagedParameter]) -> list[str]:
+    async def stage(self, params: list[StagedParameter]) -> tuple[list[str], list[str]]:
         """Stages the parameters on every worker, in order; returns the names whose patched
-        bytes did not match their SHA-256 (nothing of the call is staged then). Where the bytes
-        go through the shared buffer, ``params`` give up their chunks."""
+        bytes did not match their SHA-256 (nothing of the call is staged then), and those of
+        compressed patches that made a value non-finite (staged: the server decides). Where
+        the bytes go through the shared buffer, ``params`` give up their chunks."""
         remaining = params
+        non_finite: set[str] = set()
         while remaining:
             reports, remaining = await self._stage_some(remaining)
             mismatches = {str(name) for report in reports for name in report["mismatches"]}
             if mismatches:
-                return sorted(mismatches)  # the update is rejected: the rest need not go
-        return []
+                return sorted(mismatches), []  # the update is rejected: the rest need not go
+            non_finite.update(str(name) for report in reports for name in report["non_finite"])
+        return [], sorted(non_finite)
 
     async def _stage_some(
         self, params: list[StagedParameter]

@@ -12,6 +12,7 @@ discarded, the serving weights never change) and says so.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -304,7 +305,7 @@ class WeightTransferManager:
             # the next is received and checked: the server holds at most two batches, never
             # the whole stream nor a whole large parameter, and reading the stream overlaps
             # the workers' copying instead of alternating with it.
-            staging = _Pipeline(self._stage)
+            staging = _Pipeline(functools.partial(self._stage, non_finite=assembler.non_finite))
             try:
                 received_before = update.bytes_received
                 bases_checked = False
@@ -345,14 +346,19 @@ class WeightTransferManager:
                 "update stays open, nothing was staged)"
             )
 
-    async def _stage(self, params: list[StagedParameter]) -> int:
+    async def _stage(self, params: list[StagedParameter], non_finite: list[str]) -> int:
+        """Stages ``params`` in batches; compressed patches whose values proved non-finite
+        once applied are refused, or added to ``non_finite`` where the server accepts them."""
         for batch in _batches(params, self.stage_batch_bytes):
-            mismatches = await self._workers.stage(batch)
+            mismatches, applied_non_finite = await self._workers.stage(batch)
             if mismatches:
                 raise DataLoss(
                     f"checksum mismatch for {', '.join(mismatches[:3])} after applying the "
                     "patch: the result differs from the sender's weights"
                 )
+            if applied_non_finite and not self.allow_non_finite:
+                raise non_finite_error(applied_non_finite[0])
+            non_finite.extend(applied_non_finite)
         return sum(1 for param in params if param["last"])
 
     async def finish(self, weight_version: int = 0) -> tuple[int, int]:

@@ -44,12 +44,12 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-from skyrl_grpc import patch_format
+from skyrl_grpc import dtypes, patch_format
 from skyrl_grpc.dtypes import num_elements, torch_name
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.tensor_bytes import sha256_of
 
-from .assembly import check_patch
+from .assembly import ParamLayout, check_patch, decompressed
 from .checkpoint import ServingCheckpoint, bits_of
 from .finite import all_finite
 from .handoff import HandoffReader
@@ -242,6 +242,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         serving = self.serving
         mark = serving.mark()
         mismatches: list[str] = []
+        non_finite: list[str] = []
         for param in params:
             dtype = getattr(torch, param["dtype"])
             region = param.get("region")
@@ -250,7 +251,9 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             )
             if param.get("patch"):
                 payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                tensor = _apply_patch(serving, param, payload)
+                tensor, finite = _apply_patch(serving, param, payload)
+                if not finite:
+                    non_finite.append(param["name"])
                 expected = param.get("sha256", b"")
                 if expected and sha256_of(tensor) != expected:
                     mismatches.append(param["name"])
@@ -264,6 +267,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             serving.revert_to(mark)
         self.report["params"] = sum(1 for param in params if param["last"])
         self.report["mismatches"] = mismatches
+        self.report["non_finite"] = non_finite
 
     def _receive(self, buckets: list[Bucket], check_finite: bool) -> None:
         """Receives each bucket by broadcast from rank 0 and stages its parameters: whole ones
@@ -291,7 +295,9 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             for name, tensor in received.whole.items():
                 serving.stage_whole(name, tensor)
             for param, raw in received.patches:
-                patched = _apply_patch(serving, param, raw.numpy())
+                patched, finite = _apply_patch(serving, param, raw)
+                if check_finite and not finite:
+                    received.non_finite.append(param["name"])
                 if param["sha256"] and sha256_of(patched) != param["sha256"]:
                     received.mismatches.append(param["name"])
             if received.mismatches:
@@ -388,22 +394,28 @@ def _copy_into(tensor: torch.Tensor, offset: int, chunks: list[bytes | memoryvie
 
 def _apply_patch(
     serving: ServingCheckpoint, param: StagedParameter | BucketParameter, payload: Any
-) -> Any:
+) -> tuple[Any, bool]:
     """Applies ``param``'s patch (``payload``: the changed elements' names, then their values,
-    as ``skyrl_grpc.patch_format`` lays them out; bytes or a uint8 tensor); returns the patched
-    tensor."""
+    as ``skyrl_grpc.patch_format`` lays them out, XORs for a patch that came compressed; bytes
+    or a uint8 array); returns the patched tensor and whether the values it wrote are finite
+    (checked here only for XORs: other values were checked on arrival)."""
     import numpy as np
 
     changed = int(param["patch"])
     bitmap = bool(param.get("bitmap", False))
+    xor = bool(param.get("xor", False) or param.get("zstd", 0))
     dtype = getattr(torch, param["dtype"])
     raw = np.frombuffer(payload, dtype=np.uint8)
     elements = num_elements(param["shape"])
     # Indices as 32-bit integers where they fit (the undo record keeps them: half the memory).
-    indices = patch_format.changed_indices(raw, elements, changed, bitmap)
+    indices = torch.from_numpy(patch_format.changed_indices(raw, elements, changed, bitmap))
     start = patch_format.names_bytes(elements, changed, bitmap)
     values = torch.from_numpy(raw[start:].copy()).view(bits_of(dtype.itemsize))
-    return serving.patch(param["name"], torch.from_numpy(indices), values)
+    tensor = serving.patch(param["name"], indices, values, xor=xor)
+    if not xor:
+        return tensor, True
+    written = torch.index_select(tensor.view(-1), 0, indices)
+    return tensor, all_finite(written.view(torch.uint8).numpy().data, param["dtype"])
 
 
 @dataclass
@@ -470,6 +482,19 @@ def _check_received(
     dtype = getattr(torch, param["dtype"])
     elements = num_elements(param["shape"])
     changed = int(param.get("patch", 0))
+    zstd = int(param.get("zstd", 0))
+    if zstd:
+        # Its values are XORs with the serving ones: checked once applied (``_receive``).
+        try:
+            layout = ParamLayout(dtypes.BY_TORCH[param["dtype"]], tuple(param["shape"]))
+            frame = host[start : start + zstd].numpy()
+            raw = decompressed(name, layout, frame, changed, bool(param.get("bitmap", False)))
+        except InvalidArgument as error:
+            received.invalid.append(str(error))
+            return
+        if keep:
+            received.patches.append((param, raw))
+        return
     if changed:
         bitmap = bool(param.get("bitmap", False))
         size = patch_format.patch_bytes(elements, dtype.itemsize, changed, bitmap)
@@ -491,6 +516,6 @@ def _check_received(
     if not keep:
         return
     if changed:
-        received.patches.append((param, raw))
+        received.patches.append((param, raw.numpy()))
     else:
         received.whole[name] = raw.view(dtype).reshape(param["shape"])
