@@ -272,6 +272,7 @@ async def updates(
     transports: list[str],
     rounds: int,
     rl_lrs: list[float],
+    compressions: list[bool],
 ) -> list[dict[str, Any]]:
     from trainer_client import InferenceClient
 
@@ -283,13 +284,21 @@ async def updates(
     rows = []
     version = 0
 
-    async def measure(label: str, new: list[tuple[str, Any]], transport: str) -> None:
+    async def measure(
+        label: str, new: list[tuple[str, Any]], transport: str, compress: bool = False
+    ) -> None:
         nonlocal version
         trainer_before = own_rss(os.getpid())
         version += 1
         with PeakRss(pids) as servers_peak, PeakRss([os.getpid()], alone=True) as trainer_peak:
             started = time.perf_counter()
-            await client.update_weights(new, version, transport=transport, timeout=1800)  # type: ignore[arg-type]
+            await client.update_weights(
+                new,
+                version,
+                transport=transport,  # type: ignore[arg-type]
+                timeout=1800,
+                compress_patches=compress,
+            )
             seconds = time.perf_counter() - started
         versions = await client.weight_versions()
         assert set(versions.values()) == {version}, versions
@@ -317,12 +326,15 @@ async def updates(
     dtype = tensors[0][1].dtype
     for transport in transports:
         for lr in rl_lrs:
-            trainer = AdamMaster(tensors, lr, seed=int(1 / lr))
-            await measure(f"RL lr {lr:g}: base", trainer.serving(dtype), transport)
-            for step in range(rounds):
-                trainer.step()
-                await measure(f"RL lr {lr:g}: step {step + 1}", trainer.serving(dtype), transport)
-            del trainer
+            for compress in compressions:
+                kind = f"RL lr {lr:g}{' zstd' if compress else ''}"
+                trainer = AdamMaster(tensors, lr, seed=int(1 / lr))
+                await measure(f"{kind}: base", trainer.serving(dtype), transport, compress)
+                for step in range(rounds):
+                    trainer.step()
+                    serving = trainer.serving(dtype)
+                    await measure(f"{kind}: step {step + 1}", serving, transport, compress)
+                del trainer
     await client.close()
     return rows
 
@@ -335,6 +347,12 @@ def main() -> None:
     parser.add_argument("--transports", default="grpc,collective")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rl-lrs", default="1e-6,1e-5", help="learning rates of RL-like steps")
+    parser.add_argument(
+        "--patch-compression",
+        default="none",
+        help="RL steps with patches as they are (none), zstd-compressed (zstd), or both "
+        "(none,zstd: the same steps twice, side by side)",
+    )
     parser.add_argument("--output", default=None, help="append the table to this markdown file")
     args = parser.parse_args()
 
@@ -352,8 +370,9 @@ def main() -> None:
     print(f"raw loopback TCP {tcp:.2f} s, raw gloo broadcast {gloo:.2f} s", flush=True)
     transports = [t for t in args.transports.split(",") if t]
     rl_lrs = [float(x) for x in args.rl_lrs.split(",") if x]
+    compressions = [c == "zstd" for c in args.patch_compression.split(",") if c]
     with engine_servers(model, args.servers, args.tp, args.dtype) as servers:
-        rows = asyncio.run(updates(servers, tensors, transports, args.rounds, rl_lrs))
+        rows = asyncio.run(updates(servers, tensors, transports, args.rounds, rl_lrs, compressions))
     lines = [
         f"\n### {parameters / 1e6:.0f}M parameters ({total / GiB:.2f} GiB {args.dtype}), "
         f"{args.servers} server(s), TP={args.tp}\n",

@@ -97,15 +97,6 @@ def changed_indices(names: Any, elements: int, changed: int, bitmap: bool) -> An
 ZSTD_LEVEL = 1
 
 
-def _planes(data: Any, itemsize: int) -> Any:
-    """``data`` (uint8, a multiple of ``itemsize`` long) as byte planes."""
-    return data.reshape(-1, itemsize).T.reshape(-1)
-
-
-def _unplanes(data: Any, itemsize: int) -> Any:
-    return data.reshape(itemsize, -1).T.reshape(-1)
-
-
 def compress(
     payload: Any, base_values: Any, elements: int, itemsize: int, changed: int, bitmap: bool
 ) -> bytes:
@@ -116,16 +107,18 @@ def compress(
     import zstandard
 
     start = names_bytes(elements, changed, bitmap)
-    names = payload[:start]
-    if not bitmap:
-        indices = names.view("<u4")
+    frame = np.empty(start + changed * itemsize, dtype=np.uint8)
+    if bitmap:
+        frame[:start] = payload[:start]
+    else:
+        indices = payload[:start].view("<u4")
         gaps = np.empty_like(indices)
         gaps[0] = indices[0]
         np.subtract(indices[1:], indices[:-1], out=gaps[1:])
-        names = _planes(gaps.view(np.uint8), INDEX_BYTES)
+        frame[:start].reshape(INDEX_BYTES, -1)[:] = gaps.view(np.uint8).reshape(-1, INDEX_BYTES).T
     xor = np.bitwise_xor(payload[start:].view(base_values.dtype), base_values)
-    frame = np.concatenate([names, _planes(xor.view(np.uint8), itemsize)])
-    return bytes(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(frame))
+    frame[start:].reshape(itemsize, -1)[:] = xor.view(np.uint8).reshape(-1, itemsize).T
+    return bytes(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(frame.data))
 
 
 def decompress(frame: Any, elements: int, itemsize: int, changed: int, bitmap: bool) -> Any:
@@ -137,16 +130,20 @@ def decompress(frame: Any, elements: int, itemsize: int, changed: int, bitmap: b
     size = patch_bytes(elements, itemsize, changed, bitmap)
     try:
         # max_output_size bounds what a frame without its size in the header may expand to.
-        data = zstandard.ZstdDecompressor().decompress(bytes(frame), max_output_size=size)
+        data = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
     except zstandard.ZstdError as error:
         raise ValueError(f"its zstd frame does not decompress ({error})") from None
     if len(data) != size:
         raise ValueError(f"its zstd frame holds {len(data)} bytes; the patch has {size}")
     raw = np.frombuffer(data, dtype=np.uint8)
     start = names_bytes(elements, changed, bitmap)
-    names = raw[:start]
-    if not bitmap:
-        gaps = _unplanes(names, INDEX_BYTES).view("<u4")
+    patch = np.empty(size, dtype=np.uint8)
+    if bitmap:
+        patch[:start] = raw[:start]
+    else:
+        gaps = np.empty(changed, dtype="<u4")
+        gaps.view(np.uint8).reshape(-1, INDEX_BYTES)[:] = raw[:start].reshape(INDEX_BYTES, -1).T
         # Wrapping sums of uint32 gaps: anything past 2**32 shows up as indices out of order.
-        names = np.cumsum(gaps, dtype=np.uint32).astype("<u4").view(np.uint8)
-    return np.concatenate([names, _unplanes(raw[start:], itemsize)])
+        np.cumsum(gaps, dtype=np.uint32, out=patch[:start].view("<u4"))
+    patch[start:].reshape(-1, itemsize)[:] = raw[start:].reshape(itemsize, -1).T
+    return patch

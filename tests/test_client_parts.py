@@ -271,7 +271,7 @@ def test_patches_found_on_the_host_and_on_a_device_are_the_same_bytes() -> None:
     assert host[0] == device[0] == 5
     assert torch.equal(host[1], device[1])
     assert _host_patch_of(new, old, 2, limit=10)[1] is _device_patch_of(new, old, 2, 10)[1] is None
-    assert _host_patch_of(old, old, 2, limit=1e9) == (0, None)
+    assert _host_patch_of(old, old, 2, limit=1e9) == (0, None, None)
     # Many changes (a bitmap names them): dense blocks, a sparse one, an untouched one.
     generator = torch.Generator().manual_seed(5)
     dense = torch.rand(size, generator=generator) < 0.1

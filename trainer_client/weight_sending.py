@@ -210,7 +210,7 @@ def weight_patches(
         if _surely_dense(new_bits, old_bits, itemsize):
             entries.append(whole_entry(name, tensor, with_checksums))
             continue
-        changed, patch = _patch_of(new_bits, old_bits, itemsize)
+        changed, patch, indices = _patch_of(new_bits, old_bits, itemsize)
         if changed == 0:
             continue
         if patch is None:  # it changed too much for a patch to be much smaller
@@ -221,7 +221,7 @@ def weight_patches(
         spec.patch.changed = changed
         spec.patch.bitmap = patch_format.prefers_bitmap(new_bits.numel(), changed)
         if compress:
-            frame = _compressed(patch, old_bits, changed, spec.patch.bitmap)
+            frame = _compressed(patch, old_bits, indices, changed, spec.patch.bitmap)
             if frame is not None:
                 spec.patch.zstd_bytes = frame.numel()
                 patch = frame
@@ -234,20 +234,20 @@ def weight_patches(
 COMPRESSED_MAX_FRACTION = 0.9
 
 
-def _compressed(patch: Any, old_bits: Any, changed: int, bitmap: bool) -> Any:
+def _compressed(patch: Any, old_bits: Any, indices: Any, changed: int, bitmap: bool) -> Any:
     """The patch as a zstd frame (a uint8 tensor on the host), or None where that is not
     under ``COMPRESSED_MAX_FRACTION`` of its bytes. XORs need the base values at the changed
-    elements: gathered where the base lies (on its device for a GPU trainer), a few bytes
+    ``indices``: gathered where the base lies (on its device for a GPU trainer), a few bytes
     each."""
+    import numpy as np
     import torch
 
     payload = _host_array(patch)
     elements, itemsize = old_bits.numel(), old_bits.element_size()
-    indices = patch_format.changed_indices(payload, elements, changed, bitmap)
     if old_bits.device.type == "cpu":
-        base_values = old_bits.numpy()[indices]
+        base_values = np.take(old_bits.numpy(), indices)
     else:
-        base_values = old_bits[torch.from_numpy(indices).to(old_bits.device)].cpu().numpy()
+        base_values = old_bits[indices].cpu().numpy()
     frame = patch_format.compress(
         payload, base_values.view(f"<u{itemsize}"), elements, itemsize, changed, bitmap
     )
@@ -256,10 +256,11 @@ def _compressed(patch: Any, old_bits: Any, changed: int, bitmap: bool) -> Any:
     return torch.frombuffer(bytearray(frame), dtype=torch.uint8)
 
 
-def _patch_of(new_bits: Any, old_bits: Any, itemsize: int) -> tuple[int, Any]:
-    """How many elements differ, and the patch's bytes (``skyrl_grpc.patch_format``: the changed
+def _patch_of(new_bits: Any, old_bits: Any, itemsize: int) -> tuple[int, Any, Any]:
+    """How many elements differ, the patch's bytes (``skyrl_grpc.patch_format``: the changed
     elements' indices, or their bitmap where that is smaller, then their new values) on the
-    tensors' device; None instead of the bytes when the patch would not be under
+    tensors' device, and the changed elements' indices there (a compressed patch needs them);
+    None instead of the bytes and indices when the patch would not be under
     ``PATCH_MAX_FRACTION`` of the tensor's bytes (counted before any index is made)."""
     limit = PATCH_MAX_FRACTION * new_bits.numel() * itemsize
     if new_bits.device.type == "cpu":
@@ -276,7 +277,9 @@ def _patch_of(new_bits: Any, old_bits: Any, itemsize: int) -> tuple[int, Any]:
 HOST_BLOCK_ELEMENTS = 1 << 18
 
 
-def _host_patch_of(new_bits: Any, old_bits: Any, itemsize: int, limit: float) -> tuple[int, Any]:
+def _host_patch_of(
+    new_bits: Any, old_bits: Any, itemsize: int, limit: float
+) -> tuple[int, Any, Any]:
     import numpy as np
     import torch
 
@@ -296,10 +299,10 @@ def _host_patch_of(new_bits: Any, old_bits: Any, itemsize: int, limit: float) ->
             continue
         changed += block.size
         if changed * (patch_format.INDEX_BYTES + itemsize) >= limit:
-            return changed, None  # a count so far: enough to know the patch does not pay
+            return changed, None, None  # a count so far: enough to know the patch does not pay
         found.append((block + start).astype("<u4"))
     if changed == 0:
-        return 0, None
+        return 0, None, None
     indices = np.concatenate(found)
     if patch_format.prefers_bitmap(new.size, changed):
         names = np.concatenate(
@@ -313,7 +316,7 @@ def _host_patch_of(new_bits: Any, old_bits: Any, itemsize: int, limit: float) ->
     else:
         names = indices.view(np.uint8)
     patch = np.concatenate([names, new[indices].view(np.uint8)])
-    return changed, torch.from_numpy(patch)
+    return changed, torch.from_numpy(patch), indices
 
 
 def _block_bitmap(indices: Any, start: int, elements: int) -> Any:
@@ -326,13 +329,15 @@ def _block_bitmap(indices: Any, start: int, elements: int) -> Any:
     return patch_format.bitmap_of(inside - start, end - start)
 
 
-def _device_patch_of(new_bits: Any, old_bits: Any, itemsize: int, limit: float) -> tuple[int, Any]:
+def _device_patch_of(
+    new_bits: Any, old_bits: Any, itemsize: int, limit: float
+) -> tuple[int, Any, Any]:
     import torch
 
     differs = new_bits != old_bits
     changed = int(torch.count_nonzero(differs))  # a sum of bools is several times slower
     if changed == 0 or changed * (patch_format.INDEX_BYTES + itemsize) >= limit:
-        return changed, None
+        return changed, None, None
     indices = differs.nonzero().reshape(-1)
     if patch_format.prefers_bitmap(new_bits.numel(), changed):
         names = _packed_bits(differs)
@@ -340,7 +345,7 @@ def _device_patch_of(new_bits: Any, old_bits: Any, itemsize: int, limit: float) 
         # int32 has the same bytes as uint32 below 2**32 (the device is little-endian).
         names = indices.to(torch.int32).view(torch.uint8)
     del differs
-    return changed, torch.cat([names, new_bits[indices].view(torch.uint8)])
+    return changed, torch.cat([names, new_bits[indices].view(torch.uint8)]), indices
 
 
 def _packed_bits(mask: Any) -> Any:

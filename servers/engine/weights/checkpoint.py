@@ -59,6 +59,16 @@ def _scatter(flat: Any, indices: Any, values: Any) -> None:
     np.put(flat.numpy(), indices.numpy(), values.numpy())
 
 
+def _xor(left: Any, right: Any) -> Any:
+    """``left ^ right`` through numpy: with torch's operator (and ``index_select`` to check
+    the values written) the engine core spent 0.68 CPU s per compressed lr-1e-6 step of the
+    0.3B benchmark model, with numpy's 0.50 s, as much as an uncompressed step."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.bitwise_xor(left.numpy(), right.numpy()))
+
+
 @dataclass
 class _Overwritten:
     """What one patch replaced: the elements' indices and their previous bits."""
@@ -147,14 +157,14 @@ class ServingCheckpoint:
         if staged is not None:
             flat = flat_bits(staged)
             if xor:
-                new_bits = _gather(flat, indices).bitwise_xor_(new_bits)
+                new_bits = _xor(_gather(flat, indices), new_bits)
             _scatter(flat, indices, new_bits)
             return staged
         tensor = self.tensors[name]
         flat = flat_bits(tensor)
         old_bits = _gather(flat, indices)
         self._open.overwritten.append(_Overwritten(name, indices, old_bits))
-        _scatter(flat, indices, old_bits ^ new_bits if xor else new_bits)
+        _scatter(flat, indices, _xor(old_bits, new_bits) if xor else new_bits)
         return tensor
 
     def pending(self) -> dict[str, Any]:

@@ -414,8 +414,8 @@ def _apply_patch(
     tensor = serving.patch(param["name"], indices, values, xor=xor)
     if not xor:
         return tensor, True
-    written = torch.index_select(tensor.view(-1), 0, indices)
-    return tensor, all_finite(written.view(torch.uint8).numpy().data, param["dtype"])
+    written = np.take(tensor.view(-1).view(bits_of(dtype.itemsize)).numpy(), indices.numpy())
+    return tensor, all_finite(written.data, param["dtype"])
 
 
 @dataclass
