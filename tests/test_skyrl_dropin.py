@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
+from skyrl_grpc.tensor_bytes import sha256_of
 from tests.helpers.waits import failing_while_paused, running_on_engines
 from trainer_client.results import GenerationResult
 
@@ -158,7 +159,9 @@ async def test_skyrl_generator_survives_pause_weight_push_and_resume(
     two_server_router: Any, engine_server: Any, second_engine_server: Any, tiny_model_dir: Path
 ) -> None:
     servers = [engine_server, second_engine_server]
-    engine = SkyRLInferenceEngine(two_server_router.address, [s.address for s in servers])
+    engine = SkyRLInferenceEngine(
+        two_server_router.address, [s.address for s in servers], compress_patches=True
+    )
     generator = make_generator(engine, tiny_model_dir)
     rollouts = asyncio.ensure_future(generator.generate(batch(8, "paused"), disable_tqdm=True))
     await running_on_engines(engine.client, 1, rollouts)
@@ -174,6 +177,16 @@ async def test_skyrl_generator_survives_pause_weight_push_and_resume(
     assert versions.consistent
     # The adapter's version is what the servers committed, not a count of its own calls.
     assert engine.weight_version == versions.newest == before + 1
+    # The next sync sends what changed, compressed: 50 elements would be 400 bytes plain.
+    name = sorted(original)[0]
+    stepped = dict(original)
+    stepped[name] = original[name].clone()
+    stepped[name].view(-1)[:50] += 1e-3
+    await engine.update_named_weights(NamedTensorsRequest.of(stepped.items()))
+    assert all(0 < sent < 400 for sent in engine.client.last_push_bytes.values())
+    served = await engine.client.weight_checksums([name])
+    assert all(checksums[name] == sha256_of(stepped[name]) for checksums in served.values())
+    await engine.update_named_weights(NamedTensorsRequest.of(original.items()))
 
 
 async def test_one_failing_prompt_cancels_the_rest_of_a_skyrl_batch(

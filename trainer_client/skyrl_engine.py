@@ -159,7 +159,8 @@ TINKER_SAMPLING_KEYS = {
 class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
     """This stack as SkyRL's inference engine. ``servers``: every engine server (control
     calls fan out to them); ``http_url``: the router's OpenAI edge (``--http-port``), for
-    ``chat_completion`` / ``completion``; ``transport``: how ``update_named_weights`` sends."""
+    ``chat_completion`` / ``completion``; ``transport``: how ``update_named_weights`` sends;
+    ``compress_patches``: whether its patches travel zstd-compressed (``update_weights``)."""
 
     def __init__(
         self,
@@ -169,12 +170,14 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
         model_name: str = "",
         http_url: str | None = None,
         transport: WeightTransport = "grpc",
+        compress_patches: bool = False,
         **client_settings: Any,
     ) -> None:
         self.client = InferenceClient(router, servers, **client_settings)
         self._model_name = model_name
         self.http_url = http_url
         self.transport = transport
+        self.compress_patches = compress_patches
         # The version the fleet committed at the last weight sync through this adapter (0:
         # none yet); ``refresh_weight_version`` reads what the servers serve. SkyRL's
         # generator salts its requests with it (the servers salt their caches themselves).
@@ -394,7 +397,9 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
             pairs = list(zip(request["names"], request["tensors"], strict=True))
         else:
             pairs = list(request)
-        committed = await self.client.update_weights(pairs, transport=self.transport)
+        committed = await self.client.update_weights(
+            pairs, transport=self.transport, compress_patches=self.compress_patches
+        )
         self._weight_version = max(int(r.weight_version) for r in committed.values())
         return {a: {"weight_version": int(r.weight_version)} for a, r in committed.items()}
 
