@@ -246,7 +246,23 @@ async def test_a_tensor_parallel_server_takes_deltas_and_rolls_back_exactly(
         # Only TP rank 0 keeps the checkpoint copy; rank 1 reloads from what rank 0 streams it.
         rolled_back = await greedy_per_server(both)
         assert rolled_back[single] == rolled_back[tp_server.address]
+        # Compressed patches reach the shards the same way (the first push is whole: the
+        # version the client last pushed was rolled back).
+        await client.update_weights(base.items(), version + 2)
+        compressed = a_training_step(base, seed=43)
+        await client.update_weights(compressed.items(), version + 3, compress_patches=True)
+        assert await served_checksums(client) == dict.fromkeys(both, expected_checksums(compressed))
         await client.close()
+        # Over the collective: both TP ranks receive every broadcast, rank 0 applies it.
+        tp = tp_server.address
+        broadcaster = InferenceClient(tp, [tp], direct=False)
+        await broadcaster.init_weight_transfer("gloo", timeout_seconds=60)
+        await broadcaster.update_weights(compressed.items(), version + 4)  # whole: no base yet
+        stepped = a_training_step(compressed, seed=44)
+        await broadcaster.update_weights(stepped.items(), version + 5, compress_patches=True)
+        assert 0 < broadcaster.last_push_bytes[tp] < 0.1 * delta_fleet.full_bytes
+        assert await served_checksums(broadcaster) == {tp: expected_checksums(stepped)}
+        await broadcaster.close()
 
 
 @pytest.fixture(scope="module")

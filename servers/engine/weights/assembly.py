@@ -283,9 +283,10 @@ class InBandAssembler:
 
     @property
     def ready_bytes(self) -> int:
-        """Bytes ready for the workers and not yet taken."""
+        """Bytes ready for the workers and not yet taken, as the workers get them: a compressed
+        patch decompressed (3-5x its frame), so a batch holds what its size says."""
         incoming = self._incoming or {}
-        return sum(incoming[n].received - incoming[n].taken for n in self._ready)
+        return sum(len(chunk) for n in self._ready for chunk in incoming[n].chunks)
 
     def take_ready(self) -> list[StagedParameter]:
         """The bytes ready since the last call, handed over: whole values in pieces as they

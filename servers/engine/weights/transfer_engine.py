@@ -484,7 +484,10 @@ def _check_received(
     changed = int(param.get("patch", 0))
     zstd = int(param.get("zstd", 0))
     if zstd:
-        # Its values are XORs with the serving ones: checked once applied (``_receive``).
+        # Its values are XORs with the serving ones: checked once applied (``_receive``), by
+        # the copy's holder; another rank's decompressing would be CPU spent on nothing.
+        if not keep:
+            return
         try:
             layout = ParamLayout(dtypes.BY_TORCH[param["dtype"]], tuple(param["shape"]))
             frame = host[start : start + zstd].numpy()
