@@ -362,31 +362,49 @@ def _patch_bucket(
     return plan_buckets([_patch(name, tensor, base_version, indices, values)])
 
 
+async def on_the_original_weights(
+    delta_fleet: DeltaFleet, client: InferenceClient
+) -> tuple[dict[str, dict[str, bytes]], int]:
+    """Commits the model's original weights as a new version; returns every server's
+    checksums of them and that version."""
+    version = await next_version(client)
+    await client.update_weights(delta_fleet.original.items(), version)
+    return await client.weight_checksums(), version
+
+
+async def refused_by_every_server(
+    client: InferenceClient, buckets: list[Any], version: int, code: grpc.StatusCode, words: str
+) -> None:
+    """Opens an update to ``version`` on every server of ``client``, broadcasts ``buckets`` and
+    checks that each server refused them with ``code`` and a message holding ``words``; then
+    cancels the update."""
+    servers = list(client.config.servers)
+    sender = client._sender
+    assert sender is not None
+    for address in servers:
+        await client._control(address).StartWeightUpdate(
+            cp.StartWeightUpdateRequest(weight_version=version)
+        )
+    failures = await client._broadcast_buckets(sender, servers, buckets, 60)
+    assert set(failures) == set(servers)
+    for failure in failures.values():
+        assert isinstance(failure, ServerError), failure
+        assert failure.code == code and words in failure.details, failure
+    await client.cancel_weight_update()
+
+
 async def test_bad_patches_over_the_collective_are_refused_and_the_weights_stay(
     delta_fleet: DeltaFleet, broadcasting_client: InferenceClient
 ) -> None:
     client, servers = broadcasting_client, delta_fleet.servers
-    await client.update_weights(delta_fleet.original.items(), await next_version(client))
-    before = await client.weight_checksums()
-    serving = (await client.weight_versions())[servers[0]]
+    before, serving = await on_the_original_weights(delta_fleet, client)
     name, tensor = next(iter(sorted(delta_fleet.original.items())))
-    sender = client._sender
-    assert sender is not None
     cases = [
         (_patch_bucket(name, tensor, base, indices, values), code, words)
         for base, indices, values, code, words in bad_patches(tensor, serving)
     ]
     for buckets, code, words in cases:
-        for address in servers:
-            await client._control(address).StartWeightUpdate(
-                cp.StartWeightUpdateRequest(weight_version=serving + 1)
-            )
-        failures = await client._broadcast_buckets(sender, servers, buckets, 60)
-        assert set(failures) == set(servers)
-        for failure in failures.values():
-            assert isinstance(failure, ServerError), failure
-            assert failure.code == code and words in failure.details, failure
-        await client.cancel_weight_update()
+        await refused_by_every_server(client, buckets, serving + 1, code, words)
         assert await client.weight_checksums() == before
     # The next update succeeds, as a patch.
     stepped = a_training_step(delta_fleet.original, seed=71)
@@ -449,9 +467,7 @@ async def test_bad_compressed_patches_are_refused_and_the_weights_stay(
     from trainer_client.weight_sending import plan_buckets
 
     client, servers = broadcasting_client, delta_fleet.servers
-    await client.update_weights(delta_fleet.original.items(), await next_version(client))
-    before = await client.weight_checksums()
-    serving = (await client.weight_versions())[servers[0]]
+    before, serving = await on_the_original_weights(delta_fleet, client)
     name, tensor = next(iter(sorted(delta_fleet.original.items())))
     garbage_spec, _ = _patch(name, tensor, serving, list(range(10)), [1.0] * 10)
     garbage_spec.patch.zstd_bytes = 40
@@ -468,8 +484,6 @@ async def test_bad_compressed_patches_are_refused_and_the_weights_stay(
     address = servers[0]
     channel = grpc.aio.insecure_channel(address)
     push = channel.stream_unary(PUSH_WEIGHTS, request_serializer=None)
-    sender = client._sender
-    assert sender is not None
     for (spec, frame), words in cases:
         # In-band, to one server.
         await client._control(address).StartWeightUpdate(
@@ -483,19 +497,9 @@ async def test_bad_compressed_patches_are_refused_and_the_weights_stay(
         assert words in (refused.value.details() or ""), refused.value.details()
         await client.cancel_weight_update()
         # Over the collective, to both.
-        for each in servers:
-            await client._control(each).StartWeightUpdate(
-                cp.StartWeightUpdateRequest(weight_version=serving + 1)
-            )
-        failures = await client._broadcast_buckets(
-            sender, servers, plan_buckets([(spec, frame)]), 60
-        )
-        assert set(failures) == set(servers)
-        for failure in failures.values():
-            assert isinstance(failure, ServerError), failure
-            assert failure.code == grpc.StatusCode.INVALID_ARGUMENT, failure
-            assert words in failure.details, failure
-        await client.cancel_weight_update()
+        buckets = plan_buckets([(spec, frame)])
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        await refused_by_every_server(client, buckets, serving + 1, invalid, words)
         assert await client.weight_checksums() == before
     # The next update succeeds, compressed.
     stepped = a_training_step(delta_fleet.original, seed=91)
