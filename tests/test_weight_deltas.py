@@ -506,3 +506,40 @@ async def test_bad_compressed_patches_are_refused_and_the_weights_stay(
     await client.update_weights(stepped.items(), serving + 1, compress_patches=True)
     assert await served_checksums(client) == dict.fromkeys(servers, expected_checksums(stepped))
     await channel.close()
+
+
+async def test_a_server_that_does_not_take_compressed_patches_gets_them_plain(
+    delta_fleet: DeltaFleet, broadcasting_client: InferenceClient, monkeypatch: Any
+) -> None:
+    from trainer_client import weight_updates
+    from trainer_client.weight_sending import weight_patches
+
+    client, servers = broadcasting_client, delta_fleet.servers
+    newer, older = servers
+    asked = weight_updates._TransactionCalls.serving_version
+
+    async def as_an_older_server(self: Any, address: str) -> int:
+        version = await asked(self, address)
+        if address == older:  # its GetServerInfo lacks capabilities.compressed_weight_patches
+            self.reading_compressed.discard(address)
+        return version
+
+    monkeypatch.setattr(weight_updates._TransactionCalls, "serving_version", as_an_older_server)
+    weights = perturbed(delta_fleet.original, seed=95)
+    version = await next_version(client)
+    await client.update_weights(weights.items(), version, transport="grpc")
+    for step, transport in enumerate(("grpc", "collective"), start=1):
+        stepped = a_training_step(weights, seed=95 + step)
+        plain = sum(data.numel() for _, data in weight_patches(stepped.items(), weights, 0))
+        await client.update_weights(
+            stepped.items(),
+            version + step,
+            transport=transport,  # type: ignore[arg-type]
+            compress_patches=True,
+        )
+        sent = client.last_push_bytes
+        assert sent[older] == plain
+        # In-band each server gets its own; one broadcast reaches both: plain to both.
+        assert sent[newer] < 0.8 * plain if transport == "grpc" else sent[newer] == plain
+        assert await served_checksums(client) == dict.fromkeys(servers, expected_checksums(stepped))
+        weights = stepped

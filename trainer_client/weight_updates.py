@@ -175,7 +175,9 @@ class WeightUpdates(ClientCore):
         ``delta=False`` keeps none. ``compress_patches``: patches travel zstd-compressed
         (indices as gaps, values as XORs with the base: an RL step's patch shrinks 3-5x), for
         links slower than the CPUs: compressing costs the trainer CPU time once, decompressing
-        each server less (``patch_format``; measured in docs/bench-weight-sync.md).
+        each server less (``patch_format``; measured in docs/bench-weight-sync.md). A server
+        that does not take them (older than this client) gets its patches uncompressed (over
+        the collective, whose broadcasts reach every server: all of them).
 
         On any failure (a server unreachable, a rejected chunk or version, a timeout) the update
         is cancelled on every server and rolled back where it was already committed, then
@@ -217,6 +219,14 @@ class WeightUpdates(ClientCore):
         if weight_version is None:
             weight_version = 1 + max(serving.values(), default=0)
 
+        # Who takes compressed patches: asked with the serving versions (a delta needs those).
+        compressing = calls.reading_compressed if compress_patches and base is not None else set()
+        if compress_patches and base is not None and set(servers) - compressing:
+            log.info(
+                "%s do not take compressed patches: they get theirs uncompressed",
+                ", ".join(sorted(set(servers) - compressing)),
+            )
+
         async def transfer(addresses: Sequence[str]) -> dict[str, BaseException]:
             if not in_band:
                 assert sender is not None
@@ -231,11 +241,11 @@ class WeightUpdates(ClientCore):
                     base if patched else None,
                     bucket_bytes,
                     checksums,
-                    compress_patches,
+                    compressing.issuperset(addresses),
                     timeout,
                 )
             return await self._push(
-                addresses, tensors, base, serving, chunk_bytes, checksums, compress_patches, timeout
+                addresses, tensors, base, serving, chunk_bytes, checksums, compressing, timeout
             )
 
         commits = await run_weight_transaction(servers, weight_version, calls, transfer)
@@ -338,19 +348,25 @@ class WeightUpdates(ClientCore):
         serving: dict[str, int],
         chunk_bytes: int,
         checksums: bool,
-        compress: bool,
+        compressing: set[str],
         timeout: float,
     ) -> dict[str, BaseException]:
-        """Pushes to every server: a patch against ``base`` where the server serves its version,
-        the whole weights elsewhere, and to a server that refuses the patch (its version
-        moved). The tensors go in groups of ``PUSH_GROUP_BYTES``, one PushWeights stream each
-        (an update takes any number): a worker thread prepares the next group's stream (its
-        patches, checksums) while the current one is sent, so the trainer's work overlaps the
-        transfer and the servers' instead of preceding them. Each group is prepared once for
-        all servers; a group with nothing changed sends nothing."""
+        """Pushes to every server: a patch against ``base`` where the server serves its version
+        (compressed to the servers in ``compressing``), the whole weights elsewhere, and to a
+        server that refuses the patch (its version moved). The tensors go in groups of
+        ``PUSH_GROUP_BYTES``, one PushWeights stream each (an update takes any number): a worker
+        thread prepares the next group's stream (its patches, checksums) while the current one
+        is sent, so the trainer's work overlaps the transfer and the servers' instead of
+        preceding them. Each group is prepared once for all servers; a group with nothing
+        changed sends nothing."""
         groups = push_groups(tensors, PUSH_GROUP_BYTES)
 
-        def make(patched: bool, index: int) -> PushStream:
+        # What a server gets: patches (compressed or not), or whole values.
+        Variant = tuple[bool, bool]
+        patches, compressed, whole = (True, False), (True, True), (False, False)
+
+        def make(variant: Variant, index: int) -> PushStream:
+            patched, compress = variant
             if patched:
                 assert base is not None
                 entries = weight_patches(
@@ -360,10 +376,10 @@ class WeightUpdates(ClientCore):
                 entries = tensor_entries(groups[index], checksums)
             return PushStream(entries, chunk_bytes)
 
-        # Each variant (patches, whole values) prepared once for every server that takes it.
+        # Each variant prepared once for every server that takes it (none before one asks).
         prepared = {
-            patched: _OneAhead(functools.partial(make, patched), len(groups))
-            for patched in (True, False)
+            variant: _OneAhead(functools.partial(make, variant), len(groups))
+            for variant in (patches, compressed, whole)
         }
 
         def method(
@@ -375,10 +391,10 @@ class WeightUpdates(ClientCore):
                 response_deserializer=cp.PushWeightsResponse.FromString,
             )
 
-        async def send_all(address: str, patched: bool) -> None:
+        async def send_all(address: str, variant: Variant) -> None:
             self.last_push_bytes[address] = 0
             for index in range(len(groups)):
-                sent = await prepared[patched].get(index)
+                sent = await prepared[variant].get(index)
                 if sent.empty:
                     continue
                 self.last_push_bytes[address] += sent.total_bytes
@@ -388,13 +404,13 @@ class WeightUpdates(ClientCore):
             patched = base is not None and serving.get(address) == base.version
             if patched:
                 try:
-                    await send_all(address, True)
+                    await send_all(address, compressed if address in compressing else patches)
                     return
                 except FailedPrecondition:
                     # Refused before anything of that stream was staged; whole tensors staged
                     # by earlier streams are staged again, whole.
                     log.info("%s refused the patch (its version moved): sending it all", address)
-            await send_all(address, False)
+            await send_all(address, whole)
 
         self.last_push_bytes = {}
         try:
@@ -521,6 +537,8 @@ class _TransactionCalls:
         self._client = client
         self._lease_seconds = lease_seconds
         self._owner = owner_name()
+        # The servers that said they take compressed patches (``serving_version`` asks).
+        self.reading_compressed: set[str] = set()
 
     async def start(self, address: str, version: int) -> int:
         request = cp.StartWeightUpdateRequest(
@@ -544,6 +562,8 @@ class _TransactionCalls:
 
     async def serving_version(self, address: str) -> int:
         info = await self._call(address, cp.GetServerInfoRequest(), lambda s: s.GetServerInfo)
+        if info.capabilities.compressed_weight_patches:
+            self.reading_compressed.add(address)
         return info.weight_version
 
     async def _call(

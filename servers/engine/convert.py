@@ -344,6 +344,7 @@ def server_info_to_proto(
             weight_transfer_backends=[_BACKENDS[b] for b in server.weight_transfer_backends],
             pause_modes=[_PAUSE_MODES[m] for m in server.pause_modes],
             prefix_caching=server.prefix_caching,
+            compressed_weight_patches=True,
             lora=lora_pb2.LoraCapabilities(
                 enabled=limits.enabled,
                 max_loras=limits.max_loras,

@@ -326,18 +326,20 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("sleep", "weight_transfer_backends", "pause_modes", "prefix_caching", "lora")
+    __slots__ = ("sleep", "weight_transfer_backends", "pause_modes", "prefix_caching", "lora", "compressed_weight_patches")
     SLEEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSFER_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     PAUSE_MODES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSED_WEIGHT_PATCHES_FIELD_NUMBER: _ClassVar[int]
     sleep: bool
     weight_transfer_backends: _containers.RepeatedScalarFieldContainer[WeightTransferBackend]
     pause_modes: _containers.RepeatedScalarFieldContainer[PauseMode]
     prefix_caching: bool
     lora: _lora_pb2.LoraCapabilities
-    def __init__(self, sleep: _Optional[bool] = ..., weight_transfer_backends: _Optional[_Iterable[_Union[WeightTransferBackend, str]]] = ..., pause_modes: _Optional[_Iterable[_Union[PauseMode, str]]] = ..., prefix_caching: _Optional[bool] = ..., lora: _Optional[_Union[_lora_pb2.LoraCapabilities, _Mapping]] = ...) -> None: ...
+    compressed_weight_patches: bool
+    def __init__(self, sleep: _Optional[bool] = ..., weight_transfer_backends: _Optional[_Iterable[_Union[WeightTransferBackend, str]]] = ..., pause_modes: _Optional[_Iterable[_Union[PauseMode, str]]] = ..., prefix_caching: _Optional[bool] = ..., lora: _Optional[_Union[_lora_pb2.LoraCapabilities, _Mapping]] = ..., compressed_weight_patches: _Optional[bool] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
     __slots__ = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "capabilities", "weight_version", "engine", "engine_version", "server_version", "served_model_name", "device", "open_weight_update", "rollback_weight_version")
