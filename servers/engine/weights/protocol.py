@@ -90,10 +90,12 @@ class Bucket(TypedDict):
 class Report(TypedDict):
     """What one worker's last ``update_weights`` or ``finish_weight_update`` did: bytes
     received by broadcast, parameters staged, parameters changed (discarded, committed or
-    restored); ``mismatches`` names parameters whose SHA-256 did not match, ``non_finite`` those
-    holding a NaN or infinity (when checked), ``invalid`` says which broadcast patches do not
-    fit their parameter (indices out of range or not increasing, a bitmap naming another count
-    or elements past the last): nothing of the call is staged if any is non-empty; ``error``:
+    restored); ``mismatches`` names parameters whose SHA-256 did not match, ``invalid`` says
+    which broadcast patches do not fit their parameter (indices out of range or not increasing,
+    a bitmap naming another count or elements past the last, a compressed one that does not
+    decompress to its size): nothing of the call is staged if either is non-empty;
+    ``non_finite`` names those holding a NaN or infinity (broadcast ones when checked, and
+    compressed patches once applied): staged, the server refuses or accepts them; ``error``:
     applying failed and the previous weights were restored; ``handoff_error``: why the worker
     could not map the server's shared-memory buffer (nothing of the call staged: the server
     sends it again inline)."""
