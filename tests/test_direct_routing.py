@@ -4,6 +4,7 @@ servers (tiny model)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import grpc
@@ -13,6 +14,7 @@ from servers.router.router_server import RouterOptions, RouterServer
 from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
 from skyrl_grpc.names import GENERATE_STREAM
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, router_pb2, router_pb2_grpc
+from tests.helpers.sessions import end_every_session
 from tests.helpers.waits import until
 from trainer_client import InferenceClient
 
@@ -60,13 +62,16 @@ async def test_sessions_land_on_the_same_servers_through_the_router_and_directly
     engine_server: Any, second_engine_server: Any
 ) -> None:
     servers = [engine_server, second_engine_server]
+    await end_every_session(servers)  # what earlier tests left would end by idleness meanwhile
     router = await fresh_router([s.address for s in servers])
     client = InferenceClient(router.address, [s.address for s in servers])
     try:
         before = forwarded(router)
-        # Earlier tests may have left live sessions on these shared servers (they end after
-        # ten idle minutes): placement balances what is live, so the check below starts there.
-        await until(lambda: router.pool.placement.sessions.live_sessions() == live(servers))
+        # The router learns from the servers' reports that none are left (a Counter: zeros
+        # and absent servers compare equal).
+        await until(
+            lambda: router.pool.placement.sessions.live_sessions() == Counter(live(servers))
+        )
         held_before = live(servers)
         direct = [f"direct-{i}" for i in range(6)]
         await client.generate_batch([[1, 2, 3]] * 6, GREEDY, session_ids=direct)

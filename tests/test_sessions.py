@@ -87,8 +87,12 @@ async def test_finish_session_frees_its_place_at_the_server_and_the_router(
     assert await client.finish_session(session) is True
     assert session not in (await first_status(home)).sessions_added
 
+    directory = two_server_router.pool.placement.sessions
+
     async def released() -> bool:
-        return (await router_sessions(two_server_router.address))[home] == held - 1
+        # "at most": other tests' sessions may end by idleness meanwhile
+        counted = (await router_sessions(two_server_router.address))[home]
+        return counted <= held - 1 and session not in directory.snapshot()
 
     await until(released, what="the router to stop counting the finished session")
     assert await client.finish_session(session) is False  # nothing left to end
@@ -98,17 +102,25 @@ async def test_finish_session_frees_its_place_at_the_server_and_the_router(
 @pytest.mark.engine
 async def test_a_new_session_goes_to_the_server_holding_fewer(two_server_router: Any) -> None:
     """Bounded-load placement (the router's default): whichever server holds fewer live
-    sessions takes the next new one."""
+    sessions takes the next new one.
+
+    Other tests' sessions live on the shared servers and end by idleness while this runs (the
+    suite outlasts ``SESSION_IDLE_SECONDS``), so each placement is judged against the counts
+    read just before it, and only where nothing but that placement changed them meanwhile."""
     client = InferenceClient(two_server_router.address)
-    start = await router_sessions(two_server_router.address)
-    gap = abs(start[min(start)] - start[max(start)])  # other tests' sessions may live there
-    placed = [f"spread-{i}" for i in range(6)]
+    placed = [f"spread-{i}" for i in range(8)]
+    judged = 0
     for i, session in enumerate(placed):
+        before = await router_sessions(two_server_router.address)
         await client.generate([1, 40 + i, 7], GREEDY, session_id=session)
-    counts = await router_sessions(two_server_router.address)
-    # Each new session narrows the gap by one, or flips an even split to a gap of one.
-    expected = gap - len(placed) if gap >= len(placed) else (len(placed) - gap) % 2
-    assert abs(counts[min(counts)] - counts[max(counts)]) == expected, (start, counts)
+        home = two_server_router.pool.owner(session)
+        assert home is not None
+        after = await router_sessions(two_server_router.address)
+        if after != {**before, home: before[home] + 1}:
+            continue  # another session ended (or began) beside this one
+        judged += 1
+        assert before[home] == min(before.values()), (session, home, before)
+    assert judged >= len(placed) // 2, "other sessions kept changing the counts"
     for session in placed:
         await client.finish_session(session)
     await client.close()
