@@ -53,6 +53,7 @@ from .assembly import ParamLayout, check_patch, decompressed
 from .checkpoint import ServingCheckpoint, bits_of
 from .finite import all_finite
 from .handoff import HandoffReader
+from .heap import HeapKeeper, glibc_trim
 from .protocol import (
     Bucket,
     BucketParameter,
@@ -62,6 +63,10 @@ from .protocol import (
     empty_report,
 )
 from .tp_share import Plan, StreamAborted, TensorParallelShare
+
+# A worker gives freed heap back once it has grown past its start by this many times the
+# model's checkpoint bytes (a full update legitimately keeps one more copy: the rollback).
+HEAP_SLACK = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +111,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self.share = TensorParallelShare()
         self._scratch: list[torch.Tensor | None] = [None, None]  # a peer's receive buffers
         self._handoff = HandoffReader()
+        self._heap: HeapKeeper | None = None
         if self.holds_copy:
             # Read now, while the engine starts, not at the first update: that update's time
             # and the server's memory then never hold a surprise (an RL server is updated
@@ -129,6 +135,11 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         if self._checkpoint is None:
             self._checkpoint = ServingCheckpoint(self._read_checkpoint)
         return self._checkpoint
+
+    def _checkpoint_bytes(self) -> int:
+        from pathlib import Path
+
+        return sum(p.stat().st_size for p in Path(self.model_config.model).glob("*.safetensors"))
 
     def _read_checkpoint(self) -> dict[str, Any]:
         from pathlib import Path
@@ -181,6 +192,8 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self._restoring = False
         if self._checkpoint is not None:
             self._checkpoint.discard()
+        if self._heap is None:  # where the worker stands before its first update
+            self._heap = HeapKeeper(int(HEAP_SLACK * self._checkpoint_bytes()), glibc_trim())
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronizes an accelerator; here everything received is on the host.
@@ -200,7 +213,14 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
 
     def finish_weight_update(self) -> None:
         """Applies the open update (or the restore) to the serving model, on every rank in
-        step (the holder decides what is reloaded)."""
+        step (the holder decides what is reloaded); then gives freed heap back if it piled up."""
+        try:
+            self._finish()
+        finally:
+            if self._heap is not None:
+                self._heap.check()
+
+    def _finish(self) -> None:
         holder = self.holds_copy
         self.report = empty_report()
         if self._restoring:

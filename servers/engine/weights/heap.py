@@ -1,0 +1,78 @@
+"""Giving freed heap back to the system after weight updates, once it has piled up.
+
+Every update frees what the last one allocated (staged tensors, vLLM's layerwise-reload
+buffers, oneDNN's repacked weights) and glibc keeps the freed memory for reuse instead of
+returning it. Updates of mixed sizes (full, sparse, compressed; in-band and collective) reuse it
+poorly, so a long RL run's server grew to ~2.8x the model's bytes above its start, all of it
+free heap (``malloc_trim`` gives it back). Trimming after every update would cost each one the
+page faults of touching fresh memory again; trimming only once the process has grown by more
+than a slack past its start bounds the growth and costs an occasional update.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+Trim = Callable[[], None]
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux: /proc/self/statm)."""
+    with open("/proc/self/statm") as statm:
+        pages = int(statm.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def glibc_trim() -> Trim | None:
+    """``malloc_trim(0)`` where the C library is glibc; None elsewhere (nothing to do)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+
+    def release() -> None:
+        trim(0)
+
+    return release
+
+
+class HeapKeeper:
+    """Trims the heap after an update once the process has grown by more than ``slack`` bytes
+    past where it started (``start``: its resident memory when the engine was ready).
+
+    Where a trim leaves it above that ceiling anyway (memory in use, not freed), the ceiling
+    rises to half a slack above what is left, so a server does not trim after every update."""
+
+    def __init__(
+        self,
+        slack: int,
+        trim: Trim | None,
+        resident: Callable[[], int] = resident_bytes,
+    ) -> None:
+        self._trim = trim  # None: a C library that cannot give heap back
+        self._resident = resident
+        self.slack = slack
+        self.ceiling = resident() + slack
+        self.trims = 0
+
+    def check(self) -> bool:
+        """After an update: trims if grown past the ceiling; whether it trimmed."""
+        now = self._resident()
+        if self._trim is None or now <= self.ceiling:
+            return False
+        self._trim()
+        self.trims += 1
+        after = self._resident()
+        log.info("gave %.0f MiB of freed heap back to the system", (now - after) / 2**20)
+        self.ceiling = max(self.ceiling, after + self.slack // 2)
+        return True
