@@ -10,6 +10,8 @@ at ~9.5 GB/s (`scripts/bench_weights.py` shows what it does to the transfer itse
 ``keep_freed_memory()`` turns both off: large blocks come from the heap and freed memory stays
 there for the next update. The price: the process's resident memory stays at its peak. The engine
 server calls it at start-up (``--return-freed-memory`` opts out); a trainer may call it too.
+``freed_memory_trim()`` is the bound on that price: it gives the freed heap back at once, which
+the engine's weight workers do when it piles up (``servers/engine/weights/heap.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Callable
+from typing import Any
 
 # mallopt parameter numbers, from glibc's <malloc.h>.
 M_TRIM_THRESHOLD = -1
@@ -37,16 +41,35 @@ def keep_freed_memory(children: bool = True) -> bool:
     """
     if any(name in os.environ for name in ENVIRONMENT):
         return False
-    libc_name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(libc_name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+    mallopt = _glibc("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
     if not (mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)):
         return False
     if children:
         os.environ.update(ENVIRONMENT)
     return True
+
+
+def freed_memory_trim() -> Callable[[], None] | None:
+    """``malloc_trim(0)``: gives every freed heap page back to the system. None where the C
+    library is not glibc (nothing to trim)."""
+    trim = _glibc("malloc_trim", [ctypes.c_size_t])
+    if trim is None:
+        return None
+
+    def give_back() -> None:
+        trim(0)
+
+    return give_back
+
+
+def _glibc(name: str, argtypes: list[Any]) -> Any:
+    """The C library's function ``name`` (returning a C int), or None where it has none."""
+    try:
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)
+    except (OSError, AttributeError, TypeError):
+        return None
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function

@@ -3,7 +3,8 @@ after every update (each trim costs the next update its page faults)."""
 
 from __future__ import annotations
 
-from servers.engine.weights.heap import HeapKeeper, glibc_trim, resident_bytes
+from servers.engine.weights.heap import HeapKeeper, resident_bytes
+from skyrl_grpc.host_memory import freed_memory_trim
 
 
 class Process:
@@ -40,7 +41,7 @@ def test_without_a_trim_it_never_trims() -> None:
 
 
 def test_glibc_trim_runs_in_this_process() -> None:
-    trim = glibc_trim()
+    trim = freed_memory_trim()
     assert trim is not None  # this project's machines run glibc
     trim()
     assert resident_bytes() > 0

@@ -47,13 +47,14 @@ from vllm.model_executor.model_loader.reload.inplace import reload_weights
 from skyrl_grpc import dtypes, patch_format
 from skyrl_grpc.dtypes import num_elements, torch_name
 from skyrl_grpc.errors import InvalidArgument
+from skyrl_grpc.host_memory import freed_memory_trim
 from skyrl_grpc.tensor_bytes import sha256_of
 
 from .assembly import ParamLayout, check_patch, decompressed
 from .checkpoint import ServingCheckpoint, bits_of
 from .finite import all_finite
 from .handoff import HandoffReader
-from .heap import HeapKeeper, glibc_trim
+from .heap import HeapKeeper
 from .protocol import (
     Bucket,
     BucketParameter,
@@ -193,7 +194,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         if self._checkpoint is not None:
             self._checkpoint.discard()
         if self._heap is None:  # where the worker stands before its first update
-            self._heap = HeapKeeper(int(HEAP_SLACK * self._checkpoint_bytes()), glibc_trim())
+            self._heap = HeapKeeper(int(HEAP_SLACK * self._checkpoint_bytes()), freed_memory_trim())
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronizes an accelerator; here everything received is on the host.
