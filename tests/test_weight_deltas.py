@@ -23,7 +23,7 @@ from skyrl_grpc.v1 import control_plane_pb2_grpc
 from tests.helpers.weights import greedy_per_server, next_version, perturbed
 from trainer_client import InferenceClient
 from trainer_client.exceptions import ServerError
-from trainer_client.weight_sending import parameter_spec
+from trainer_client.weight_sending import parameter_spec, weight_patches
 
 pytestmark = [pytest.mark.engine]
 
@@ -415,8 +415,6 @@ async def test_bad_patches_over_the_collective_are_refused_and_the_weights_stay(
 async def test_compressed_patches_give_the_same_weights_in_band_and_over_the_collective(
     delta_fleet: DeltaFleet, broadcasting_client: InferenceClient
 ) -> None:
-    from trainer_client.weight_sending import weight_patches
-
     client, servers = broadcasting_client, delta_fleet.servers
     weights = perturbed(delta_fleet.original, seed=81)
     version = await next_version(client)
@@ -424,17 +422,29 @@ async def test_compressed_patches_give_the_same_weights_in_band_and_over_the_col
     steps = [(t, f) for t in ("grpc", "collective") for f in (0.02, 0.1)]  # indices; bitmaps
     for step, (transport, fraction) in enumerate(steps, start=1):
         stepped = a_training_step(weights, seed=81 + step, fraction=fraction)
-        plain = sum(data.numel() for _, data in weight_patches(stepped.items(), weights, 0))
-        await client.update_weights(
-            stepped.items(),
-            version + step,
-            transport=transport,  # type: ignore[arg-type]
-            compress_patches=True,
-        )
-        sent = client.last_push_bytes
+        plain, sent = await pushed_compressed(client, weights, stepped, version + step, transport)
         assert all(0 < n < 0.8 * plain for n in sent.values()), (sent, plain)
         assert await served_checksums(client) == dict.fromkeys(servers, expected_checksums(stepped))
         weights = stepped
+
+
+async def pushed_compressed(
+    client: InferenceClient,
+    base: dict[str, torch.Tensor],
+    stepped: dict[str, torch.Tensor],
+    version: int,
+    transport: str,
+) -> tuple[int, dict[str, int]]:
+    """Pushes ``stepped`` over ``base`` with compressed patches: the bytes its plain patches
+    would have taken, and what went to each server."""
+    plain = sum(data.numel() for _, data in weight_patches(stepped.items(), base, 0))
+    await client.update_weights(
+        stepped.items(),
+        version,
+        transport=transport,  # type: ignore[arg-type]
+        compress_patches=True,
+    )
+    return plain, dict(client.last_push_bytes)
 
 
 def _compressed_patch(
@@ -512,8 +522,6 @@ async def test_a_server_that_does_not_take_compressed_patches_gets_them_plain(
     delta_fleet: DeltaFleet, broadcasting_client: InferenceClient, monkeypatch: Any
 ) -> None:
     from trainer_client import weight_updates
-    from trainer_client.weight_sending import weight_patches
-
     client, servers = broadcasting_client, delta_fleet.servers
     newer, older = servers
     asked = weight_updates._TransactionCalls.serving_version
@@ -530,14 +538,7 @@ async def test_a_server_that_does_not_take_compressed_patches_gets_them_plain(
     await client.update_weights(weights.items(), version, transport="grpc")
     for step, transport in enumerate(("grpc", "collective"), start=1):
         stepped = a_training_step(weights, seed=95 + step)
-        plain = sum(data.numel() for _, data in weight_patches(stepped.items(), weights, 0))
-        await client.update_weights(
-            stepped.items(),
-            version + step,
-            transport=transport,  # type: ignore[arg-type]
-            compress_patches=True,
-        )
-        sent = client.last_push_bytes
+        plain, sent = await pushed_compressed(client, weights, stepped, version + step, transport)
         assert sent[older] == plain
         # In-band each server gets its own; one broadcast reaches both: plain to both.
         assert sent[newer] < 0.8 * plain if transport == "grpc" else sent[newer] == plain
