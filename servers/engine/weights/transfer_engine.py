@@ -66,8 +66,9 @@ from .protocol import (
 from .tp_share import Plan, StreamAborted, TensorParallelShare
 
 # A worker gives freed heap back once it has grown past its start by this many times the
-# model's checkpoint bytes (a full update legitimately keeps one more copy: the rollback).
-HEAP_SLACK = 2.0
+# weight bytes it holds (its shard of the model, and the checkpoint copy at rank 0): 2x the
+# model at TP=1, where a full update legitimately keeps one more copy (the rollback).
+HEAP_SLACK = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,10 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         if self._checkpoint is not None:
             self._checkpoint.discard()
         if self._heap is None:  # where the worker stands before its first update
-            self._heap = HeapKeeper(int(HEAP_SLACK * self._checkpoint_bytes()), freed_memory_trim())
+            model = self._checkpoint_bytes()
+            tp = self.vllm_config.parallel_config.tensor_parallel_size
+            held = model // tp + (model if self.holds_copy else 0)  # its shard, and the copy
+            self._heap = HeapKeeper(int(HEAP_SLACK * held), freed_memory_trim())
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronizes an accelerator; here everything received is on the host.
