@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import mmap
 import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from servers.engine.weights.handoff import HandoffBuffer
 from skyrl_grpc.tensor_bytes import sha256_of
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2, data_plane_pb2_grpc
@@ -184,6 +186,42 @@ async def test_a_push_handed_to_the_engine_in_small_pieces_serves_exactly_the_ne
         assert checksums[server.address] == sender_checksums(new_weights)
         assert (await greedy_per_server([server.address]))[server.address] == new_weights_reference
         await client.close()
+
+
+class UnseenBuffer(HandoffBuffer):
+    """The server's shared-memory file as a worker on another host, or in a container with a
+    /dev/shm of its own, sees it: not at all (removed as soon as the server mapped it)."""
+
+    def _make(self) -> mmap.mmap:
+        buffer = super()._make()
+        self.mapped()  # removes the name; the server's mapping stays
+        return buffer
+
+
+async def test_a_worker_that_cannot_see_the_servers_shared_memory_gets_the_bytes_inline(
+    pushed_fleet: PushedFleet,
+    engine_server: Any,
+    new_weights: dict[str, torch.Tensor],
+    new_weights_reference: list[list[int]],
+    original_greedy: dict[str, list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker says why it cannot map the file; the server sends that batch again inline,
+    and every later one, and the update serves exactly the sender's bytes."""
+    client: InferenceClient = pushed_fleet.client
+    workers = engine_server.state.started.weights_workers
+    unseen = UnseenBuffer(workers._handoff.size)
+    monkeypatch.setattr(workers, "_handoff", unseen)
+    try:
+        version = await next_version(client)
+        await client.update_weights(new_weights.items(), version, transport="grpc")
+        assert unseen.inline, "the server kept using a buffer its worker cannot see"
+        await assert_serving(pushed_fleet, new_weights, new_weights_reference)
+        # Inline from the start now (a delta this time: patches take the same path).
+        await client.update_weights(pushed_fleet.original.items(), transport="grpc")
+        await assert_serving(pushed_fleet, pushed_fleet.original, original_greedy)
+    finally:
+        unseen.close()
 
 
 async def test_collective_gloo_updates_two_servers_with_their_own_rank_offsets(

@@ -62,6 +62,11 @@ class HandoffBuffer:
         self._linked = False
         self._unavailable = False
 
+    @property
+    def inline(self) -> bool:
+        """Whether every batch goes inline now (no shared memory, or workers that cannot map it)."""
+        return self._unavailable
+
     def place(self, pieces: Sequence[Sequence[bytes | memoryview]]) -> list[list[int]] | None:
         """Copies the pieces' chunks into the buffer, one piece after another while they fit;
         returns where each placed piece lies (``[start, length]``: the pieces that did not fit
