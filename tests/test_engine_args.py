@@ -17,6 +17,7 @@ def test_the_tiny_model_on_cpu_runs_in_one_process_on_one_thread() -> None:
     assert args["distributed_executor_backend"] == "uni" and args["max_logprobs"] == 5
     assert "gpu_memory_utilization" not in args and "enable_lora" not in args
     assert env == {
+        "SKYRL_WEIGHT_HEAP_SLACK": "1",
         "VLLM_CPU_KVCACHE_SPACE": "2",
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -48,4 +49,15 @@ def test_gpu_arguments_and_extra_arguments_win() -> None:
     made = engine_arguments(options, RequestLimits(), GPU, "/m")
     assert made.args["gpu_memory_utilization"] == 0.5 and made.args["enable_sleep_mode"]
     assert made.args["max_num_seqs"] == 7
-    assert made.environment == {}
+    assert made.environment == {"SKYRL_WEIGHT_HEAP_SLACK": "1"}  # nothing of CPU serving
+
+
+def test_the_weight_heap_slack_reaches_the_workers_environment() -> None:
+    """The workers' weight-transfer engine reads it there (vLLM's config has no place for it);
+    a negative slack means never give freed memory back."""
+    for platform in (CPU, GPU):
+        options = EngineOptions(model="/m", weight_heap_slack=-1)
+        made = engine_arguments(options, RequestLimits(), platform, "/m")
+        assert made.environment["SKYRL_WEIGHT_HEAP_SLACK"] == "-1"
+    half = engine_arguments(EngineOptions(weight_heap_slack=0.5), RequestLimits(), CPU, "/m")
+    assert half.environment["SKYRL_WEIGHT_HEAP_SLACK"] == "0.5"

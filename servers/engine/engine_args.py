@@ -10,6 +10,7 @@ from skyrl_grpc.tiny_model import ensure_tiny_model
 
 from .options import TINY_MODEL_NAME, EngineOptions, RequestLimits
 from .weights.protocol import BACKEND as WEIGHT_TRANSFER_BACKEND
+from .weights.protocol import HEAP_SLACK_ENVIRONMENT
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ def engine_arguments(
     options: EngineOptions, limits: RequestLimits, platform: Platform, model_path: str
 ) -> EngineArguments:
     """What vLLM starts with for these options on this platform."""
-    environment: dict[str, str] = {}
+    # Read by the weight-transfer engine in each worker (vLLM's config has no place for it).
+    environment: dict[str, str] = {HEAP_SLACK_ENVIRONMENT: f"{options.weight_heap_slack:g}"}
     if platform.is_cpu:
         environment["VLLM_CPU_KVCACHE_SPACE"] = f"{options.kv_cache_gib:g}"
     dtype = options.dtype

@@ -53,6 +53,10 @@ class EngineOptions:
     # In-band weight bytes handed to vLLM's workers per call: what the server and the engine
     # core hold of a push at a time.
     weight_stage_batch_bytes: int = 32 << 20
+    # A weight worker gives freed heap back once grown past its start by this many times the
+    # weight bytes it holds (``servers/engine/weights/heap.py``); 0: after every update;
+    # negative: never.
+    weight_heap_slack: float = 1.0
     # Accept weights holding NaN or infinity (refused by default: they poison generation).
     allow_non_finite_weights: bool = False
     # A session without a request for this long ends (its place is free for placement).
@@ -149,6 +153,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "holds of a push at a time (default %(default)s)",
     )
     group.add_argument(
+        "--weight-heap-slack",
+        type=float,
+        default=d.weight_heap_slack,
+        help="a weight-updating worker gives freed memory back to the system once it has grown "
+        "past its start by this many times the weight bytes it holds (its shard of the model "
+        "and, at rank 0, the checkpoint copy); 0: after every update (slower updates), "
+        "negative: never (default %(default)s)",
+    )
+    group.add_argument(
         "--session-idle-seconds",
         type=float,
         default=d.session_idle_seconds,
@@ -215,6 +228,7 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
         enable_prefix_caching=not args.no_prefix_caching,
         weight_update_lease_seconds=args.weight_update_lease_seconds,
         weight_stage_batch_bytes=args.weight_stage_batch_bytes,
+        weight_heap_slack=args.weight_heap_slack,
         allow_non_finite_weights=args.allow_non_finite_weights,
         session_idle_seconds=args.session_idle_seconds,
         enable_lora=args.enable_lora,

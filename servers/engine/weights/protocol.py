@@ -145,6 +145,9 @@ class Group(TypedDict):
 
 Rpc = Callable[[str, tuple[Any, ...]], Awaitable[list[Any]]]
 
+# The server's --weight-heap-slack, as its engine's workers inherit it (``heap.HeapKeeper``).
+HEAP_SLACK_ENVIRONMENT = "SKYRL_WEIGHT_HEAP_SLACK"
+
 # What vLLM's worker says when ``start_weight_update`` finds a session still open.
 STALE_SESSION = "weight update is already active"
 

@@ -29,6 +29,7 @@ it open; the server reads the report through the worker extension (``worker``).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ from .finite import all_finite
 from .handoff import HandoffReader
 from .heap import HeapKeeper
 from .protocol import (
+    HEAP_SLACK_ENVIRONMENT,
     Bucket,
     BucketParameter,
     Group,
@@ -67,7 +69,8 @@ from .tp_share import Plan, StreamAborted, TensorParallelShare
 
 # A worker gives freed heap back once it has grown past its start by this many times the
 # weight bytes it holds (its shard of the model, and the checkpoint copy at rank 0): 2x the
-# model at TP=1, where a full update legitimately keeps one more copy (the rollback).
+# model at TP=1, where a full update legitimately keeps one more copy (the rollback). The
+# server's --weight-heap-slack sets it (HEAP_SLACK_ENVIRONMENT); negative: never.
 HEAP_SLACK = 1.0
 
 log = logging.getLogger(__name__)
@@ -198,7 +201,9 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             model = self._checkpoint_bytes()
             tp = self.vllm_config.parallel_config.tensor_parallel_size
             held = model // tp + (model if self.holds_copy else 0)  # its shard, and the copy
-            self._heap = HeapKeeper(int(HEAP_SLACK * held), freed_memory_trim())
+            slack = float(os.environ.get(HEAP_SLACK_ENVIRONMENT, HEAP_SLACK))
+            trim = freed_memory_trim() if slack >= 0 else None
+            self._heap = HeapKeeper(int(slack * held), trim)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronizes an accelerator; here everything received is on the host.
