@@ -522,6 +522,7 @@ async def test_a_server_that_does_not_take_compressed_patches_gets_them_plain(
     delta_fleet: DeltaFleet, broadcasting_client: InferenceClient, monkeypatch: Any
 ) -> None:
     from trainer_client import weight_updates
+
     client, servers = broadcasting_client, delta_fleet.servers
     newer, older = servers
     asked = weight_updates._TransactionCalls.serving_version

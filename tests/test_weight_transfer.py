@@ -224,6 +224,47 @@ async def test_a_worker_that_cannot_see_the_servers_shared_memory_gets_the_bytes
         unseen.close()
 
 
+async def test_a_reload_that_fails_part_way_leaves_every_server_on_its_old_weights(
+    pushed_fleet: PushedFleet,
+    engine_server: Any,
+    new_weights: dict[str, torch.Tensor],
+    new_weights_reference: list[list[int]],
+    original_greedy: dict[str, list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """vLLM's layerwise reload raising in the middle of the new weights (some layers already
+    reloaded, the rest not) fails that server's commit: it reloads its previous weights, the
+    fleet rolls back the server that had committed, the error says what happened, and the next
+    update succeeds. The fault is a plugin in a fresh server's engine core
+    (``tests.helpers.reload_fault``)."""
+    from tests.conftest import running_engine_server
+    from tests.helpers import reload_fault
+
+    # The engine core is spawned with this process's sys.path (multiprocessing sets it there).
+    monkeypatch.syspath_prepend(str(reload_fault.plugin_directory(tmp_path)))
+    original = pushed_fleet.original
+    async for fresh in running_engine_server():
+        servers = [fresh.address, engine_server.address]
+        client = InferenceClient(servers[0], servers, direct=False)
+        before = await client.weight_versions()
+        with pytest.raises(WeightUpdateError) as raised:
+            await client.update_weights(new_weights.items(), await next_version(client))
+        assert raised.value.consistent
+        failed = raised.value.outcomes[fresh.address].what
+        assert "previous weights restored" in failed and reload_fault.MESSAGE in failed, failed
+        assert await client.weight_versions() == before
+        checksums = await client.weight_checksums()
+        assert all(checksums[a] == sender_checksums(original) for a in servers)
+        greedy = await greedy_per_server(servers)
+        assert all(greedy[a] == original_greedy[engine_server.address] for a in servers)
+        # The next update succeeds on both, and so does going back.
+        await client.update_weights(new_weights.items(), await next_version(client))
+        assert (await greedy_per_server(servers))[fresh.address] == new_weights_reference
+        await client.update_weights(original.items(), await next_version(client))
+        await client.close()
+
+
 async def test_collective_gloo_updates_two_servers_with_their_own_rank_offsets(
     pushed_fleet: PushedFleet,
     new_weights: dict[str, torch.Tensor],

@@ -44,6 +44,7 @@ from vllm.distributed.weight_transfer.base import (
     layerwise_groups,
 )
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
+from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_processing
 
 from skyrl_grpc import dtypes, patch_format
 from skyrl_grpc.dtypes import num_elements, torch_name
@@ -382,13 +383,28 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             return
         # vLLM warns for every layer a reload leaves as it was: expected here, not a failure.
         with _quiet(*_RELOAD_LOGGERS):
-            reload_weights(
-                self.vllm_config,
-                self.model,
-                weights_iterator=self.share.stream(plan, weights),
-                weights_path=None,
-                is_checkpoint_format=True,
-            )
+            try:
+                reload_weights(
+                    self.vllm_config,
+                    self.model,
+                    weights_iterator=self.share.stream(plan, weights),
+                    weights_path=None,
+                    is_checkpoint_format=True,
+                )
+            except BaseException:
+                self._end_broken_reload()
+                raise
+
+    def _end_broken_reload(self) -> None:
+        """Ends the layerwise reload a failure broke off: without it the layers not reached stay
+        on the meta device with vLLM's wrapped loaders, and the reload of the previous weights
+        that follows fails ("'Parameter' object has no attribute 'weight_loader'"). vLLM's
+        finalize puts the untouched layers' kernel tensors back and processes the ones half
+        loaded; the reload that follows rewrites every layer the update touched."""
+        try:
+            finalize_layerwise_processing(self.model, self.model_config)
+        except Exception:
+            log.exception("ending the broken reload failed too")
 
 
 _RELOAD_LOGGERS = (
