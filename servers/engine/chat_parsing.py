@@ -253,15 +253,42 @@ class ChatOutputParsing:
         if self._parsers[i] is None:
             message.chat_delta.content = message.text
             return
-        delta = self._parsers[i].parse_delta(
-            delta_text=message.text,
-            delta_token_ids=list(message.token_ids),
+        delta = self._parse_delta(i, message.text, list(message.token_ids), finished)
+        if delta is not None:
+            message.chat_delta.CopyFrom(_delta_to_proto(delta))
+
+    def _parse_delta(self, i: int, text: str, token_ids: list[int], finished: bool) -> Any:
+        """Sample ``i``'s next delta through its parser. vLLM's thinking-model reasoning parsers
+        keep the start marker's text in the reasoning when it arrives with later tokens (a
+        delta holds several tokens when the engine's outputs pile up under load), so a marker
+        that opens a delta goes to the parser on its own first."""
+        parser = self._parsers[i]
+        marker = _reasoning_start(parser)
+        first = None
+        if marker is not None and len(token_ids) > 1 and token_ids[0] == marker[0]:
+            if text.startswith(marker[1]):
+                first = parser.parse_delta(
+                    delta_text=marker[1],
+                    delta_token_ids=token_ids[:1],
+                    request=self._request,
+                    prompt_token_ids=self._prompt,
+                    finished=False,
+                )
+                text, token_ids = text[len(marker[1]) :], token_ids[1:]
+        delta = parser.parse_delta(
+            delta_text=text,
+            delta_token_ids=token_ids,
             request=self._request,
             prompt_token_ids=self._prompt,
             finished=finished,
         )
-        if delta is not None:
-            message.chat_delta.CopyFrom(_delta_to_proto(delta))
+        if first is None:
+            return delta
+        if delta is not None:  # both said something (parsers skip a lone marker: not seen)
+            first.reasoning = (first.reasoning or "") + (delta.reasoning or "") or None
+            first.content = (first.content or "") + (delta.content or "") or None
+            first.tool_calls = [*first.tool_calls, *delta.tool_calls]
+        return first
 
     def _parse_whole(self, i: int) -> tools_pb2.ChatMessageOut:
         from vllm.renderers.chat_utils import make_tool_call_id
@@ -318,6 +345,16 @@ def _with_adjustments(
     if after.skip_special_tokens != before.skip_special_tokens:
         sampling.skip_special_tokens = after.skip_special_tokens
     return sampling
+
+
+def _reasoning_start(parser: Any) -> tuple[int, str] | None:
+    """The reasoning parser's start marker (token id, text), where it has one."""
+    reasoning = getattr(parser, "_reasoning_parser", None)
+    token_id = getattr(reasoning, "start_token_id", None)
+    token = getattr(reasoning, "start_token", None)
+    if isinstance(token_id, int) and isinstance(token, str) and token:
+        return token_id, token
+    return None
 
 
 def _delta_to_proto(delta: Any) -> tools_pb2.ChatDelta:
