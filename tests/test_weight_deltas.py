@@ -21,7 +21,7 @@ from skyrl_grpc.tensor_bytes import sha256_of
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
 from tests.helpers.weights import greedy_per_server, next_version, perturbed
-from trainer_client import InferenceClient
+from trainer_client import InferenceClient, WeightUpdateError
 from trainer_client.exceptions import ServerError
 from trainer_client.weight_sending import parameter_spec, weight_patches
 
@@ -219,13 +219,17 @@ async def test_bad_patches_are_refused_and_the_weights_stay(delta_fleet: DeltaFl
 
 
 async def test_a_tensor_parallel_server_takes_deltas_and_rolls_back_exactly(
-    delta_fleet: DeltaFleet,
+    delta_fleet: DeltaFleet, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     # Two workers, each with its shard: the patch is applied in checkpoint coordinates (to the
     # one copy TP rank 0 keeps), the server reports the whole parameters (checksums), and greedy
     # outputs match a TP=1 server serving the same weights.
     from tests.conftest import running_engine_server
+    from tests.helpers import reload_fault
 
+    trigger = tmp_path / "break-a-reload"
+    monkeypatch.setenv(reload_fault.TRIGGER, str(trigger))
+    monkeypatch.syspath_prepend(str(reload_fault.plugin_directory(tmp_path)))
     single = delta_fleet.servers[0]
     async for tp_server in running_engine_server(tensor_parallel_size=2):
         both = [single, tp_server.address]
@@ -252,6 +256,16 @@ async def test_a_tensor_parallel_server_takes_deltas_and_rolls_back_exactly(
         compressed = a_training_step(base, seed=43)
         await client.update_weights(compressed.items(), version + 3, compress_patches=True)
         assert await served_checksums(client) == dict.fromkeys(both, expected_checksums(compressed))
+        # A reload broken off part-way on rank 1 alone (rank 0 reloaded its shard): both ranks
+        # restore in step, and the fleet rolls the TP=1 server back.
+        reload_fault.arm(trigger, rank=1)
+        with pytest.raises(WeightUpdateError) as raised:
+            await client.update_weights(a_training_step(compressed, seed=45).items(), version + 4)
+        assert not trigger.exists(), "no reload broke"
+        assert reload_fault.MESSAGE in raised.value.outcomes[tp_server.address].what
+        assert await served_checksums(client) == dict.fromkeys(both, expected_checksums(compressed))
+        outputs = await greedy_per_server(both)
+        assert outputs[single] == outputs[tp_server.address]
         await client.close()
         # Over the collective: both TP ranks receive every broadcast, rank 0 applies it.
         tp = tp_server.address

@@ -241,15 +241,20 @@ async def test_a_reload_that_fails_part_way_leaves_every_server_on_its_old_weigh
     from tests.conftest import running_engine_server
     from tests.helpers import reload_fault
 
+    trigger = tmp_path / "break-a-reload"
+    monkeypatch.setenv(reload_fault.TRIGGER, str(trigger))
     # The engine core is spawned with this process's sys.path (multiprocessing sets it there).
     monkeypatch.syspath_prepend(str(reload_fault.plugin_directory(tmp_path)))
     original = pushed_fleet.original
     async for fresh in running_engine_server():
         servers = [fresh.address, engine_server.address]
         client = InferenceClient(servers[0], servers, direct=False)
+        await client.update_weights(original.items(), await next_version(client))  # one version
         before = await client.weight_versions()
+        reload_fault.arm(trigger)
         with pytest.raises(WeightUpdateError) as raised:
             await client.update_weights(new_weights.items(), await next_version(client))
+        assert not trigger.exists(), "no reload broke"
         assert raised.value.consistent
         failed = raised.value.outcomes[fresh.address].what
         assert "previous weights restored" in failed and reload_fault.MESSAGE in failed, failed

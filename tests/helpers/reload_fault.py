@@ -1,38 +1,65 @@
-"""A fault for tests: vLLM's layerwise reload breaks part-way through the new weights, once.
+"""A fault for tests: vLLM's layerwise reload breaks part-way through the weights, on demand.
 
-vLLM's CPU platform spawns its engine core, so a test cannot patch it from its own process.
-This module is a vLLM general plugin instead: ``plugin_directory`` writes a distribution whose
-``vllm.general_plugins`` entry point is ``install``; with that directory on ``sys.path`` when a
-server starts its engine, the engine core (spawned with this process's ``sys.path``, it loads
-every general plugin it finds) wraps the weight-transfer engine's ``reload_weights`` so that its first call
-raises after a few tensors: some layers already reloaded with the new weights, the rest not.
+vLLM's CPU platform spawns its engine core (and, above TP=1, its workers), so a test cannot
+patch them from its own process. This module is a vLLM general plugin instead:
+``plugin_directory`` writes a distribution whose ``vllm.general_plugins`` entry point is
+``install``; with that directory on ``sys.path`` when a server starts its engine (the processes
+vLLM spawns get this process's ``sys.path`` and load every general plugin they find), each one
+wraps the weight-transfer engine's ``reload_weights``. The wrapper breaks a reload after a few
+tensors (some layers reloaded, the rest not) when the trigger file named by ``TRIGGER`` in the
+environment exists and names its tensor-parallel rank (or ``any``); the first to break removes
+it, so one reload breaks per trigger.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+# The environment variable naming the trigger file.
+TRIGGER = "SKYRL_TEST_RELOAD_FAULT"
 # Tensors the broken reload takes before it raises.
 BROKEN_AFTER = 8
 MESSAGE = "reload broke part-way (injected)"
 
 
 def install() -> None:
+    if TRIGGER not in os.environ:
+        return
     from servers.engine.weights import transfer_engine
 
     real = transfer_engine.reload_weights
-    calls = 0
 
-    def failing_once(*args: Any, weights_iterator: Iterable[Any], **kwargs: Any) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
+    def breakable(*args: Any, weights_iterator: Iterable[Any], **kwargs: Any) -> None:
+        if _triggered():
             weights_iterator = _broken_after(weights_iterator, BROKEN_AFTER)
         real(*args, weights_iterator=weights_iterator, **kwargs)
 
-    transfer_engine.reload_weights = failing_once
+    transfer_engine.reload_weights = breakable
+
+
+def arm(trigger: Path, rank: int | None = None) -> None:
+    """Breaks the next reload on ``rank`` (None: whichever reloads first)."""
+    trigger.write_text("any" if rank is None else str(rank))
+
+
+def _triggered() -> bool:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    path = os.environ[TRIGGER]
+    try:
+        wanted = Path(path).read_text().strip()
+    except FileNotFoundError:
+        return False
+    if wanted not in ("any", str(get_tensor_model_parallel_rank())):
+        return False
+    try:
+        os.remove(path)  # one reload breaks per trigger
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _broken_after(weights: Iterable[Any], count: int) -> Iterator[Any]:
