@@ -30,7 +30,8 @@ def resident_bytes() -> int:
 
 class HeapKeeper:
     """Trims the heap after an update once the process has grown by more than ``slack`` bytes
-    past where it started (``start``: its resident memory when the engine was ready).
+    past where it stood when the keeper was made (the worker makes it as its first update
+    starts).
 
     Where a trim leaves it above that ceiling anyway (memory in use, not freed), the ceiling
     rises to half a slack above what is left, so a server does not trim after every update."""

@@ -142,19 +142,17 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             self._checkpoint = ServingCheckpoint(self._read_checkpoint)
         return self._checkpoint
 
-    def _checkpoint_bytes(self) -> int:
+    def _checkpoint_files(self) -> list[Any]:
+        """The model's safetensors files (``pathlib.Path``), in order."""
         from pathlib import Path
 
-        return sum(p.stat().st_size for p in Path(self.model_config.model).glob("*.safetensors"))
+        return sorted(Path(self.model_config.model).glob("*.safetensors"))
 
     def _read_checkpoint(self) -> dict[str, Any]:
-        from pathlib import Path
-
         from safetensors.torch import load_file
 
-        model_dir = Path(self.model_config.model)
         weights: dict[str, Any] = {}
-        for path in sorted(model_dir.glob("*.safetensors")):
+        for path in self._checkpoint_files():
             # load_file maps the file: its tensors would be read at the first reload and
             # copied page by page at the first write (patches, or a full update reusing them:
             # ~0.7 GB of page faults in the second update of a 0.3B bf16 model). Copied into
@@ -162,7 +160,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             for name, mapped in load_file(str(path), device="cpu").items():
                 weights[name] = mapped.clone()
         if not weights:
-            raise RuntimeError(f"no safetensors weights in {model_dir} to update")
+            raise RuntimeError(f"no safetensors weights in {self.model_config.model} to update")
         return weights
 
     # -- vLLM's lifecycle ------------------------------------------------------------------
@@ -199,7 +197,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         if self._checkpoint is not None:
             self._checkpoint.discard()
         if self._heap is None:  # where the worker stands before its first update
-            model = self._checkpoint_bytes()
+            model = sum(path.stat().st_size for path in self._checkpoint_files())
             tp = self.vllm_config.parallel_config.tensor_parallel_size
             held = model // tp + (model if self.holds_copy else 0)  # its shard, and the copy
             slack = float(os.environ.get(HEAP_SLACK_ENVIRONMENT, HEAP_SLACK))
@@ -541,8 +539,7 @@ def _check_received(
         except InvalidArgument as error:
             received.invalid.append(str(error))
             return
-        if keep:
-            received.patches.append((param, raw))
+        received.patches.append((param, raw))
         return
     if changed:
         bitmap = bool(param.get("bitmap", False))
