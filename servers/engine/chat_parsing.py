@@ -232,13 +232,7 @@ class ChatOutputParsing:
         if self._whole or self._parsers[0] is None:
             self._texts[0], self._token_ids[0] = text, list(self._resumed)
             return
-        self._parsers[0].parse_delta(
-            delta_text=text,
-            delta_token_ids=list(self._resumed),
-            request=self._request,
-            prompt_token_ids=self._prompt,
-            finished=False,
-        )
+        self._feed(self._parsers[0], text, list(self._resumed), finished=False)
 
     def annotate(self, message: data_plane_pb2.GenerateStreamResponse) -> None:
         """Adds the parsed delta (or, at a sample's end, the whole message) to ``message``."""
@@ -267,21 +261,9 @@ class ChatOutputParsing:
         first = None
         if marker is not None and len(token_ids) > 1 and token_ids[0] == marker[0]:
             if text.startswith(marker[1]):
-                first = parser.parse_delta(
-                    delta_text=marker[1],
-                    delta_token_ids=token_ids[:1],
-                    request=self._request,
-                    prompt_token_ids=self._prompt,
-                    finished=False,
-                )
+                first = self._feed(parser, marker[1], token_ids[:1], finished=False)
                 text, token_ids = text[len(marker[1]) :], token_ids[1:]
-        delta = parser.parse_delta(
-            delta_text=text,
-            delta_token_ids=token_ids,
-            request=self._request,
-            prompt_token_ids=self._prompt,
-            finished=finished,
-        )
+        delta = self._feed(parser, text, token_ids, finished)
         if first is None:
             return delta
         if delta is not None:  # both said something (parsers skip a lone marker: not seen)
@@ -289,6 +271,16 @@ class ChatOutputParsing:
             first.content = (first.content or "") + (delta.content or "") or None
             first.tool_calls = [*first.tool_calls, *delta.tool_calls]
         return first
+
+    def _feed(self, parser: Any, text: str, token_ids: list[int], finished: bool) -> Any:
+        """One delta of a sample's output through its parser (vLLM's ``parse_delta``)."""
+        return parser.parse_delta(
+            delta_text=text,
+            delta_token_ids=token_ids,
+            request=self._request,
+            prompt_token_ids=self._prompt,
+            finished=finished,
+        )
 
     def _parse_whole(self, i: int) -> tools_pb2.ChatMessageOut:
         from vllm.renderers.chat_utils import make_tool_call_id
