@@ -7,6 +7,11 @@ decides what vLLM's server decides: whether the tool choice is valid, which cons
 ``required`` or named choice puts on the output (``Parser.adjust_request``), and how the text is
 split into reasoning, content and calls (``Parser.parse`` for a whole answer, ``parse_delta``
 for a stream). One parser per sample: vLLM's parsers keep per-stream state.
+
+A ``required`` or named tool choice needs no ``--tool-call-parser``: its output is constrained to
+the tools' JSON schema, so vLLM's generic JSON reading of forced calls (``DelegatingParser`` with
+a tool parser that ``supports_required_and_named``) finds the calls whatever the model's own
+call format. Only ``auto``, where free text must be read for calls, needs the model's parser.
 """
 
 from __future__ import annotations
@@ -107,6 +112,8 @@ class ChatParsers:
                 model_name=self.model_name,
                 tokenizer=self.tokenizer,
             )
+        # Built at the first forced choice on a server whose parser reads no calls.
+        self._forced_parser_cls: Any = None
 
     def prepare(
         self,
@@ -142,9 +149,10 @@ class ChatParsers:
             )
         request = self._request(use, choice, sampling)
         self._check_supported(request)
-        if self._parser_cls is None:
+        parser_cls = self._parser_for(request.tool_choice)
+        if parser_cls is None:
             return sampling, ChatOutputParsing([None] * n, request, prompt_token_ids, chat, False)
-        parsers = [self._new_parser(request) for _ in range(n)]
+        parsers = [parser_cls(self.tokenizer, request.tools) for _ in range(n)]
         # vLLM's rule: the parser adjusts the request (a JSON schema for required / named
         # choices, special tokens kept for markers that are special tokens).
         adjusted = parsers[0].adjust_request(request.model_copy(deep=True))
@@ -179,25 +187,53 @@ class ChatParsers:
             raise InvalidArgument(f"tool_use: {_first_error(exc)}") from exc
 
     def _check_supported(self, request: Any) -> None:
-        """vLLM's server's refusals of tool choices this server was not started for."""
-        if request.tool_choice in (None, "none"):
+        """vLLM's server's refusal of a tool choice this server was not started for: ``auto``
+        reads calls out of free text, in the model's own format, which only its parser knows."""
+        if request.tool_choice != "auto":
             return
-        if self.tool_call_parser and (
-            request.tool_choice != "auto" or self.enable_auto_tool_choice
-        ):
-            return
-        if request.tool_choice == "auto":
+        if not (self.tool_call_parser and self.enable_auto_tool_choice):
             raise FailedPrecondition(
                 '"auto" tool choice needs a server started with --enable-auto-tool-choice and '
                 "--tool-call-parser"
             )
-        raise FailedPrecondition(
-            f"tool_choice {_describe(request.tool_choice)} needs a server started with "
-            "--tool-call-parser"
-        )
 
-    def _new_parser(self, request: Any) -> Any:
-        return self._parser_cls(self.tokenizer, request.tools)
+    def _parser_for(self, choice: Any) -> Any:
+        """The parser class for a request with this (validated) tool choice, or None when
+        its output is all content. A forced choice (``required``, or a named function after
+        validation) is read as JSON calls unless the server's parser reads calls itself."""
+        forced = choice == "required" or hasattr(choice, "function")
+        configured = self._parser_cls
+        if not forced or (configured is not None and configured.tool_parser_cls is not None):
+            return configured
+        if self._forced_parser_cls is None:
+            self._forced_parser_cls = _forced_calls_parser(self.reasoning_parser)
+        return self._forced_parser_cls
+
+
+def _forced_calls_parser(reasoning_parser: str) -> Any:
+    """vLLM's composed parser (``DelegatingParser``) for forced tool choices: this server's
+    reasoning parser, if any, and a tool parser that only says it takes vLLM's standard JSON
+    form of forced calls. vLLM's own code then does the rest: ``adjust_request`` constrains the
+    output to the tools' schema (``get_json_schema_from_tools``), ``parse`` and ``parse_delta``
+    read the calls from it (as a list for ``required``, as the arguments for a named one)."""
+    from vllm.parser import ParserManager
+    from vllm.parser.abstract_parser import DelegatingParser
+    from vllm.tool_parsers.abstract_tool_parser import ToolParser
+
+    class JsonCallsToolParser(ToolParser):
+        supports_required_and_named = True
+
+        def extract_tool_calls(self, model_output: str, request: Any) -> Any:
+            raise AssertionError("forced calls are read by vLLM's JSON path, never as auto")
+
+        def extract_tool_calls_streaming(self, *args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("forced calls are read by vLLM's JSON path, never as auto")
+
+    class ForcedCallsParser(DelegatingParser):
+        reasoning_parser_cls = ParserManager.get_reasoning_parser(reasoning_parser or None)
+        tool_parser_cls = JsonCallsToolParser
+
+    return ForcedCallsParser
 
 
 class ChatOutputParsing:
@@ -379,12 +415,6 @@ def _first_error(exc: Exception) -> str:
             message = str(found[0].get("msg", exc))
             return message.removeprefix("Value error, ")
     return str(exc)
-
-
-def _describe(choice: Any) -> str:
-    if isinstance(choice, str):
-        return f'"{choice}"'
-    return f'function "{choice.function.name}"'
 
 
 def message_dicts(messages: Sequence[data_plane_pb2.ChatMessage]) -> list[dict[str, Any]]:
