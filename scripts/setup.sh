@@ -70,4 +70,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     "skyrl-gym==$SKYRL_GYM_VERSION"
   touch "$stamp"
 fi
+# SkyRL on Python 3.11: its TypedDict imports from typing_extensions (idempotent; see the script).
+"$py" "$root/scripts/skyrl_py311.py"
 log "ready: $venv"

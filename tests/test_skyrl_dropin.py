@@ -11,25 +11,21 @@ from typing import Any
 
 import pytest
 from safetensors.torch import load_file
-
-from skyrl_grpc.tensor_bytes import sha256_of
-from tests.helpers.waits import failing_while_paused, running_on_engines
-from trainer_client.results import GenerationResult
-
-# isort: off
-# trainer_client.skyrl_engine makes skyrl importable on Python 3.11 (see its shim): first.
-from trainer_client.skyrl_engine import (
-    NamedTensorsRequest,
-    SkyRLInferenceEngine,
-    sampling_from_skyrl,
-)
 from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_vllm_sampling_params
 from skyrl.train.config import GeneratorConfig, SamplingParams, SkyRLGymConfig
 from skyrl.train.generators.base import TrajectoryID
 from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
 from skyrl_gym import register
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
-# isort: on
+
+from skyrl_grpc.tensor_bytes import sha256_of
+from tests.helpers.waits import failing_while_paused, running_on_engines
+from trainer_client.results import GenerationResult
+from trainer_client.skyrl_engine import (
+    NamedTensorsRequest,
+    SkyRLInferenceEngine,
+    sampling_from_skyrl,
+)
 
 pytestmark = pytest.mark.engine
 TURNS = 3

@@ -8,16 +8,11 @@ from typing import Any
 
 import httpx
 import pytest
-
-from trainer_client import InferenceClient
-
-# isort: off
-# trainer_client.skyrl_engine makes skyrl importable on Python 3.11 (see its shim): first.
-import trainer_client.skyrl_engine  # noqa: F401
 from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import (
     RemoteInferenceClient,
 )
-# isort: on
+
+from trainer_client import InferenceClient
 
 pytestmark = pytest.mark.engine
 

@@ -11,8 +11,9 @@ and ``update_named_weights`` pushes tensors with this stack's fleet-wide weight 
 
 Needs the ``skyrl`` extra (see the README: ``skyrl`` and ``skyrl-gym`` are installed without
 their dependencies, whose pins would replace the transformers vLLM runs on; skyrl 0.4.0 declares
-Python >= 3.12 and its code runs on this project's 3.11 once ``typing.TypedDict`` is
-pydantic's, below).
+Python >= 3.12 and its code runs on this project's 3.11 once its ``TypedDict`` imports are
+pydantic's, which ``scripts/skyrl_py311.py`` does to the installed files: SkyRL imports in any
+order, and no name of the standard library is rebound).
 
 What maps and what does not:
 - Sampling dicts with SkyRL's (vLLM's) keys map onto ``SamplingParams``; an unknown key is an
@@ -35,31 +36,31 @@ What maps and what does not:
 from __future__ import annotations
 
 import logging
-import typing
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import typing_extensions
+try:
+    from skyrl.backends.skyrl_train.inference_servers.base import (
+        InferenceEngineInput,
+        InferenceEngineInterface,
+        InferenceEngineOutput,
+    )
+    from skyrl.backends.skyrl_train.weight_sync import LoraLoadRequest
+except Exception as error:  # pydantic's PydanticUserError on an unpatched SkyRL
+    if "typing_extensions.TypedDict" not in str(error):
+        raise
+    raise ImportError(
+        "SkyRL 0.4.0 needs its TypedDict imports from typing_extensions on Python < 3.12: run "
+        "`python scripts/skyrl_py311.py` in this environment (scripts/setup.sh does)"
+    ) from error
 
-# skyrl's pydantic models use typing.TypedDict, which pydantic refuses on Python < 3.12
-# ("Please use typing_extensions.TypedDict"): bind the compatible one before skyrl is imported.
-# The one place this is done.
-typing.TypedDict = typing_extensions.TypedDict
+from skyrl_grpc.concurrency import all_or_cancel
 
-from skyrl.backends.skyrl_train.inference_servers.base import (  # noqa: E402
-    InferenceEngineInput,
-    InferenceEngineInterface,
-    InferenceEngineOutput,
-)
-from skyrl.backends.skyrl_train.weight_sync import LoraLoadRequest  # noqa: E402
-
-from skyrl_grpc.concurrency import all_or_cancel  # noqa: E402
-
-from .client import InferenceClient  # noqa: E402
-from .exceptions import InferenceError  # noqa: E402
-from .results import GenerationResult  # noqa: E402
-from .weight_updates import WeightTransport  # noqa: E402
+from .client import InferenceClient
+from .exceptions import InferenceError
+from .results import GenerationResult
+from .weight_updates import WeightTransport
 
 log = logging.getLogger(__name__)
 
