@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -28,34 +29,57 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-@pytest.fixture(scope="module")
-def server_process() -> Iterator[ServerProcess]:
-    server = ServerProcess("--drain-grace-seconds", "20")
-    server.until("listening")
-    yield server
-    server.kill()
+@dataclass
+class WhileStarting:
+    """What a server answered between opening its port and its engine being ready."""
+
+    liveness: int
+    data_plane: int
+    model_info_error: grpc.RpcError
 
 
 def health_status(address: str, service: str) -> int:
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status  # type: ignore[no-any-return]
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=30).status  # type: ignore[no-any-return]
 
 
-def test_health_not_serving_while_starting_then_serving(server_process: ServerProcess) -> None:
+def probe_while_starting(server: ServerProcess) -> WhileStarting:
+    """Health and a data-plane call, asked at once after the "listening" line: the engine
+    takes seconds to start after it, even on an idle machine."""
+    address = server.until("listening")["address"]
+    liveness, data_plane = health_status(address, ""), health_status(address, DATA_PLANE)
+    with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as raised:
+        data_plane_pb2_grpc.DataPlaneStub(channel).GetModelInfo(
+            data_plane_pb2.GetModelInfoRequest(), timeout=30
+        )
+    return WhileStarting(liveness, data_plane, raised.value)
+
+
+@pytest.fixture(scope="module")
+def server_process() -> Iterator[tuple[ServerProcess, WhileStarting]]:
+    """A ready server process, and what it answered while it was starting."""
+    server = ServerProcess("--drain-grace-seconds", "20")
+    try:
+        starting = probe_while_starting(server)
+        server.until("ready")
+        yield server, starting
+    finally:
+        server.kill()
+
+
+def test_health_not_serving_while_starting_then_serving(
+    server_process: tuple[ServerProcess, WhileStarting],
+) -> None:
+    server, starting = server_process
     # The port opens before vLLM starts (which takes seconds): liveness up, services not ready.
-    assert health_status(server_process.address, "") == SERVING
-    assert health_status(server_process.address, DATA_PLANE) == NOT_SERVING
-    with grpc.insecure_channel(server_process.address) as channel:
-        with pytest.raises(grpc.RpcError) as raised:
-            data_plane_pb2_grpc.DataPlaneStub(channel).GetModelInfo(
-                data_plane_pb2.GetModelInfoRequest(), timeout=5
-            )
-        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
-        assert "starting" in raised.value.details()  # type: ignore[attr-defined]
-    server_process.until("ready")
-    assert health_status(server_process.address, DATA_PLANE) == SERVING
-    assert health_status(server_process.address, CONTROL_PLANE) == SERVING
+    assert starting.liveness == SERVING
+    assert starting.data_plane == NOT_SERVING
+    assert starting.model_info_error.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    assert "starting" in starting.model_info_error.details()  # type: ignore[attr-defined]
+    # Then ready (the fixture waited for the "ready" line): both services serve.
+    assert health_status(server.address, DATA_PLANE) == SERVING
+    assert health_status(server.address, CONTROL_PLANE) == SERVING
 
 
 def grpcurl(*args: str) -> str:
@@ -66,8 +90,10 @@ def grpcurl(*args: str) -> str:
     return result.stdout
 
 
-def test_grpcurl_lists_describes_and_calls(server_process: ServerProcess) -> None:
-    address = server_process.address
+def test_grpcurl_lists_describes_and_calls(
+    server_process: tuple[ServerProcess, WhileStarting],
+) -> None:
+    address = server_process[0].address
     services = grpcurl(address, "list").split()
     assert (
         DATA_PLANE in services and CONTROL_PLANE in services and "grpc.health.v1.Health" in services
@@ -91,7 +117,20 @@ def test_grpcurl_lists_describes_and_calls(server_process: ServerProcess) -> Non
     assert json.loads(grpcurl(address, f"{CONTROL_PLANE}/IsPaused")) == {}
 
 
-def test_sigterm_drains_in_flight_streams_then_exits(server_process: ServerProcess) -> None:
+@pytest.fixture
+def server_to_stop() -> Iterator[ServerProcess]:
+    """A ready server process of the test's own: the test ends it."""
+    server = ServerProcess("--drain-grace-seconds", "60")
+    try:
+        server.until("ready")
+        yield server
+    finally:
+        server.kill()
+
+
+def test_sigterm_drains_in_flight_streams_then_exits(server_to_stop: ServerProcess) -> None:
+    server_process = server_to_stop
+
     async def scenario() -> tuple[list[int], list[int], int]:
         async with grpc.aio.insecure_channel(server_process.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
@@ -118,9 +157,7 @@ def test_sigterm_drains_in_flight_streams_then_exits(server_process: ServerProce
     statuses, tokens, finish = asyncio.run(scenario())
     assert statuses == [SERVING, NOT_SERVING]  # routers learn first...
     assert len(tokens) == 300 and finish == gen.FINISH_REASON_LENGTH  # ...then the stream completes
-    started = time.monotonic()
-    assert server_process.proc.wait(timeout=60) == 0
-    assert time.monotonic() - started < 60
+    assert server_process.proc.wait(timeout=120) == 0  # drained, then exited on its own
 
 
 def test_sigkill_of_skyrl_grpc_serve_leaves_no_process_of_its_tree() -> None:
