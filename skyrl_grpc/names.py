@@ -30,6 +30,7 @@ def method_path(service: ServiceDescriptor, method: str) -> str:
 
 
 GENERATE_STREAM = method_path(DATA_PLANE_SERVICE, "GenerateStream")
+GENERATE_BATCH = method_path(DATA_PLANE_SERVICE, "GenerateBatch")
 ABORT = method_path(DATA_PLANE_SERVICE, "Abort")
 FINISH_SESSION = method_path(DATA_PLANE_SERVICE, "FinishSession")
 PUSH_WEIGHTS = method_path(CONTROL_PLANE_SERVICE, "PushWeights")

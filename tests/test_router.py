@@ -19,7 +19,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servers.router.backends import BackendPool
-from servers.router.proxy import ForwardingHandler, ProxyOptions
+from servers.router.forwarding import ForwardingHandler
+from servers.router.proxy import ProxyOptions
 from servers.router.router_server import RouterOptions, RouterServer
 from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, router_pb2, router_pb2_grpc

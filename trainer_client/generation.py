@@ -16,10 +16,10 @@ from typing import Any
 
 import grpc
 
-from skyrl_grpc.concurrency import all_or_cancel
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2
 
 from .abort_retry import AbortRetry
+from .batches import BatchGeneration
 from .client_core import ClientCore
 from .exceptions import ServerError
 from .fleet_info import ModelInfo
@@ -193,19 +193,20 @@ class Generation(ClientCore):
         lora: str = "",
         timeout: float | None = None,
     ) -> list[GenerationResult]:
-        """Generates for every prompt as concurrent streams; results in input order. If one
-        generation fails, the others are cancelled (their requests aborted on the servers)
-        before its error is raised."""
+        """Generates one sample for every prompt; results in input order. The batch travels
+        as batched calls (``batches``): one GenerateBatch per server (or one to the router),
+        each streaming a message per engine step for all of its prompts. Aborted samples are
+        resubmitted as ``generate`` resubmits one. If one generation fails, the others are
+        cancelled (their requests aborted on the servers) before its error is raised."""
         if session_ids is not None and len(session_ids) != len(prompts):
             raise ValueError(f"{len(session_ids)} session ids for {len(prompts)} prompts")
+        if not prompts:
+            return []
         sessions = session_ids or [None] * len(prompts)
-        params = sampling_params(sampling)
-        return await all_or_cancel(
-            self.generate(
-                p, params, session_id=s, include_text=include_text, lora=lora, timeout=timeout
-            )
-            for p, s in zip(prompts, sessions, strict=True)
+        batch = BatchGeneration(
+            self, prompts, sampling_params(sampling), sessions, include_text, lora, timeout
         )
+        return await batch.run()
 
     async def sample(
         self,

@@ -59,7 +59,6 @@ from skyrl_grpc.concurrency import all_or_cancel
 
 from .client import InferenceClient
 from .exceptions import InferenceError
-from .results import GenerationResult
 from .weight_updates import WeightTransport
 
 log = logging.getLogger(__name__)
@@ -226,16 +225,14 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
         sessions: Sequence[Hashable | None] = input_batch.get("session_ids") or [None] * len(
             prompts
         )
-        # One failure cancels the rest of the batch (their requests are aborted on the servers).
-        results: list[GenerationResult] = await all_or_cancel(
-            self.client.generate(
-                prompt,
-                sampling,
-                session_id=None if session is None else str(session),
-                include_text=True,
-                lora=lora,
-            )
-            for prompt, session in zip(prompts, sessions, strict=True)
+        # One batched call per server (GenerateBatch); one failure cancels the rest of the
+        # batch (their requests are aborted on the servers).
+        results = await self.client.generate_batch(
+            prompts,
+            sampling,
+            session_ids=[None if s is None else str(s) for s in sessions],
+            include_text=True,
+            lora=lora,
         )
         with_logprobs = sampling.get("logprobs") is not None
         return InferenceEngineOutput(
@@ -275,14 +272,12 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
         params = {TINKER_SAMPLING_KEYS[k]: v for k, v in tinker.items() if v is not None}
         sampling, _ = sampling_from_skyrl({**params, "logprobs": 0})
         session = request_payload.get("session_id") or body.get("session_id")
-        results: list[GenerationResult] = await all_or_cancel(
-            self.client.generate(
-                prompt,
-                sampling,
-                session_id=None if session is None else str(session),
-                lora=self._adapter_of(body.get("model")),
-            )
-            for _ in range(int(body.get("num_samples", 1)))
+        results = await self.client.sample(
+            prompt,
+            sampling,
+            n=int(body.get("num_samples", 1)),
+            session_id=None if session is None else str(session),
+            lora=self._adapter_of(body.get("model")),
         )
         return {
             "type": "sample",

@@ -31,40 +31,53 @@ class Admission:
     def queued(self) -> int:
         return len(self._waiting)
 
+    @property
+    def capacity(self) -> int:
+        """The most requests it holds at once, running and waiting (each running one has at
+        least one sample)."""
+        return self.max_running + self.max_queued
+
     @asynccontextmanager
     async def admit(self, weight: int) -> AsyncIterator[None]:
         """Holds ``weight`` running slots for the duration of the block (a request asking for
         more than the limit runs alone)."""
-        weight = min(weight, self.max_running)
-        if self._waiting or self.running + weight > self.max_running:
-            if len(self._waiting) >= self.max_queued:
-                raise ResourceExhausted(
-                    f"this server runs {self.running} samples (limit {self.max_running}, "
-                    f"--max-concurrent-samples) and {len(self._waiting)} requests wait for a "
-                    f"turn (limit {self.max_queued}, --max-queued-requests): retry later, or "
-                    "send to another server"
-                )
-            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            entry = (weight, turn)
-            self._waiting.append(entry)
-            try:
-                await turn
-            except BaseException:
-                if turn.done() and not turn.cancelled():
-                    self._release(weight)  # admitted just as the caller gave up
-                else:
-                    with contextlib.suppress(ValueError):
-                        self._waiting.remove(entry)
-                    self._wake()
-                raise
-        else:
-            self.running += weight
+        held = await self.acquire(weight)
         try:
             yield
         finally:
-            self._release(weight)
+            self.release(held)
 
-    def _release(self, weight: int) -> None:
+    async def acquire(self, weight: int) -> int:
+        """Waits for ``weight`` running slots (its turn, in arrival order) and takes them;
+        returns what to ``release`` once the request ends."""
+        weight = min(weight, self.max_running)
+        if not self._waiting and self.running + weight <= self.max_running:
+            self.running += weight
+            return weight
+        if len(self._waiting) >= self.max_queued:
+            raise ResourceExhausted(
+                f"this server runs {self.running} samples (limit {self.max_running}, "
+                f"--max-concurrent-samples) and {len(self._waiting)} requests wait for a "
+                f"turn (limit {self.max_queued}, --max-queued-requests): retry later, or "
+                "send to another server"
+            )
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (weight, turn)
+        self._waiting.append(entry)
+        try:
+            await turn
+        except BaseException:
+            if turn.done() and not turn.cancelled():
+                self.release(weight)  # admitted just as the caller gave up
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiting.remove(entry)
+                self._wake()
+            raise
+        return weight
+
+    def release(self, weight: int) -> None:
+        """Gives back what ``acquire`` returned."""
         self.running -= weight
         self._wake()
 

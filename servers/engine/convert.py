@@ -269,11 +269,7 @@ class ChunkCoalescer:
             if pending.weight_version != chunk.weight_version:
                 ready.append(pending)
             else:
-                # MergeFrom appends repeated fields (token ids, logprobs) and keeps the newest
-                # scalars (finish reason, cumulative usage); text is a delta, so concatenate it.
-                text = pending.text + chunk.text
-                pending.MergeFrom(chunk)
-                pending.text = text
+                merge_into(pending, chunk)
                 chunk = pending
         first = index not in self._started
         self._started.add(index)
@@ -282,6 +278,45 @@ class ChunkCoalescer:
         else:
             self._pending[index] = chunk
         return ready
+
+
+def merge_into(
+    earlier: data_plane_pb2.GenerateStreamResponse, later: data_plane_pb2.GenerateStreamResponse
+) -> None:
+    """``later``'s tokens appended to ``earlier`` (one sample, one weight version): MergeFrom
+    appends repeated fields (token ids, logprobs) and keeps the newest scalars (finish reason,
+    cumulative usage); text is a delta, so it is concatenated."""
+    text = earlier.text + later.text
+    earlier.MergeFrom(later)
+    earlier.text = text
+
+
+def merge_backlog(
+    messages: list[data_plane_pb2.GenerateStreamResponse],
+) -> list[data_plane_pb2.GenerateStreamResponse]:
+    """Messages that piled up while the reader was slow, merged so it gets fewer: a sample's
+    chunks since its previous message become one, as ``ChunkCoalescer`` merges them (never
+    across a weight-version change or a sample's end; chunks carrying parsed chat deltas are
+    kept as they are, a delta's pieces being the parser's to split)."""
+    if len(messages) < 2:
+        return messages
+    merged: list[data_plane_pb2.GenerateStreamResponse] = []
+    last: dict[tuple[int, int], data_plane_pb2.GenerateStreamResponse] = {}
+    for message in messages:
+        key = (message.batch_index, message.sample_index)
+        earlier = last.get(key)
+        if (
+            earlier is not None
+            and not earlier.finish_reason
+            and earlier.weight_version == message.weight_version
+            and not earlier.HasField("chat_delta")
+            and not message.HasField("chat_delta")
+        ):
+            merge_into(earlier, message)
+            continue
+        merged.append(message)
+        last[key] = message
+    return merged
 
 
 # -- what the engine says about itself ----------------------------------------------------------

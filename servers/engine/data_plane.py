@@ -7,6 +7,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from skyrl_grpc.errors import SkyrlError
 from skyrl_grpc.metadata import session_of
 from skyrl_grpc.sample_assembly import ResponseAssembler
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2, data_plane_pb2_grpc, generation_pb2
@@ -14,8 +15,9 @@ from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2, data_plane_pb2_grpc, g
 from ..common.grpc_types import Context
 from . import convert, validate
 from .admission import Admission
+from .batch_run import BatchRun, PreparedRequest
 from .chat_parsing import message_dicts, tool_dicts
-from .convert import ChunkCoalescer, StreamConverter, build_sampling_params
+from .convert import ChunkCoalescer, StreamConverter, build_sampling_params, merge_backlog
 from .serving_state import ServingState
 from .vllm_engine import VllmEngine
 
@@ -35,12 +37,16 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         engine = self._state.engine()
         validate.request_id(request_id, engine.limits)
         resolved = validate.sample_count(n, engine.limits)
-        session = session_of(context.invocation_metadata())
-        if session and engine.sessions.touch(session):
-            engine.on_status_change()  # placers learn where the new session lives
+        self._touch_session(engine, session_of(context.invocation_metadata()))
         return engine, resolved
 
-    async def _stream(
+    @staticmethod
+    def _touch_session(engine: VllmEngine, session: str | None) -> None:
+        """A request names its session: it is live here from now."""
+        if session and engine.sessions.touch(session):
+            engine.on_status_change()  # placers learn where the new session lives
+
+    def _prepare(
         self,
         engine: VllmEngine,
         request_id: str,
@@ -51,7 +57,9 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         stream_interval: int = 0,
         lora: str = "",
         chat: chat_tools_pb2.ChatOutput | None = None,
-    ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
+    ) -> PreparedRequest:
+        """A checked request, ready to start: vLLM's sampling parameters, the conversion of
+        its outputs into stream messages, the adapter it runs on (held until it ends)."""
         request_id = request_id or uuid.uuid4().hex
         parsing = None
         if chat is not None:
@@ -71,7 +79,6 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         )
         converter = StreamConverter(request_id, prompt_token_ids, params, include_text)
         coalescer = ChunkCoalescer(stream_interval)
-
         adapter = engine.adapters.begin(lora)
         lora_version = adapter.version if adapter is not None else 0
 
@@ -86,20 +93,34 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
                     parsing.annotate(message)
             return ready
 
-        try:
-            async with self._admission.admit(n):
-                outputs = engine.generate(request_id, prompt_token_ids, params, messages, adapter)
-                async for message in outputs:
-                    yield message
-        finally:
-            engine.adapters.end(adapter)
+        return PreparedRequest(request_id, prompt_token_ids, params, n, messages, adapter)
 
-    def _token_stream(
-        self, request: GenerateLike, context: Context, stream_interval: int = 0
+    async def _stream(
+        self, engine: VllmEngine, prepared: PreparedRequest
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
-        engine, n = self._engine_for(request.request_id, request.n, context)
+        try:
+            async with self._admission.admit(prepared.n):
+                outputs = engine.generate(
+                    prepared.request_id,
+                    prepared.prompt_token_ids,
+                    prepared.params,
+                    prepared.messages,
+                    prepared.adapter,
+                )
+                async for messages in outputs:
+                    # More than one when this reader fell behind: it gets them merged.
+                    for message in merge_backlog(messages):
+                        yield message
+        finally:
+            engine.adapters.end(prepared.adapter)
+
+    def _prepare_generation(
+        self, engine: VllmEngine, request: GenerateLike, n: int, stream_interval: int = 0
+    ) -> PreparedRequest:
+        """A Generate / GenerateStream request of ``n`` (checked) samples, checked and
+        prepared."""
         prompt = validate.prompt(request.prompt_token_ids, engine.limits, "prompt_token_ids")
-        return self._stream(
+        return self._prepare(
             engine,
             request.request_id,
             prompt,
@@ -114,6 +135,12 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             else None,
         )
 
+    def _token_stream(
+        self, request: GenerateLike, context: Context, stream_interval: int = 0
+    ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
+        engine, n = self._engine_for(request.request_id, request.n, context)
+        return self._stream(engine, self._prepare_generation(engine, request, n, stream_interval))
+
     async def _collect(
         self, stream: AsyncIterator[data_plane_pb2.GenerateStreamResponse]
     ) -> ResponseAssembler:
@@ -127,6 +154,25 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
         async for chunk in self._token_stream(request, context, request.stream_interval):
             yield chunk
+
+    async def GenerateBatch(
+        self, request: data_plane_pb2.GenerateBatchRequest, context: Context
+    ) -> AsyncIterator[data_plane_pb2.GenerateBatchResponse]:
+        engine = self._state.engine()
+        indices, sessions = validate.batch(request, self._admission.capacity)
+        batch = BatchRun(engine, self._admission)
+        for index, item, session in zip(indices, request.requests, sessions, strict=True):
+            try:
+                validate.request_id(item.request_id, engine.limits)
+                n = validate.sample_count(item.n, engine.limits)
+                self._touch_session(engine, session)
+                prepared = self._prepare_generation(engine, item, n, item.stream_interval)
+            except SkyrlError as error:
+                batch.refuse(index, error)
+                continue
+            batch.add(index, prepared)
+        async for response in batch.responses():
+            yield response
 
     async def Generate(
         self, request: data_plane_pb2.GenerateRequest, context: Context
@@ -148,7 +194,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         chat: chat_tools_pb2.ChatOutput | None = None,
     ) -> ResponseAssembler:
         """A chat or completion request's whole result, with text."""
-        stream = self._stream(
+        prepared = self._prepare(
             engine,
             request.request_id,
             prompt,
@@ -158,7 +204,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             lora=request.lora,
             chat=chat,
         )
-        return await self._collect(stream)
+        return await self._collect(self._stream(engine, prepared))
 
     async def Chat(
         self, request: data_plane_pb2.ChatRequest, context: Context

@@ -11,15 +11,26 @@ the gRPC loop only waits for the GIL, which Python hands over every few millisec
 (``stream``), transformed there first (the data plane's conversion to protobuf runs on the
 engine's side too, keeping the gRPC loop light); cancelling the consumer cancels the producer
 (vLLM then aborts the request). Items crossing to the consumer's loop are handed over in
-batches: one wake-up of that loop per batch, not one per item.
+batches: one wake-up of that loop per batch, not one per item; the consumer takes every item
+that is waiting at once (``stream_batches``), so a consumer that fell behind catches up in one
+step. ``StreamGroup`` runs many iterators there for one consumer and hands over what they all
+produced in one pass of the engine loop (one engine step's outputs) as one list.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
-from typing import Any, TypeVar
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Hashable,
+    Iterable,
+)
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -74,6 +85,14 @@ class EngineLoop:
 
         return await self.call(invoke())
 
+    def _relay(self) -> _Relay:
+        """The relay to the running loop (one per consumer loop)."""
+        here = asyncio.get_running_loop()
+        relay = self._relays.get(here)
+        if relay is None:
+            relay = self._relays[here] = _Relay(here)
+        return relay
+
     async def stream(
         self,
         iterator: Callable[[], AsyncIterator[T]],
@@ -81,10 +100,18 @@ class EngineLoop:
     ) -> AsyncIterator[U]:
         """Iterates ``iterator()`` on the engine loop, turns each item into zero or more items
         with ``transform`` there, and yields those here."""
-        here = asyncio.get_running_loop()
-        relay = self._relays.get(here)
-        if relay is None:
-            relay = self._relays[here] = _Relay(here)
+        async for items in self.stream_batches(iterator, transform):
+            for item in items:
+                yield item
+
+    async def stream_batches(
+        self,
+        iterator: Callable[[], AsyncIterator[T]],
+        transform: Callable[[T], Iterable[U]],
+    ) -> AsyncIterator[list[U]]:
+        """``stream``, yielding every item that has arrived since the consumer last asked as
+        one list (one item when it keeps up; what piled up when it fell behind)."""
+        relay = self._relay()
         items: asyncio.Queue[Any] = asyncio.Queue()
 
         def post(item: object) -> None:
@@ -105,19 +132,141 @@ class EngineLoop:
         producer = asyncio.run_coroutine_threadsafe(produce(), self.loop)
         try:
             while True:
-                item = await items.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    if isinstance(item, asyncio.CancelledError):
-                        return  # cancelled over there (shutdown): the stream just ends
-                    raise item
-                yield item
+                batch = [await items.get()]
+                while not items.empty():
+                    batch.append(items.get_nowait())
+                for position, item in enumerate(batch):
+                    if item is _END or isinstance(item, BaseException):
+                        if position:
+                            yield batch[:position]
+                        if isinstance(item, BaseException) and not isinstance(
+                            item, asyncio.CancelledError
+                        ):
+                            raise item
+                        return  # done, or cancelled over there (shutdown): it just ends
+                yield batch
         finally:
             producer.cancel()  # the consumer went away: stop the work over there
+
+    def group(self, transform: Callable[[Hashable, Any], Iterable[U]]) -> StreamGroup[U]:
+        """A ``StreamGroup`` whose consumer is the running loop."""
+        return StreamGroup(self.loop, self._relay(), transform)
 
     def close(self) -> None:
         """Stops the loop once its pending callbacks have run."""
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """A member of a ``StreamGroup`` is done: its iterator ended (``error`` None) or raised."""
+
+    key: Hashable
+    error: BaseException | None = None
+
+
+class StreamGroup(Generic[U]):
+    """Many async iterators run on the engine loop for one consumer on another loop.
+
+    ``add`` starts one (from any thread); its items go through ``transform(key, item)`` on the
+    engine loop into a list shared by the group, which is handed to the consumer once per pass
+    of the engine loop: every member woken by one engine step contributes to one list, so the
+    consumer wakes once per step, not once per member. A member's end (or error) arrives as
+    ``Ended`` in the same lists. ``steps`` yields the lists (all that waited, merged, when the
+    consumer fell behind) until ``close`` was called and every member ended; leaving it (or
+    ``cancel``) cancels every member. ``close``, ``steps`` and ``cancel`` belong to the
+    consumer's loop.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        relay: _Relay,
+        transform: Callable[[Hashable, Any], Iterable[U]],
+    ) -> None:
+        self._loop = loop
+        self._relay = relay
+        self._transform = transform
+        self._queue: asyncio.Queue[list[U | Ended]] = asyncio.Queue()
+        self._pending: list[U | Ended] = []
+        self._flush_scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._cancelled = False  # on the engine loop: members added after it never start
+        self._closed = False
+        self.started = 0
+        self.ended = 0
+
+    def add(self, key: Hashable, iterator: Callable[[], AsyncIterator[Any]]) -> None:
+        """Starts iterating ``iterator()`` on the engine loop (from any thread)."""
+        self.started += 1
+        self._loop.call_soon_threadsafe(self._start, key, iterator)
+
+    def fail(self, key: Hashable, error: BaseException) -> None:
+        """A member that failed before it could start: its ``Ended`` comes out of ``steps``
+        as a started member's would."""
+        self.started += 1
+        self._queue.put_nowait([Ended(key, error)])
+
+    def close(self) -> None:
+        """No member will be added any more: ``steps`` ends once those added have ended."""
+        self._closed = True
+        self._queue.put_nowait([])  # wakes ``steps`` to look
+
+    def _start(self, key: Hashable, iterator: Callable[[], AsyncIterator[Any]]) -> None:
+        if self._cancelled:
+            return
+        task = self._loop.create_task(self._produce(key, iterator))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _produce(self, key: Hashable, iterator: Callable[[], AsyncIterator[Any]]) -> None:
+        try:
+            async for raw in iterator():
+                items = self._transform(key, raw)
+                if items:
+                    self._pending.extend(items)
+                    self._schedule_flush()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:
+            self._pending.append(Ended(key, error))
+        else:
+            self._pending.append(Ended(key))
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        # Members woken by one engine step all run before a callback scheduled by the first.
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, []
+        if pending:
+            self._relay.post(self._queue, pending)
+
+    async def steps(self) -> AsyncGenerator[list[U | Ended], None]:
+        """What the members produced, a list per engine step (empty lists skipped), until the
+        group is closed and every member has ended."""
+        try:
+            while not (self._closed and self.ended >= self.started):
+                step = await self._queue.get()
+                while not self._queue.empty():
+                    step.extend(self._queue.get_nowait())
+                if step:
+                    self.ended += sum(isinstance(item, Ended) for item in step)
+                    yield step
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Cancels every member still running (from any thread)."""
+        self._loop.call_soon_threadsafe(self._cancel_all)
+
+    def _cancel_all(self) -> None:
+        self._cancelled = True
+        for task in list(self._tasks):
+            task.cancel()

@@ -34,7 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from skyrl_grpc.host_memory import keep_freed_memory
-from skyrl_grpc.names import CONTROL_PLANE, DATA_PLANE, SERVER_STATUS
+from skyrl_grpc.names import CONTROL_PLANE, DATA_PLANE, GENERATE_BATCH, SERVER_STATUS
 from skyrl_grpc.v1 import data_plane_pb2_grpc, status_pb2_grpc
 
 from ..common.interceptors import BearerTokenInterceptor, CallCounter, ErrorMappingInterceptor
@@ -102,9 +102,10 @@ class EngineServer:
 
     def _request_size_limit(self, method: str) -> tuple[int, str] | None:
         """No valid DataPlane request is larger than its longest prompt (5 bytes per token id,
-        or the longest token's text) plus 1 MiB for everything else it may carry."""
+        or the longest token's text) plus 1 MiB for everything else it may carry. A batch is
+        bounded by the message size and its count of requests (``validate.batch``)."""
         engine = self.state.started
-        if engine is None or not method.startswith(DATA_PLANE_PREFIX):
+        if engine is None or not method.startswith(DATA_PLANE_PREFIX) or method == GENERATE_BATCH:
             return None
         tokens = engine.limits.max_prompt_tokens
         limit = tokens * max(5, engine.longest_token_bytes) + (1 << 20)

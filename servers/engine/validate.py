@@ -129,6 +129,32 @@ def request_id(value: str, limits: ModelLimits) -> None:
         )
 
 
+def batch(
+    request: data_plane_pb2.GenerateBatchRequest, capacity: int
+) -> tuple[list[int], list[str]]:
+    """A batch's shape: some requests, no more than the server holds at once (``capacity``),
+    and ``indices`` / ``session_ids`` each empty or one per request. Returns every request's
+    index and session ("" for none). Each request's own checks come later, one by one."""
+    count = len(request.requests)
+    if not count:
+        raise InvalidArgument("requests is empty: send at least one request")
+    if count > capacity:
+        raise InvalidArgument(
+            f"the batch has {count} requests; this server runs and queues at most {capacity} "
+            "(--max-concurrent-samples plus --max-queued-requests): split the batch"
+        )
+    for name, values in (("indices", request.indices), ("session_ids", request.session_ids)):
+        if values and len(values) != count:
+            raise InvalidArgument(
+                f"{name} has {len(values)} entries for {count} requests: give one per request, "
+                "or none"
+            )
+    indices = list(request.indices) or list(range(count))
+    if len(set(indices)) != count:
+        raise InvalidArgument("indices repeat: each request needs an index of its own")
+    return indices, list(request.session_ids) or [""] * count
+
+
 def session_id(value: str) -> None:
     if not value:
         raise InvalidArgument("session_id is empty: name the session to finish")

@@ -13,7 +13,15 @@ import json
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Hashable,
+    Iterable,
+    Sequence,
+)
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,7 +41,7 @@ from .chat_parsing import ChatParsers
 from .descriptions import ModelDescription, ServerDescription
 from .engine_args import Platform, engine_arguments, resolved_model
 from .engine_logs import root_cause
-from .engine_loop import EngineLoop
+from .engine_loop import EngineLoop, StreamGroup
 from .live_sessions import LiveSessions
 from .options import TINY_MODEL_NAME, EngineOptions, RequestLimits
 from .validate import ModelLimits, PauseModeName
@@ -464,17 +472,17 @@ class VllmEngine:
 
     # -- generation ---------------------------------------------------------------------------
 
-    async def generate(
+    def submission(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: Any,
         transform: Callable[[Any], Iterable[U]],
         adapter: LoadedAdapter | None = None,
-    ) -> AsyncIterator[U]:
-        """Streams what ``transform`` makes of each vLLM ``RequestOutput`` delta (run on the
-        engine's loop, beside vLLM's own output processing). Cancelling the iteration aborts
-        the request."""
+    ) -> tuple[Callable[[], AsyncIterator[Any]], Callable[[Any], Iterable[U]]]:
+        """One request taken in (ALREADY_EXISTS if its id is in flight here; ``finished``
+        forgets it): vLLM's generation of it, to iterate on the engine loop, and ``transform``
+        that also counts its prompt's cache hits."""
         if request_id in self._in_flight:
             raise AlreadyExists(
                 f"request_id {request_id!r} is already in flight: use a unique id, or leave it "
@@ -492,39 +500,70 @@ class VllmEngine:
                 self.cached_prompt_tokens += output.num_cached_tokens
             return transform(output)
 
-        try:
-            salt = self.cache_salt
-            lora_request = self._base_adapter
-            if adapter is not None:
-                from vllm.lora.request import LoRARequest
+        salt = self.cache_salt
+        lora_request = self._base_adapter
+        if adapter is not None:
+            from vllm.lora.request import LoRARequest
 
-                # Each adapter version is its own prefix-cache namespace too.
-                salt = f"{salt}-lora-{adapter.vllm_id}"
-                lora_request = LoRARequest(adapter.name, adapter.vllm_id, str(adapter.path))
-            prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": salt}
-            outputs = self._engine_loop.stream(
-                lambda: self.llm.generate(
-                    prompt, sampling_params, request_id, lora_request=lora_request
-                ),
-                count_then,
+            # Each adapter version is its own prefix-cache namespace too.
+            salt = f"{salt}-lora-{adapter.vllm_id}"
+            lora_request = LoRARequest(adapter.name, adapter.vllm_id, str(adapter.path))
+        prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": salt}
+
+        def outputs() -> AsyncIterator[Any]:
+            return self.llm.generate(  # type: ignore[no-any-return]
+                prompt, sampling_params, request_id, lora_request=lora_request
             )
-            started = False
-            async for output in outputs:
-                started = True
-                yield output
-        except Exception as error:
-            death = self._death(error)
-            if death is not None:
-                raise death from error
-            from vllm.exceptions import VLLMClientError
 
-            if not started and isinstance(error, ValueError | VLLMClientError):
-                # vLLM's own checks as it takes the request (e.g. a JSON schema its grammar
-                # compiler rejects): the request's fault, refused before anything ran.
-                raise InvalidArgument(f"the engine refused the request: {error}") from error
-            raise
+        return outputs, count_then
+
+    def finished(self, request_id: str) -> None:
+        """The request taken in by ``submission`` has ended."""
+        self._in_flight.discard(request_id)
+
+    def refusal(self, error: Exception, started: bool) -> Exception:
+        """What a request's failure means to its caller: the engine's death (UNAVAILABLE,
+        naming the cause), vLLM's refusal of the request before it ran (INVALID_ARGUMENT, e.g.
+        a JSON schema its grammar compiler rejects), or the error itself."""
+        death = self._death(error)
+        if death is not None:
+            return death
+        from vllm.exceptions import VLLMClientError
+
+        if not started and isinstance(error, ValueError | VLLMClientError):
+            return InvalidArgument(f"the engine refused the request: {error}")
+        return error
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: Any,
+        transform: Callable[[Any], Iterable[U]],
+        adapter: LoadedAdapter | None = None,
+    ) -> AsyncIterator[list[U]]:
+        """Streams what ``transform`` makes of each vLLM ``RequestOutput`` delta (run on the
+        engine's loop, beside vLLM's own output processing), a list of what arrived since the
+        caller last asked at a time. Cancelling the iteration aborts the request."""
+        outputs, counted = self.submission(
+            request_id, prompt_token_ids, sampling_params, transform, adapter
+        )
+        started = False
+        try:
+            async for items in self._engine_loop.stream_batches(outputs, counted):
+                started = True
+                yield items
+        except Exception as error:
+            refusal = self.refusal(error, started)
+            if refusal is error:
+                raise
+            raise refusal from error
         finally:
-            self._in_flight.discard(request_id)
+            self.finished(request_id)
+
+    def group(self, transform: Callable[[Hashable, Any], Iterable[U]]) -> StreamGroup[U]:
+        """A group of generations handed over a step at a time (see ``batch_run``)."""
+        return self._engine_loop.group(transform)
 
     async def abort(self, request_ids: Sequence[str]) -> list[str]:
         known = [r for r in request_ids if r in self._in_flight]

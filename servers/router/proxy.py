@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from functools import partial
@@ -28,11 +28,11 @@ import grpc
 
 from skyrl_grpc.errors import SkyrlError, Unavailable
 from skyrl_grpc.metadata import ROUTED_TO, session_of
-from skyrl_grpc.names import ABORT, DATA_PLANE, DATA_PLANE_SERVICE, FINISH_SESSION
+from skyrl_grpc.names import ABORT, FINISH_SESSION
 from skyrl_grpc.v1 import data_plane_pb2, router_pb2
 
 from ..common.early_answer import read_rest
-from ..common.grpc_types import Context, Handler
+from ..common.grpc_types import Context
 from ..common.interceptors import abort_with_status
 from .backends import Backend, BackendPool
 from .metrics import RouterMetrics
@@ -127,7 +127,8 @@ class Proxy:
     metrics: RouterMetrics
     options: ProxyOptions = field(default_factory=ProxyOptions)
 
-    def _pick(self, session: str | None, tried: set[str]) -> Backend:
+    def pick(self, session: str | None, tried: set[str]) -> Backend:
+        """The backend for a call (UNAVAILABLE, saying why, when there is none)."""
         backend = self.pool.choose(session, frozenset(tried))
         if backend is not None:
             if (
@@ -182,9 +183,9 @@ class Proxy:
         code = grpc.StatusCode.OK
         try:
             while True:
-                backend = self._pick(session, tried)
+                backend = self.pick(session, tried)
                 tried.add(backend.address)
-                self._begin(backend, method)
+                self.begin(backend, method)
                 failed = True
                 upstream = start(backend, request, metadata, context.time_remaining())
                 try:
@@ -225,7 +226,7 @@ class Proxy:
                 finally:
                     if not upstream.done():
                         upstream.cancel()  # the caller went away: stop the work upstream
-                    self._end(backend, failed)
+                    self.end(backend, failed)
         except grpc.aio.AioRpcError as error:
             code = error.code()
             if unread is not None:
@@ -346,12 +347,14 @@ class Proxy:
             async for message in relayed:
                 yield message
 
-    def _begin(self, backend: Backend, method: str) -> None:
+    def begin(self, backend: Backend, method: str) -> None:
+        """A call (or a request of a batch) starts on ``backend``."""
         self.pool.begin(backend)
         self.metrics.requests.labels(method, backend.address).inc()
         self.metrics.in_flight.labels(backend.address).set(backend.in_flight)
 
-    def _end(self, backend: Backend, failed: bool) -> None:
+    def end(self, backend: Backend, failed: bool) -> None:
+        """... and ends."""
         self.pool.end(backend, failed)
         self.metrics.in_flight.labels(backend.address).set(backend.in_flight)
 
@@ -359,33 +362,3 @@ class Proxy:
         self.metrics.latency.labels(method).observe(time.perf_counter() - started)
         if code != grpc.StatusCode.OK:
             self.metrics.errors.labels(method, code.name).inc()
-
-
-class ForwardingHandler(grpc.GenericRpcHandler):
-    """Routes every method of the proxied services to the Proxy, as raw bytes."""
-
-    def __init__(self, proxy: Proxy, services: Sequence[str] = (DATA_PLANE,)) -> None:
-        self._proxy = proxy
-        self._prefixes = tuple(f"/{s}/" for s in services)
-        # Known methods keep their real shape (cheaper than a bidi stream); unknown methods of
-        # a proxied service (a newer contract than this router) are relayed as bidi streams.
-        self._streaming = {
-            f"/{DATA_PLANE}/{m.name}": (m.client_streaming, m.server_streaming)
-            for m in DATA_PLANE_SERVICE.methods
-        }
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
-        method: str = handler_call_details.method
-        if not method.startswith(self._prefixes):
-            return None
-        if method == ABORT:
-            return grpc.unary_unary_rpc_method_handler(self._proxy.abort_everywhere)
-        if method == FINISH_SESSION:
-            return grpc.unary_unary_rpc_method_handler(self._proxy.finish_session_everywhere)
-        shape = self._streaming.get(method, (True, True))
-        # partial keeps the coroutine / async-generator nature grpc inspects to drive the call.
-        if shape == (False, False):
-            return grpc.unary_unary_rpc_method_handler(partial(self._proxy.unary_unary, method))
-        if shape == (False, True):
-            return grpc.unary_stream_rpc_method_handler(partial(self._proxy.unary_stream, method))
-        return grpc.stream_stream_rpc_method_handler(partial(self._proxy.stream_stream, method))

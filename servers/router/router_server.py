@@ -41,10 +41,11 @@ from ..common.process import configure_logging, serve_until_stopped
 from ..common.tasks import BackgroundTasks
 from .admin import RouterAdminServicer
 from .backends import Backend, BackendPool
+from .forwarding import ForwardingHandler
 from .http_edge.asgi import HttpEdgeServer
 from .http_edge.handlers import OpenAIEdge
 from .metrics import RouterMetrics
-from .proxy import ForwardingHandler, Proxy, ProxyOptions
+from .proxy import Proxy, ProxyOptions
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 50050  # the command line's; RouterOptions(port=0) picks a free port

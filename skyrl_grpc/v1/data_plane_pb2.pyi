@@ -58,7 +58,7 @@ class GenerateStreamRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., include_text: _Optional[bool] = ..., stream_interval: _Optional[int] = ..., lora: _Optional[str] = ..., chat_output: _Optional[_Union[_chat_tools_pb2.ChatOutput, _Mapping]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("request_id", "sample_index", "token_ids", "logprobs", "finish_reason", "stop", "usage", "weight_version", "prompt_logprobs", "text", "lora_version", "chat_delta", "chat_message")
+    __slots__ = ("request_id", "sample_index", "token_ids", "logprobs", "finish_reason", "stop", "usage", "weight_version", "prompt_logprobs", "text", "lora_version", "chat_delta", "chat_message", "batch_index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class GenerateStreamResponse(_message.Message):
     LORA_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHAT_DELTA_FIELD_NUMBER: _ClassVar[int]
     CHAT_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sample_index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -85,7 +86,36 @@ class GenerateStreamResponse(_message.Message):
     lora_version: int
     chat_delta: _chat_tools_pb2.ChatDelta
     chat_message: _chat_tools_pb2.ChatMessageOut
-    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_generation_pb2.Logprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., stop: _Optional[_Union[_generation_pb2.StopMatch, _Mapping]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., weight_version: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[_generation_pb2.Logprobs, _Mapping]] = ..., text: _Optional[str] = ..., lora_version: _Optional[int] = ..., chat_delta: _Optional[_Union[_chat_tools_pb2.ChatDelta, _Mapping]] = ..., chat_message: _Optional[_Union[_chat_tools_pb2.ChatMessageOut, _Mapping]] = ...) -> None: ...
+    batch_index: int
+    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_generation_pb2.Logprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., stop: _Optional[_Union[_generation_pb2.StopMatch, _Mapping]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., weight_version: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[_generation_pb2.Logprobs, _Mapping]] = ..., text: _Optional[str] = ..., lora_version: _Optional[int] = ..., chat_delta: _Optional[_Union[_chat_tools_pb2.ChatDelta, _Mapping]] = ..., chat_message: _Optional[_Union[_chat_tools_pb2.ChatMessageOut, _Mapping]] = ..., batch_index: _Optional[int] = ...) -> None: ...
+
+class GenerateBatchRequest(_message.Message):
+    __slots__ = ("requests", "session_ids", "indices")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[GenerateStreamRequest]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateStreamRequest, _Mapping]]] = ..., session_ids: _Optional[_Iterable[str]] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateBatchResponse(_message.Message):
+    __slots__ = ("chunks", "errors")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[GenerateStreamResponse]
+    errors: _containers.RepeatedCompositeFieldContainer[BatchError]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[GenerateStreamResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[BatchError, _Mapping]]] = ...) -> None: ...
+
+class BatchError(_message.Message):
+    __slots__ = ("index", "code", "message")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    code: int
+    message: str
+    def __init__(self, index: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")

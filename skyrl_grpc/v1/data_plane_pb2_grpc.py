@@ -62,6 +62,11 @@ class DataPlaneStub:
                 request_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateBatch = channel.unary_stream(
+                '/skyrl.inference.v1.DataPlane/GenerateBatch',
+                request_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateBatchRequest.SerializeToString,
+                response_deserializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateBatchResponse.FromString,
+                _registered_method=True)
         self.Chat = channel.unary_unary(
                 '/skyrl.inference.v1.DataPlane/Chat',
                 request_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.ChatRequest.SerializeToString,
@@ -136,6 +141,22 @@ class DataPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateBatch(self, request, context):
+        """Generates for many requests in one call, as a trainer sends its whole batch. The server
+        submits them to the engine together (each admitted as GenerateStream admits one) and
+        streams one message per engine step carrying the new tokens of every request that
+        advanced, each chunk naming its request by index; a reader that falls behind gets the
+        steps it missed in one message. A request the server refuses (a bad prompt, an unknown
+        adapter, a request_id in flight) gets its own error and does not fail the others.
+        Cancelling the call aborts every request in it; Abort by request_id aborts one (its
+        samples end FINISH_REASON_ABORTED). Through the router a batch is split by placement
+        (each session's requests on its server) and the servers' streams are merged into one; the
+        requests of a server lost mid-batch move to another as GenerateStream calls do.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Chat(self, request, context):
         """Applies the model's chat template to the messages, then generates; returns tokens and text.
         """
@@ -199,6 +220,11 @@ def add_DataPlaneServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateRequest.FromString,
                     response_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateBatch': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateBatch,
+                    request_deserializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateBatchRequest.FromString,
+                    response_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateBatchResponse.SerializeToString,
             ),
             'Chat': grpc.unary_unary_rpc_method_handler(
                     servicer.Chat,
@@ -308,6 +334,33 @@ class DataPlane:
             '/skyrl.inference.v1.DataPlane/Generate',
             skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateRequest.SerializeToString,
             skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/skyrl.inference.v1.DataPlane/GenerateBatch',
+            skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateBatchRequest.SerializeToString,
+            skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

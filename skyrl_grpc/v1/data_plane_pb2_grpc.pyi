@@ -60,6 +60,18 @@ class DataPlaneStub:
     """
     Generate: _grpc.UnaryUnaryMultiCallable[_data_plane_pb2.GenerateRequest, _data_plane_pb2.GenerateResponse]
     """Generates from a tokenized prompt and returns every sample once all have finished."""
+    GenerateBatch: _grpc.UnaryStreamMultiCallable[_data_plane_pb2.GenerateBatchRequest, _data_plane_pb2.GenerateBatchResponse]
+    """Generates for many requests in one call, as a trainer sends its whole batch. The server
+    submits them to the engine together (each admitted as GenerateStream admits one) and
+    streams one message per engine step carrying the new tokens of every request that
+    advanced, each chunk naming its request by index; a reader that falls behind gets the
+    steps it missed in one message. A request the server refuses (a bad prompt, an unknown
+    adapter, a request_id in flight) gets its own error and does not fail the others.
+    Cancelling the call aborts every request in it; Abort by request_id aborts one (its
+    samples end FINISH_REASON_ABORTED). Through the router a batch is split by placement
+    (each session's requests on its server) and the servers' streams are merged into one; the
+    requests of a server lost mid-batch move to another as GenerateStream calls do.
+    """
     Chat: _grpc.UnaryUnaryMultiCallable[_data_plane_pb2.ChatRequest, _data_plane_pb2.ChatResponse]
     """Applies the model's chat template to the messages, then generates; returns tokens and text."""
     Complete: _grpc.UnaryUnaryMultiCallable[_data_plane_pb2.CompleteRequest, _data_plane_pb2.CompleteResponse]
@@ -108,6 +120,18 @@ class DataPlaneAsyncStub(DataPlaneStub):
     """
     Generate: _aio.UnaryUnaryMultiCallable[_data_plane_pb2.GenerateRequest, _data_plane_pb2.GenerateResponse]  # type: ignore[assignment]
     """Generates from a tokenized prompt and returns every sample once all have finished."""
+    GenerateBatch: _aio.UnaryStreamMultiCallable[_data_plane_pb2.GenerateBatchRequest, _data_plane_pb2.GenerateBatchResponse]  # type: ignore[assignment]
+    """Generates for many requests in one call, as a trainer sends its whole batch. The server
+    submits them to the engine together (each admitted as GenerateStream admits one) and
+    streams one message per engine step carrying the new tokens of every request that
+    advanced, each chunk naming its request by index; a reader that falls behind gets the
+    steps it missed in one message. A request the server refuses (a bad prompt, an unknown
+    adapter, a request_id in flight) gets its own error and does not fail the others.
+    Cancelling the call aborts every request in it; Abort by request_id aborts one (its
+    samples end FINISH_REASON_ABORTED). Through the router a batch is split by placement
+    (each session's requests on its server) and the servers' streams are merged into one; the
+    requests of a server lost mid-batch move to another as GenerateStream calls do.
+    """
     Chat: _aio.UnaryUnaryMultiCallable[_data_plane_pb2.ChatRequest, _data_plane_pb2.ChatResponse]  # type: ignore[assignment]
     """Applies the model's chat template to the messages, then generates; returns tokens and text."""
     Complete: _aio.UnaryUnaryMultiCallable[_data_plane_pb2.CompleteRequest, _data_plane_pb2.CompleteResponse]  # type: ignore[assignment]
@@ -165,6 +189,24 @@ class DataPlaneServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_data_plane_pb2.GenerateResponse, _abc.Awaitable[_data_plane_pb2.GenerateResponse]]:
         """Generates from a tokenized prompt and returns every sample once all have finished."""
+
+    @_abc_1.abstractmethod
+    def GenerateBatch(
+        self,
+        request: _data_plane_pb2.GenerateBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_data_plane_pb2.GenerateBatchResponse], _abc.AsyncIterator[_data_plane_pb2.GenerateBatchResponse]]:
+        """Generates for many requests in one call, as a trainer sends its whole batch. The server
+        submits them to the engine together (each admitted as GenerateStream admits one) and
+        streams one message per engine step carrying the new tokens of every request that
+        advanced, each chunk naming its request by index; a reader that falls behind gets the
+        steps it missed in one message. A request the server refuses (a bad prompt, an unknown
+        adapter, a request_id in flight) gets its own error and does not fail the others.
+        Cancelling the call aborts every request in it; Abort by request_id aborts one (its
+        samples end FINISH_REASON_ABORTED). Through the router a batch is split by placement
+        (each session's requests on its server) and the servers' streams are merged into one; the
+        requests of a server lost mid-batch move to another as GenerateStream calls do.
+        """
 
     @_abc_1.abstractmethod
     def Chat(

@@ -1,0 +1,352 @@
+"""GenerateBatch through the router: a batch split by placement, sent to each server as one
+batched call, the servers' streams merged back into one.
+
+Each request of the batch is placed as a GenerateStream call with its session would be
+(``BackendPool.choose``: a session's requests go to its server, bounded load holds, and each
+placed request counts as in flight there); each server gets its part under the caller's own
+indices (``GenerateBatchRequest.indices``), so its answers are relayed as bytes, unread. What
+has waited while the caller was slow is sent as one message: serialized protobuf messages
+concatenated are one message whose repeated fields hold both's entries.
+
+A server lost mid-batch (its call fails UNAVAILABLE, or it reports a request UNAVAILABLE) moves
+its unfinished requests as GenerateStream calls move (``StreamMigration``): its answers so far
+are read then (never before), each request continues on another server from the prompt plus
+its tokens so far (``skyrl_grpc.continuation``), and the continuation's chunks are rewritten so
+the caller reads one uninterrupted request. A request that cannot move (several samples, a
+constrained output past its first token, no moves left) ends with its own UNAVAILABLE error.
+A server's refusal of the whole call (a bad token, a malformed batch) ends the call with that
+status while nothing was sent yet, and otherwise becomes an error of each of its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import cast
+
+import grpc
+
+from skyrl_grpc.continuation import continue_request, resumable
+from skyrl_grpc.errors import InvalidArgument, SkyrlError
+from skyrl_grpc.metadata import SESSION_ID
+from skyrl_grpc.names import GENERATE_BATCH
+from skyrl_grpc.v1 import data_plane_pb2
+
+from ..common.grpc_types import Context
+from ..common.interceptors import abort_with_status
+from .backends import Backend
+from .proxy import Metadata, Proxy, forwarded_metadata
+
+log = logging.getLogger(__name__)
+
+# Statuses that refuse a whole call for a reason of the caller's, not of its requests.
+_CALL_REFUSALS = {
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+
+
+@dataclass
+class _Request:
+    """One request of the batch as the router tracks it."""
+
+    index: int
+    request: data_plane_pb2.GenerateStreamRequest
+    session: str
+    # The request as first sent: continuations are built from it.
+    original: data_plane_pb2.GenerateStreamRequest = field(init=False)
+    # What its lost servers sent of it, read once they were lost: its (single) sample's
+    # tokens, how many samples finished, whether it ended (finished or failed).
+    tokens: list[int] = field(default_factory=list)
+    finished_samples: int = 0
+    done: bool = False
+    sent_chunks: bool = False  # the caller has had a chunk of it (and its request id)
+    retries: int = 0  # moves before anything of it was sent
+    migrations: int = 0  # moves after
+    # Runs as a continuation after ``base`` tokens: its chunks are rewritten to count from
+    # the original prompt.
+    continued: bool = False
+    base: int = 0
+    tried: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.original = self.request
+
+    @property
+    def samples(self) -> int:
+        return max(self.original.n, 1)
+
+
+@dataclass(eq=False)
+class _Part:
+    """The part of the batch sent to one server, as one GenerateBatch call."""
+
+    backend: Backend
+    requests: list[_Request]
+    backlog: list[bytes] = field(default_factory=list)  # its answers, read only if it is lost
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def continued(self) -> bool:
+        return any(r.continued for r in self.requests)
+
+
+class BatchRelay:
+    """One GenerateBatch call through the router (see the module docstring)."""
+
+    def __init__(self, proxy: Proxy, request: bytes, context: Context) -> None:
+        self._proxy = proxy
+        self._context = context
+        self._metadata: Metadata = tuple(
+            (k, v) for k, v in forwarded_metadata(context) if k != SESSION_ID
+        )
+        self._raw = request
+        self._requests: dict[int, _Request] = {}
+        self._queue: asyncio.Queue[tuple[_Part, bytes | BaseException | None]] = asyncio.Queue()
+        self._parts: set[_Part] = set()
+        self._sent = False  # something reached the caller
+
+    def _read_request(self) -> None:
+        try:
+            batch = data_plane_pb2.GenerateBatchRequest.FromString(self._raw)
+        except Exception as error:
+            raise InvalidArgument(f"router: the batch does not decode: {error}") from error
+        count = len(batch.requests)
+        for name, values in (("indices", batch.indices), ("session_ids", batch.session_ids)):
+            if values and len(values) != count:
+                raise InvalidArgument(
+                    f"{name} has {len(values)} entries for {count} requests: give one per "
+                    "request, or none"
+                )
+        indices = list(batch.indices) or list(range(count))
+        if len(set(indices)) != count:
+            raise InvalidArgument("indices repeat: each request needs an index of its own")
+        sessions = list(batch.session_ids) or [""] * count
+        for index, request, session in zip(indices, batch.requests, sessions, strict=True):
+            self._requests[index] = _Request(index, request, session)
+        if not self._requests:
+            raise InvalidArgument("requests is empty: send at least one request")
+
+    # -- sending ------------------------------------------------------------------------------
+
+    def _place(self, requests: list[_Request]) -> list[bytes]:
+        """Sends ``requests`` to the servers placement picks, a call per server; returns the
+        errors of those no server could take."""
+        parts: dict[str, _Part] = {}
+        failed = []
+        for request in requests:
+            try:
+                backend = self._proxy.pick(request.session or None, request.tried)
+            except SkyrlError as error:
+                request.done = True
+                failed.append(_errors((request.index, error.code, str(error))))
+                continue
+            request.tried.add(backend.address)
+            self._proxy.begin(backend, GENERATE_BATCH)
+            part = parts.get(backend.address)
+            if part is None:
+                part = parts[backend.address] = _Part(backend, [])
+            part.requests.append(request)
+        for part in parts.values():
+            self._parts.add(part)
+            part.task = asyncio.ensure_future(self._read(part))
+        return failed
+
+    async def _read(self, part: _Part) -> None:
+        """Relays one part's answers into the shared queue, then its end (None or error)."""
+        message = data_plane_pb2.GenerateBatchRequest(
+            requests=[r.request for r in part.requests],
+            session_ids=[r.session for r in part.requests],
+            indices=[r.index for r in part.requests],
+        )
+        method: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = part.backend.channel.unary_stream(
+            GENERATE_BATCH
+        )
+        call = method(
+            message.SerializeToString(),
+            timeout=self._context.time_remaining(),
+            metadata=self._metadata,
+        )
+        try:
+            while (raw := await call.read()) is not grpc.aio.EOF:
+                self._queue.put_nowait((part, cast(bytes, raw)))
+        except grpc.aio.AioRpcError as error:
+            self._queue.put_nowait((part, error))
+            return
+        finally:
+            if not call.done():
+                call.cancel()
+        self._queue.put_nowait((part, None))
+
+    # -- receiving ----------------------------------------------------------------------------
+
+    def _forward(self, part: _Part, raw: bytes) -> bytes:
+        """What to send the caller of a part's answer: as it is, or rewritten where a request
+        runs as a continuation. A part that may be lost keeps its answers to read then."""
+        part.backlog.append(raw)
+        if not part.continued:
+            return raw
+        message = data_plane_pb2.GenerateBatchResponse.FromString(raw)
+        for chunk in message.chunks:
+            request = self._requests[chunk.batch_index]
+            if request.continued:
+                chunk.usage.prompt_tokens = len(request.original.prompt_token_ids)
+                chunk.usage.completion_tokens = request.base + chunk.usage.completion_tokens
+                chunk.ClearField("prompt_logprobs")
+                if request.sent_chunks:
+                    chunk.ClearField("request_id")
+        return message.SerializeToString()
+
+    def _lost(self, part: _Part, why: str) -> tuple[list[_Request], list[bytes]]:
+        """A part's server is gone: its answers so far read, its unfinished requests either
+        to move (returned) or failed (their errors returned)."""
+        self._proxy.pool.mark_unavailable(part.backend)
+        _apply(part.backlog, self._requests)
+        moving, errors = [], []
+        for request in part.requests:
+            if request.done:
+                continue
+            if self._may_move(request):
+                if request.sent_chunks:
+                    request.migrations += 1
+                    request.request = continue_request(request.original, request.tokens)
+                    request.continued = True
+                    request.base = len(request.tokens)
+                else:
+                    request.retries += 1
+                moving.append(request)
+            else:
+                request.done = True
+                errors.append(
+                    _errors(
+                        (
+                            request.index,
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"router: backend {part.backend.address} was lost mid-batch "
+                            f"({why}); this request cannot move on ({self._why_not(request)})",
+                        )
+                    )
+                )
+        return moving, errors
+
+    def _may_move(self, request: _Request) -> bool:
+        """Before anything of it reached the caller: a plain retry, within ``max_retries``.
+        After: a single sample whose output can continue, within ``max_migrations``."""
+        options = self._proxy.options
+        if not request.sent_chunks:
+            return request.retries < options.max_retries
+        return (
+            request.samples == 1
+            and request.migrations < options.max_migrations
+            and resumable(request.original)
+        )
+
+    def _why_not(self, request: _Request) -> str:
+        if not request.sent_chunks:
+            return "no retries left (the router's max_retries)"
+        if request.samples > 1:
+            return "it has several samples"
+        if not resumable(request.original):
+            return "its output is constrained and has begun"
+        return "no migrations left (--max-migrations)"
+
+    def _end_part(self, part: _Part, failed: bool) -> None:
+        self._parts.discard(part)
+        for _ in part.requests:
+            self._proxy.end(part.backend, failed)
+
+    async def relay(self) -> AsyncGenerator[bytes, None]:
+        """The merged stream of the caller's call."""
+        try:
+            self._read_request()
+            for error in self._place(list(self._requests.values())):
+                yield error
+            while self._parts:
+                item = [await self._queue.get()]
+                while not self._queue.empty():
+                    item.append(self._queue.get_nowait())
+                out: list[bytes] = []
+                for part, event in item:
+                    if isinstance(event, bytes):
+                        out.append(self._forward(part, event))
+                    elif event is None:
+                        self._end_part(part, failed=False)
+                    else:
+                        out.extend(await self._failed(part, event))
+                if out:
+                    self._sent = True
+                    yield b"".join(out)
+        except SkyrlError as error:
+            await abort_with_status(error, self._context, GENERATE_BATCH)
+        finally:
+            for part in list(self._parts):
+                if part.task is not None:
+                    part.task.cancel()
+                self._end_part(part, failed=True)
+
+    async def _failed(self, part: _Part, error: BaseException) -> list[bytes]:
+        """A part's call ended with an error: its requests move, or end with errors."""
+        self._end_part(part, failed=True)
+        code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
+        details = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            moving, errors = self._lost(part, details or "unavailable")
+            if moving:
+                log.warning(
+                    "moving %d requests of a batch from lost backend %s",
+                    len(moving),
+                    part.backend.address,
+                )
+                await asyncio.sleep(self._proxy.options.retry_backoff_seconds)
+                errors += self._place(moving)
+            return errors
+        if code in _CALL_REFUSALS and not self._sent and not part.backlog:
+            assert isinstance(error, grpc.aio.AioRpcError)
+            await self._context.abort(error.code(), error.details() or "")
+        _apply(part.backlog, self._requests)
+        failed = [r for r in part.requests if not r.done]
+        for request in failed:
+            request.done = True
+        status = code or grpc.StatusCode.INTERNAL
+        return [_errors(*((r.index, status, f"{part.backend.address}: {details}") for r in failed))]
+
+
+def _apply(backlog: list[bytes], requests: dict[int, _Request]) -> None:
+    """A lost part's answers, read at last: each request's tokens, ends and errors so far."""
+    for raw in backlog:
+        message = data_plane_pb2.GenerateBatchResponse.FromString(raw)
+        for chunk in message.chunks:
+            request = requests[chunk.batch_index]
+            request.sent_chunks = True
+            if request.samples == 1:
+                request.tokens.extend(chunk.token_ids)
+            if chunk.finish_reason:
+                request.finished_samples += 1
+                if request.finished_samples >= request.samples:
+                    request.done = True
+        for error in message.errors:
+            requests[error.index].done = True
+    backlog.clear()
+
+
+def _errors(*failures: tuple[int, grpc.StatusCode, str]) -> bytes:
+    """Errors of requests as one GenerateBatchResponse, serialized."""
+    return data_plane_pb2.GenerateBatchResponse(
+        errors=[
+            data_plane_pb2.BatchError(index=index, code=code.value[0], message=message)
+            for index, code, message in failures
+        ]
+    ).SerializeToString()
+
+
+async def relay_batch(proxy: Proxy, request: bytes, context: Context) -> AsyncIterator[bytes]:
+    """The handler of GenerateBatch on the router."""
+    async with contextlib.aclosing(BatchRelay(proxy, request, context).relay()) as relayed:
+        async for message in relayed:
+            yield message
