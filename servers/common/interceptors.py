@@ -8,6 +8,7 @@ were given a token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import inspect
 import logging
@@ -118,10 +119,26 @@ class _NoCounter(CallCounter):
 _NOT_COUNTED = _NoCounter()
 
 
+@contextlib.asynccontextmanager
+async def _guarded(context: Context, method: str, counter: CallCounter) -> AsyncIterator[None]:
+    """A handler's call, counted while it runs, its errors ended as their statuses: the one
+    rule of every method shape."""
+    counter.begin()
+    try:
+        yield
+    except grpc.aio.AbortError:
+        raise
+    except Exception as exc:
+        await abort_with_status(exc, context, method)
+    finally:
+        counter.end()
+
+
 def _wrap(
     handler: Handler, method: str, counter: CallCounter, size_limit: RequestSizeLimit | None
 ) -> Handler:
     decode = _lenient(handler.request_deserializer, method, size_limit)
+    serialize = handler.response_serializer
     # grpc's stubs type handler behaviours as synchronous; on an asyncio server they are
     # coroutine and async generator functions.
     behaviours: Any = handler
@@ -130,72 +147,38 @@ def _wrap(
 
         async def unary_unary(request: Any, context: Context) -> Any:
             await _reject_malformed(request, context, method)
-            counter.begin()
-            try:
+            async with _guarded(context, method, counter):
                 return await inner_uu(request, context)
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:
-                await abort_with_status(exc, context, method)
-            finally:
-                counter.end()
 
-        return grpc.unary_unary_rpc_method_handler(unary_unary, decode, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(unary_unary, decode, serialize)
     if handler.unary_stream and not inspect.isasyncgenfunction(handler.unary_stream):
         # Streams written with context.write (grpc's own health Watch): a coroutine.
         inner_uw = behaviours.unary_stream
 
         async def unary_write(request: Any, context: Context) -> None:
             await _reject_malformed(request, context, method)
-            counter.begin()
-            try:
+            async with _guarded(context, method, counter):
                 await inner_uw(request, context)
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:
-                await abort_with_status(exc, context, method)
-            finally:
-                counter.end()
 
-        return grpc.unary_stream_rpc_method_handler(
-            unary_write, decode, handler.response_serializer
-        )
+        return grpc.unary_stream_rpc_method_handler(unary_write, decode, serialize)
     if handler.unary_stream:
         inner_us = behaviours.unary_stream
 
         async def unary_stream(request: Any, context: Context) -> AsyncIterator[Any]:
             await _reject_malformed(request, context, method)
-            counter.begin()
-            try:
+            async with _guarded(context, method, counter):
                 async for item in inner_us(request, context):
                     yield item
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:
-                await abort_with_status(exc, context, method)
-            finally:
-                counter.end()
 
-        return grpc.unary_stream_rpc_method_handler(
-            unary_stream, decode, handler.response_serializer
-        )
+        return grpc.unary_stream_rpc_method_handler(unary_stream, decode, serialize)
     if handler.stream_unary:
         inner_su = behaviours.stream_unary
 
         async def stream_unary(requests: Any, context: Context) -> Any:
-            counter.begin()
-            try:
+            async with _guarded(context, method, counter):
                 return await inner_su(_checked(requests, method), context)
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:
-                await abort_with_status(exc, context, method)
-            finally:
-                counter.end()
 
-        return grpc.stream_unary_rpc_method_handler(
-            stream_unary, decode, handler.response_serializer
-        )
+        return grpc.stream_unary_rpc_method_handler(stream_unary, decode, serialize)
     return handler  # stream_stream: none in our services (health Watch is unary_stream)
 
 
