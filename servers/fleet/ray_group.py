@@ -132,6 +132,8 @@ class ServerGroupOptions:
 
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+# The niceness Ray's raylet gives the workers it starts (Ray's default: 15).
+RAY_WORKER_NICENESS = "RAY_worker_niceness"
 
 
 class RayFleet(Fleet):
@@ -189,6 +191,11 @@ class RayFleet(Fleet):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         if not ray.is_initialized():
+            # Ray starts its workers at niceness 15, below anything else a node runs: engine
+            # servers are a node's main work, not background jobs that yield to every other
+            # busy process. A cluster this starts inherits this; one started with `ray start`
+            # takes it from that command's environment (see docs/fleet.md).
+            os.environ.setdefault(RAY_WORKER_NICENESS, "0")
             ray.init(address=self.options.ray_address, include_dashboard=False)
         if self._external_pg is None:
             self._pg = placement_group(self.bundles(), strategy=self.options.strategy)
