@@ -1,0 +1,238 @@
+"""What the benchmarks share: the peers they measure against (vLLM's HTTP server, the Rust
+vllm-router, vLLM's gRPC server), process trees measured and frozen from the OS, and reports.
+
+Benchmarks run as modules from the repository root (``python -m scripts.bench_rollout``), so
+the project's packages import as they are, with no path set-up of their own.
+
+A contender's processes are a ``ProcessTree``: its CPU seconds are read from the OS
+(``psutil``: every process of the tree, children included), and while another contender is
+measured it is frozen (SIGSTOP), so no idle engine busy-waits on the cores being measured (an
+idle vLLM CPU engine takes about a third of a core).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from servers.engine.engine_args import cpu_layout
+from servers.engine.options import EngineOptions
+from skyrl_grpc.tiny_model import ensure_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVED_NAME = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_report(output: str | Path, lines: Sequence[str]) -> None:
+    """Writes a benchmark's markdown report and prints it."""
+    text = "\n".join(lines) + "\n"
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(output).write_text(text)
+    print(text)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+def median_range(values: Sequence[float], digits: int = 2) -> str:
+    """``median (min-max)``, the way every table here quotes a measured figure."""
+    return (
+        f"{statistics.median(values):.{digits}f} "
+        f"({min(values):.{digits}f}-{max(values):.{digits}f})"
+    )
+
+
+class ProcessTree:
+    """Processes (with all their descendants) measured and frozen together."""
+
+    def __init__(self, *pids: int) -> None:
+        self.roots = [psutil.Process(pid) for pid in pids]
+
+    def processes(self) -> list[psutil.Process]:
+        found: dict[int, psutil.Process] = {}
+        for root in self.roots:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for process in [root, *root.children(recursive=True)]:
+                    found[process.pid] = process
+        return list(found.values())
+
+    def add(self, pid: int) -> None:
+        self.roots.append(psutil.Process(pid))
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of every process of the tree so far."""
+        total = 0.0
+        for process in self.processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                times = process.cpu_times()
+                total += times.user + times.system
+        return total
+
+    def freeze(self) -> None:
+        for process in self.processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.suspend()
+
+    def thaw(self) -> None:
+        for process in self.processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.resume()
+
+
+@dataclass
+class Launched:
+    """A peer's process, where it listens, and its log."""
+
+    address: str
+    process: subprocess.Popen[bytes]
+    log: str
+
+
+def _wait_http(url: str, launched: Launched, what: str, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while True:
+        if launched.process.poll() is not None:
+            raise RuntimeError(f"{what} exited; see {launched.log}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        if time.time() > deadline:
+            raise TimeoutError(f"{what} did not start; see {launched.log}")
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def _process(command: list[str], env: dict[str, str] | None, what: str) -> Iterator[Launched]:
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"{what}-", suffix=".log", delete=False)
+    process = subprocess.Popen(
+        command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    launched = Launched("", process, log.name)
+    try:
+        yield launched
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGCONT)  # a frozen process cannot stop
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _engine_flags(options: EngineOptions) -> tuple[list[str], dict[str, str]]:
+    """The command-line flags and environment giving vLLM's own servers the engine settings
+    this project's engine server uses on the embedded model."""
+    flags = [
+        "--model", str(ensure_tiny_model()),
+        "--served-model-name", SERVED_NAME,
+        "--dtype", "float32",
+        "--enforce-eager",
+        "--max-num-seqs", str(options.max_num_seqs),
+        "--seed", str(options.seed),
+    ]  # fmt: skip
+    layout_args, layout_env = cpu_layout(options)
+    for name, value in layout_args.items():
+        flags += [f"--{name.replace('_', '-')}", str(value)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{options.kv_cache_gib:g}", **layout_env}
+    return flags, env
+
+
+@contextlib.contextmanager
+def vllm_http_server(stream_interval: int = 1) -> Iterator[Launched]:
+    """vLLM's own OpenAI server on the embedded model, same engine settings."""
+    flags, env = _engine_flags(EngineOptions())
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags,
+        "--stream-interval", str(stream_interval),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--uvicorn-log-level", "warning", "--disable-log-stats",
+    ]  # fmt: skip
+    with _process(command, env, "vllm-http") as launched:
+        launched.address = f"http://127.0.0.1:{port}"
+        _wait_http(f"{launched.address}/health", launched, "vLLM's HTTP server")
+        yield launched
+
+
+@contextlib.contextmanager
+def vllm_router(worker: str) -> Iterator[Launched]:
+    """The Rust vllm-router (what SkyRL runs) in front of ``worker``."""
+    binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+    port = free_port()
+    command = [
+        binary,
+        "--worker-urls", worker,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--policy", "round_robin",
+        "--log-level", "warning",
+        "--prometheus-port", str(free_port()),
+    ]  # fmt: skip
+    with _process(command, None, "vllm-router") as launched:
+        launched.address = f"http://127.0.0.1:{port}"
+        _wait_http(f"{launched.address}/health", launched, "vllm-router", timeout=120)
+        yield launched
+
+
+def vllm_grpc_available() -> bool:
+    """Whether vLLM's gRPC server (the smg-grpc-servicer package) is installed."""
+    try:
+        import smg_grpc_servicer.vllm.servicer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def vllm_grpc_server() -> Iterator[Launched]:
+    """vLLM's own gRPC server (``vllm serve --grpc``: smg-grpc-servicer) on the embedded
+    model, same engine settings."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    flags, env = _engine_flags(EngineOptions())
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server", *flags,
+        "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats",
+    ]  # fmt: skip
+    with _process(command, env, "vllm-grpc") as launched:
+        launched.address = f"127.0.0.1:{port}"
+        deadline = time.time() + 600
+        while True:
+            if launched.process.poll() is not None:
+                raise RuntimeError(f"vLLM's gRPC server exited; see {launched.log}")
+            with contextlib.suppress(grpc.RpcError), grpc.insecure_channel(launched.address) as ch:
+                status = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(), timeout=2
+                )
+                if status.status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            if time.time() > deadline:
+                raise TimeoutError(f"vLLM's gRPC server did not start; see {launched.log}")
+            time.sleep(1)
+        yield launched
