@@ -31,6 +31,7 @@ def method_path(service: ServiceDescriptor, method: str) -> str:
 
 GENERATE_STREAM = method_path(DATA_PLANE_SERVICE, "GenerateStream")
 GENERATE_BATCH = method_path(DATA_PLANE_SERVICE, "GenerateBatch")
+GENERATE_MULTIPLEX = method_path(DATA_PLANE_SERVICE, "GenerateMultiplex")
 ABORT = method_path(DATA_PLANE_SERVICE, "Abort")
 FINISH_SESSION = method_path(DATA_PLANE_SERVICE, "FinishSession")
 PUSH_WEIGHTS = method_path(CONTROL_PLANE_SERVICE, "PushWeights")

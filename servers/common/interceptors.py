@@ -179,7 +179,16 @@ def _wrap(
                 return await inner_su(_checked(requests, method), context)
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, decode, serialize)
-    return handler  # stream_stream: none in our services (health Watch is unary_stream)
+    if handler.stream_stream:
+        inner_ss = behaviours.stream_stream
+
+        async def stream_stream(requests: Any, context: Context) -> AsyncIterator[Any]:
+            async with _guarded(context, method, counter):
+                async for item in inner_ss(_checked(requests, method), context):
+                    yield item
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream, decode, serialize)
+    return handler
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from skyrl_grpc import finish_reasons
 from skyrl_grpc.errors import InvalidArgument
+from skyrl_grpc.stream_chunks import merge_into
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2, lora_pb2
 
@@ -278,45 +279,6 @@ class ChunkCoalescer:
         else:
             self._pending[index] = chunk
         return ready
-
-
-def merge_into(
-    earlier: data_plane_pb2.GenerateStreamResponse, later: data_plane_pb2.GenerateStreamResponse
-) -> None:
-    """``later``'s tokens appended to ``earlier`` (one sample, one weight version): MergeFrom
-    appends repeated fields (token ids, logprobs) and keeps the newest scalars (finish reason,
-    cumulative usage); text is a delta, so it is concatenated."""
-    text = earlier.text + later.text
-    earlier.MergeFrom(later)
-    earlier.text = text
-
-
-def merge_backlog(
-    messages: list[data_plane_pb2.GenerateStreamResponse],
-) -> list[data_plane_pb2.GenerateStreamResponse]:
-    """Messages that piled up while the reader was slow, merged so it gets fewer: a sample's
-    chunks since its previous message become one, as ``ChunkCoalescer`` merges them (never
-    across a weight-version change or a sample's end; chunks carrying parsed chat deltas are
-    kept as they are, a delta's pieces being the parser's to split)."""
-    if len(messages) < 2:
-        return messages
-    merged: list[data_plane_pb2.GenerateStreamResponse] = []
-    last: dict[tuple[int, int], data_plane_pb2.GenerateStreamResponse] = {}
-    for message in messages:
-        key = (message.batch_index, message.sample_index)
-        earlier = last.get(key)
-        if (
-            earlier is not None
-            and not earlier.finish_reason
-            and earlier.weight_version == message.weight_version
-            and not earlier.HasField("chat_delta")
-            and not message.HasField("chat_delta")
-        ):
-            merge_into(earlier, message)
-            continue
-        merged.append(message)
-        last[key] = message
-    return merged
 
 
 # -- what the engine says about itself ----------------------------------------------------------

@@ -3,6 +3,7 @@ the conversions in ``convert``, the engine calls in ``vllm_engine``."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from skyrl_grpc.errors import SkyrlError
 from skyrl_grpc.metadata import session_of
 from skyrl_grpc.sample_assembly import ResponseAssembler
+from skyrl_grpc.stream_chunks import merge_backlog
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2, data_plane_pb2_grpc, generation_pb2
 
 from ..common.grpc_types import Context
@@ -17,7 +19,7 @@ from . import convert, validate
 from .admission import Admission
 from .batch_run import BatchRun, PreparedRequest
 from .chat_parsing import message_dicts, tool_dicts
-from .convert import ChunkCoalescer, StreamConverter, build_sampling_params, merge_backlog
+from .convert import ChunkCoalescer, StreamConverter, build_sampling_params
 from .serving_state import ServingState
 from .vllm_engine import VllmEngine
 
@@ -159,8 +161,46 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         self, request: data_plane_pb2.GenerateBatchRequest, context: Context
     ) -> AsyncIterator[data_plane_pb2.GenerateBatchResponse]:
         engine = self._state.engine()
-        indices, sessions = validate.batch(request, self._admission.capacity)
         batch = BatchRun(engine, self._admission)
+        self._add_batch(engine, batch, request)
+        batch.close()
+        async for response in batch.responses():
+            yield response  # type: ignore[misc]
+
+    async def GenerateMultiplex(
+        self,
+        request_iterator: AsyncIterator[data_plane_pb2.GenerateMultiplexRequest],
+        context: Context,
+    ) -> AsyncIterator[data_plane_pb2.GenerateMultiplexResponse]:
+        engine = self._state.engine()
+        batch = BatchRun(engine, self._admission, data_plane_pb2.GenerateMultiplexResponse)
+
+        async def read() -> None:
+            try:
+                async for message in request_iterator:
+                    if message.HasField("add"):
+                        self._add_batch(engine, batch, message.add)
+                    for index in message.cancel:
+                        batch.cancel(index)
+            except Exception as error:  # a malformed message: the call ends with its status
+                batch.fail(error)
+            finally:
+                batch.close()
+
+        reading = asyncio.ensure_future(read())
+        try:
+            async for response in batch.responses():
+                yield response  # type: ignore[misc]
+        finally:
+            reading.cancel()
+
+    def _add_batch(
+        self, engine: VllmEngine, batch: BatchRun, request: data_plane_pb2.GenerateBatchRequest
+    ) -> None:
+        """Each request of ``request`` checked, prepared and added to ``batch``, or refused
+        there; a malformed batch (its shape) is refused whole."""
+        indices, sessions = validate.batch(request, self._admission.capacity)
+        batch.check_unused(indices)
         for index, item, session in zip(indices, request.requests, sessions, strict=True):
             try:
                 validate.request_id(item.request_id, engine.limits)
@@ -171,8 +211,6 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
                 batch.refuse(index, error)
                 continue
             batch.add(index, prepared)
-        async for response in batch.responses():
-            yield response
 
     async def Generate(
         self, request: data_plane_pb2.GenerateRequest, context: Context

@@ -174,10 +174,11 @@ class StreamGroup(Generic[U]):
     engine loop into a list shared by the group, which is handed to the consumer once per pass
     of the engine loop: every member woken by one engine step contributes to one list, so the
     consumer wakes once per step, not once per member. A member's end (or error) arrives as
-    ``Ended`` in the same lists. ``steps`` yields the lists (all that waited, merged, when the
-    consumer fell behind) until ``close`` was called and every member ended; leaving it (or
-    ``cancel``) cancels every member. ``close``, ``steps`` and ``cancel`` belong to the
-    consumer's loop.
+    ``Ended`` in the same lists; so does the end of one cancelled alone (``cancel_member``).
+    ``steps`` yields the lists (all that waited, merged, when the consumer fell behind) until
+    ``close`` was called and every member ended, or raises what ``fail_all`` was given;
+    leaving it (or ``cancel``) cancels every member. ``fail``, ``fail_all``, ``close`` and
+    ``steps`` belong to the consumer's loop.
     """
 
     def __init__(
@@ -192,9 +193,12 @@ class StreamGroup(Generic[U]):
         self._queue: asyncio.Queue[list[U | Ended]] = asyncio.Queue()
         self._pending: list[U | Ended] = []
         self._flush_scheduled = False
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._cancelled = False  # on the engine loop: members added after it never start
+        # On the engine loop: running members, those cancelled alone, and whether all were.
+        self._members: dict[Hashable, asyncio.Task[None]] = {}
+        self._dropped: set[Hashable] = set()
+        self._cancelled = False
         self._closed = False
+        self._failure: BaseException | None = None
         self.started = 0
         self.ended = 0
 
@@ -209,6 +213,11 @@ class StreamGroup(Generic[U]):
         self.started += 1
         self._queue.put_nowait([Ended(key, error)])
 
+    def fail_all(self, error: BaseException) -> None:
+        """Ends the whole group: ``steps`` raises ``error`` (and cancels every member)."""
+        self._failure = error
+        self._queue.put_nowait([])  # wakes ``steps`` to look
+
     def close(self) -> None:
         """No member will be added any more: ``steps`` ends once those added have ended."""
         self._closed = True
@@ -218,8 +227,8 @@ class StreamGroup(Generic[U]):
         if self._cancelled:
             return
         task = self._loop.create_task(self._produce(key, iterator))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._members[key] = task
+        task.add_done_callback(lambda _: self._members.pop(key, None))
 
     async def _produce(self, key: Hashable, iterator: Callable[[], AsyncIterator[Any]]) -> None:
         try:
@@ -229,7 +238,10 @@ class StreamGroup(Generic[U]):
                     self._pending.extend(items)
                     self._schedule_flush()
         except asyncio.CancelledError:
-            raise
+            if key not in self._dropped:
+                raise  # the whole group: nobody waits for its ends any more
+            self._dropped.discard(key)
+            self._pending.append(Ended(key))
         except BaseException as error:
             self._pending.append(Ended(key, error))
         else:
@@ -256,11 +268,25 @@ class StreamGroup(Generic[U]):
                 step = await self._queue.get()
                 while not self._queue.empty():
                     step.extend(self._queue.get_nowait())
+                if self._failure is not None:
+                    raise self._failure
                 if step:
                     self.ended += sum(isinstance(item, Ended) for item in step)
                     yield step
         finally:
             self.cancel()
+
+    def cancel_member(self, key: Hashable) -> None:
+        """Cancels one member (from any thread): its ``Ended`` follows, with no error."""
+        self._loop.call_soon_threadsafe(self._cancel_one, key)
+
+    def _cancel_one(self, key: Hashable) -> None:
+        # Callbacks run in the order they were scheduled: a member added before this was
+        # asked for has started, so one not running any more has ended already.
+        task = self._members.get(key)
+        if task is not None:
+            self._dropped.add(key)
+            task.cancel()
 
     def cancel(self) -> None:
         """Cancels every member still running (from any thread)."""
@@ -268,5 +294,5 @@ class StreamGroup(Generic[U]):
 
     def _cancel_all(self) -> None:
         self._cancelled = True
-        for task in list(self._tasks):
+        for task in list(self._members.values()):
             task.cancel()

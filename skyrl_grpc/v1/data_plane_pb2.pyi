@@ -107,6 +107,22 @@ class GenerateBatchResponse(_message.Message):
     errors: _containers.RepeatedCompositeFieldContainer[BatchError]
     def __init__(self, chunks: _Optional[_Iterable[_Union[GenerateStreamResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[BatchError, _Mapping]]] = ...) -> None: ...
 
+class GenerateMultiplexRequest(_message.Message):
+    __slots__ = ("add", "cancel")
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    add: GenerateBatchRequest
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, add: _Optional[_Union[GenerateBatchRequest, _Mapping]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateMultiplexResponse(_message.Message):
+    __slots__ = ("chunks", "errors")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[GenerateStreamResponse]
+    errors: _containers.RepeatedCompositeFieldContainer[BatchError]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[GenerateStreamResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[BatchError, _Mapping]]] = ...) -> None: ...
+
 class BatchError(_message.Message):
     __slots__ = ("index", "code", "message")
     INDEX_FIELD_NUMBER: _ClassVar[int]

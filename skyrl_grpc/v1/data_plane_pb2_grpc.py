@@ -67,6 +67,11 @@ class DataPlaneStub:
                 request_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateBatchRequest.SerializeToString,
                 response_deserializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateBatchResponse.FromString,
                 _registered_method=True)
+        self.GenerateMultiplex = channel.stream_stream(
+                '/skyrl.inference.v1.DataPlane/GenerateMultiplex',
+                request_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateMultiplexRequest.SerializeToString,
+                response_deserializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateMultiplexResponse.FromString,
+                _registered_method=True)
         self.Chat = channel.unary_unary(
                 '/skyrl.inference.v1.DataPlane/Chat',
                 request_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.ChatRequest.SerializeToString,
@@ -157,6 +162,20 @@ class DataPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateMultiplex(self, request_iterator, context):
+        """Many generations over one long-lived call, for a proxy in front of the server (the
+        router keeps one per server, as TGI's router does with its shards): requests join and
+        leave while it runs, and one message per engine step carries the new tokens of every
+        request that advanced, so a server's per-message cost is paid per step, not per request
+        and step. Each request is admitted, refused and reported by its index as in GenerateBatch;
+        cancelling one (GenerateMultiplexRequest.cancel) aborts it; the call ends once the caller
+        has closed its side and every request has ended. Metadata (a data token) applies to every
+        request of the call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Chat(self, request, context):
         """Applies the model's chat template to the messages, then generates; returns tokens and text.
         """
@@ -225,6 +244,11 @@ def add_DataPlaneServicer_to_server(servicer, server):
                     servicer.GenerateBatch,
                     request_deserializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateBatchRequest.FromString,
                     response_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateBatchResponse.SerializeToString,
+            ),
+            'GenerateMultiplex': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMultiplex,
+                    request_deserializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateMultiplexRequest.FromString,
+                    response_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateMultiplexResponse.SerializeToString,
             ),
             'Chat': grpc.unary_unary_rpc_method_handler(
                     servicer.Chat,
@@ -361,6 +385,33 @@ class DataPlane:
             '/skyrl.inference.v1.DataPlane/GenerateBatch',
             skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateBatchRequest.SerializeToString,
             skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMultiplex(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/skyrl.inference.v1.DataPlane/GenerateMultiplex',
+            skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateMultiplexRequest.SerializeToString,
+            skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GenerateMultiplexResponse.FromString,
             options,
             channel_credentials,
             insecure,

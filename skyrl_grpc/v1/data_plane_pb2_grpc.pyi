@@ -72,6 +72,16 @@ class DataPlaneStub:
     (each session's requests on its server) and the servers' streams are merged into one; the
     requests of a server lost mid-batch move to another as GenerateStream calls do.
     """
+    GenerateMultiplex: _grpc.StreamStreamMultiCallable[_data_plane_pb2.GenerateMultiplexRequest, _data_plane_pb2.GenerateMultiplexResponse]
+    """Many generations over one long-lived call, for a proxy in front of the server (the
+    router keeps one per server, as TGI's router does with its shards): requests join and
+    leave while it runs, and one message per engine step carries the new tokens of every
+    request that advanced, so a server's per-message cost is paid per step, not per request
+    and step. Each request is admitted, refused and reported by its index as in GenerateBatch;
+    cancelling one (GenerateMultiplexRequest.cancel) aborts it; the call ends once the caller
+    has closed its side and every request has ended. Metadata (a data token) applies to every
+    request of the call.
+    """
     Chat: _grpc.UnaryUnaryMultiCallable[_data_plane_pb2.ChatRequest, _data_plane_pb2.ChatResponse]
     """Applies the model's chat template to the messages, then generates; returns tokens and text."""
     Complete: _grpc.UnaryUnaryMultiCallable[_data_plane_pb2.CompleteRequest, _data_plane_pb2.CompleteResponse]
@@ -131,6 +141,16 @@ class DataPlaneAsyncStub(DataPlaneStub):
     samples end FINISH_REASON_ABORTED). Through the router a batch is split by placement
     (each session's requests on its server) and the servers' streams are merged into one; the
     requests of a server lost mid-batch move to another as GenerateStream calls do.
+    """
+    GenerateMultiplex: _aio.StreamStreamMultiCallable[_data_plane_pb2.GenerateMultiplexRequest, _data_plane_pb2.GenerateMultiplexResponse]  # type: ignore[assignment]
+    """Many generations over one long-lived call, for a proxy in front of the server (the
+    router keeps one per server, as TGI's router does with its shards): requests join and
+    leave while it runs, and one message per engine step carries the new tokens of every
+    request that advanced, so a server's per-message cost is paid per step, not per request
+    and step. Each request is admitted, refused and reported by its index as in GenerateBatch;
+    cancelling one (GenerateMultiplexRequest.cancel) aborts it; the call ends once the caller
+    has closed its side and every request has ended. Metadata (a data token) applies to every
+    request of the call.
     """
     Chat: _aio.UnaryUnaryMultiCallable[_data_plane_pb2.ChatRequest, _data_plane_pb2.ChatResponse]  # type: ignore[assignment]
     """Applies the model's chat template to the messages, then generates; returns tokens and text."""
@@ -206,6 +226,22 @@ class DataPlaneServicer(metaclass=_abc_1.ABCMeta):
         samples end FINISH_REASON_ABORTED). Through the router a batch is split by placement
         (each session's requests on its server) and the servers' streams are merged into one; the
         requests of a server lost mid-batch move to another as GenerateStream calls do.
+        """
+
+    @_abc_1.abstractmethod
+    def GenerateMultiplex(
+        self,
+        request_iterator: _MaybeAsyncIterator[_data_plane_pb2.GenerateMultiplexRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_data_plane_pb2.GenerateMultiplexResponse], _abc.AsyncIterator[_data_plane_pb2.GenerateMultiplexResponse]]:
+        """Many generations over one long-lived call, for a proxy in front of the server (the
+        router keeps one per server, as TGI's router does with its shards): requests join and
+        leave while it runs, and one message per engine step carries the new tokens of every
+        request that advanced, so a server's per-message cost is paid per step, not per request
+        and step. Each request is admitted, refused and reported by its index as in GenerateBatch;
+        cancelling one (GenerateMultiplexRequest.cancel) aborts it; the call ends once the caller
+        has closed its side and every request has ended. Metadata (a data token) applies to every
+        request of the call.
         """
 
     @_abc_1.abstractmethod

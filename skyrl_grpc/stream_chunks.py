@@ -1,0 +1,51 @@
+"""Stream chunks merged: fewer messages carrying the same tokens.
+
+A sample's consecutive chunks (``GenerateStreamResponse``) can travel as one: the server's
+``stream_interval`` holds them back until enough tokens piled up, and a reader that fell behind
+(at the server, or at a router relaying them) gets what waited as one message instead of many.
+One rule for all of them, here: never across a weight-version change (each message names the
+one version that produced its tokens) nor past a sample's end, and text as a delta.
+"""
+
+from __future__ import annotations
+
+from skyrl_grpc.v1 import data_plane_pb2
+
+Chunk = data_plane_pb2.GenerateStreamResponse
+
+
+def merge_into(earlier: Chunk, later: Chunk) -> None:
+    """``later``'s tokens appended to ``earlier`` (one sample, one weight version): MergeFrom
+    appends repeated fields (token ids, logprobs) and keeps the newest scalars (finish reason,
+    cumulative usage); text is a delta, so it is concatenated."""
+    text = earlier.text + later.text
+    earlier.MergeFrom(later)
+    earlier.text = text
+
+
+def merge_backlog(
+    messages: list[Chunk],
+) -> list[Chunk]:
+    """Messages that piled up while the reader was slow, merged so it gets fewer: a sample's
+    chunks since its previous message become one, as ``ChunkCoalescer`` merges them (never
+    across a weight-version change or a sample's end; chunks carrying parsed chat deltas are
+    kept as they are, a delta's pieces being the parser's to split)."""
+    if len(messages) < 2:
+        return messages
+    merged: list[Chunk] = []
+    last: dict[tuple[int, int], Chunk] = {}
+    for message in messages:
+        key = (message.batch_index, message.sample_index)
+        earlier = last.get(key)
+        if (
+            earlier is not None
+            and not earlier.finish_reason
+            and earlier.weight_version == message.weight_version
+            and not earlier.HasField("chat_delta")
+            and not message.HasField("chat_delta")
+        ):
+            merge_into(earlier, message)
+            continue
+        merged.append(message)
+        last[key] = message
+    return merged
