@@ -207,13 +207,30 @@ def vllm_grpc_available() -> bool:
     return True
 
 
+def _wait_grpc(launched: Launched, what: str, timeout: float = 600) -> None:
+    """Until ``launched`` answers SERVING on grpc.health.v1 (service "")."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.time() + timeout
+    while True:
+        if launched.process.poll() is not None:
+            raise RuntimeError(f"{what} exited; see {launched.log}")
+        with contextlib.suppress(grpc.RpcError), grpc.insecure_channel(launched.address) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=2
+            )
+            if status.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        if time.time() > deadline:
+            raise TimeoutError(f"{what} did not start; see {launched.log}")
+        time.sleep(1)
+
+
 @contextlib.contextmanager
 def vllm_grpc_server() -> Iterator[Launched]:
     """vLLM's own gRPC server (``vllm serve --grpc``: smg-grpc-servicer) on the embedded
     model, same engine settings."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     flags, env = _engine_flags(EngineOptions())
     port = free_port()
     command = [
@@ -222,17 +239,19 @@ def vllm_grpc_server() -> Iterator[Launched]:
     ]  # fmt: skip
     with _process(command, env, "vllm-grpc") as launched:
         launched.address = f"127.0.0.1:{port}"
-        deadline = time.time() + 600
-        while True:
-            if launched.process.poll() is not None:
-                raise RuntimeError(f"vLLM's gRPC server exited; see {launched.log}")
-            with contextlib.suppress(grpc.RpcError), grpc.insecure_channel(launched.address) as ch:
-                status = health_pb2_grpc.HealthStub(ch).Check(
-                    health_pb2.HealthCheckRequest(), timeout=2
-                )
-                if status.status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-            if time.time() > deadline:
-                raise TimeoutError(f"vLLM's gRPC server did not start; see {launched.log}")
-            time.sleep(1)
+        _wait_grpc(launched, "vLLM's gRPC server")
+        yield launched
+
+
+@contextlib.contextmanager
+def skyrl_router(backends: list[str], *flags: str) -> Iterator[Launched]:
+    """This project's router (``skyrl-grpc route``) in front of ``backends``, with ``flags``."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "servers.router.router_server", "--host", "127.0.0.1",
+        "--port", str(port), "--backends", ",".join(backends), *flags,
+    ]  # fmt: skip
+    with _process(command, None, "skyrl-router") as launched:
+        launched.address = f"127.0.0.1:{port}"
+        _wait_grpc(launched, "the router", timeout=120)
         yield launched

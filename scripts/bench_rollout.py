@@ -28,7 +28,7 @@ Then the HTTP edge under vLLM's own load generator (``vllm bench serve``: random
 128 tokens, 128 out, 256 prompts at concurrency 64) against vLLM's HTTP server and vllm-router.
 
 Run: .venv/bin/python -m scripts.bench_rollout [--rounds 5] [--samples 64,256]
-     [--output docs/performance-rollouts.md]
+     [--output docs/bench-rollout.md]
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from scripts.bench_common import (
     Launched,
     ProcessTree,
     median_range,
+    skyrl_router,
     vllm_grpc_available,
     vllm_grpc_server,
     vllm_http_server,
@@ -415,7 +416,12 @@ def targets_table(runs: dict[int, dict[str, list[Run]]]) -> list[str]:
         "| --- | --- | --- | --- |",
     ]
 
-    def row(what: str, samples: int, value: float, goal: float, at_most: bool = False) -> None:
+    def row(
+        what: str, samples: int, value: float, goal: float | None, at_most: bool = False
+    ) -> None:
+        if goal is None:  # shown for comparison, no target of its own
+            lines.append(f"| {what} | {samples} | {value:.2f} | - |")
+            return
         met = value <= goal if at_most else value >= goal
         sign = "<=" if at_most else ">="
         lines.append(
@@ -431,6 +437,8 @@ def targets_table(runs: dict[int, dict[str, list[Run]]]) -> list[str]:
             ratio(by_name, "server per step", "vllm-http"), 1.0)  # fmt: skip
         row("router per step / server per step", samples,
             ratio(by_name, "router per step", "server per step"), 0.97)  # fmt: skip
+        row("router per step, no multiplex / server per step", samples,
+            ratio(by_name, "router per step, no multiplex", "server per step"), None)  # fmt: skip
         cpu = statistics.median(
             a.cpu_per_1k / b.cpu_per_1k
             for a, b in zip(by_name["server batched"], by_name["vllm-http"], strict=True)
@@ -548,7 +556,8 @@ def contenders(
             groups.append(group)
             group.tree.freeze()
 
-        fleet = stack.enter_context(LocalFleet(1, router_args=["--http-port", "0"]))
+        router_args = ["--http-port", "0", "--event-loop", args.router_loop]
+        fleet = stack.enter_context(LocalFleet(1, router_args=router_args))
         router, server = fleet.addresses.router, fleet.addresses.servers[0]
         group = Group("skyrl-grpc", ProcessTree(*fleet.pids))
         group.add("server per step", grpc_streams(server, 0, sessions=False))
@@ -557,6 +566,10 @@ def contenders(
         group.add("router per step", grpc_streams(router, 0, sessions=True))
         group.add("router 16-token", grpc_streams(router, 16, sessions=True))
         group.add("router batched", grpc_batch(router, 0))
+        # The same router without multiplexing: each forwarded stream a call of its own.
+        plain = stack.enter_context(skyrl_router([server], "--no-multiplex"))
+        group.tree.add(plain.process.pid)
+        group.add("router per step, no multiplex", grpc_streams(plain.address, 0, sessions=True))
         group.add("client batched, direct", trainer_client(router, [server], direct=True))
         group.add("client batched, via router", trainer_client(router, [server], direct=False))
         groups.append(group)
@@ -594,7 +607,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-edge", action="store_true")
     parser.add_argument("--no-rollouts", action="store_true")
     parser.add_argument("--no-vllm-grpc", action="store_true")
-    parser.add_argument("--output", default=str(ROOT / "docs" / "performance-rollouts.md"))
+    parser.add_argument("--router-loop", choices=("asyncio", "uvloop"), default="asyncio")
+    parser.add_argument("--output", default=str(ROOT / "docs" / "bench-rollout.md"))
     parser.add_argument("--in-process-worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
 

@@ -28,7 +28,7 @@ import grpc
 
 from skyrl_grpc.errors import SkyrlError, Unavailable
 from skyrl_grpc.metadata import ROUTED_TO, session_of
-from skyrl_grpc.names import ABORT, FINISH_SESSION
+from skyrl_grpc.names import ABORT, FINISH_SESSION, GENERATE_STREAM
 from skyrl_grpc.v1 import data_plane_pb2, router_pb2
 
 from ..common.early_answer import read_rest
@@ -37,11 +37,10 @@ from ..common.interceptors import abort_with_status
 from .backends import Backend, BackendPool
 from .metrics import RouterMetrics
 from .migration import StreamMigration
+from .multiplex import Multiplexers, WithFallback
 
 log = logging.getLogger(__name__)
 
-# How long a call answered with an error keeps reading what the caller still sends.
-READ_REST_SECONDS = 5.0
 # Metadata the transport owns; everything else is forwarded as is.
 _NOT_FORWARDED = ("grpc-", ":")
 _NOT_FORWARDED_KEYS = {"user-agent", "te", "content-type"}
@@ -65,6 +64,8 @@ class ProxyOptions:
     # When every healthy backend is paused: answer UNAVAILABLE at once instead of sending the
     # call to wait for Resume (up to its deadline).
     fail_when_paused: bool = False
+    # GenerateStream calls share one GenerateMultiplex call per server (False: a call each).
+    multiplex: bool = True
 
 
 class Upstream(Protocol):
@@ -126,6 +127,26 @@ class Proxy:
     pool: BackendPool
     metrics: RouterMetrics
     options: ProxyOptions = field(default_factory=ProxyOptions)
+    # GenerateStream calls travel over one multiplexed call per server (``multiplex``).
+    multiplexers: Multiplexers = field(default_factory=Multiplexers)
+
+    def _start_generation(
+        self, backend: Backend, request: bytes, metadata: Metadata, timeout: float | None
+    ) -> Upstream:
+        """A GenerateStream on ``backend``: over its multiplexed call where it takes one."""
+        address = backend.address
+
+        def plain() -> Upstream:
+            return _start_server_stream(GENERATE_STREAM, backend, request, metadata, timeout)
+
+        if not self.options.multiplex or not self.multiplexers.supported(address):
+            return plain()
+        try:
+            parsed = data_plane_pb2.GenerateStreamRequest.FromString(request)
+        except Exception:
+            return plain()  # the server will say what is wrong with it
+        stream = self.multiplexers.open(address, backend.channel, parsed, metadata)
+        return WithFallback(stream, plain, lambda: self.multiplexers.unsupported(address))
 
     def pick(self, session: str | None, tried: set[str]) -> Backend:
         """The backend for a call (UNAVAILABLE, saying why, when there is none)."""
@@ -230,12 +251,12 @@ class Proxy:
         except grpc.aio.AioRpcError as error:
             code = error.code()
             if unread is not None:
-                await read_rest(unread, READ_REST_SECONDS)
+                await read_rest(unread)
             await context.abort(code, error.details() or "", tuple(error.trailing_metadata() or ()))
         except SkyrlError as error:
             code = error.code
             if unread is not None:
-                await read_rest(unread, READ_REST_SECONDS)
+                await read_rest(unread)
             await abort_with_status(error, context, method)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
@@ -320,7 +341,11 @@ class Proxy:
         self, method: str, request: bytes, context: Context
     ) -> AsyncIterator[bytes]:
         migration = StreamMigration.for_call(method, request, self.options.max_migrations)
-        start = partial(_start_server_stream, method)
+        start: Starter = (
+            self._start_generation
+            if method == GENERATE_STREAM
+            else partial(_start_server_stream, method)
+        )
         async with aclosing(
             self.relay(method, request, context, start, migration=migration)
         ) as relayed:

@@ -118,6 +118,10 @@ class RouterServer:
 
     def _backend_changed(self, backend: Backend) -> None:
         address = backend.address
+        if not backend.eligible:
+            # Draining, lost or removed: its multiplexed calls take nothing new and end with
+            # their requests, so a draining server finishes them and is not held open.
+            self.proxy.multiplexers.retire(address)
         self.metrics.healthy.labels(address).set(1 if backend.eligible else 0)
         self.metrics.paused.labels(address).set(1 if backend.paused else 0)
         self.metrics.prompt_tokens.labels(address).set(backend.status.prompt_tokens)
@@ -181,6 +185,7 @@ class RouterServer:
         if self.http is not None:
             await self.http.stop()
         await self.server.stop(self.options.drain_grace_seconds if grace is None else grace)
+        await self.proxy.multiplexers.close()
         await self.pool.close()
         await self._tasks.close()
         self._stopped.set()
@@ -243,6 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="0 turns stream migration off",
     )
     parser.add_argument(
+        "--event-loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="the event loop the router runs on (gRPC and the HTTP edge share it)",
+    )
+    parser.add_argument(
+        "--no-multiplex",
+        action="store_true",
+        help="forward each GenerateStream as its own call to its server (default: over one "
+        "GenerateMultiplex call per server, a message per engine step for all of them)",
+    )
+    parser.add_argument(
         "--fail-when-paused",
         action="store_true",
         help="when every healthy backend is paused, answer UNAVAILABLE at once (default: "
@@ -275,6 +292,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
             max_retries=args.max_retries,
             max_migrations=args.max_migrations,
             fail_when_paused=args.fail_when_paused,
+            multiplex=not args.no_multiplex,
         ),
         admin_token=args.admin_token,
         http_port=args.http_port,
@@ -301,7 +319,12 @@ async def serve(options: RouterOptions) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure_logging()
-    asyncio.run(serve(options_from_args(args)))
+    if args.event_loop == "uvloop":
+        import uvloop
+
+        uvloop.run(serve(options_from_args(args)))
+    else:
+        asyncio.run(serve(options_from_args(args)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,280 @@
+"""The router's streams to a server over one GenerateMultiplex call.
+
+Forwarding every GenerateStream as its own call to the server costs a gRPC message per request
+per engine step at the server and again at the router's reading end: with 64 streams, 64
+messages a step, each worth one token. The router instead keeps one long-lived
+GenerateMultiplex call per server (and per caller credential: a server's data token is checked
+on the call, so callers with different tokens never share one), adds each forwarded
+GenerateStream request to it, and the server sends one message per engine step for all of them
+(TGI's router does the same with its shards). ``Multiplexer.open`` returns a ``MuxStream``:
+the request's own chunks, read like a forwarded call's answers (``proxy.Upstream``), so retries
+and migration work unchanged. Chunks that wait while the caller is slow are merged
+(``skyrl_grpc.stream_chunks``): a slow reader costs fewer messages, not more latency.
+
+A request's error (``BatchError``) fails its stream with that status; the call failing (the
+server lost) fails every stream on it, each then retried or migrated by the proxy as if its own
+call had failed; the next request opens a new call. A server without GenerateMultiplex (an
+older one) answers UNIMPLEMENTED once and gets plain calls from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from skyrl_grpc.metadata import SESSION_ID
+from skyrl_grpc.names import GENERATE_MULTIPLEX
+from skyrl_grpc.stream_chunks import merge_backlog
+from skyrl_grpc.v1 import data_plane_pb2
+
+log = logging.getLogger(__name__)
+Metadata = tuple[tuple[str, str | bytes], ...]
+_STATUS_OF = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class MuxStream:
+    """One request's chunks on a multiplexed call (``proxy.Upstream``)."""
+
+    def __init__(self, mux: Multiplexer, index: int, samples: int, mergeable: bool) -> None:
+        self._mux = mux
+        self.index = index
+        self._open_samples = samples
+        # Text and parsed chat deltas are per-message pieces: those chunks go as they are.
+        self._mergeable = mergeable
+        self._chunks: deque[data_plane_pb2.GenerateStreamResponse] = deque()
+        self._error: grpc.aio.AioRpcError | None = None
+        self._ready = asyncio.Event()
+        self._done = False
+        self.request_id = ""
+
+    @property
+    def finished(self) -> bool:
+        """Every sample has ended, or the stream failed or was cancelled."""
+        return self._done
+
+    def deliver(self, chunk: data_plane_pb2.GenerateStreamResponse) -> None:
+        if chunk.request_id:
+            self.request_id = chunk.request_id
+        else:
+            chunk.request_id = self.request_id
+        chunk.batch_index = 0
+        self._chunks.append(chunk)
+        if chunk.finish_reason:
+            self._open_samples -= 1
+            if self._open_samples <= 0:
+                self._done = True
+        self._ready.set()
+
+    def fail(self, error: grpc.aio.AioRpcError) -> None:
+        if not self._done:
+            self._error = error
+            self._done = True
+            self._ready.set()
+
+    async def read(self) -> Any:
+        """The next message to relay (chunks that waited merged), or ``grpc.aio.EOF``."""
+        while not self._chunks:
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                return grpc.aio.EOF
+            self._ready.clear()
+            await self._ready.wait()
+        if self._mergeable and len(self._chunks) > 1:
+            waiting = list(self._chunks)
+            self._chunks.clear()
+            merged = merge_backlog(waiting)
+            self._chunks.extend(merged[1:])
+            return merged[0].SerializeToString()
+        return self._chunks.popleft().SerializeToString()
+
+    def cancel(self) -> bool:
+        if self._done:
+            return False
+        self._done = True
+        self._mux.cancel(self.index)
+        return True
+
+    def done(self) -> bool:
+        return self._done and not self._chunks
+
+
+class Multiplexer:
+    """One GenerateMultiplex call to a server, shared by the router's forwarded streams."""
+
+    def __init__(self, channel: grpc.aio.Channel, metadata: Metadata) -> None:
+        self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._streams: dict[int, MuxStream] = {}
+        self._next_index = 0
+        self.failed: grpc.aio.AioRpcError | None = None
+        method: grpc.aio.StreamStreamMultiCallable[bytes, bytes] = channel.stream_stream(
+            GENERATE_MULTIPLEX
+        )
+        self._call = method(self._requests(), metadata=metadata)
+        self._reader = asyncio.ensure_future(self._read())
+
+    @property
+    def alive(self) -> bool:
+        return self.failed is None
+
+    async def _requests(self) -> AsyncIterator[bytes]:
+        while (message := await self._outbox.get()) is not None:
+            yield message
+
+    def open(self, request: data_plane_pb2.GenerateStreamRequest, session: str) -> MuxStream:
+        """Adds ``request`` (with its session) to the call; returns its stream."""
+        if self.failed is not None:
+            raise self.failed
+        index = self._next_index
+        self._next_index += 1
+        mergeable = not request.include_text and not request.HasField("chat_output")
+        stream = MuxStream(self, index, max(request.n, 1), mergeable)
+        self._streams[index] = stream
+        add = data_plane_pb2.GenerateBatchRequest(
+            requests=[request], session_ids=[session], indices=[index]
+        )
+        self._outbox.put_nowait(
+            data_plane_pb2.GenerateMultiplexRequest(add=add).SerializeToString()
+        )
+        return stream
+
+    def cancel(self, index: int) -> None:
+        if self._streams.pop(index, None) is not None and self.failed is None:
+            message = data_plane_pb2.GenerateMultiplexRequest(cancel=[index])
+            self._outbox.put_nowait(message.SerializeToString())
+
+    async def _read(self) -> None:
+        try:
+            async for raw in self._call:
+                message = data_plane_pb2.GenerateMultiplexResponse.FromString(raw)
+                for chunk in message.chunks:
+                    stream = self._streams.get(chunk.batch_index)
+                    if stream is not None:
+                        stream.deliver(chunk)
+                        if stream.finished:
+                            self._streams.pop(chunk.batch_index, None)
+                for error in message.errors:
+                    stream = self._streams.pop(error.index, None)
+                    if stream is not None:
+                        code = _STATUS_OF.get(error.code, grpc.StatusCode.UNKNOWN)
+                        stream.fail(_error(code, error.message))
+            failure = _error(grpc.StatusCode.UNAVAILABLE, "the multiplexed call ended")
+        except grpc.aio.AioRpcError as error:
+            failure = error
+        except asyncio.CancelledError:
+            failure = _error(grpc.StatusCode.UNAVAILABLE, "the router closed the call")
+        self.failed = failure
+        for stream in list(self._streams.values()):
+            stream.fail(failure)
+        self._streams.clear()
+
+    def retire(self) -> None:
+        """No new requests: the router's side of the call is closed, and the server ends it
+        once the requests running on it have ended (a draining server finishes them)."""
+        self._outbox.put_nowait(None)
+
+    def on_end(self, callback: Callable[[Multiplexer], None]) -> None:
+        """Calls ``callback(self)`` once the call has ended."""
+        self._reader.add_done_callback(lambda _: callback(self))
+
+    async def close(self) -> None:
+        """Ends the call now: those running are cut (their streams fail UNAVAILABLE, to be
+        retried or migrated elsewhere)."""
+        self._outbox.put_nowait(None)
+        self._call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+
+
+class Multiplexers:
+    """The router's multiplexed calls, one per (server, caller credential)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[tuple[str, Metadata], Multiplexer] = {}
+        # Calls of servers that left rotation, still ending their requests.
+        self._retired: set[Multiplexer] = set()
+        self._unsupported: set[str] = set()
+
+    def supported(self, address: str) -> bool:
+        """Whether ``address`` takes GenerateMultiplex (as far as the router knows)."""
+        return address not in self._unsupported
+
+    def addresses(self) -> list[str]:
+        """The servers with a multiplexed call open now."""
+        return sorted({address for (address, _), mux in self._calls.items() if mux.alive})
+
+    def open(
+        self,
+        address: str,
+        channel: grpc.aio.Channel,
+        request: data_plane_pb2.GenerateStreamRequest,
+        metadata: Metadata,
+    ) -> MuxStream:
+        session = next((str(v) for k, v in metadata if k == SESSION_ID), "")
+        credential = tuple((k, v) for k, v in metadata if k == "authorization")
+        key = (address, credential)
+        mux = self._calls.get(key)
+        if mux is None or not mux.alive:
+            mux = self._calls[key] = Multiplexer(channel, credential)
+        return mux.open(request, session)
+
+    def unsupported(self, address: str) -> None:
+        """The server answered UNIMPLEMENTED: plain calls to it from now on."""
+        if address not in self._unsupported:
+            log.info("%s does not take GenerateMultiplex: streams go as their own calls", address)
+        self._unsupported.add(address)
+
+    def retire(self, address: str) -> None:
+        """New streams to ``address`` open a new call; its calls now end once their requests
+        have (a server leaving rotation, draining or lost, finishes or fails what it runs)."""
+        for key in [k for k in self._calls if k[0] == address]:
+            mux = self._calls.pop(key)
+            mux.retire()
+            self._retired.add(mux)
+            mux.on_end(self._retired.discard)
+
+    async def close(self) -> None:
+        """Ends every call now (the router stops)."""
+        for mux in [*self._calls.values(), *self._retired]:
+            await mux.close()
+        self._calls.clear()
+        self._retired.clear()
+
+
+class WithFallback:
+    """A multiplexed stream that becomes a plain call when the server turns out not to take
+    GenerateMultiplex (UNIMPLEMENTED before anything arrived)."""
+
+    def __init__(self, stream: MuxStream, plain: Any, on_unsupported: Any) -> None:
+        self._upstream: Any = stream
+        self._plain = plain
+        self._on_unsupported = on_unsupported
+        self._started = False
+
+    async def read(self) -> Any:
+        try:
+            message = await self._upstream.read()
+        except grpc.aio.AioRpcError as error:
+            if self._started or error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self._on_unsupported()
+            self._upstream = self._plain()
+            message = await self._upstream.read()
+        self._started = True
+        return message
+
+    def cancel(self) -> bool:
+        return bool(self._upstream.cancel())
+
+    def done(self) -> bool:
+        return bool(self._upstream.done())

@@ -1,0 +1,183 @@
+"""GenerateMultiplex on a real engine and real sockets: requests join and leave one long-lived
+call, a message per engine step carries every request that advanced; the router forwards
+GenerateStream calls over one such call per server, and falls back to plain calls for a server
+without it."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Any
+
+import grpc
+import pytest
+
+from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
+from skyrl_grpc.v1 import generation_pb2 as gen
+from tests.conftest import running_router
+from tests.helpers.fake_backend import FakeBackend
+from tests.helpers.waits import engines_idle, until
+from trainer_client import InferenceClient
+
+pytestmark = [pytest.mark.engine]
+TOKENS = 32
+GREEDY = gen.SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=1)
+LONG = gen.SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)  # model: 512
+
+
+def stream_request(
+    i: int, sampling: gen.SamplingParams = GREEDY
+) -> data_plane_pb2.GenerateStreamRequest:
+    return data_plane_pb2.GenerateStreamRequest(
+        prompt_token_ids=[1, 60 + 11 * i, 9, 400 + i], sampling_params=sampling
+    )
+
+
+def add(indices: list[int], requests: list[Any]) -> data_plane_pb2.GenerateMultiplexRequest:
+    return data_plane_pb2.GenerateMultiplexRequest(
+        add=data_plane_pb2.GenerateBatchRequest(requests=requests, indices=indices)
+    )
+
+
+def tokens_of(chunks: list[data_plane_pb2.GenerateStreamResponse]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+async def single_stream(stub: Any, request: Any) -> list[int]:
+    return tokens_of([m async for m in stub.GenerateStream(request)])
+
+
+async def test_requests_join_and_leave_one_call(engine_server: Any) -> None:
+    """Requests added while the call runs get their single streams' tokens; a cancelled one
+    is aborted on the engine and sends nothing more; the call ends once the caller closed its
+    side and the rest ended, in far fewer messages than a message per request per step."""
+    client = InferenceClient(engine_server.address, [engine_server.address])
+    outbox: asyncio.Queue[data_plane_pb2.GenerateMultiplexRequest | None] = asyncio.Queue()
+
+    async def requests() -> Any:
+        while (message := await outbox.get()) is not None:
+            yield message
+
+    async with grpc.aio.insecure_channel(engine_server.address) as channel:
+        stub = data_plane_pb2_grpc.DataPlaneStub(channel)
+        call = stub.GenerateMultiplex(requests())
+        outbox.put_nowait(
+            add([0, 1, 2], [stream_request(0), stream_request(1, LONG), stream_request(2)])
+        )
+        chunks: dict[int, list[Any]] = collections.defaultdict(list)
+        messages = 0
+        errors: list[Any] = []
+
+        async def read_until(done: Any) -> None:
+            nonlocal messages
+            while not done():
+                message = await asyncio.wait_for(call.read(), 120)
+                assert message is not grpc.aio.EOF, "the call ended early"
+                messages += 1
+                assert not message.errors, message.errors
+                for chunk in message.chunks:
+                    chunks[chunk.batch_index].append(chunk)
+
+        await read_until(lambda: len(tokens_of(chunks[1])) >= 4)
+        outbox.put_nowait(add([7], [stream_request(7)]))  # joins while the others run
+        outbox.put_nowait(data_plane_pb2.GenerateMultiplexRequest(cancel=[1]))
+        await read_until(lambda: len(tokens_of(chunks[7])) >= TOKENS)
+        cancelled_at = len(tokens_of(chunks[1]))
+        outbox.put_nowait(None)  # the caller closes its side: the call ends
+        while (message := await call.read()) is not grpc.aio.EOF:
+            messages += 1
+            errors.extend(message.errors)
+            for chunk in message.chunks:
+                chunks[chunk.batch_index].append(chunk)
+        assert await call.code() == grpc.StatusCode.OK
+        for index in (0, 2, 7):
+            assert tokens_of(chunks[index]) == await single_stream(stub, stream_request(index))
+            assert chunks[index][0].request_id
+            assert chunks[index][-1].finish_reason == gen.FINISH_REASON_LENGTH
+        # Cancelled: nothing more after the cancel took effect, not even a finish reason.
+        assert len(tokens_of(chunks[1])) == cancelled_at < 480
+        assert not any(c.finish_reason for c in chunks[1])
+        assert not errors
+        assert messages < 3 * TOKENS
+    await until(lambda: engines_idle(client), 60, "the cancelled request aborted")
+    await client.close()
+
+
+async def test_bad_requests_fail_alone_and_a_reused_index_ends_the_call(
+    engine_server: Any,
+) -> None:
+    async with grpc.aio.insecure_channel(engine_server.address) as channel:
+        stub = data_plane_pb2_grpc.DataPlaneStub(channel)
+        bad = stream_request(1)
+        bad.prompt_token_ids.append(999_999)  # outside the vocabulary
+        outbox: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def requests() -> Any:
+            while (message := await outbox.get()) is not None:
+                yield message
+
+        call = stub.GenerateMultiplex(requests())
+        outbox.put_nowait(add([0, 1], [stream_request(0, LONG), bad]))
+        first_error = None
+        while first_error is None:
+            message = await asyncio.wait_for(call.read(), 120)
+            assert message is not grpc.aio.EOF
+            first_error = message.errors[0] if message.errors else None
+        assert first_error.index == 1
+        assert first_error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "vocabulary" in first_error.message
+        # Index 0 still runs: adding another request under it would mix two requests'
+        # reports, so the call ends, saying which index and why.
+        outbox.put_nowait(add([0], [stream_request(5)]))
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+        assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "indices [0] are in use" in str(ended.value.details())
+        outbox.put_nowait(None)
+        # The server goes on serving.
+        assert len(await single_stream(stub, stream_request(3))) == TOKENS
+
+
+async def test_the_router_multiplexes_streams_to_a_server(engine_server: Any) -> None:
+    """32 concurrent GenerateStream calls through the router travel over one multiplexed call
+    to the server; each caller gets its own stream's tokens, logprobs and finish reason, and
+    cancelling one caller's call aborts its request on the server."""
+    watcher = InferenceClient(engine_server.address, [engine_server.address])
+    async for router in running_router([engine_server.address]):
+        async with (
+            grpc.aio.insecure_channel(router.address) as via_router,
+            grpc.aio.insecure_channel(engine_server.address) as direct,
+        ):
+            routed = data_plane_pb2_grpc.DataPlaneStub(via_router)
+            server = data_plane_pb2_grpc.DataPlaneStub(direct)
+            long_call = routed.GenerateStream(stream_request(99, LONG))
+            await long_call.read()
+            assert router.proxy.multiplexers.addresses() == [engine_server.address]
+            results = await asyncio.gather(
+                *(single_stream(routed, stream_request(i)) for i in range(32))
+            )
+            for i, tokens in enumerate(results):
+                assert tokens == await single_stream(server, stream_request(i))
+            long_call.cancel()
+        await until(lambda: engines_idle(watcher), 60, "the cancelled stream aborted on the server")
+    await watcher.close()
+
+
+async def test_a_server_without_multiplexing_gets_plain_calls() -> None:
+    """A server that does not take GenerateMultiplex (an older build, another implementation)
+    answers UNIMPLEMENTED once; the stream goes as its own call and so do the next ones."""
+    backend = await FakeBackend("old", delay=0.001).start()
+    try:
+        async for router in running_router([backend.address]):
+            async with grpc.aio.insecure_channel(router.address) as channel:
+                stub = data_plane_pb2_grpc.DataPlaneStub(channel)
+                request = data_plane_pb2.GenerateStreamRequest(
+                    prompt_token_ids=[1, 2], sampling_params=gen.SamplingParams(max_tokens=5)
+                )
+                for _ in range(2):
+                    assert await single_stream(stub, request) == [0, 1, 2, 3, 4]
+            assert not router.proxy.multiplexers.supported(backend.address)
+            assert backend.observed.calls == 2  # each stream a GenerateStream call of its own
+    finally:
+        await backend.stop()
