@@ -22,9 +22,6 @@ from .adapters import AdapterUpload
 from .serving_state import ServingState
 from .vllm_engine import VllmEngine
 
-# How long a rejected LoadLoraAdapter keeps reading what the caller still sends.
-READ_REST_SECONDS = 5.0
-
 
 def add_control_plane(
     servicer: control_plane_pb2_grpc.ControlPlaneServicer, server: grpc.aio.Server
@@ -174,7 +171,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
                 else:
                     upload.add(message)
         except SkyrlError:
-            await read_rest(request_iterator, READ_REST_SECONDS)
+            await read_rest(request_iterator)
             raise
         if upload is None:
             raise InvalidArgument("the LoadLoraAdapter stream was empty: send the spec first")

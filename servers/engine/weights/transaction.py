@@ -44,8 +44,6 @@ from .protocol import Bucket, Group, StagedParameter, WorkerCalls
 
 log = logging.getLogger(__name__)
 
-DRAIN_SECONDS = 10.0  # how long a rejected push keeps reading before answering
-
 
 @dataclass
 class OpenUpdate:
@@ -292,7 +290,7 @@ class WeightTransferManager:
         try:
             return await self._push(messages)
         except SkyrlError:
-            await read_rest(messages, DRAIN_SECONDS)
+            await read_rest(messages)
             raise
 
     async def _push(

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, MutableMapping
 from typing import Any, NoReturn, cast
 
 import grpc
+import orjson
 import uvicorn
 
 from skyrl_grpc.errors import InvalidArgument, SkyrlError
@@ -89,7 +89,7 @@ class Responder:
 
     async def json(self, status: int, body: Any) -> None:
         self.started = True
-        payload = json.dumps(body, separators=(",", ":")).encode()
+        payload = orjson.dumps(body)
         await self._send({"type": "http.response.start", "status": status, "headers": _JSON})
         self.finished = True
         await self._send({"type": "http.response.body", "body": payload})
@@ -98,7 +98,7 @@ class Responder:
         if not self.started:
             self.started = True
             await self._send({"type": "http.response.start", "status": 200, "headers": _SSE})
-        data = b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+        data = b"data: " + orjson.dumps(body) + b"\n\n"
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def done(self) -> None:
@@ -143,8 +143,8 @@ class AsgiApp:
         try:
             request = Request(None, ())
             try:
-                body = json.loads(raw) if raw else {}
-            except ValueError as error:
+                body = orjson.loads(raw) if raw else {}
+            except orjson.JSONDecodeError as error:
                 raise InvalidArgument(f"the request body is not valid JSON: {error}") from None
             request = Request(body, request_metadata(scope, body))
             await handler(request, responder)
