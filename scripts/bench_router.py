@@ -122,7 +122,7 @@ async def main() -> None:
         f"Command: `.venv/bin/python scripts/bench_router.py` (one run; "
         f"{args.requests_per_stream} requests per stream, {args.max_tokens} tokens each, a message per engine step, median of "
         f"{args.rounds} alternating rounds). Machine: 2 cores; client, router and server share them. "
-        "docs/benchmarks.md has the same comparison at 256 streams and with coalesced messages.",
+        "docs/bench-stack.md has the same comparison at 256 streams and with coalesced messages.",
         "",
         "## Router cost (real vLLM engine server, tiny model)",
         "",

@@ -19,7 +19,7 @@ SamplingParams.stream_interval, our GenerateStreamRequest.stream_interval).
 Then control-plane fan-out (pause -> resume round trip across 1, 2 and 4 servers with generation
 in flight) and the weight-transfer figures (scripts/bench_weights.py, run as a subprocess).
 
-Run: .venv/bin/python scripts/bench_stack.py [--quick] [--output docs/benchmarks.md]
+Run: .venv/bin/python scripts/bench_stack.py [--quick] [--output docs/bench-stack.md]
 """
 
 from __future__ import annotations
@@ -549,7 +549,7 @@ async def main() -> None:
     parser.add_argument("--weights-gib", type=float, default=1.0, help="0: skip the weight section")
     parser.add_argument("--quick", action="store_true", help="fewer requests, for a smoke run")
     parser.add_argument("--sections", default="throughput,fan-out,weights")
-    parser.add_argument("--output", default=str(ROOT / "docs" / "benchmarks.md"))
+    parser.add_argument("--output", default=str(ROOT / "docs" / "bench-stack.md"))
     args = parser.parse_args()
     if args.in_process_worker:
         await in_process_worker()

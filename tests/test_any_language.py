@@ -1,4 +1,4 @@
-"""Other languages and tools: a buf-generated TypeScript client, the README's grpcurl recipes,
+"""Other languages and tools: a buf-generated TypeScript client, the docs' grpcurl recipes,
 and the breaking-change guard on the contract."""
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ async def test_typescript_client_streams_through_router_and_controls_a_server(
     assert output["pausedAfterPause"] is True and output["pausedAfterResume"] is False
 
 
-def readme_recipes() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+def documented_recipes() -> list[str]:
+    text = (ROOT / "docs" / "contract.md").read_text()
     section = text.split("## From any language", 1)[1].split("\n## ", 1)[0]
     commands: list[str] = []
     for block in re.findall(r"```bash\n(.*?)```", section, re.S):
@@ -83,15 +83,10 @@ def readme_recipes() -> list[str]:
 
 
 @pytest.mark.engine
-async def test_readme_grpcurl_recipes_run_verbatim(engine_server: Any) -> None:
-
-    recipes = readme_recipes()
-    assert {"list", "describe", "Generate", "Pause", "Resume"} <= {
-        word
-        for recipe in recipes
-        for word in ("list", "describe", "Generate", "Pause", "Resume")
-        if word in recipe
-    }
+async def test_documented_grpcurl_recipes_run_verbatim(engine_server: Any) -> None:
+    recipes = documented_recipes()
+    words = ("list", "describe", "Generate ", "GenerateBatch", "Pause", "Resume")
+    assert set(words) == {word for recipe in recipes for word in words if word in recipe + " "}
     for recipe in recipes:
         # The recipes name the default port; point them at the test server, change nothing else.
         command = recipe.replace("localhost:50051", engine_server.address)
@@ -102,8 +97,22 @@ async def test_readme_grpcurl_recipes_run_verbatim(engine_server: Any) -> None:
         assert result.returncode == 0, f"{recipe}\n{result.stderr}"
         if " list" in recipe:
             assert "skyrl.inference.v1.DataPlane" in result.stdout
-        if "DataPlane/Generate" in recipe:
+        if recipe.endswith("DataPlane/Generate"):
             assert len(json.loads(result.stdout)["samples"][0]["tokenIds"]) == 8
+        if recipe.endswith("DataPlane/GenerateBatch"):
+            # A message per engine step, each with the chunks of the requests that advanced.
+            decoder, text, messages = json.JSONDecoder(), result.stdout.strip(), []
+            while text:
+                message, end = decoder.raw_decode(text)
+                messages.append(message)
+                text = text[end:].strip()
+            chunks = [c for m in messages for c in m.get("chunks", [])]
+            per_request = {
+                i: [t for c in chunks if c.get("batchIndex", 0) == i for t in c.get("tokenIds", [])]
+                for i in (0, 1)
+            }
+            assert [len(t) for t in per_request.values()] == [8, 8]
+            assert len(messages) < 16  # not a message per request per token
 
 
 def test_buf_breaking_catches_a_breaking_change_and_allows_an_addition(tmp_path: Path) -> None:

@@ -75,7 +75,9 @@ def check_calls(choice: str, calls: list[tuple[str, str]]) -> None:
 async def test_the_openai_sdk_gets_forced_calls_from_a_server_without_a_parser(
     http_router: Any, no_whitespace: dict[int, float], choice: str
 ) -> None:
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{http_router.http_port}/v1", api_key="-")
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{http_router.http_port}/v1", api_key="-"
+    )
     request: Any = {
         "model": "",
         "messages": MESSAGES,
@@ -164,7 +166,9 @@ async def test_the_grpc_stub_gets_forced_calls_from_a_server_without_a_parser(
 
 async def test_auto_without_a_parser_is_refused_naming_the_flag(http_router: Any) -> None:
     """Through the edge (400) and the contract (FAILED_PRECONDITION); the server serves on."""
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{http_router.http_port}/v1", api_key="-")
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{http_router.http_port}/v1", api_key="-"
+    )
     with pytest.raises(openai.BadRequestError) as refused:
         await client.chat.completions.create(
             model="", messages=MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=4
