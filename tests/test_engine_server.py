@@ -432,7 +432,7 @@ async def test_requests_arriving_while_paused_wait_for_resume(
     load = await control.GetLoad(cp.GetLoadRequest())
     assert load.paused
     await control.Resume(cp.ResumeRequest())
-    tokens = await asyncio.wait_for(pending, 10)
+    tokens = await asyncio.wait_for(pending, 60)
     assert tokens == await greedy(data, prompt, 10)
 
 

@@ -207,7 +207,7 @@ async def test_a_paused_fleet_is_visible_and_requests_behave_as_documented(
                 await data_plane_pb2_grpc.DataPlaneStub(channel).Generate(generate(), timeout=10)
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "--fail-when-paused" in (raised.value.details() or "")
-            assert time.monotonic() - began < 1.0
+            assert time.monotonic() - began < 5.0  # at once, not at the 10 s deadline
         metrics = fail_fast.metrics.registry.get_sample_value(
             "skyrl_router_backend_paused", {"backend": servers[0]}
         )

@@ -134,7 +134,9 @@ def test_sigterm_of_an_idle_server_with_a_router_attached_exits_promptly(
         signalled = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=30) == 0
-        assert time.monotonic() - signalled < 2.0
+        # Not held for the 10 s drain grace by the router's health watch (bound generous for
+        # a loaded machine; an idle server exits in well under a second on a quiet one).
+        assert time.monotonic() - signalled < 6.0
     finally:
         router.kill()
         router.wait()
@@ -236,8 +238,9 @@ async def test_up_survives_an_engine_death_under_load_and_restarts_the_server(
             assert (await watch.read()).status == SERVING
             engine_core.kill()
             killed = time.monotonic()
-            seen = await asyncio.wait_for(watch.read(), 5)
-            assert seen.status == NOT_SERVING and time.monotonic() - killed < 2.0
+            # At once, not at the next failed call (bound generous for a loaded machine).
+            seen = await asyncio.wait_for(watch.read(), 15)
+            assert seen.status == NOT_SERVING and time.monotonic() - killed < 10.0
         results = await asyncio.wait_for(batch, 300)  # migrated: none of them fails
         assert [len(r.token_ids) for r in results] == [300] * 32
         died = await asyncio.to_thread(up.wait_for, f"server 0 ({victim}) died", 30)
