@@ -1,0 +1,145 @@
+"""Where the per-step path spends its CPU: py-spy on the engine server and the router while 64
+streams (a message per engine step) run through the router.
+
+Starts a local fleet of one server and its router, keeps 64 GenerateStream calls of 128 tokens
+running for ``--seconds``, samples both processes with py-spy (``--nonblocking``, native frames
+off), and prints the functions with the most samples of their own (self time) and the share of
+samples under each top-level group: grpc's Cython callbacks, protobuf, vLLM's output
+processing, this project's code. ``--no-multiplex`` starts the router with plain forwarding.
+
+Run: .venv/bin/python -m scripts.profile_per_step [--seconds 20] [--no-multiplex]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from scripts.bench_common import ROOT
+from servers.fleet.local import LocalFleet
+from skyrl_grpc.metadata import SESSION_ID
+from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
+from skyrl_grpc.v1 import generation_pb2 as gen
+
+GROUPS = (
+    ("grpc (Cython callbacks, channel, server)", ("grpc/_cython", "grpc/aio", "grpc/_")),
+    ("protobuf", ("google/protobuf",)),
+    ("vLLM", ("vllm/",)),
+    ("asyncio", ("asyncio/",)),
+    ("this project", ("servers/", "skyrl_grpc/", "trainer_client/")),
+)
+
+
+def py_spy() -> str:
+    found = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not os.path.exists(found):
+        raise SystemExit("py-spy is not installed: pip install py-spy (the dev extra has it)")
+    return found
+
+
+async def load(address: str, seconds: float) -> int:
+    """64 concurrent per-step streams of 128 tokens, started again as they end."""
+    deadline = time.monotonic() + seconds
+    tokens = 0
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = data_plane_pb2_grpc.DataPlaneStub(channel)
+
+        async def stream(slot: int) -> None:
+            nonlocal tokens
+            round_ = 0
+            while time.monotonic() < deadline:
+                request = data_plane_pb2.GenerateStreamRequest(
+                    prompt_token_ids=[1, 40 + slot, 9, 300 + round_ % 200],
+                    sampling_params=gen.SamplingParams(
+                        temperature=0.0, max_tokens=128, ignore_eos=True
+                    ),
+                )
+                metadata = ((SESSION_ID, f"profile-{slot}"),)
+                async for chunk in stub.GenerateStream(request, metadata=metadata):
+                    tokens += len(chunk.token_ids)
+                round_ += 1
+
+        await asyncio.gather(*(stream(s) for s in range(64)))
+    return tokens
+
+
+def summarize(raw: Path, top: int) -> list[str]:
+    """py-spy's raw (collapsed) stacks: the top functions by self samples, and the groups."""
+    own: collections.Counter[str] = collections.Counter()
+    groups: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack:
+            continue
+        count = int(count_text)
+        frames = stack.split(";")
+        total += count
+        own[frames[-1]] += count
+        leaf = frames[-1]
+        group = next(
+            (name for name, marks in GROUPS if any(mark in leaf for mark in marks)), "other"
+        )
+        groups[group] += count
+    if not total:
+        return ["(no samples)"]
+    lines = ["| self samples | function |", "| --- | --- |"]
+    for frame, count in own.most_common(top):
+        lines.append(f"| {100 * count / total:.1f}% | `{frame}` |")
+    lines += ["", "| group (by the innermost Python frame) | share |", "| --- | --- |"]
+    for name, count in groups.most_common():
+        lines.append(f"| {name} | {100 * count / total:.1f}% |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--no-multiplex", action="store_true")
+    args = parser.parse_args()
+    spy = py_spy()
+    router_args = ["--no-multiplex"] if args.no_multiplex else []
+    with LocalFleet(1, router_args=router_args) as fleet, tempfile.TemporaryDirectory() as tmp:
+        router, server = fleet.addresses.router, fleet.addresses.servers[0]
+        asyncio.run(load(router, 5))  # warm: compiled paths, the prefix cache, the mux call
+        pids = dict(zip(("router", "server"), fleet.pids[-1:] + fleet.pids[:1], strict=True))
+        recorders = {}
+        for name, pid in pids.items():
+            out = Path(tmp) / f"{name}.txt"
+            recorders[name] = (
+                out,
+                subprocess.Popen(
+                    [spy, "record", "--pid", str(pid), "--format", "raw", "--nonblocking",
+                     "--rate", "200", "--duration", str(int(args.seconds)), "--output", str(out)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                ),
+            )  # fmt: skip
+        began = time.monotonic()
+        tokens = asyncio.run(load(router, args.seconds))
+        elapsed = time.monotonic() - began
+        for _, recorder in recorders.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                recorder.wait(timeout=60)
+        mode = "plain forwarding" if args.no_multiplex else "multiplexed"
+        print(f"# per-step path, 64 streams x 128 tokens through the router ({mode})")
+        print(f"\n{tokens / elapsed:.0f} tokens/s while profiled (py-spy slows what it samples)")
+        for name, (out, _) in recorders.items():
+            print(f"\n## {name} ({server if name == 'server' else router})\n")
+            print("\n".join(summarize(out, args.top)))
+
+
+if __name__ == "__main__":
+    os.chdir(ROOT)
+    main()
