@@ -60,18 +60,22 @@ class Recorded:
         self.outputs: dict[str, list[GenerationResult]] = defaultdict(list)
         self.servers_of: dict[str, set[str]] = defaultdict(set)
         self.finished: list[str] = []
-        generate, finish = engine.client.generate, engine.client.finish_session
+        # The drop-in sends every generate as one batched call (generate_batch).
+        generate_batch, finish = engine.client.generate_batch, engine.client.finish_session
 
-        async def recording_generate(prompt: Any, sampling: Any = None, **kw: Any) -> Any:
-            result = await generate(prompt, sampling, **kw)
-            self.outputs[kw["session_id"]].append(result)
-            return result
+        async def recording_generate_batch(
+            prompts: Any, sampling: Any = None, **kw: Any
+        ) -> list[GenerationResult]:
+            results = await generate_batch(prompts, sampling, **kw)
+            for session, result in zip(kw["session_ids"], results, strict=True):
+                self.outputs[session].append(result)
+            return results
 
         async def recording_finish(session: str) -> bool:
             self.finished.append(session)
             return await finish(session)
 
-        engine.client.generate = recording_generate  # type: ignore[method-assign]
+        engine.client.generate_batch = recording_generate_batch  # type: ignore[method-assign]
         engine.client.finish_session = recording_finish  # type: ignore[method-assign]
         for server in servers:
             sessions = server.state.started.sessions
