@@ -361,6 +361,7 @@ async def test_methods_unknown_to_the_router_are_relayed_as_raw_streams(
     await server.stop(0)
 
 
+@pytest.mark.slow  # starts backend processes
 def test_killed_backend_process_is_ejected_router_stays_serving() -> None:
     async def scenario() -> None:
         procs = [

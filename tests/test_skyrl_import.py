@@ -13,6 +13,9 @@ import pytest
 
 from tests.conftest import ROOT
 
+# Each test starts fresh interpreters that import SkyRL (seconds each): not in the quick loop.
+pytestmark = [pytest.mark.slow]
+
 SKYRL_FIRST = """
     from skyrl.backends.skyrl_train.inference_servers.base import InferenceEngineInterface
     from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
