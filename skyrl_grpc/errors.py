@@ -63,3 +63,12 @@ class DataLoss(SkyrlError):
     """Bytes arrived corrupted (a checksum did not match)."""
 
     code = grpc.StatusCode.DATA_LOSS
+
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_of(number: int) -> grpc.StatusCode:
+    """The status a numeric code names (as ``BatchError.code`` carries it); UNKNOWN for a
+    number gRPC does not define."""
+    return _STATUS_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)

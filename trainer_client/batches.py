@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from skyrl_grpc.errors import status_of
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
 
 from .abort_retry import AbortRetry
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     from .generation import Generation
 
 log = logging.getLogger(__name__)
-_STATUS_OF = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class BatchGeneration:
@@ -138,7 +138,7 @@ class BatchGeneration:
                 for chunk in message.chunks:
                     self._samples[chunk.batch_index].add(chunk)
                 for error in message.errors:
-                    status = _STATUS_OF.get(error.code, grpc.StatusCode.UNKNOWN)
+                    status = status_of(error.code)
                     detail = f"prompt {error.index} of the batch: {error.message}"
                     raise ServerError.of(address, status, detail)
         except grpc.aio.AioRpcError as error:

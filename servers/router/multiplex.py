@@ -28,14 +28,14 @@ from typing import Any
 
 import grpc
 
-from skyrl_grpc.metadata import SESSION_ID
+from skyrl_grpc.errors import status_of
+from skyrl_grpc.metadata import AUTHORIZATION, session_of
 from skyrl_grpc.names import GENERATE_MULTIPLEX
 from skyrl_grpc.stream_chunks import merge_backlog
 from skyrl_grpc.v1 import data_plane_pb2
 
 log = logging.getLogger(__name__)
 Metadata = tuple[tuple[str, str | bytes], ...]
-_STATUS_OF = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -166,8 +166,7 @@ class Multiplexer:
                 for error in message.errors:
                     stream = self._streams.pop(error.index, None)
                     if stream is not None:
-                        code = _STATUS_OF.get(error.code, grpc.StatusCode.UNKNOWN)
-                        stream.fail(_error(code, error.message))
+                        stream.fail(_error(status_of(error.code), error.message))
             failure = _error(grpc.StatusCode.UNAVAILABLE, "the multiplexed call ended")
         except grpc.aio.AioRpcError as error:
             failure = error
@@ -220,8 +219,8 @@ class Multiplexers:
         request: data_plane_pb2.GenerateStreamRequest,
         metadata: Metadata,
     ) -> MuxStream:
-        session = next((str(v) for k, v in metadata if k == SESSION_ID), "")
-        credential = tuple((k, v) for k, v in metadata if k == "authorization")
+        session = session_of(metadata) or ""
+        credential = tuple((k, v) for k, v in metadata if k == AUTHORIZATION)
         key = (address, credential)
         mux = self._calls.get(key)
         if mux is None or not mux.alive:
