@@ -141,8 +141,9 @@ async def test_bad_requests_fail_alone_and_a_reused_index_ends_the_call(
 
 async def test_the_router_multiplexes_streams_to_a_server(engine_server: Any) -> None:
     """32 concurrent GenerateStream calls through the router travel over one multiplexed call
-    to the server; each caller gets its own stream's tokens, logprobs and finish reason, and
-    cancelling one caller's call aborts its request on the server."""
+    to the server; each caller gets its own stream's tokens, logprobs and finish reason, a
+    refused request its status, and cancelling one caller's call aborts its request on the
+    server."""
     watcher = InferenceClient(engine_server.address, [engine_server.address])
     async for router in running_router([engine_server.address]):
         async with (
@@ -159,6 +160,13 @@ async def test_the_router_multiplexes_streams_to_a_server(engine_server: Any) ->
             )
             for i, tokens in enumerate(results):
                 assert tokens == await single_stream(server, stream_request(i))
+            # A request the server refuses fails its caller's call with the server's status.
+            bad = stream_request(50)
+            bad.prompt_token_ids.append(999_999)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await single_stream(routed, bad)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "vocabulary" in str(refused.value.details())
             long_call.cancel()
         await until(lambda: engines_idle(watcher), 60, "the cancelled stream aborted on the server")
     await watcher.close()
