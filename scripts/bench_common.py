@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -255,3 +256,42 @@ def skyrl_router(backends: list[str], *flags: str) -> Iterator[Launched]:
         launched.address = f"127.0.0.1:{port}"
         _wait_grpc(launched, "the router", timeout=120)
         yield launched
+
+
+# The receiver's buffer: what one recv can take.
+RECEIVE_BYTES = 4 << 20
+
+
+def raw_tcp(payload_chunks: list[bytes]) -> float:
+    """Seconds to send every chunk over a loopback TCP socket to a receiver that reads all."""
+    total = sum(len(c) for c in payload_chunks)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+
+    def receive() -> None:
+        connection, _ = listener.accept()
+        buffer = bytearray(RECEIVE_BYTES)
+        view = memoryview(buffer)
+        received = 0
+        while received < total:
+            n = connection.recv_into(view)
+            if not n:
+                break
+            received += n
+        connection.sendall(b"k")
+        connection.close()
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    sender = socket.create_connection(("127.0.0.1", port))
+    started = time.perf_counter()
+    for chunk in payload_chunks:
+        sender.sendall(chunk)
+    sender.recv(1)
+    elapsed = time.perf_counter() - started
+    sender.close()
+    thread.join()
+    listener.close()
+    return elapsed

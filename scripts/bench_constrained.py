@@ -16,7 +16,7 @@ what sharing an engine costs (any co-load slows a saturated engine) nor the requ
 short answers. 4 against 2 is printed beside it. The cost per constrained token compares the
 co-load's own throughput in 4 and 3.
 
-Run: .venv/bin/python scripts/bench_constrained.py [--streams 8] [--seconds 15]
+Run: .venv/bin/python -m scripts.bench_constrained [--streams 8] [--seconds 15]
      [--model tiny|0.1b] [--output docs/bench-constrained.md]
 """
 
@@ -25,17 +25,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from servers.fleet.local import LocalFleet
+from skyrl_grpc.tiny_model import TinyModelSpec, ensure_tiny_model
+from trainer_client import InferenceClient
 
-from servers.fleet.local import LocalFleet  # noqa: E402
-from skyrl_grpc.tiny_model import TinyModelSpec, ensure_tiny_model  # noqa: E402
-from trainer_client import InferenceClient  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SCHEMA = {
     "type": "object",

@@ -6,30 +6,26 @@ GetLoad, IsPaused and Pause(KEEP) + Resume, first idle, then while 64 streams wi
 and prompt logprobs 20 (the most a request may ask for) keep it saturated; idle and loaded rounds
 alternate. Target: p99 <= 100 ms under load.
 
-Run: .venv/bin/python scripts/bench_control.py [--rounds 2] [--samples 60] [--output docs/bench-control.md]
+Run: .venv/bin/python -m scripts.bench_control [--rounds 2] [--samples 60] [--output docs/bench-control.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
 
+from scripts.bench_common import percentile, write_report
+from servers.fleet.local import LocalFleet
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2, data_plane_pb2_grpc
+from skyrl_grpc.v1 import generation_pb2 as gen
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_stack import percentile, write_report  # noqa: E402
-
-from servers.fleet.local import LocalFleet  # noqa: E402
-from skyrl_grpc.v1 import control_plane_pb2 as cp  # noqa: E402
-from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2, data_plane_pb2_grpc  # noqa: E402
-from skyrl_grpc.v1 import generation_pb2 as gen  # noqa: E402
 
 HEAVY = gen.SamplingParams(temperature=1.0, max_tokens=200, logprobs=20, prompt_logprobs=20)
 

@@ -8,7 +8,7 @@
 2. Generation throughput at 64 concurrent streams through the router, with the adapter vs the
    base model, alternating rounds.
 
-Run: .venv/bin/python scripts/bench_lora.py [--repeats 5] [--output docs/bench-lora.md]
+Run: .venv/bin/python -m scripts.bench_lora [--repeats 5] [--output docs/bench-lora.md]
 """
 
 from __future__ import annotations
@@ -17,19 +17,17 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from servers.engine.adapters import AdapterConfig, ModelShapes
+from servers.fleet.local import LocalFleet
+from skyrl_grpc.tiny_model import ensure_tiny_model
+from trainer_client import InferenceClient
 
-from servers.engine.adapters import AdapterConfig, ModelShapes  # noqa: E402
-from servers.fleet.local import LocalFleet  # noqa: E402
-from skyrl_grpc.tiny_model import ensure_tiny_model  # noqa: E402
-from trainer_client import InferenceClient  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -13,7 +13,7 @@
    engine servers (tiny model), one router per policy over the same two servers, run one after
    the other: output tokens/s and prefix-cache hits (``Usage.cached_prompt_tokens``).
 
-Run: .venv/bin/python scripts/bench_placement.py [--engines] [--output docs/bench-placement.md]
+Run: .venv/bin/python -m scripts.bench_placement [--engines] [--output docs/bench-placement.md]
 """
 
 from __future__ import annotations
@@ -23,17 +23,15 @@ import asyncio
 import heapq
 import random
 import statistics
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from skyrl_grpc.placement import POLICIES, PlacementPolicy, make_policy
 
-from skyrl_grpc.placement import POLICIES, PlacementPolicy, make_policy  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # -- the workload --------------------------------------------------------------------------
 

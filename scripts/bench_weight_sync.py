@@ -14,7 +14,7 @@ RL-like steps (``--rl-lrs``): the trainer keeps fp32 master weights and takes Ad
 random gradients at each learning rate; the servers serve the master weights cast to the
 serving dtype, pushed with ``update_weights`` (deltas: only what changed since the last push).
 
-Run: .venv/bin/python scripts/bench_weight_sync.py [--servers 1] [--tp 1] [--rounds 2]
+Run: .venv/bin/python -m scripts.bench_weight_sync [--servers 1] [--tp 1] [--rounds 2]
      [--dtype bfloat16] [--transports grpc,collective] [--rl-lrs 1e-6,1e-5]
      [--output docs/bench-weight-sync.md]
 """
@@ -35,8 +35,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))  # bench_weights, beside this script
 
 GiB = 1 << 30
 # The issue's model: hidden 2048, 8 layers, 16 heads / 4 KV heads (~294M parameters).
@@ -177,7 +175,8 @@ def raw_tcp(tensors: list[tuple[str, Any]], chunk: int = 4 << 20) -> float:
     """Seconds to send every tensor's bytes over one loopback TCP connection (the socket
     measurement of ``bench_weights``, fed views of the tensors' own memory)."""
     import torch
-    from bench_weights import raw_tcp as send_over_tcp
+
+    from scripts.bench_common import raw_tcp as send_over_tcp
 
     views = [memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()) for _, t in tensors]
     return send_over_tcp([v[o : o + chunk] for v in views for o in range(0, len(v), chunk)])

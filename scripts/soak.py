@@ -7,7 +7,7 @@ resumes every few seconds. At the end it checks and prints: no leaked requests (
 reports 0 running / waiting), server RSS growth after warm-up within the bound, zero unexpected
 errors. Exit code 1 if any check fails.
 
-Run: .venv/bin/python scripts/soak.py --seconds 180 [--rss-growth-mib 300]
+Run: .venv/bin/python -m scripts.soak --seconds 180 [--rss-growth-mib 300]
 """
 
 from __future__ import annotations
@@ -20,15 +20,13 @@ import time
 from pathlib import Path
 
 import psutil
+from safetensors.torch import load_file
+
+from servers.fleet.local import LocalFleet
+from skyrl_grpc.tiny_model import ensure_tiny_model
+from trainer_client import InferenceClient
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from safetensors.torch import load_file  # noqa: E402
-
-from servers.fleet.local import LocalFleet  # noqa: E402
-from skyrl_grpc.tiny_model import ensure_tiny_model  # noqa: E402
-from trainer_client import InferenceClient  # noqa: E402
 
 
 def tree_rss(pid: int) -> int:

@@ -8,7 +8,7 @@ and anonymous memory right after start and after each update, and its peak while
 totals against the raw links; this shows which process holds what (the gRPC server, vLLM's
 engine core with this project's weight-transfer engine in its worker).
 
-Run: .venv/bin/python scripts/weight_memory_per_process.py [--transport grpc|collective]
+Run: .venv/bin/python -m scripts.weight_memory_per_process [--transport grpc|collective]
      [--dtype bfloat16] [--updates 4] [-- ENGINE SERVER FLAGS]
 With ``-- --return-freed-memory`` the server does not ``keep_freed_memory``: freed large blocks
 then go back to the system, so what stays is what is still referenced.
@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_weight_sync, beside this
-
-from bench_weight_sync import build_model, engine_servers, perturbed
+from scripts.bench_weight_sync import build_model, engine_servers, perturbed
 
 MiB = 1 << 20
 

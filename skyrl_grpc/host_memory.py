@@ -5,7 +5,7 @@ A weight update allocates and frees about the model's size in host buffers every
 (at most 32 MiB) its own mapping and unmaps it on free, and trims the heap top, so the next
 update touches fresh pages again. Page faults then cost more than the transfer: on the 2-core VMs
 this project is measured on, copying into fresh memory runs at ~1.1 GB/s and into reused memory
-at ~9.5 GB/s (`scripts/bench_weights.py` shows what it does to the transfer itself).
+at ~9.5 GB/s (`scripts/bench_weight_sync.py` measures updates with it).
 
 ``keep_freed_memory()`` turns both off: large blocks come from the heap and freed memory stays
 there for the next update. The price: the process's resident memory stays at its peak. The engine

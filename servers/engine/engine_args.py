@@ -92,8 +92,8 @@ def cpu_layout(options: EngineOptions) -> tuple[dict[str, Any], dict[str, str]]:
     With one worker, the model runs inside the engine-core process (vLLM's uni executor) rather
     than in a separate worker process: on CPU the two processes busy-wait on each other through
     a shared-memory ring, which costs a whole core on a small machine. Measured on 2 cores
-    (scripts/bench_stack.py): about twice the streaming throughput. The benchmark starts vLLM's
-    own HTTP server with the same layout.
+    (the former stack benchmark, since folded into scripts/bench_rollout.py): about twice the
+    streaming throughput. The benchmarks start vLLM's own HTTP server with the same layout.
     """
     env: dict[str, str] = {}
     threads = options.cpu_threads
