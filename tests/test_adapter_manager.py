@@ -15,9 +15,11 @@ import torch
 from servers.engine.adapters import (
     AdapterLimits,
     AdapterManager,
+    AdapterSpec,
     EngineAdapterCalls,
     ModelShapes,
 )
+from servers.engine.control_convert import adapter_item, adapter_spec
 from skyrl_grpc.errors import FailedPrecondition, InvalidArgument, NotFound
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.weight_sending import lora_push_messages
@@ -66,9 +68,9 @@ async def load(
     manager: AdapterManager, name: str, seed: int, config: dict[str, Any] = CONFIG, version: int = 0
 ) -> Any:
     spec = cp.LoraAdapterSpec(name=name, config_json=json.dumps(config), version=version)
-    upload = manager.upload(spec)
+    upload = manager.upload(adapter_spec(cp.LoadLoraAdapterRequest(spec=spec)))
     for message in lora_push_messages(adapter(seed, config["r"]).items()):
-        upload.add(message)
+        upload.add(adapter_item(message))
     return await manager.load(upload)
 
 
@@ -137,6 +139,6 @@ async def test_a_server_without_lora_says_how_to_enable_it() -> None:
     )
     assert manager.begin("") is None and manager.serving() == []
     with pytest.raises(FailedPrecondition, match="--enable-lora"):
-        manager.upload(cp.LoraAdapterSpec(name="x", config_json="{}"))
+        manager.upload(AdapterSpec(name="x", config_json="{}"))
     with pytest.raises(NotFound, match="--enable-lora"):  # an unknown name, as with LoRA on
         manager.begin("x")

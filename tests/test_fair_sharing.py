@@ -81,7 +81,7 @@ REFUSALS = {
 async def test_each_limit_refuses_before_the_engine_and_names_its_flag(
     limited: EngineServer, limit: str
 ) -> None:
-    engine = limited.state.engine()
+    engine = limited.state.parts().engine
     data = stub(limited)
     await data.Generate(generate())  # warm
     started = engine.requests_started
@@ -117,7 +117,7 @@ async def test_beyond_the_queue_bound_requests_are_resource_exhausted(
 ) -> None:
     data = stub(limited)
     long = gen.SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True)
-    engine = limited.state.engine()
+    engine = limited.state.parts().engine
     running = [asyncio.ensure_future(data.Generate(generate(sampling_params=long, n=4)))]
     await until(lambda: running[0].done() or len(engine._in_flight) == 1)
     assert not running[0].done(), running[0].exception()

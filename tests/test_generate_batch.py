@@ -92,7 +92,7 @@ async def test_a_batch_through_the_router_is_its_single_streams_and_keeps_sessio
     # Read at the servers: every session lives on one, and a single call carrying the session
     # is routed to that same one; the bounded-load policy held while the batch was placed.
     holders = {
-        server.address: set(server.state.engine().sessions.snapshot()) & set(sessions)
+        server.address: set(server.state.parts().sessions.snapshot()) & set(sessions)
         for server in (engine_server, second_engine_server)
     }
     assert set.union(*holders.values()) == set(sessions)

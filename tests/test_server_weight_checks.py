@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from servers.engine import validate
+from servers.engine.control_convert import bucket_spec, push_item, push_items
 from servers.engine.weights import protocol
 from servers.engine.weights.assembly import InBandAssembler, ParamLayout, bucket_layout
 from servers.engine.weights.handoff import HandoffBuffer, HandoffReader
@@ -39,7 +40,7 @@ def messages(chunk_bytes: int = 16) -> list[cp.PushWeightsRequest]:
 def test_a_complete_push_reassembles_every_tensor() -> None:
     assembler = InBandAssembler(LAYOUT)
     for message in messages():
-        assembler.add(message)
+        assembler.add(push_item(message))
     items = {p["name"]: (p["dtype"], p["shape"], b"".join(p["chunks"])) for p in assembler.finish()}
     for name, tensor in TENSORS:
         dtype, shape, raw = items[name]
@@ -63,7 +64,7 @@ def test_malformed_streams_are_rejected(mutate: Any, error: type[Exception], fra
     assembler = InBandAssembler(LAYOUT)
     with pytest.raises(error, match=fragment):
         for message in mutate(messages()):
-            assembler.add(message)
+            assembler.add(push_item(message))
         assembler.finish()
 
 
@@ -74,7 +75,7 @@ def test_a_corrupted_chunk_is_data_loss() -> None:
     assembler = InBandAssembler(LAYOUT)
     with pytest.raises(DataLoss, match=r"checksum mismatch in the chunk of a\.weight"):
         for message in stream:
-            assembler.add(message)
+            assembler.add(push_item(message))
 
 
 def test_chunks_may_carry_sha256_instead_of_crc32_but_not_neither() -> None:
@@ -84,15 +85,15 @@ def test_chunks_may_carry_sha256_instead_of_crc32_but_not_neither() -> None:
         message.chunk.ClearField("crc32")
     assembler = InBandAssembler(LAYOUT)
     for message in stream:
-        assembler.add(message)
+        assembler.add(push_item(message))
     assert len(assembler.finish()) == len(TENSORS)
 
     stream = messages()
     stream[1].chunk.ClearField("crc32")
     assembler = InBandAssembler(LAYOUT)
-    assembler.add(stream[0])
+    assembler.add(push_item(stream[0]))
     with pytest.raises(InvalidArgument, match="has no checksum: set crc32"):
-        assembler.add(stream[1])
+        assembler.add(push_item(stream[1]))
 
 
 def test_a_parameter_whose_bytes_differ_from_its_manifest_sha256_is_data_loss() -> None:
@@ -102,7 +103,7 @@ def test_a_parameter_whose_bytes_differ_from_its_manifest_sha256_is_data_loss() 
     # Refused as soon as the parameter is complete, before the rest of the stream.
     with pytest.raises(DataLoss, match=r"checksum mismatch for a\.weight"):
         for message in stream:
-            assembler.add(message)
+            assembler.add(push_item(message))
     assert assembler.bytes_received == 12 * 4
 
 
@@ -127,7 +128,7 @@ def test_a_parameter_whose_bytes_differ_from_its_manifest_sha256_is_data_loss() 
 def test_manifest_entries_must_match_the_model(spec: cp.ParameterSpec, fragment: str) -> None:
     manifest = cp.PushWeightsRequest(manifest=cp.WeightManifest(parameters=[spec]))
     with pytest.raises(InvalidArgument, match=fragment):
-        InBandAssembler(LAYOUT).add(manifest)
+        InBandAssembler(LAYOUT).add(push_item(manifest))
 
 
 def test_large_tensors_are_sent_from_their_own_memory_and_small_ones_packed() -> None:
@@ -137,7 +138,7 @@ def test_large_tensors_are_sent_from_their_own_memory_and_small_ones_packed() ->
     assert big.layout.size_bytes == 48 and big.layout.parameters[0].offset_bytes == 0
     assert big.pack().data_ptr() == TENSORS[0][1].data_ptr()  # no copy
     assert torch.equal(small.pack().view(torch.float32), torch.ones(5))
-    validated = bucket_layout(big.layout, LAYOUT)
+    validated = bucket_layout(bucket_spec(big.layout), LAYOUT)
     assert [p["name"] for p in validated["params"]] == ["a.weight"]
 
 
@@ -151,14 +152,14 @@ def test_buckets_pack_at_their_offsets_and_overlaps_are_rejected() -> None:
         == hashlib.sha256(TENSORS[0][1].numpy().tobytes()).digest()
     )
     assert len(plan_buckets(tensor_entries(TENSORS), bucket_bytes=40)) == 2
-    validated = bucket_layout(bucket.layout, LAYOUT)
+    validated = bucket_layout(bucket_spec(bucket.layout), LAYOUT)
     assert [p["offset"] for p in validated["params"]] == [0, 48]
     bucket.layout.parameters[1].offset_bytes = 40
     with pytest.raises(InvalidArgument, match="overlap"):
-        bucket_layout(bucket.layout, LAYOUT)
+        bucket_layout(bucket_spec(bucket.layout), LAYOUT)
     bucket.layout.parameters[1].offset_bytes = 60
     with pytest.raises(InvalidArgument, match="spans bytes"):
-        bucket_layout(bucket.layout, LAYOUT)
+        bucket_layout(bucket_spec(bucket.layout), LAYOUT)
 
 
 def test_rank_offsets_follow_server_world_sizes() -> None:
@@ -259,15 +260,15 @@ async def test_calls_out_of_order_are_failed_precondition() -> None:
     workers = FakeWorkers()
     manager = WeightTransferManager(calls(workers), versions.append, lambda: versions[-1])
     with pytest.raises(FailedPrecondition, match="before InitWeightTransfer"):
-        await manager.update(cp.UpdateWeightsRequest())
+        await manager.update([])
     with pytest.raises(FailedPrecondition, match="FinishWeightUpdate before StartWeightUpdate"):
         await manager.finish(1)
     with pytest.raises(FailedPrecondition, match="PushWeights before StartWeightUpdate"):
-        await manager.push(_messages())
+        await manager.push(push_items(_messages()))
     await manager.start()
     with pytest.raises(FailedPrecondition, match="already open"):
         await manager.start()
-    assert await manager.push(_messages()) == (2, 68)
+    assert await manager.push(push_items(_messages())) == (2, 68)
     with pytest.raises(InvalidArgument, match="StartWeightUpdate named no version"):
         await manager.finish(0)
     with pytest.raises(InvalidArgument, match="not newer than the serving version 0"):
@@ -290,7 +291,7 @@ async def test_a_failed_push_closes_the_update_without_touching_weights() -> Non
             yield m
 
     with pytest.raises(InvalidArgument, match="truncated push; update rejected"):
-        await manager.push(truncated())
+        await manager.push(push_items(truncated()))
     assert COMMIT not in workers.calls and STAGE not in workers.calls
     assert not manager.update_open
     with pytest.raises(FailedPrecondition):
@@ -363,7 +364,7 @@ async def test_the_target_version_is_checked_before_any_weight_is_sent() -> None
     assert update.target_version == 4
     await manager.cancel()
     await manager.start(5)
-    await manager.push(_messages())
+    await manager.push(push_items(_messages()))
     with pytest.raises(InvalidArgument, match="opened the update for version 5"):
         await manager.finish(6)
     assert await manager.finish(0) == (5, 2)  # 0: the version Start named
@@ -396,7 +397,7 @@ async def test_calls_renew_the_lease() -> None:
     await manager.start(1, owner="slow", lease_seconds=0.3)
     for _ in range(4):  # 0.6 s in all, but never 0.3 s without a call
         await asyncio.sleep(0.15)
-        await manager.push(_messages())
+        await manager.push(push_items(_messages()))
     assert manager.update_open
     assert await manager.finish() == (1, 2)
     await manager.close()
@@ -407,7 +408,7 @@ async def test_a_commit_can_be_rolled_back_until_the_next_update_starts() -> Non
     with pytest.raises(FailedPrecondition, match="nothing to roll back"):
         await manager.rollback(2)
     await manager.start(3)
-    await manager.push(_messages())
+    await manager.push(push_items(_messages()))
     await manager.finish()
     assert manager.rollback_version == 2
     with pytest.raises(FailedPrecondition, match="is not the serving version 3"):
@@ -417,7 +418,7 @@ async def test_a_commit_can_be_rolled_back_until_the_next_update_starts() -> Non
     with pytest.raises(FailedPrecondition, match="nothing to roll back"):
         await manager.rollback(2)
     await manager.start(3)
-    await manager.push(_messages())
+    await manager.push(push_items(_messages()))
     await manager.finish()
     await manager.start(4)  # a new update: the weights before 3 are no longer kept
     assert protocol.RELEASE_ROLLBACK in workers.calls
@@ -437,10 +438,10 @@ def test_non_finite_weights_are_refused_naming_the_parameter(value: float) -> No
     assembler = InBandAssembler(LAYOUT)
     with pytest.raises(InvalidArgument, match=r"b\.bias holds a NaN or an infinity"):
         for message in _poisoned("b.bias", value):
-            assembler.add(message)
+            assembler.add(push_item(message))
     allowing = InBandAssembler(LAYOUT, allow_non_finite=True)
     for message in _poisoned("b.bias", value):
-        allowing.add(message)
+        allowing.add(push_item(message))
     assert len(allowing.finish()) == 2 and allowing.non_finite == ["b.bias"]
 
 
@@ -449,10 +450,10 @@ def test_a_value_split_by_a_chunk_boundary_is_still_checked() -> None:
     with pytest.raises(InvalidArgument, match=r"a\.weight holds"):
         assembler = InBandAssembler(LAYOUT)
         for message in _poisoned("a.weight", float("nan"), chunk_bytes=6):
-            assembler.add(message)
+            assembler.add(push_item(message))
     assembler = InBandAssembler(LAYOUT)
     for message in messages(chunk_bytes=6):
-        assembler.add(message)
+        assembler.add(push_item(message))
     assert len(assembler.finish()) == 2
 
 
@@ -477,7 +478,7 @@ async def test_replacing_non_finite_weights_asks_the_engine_to_clear_their_trace
                 yield m
 
         await manager.start(version)
-        await manager.push(each())
+        await manager.push(push_items(each()))
         await manager.finish()
 
     await push(_poisoned("a.weight", float("nan")), 1)  # allowed, recorded
@@ -520,7 +521,7 @@ async def test_bytes_reach_the_workers_as_they_arrive_not_after_the_stream() -> 
                 stages_seen_mid_stream.append(workers.calls.count(STAGE))
             yield message
 
-    assert await manager.push(watched()) == (2, 68)
+    assert await manager.push(push_items(watched())) == (2, 68)
     # a.weight's three chunks and b.bias's first went on before b.bias's last chunk came (the
     # last of them may still be on its way: one batch is staged while the next arrives)
     assert stages_seen_mid_stream[0] >= 3
@@ -536,7 +537,7 @@ async def test_bytes_reach_the_workers_as_they_arrive_not_after_the_stream() -> 
             yield message
 
     with pytest.raises(InvalidArgument, match="truncated push"):
-        await manager.push(cut())
+        await manager.push(push_items(cut()))
     assert DISCARD in workers.calls and COMMIT not in workers.calls
     assert not manager.update_open
 
@@ -545,14 +546,14 @@ def test_the_assembler_hands_over_what_arrived_in_pieces_and_keeps_no_reference(
     assembler = InBandAssembler(LAYOUT)
     sent = messages()  # b.bias (20 bytes) in two chunks: 16 + 4
     for message in sent[:-1]:
-        assembler.add(message)
+        assembler.add(push_item(message))
     early = assembler.take_ready()
     assert [(p["name"], p["offset"], p["last"]) for p in early] == [
         ("a.weight", 0, True),
         ("b.bias", 0, False),  # a large parameter need not be complete to go on
     ]
     assert assembler.take_ready() == [] and assembler.ready_bytes == 0  # handed over once
-    assembler.add(sent[-1])
+    assembler.add(push_item(sent[-1]))
     rest = assembler.finish()
     assert [(p["name"], p["offset"], p["last"]) for p in rest] == [("b.bias", 16, True)]
     assert sum(len(c) for c in rest[0]["chunks"]) == 4
@@ -579,7 +580,7 @@ async def test_a_session_an_engine_error_left_open_is_closed_before_the_next_upd
     await manager.start(1)
     lifecycle = [c for c in workers.calls if c != protocol.REPORT]  # without report reads
     assert lifecycle[-3:] == [DISCARD, CLOSE, START] and manager.update_open
-    await manager.push(_messages())
+    await manager.push(push_items(_messages()))
     assert await manager.finish() == (1, 2)
 
 
@@ -621,7 +622,7 @@ async def recorded_push(
         await record(update_info)
 
     workers.update_weights = recording  # type: ignore[method-assign]
-    assert await manager.push(_messages()) == (2, 68)
+    assert await manager.push(push_items(_messages())) == (2, 68)
     assert workers.values == {n: t.numpy().tobytes() for n, t in TENSORS}
     assert await manager.finish(1) == (1, 2)
     return workers, sent
@@ -645,7 +646,7 @@ async def test_a_batch_larger_than_the_shared_buffer_goes_inline(tmp_path: Any) 
     handoff = HandoffBuffer(8, directory=str(tmp_path))  # smaller than any batch
     manager = WeightTransferManager(calls(workers, handoff), lambda v: None, lambda: 0)
     await manager.start()
-    assert await manager.push(_messages()) == (2, 68)
+    assert await manager.push(push_items(_messages())) == (2, 68)
     assert workers.values == {n: t.numpy().tobytes() for n, t in TENSORS}
     handoff.close()
     assert list(tmp_path.iterdir()) == []  # removed when the server closes it
@@ -741,7 +742,7 @@ async def test_a_worker_failing_while_the_next_batch_arrives_rejects_the_push() 
 
     workers.update_weights = failing_second  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="worker died"):
-        await manager.push(_messages())
+        await manager.push(push_items(_messages()))
     # vLLM's worker ended its session when the call raised: nothing left to discard
     assert COMMIT not in workers.calls and not manager.update_open
     with pytest.raises(FailedPrecondition):

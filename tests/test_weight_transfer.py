@@ -209,7 +209,7 @@ async def test_a_worker_that_cannot_see_the_servers_shared_memory_gets_the_bytes
     """The worker says why it cannot map the file; the server sends that batch again inline,
     and every later one, and the update serves exactly the sender's bytes."""
     client: InferenceClient = pushed_fleet.client
-    workers = engine_server.state.started.weights_workers
+    workers = engine_server.state.started.weights.workers
     unseen = UnseenBuffer(workers._handoff.size)
     monkeypatch.setattr(workers, "_handoff", unseen)
     try:

@@ -26,7 +26,7 @@ from skyrl_grpc.v1 import data_plane_pb2
 from .adapters import LoadedAdapter
 from .admission import Admission
 from .engine_loop import Ended
-from .vllm_engine import VllmEngine
+from .engine_parts import EngineParts
 
 StreamMessage = data_plane_pb2.GenerateStreamResponse
 Messages = Callable[[Any], list[StreamMessage]]
@@ -61,14 +61,16 @@ class BatchRun:
 
     def __init__(
         self,
-        engine: VllmEngine,
+        parts: EngineParts,
         admission: Admission,
         response: type[Response] = data_plane_pb2.GenerateBatchResponse,
     ) -> None:
-        self._engine = engine
+        self._engine = parts.engine
+        self._weights = parts.weights
+        self._adapters = parts.adapters
         self._admission = admission
         self._response = response
-        self._group = engine.group(self._step_messages)
+        self._group = parts.engine.group(self._step_messages)
         # Requests waiting for admission, in order (``_CLOSED`` once no more will come).
         self._waiting: asyncio.Queue[Any] = asyncio.Queue()
         # Set on the engine's loop as the engine's outputs arrive.
@@ -144,6 +146,7 @@ class BatchRun:
                     prepared.params,
                     prepared.messages,
                     prepared.adapter,
+                    self._weights.cache_salt,
                 )
             except SkyrlError as error:
                 self._group.fail(index, error)
@@ -165,7 +168,7 @@ class BatchRun:
         if prepared is not None:
             if index in self._submitted:
                 self._engine.finished(prepared.request_id)
-            self._engine.adapters.end(prepared.adapter)
+            self._adapters.end(prepared.adapter)
         started = index in self._first_sent
         self._submitted.discard(index)
         self._first_sent.discard(index)

@@ -1,5 +1,6 @@
-"""ControlPlane servicer: pause/resume, sleep/wake, prefix cache, weight transfer (delegated to
-``weights.transaction.WeightTransferManager``), server info and load."""
+"""ControlPlane servicer: pause/resume, sleep/wake, prefix cache, weight updates (the serving
+weights' ``updates``, ``weights.transaction``), LoRA adapters (``adapters.AdapterManager``),
+server info and load. Converts with ``control_convert`` and ``convert``; holds no logic."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from skyrl_grpc.v1 import control_plane_pb2_grpc
 
 from ..common.early_answer import read_rest
 from ..common.grpc_types import Context
-from . import convert, validate
+from . import control_convert, convert, validate
 from .adapters import AdapterUpload
+from .engine_parts import EngineParts
 from .serving_state import ServingState
-from .vllm_engine import VllmEngine
 
 
 def add_control_plane(
@@ -60,66 +61,71 @@ def add_control_plane(
 class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     """Serves control calls for one vLLM engine."""
 
-    def __init__(self, state: ServingState[VllmEngine]) -> None:
+    def __init__(self, state: ServingState[EngineParts]) -> None:
         self._state = state
 
     async def Pause(self, request: cp.PauseRequest, context: Context) -> cp.PauseResponse:
         mode = validate.pause_mode(request.mode)
-        await self._state.engine().pause(mode, request.clear_cache)
+        parts = self._state.parts()
+        await parts.engine.pause(mode, request.clear_cache)
+        parts.status_changed()
         return cp.PauseResponse()
 
     async def Resume(self, request: cp.ResumeRequest, context: Context) -> cp.ResumeResponse:
-        await self._state.engine().resume()
+        parts = self._state.parts()
+        await parts.engine.resume()
+        parts.status_changed()
         return cp.ResumeResponse()
 
     async def IsPaused(self, request: cp.IsPausedRequest, context: Context) -> cp.IsPausedResponse:
-        return cp.IsPausedResponse(paused=await self._state.engine().is_paused())
+        return cp.IsPausedResponse(paused=await self._state.parts().engine.is_paused())
 
     async def Sleep(self, request: cp.SleepRequest, context: Context) -> cp.SleepResponse:
-        await self._state.engine().sleep(validate.sleep_level(request.level))
+        await self._state.parts().engine.sleep(validate.sleep_level(request.level))
         return cp.SleepResponse()
 
     async def WakeUp(self, request: cp.WakeUpRequest, context: Context) -> cp.WakeUpResponse:
-        await self._state.engine().wake_up(list(request.tags) or None)
+        await self._state.parts().engine.wake_up(list(request.tags) or None)
         return cp.WakeUpResponse()
 
     async def IsSleeping(
         self, request: cp.IsSleepingRequest, context: Context
     ) -> cp.IsSleepingResponse:
-        return cp.IsSleepingResponse(sleeping=await self._state.engine().is_sleeping())
+        return cp.IsSleepingResponse(sleeping=await self._state.parts().engine.is_sleeping())
 
     async def ResetPrefixCache(
         self, request: cp.ResetPrefixCacheRequest, context: Context
     ) -> cp.ResetPrefixCacheResponse:
-        await self._state.engine().reset_prefix_cache()
+        await self._state.parts().engine.reset_prefix_cache()
         return cp.ResetPrefixCacheResponse()
 
     async def InitWeightTransfer(
         self, request: cp.InitWeightTransferRequest, context: Context
     ) -> cp.InitWeightTransferResponse:
         group = validate.weight_transfer_group(request)
-        await self._state.engine().weights.init(group)
+        await self._state.parts().weights.updates.init(group)
         return cp.InitWeightTransferResponse()
 
     async def StartWeightUpdate(
         self, request: cp.StartWeightUpdateRequest, context: Context
     ) -> cp.StartWeightUpdateResponse:
-        engine = self._state.engine()
-        update = await engine.weights.start(
+        parts = self._state.parts()
+        update = await parts.weights.updates.start(
             request.weight_version,
             allow_same_version=request.allow_same_version,
             owner=request.owner,
             lease_seconds=request.lease_seconds,
         )
         return cp.StartWeightUpdateResponse(
-            serving_weight_version=engine.weight_version,
+            serving_weight_version=parts.weights.version,
             lease_seconds=round(update.lease_seconds),
         )
 
     async def UpdateWeights(
         self, request: cp.UpdateWeightsRequest, context: Context
     ) -> cp.UpdateWeightsResponse:
-        staged, received = await self._state.engine().weights.update(request)
+        buckets = control_convert.bucket_specs(request)
+        staged, received = await self._state.parts().weights.updates.update(buckets)
         return cp.UpdateWeightsResponse(parameters_staged=staged, bytes_received=received)
 
     async def PushWeights(
@@ -127,55 +133,59 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         request_iterator: AsyncIterator[cp.PushWeightsRequest | WireChunk],
         context: Context,
     ) -> cp.PushWeightsResponse:
-        staged, received = await self._state.engine().weights.push(request_iterator)
+        weights = self._state.parts().weights.updates
+        try:
+            staged, received = await weights.push(control_convert.push_items(request_iterator))
+        except SkyrlError:
+            await read_rest(request_iterator)
+            raise
         return cp.PushWeightsResponse(parameters_staged=staged, bytes_received=received)
 
     async def FinishWeightUpdate(
         self, request: cp.FinishWeightUpdateRequest, context: Context
     ) -> cp.FinishWeightUpdateResponse:
-        version, count = await self._state.engine().weights.finish(request.weight_version)
+        version, count = await self._state.parts().weights.updates.finish(request.weight_version)
         return cp.FinishWeightUpdateResponse(weight_version=version, parameters_updated=count)
 
     async def CancelWeightUpdate(
         self, request: cp.CancelWeightUpdateRequest, context: Context
     ) -> cp.CancelWeightUpdateResponse:
-        discarded = await self._state.engine().weights.cancel()
+        discarded = await self._state.parts().weights.updates.cancel()
         return cp.CancelWeightUpdateResponse(parameters_discarded=discarded)
 
     async def RollbackWeightUpdate(
         self, request: cp.RollbackWeightUpdateRequest, context: Context
     ) -> cp.RollbackWeightUpdateResponse:
-        version = await self._state.engine().weights.rollback(request.weight_version)
+        version = await self._state.parts().weights.updates.rollback(request.weight_version)
         return cp.RollbackWeightUpdateResponse(weight_version=version)
 
     async def GetWeightChecksums(
         self, request: cp.GetWeightChecksumsRequest, context: Context
     ) -> cp.GetWeightChecksumsResponse:
-        engine = self._state.engine()
-        checksums = await engine.weights.checksums(list(request.names))
+        parts = self._state.parts()
+        checksums = await parts.weights.updates.checksums(list(request.names))
         return cp.GetWeightChecksumsResponse(
-            checksums=checksums, weight_version=engine.weight_version
+            checksums=[control_convert.checksum_to_proto(row) for row in checksums],
+            weight_version=parts.weights.version,
         )
 
     async def LoadLoraAdapter(
         self, request_iterator: AsyncIterator[cp.LoadLoraAdapterRequest], context: Context
     ) -> cp.LoadLoraAdapterResponse:
-        engine = self._state.engine()
+        parts = self._state.parts()
         upload: AdapterUpload | None = None
         try:
             async for message in request_iterator:
                 if upload is None:
-                    if message.WhichOneof("item") != "spec":
-                        raise InvalidArgument("the first LoadLoraAdapter message must be the spec")
-                    upload = engine.adapters.upload(message.spec)
+                    upload = parts.adapters.upload(control_convert.adapter_spec(message))
                 else:
-                    upload.add(message)
+                    upload.add(control_convert.adapter_item(message))
         except SkyrlError:
             await read_rest(request_iterator)
             raise
         if upload is None:
             raise InvalidArgument("the LoadLoraAdapter stream was empty: send the spec first")
-        adapter, replaced = await engine.adapters.load(upload)
+        adapter, replaced = await parts.adapters.load(upload)
         return cp.LoadLoraAdapterResponse(
             adapter=convert.lora_adapter_to_proto(adapter), replaced_version=replaced
         )
@@ -183,13 +193,13 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     async def UnloadLoraAdapter(
         self, request: cp.UnloadLoraAdapterRequest, context: Context
     ) -> cp.UnloadLoraAdapterResponse:
-        adapter = await self._state.engine().adapters.unload(request.name)
+        adapter = await self._state.parts().adapters.unload(request.name)
         return cp.UnloadLoraAdapterResponse(version=adapter.version)
 
     async def ListLoraAdapters(
         self, request: cp.ListLoraAdaptersRequest, context: Context
     ) -> cp.ListLoraAdaptersResponse:
-        adapters = self._state.engine().adapters.serving()
+        adapters = self._state.parts().adapters.serving()
         return cp.ListLoraAdaptersResponse(
             adapters=[convert.lora_adapter_to_proto(a) for a in adapters]
         )
@@ -197,20 +207,20 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     async def GetServerInfo(
         self, request: cp.GetServerInfoRequest, context: Context
     ) -> cp.GetServerInfoResponse:
-        engine = self._state.engine()
+        parts = self._state.parts()
         return convert.server_info_to_proto(
-            engine.describe_server(),
+            parts.describe_server(),
             skyrl_grpc.__version__,
-            engine.weights.open,
-            engine.weights.rollback_version,
+            parts.weights.updates.open,
+            parts.weights.updates.rollback_version,
         )
 
     async def GetLoad(self, request: cp.GetLoadRequest, context: Context) -> cp.GetLoadResponse:
-        engine = self._state.engine()
-        load = engine.load()
+        parts = self._state.parts()
+        load = parts.engine.load()
         return cp.GetLoadResponse(
             running_requests=load.running,
             waiting_requests=load.waiting,
             kv_cache_usage=load.kv_cache_usage,
-            paused=await engine.is_paused(),
+            paused=await parts.engine.is_paused(),
         )

@@ -1,5 +1,6 @@
-"""DataPlane servicer: validate, call the engine, convert. The rules live in ``validate``,
-the conversions in ``convert``, the engine calls in ``vllm_engine``."""
+"""DataPlane servicer: validate, call the engine, convert. The request rules live in
+``validate`` (the tool-choice rules, which need the model's parsers, in ``chat_parsing``), the
+conversions in ``convert``, the engine calls in ``vllm_engine``; batches run in ``batch_run``."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from .admission import Admission
 from .batch_run import BatchRun, PreparedRequest
 from .chat_parsing import message_dicts, tool_dicts
 from .convert import ChunkCoalescer, StreamConverter, build_sampling_params
+from .engine_parts import EngineParts
 from .serving_state import ServingState
-from .vllm_engine import VllmEngine
 
 GenerateLike = data_plane_pb2.GenerateRequest | data_plane_pb2.GenerateStreamRequest
 
@@ -29,28 +30,28 @@ GenerateLike = data_plane_pb2.GenerateRequest | data_plane_pb2.GenerateStreamReq
 class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     """Serves generation and tokenizer calls from one vLLM engine."""
 
-    def __init__(self, state: ServingState[VllmEngine], admission: Admission) -> None:
+    def __init__(self, state: ServingState[EngineParts], admission: Admission) -> None:
         self._state = state
         self._admission = admission
 
-    def _engine_for(self, request_id: str, n: int, context: Context) -> tuple[VllmEngine, int]:
+    def _engine_for(self, request_id: str, n: int, context: Context) -> tuple[EngineParts, int]:
         """The engine, once the request's cheapest checks pass (before any prompt work); the
         request's session, if it names one, is live here from now."""
-        engine = self._state.engine()
-        validate.request_id(request_id, engine.limits)
-        resolved = validate.sample_count(n, engine.limits)
-        self._touch_session(engine, session_of(context.invocation_metadata()))
-        return engine, resolved
+        parts = self._state.parts()
+        validate.request_id(request_id, parts.limits)
+        resolved = validate.sample_count(n, parts.limits)
+        self._touch_session(parts, session_of(context.invocation_metadata()))
+        return parts, resolved
 
     @staticmethod
-    def _touch_session(engine: VllmEngine, session: str | None) -> None:
+    def _touch_session(parts: EngineParts, session: str | None) -> None:
         """A request names its session: it is live here from now."""
-        if session and engine.sessions.touch(session):
-            engine.on_status_change()  # placers learn where the new session lives
+        if session and parts.sessions.touch(session):
+            parts.status_changed()  # placers learn where the new session lives
 
     def _prepare(
         self,
-        engine: VllmEngine,
+        parts: EngineParts,
         request_id: str,
         prompt_token_ids: list[int],
         sampling: generation_pb2.SamplingParams,
@@ -67,26 +68,27 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         if chat is not None:
             # vLLM's server's rules for the tools: the choice checked, a required or named
             # choice turned into a constraint, the samples parsed as they come.
-            sampling, parsing = engine.chat_parsers.prepare(chat, sampling, prompt_token_ids, n)
+            sampling, parsing = parts.chat_parsers.prepare(chat, sampling, prompt_token_ids, n)
             skip = (
                 sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True
             )
-            parsing.resume(lambda ids: engine.decode(ids, skip))
+            parsing.resume(lambda ids: parts.engine.decode(ids, skip))
             include_text = True
         max_tokens = validate.sampling(
-            sampling, prompt_len=len(prompt_token_ids), limits=engine.limits
+            sampling, prompt_len=len(prompt_token_ids), limits=parts.limits
         )
         params = build_sampling_params(
             sampling, n=n, max_tokens=max_tokens, detokenize=include_text
         )
         converter = StreamConverter(request_id, prompt_token_ids, params, include_text)
         coalescer = ChunkCoalescer(stream_interval)
-        adapter = engine.adapters.begin(lora)
+        adapter = parts.adapters.begin(lora)
+        weights = parts.weights
         lora_version = adapter.version if adapter is not None else 0
 
         def messages(output: Any) -> list[data_plane_pb2.GenerateStreamResponse]:
             # Runs on the engine's loop (see vllm_engine.generate): this loop only relays.
-            chunks = converter.chunks(output, engine.weight_version)
+            chunks = converter.chunks(output, weights.version)
             ready = [ready for chunk in chunks for ready in coalescer.push(chunk)]
             for message in ready:
                 if lora_version:
@@ -98,32 +100,33 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         return PreparedRequest(request_id, prompt_token_ids, params, n, messages, adapter)
 
     async def _stream(
-        self, engine: VllmEngine, prepared: PreparedRequest
+        self, parts: EngineParts, prepared: PreparedRequest
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
         try:
             async with self._admission.admit(prepared.n):
-                outputs = engine.generate(
+                outputs = parts.engine.generate(
                     prepared.request_id,
                     prepared.prompt_token_ids,
                     prepared.params,
                     prepared.messages,
                     prepared.adapter,
+                    parts.weights.cache_salt,
                 )
                 async for messages in outputs:
                     # More than one when this reader fell behind: it gets them merged.
                     for message in merge_backlog(messages):
                         yield message
         finally:
-            engine.adapters.end(prepared.adapter)
+            parts.adapters.end(prepared.adapter)
 
     def _prepare_generation(
-        self, engine: VllmEngine, request: GenerateLike, n: int, stream_interval: int = 0
+        self, parts: EngineParts, request: GenerateLike, n: int, stream_interval: int = 0
     ) -> PreparedRequest:
         """A Generate / GenerateStream request of ``n`` (checked) samples, checked and
         prepared."""
-        prompt = validate.prompt(request.prompt_token_ids, engine.limits, "prompt_token_ids")
+        prompt = validate.prompt(request.prompt_token_ids, parts.limits, "prompt_token_ids")
         return self._prepare(
-            engine,
+            parts,
             request.request_id,
             prompt,
             request.sampling_params,
@@ -140,8 +143,8 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     def _token_stream(
         self, request: GenerateLike, context: Context, stream_interval: int = 0
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
-        engine, n = self._engine_for(request.request_id, request.n, context)
-        return self._stream(engine, self._prepare_generation(engine, request, n, stream_interval))
+        parts, n = self._engine_for(request.request_id, request.n, context)
+        return self._stream(parts, self._prepare_generation(parts, request, n, stream_interval))
 
     async def _collect(
         self, stream: AsyncIterator[data_plane_pb2.GenerateStreamResponse]
@@ -160,9 +163,9 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     async def GenerateBatch(
         self, request: data_plane_pb2.GenerateBatchRequest, context: Context
     ) -> AsyncIterator[data_plane_pb2.GenerateBatchResponse]:
-        engine = self._state.engine()
-        batch = BatchRun(engine, self._admission)
-        self._add_batch(engine, batch, request)
+        parts = self._state.parts()
+        batch = BatchRun(parts, self._admission)
+        self._add_batch(parts, batch, request)
         batch.close()
         async for response in batch.responses():
             yield response  # type: ignore[misc]
@@ -172,14 +175,14 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         request_iterator: AsyncIterator[data_plane_pb2.GenerateMultiplexRequest],
         context: Context,
     ) -> AsyncIterator[data_plane_pb2.GenerateMultiplexResponse]:
-        engine = self._state.engine()
-        batch = BatchRun(engine, self._admission, data_plane_pb2.GenerateMultiplexResponse)
+        parts = self._state.parts()
+        batch = BatchRun(parts, self._admission, data_plane_pb2.GenerateMultiplexResponse)
 
         async def read() -> None:
             try:
                 async for message in request_iterator:
                     if message.HasField("add"):
-                        self._add_batch(engine, batch, message.add)
+                        self._add_batch(parts, batch, message.add)
                     for index in message.cancel:
                         batch.cancel(index)
             except Exception as error:  # a malformed message: the call ends with its status
@@ -195,7 +198,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             reading.cancel()
 
     def _add_batch(
-        self, engine: VllmEngine, batch: BatchRun, request: data_plane_pb2.GenerateBatchRequest
+        self, parts: EngineParts, batch: BatchRun, request: data_plane_pb2.GenerateBatchRequest
     ) -> None:
         """Each request of ``request`` checked, prepared and added to ``batch``, or refused
         there; a malformed batch (its shape) is refused whole."""
@@ -203,10 +206,10 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         batch.check_unused(indices)
         for index, item, session in zip(indices, request.requests, sessions, strict=True):
             try:
-                validate.request_id(item.request_id, engine.limits)
-                n = validate.sample_count(item.n, engine.limits)
-                self._touch_session(engine, session)
-                prepared = self._prepare_generation(engine, item, n, item.stream_interval)
+                validate.request_id(item.request_id, parts.limits)
+                n = validate.sample_count(item.n, parts.limits)
+                self._touch_session(parts, session)
+                prepared = self._prepare_generation(parts, item, n, item.stream_interval)
             except SkyrlError as error:
                 batch.refuse(index, error)
                 continue
@@ -225,7 +228,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
 
     async def _text_result(
         self,
-        engine: VllmEngine,
+        parts: EngineParts,
         request: data_plane_pb2.ChatRequest | data_plane_pb2.CompleteRequest,
         prompt: list[int],
         n: int,
@@ -233,7 +236,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     ) -> ResponseAssembler:
         """A chat or completion request's whole result, with text."""
         prepared = self._prepare(
-            engine,
+            parts,
             request.request_id,
             prompt,
             request.sampling_params,
@@ -242,15 +245,15 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             lora=request.lora,
             chat=chat,
         )
-        return await self._collect(self._stream(engine, prepared))
+        return await self._collect(self._stream(parts, prepared))
 
     async def Chat(
         self, request: data_plane_pb2.ChatRequest, context: Context
     ) -> data_plane_pb2.ChatResponse:
-        engine, n = self._engine_for(request.request_id, request.n, context)
-        prompt = self._render_chat(engine, request.messages, request, request.tool_use.tools)
+        parts, n = self._engine_for(request.request_id, request.n, context)
+        prompt = self._render_chat(parts, request.messages, request, request.tool_use.tools)
         chat = chat_tools_pb2.ChatOutput(tool_use=request.tool_use, whole_messages=True)
-        result = await self._text_result(engine, request, prompt, n, chat)
+        result = await self._text_result(parts, request, prompt, n, chat)
         samples = result.samples()
         messages = [
             result.chat_messages.get(i) or chat_tools_pb2.ChatMessageOut(content=sample.text)
@@ -267,13 +270,15 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     async def Complete(
         self, request: data_plane_pb2.CompleteRequest, context: Context
     ) -> data_plane_pb2.CompleteResponse:
-        engine, n = self._engine_for(request.request_id, request.n, context)
+        parts, n = self._engine_for(request.request_id, request.n, context)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        validate.text_length(request.prompt, engine.limits, engine.longest_token_bytes, "prompt")
-        prompt = validate.prompt(
-            engine.encode(request.prompt, add_special), engine.limits, "the tokenized prompt"
+        validate.text_length(
+            request.prompt, parts.limits, parts.engine.longest_token_bytes, "prompt"
         )
-        result = await self._text_result(engine, request, prompt, n)
+        prompt = validate.prompt(
+            parts.engine.encode(request.prompt, add_special), parts.limits, "the tokenized prompt"
+        )
+        result = await self._text_result(parts, request, prompt, n)
         return data_plane_pb2.CompleteResponse(
             request_id=result.request_id,
             prompt_token_ids=prompt,
@@ -284,21 +289,23 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     async def Tokenize(
         self, request: data_plane_pb2.TokenizeRequest, context: Context
     ) -> data_plane_pb2.TokenizeResponse:
-        engine = self._state.engine()
+        parts = self._state.parts()
         if request.HasField("conversation"):
             conversation = request.conversation
-            ids = self._render_chat(engine, conversation.messages, conversation, conversation.tools)
+            ids = self._render_chat(parts, conversation.messages, conversation, conversation.tools)
         else:
             add_special = (
                 request.add_special_tokens if request.HasField("add_special_tokens") else True
             )
-            validate.text_length(request.text, engine.limits, engine.longest_token_bytes, "text")
-            ids = engine.encode(request.text, add_special)
+            validate.text_length(
+                request.text, parts.limits, parts.engine.longest_token_bytes, "text"
+            )
+            ids = parts.engine.encode(request.text, add_special)
         return data_plane_pb2.TokenizeResponse(token_ids=ids)
 
     def _render_chat(
         self,
-        engine: VllmEngine,
+        parts: EngineParts,
         messages: Sequence[data_plane_pb2.ChatMessage],
         options: data_plane_pb2.ChatRequest | data_plane_pb2.ChatConversation,
         tools: Sequence[chat_tools_pb2.Tool] = (),
@@ -307,43 +314,43 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         validate.chat_messages(messages)
         validate.text_length(
             "".join(m.content for m in messages),
-            engine.limits,
-            engine.longest_token_bytes,
+            parts.limits,
+            parts.engine.longest_token_bytes,
             "the messages' content",
         )
         add_generation_prompt = (
             options.add_generation_prompt if options.HasField("add_generation_prompt") else True
         )
-        rendered = engine.apply_chat_template(
+        rendered = parts.engine.apply_chat_template(
             message_dicts(messages), add_generation_prompt, tool_dicts(tools) if tools else None
         )
-        return validate.prompt(rendered, engine.limits, "the rendered chat prompt")
+        return validate.prompt(rendered, parts.limits, "the rendered chat prompt")
 
     async def Detokenize(
         self, request: data_plane_pb2.DetokenizeRequest, context: Context
     ) -> data_plane_pb2.DetokenizeResponse:
-        engine = self._state.engine()
-        validate.token_ids(request.token_ids, engine.limits, "token_ids")
+        parts = self._state.parts()
+        validate.token_ids(request.token_ids, parts.limits, "token_ids")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return data_plane_pb2.DetokenizeResponse(text=engine.decode(request.token_ids, skip))
+        return data_plane_pb2.DetokenizeResponse(text=parts.engine.decode(request.token_ids, skip))
 
     async def GetModelInfo(
         self, request: data_plane_pb2.GetModelInfoRequest, context: Context
     ) -> data_plane_pb2.GetModelInfoResponse:
-        return convert.model_info_to_proto(self._state.engine().describe_model())
+        return convert.model_info_to_proto(self._state.parts().describe_model())
 
     async def Abort(
         self, request: data_plane_pb2.AbortRequest, context: Context
     ) -> data_plane_pb2.AbortResponse:
-        aborted = await self._state.engine().abort(list(request.request_ids))
+        aborted = await self._state.parts().engine.abort(list(request.request_ids))
         return data_plane_pb2.AbortResponse(aborted_request_ids=aborted)
 
     async def FinishSession(
         self, request: data_plane_pb2.FinishSessionRequest, context: Context
     ) -> data_plane_pb2.FinishSessionResponse:
         validate.session_id(request.session_id)
-        engine = self._state.engine()
-        found = engine.sessions.finish(request.session_id)
+        parts = self._state.parts()
+        found = parts.sessions.finish(request.session_id)
         if found:
-            engine.on_status_change()
+            parts.status_changed()
         return data_plane_pb2.FinishSessionResponse(found=found)

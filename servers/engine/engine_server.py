@@ -46,6 +46,8 @@ from .admission import Admission
 from .control_plane import ControlPlaneServicer, add_control_plane
 from .data_plane import DataPlaneServicer
 from .engine_logs import root_cause, route_vllm_logs
+from .engine_parts import EngineParts
+from .live_sessions import LiveSessions
 from .options import ServerOptions, build_parser, options_from_args
 from .serving_state import ServingState
 from .status import ServerStatusServicer, StatusChanges
@@ -74,7 +76,7 @@ class EngineServer:
         self.options = options
         # vLLM's error records (engine_logs), read to name why an engine failed or died.
         self.errors = errors
-        self.state: ServingState[VllmEngine] = ServingState()
+        self.state: ServingState[EngineParts] = ServingState()
         self.health = health.aio.HealthServicer()
         self.calls = CallCounter()
         tokens = {CONTROL_PLANE: options.control_token or "", DATA_PLANE: options.data_token or ""}
@@ -104,11 +106,11 @@ class EngineServer:
         """No valid DataPlane request is larger than its longest prompt (5 bytes per token id,
         or the longest token's text) plus 1 MiB for everything else it may carry. A batch is
         bounded by the message size and its count of requests (``validate.batch``)."""
-        engine = self.state.started
-        if engine is None or not method.startswith(DATA_PLANE_PREFIX) or method == GENERATE_BATCH:
+        parts = self.state.started
+        if parts is None or not method.startswith(DATA_PLANE_PREFIX) or method == GENERATE_BATCH:
             return None
-        tokens = engine.limits.max_prompt_tokens
-        limit = tokens * max(5, engine.longest_token_bytes) + (1 << 20)
+        tokens = parts.limits.max_prompt_tokens
+        limit = tokens * max(5, parts.engine.longest_token_bytes) + (1 << 20)
         return (
             limit,
             f"{limit} bytes, which a prompt of {tokens} tokens (--max-prompt-tokens) needs",
@@ -146,12 +148,12 @@ class EngineServer:
     async def _start_engine(self) -> None:
         if self.options.keep_freed_memory:  # before vLLM starts its engine-core process
             keep_freed_memory()
-        engine: VllmEngine | None = None
         try:
-            engine = await VllmEngine.start(self.options.engine, self.options.limits, self.errors)
-            engine.on_status_change = self.status_changes.announce
-            self.state.set_ready(engine)  # so a drain shuts it down
-            await engine.warm_up()
+            parts = await EngineParts.start(
+                self.options.engine, self.options.limits, self.status_changes.announce, self.errors
+            )
+            self.state.set_ready(parts)  # so a drain shuts it down
+            await parts.engine.warm_up()
         except Exception as error:
             self.failure = (
                 str(error)
@@ -169,9 +171,9 @@ class EngineServer:
         for service in (DATA_PLANE, CONTROL_PLANE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.status_changes.announce()
-        self._tasks.spawn(self._watch_engine(engine), name="engine watch")
-        self._tasks.spawn(self._expire_sessions(engine), name="session expiry")
-        log.info("engine ready: %s serving %s", self.address, engine.served_model_name)
+        self._tasks.spawn(self._watch_engine(parts.engine), name="engine watch")
+        self._tasks.spawn(self._expire_sessions(parts.sessions), name="session expiry")
+        log.info("engine ready: %s serving %s", self.address, parts.engine.served_model_name)
 
     async def _watch_engine(self, engine: VllmEngine) -> None:
         """Turns the server NOT_SERVING and drains it as soon as the engine dies: a server
@@ -191,19 +193,19 @@ class EngineServer:
         await asyncio.sleep(NOT_SERVING_NOTICE_SECONDS)
         await self.drain(grace=DEAD_ENGINE_GRACE_SECONDS)
 
-    async def _expire_sessions(self, engine: VllmEngine) -> None:
+    async def _expire_sessions(self, sessions: LiveSessions) -> None:
         """Ends idle sessions, so placers stop counting them."""
-        every = min(engine.sessions.idle_seconds / 4, SESSION_EXPIRY_CHECK_SECONDS)
+        every = min(sessions.idle_seconds / 4, SESSION_EXPIRY_CHECK_SECONDS)
         while True:
             await asyncio.sleep(every)
-            if engine.sessions.expire():
+            if sessions.expire():
                 self.status_changes.announce()
 
-    async def wait_ready(self) -> VllmEngine:
+    async def wait_ready(self) -> EngineParts:
         """Waits for the engine (started and warmed up); raises if it failed."""
         assert self._engine_task is not None, "start() first"
         await asyncio.shield(self._engine_task)
-        return self.state.engine()
+        return self.state.parts()
 
     async def drain(self, grace: float | None = None) -> None:
         """Health NOT_SERVING, then let in-flight calls finish within ``grace``, then stop.
@@ -225,9 +227,9 @@ class EngineServer:
         if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()
         await self._tasks.close()
-        engine = self.state.started
-        if engine is not None:
-            await engine.shutdown()
+        parts = self.state.started
+        if parts is not None:
+            await parts.shutdown()
         self._stopped.set()
         log.info("stopped %s", self.address)
 

@@ -1,4 +1,4 @@
-"""Whether a server may take calls: starting, serving or draining, and the engine once ready."""
+"""Whether a server may take calls: starting, serving or draining, and its parts once ready."""
 
 from __future__ import annotations
 
@@ -6,21 +6,21 @@ from typing import Generic, TypeVar
 
 from skyrl_grpc.errors import Unavailable
 
-EngineT = TypeVar("EngineT")
+PartsT = TypeVar("PartsT")
 
 
-class ServingState(Generic[EngineT]):
-    """Holds the engine once it is ready; handlers ask for it and get UNAVAILABLE otherwise."""
+class ServingState(Generic[PartsT]):
+    """Holds the engine's parts once ready; handlers ask for them and get UNAVAILABLE otherwise."""
 
     def __init__(self) -> None:
-        self.started: EngineT | None = None  # the engine once it is up, whatever the state
+        self.started: PartsT | None = None  # the parts once the engine is up, whatever the state
         self.draining = False
         self.dead: str | None = None  # why the engine died, once it has
 
-    def set_ready(self, engine: EngineT) -> None:
-        self.started = engine
+    def set_ready(self, parts: PartsT) -> None:
+        self.started = parts
 
-    def engine(self) -> EngineT:
+    def parts(self) -> PartsT:
         if self.dead is not None:
             raise Unavailable(f"{self.dead}; this server is shutting down: send to another server")
         if self.draining:

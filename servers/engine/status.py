@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 from skyrl_grpc.v1 import status_pb2, status_pb2_grpc
 
 from ..common.grpc_types import Context
+from .engine_parts import EngineParts
 from .serving_state import ServingState
-from .vllm_engine import VllmEngine
 
 DEFAULT_INTERVAL_MS = 1000
 MIN_INTERVAL_MS = 100
@@ -40,7 +40,7 @@ class StatusChanges:
 
 
 class ServerStatusServicer(status_pb2_grpc.ServerStatusServicer):
-    def __init__(self, state: ServingState[VllmEngine], changes: StatusChanges) -> None:
+    def __init__(self, state: ServingState[EngineParts], changes: StatusChanges) -> None:
         self._state = state
         self._changes = changes
 
@@ -49,20 +49,21 @@ class ServerStatusServicer(status_pb2_grpc.ServerStatusServicer):
     ) -> tuple[status_pb2.WatchResponse, frozenset[str] | None]:
         """The status now, with sessions as the change since ``reported`` (None: all of them),
         and the sessions it reports."""
-        engine = self._state.started
+        parts = self._state.started
         status = status_pb2.WatchResponse(draining=self._state.draining)
-        if engine is None:
+        if parts is None:
             status.sessions_complete = True
             return status, None
+        engine = parts.engine
         load = engine.load()
         status.paused = engine.paused
-        status.weight_version = engine.weight_version
+        status.weight_version = parts.weights.version
         status.running_requests = load.running
         status.waiting_requests = load.waiting
         status.kv_cache_usage = load.kv_cache_usage
         status.prompt_tokens = engine.prompt_tokens
         status.cached_prompt_tokens = engine.cached_prompt_tokens
-        live = engine.sessions.snapshot()
+        live = parts.sessions.snapshot()
         status.live_sessions = len(live)
         if reported is None:
             status.sessions_complete = True

@@ -21,9 +21,9 @@ from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
 
+from .vllm_engine import PauseModeName
 from .weights.protocol import Group
 
-PauseModeName = Literal["abort", "wait", "keep"]
 CollectiveBackend = Literal["gloo", "nccl"]
 
 PAUSE_MODES: dict[int, PauseModeName] = {

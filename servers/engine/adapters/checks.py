@@ -10,11 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skyrl_grpc import dtypes
 from skyrl_grpc.errors import InvalidArgument
-from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from ..weights.assembly import ParamLayout
+from ..weights.specs import Manifest
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -129,7 +128,7 @@ class AdapterConfig:
 
 
 def check_manifest(
-    manifest: cp.WeightManifest, expected: dict[str, tuple[int, ...]]
+    manifest: Manifest, expected: dict[str, tuple[int, ...]]
 ) -> dict[str, ParamLayout]:
     """The layout an in-band adapter's chunks are checked against: exactly the expected
     tensors, each with its expected shape and a floating-point dtype."""
@@ -148,7 +147,7 @@ def check_manifest(
         )
     layout: dict[str, ParamLayout] = {}
     for name, spec in sent.items():
-        dtype = dtypes.from_proto(spec.dtype, f"dtype of {name}")
+        dtype = spec.dtype
         if dtype.torch_name not in FLOAT_DTYPES:
             raise InvalidArgument(f"{name}: dtype {dtype.torch_name}, adapters are floating point")
         if tuple(spec.shape) != expected[name]:

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from skyrl_grpc.errors import FailedPrecondition, InvalidArgument, NotFound
-from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from .checks import ModelShapes
 from .registry import AdapterRegistry, LoadedAdapter
-from .upload import AdapterUpload
+from .upload import AdapterSpec, AdapterUpload
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +79,7 @@ class AdapterManager:
         """A fresh directory in the server's staging area (removed with the manager)."""
         return self._enabled().staging_dir(name)
 
-    def upload(self, spec: cp.LoraAdapterSpec) -> AdapterUpload:
+    def upload(self, spec: AdapterSpec) -> AdapterUpload:
         """Checks a LoadLoraAdapter spec; the upload then takes the stream's other messages."""
         self._enabled()
         return AdapterUpload(spec, self.limits.max_lora_rank, self.shapes)

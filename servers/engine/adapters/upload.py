@@ -4,13 +4,14 @@ chunks, checked as they come; ``stage`` writes the adapter where vLLM loads it f
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from skyrl_grpc.chunk_wire import WireChunk
 from skyrl_grpc.errors import InvalidArgument
-from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from ..weights.assembly import InBandAssembler
+from ..weights.specs import Manifest
 from .checks import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -21,10 +22,22 @@ from .checks import (
 )
 
 
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What a LoadLoraAdapter stream opens with: the adapter's name, and either a directory
+    on this server holding it (``path``) or its config for the chunks that follow."""
+
+    name: str
+    path: str = ""
+    config_json: str = ""
+    # The version to load it as (0: the next one).
+    version: int = 0
+
+
 class AdapterUpload:
     """One LoadLoraAdapter stream being received: spec, then (in-band) manifest and chunks."""
 
-    def __init__(self, spec: cp.LoraAdapterSpec, max_rank: int, shapes: ModelShapes) -> None:
+    def __init__(self, spec: AdapterSpec, max_rank: int, shapes: ModelShapes) -> None:
         if not spec.name:
             raise InvalidArgument("the adapter needs a name (LoraAdapterSpec.name)")
         self.spec = spec
@@ -52,23 +65,20 @@ class AdapterUpload:
     def in_band(self) -> bool:
         return not self.spec.path
 
-    def add(self, message: cp.LoadLoraAdapterRequest | WireChunk) -> None:
+    def add(self, item: Manifest | WireChunk) -> None:
+        """Takes the stream's next item after the spec: the manifest, then its chunks."""
         if not self.in_band:
             raise InvalidArgument("an adapter loaded from a path takes no manifest or chunks")
-        if isinstance(message, WireChunk) or message.WhichOneof("item") == "chunk":
+        if isinstance(item, WireChunk):
             if self._assembler is None:
                 raise InvalidArgument("the manifest must come before the adapter's chunks")
-            if not isinstance(message, WireChunk):
-                message = WireChunk.from_proto(message.chunk)
-            self._assembler.add(message)
+            self._assembler.add(item)
             return
-        if message.WhichOneof("item") != "manifest":
-            raise InvalidArgument("after the spec, send a manifest, then chunks")
         if self._assembler is not None:
             raise InvalidArgument("a second manifest in one LoadLoraAdapter stream")
-        layout = check_manifest(message.manifest, self.expected)
+        layout = check_manifest(item, self.expected)
         self._assembler = InBandAssembler(layout)
-        self._assembler.add(cp.PushWeightsRequest(manifest=message.manifest))
+        self._assembler.add(item)
 
     def stage(self, directory: Path | None) -> tuple[Path, bytes]:
         """Writes (in-band) or checks (path) the adapter into ``directory``, as vLLM loads it;

@@ -16,7 +16,6 @@ from skyrl_grpc import dtypes, patch_format
 from skyrl_grpc.chunk_wire import WireChunk
 from skyrl_grpc.crc import crc32
 from skyrl_grpc.errors import DataLoss, InvalidArgument
-from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from .finite import FiniteCheck
 from .protocol import (
@@ -25,6 +24,7 @@ from .protocol import (
     ParameterShape,
     StagedParameter,
 )
+from .specs import BucketSpec, Manifest, ParameterSpec
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class ParamLayout:
         return dtypes.num_bytes(self.shape, self.dtype)
 
 
-def check_parameter(spec: cp.ParameterSpec, layout: dict[str, ParamLayout]) -> ParamLayout:
+def check_parameter(spec: ParameterSpec, layout: dict[str, ParamLayout]) -> ParamLayout:
     """The model's layout of ``spec.name``, if the spec matches it exactly (a patch too: its
     dtype and shape are those of the parameter it patches)."""
     expected = layout.get(spec.name)
@@ -47,7 +47,7 @@ def check_parameter(spec: cp.ParameterSpec, layout: dict[str, ParamLayout]) -> P
             f"unknown parameter {spec.name!r}: the model has {len(layout)} parameters "
             f"(checkpoint names, e.g. {examples})"
         )
-    sent = dtypes.from_proto(spec.dtype, f"dtype of {spec.name}")
+    sent = spec.dtype
     if sent.proto != expected.dtype.proto:
         raise InvalidArgument(
             f"dtype mismatch for {spec.name}: sent {sent.torch_name}, the model's is "
@@ -60,7 +60,7 @@ def check_parameter(spec: cp.ParameterSpec, layout: dict[str, ParamLayout]) -> P
         )
     if spec.sha256 and len(spec.sha256) != 32:
         raise InvalidArgument(f"sha256 of {spec.name} has {len(spec.sha256)} bytes, not 32")
-    if spec.HasField("patch"):
+    if spec.patch is not None:
         elements = dtypes.num_elements(expected.shape)
         if not 0 < spec.patch.changed <= elements:
             raise InvalidArgument(
@@ -185,31 +185,26 @@ class InBandAssembler:
         self._ready: dict[str, None] = {}
         self._taken: set[str] = set()
 
-    def add(self, message: cp.PushWeightsRequest | WireChunk) -> None:
-        """Takes the next message, as protobuf parsed it or as ``decode_push_request`` read it."""
+    def add(self, message: Manifest | WireChunk) -> None:
+        """Takes the stream's next item: its manifest (first), then its chunks."""
         if isinstance(message, WireChunk):
             self._add_chunk(message)
             return
-        kind = message.WhichOneof("item")
-        if kind == "manifest":
-            if self._incoming is not None:
-                raise InvalidArgument("a second manifest in one PushWeights stream")
-            self._incoming = {}
-            for spec in message.manifest.parameters:
-                if spec.name in self._incoming:
-                    raise InvalidArgument(f"parameter {spec.name} is listed twice in the manifest")
-                self._incoming[spec.name] = _Incoming(
-                    check_parameter(spec, self._layout),
-                    spec.sha256,
-                    patch_changed=spec.patch.changed if spec.HasField("patch") else 0,
-                    patch_base=spec.patch.base_weight_version if spec.HasField("patch") else 0,
-                    patch_bitmap=spec.HasField("patch") and spec.patch.bitmap,
-                    patch_zstd=spec.patch.zstd_bytes if spec.HasField("patch") else 0,
-                )
-            return
-        if kind != "chunk":
-            raise InvalidArgument("a PushWeights message must carry a manifest or a chunk")
-        self._add_chunk(WireChunk.from_proto(message.chunk))
+        if self._incoming is not None:
+            raise InvalidArgument("a second manifest in one PushWeights stream")
+        self._incoming = {}
+        for spec in message.parameters:
+            if spec.name in self._incoming:
+                raise InvalidArgument(f"parameter {spec.name} is listed twice in the manifest")
+            patch = spec.patch
+            self._incoming[spec.name] = _Incoming(
+                check_parameter(spec, self._layout),
+                spec.sha256,
+                patch_changed=patch.changed if patch else 0,
+                patch_base=patch.base_weight_version if patch else 0,
+                patch_bitmap=bool(patch and patch.bitmap),
+                patch_zstd=patch.zstd_bytes if patch else 0,
+            )
 
     def _add_chunk(self, chunk: WireChunk) -> None:
         if self._incoming is None:
@@ -346,16 +341,16 @@ class InBandAssembler:
         return self.take_ready()
 
 
-def bucket_layout(bucket: cp.WeightBucket, layout: dict[str, ParamLayout]) -> Bucket:
+def bucket_layout(bucket: BucketSpec, layout: dict[str, ParamLayout]) -> Bucket:
     """A validated bucket as the worker receives it."""
     params: list[BucketParameter] = []
     spans = []
     for packed in bucket.parameters:
         spec = packed.parameter
         expected = check_parameter(spec, layout)
-        changed = spec.patch.changed if spec.HasField("patch") else 0
-        bitmap = spec.HasField("patch") and spec.patch.bitmap
-        zstd = spec.patch.zstd_bytes if changed else 0
+        changed = spec.patch.changed if spec.patch else 0
+        bitmap = bool(spec.patch and spec.patch.bitmap)
+        zstd = spec.patch.zstd_bytes if spec.patch and changed else 0
         size = zstd or (patch_bytes(expected, changed, bitmap) if changed else expected.num_bytes)
         end = packed.offset_bytes + size
         if end > bucket.size_bytes:
@@ -383,13 +378,13 @@ def bucket_layout(bucket: cp.WeightBucket, layout: dict[str, ParamLayout]) -> Bu
     return Bucket(size=bucket.size_bytes, params=params)
 
 
-def bucket_patch_bases(request: cp.UpdateWeightsRequest) -> dict[str, int]:
+def bucket_patch_bases(buckets: list[BucketSpec]) -> dict[str, int]:
     """The version each patch in the buckets applies to, by parameter."""
     return {
         packed.parameter.name: packed.parameter.patch.base_weight_version
-        for bucket in request.buckets
+        for bucket in buckets
         for packed in bucket.parameters
-        if packed.parameter.HasField("patch")
+        if packed.parameter.patch is not None
     }
 
 

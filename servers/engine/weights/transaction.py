@@ -18,7 +18,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from skyrl_grpc import dtypes
 from skyrl_grpc.chunk_wire import WireChunk
 from skyrl_grpc.errors import (
     DataLoss,
@@ -28,9 +27,7 @@ from skyrl_grpc.errors import (
     SkyrlError,
     Unavailable,
 )
-from skyrl_grpc.v1 import control_plane_pb2 as cp
 
-from ...common.early_answer import read_rest
 from ...common.tasks import BackgroundTasks
 from .assembly import (
     InBandAssembler,
@@ -40,7 +37,8 @@ from .assembly import (
     model_layout,
     non_finite_error,
 )
-from .protocol import Bucket, Group, StagedParameter, WorkerCalls
+from .protocol import Bucket, Checksum, Group, StagedParameter, WorkerCalls
+from .specs import BucketSpec, Manifest
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +214,7 @@ class WeightTransferManager:
         self.open.touch()
         return self.open
 
-    async def update(self, request: cp.UpdateWeightsRequest) -> tuple[int, int]:
+    async def update(self, bucket_specs: list[BucketSpec]) -> tuple[int, int]:
         async with self._lock:
             group = self.group
             if group is None:
@@ -228,14 +226,14 @@ class WeightTransferManager:
             layout = await self.layout()
             # The trainer broadcasts regardless of an answer: a refused call still receives
             # (and drops) the bytes, so neither side hangs.
-            empty = [Bucket(size=b.size_bytes, params=[]) for b in request.buckets]
+            empty = [Bucket(size=b.size_bytes, params=[]) for b in bucket_specs]
             try:
-                buckets = [bucket_layout(b, layout) for b in request.buckets]
+                buckets = [bucket_layout(b, layout) for b in bucket_specs]
             except SkyrlError:
                 await self._abandon(self._workers.receive_buckets(empty, False))
                 raise
             try:
-                self._check_patch_bases(bucket_patch_bases(request))
+                self._check_patch_bases(bucket_patch_bases(bucket_specs))
             except PatchBaseMismatch:
                 await self._workers.receive_buckets(empty, False)
                 raise  # nothing staged: the update stays open for the whole weights
@@ -284,18 +282,8 @@ class WeightTransferManager:
         except Exception:
             log.exception("leaving the broken weight-transfer group failed")
 
-    async def push(
-        self, messages: AsyncIterator[cp.PushWeightsRequest | WireChunk]
-    ) -> tuple[int, int]:
-        try:
-            return await self._push(messages)
-        except SkyrlError:
-            await read_rest(messages)
-            raise
-
-    async def _push(
-        self, messages: AsyncIterator[cp.PushWeightsRequest | WireChunk]
-    ) -> tuple[int, int]:
+    async def push(self, items: AsyncIterator[Manifest | WireChunk]) -> tuple[int, int]:
+        """Stages one in-band stream: its manifest, then its chunks."""
         async with self._lock:
             update = self._require_open("PushWeights")
             assembler = InBandAssembler(await self.layout(), self.allow_non_finite)
@@ -307,8 +295,8 @@ class WeightTransferManager:
             try:
                 received_before = update.bytes_received
                 bases_checked = False
-                async for message in messages:
-                    assembler.add(message)
+                async for item in items:
+                    assembler.add(item)
                     if not bases_checked:  # the manifest: patches must fit what this serves
                         bases_checked = True
                         self._check_patch_bases(assembler.patch_bases)
@@ -436,20 +424,12 @@ class WeightTransferManager:
         self.open = None
         return await self._workers.discard() if discard else 0
 
-    async def checksums(self, names: list[str]) -> list[cp.ParameterChecksum]:
+    async def checksums(self, names: list[str]) -> list[Checksum]:
         layout = await self.layout()
         unknown = [n for n in names if n not in layout]
         if unknown:
             raise InvalidArgument(f"unknown parameter(s): {', '.join(unknown)}")
-        return [
-            cp.ParameterChecksum(
-                name=row["name"],
-                sha256=row["sha256"],
-                dtype=dtypes.BY_TORCH[row["dtype"]].proto,
-                shape=row["shape"],
-            )
-            for row in await self._workers.checksums(names)
-        ]
+        return await self._workers.checksums(names)
 
     async def _abandon(self, pending: Awaitable[object] | None) -> None:
         """Rejects the open update: staging dropped, the update closed."""

@@ -1,0 +1,106 @@
+"""The control plane's converters: weight-update and adapter messages from the wire into the
+domain's plain values (``weights.specs``, ``adapters.AdapterSpec``), and checksums back.
+
+Only shape is checked here (which oneof a message carries, a dtype the contract knows); what
+the values must be for this model is ``weights.assembly``'s and ``adapters.checks``' to say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from skyrl_grpc import dtypes
+from skyrl_grpc.chunk_wire import WireChunk
+from skyrl_grpc.errors import InvalidArgument
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+
+from .adapters import AdapterSpec
+from .weights.protocol import Checksum
+from .weights.specs import BucketSpec, Manifest, PackedParameter, ParameterSpec, PatchSpec
+
+
+def parameter_spec(spec: cp.ParameterSpec) -> ParameterSpec:
+    patch = None
+    if spec.HasField("patch"):
+        patch = PatchSpec(
+            base_weight_version=spec.patch.base_weight_version,
+            changed=spec.patch.changed,
+            bitmap=spec.patch.bitmap,
+            zstd_bytes=spec.patch.zstd_bytes,
+        )
+    return ParameterSpec(
+        name=spec.name,
+        dtype=dtypes.from_proto(spec.dtype, f"dtype of {spec.name}"),
+        shape=tuple(spec.shape),
+        sha256=spec.sha256,
+        patch=patch,
+    )
+
+
+def manifest(message: cp.WeightManifest) -> Manifest:
+    return Manifest(tuple(parameter_spec(spec) for spec in message.parameters))
+
+
+def bucket_spec(bucket: cp.WeightBucket) -> BucketSpec:
+    return BucketSpec(
+        parameters=tuple(
+            PackedParameter(parameter_spec(packed.parameter), packed.offset_bytes)
+            for packed in bucket.parameters
+        ),
+        size_bytes=bucket.size_bytes,
+    )
+
+
+def bucket_specs(request: cp.UpdateWeightsRequest) -> list[BucketSpec]:
+    return [bucket_spec(bucket) for bucket in request.buckets]
+
+
+def push_item(message: cp.PushWeightsRequest | WireChunk) -> Manifest | WireChunk:
+    """A PushWeights message (as protobuf parsed it, or as ``decode_push_request`` read a
+    chunk) as the assembler takes it."""
+    if isinstance(message, WireChunk):
+        return message
+    kind = message.WhichOneof("item")
+    if kind == "manifest":
+        return manifest(message.manifest)
+    if kind == "chunk":
+        return WireChunk.from_proto(message.chunk)
+    raise InvalidArgument("a PushWeights message must carry a manifest or a chunk")
+
+
+async def push_items(
+    messages: AsyncIterator[cp.PushWeightsRequest | WireChunk],
+) -> AsyncIterator[Manifest | WireChunk]:
+    async for message in messages:
+        yield push_item(message)
+
+
+def adapter_spec(message: cp.LoadLoraAdapterRequest) -> AdapterSpec:
+    """The spec a LoadLoraAdapter stream must open with."""
+    if message.WhichOneof("item") != "spec":
+        raise InvalidArgument("the first LoadLoraAdapter message must be the spec")
+    spec = message.spec
+    return AdapterSpec(
+        name=spec.name, path=spec.path, config_json=spec.config_json, version=spec.version
+    )
+
+
+def adapter_item(message: cp.LoadLoraAdapterRequest | WireChunk) -> Manifest | WireChunk:
+    """A LoadLoraAdapter message after the spec: its manifest or one of its chunks."""
+    if isinstance(message, WireChunk):
+        return message
+    kind = message.WhichOneof("item")
+    if kind == "chunk":
+        return WireChunk.from_proto(message.chunk)
+    if kind == "manifest":
+        return manifest(message.manifest)
+    raise InvalidArgument("after the spec, send a manifest, then chunks")
+
+
+def checksum_to_proto(row: Checksum) -> cp.ParameterChecksum:
+    return cp.ParameterChecksum(
+        name=row["name"],
+        sha256=row["sha256"],
+        dtype=dtypes.BY_TORCH[row["dtype"]].proto,
+        shape=row["shape"],
+    )
