@@ -58,6 +58,16 @@ def _lint_imports(tree: Path) -> subprocess.CompletedProcess[str]:
             "import trainer_client.demo",
             "the servers never import the trainer client",
         ),
+        (
+            "servers/engine/weights/assembly.py",
+            "from skyrl_grpc.v1 import control_plane_pb2",
+            "the engine's domain and its vLLM adapter speak no protobuf",
+        ),
+        (
+            "servers/engine/vllm_engine.py",
+            "import servers.engine.validate",
+            "the engine's domain and its vLLM adapter speak no protobuf",
+        ),
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(
@@ -71,3 +81,18 @@ def test_a_forbidden_import_breaks_its_contract(
     broken = _lint_imports(tree)
     assert broken.returncode != 0
     assert f"{contract} BROKEN" in broken.stdout
+
+
+# A module a reader can hold: one concern, a few hundred lines.
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_is_longer_than_a_reader_can_hold() -> None:
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        if "v1" not in path.relative_to(ROOT).parts  # generated stubs
+        and (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"

@@ -22,8 +22,9 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
 from tests.helpers.weights import greedy_per_server, next_version, perturbed
 from trainer_client import InferenceClient, WeightUpdateError
+from trainer_client.delta_patches import weight_patches
 from trainer_client.exceptions import ServerError
-from trainer_client.weight_sending import parameter_spec, weight_patches
+from trainer_client.weight_sending import parameter_spec
 
 pytestmark = [pytest.mark.engine]
 

@@ -3,8 +3,10 @@
 Data-plane calls (``generation``) go to the server the router's policy picks, directly or
 through the router (``x-session-id`` keeps a conversation on one server); control calls
 (``fleet_control``, ``adapters``, ``weight_updates``) fan out to every server directly and
-concurrently. The client holds only its ``ClientConfig``: channels open lazily, per process
-and event loop (``connections``), and are never pickled, so a client can be handed to Ray
+concurrently. What a client pickles is its ``ClientConfig`` alone; what it holds besides is
+process-local and rebuilt on the other side: channels and the routing view, opened lazily per
+event loop (``connections``), and the weight-transfer state (the collective group's rank 0,
+the last pushed weights for deltas, ``weight_updates``). So a client can be handed to Ray
 actors and subprocesses as is. ``BlockingInferenceClient`` (``trainer_client.blocking``)
 offers the same methods without ``await``.
 """

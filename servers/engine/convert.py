@@ -1,8 +1,10 @@
 """Pure conversions between the contract's messages and vLLM's types.
 
-No engine, no gRPC context and no request rules here (those are in ``validate``): every
-function takes values that already passed validation, so each conversion is unit tested
-directly. ``StreamConverter`` and ``ChunkCoalescer`` turn vLLM's output deltas into the
+No engine and no gRPC context here, and the request rules are ``validate``'s: every function
+takes values that already passed them, so each conversion is unit tested directly. One check
+is vLLM's own: ``build_sampling_params`` turns vLLM's refusal of a combination the contract's
+ranges do not cover into INVALID_ARGUMENT. The control plane's weight and adapter messages are
+``control_convert``'s. ``StreamConverter`` and ``ChunkCoalescer`` turn vLLM's output deltas into the
 contract's stream messages; the last section builds what the engine says about itself
 (``descriptions``) as GetModelInfo / GetServerInfo answers.
 """
@@ -24,7 +26,7 @@ from .descriptions import ModelDescription, ServerDescription
 if TYPE_CHECKING:
     from vllm import SamplingParams as VllmSamplingParams
 
-    from .weights.transaction import OpenUpdate
+    from .weights.staging import OpenUpdate
 
 # Optional sampling fields passed to vLLM under the same name when set.
 _PASSED_WHEN_SET = (

@@ -72,7 +72,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             skip = (
                 sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True
             )
-            parsing.resume(lambda ids: parts.engine.decode(ids, skip))
+            parsing.resume(lambda ids: parts.tokenizer.decode(ids, skip))
             include_text = True
         max_tokens = validate.sampling(
             sampling, prompt_len=len(prompt_token_ids), limits=parts.limits
@@ -273,10 +273,12 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         parts, n = self._engine_for(request.request_id, request.n, context)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         validate.text_length(
-            request.prompt, parts.limits, parts.engine.longest_token_bytes, "prompt"
+            request.prompt, parts.limits, parts.tokenizer.longest_token_bytes, "prompt"
         )
         prompt = validate.prompt(
-            parts.engine.encode(request.prompt, add_special), parts.limits, "the tokenized prompt"
+            parts.tokenizer.encode(request.prompt, add_special),
+            parts.limits,
+            "the tokenized prompt",
         )
         result = await self._text_result(parts, request, prompt, n)
         return data_plane_pb2.CompleteResponse(
@@ -298,9 +300,9 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
                 request.add_special_tokens if request.HasField("add_special_tokens") else True
             )
             validate.text_length(
-                request.text, parts.limits, parts.engine.longest_token_bytes, "text"
+                request.text, parts.limits, parts.tokenizer.longest_token_bytes, "text"
             )
-            ids = parts.engine.encode(request.text, add_special)
+            ids = parts.tokenizer.encode(request.text, add_special)
         return data_plane_pb2.TokenizeResponse(token_ids=ids)
 
     def _render_chat(
@@ -315,13 +317,13 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         validate.text_length(
             "".join(m.content for m in messages),
             parts.limits,
-            parts.engine.longest_token_bytes,
+            parts.tokenizer.longest_token_bytes,
             "the messages' content",
         )
         add_generation_prompt = (
             options.add_generation_prompt if options.HasField("add_generation_prompt") else True
         )
-        rendered = parts.engine.apply_chat_template(
+        rendered = parts.tokenizer.apply_chat_template(
             message_dicts(messages), add_generation_prompt, tool_dicts(tools) if tools else None
         )
         return validate.prompt(rendered, parts.limits, "the rendered chat prompt")
@@ -332,7 +334,9 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         parts = self._state.parts()
         validate.token_ids(request.token_ids, parts.limits, "token_ids")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return data_plane_pb2.DetokenizeResponse(text=parts.engine.decode(request.token_ids, skip))
+        return data_plane_pb2.DetokenizeResponse(
+            text=parts.tokenizer.decode(request.token_ids, skip)
+        )
 
     async def GetModelInfo(
         self, request: data_plane_pb2.GetModelInfoRequest, context: Context

@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import tempfile
 from pathlib import Path
+from typing import Any
 
 # vLLM's own format (vllm.logger), so the lines read as before, only on stderr.
 _FORMAT = (
@@ -96,3 +98,20 @@ def root_cause(errors: Path | None) -> str | None:
         if exception and not exception.startswith(_CONSEQUENCES):
             cause = exception
     return cause
+
+
+def death_cause(errors: Path | None, processes: list[Any]) -> str:
+    """Why an engine died: what its processes logged (``root_cause``), or how the first of
+    ``processes`` (vLLM's engine processes, found by the adapter) that ended did."""
+    cause = root_cause(errors)
+    if cause:
+        return cause
+    for process in processes:
+        code = getattr(process, "exitcode", None)
+        if code is None:
+            continue
+        if code < 0:
+            name = signal.Signals(-code).name
+            return f"the engine process was killed by {name} (out of memory, or by a person)"
+        return f"the engine process exited with code {code}"
+    return "the engine process exited"

@@ -24,6 +24,7 @@ from .chat_parsing import ChatParsers
 from .descriptions import ModelDescription, ServerDescription
 from .live_sessions import LiveSessions
 from .options import EngineOptions, RequestLimits
+from .tokenizer_calls import TokenizerCalls
 from .validate import ModelLimits
 from .vllm_engine import VllmEngine
 from .weights.serving import ServingWeights
@@ -34,6 +35,8 @@ class EngineParts:
     """A started engine and everything built around it."""
 
     engine: VllmEngine
+    # Text to ids and back, chat templates.
+    tokenizer: TokenizerCalls
     weights: ServingWeights
     adapters: AdapterManager
     sessions: LiveSessions
@@ -90,6 +93,7 @@ class EngineParts:
             await engine.pin_base_adapter(ZERO_ADAPTER_ID, directory)
         return cls(
             engine=engine,
+            tokenizer=engine.tokenizer_calls,
             weights=ServingWeights(engine, options, status_changed),
             adapters=adapters,
             sessions=LiveSessions(options.session_idle_seconds),
@@ -118,7 +122,7 @@ class EngineParts:
             served_model_name=engine.served_model_name,
             vocab_size=self.limits.vocab_size,
             bos_token_id=tokenizer.bos_token_id,
-            eos_token_ids=engine.eos_token_ids,
+            eos_token_ids=self.tokenizer.eos_token_ids,
             pad_token_id=tokenizer.pad_token_id,
             max_context_length=self.limits.max_model_len,
             has_chat_template=bool(tokenizer.chat_template),

@@ -110,7 +110,7 @@ class EngineServer:
         if parts is None or not method.startswith(DATA_PLANE_PREFIX) or method == GENERATE_BATCH:
             return None
         tokens = parts.limits.max_prompt_tokens
-        limit = tokens * max(5, parts.engine.longest_token_bytes) + (1 << 20)
+        limit = tokens * max(5, parts.tokenizer.longest_token_bytes) + (1 << 20)
         return (
             limit,
             f"{limit} bytes, which a prompt of {tokens} tokens (--max-prompt-tokens) needs",

@@ -13,10 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 from collections.abc import (
     AsyncIterator,
-    Awaitable,
     Callable,
     Coroutine,
     Hashable,
@@ -29,10 +27,12 @@ from typing import Any, Literal, Protocol, TypeVar
 from skyrl_grpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 
 from .engine_args import Platform, engine_arguments, resolved_model
-from .engine_logs import root_cause
+from .engine_logs import death_cause, root_cause
 from .engine_loop import EngineLoop, StreamGroup
 from .load_tracker import Load, LoadTracker
 from .options import TINY_MODEL_NAME, EngineOptions, RequestLimits
+from .tokenizer_calls import TokenizerCalls
+from .weights.lifecycle_calls import AsyncLLMLifecycle
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,34 +55,6 @@ class AdapterRef(Protocol):
     def vllm_id(self) -> int: ...
     @property
     def path(self) -> Path: ...
-
-
-class _WeightLifecycle:
-    """vLLM's weight-transfer lifecycle on ``AsyncLLM`` (``weights.protocol.Lifecycle``), each
-    call run by ``run`` (``VllmEngine._call``: on the engine loop, the engine's death named)."""
-
-    def __init__(self, llm: Any, run: Callable[[Coroutine[Any, Any, Any]], Awaitable[Any]]):
-        self._llm = llm
-        self._run = run
-
-    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        await self._run(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info)))
-
-    async def shutdown_weight_transfer_engine(self) -> None:
-        await self._run(self._llm.shutdown_weight_transfer_engine())
-
-    async def start_weight_update(self) -> None:
-        await self._run(self._llm.start_weight_update())
-
-    async def update_weights(self, update_info: dict[str, Any]) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        await self._run(self._llm.update_weights(WeightTransferUpdateRequest(update_info)))
-
-    async def finish_weight_update(self, weight_version: str | None) -> None:
-        await self._run(self._llm.finish_weight_update(weight_version))
 
 
 class EngineCannotRun(Exception):
@@ -120,15 +92,13 @@ class VllmEngine:
         default_name = TINY_MODEL_NAME if options.model is None else Path(model_path).name
         self.served_model_name = options.served_model_name or default_name
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer_calls = TokenizerCalls(
+            self.tokenizer, self.served_model_name, llm.model_config.hf_config
+        )
         model_config = llm.model_config
         self.vocab_size: int = model_config.get_vocab_size()
         self.max_model_len: int = model_config.max_model_len
         self.max_logprobs: int = model_config.max_logprobs
-        # The most bytes of text one token covers: text longer than the prompt limit times
-        # this cannot fit, and is refused before the tokenizer runs.
-        self.longest_token_bytes = max(
-            (len(token.encode()) for token in self.tokenizer.get_vocab()), default=1
-        )
         # Generation requests handed to vLLM (for operators and tests: limits are checked
         # before this moves).
         self.requests_started = 0
@@ -149,7 +119,7 @@ class VllmEngine:
         self.sleep_supported = bool(current_platform.is_sleep_mode_available())
         self.prefix_caching = bool(llm.vllm_config.cache_config.enable_prefix_caching)
         # vLLM's weight-transfer lifecycle, for ``weights.protocol.WorkerCalls``.
-        self.weight_lifecycle = _WeightLifecycle(self.llm, self._call)
+        self.weight_lifecycle = AsyncLLMLifecycle(self.llm, self._call)
         # CPU only: the zero adapter base-model requests run on while LoRA is enabled.
         self._base_adapter: Any = None
 
@@ -166,22 +136,8 @@ class VllmEngine:
 
     def death_cause(self) -> str:
         """Why the engine died, from what its processes logged, or how its process ended."""
-        cause = root_cause(self._errors)
-        if cause:
-            return cause
-        for code in self._engine_exit_codes():
-            if code < 0:
-                name = signal.Signals(-code).name
-                return f"the engine process was killed by {name} (out of memory, or by a person)"
-            return f"the engine process exited with code {code}"
-        return "the engine process exited"
-
-    def _engine_exit_codes(self) -> list[int]:
-        """Exit codes of vLLM's engine processes that have ended (vLLM internals: none if they
-        are laid out differently in another version)."""
         manager = getattr(getattr(self.llm.engine_core, "resources", None), "engine_manager", None)
-        processes = getattr(manager, "processes", None) or []
-        return [p.exitcode for p in processes if getattr(p, "exitcode", None) is not None]
+        return death_cause(self._errors, getattr(manager, "processes", None) or [])
 
     def _death(self, error: BaseException) -> Unavailable | None:
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -210,7 +166,7 @@ class VllmEngine:
         machine also takes seconds; it is paid here)."""
         from vllm import SamplingParams
 
-        prompt = self.encode("warm up", add_special_tokens=True) or [0]
+        prompt = self.tokenizer_calls.encode("warm up", add_special_tokens=True) or [0]
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
         async def generate() -> None:
@@ -417,47 +373,6 @@ class VllmEngine:
         if known:
             await self._call(self.llm.abort(known))
         return known
-
-    # -- tokenizer ----------------------------------------------------------------------------
-
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-    def apply_chat_template(
-        self,
-        messages: Sequence[dict[str, Any]],
-        add_generation_prompt: bool,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise FailedPrecondition(
-                f"model {self.served_model_name!r} has no chat template: use Complete or "
-                "Generate with your own prompt format"
-            )
-        try:
-            text = self.tokenizer.apply_chat_template(
-                list(messages),
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-            )
-        except Exception as exc:  # jinja errors: the template rejected these messages
-            raise InvalidArgument(f"the chat template rejected the messages: {exc}") from exc
-        # The template writes the special tokens (BOS, role markers) itself.
-        return self.encode(str(text), add_special_tokens=False)
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
-        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        generation_eos = getattr(self.llm.model_config.hf_config, "eos_token_id", None)
-        if isinstance(generation_eos, int):
-            ids.add(generation_eos)
-        elif isinstance(generation_eos, list):
-            ids.update(generation_eos)
-        return sorted(ids)
 
     # -- control ------------------------------------------------------------------------------
 

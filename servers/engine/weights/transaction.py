@@ -16,7 +16,6 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 
 from skyrl_grpc.chunk_wire import WireChunk
 from skyrl_grpc.errors import (
@@ -39,35 +38,9 @@ from .assembly import (
 )
 from .protocol import Bucket, Checksum, Group, StagedParameter, WorkerCalls
 from .specs import BucketSpec, Manifest
+from .staging import OpenUpdate, StagingPipeline, staging_batches
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class OpenUpdate:
-    """The update in progress: who opened it, for which version, and its lease."""
-
-    owner: str
-    target_version: int  # 0: named at FinishWeightUpdate
-    allow_same_version: bool
-    lease_seconds: float
-    opened: float = field(default_factory=time.monotonic)
-    last_call: float = field(default_factory=time.monotonic)
-    parameters_staged: int = 0
-    bytes_received: int = 0
-    # Whether anything staged holds a NaN or infinity (only possible when they are allowed).
-    non_finite: bool = False
-
-    def touch(self) -> None:
-        self.last_call = time.monotonic()
-
-    @property
-    def idle_seconds(self) -> float:
-        return time.monotonic() - self.last_call
-
-    @property
-    def age_seconds(self) -> float:
-        return time.monotonic() - self.opened
 
 
 class WeightTransferManager:
@@ -291,7 +264,9 @@ class WeightTransferManager:
             # the next is received and checked: the server holds at most two batches, never
             # the whole stream nor a whole large parameter, and reading the stream overlaps
             # the workers' copying instead of alternating with it.
-            staging = _Pipeline(functools.partial(self._stage, non_finite=assembler.non_finite))
+            staging = StagingPipeline(
+                functools.partial(self._stage, non_finite=assembler.non_finite)
+            )
             try:
                 received_before = update.bytes_received
                 bases_checked = False
@@ -335,7 +310,7 @@ class WeightTransferManager:
     async def _stage(self, params: list[StagedParameter], non_finite: list[str]) -> int:
         """Stages ``params`` in batches; compressed patches whose values proved non-finite
         once applied are refused, or added to ``non_finite`` where the server accepts them."""
-        for batch in _batches(params, self.stage_batch_bytes):
+        for batch in staging_batches(params, self.stage_batch_bytes):
             mismatches, applied_non_finite = await self._workers.stage(batch)
             if mismatches:
                 raise DataLoss(
@@ -451,52 +426,6 @@ class WeightTransferManager:
 class PatchBaseMismatch(FailedPrecondition):
     """Patches for a version this server does not serve: refused before anything is staged,
     leaving the update open for the whole weights."""
-
-
-class _Pipeline:
-    """Stages batches one after another with at most one in flight: ``send`` waits for the
-    previous batch (raising its error) and starts the next; ``drain`` waits for the last and
-    returns how many parameters were completed."""
-
-    def __init__(self, stage: Callable[[list[StagedParameter]], Awaitable[int]]) -> None:
-        self._stage = stage
-        self._in_flight: asyncio.Future[int] | None = None
-        self._staged = 0
-
-    async def send(self, params: list[StagedParameter]) -> None:
-        await self.drain()
-        if params:
-            self._in_flight = asyncio.ensure_future(self._stage(params))
-
-    async def drain(self) -> int:
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            self._staged += await in_flight
-        return self._staged
-
-    async def settle(self) -> None:
-        """Waits for the batch in flight, ignoring how it ended (the update is abandoned and
-        its staging dropped after it; the workers must not be mid-copy then)."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            await asyncio.gather(in_flight, return_exceptions=True)
-
-
-def _batches(params: list[StagedParameter], batch_bytes: int) -> list[list[StagedParameter]]:
-    """Consecutive runs of parameters of about ``batch_bytes`` each (one worker call each):
-    large enough to amortise a call, small enough not to hold a second copy of everything."""
-    batches: list[list[StagedParameter]] = []
-    batch: list[StagedParameter] = []
-    size = 0
-    for param in params:
-        batch.append(param)
-        size += sum(len(chunk) for chunk in param["chunks"])
-        if size >= batch_bytes:
-            batches.append(batch)
-            batch, size = [], 0
-    if batch:
-        batches.append(batch)
-    return batches
 
 
 def _transport_error(what: str, exc: Exception, started: float, timeout: float) -> SkyrlError:

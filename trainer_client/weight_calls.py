@@ -1,0 +1,61 @@
+"""The per-server control calls of a fleet weight update (start, finish, cancel, rollback, the
+serving version), over the client's channels, as ``weight_transaction`` runs them."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+
+from .client_core import ClientCore, ControlRpc, Request, Response
+from .fleet_info import WeightCommit
+
+
+def owner_name() -> str:
+    """How this process names itself to the servers (in weight-update leases)."""
+    return f"trainer@{socket.gethostname()}:{os.getpid()}"
+
+
+class TransactionCalls:
+    """The per-server calls of a fleet weight update, over the client's channels."""
+
+    def __init__(self, client: ClientCore, lease_seconds: int) -> None:
+        self._client = client
+        self._lease_seconds = lease_seconds
+        self._owner = owner_name()
+        # The servers that said they take compressed patches (``serving_version`` asks).
+        self.reading_compressed: set[str] = set()
+
+    async def start(self, address: str, version: int) -> int:
+        request = cp.StartWeightUpdateRequest(
+            weight_version=version, owner=self._owner, lease_seconds=self._lease_seconds
+        )
+        response = await self._call(address, request, lambda s: s.StartWeightUpdate)
+        return response.serving_weight_version
+
+    async def finish(self, address: str, version: int) -> WeightCommit:
+        request = cp.FinishWeightUpdateRequest(weight_version=version)
+        response = await self._call(address, request, lambda s: s.FinishWeightUpdate)
+        return WeightCommit.from_proto(response)
+
+    async def cancel(self, address: str) -> None:
+        await self._call(address, cp.CancelWeightUpdateRequest(), lambda s: s.CancelWeightUpdate)
+
+    async def rollback(self, address: str, version: int) -> int:
+        request = cp.RollbackWeightUpdateRequest(weight_version=version)
+        response = await self._call(address, request, lambda s: s.RollbackWeightUpdate)
+        return response.weight_version
+
+    async def serving_version(self, address: str) -> int:
+        info = await self._call(address, cp.GetServerInfoRequest(), lambda s: s.GetServerInfo)
+        if info.capabilities.compressed_weight_patches:
+            self.reading_compressed.add(address)
+        return info.weight_version
+
+    async def _call(
+        self, address: str, request: Request, rpc: ControlRpc[Request, Response]
+    ) -> Response:
+        client = self._client
+        stub_method = rpc(client._control(address))
+        return await client._unary(address, stub_method, request, client.config.control_timeout)

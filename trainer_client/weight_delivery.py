@@ -1,0 +1,271 @@
+"""How an update's bytes reach the servers, for ``weight_updates``: broadcasts over the
+collective group (a group of patches at a time, or the whole weights) and PushWeights streams
+(patches, compressed patches or whole values per server), the trainer's preparation of the
+next group overlapping the transfer of this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import grpc
+
+from skyrl_grpc.names import PUSH_WEIGHTS
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+
+from .client_core import ClientCore
+from .delta_patches import weight_patches
+from .exceptions import FailedPrecondition
+from .fanout import failures_of
+from .weight_sending import (
+    CollectiveSender,
+    PackedBucket,
+    PushStream,
+    plan_buckets,
+    push_groups,
+    tensor_entries,
+)
+
+# Source bytes of the tensors in one PushWeights stream (see ``_push``): big enough that a
+# stream's own cost (a manifest, a round trip) is negligible, small enough that preparing the
+# next group overlaps sending this one.
+PUSH_GROUP_BYTES = 64 << 20
+# Source bytes whose patches one UpdateWeights call broadcasts (see ``_broadcast``): a call and
+# its broadcasts cost milliseconds, and the next group's patches are computed meanwhile.
+BROADCAST_GROUP_BYTES = 256 << 20
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class WeightDelivery(ClientCore):
+    """Sending an update's bytes (mixin of ``InferenceClient``, under ``WeightUpdates``)."""
+
+    # Bytes of parameter data the last update sent to each server.
+    last_push_bytes: dict[str, int]
+
+    async def _broadcast(
+        self,
+        sender: CollectiveSender,
+        addresses: Sequence[str],
+        tensors: list[tuple[str, Any]],
+        base: PushedWeights | None,
+        bucket_bytes: int,
+        checksums: bool,
+        compress: bool,
+        timeout: float,
+    ) -> dict[str, BaseException]:
+        """Broadcasts to every server: patches against ``base`` (when given), else the whole
+        weights, and the whole weights again if a server refuses the patches (its version
+        moved: the others stage the whole values over their patches). Patches are computed a
+        group at a time, one group ahead of the broadcast (as ``_push`` does); whole weights go
+        as one call."""
+        self.last_push_bytes = dict.fromkeys(addresses, 0)
+        if base is not None:
+            failures = await self._broadcast_groups(
+                sender, addresses, tensors, base, bucket_bytes, checksums, compress, timeout
+            )
+            if not any(isinstance(f, FailedPrecondition) for f in failures.values()):
+                return failures
+            log.info("a server refused the patches (its version moved): broadcasting it all")
+        return await self._broadcast_groups(
+            sender, addresses, tensors, None, bucket_bytes, checksums, compress, timeout
+        )
+
+    async def _broadcast_groups(
+        self,
+        sender: CollectiveSender,
+        addresses: Sequence[str],
+        tensors: list[tuple[str, Any]],
+        base: PushedWeights | None,
+        bucket_bytes: int,
+        checksums: bool,
+        compress: bool,
+        timeout: float,
+    ) -> dict[str, BaseException]:
+        groups = push_groups(tensors, BROADCAST_GROUP_BYTES) if base is not None else [tensors]
+
+        def make(index: int) -> list[PackedBucket]:
+            if base is None:
+                return plan_buckets(tensor_entries(groups[index], checksums), bucket_bytes)
+            entries = weight_patches(groups[index], base.tensors, base.version, checksums, compress)
+            return plan_buckets(entries, bucket_bytes)
+
+        prepared = OneAhead(make, len(groups))
+        try:
+            for index in range(len(groups)):
+                buckets = await prepared.get(index)
+                if not buckets:
+                    continue  # nothing of this group changed
+                failures = await self._broadcast_buckets(sender, addresses, buckets, timeout)
+                if failures:
+                    return failures
+            return {}
+        finally:
+            prepared.cancel()
+
+    async def _broadcast_buckets(
+        self,
+        sender: CollectiveSender,
+        addresses: Sequence[str],
+        buckets: list[PackedBucket],
+        timeout: float,
+    ) -> dict[str, BaseException]:
+        request = cp.UpdateWeightsRequest(buckets=[b.layout for b in buckets])
+        for address in addresses:  # what each server receives (every one gets every bucket)
+            self.last_push_bytes[address] += sum(b.layout.size_bytes for b in buckets)
+
+        async def update(address: str) -> object:
+            return await self._unary(
+                address, self._control(address).UpdateWeights, request, timeout
+            )
+
+        # Every server receives while rank 0 broadcasts; a server that rejects the layout still
+        # receives (and drops) the bytes, so the broadcast completes.
+        broadcast = asyncio.ensure_future(asyncio.to_thread(sender.broadcast, buckets))
+        failures = await failures_of(addresses, update)
+        try:
+            await broadcast
+        except Exception as error:
+            failures.update({a: error for a in addresses if a not in failures})
+        return failures
+
+    async def _push(
+        self,
+        addresses: Sequence[str],
+        tensors: list[tuple[str, Any]],
+        base: PushedWeights | None,
+        serving: dict[str, int],
+        chunk_bytes: int,
+        checksums: bool,
+        compressing: set[str],
+        timeout: float,
+    ) -> dict[str, BaseException]:
+        """Pushes to every server: a patch against ``base`` where the server serves its version
+        (compressed to the servers in ``compressing``), the whole weights elsewhere, and to a
+        server that refuses the patch (its version moved). The tensors go in groups of
+        ``PUSH_GROUP_BYTES``, one PushWeights stream each (an update takes any number): a worker
+        thread prepares the next group's stream (its patches, checksums) while the current one
+        is sent, so the trainer's work overlaps the transfer and the servers' instead of
+        preceding them. Each group is prepared once for all servers; a group with nothing
+        changed sends nothing."""
+        groups = push_groups(tensors, PUSH_GROUP_BYTES)
+
+        # What a server gets: patches (compressed or not), or whole values.
+        Variant = tuple[bool, bool]
+        patches, compressed, whole = (True, False), (True, True), (False, False)
+
+        def make(variant: Variant, index: int) -> PushStream:
+            patched, compress = variant
+            if patched:
+                assert base is not None
+                entries = weight_patches(
+                    groups[index], base.tensors, base.version, checksums, compress
+                )
+            else:
+                entries = tensor_entries(groups[index], checksums)
+            return PushStream(entries, chunk_bytes)
+
+        # Each variant prepared once for every server that takes it (none before one asks).
+        prepared = {
+            variant: OneAhead(functools.partial(make, variant), len(groups))
+            for variant in (patches, compressed, whole)
+        }
+
+        def method(
+            address: str,
+        ) -> grpc.aio.StreamUnaryMultiCallable[bytes, cp.PushWeightsResponse]:
+            return self.channel(address).stream_unary(
+                PUSH_WEIGHTS,
+                request_serializer=None,
+                response_deserializer=cp.PushWeightsResponse.FromString,
+            )
+
+        async def send_all(address: str, variant: Variant) -> None:
+            self.last_push_bytes[address] = 0
+            for index in range(len(groups)):
+                sent = await prepared[variant].get(index)
+                if sent.empty:
+                    continue
+                self.last_push_bytes[address] += sent.total_bytes
+                await self._unary(address, method(address), iter(sent), timeout)
+
+        async def push(address: str) -> None:
+            patched = base is not None and serving.get(address) == base.version
+            if patched:
+                try:
+                    await send_all(address, compressed if address in compressing else patches)
+                    return
+                except FailedPrecondition:
+                    # Refused before anything of that stream was staged; whole tensors staged
+                    # by earlier streams are staged again, whole.
+                    log.info("%s refused the patch (its version moved): sending it all", address)
+            await send_all(address, whole)
+
+        self.last_push_bytes = {}
+        try:
+            return await failures_of(addresses, push)
+        finally:
+            for variant in prepared.values():
+                variant.cancel()
+
+
+class OneAhead(Generic[T]):
+    """Items ``make(index)`` prepared in a worker thread, each once, the next one started when
+    one is asked for: the trainer's work on group k+1 (patches, checksums, buckets) overlaps
+    the transfer of group k instead of preceding it."""
+
+    def __init__(self, make: Callable[[int], T], count: int) -> None:
+        self._make = make
+        self._count = count
+        self._started: dict[int, asyncio.Future[T]] = {}
+
+    async def get(self, index: int) -> T:
+        for k in (index, index + 1):
+            if k < self._count and k not in self._started:
+                self._started[k] = asyncio.ensure_future(asyncio.to_thread(self._make, k))
+        return await self._started[index]
+
+    def cancel(self) -> None:
+        """Drops what was prepared (a failed or finished update); a preparation already running
+        in its thread (at most one ahead) finishes there and is discarded."""
+        for pending in self._started.values():
+            pending.cancel()
+
+
+@dataclass
+class PushedWeights:
+    """The tensors this client last committed in-band, as ``version`` (copies, on their
+    device): what the next update's patches are computed against."""
+
+    version: int
+    tensors: dict[str, Any]
+
+    @staticmethod
+    def after(
+        previous: PushedWeights | None, version: int, pushed: list[tuple[str, Any]]
+    ) -> PushedWeights:
+        """The record once ``pushed`` committed as ``version``: the previous record's tensors
+        (parameters not pushed this time are unchanged on the servers) with the pushed ones
+        copied in. A copy goes into the previous record's tensor of the same shape, type and
+        device (the previous record is dropped): no second copy of the model, no fresh memory
+        to fault in every step."""
+        tensors = dict(previous.tensors) if previous is not None else {}
+        for name, tensor in pushed:
+            source = tensor.detach()
+            kept = tensors.get(name)
+            if (
+                kept is not None
+                and kept.shape == source.shape
+                and kept.dtype == source.dtype
+                and kept.device == source.device
+            ):
+                kept.copy_(source)
+            else:
+                tensors[name] = source.clone()
+        return PushedWeights(version, tensors)
