@@ -5,8 +5,11 @@ A Llama of ~0.3B parameters is built on the spot with the project's own builder
 (``skyrl_grpc.tiny_model``), served by real engine servers started as processes
 (``python -m servers.engine --model DIR``), and updated through ``InferenceClient.update_weights``
 from this process: each figure is from the call until every server serves the new version.
-Beside them, in the same run, the raw links for the same bytes: a loopback TCP socket, and a
-gloo broadcast between two fresh processes. Also measured: the servers' process-tree resident
+Beside them, in the same run, the floors: the raw links for the same bytes (a loopback TCP
+socket, and a gloo broadcast between two fresh processes) and vLLM's own reload of the whole
+model from the server's memory with no transport (R: a rollback of each full update, which
+swaps the previous weights back in and reloads every layer). Every row prints its ratio to its
+floor, the link's time for the bytes it sent plus R. Also measured: the servers' process-tree resident
 memory above its level right after start (peak while updating, and what stays), and this
 trainer's own peak extra resident memory.
 
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import multiprocessing
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -272,7 +276,9 @@ async def updates(
     rounds: int,
     rl_lrs: list[float],
     compressions: list[bool],
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], list[float]]:
+    """Every update measured (one row each), and the reload floors (seconds, one per full
+    update: ``reload_floor``)."""
     from trainer_client import InferenceClient
 
     addresses = [s.address for s in servers]  # type: ignore[attr-defined]
@@ -315,6 +321,18 @@ async def updates(
         )
         print(rows[-1], flush=True)
 
+    async def reload_floor(transport: str) -> None:
+        """The floor of an update with no transport: vLLM reloading the same model from the
+        server's own memory, timed as a rollback of the full update just committed (the
+        previous weights are there; the rollback swaps them in and reloads every layer)."""
+        nonlocal version
+        started = time.perf_counter()
+        restored = await client.rollback_weights(version, timeout=1800)
+        floors.append(time.perf_counter() - started)
+        assert set(restored.values()) == {version - 1}, restored
+        print({"reload floor (rollback)": floors[-1], "transport": transport}, flush=True)
+
+    floors: list[float] = []
     for transport in transports:
         if transport == "collective":
             await client.init_weight_transfer("gloo", timeout_seconds=600)
@@ -322,6 +340,7 @@ async def updates(
             new = perturbed(tensors, seed=version + 1)  # the trainer's weights, made before
             await measure(f"full {round_index + 1}", new, transport)
             del new
+            await reload_floor(transport)
     dtype = tensors[0][1].dtype
     for transport in transports:
         for lr in rl_lrs:
@@ -335,7 +354,7 @@ async def updates(
                     await measure(f"{kind}: step {step + 1}", serving, transport, compress)
                 del trainer
     await client.close()
-    return rows
+    return rows, floors
 
 
 def main() -> None:
@@ -371,22 +390,29 @@ def main() -> None:
     rl_lrs = [float(x) for x in args.rl_lrs.split(",") if x]
     compressions = [c == "zstd" for c in args.patch_compression.split(",") if c]
     with engine_servers(model, args.servers, args.tp, args.dtype) as servers:
-        rows = asyncio.run(updates(servers, tensors, transports, args.rounds, rl_lrs, compressions))
+        rows, floors = asyncio.run(
+            updates(servers, tensors, transports, args.rounds, rl_lrs, compressions)
+        )
+    reload_floor = statistics.median(floors) if floors else 0.0
     lines = [
         f"\n### {parameters / 1e6:.0f}M parameters ({total / GiB:.2f} GiB {args.dtype}), "
         f"{args.servers} server(s), TP={args.tp}\n",
-        f"Raw links for the same (full) bytes, same run: loopback TCP {tcp:.2f} s, gloo "
-        f"broadcast {gloo:.2f} s.\n",
-        "| update | transport | seconds | x raw link (full bytes) | bytes sent (x full) "
+        f"Floors, same run: loopback TCP of the full bytes {tcp:.2f} s, gloo broadcast "
+        f"{gloo:.2f} s, vLLM's reload of the whole model from the server's memory (R, a "
+        f"rollback after each full update) {reload_floor:.2f} s (median of "
+        f"{', '.join(f'{f:.2f}' for f in floors)}). An update's floor: the link's time for the "
+        "bytes it sent, plus R.\n",
+        "| update | transport | seconds | floor s | x floor | bytes sent (x full) "
         "| servers' peak above idle (x model) | kept above idle (x model) "
         "| trainer's peak extra (x model) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
         link = tcp if row["transport"] == "grpc" else gloo
+        floor = link * row["wire_fraction"] + reload_floor
         lines.append(
-            f"| {row['update']} | {row['transport']} | {row['seconds']:.2f} | "
-            f"{row['seconds'] / link:.2f}x | {row['wire_fraction']:.3f} | "
+            f"| {row['update']} | {row['transport']} | {row['seconds']:.2f} | {floor:.2f} | "
+            f"{row['seconds'] / floor:.2f}x | {row['wire_fraction']:.3f} | "
             f"{row['servers_peak_above_idle'] / total:.2f} | "
             f"{row['servers_kept_above_idle'] / total:.2f} | "
             f"{row['trainer_peak_extra'] / total:.2f} |"

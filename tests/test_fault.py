@@ -8,27 +8,20 @@ import time
 from collections import Counter
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servers.fleet.local import LocalFleet
-from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
 from skyrl_grpc.placement import BoundedLoadPolicy
-from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, router_pb2, router_pb2_grpc
+from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from tests.helpers.sessions import routed_to
 from tests.helpers.waits import running_on_engines
 from trainer_client import InferenceClient
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 SESSIONS = [f"fault-session-{i}" for i in range(64)]
 MAX_TOKENS = 320
-
-
-async def routed_to(channel: grpc.aio.Channel, session: str) -> str:
-    call = data_plane_pb2_grpc.DataPlaneStub(channel).Tokenize(
-        data_plane_pb2.TokenizeRequest(text="x"), metadata=((SESSION_ID, session),)
-    )
-    await call
-    return str(dict(await call.initial_metadata())[ROUTED_TO])
 
 
 async def backend_states(channel: grpc.aio.Channel) -> dict[str, int]:
@@ -121,4 +114,61 @@ def test_a_server_killed_mid_stream_is_survived_on_the_direct_path_with_identica
         await survivor.close()
 
     with LocalFleet(2) as stack:
+        asyncio.run(scenario(stack))
+
+
+def test_a_killed_router_is_restarted_at_its_address_and_sessions_keep_their_servers() -> None:
+    """kill -9 of the router under 32 session generations: the client routing itself carries
+    on from its last view (nothing lost); the supervisor starts the router again on the same
+    gRPC and HTTP ports; it learns the fleet and where each session lives from the servers'
+    own status feeds, so every session goes back to the server that holds it."""
+    sessions = SESSIONS[:32]
+
+    async def live_sessions(channel: grpc.aio.Channel) -> int:
+        listed = await router_pb2_grpc.RouterAdminStub(channel).ListBackends(
+            router_pb2.ListBackendsRequest()
+        )
+        healthy = [b for b in listed.backends if b.state == router_pb2.BACKEND_STATE_HEALTHY]
+        return sum(b.live_sessions for b in healthy) if len(healthy) == 2 else -1
+
+    async def scenario(stack: LocalFleet) -> None:
+        events: list[str] = []
+        stack.on_event = events.append
+        stack.supervise()
+        router, http_port = stack.addresses.router, stack.http_port
+        client = InferenceClient(router, stack.addresses.servers)
+        prompts = [[1, 500 + i, 7, 9] for i in range(len(sessions))]
+        sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+        batch = asyncio.ensure_future(
+            client.generate_batch(prompts, sampling, session_ids=sessions)
+        )
+        await running_on_engines(client, 1, batch)
+        async with grpc.aio.insecure_channel(router) as channel:
+            homes = {s: await routed_to(channel, s) for s in sessions}
+        killed = time.monotonic()
+        await asyncio.to_thread(stack.kill_router)
+        assert not batch.done(), "generation finished before the fault"
+        async with grpc.aio.insecure_channel(router) as channel:
+            # Back, at its address, knowing both servers and all 32 sessions (from the
+            # servers' status feeds): waited for as an event, bounded for a busy machine.
+            while True:
+                try:
+                    if await live_sessions(channel) == len(sessions):
+                        break
+                except grpc.aio.AioRpcError:
+                    pass
+                assert time.monotonic() - killed < 120, f"the router did not come back: {events}"
+                await asyncio.sleep(0.1)
+            back_after = time.monotonic() - killed
+            results = await asyncio.wait_for(batch, 300)
+            assert [len(r.token_ids) for r in results] == [MAX_TOKENS] * len(sessions)
+            assert {s: await routed_to(channel, s) for s in sessions} == homes
+        assert stack.addresses.router == router and stack.http_port == http_port
+        assert any("router 0" in e and "is back" in e for e in events), events
+        async with httpx.AsyncClient(timeout=30) as http:  # the OpenAI edge, same port
+            assert (await http.get(f"http://127.0.0.1:{http_port}/v1/models")).status_code == 200
+        print(f"router back and routing {back_after:.1f} s after kill -9")
+        await client.close()
+
+    with LocalFleet(2, router_args=["--http-port", "0"]) as stack:
         asyncio.run(scenario(stack))

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from servers.fleet.ray_group import RayFleet
 from servers.fleet.supervision import RestartPolicy
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from tests.helpers.sessions import routed_to
 from tests.helpers.waits import running_on_engines
 from trainer_client import InferenceClient
 
@@ -191,5 +192,48 @@ async def test_scale_up_lands_on_a_new_node_and_the_server_takes_sessions_once_c
         await asyncio.to_thread(fleet.scale, 1)
         assert len(fleet.addresses.servers) == 1
         assert any("drained and removed" in e for e in events), events
+    finally:
+        await asyncio.to_thread(fleet.close)
+
+
+async def test_a_killed_router_actor_is_back_at_its_address_with_sessions_on_their_servers(
+    cluster: Any, tiny_model_dir: Any
+) -> None:
+    cluster.add_node(num_cpus=2, resources={"routed": 2})
+    cluster.wait_for_nodes()
+    events: list[str] = []
+    fleet = RayFleet(2, cpu_only=True, resources={"routed": 1})
+    fleet.on_event = events.append
+    await asyncio.to_thread(fleet.start)
+    try:
+        fleet.supervise(RestartPolicy(first_delay=0.5), interval=0.5)
+        router = fleet.addresses.router
+        client = InferenceClient(router, fleet.addresses.servers)
+        sessions = [f"ray-router-{i}" for i in range(32)]
+        prompts = [[1, 700 + i, 7, 9] for i in range(32)]
+        greedy = {"temperature": 0.0, "max_tokens": 160, "ignore_eos": True}
+        batch = asyncio.ensure_future(client.generate_batch(prompts, greedy, session_ids=sessions))
+        await running_on_engines(client, 1, batch)
+        async with grpc.aio.insecure_channel(router) as channel:
+            homes = {s: await routed_to(channel, s) for s in sessions}
+        killed = time.monotonic()
+        await asyncio.to_thread(fleet.kill_router)
+        back = await wait_for(events, "routes to the fleet again", 300)
+        async with grpc.aio.insecure_channel(router) as channel:
+            admin = router_pb2_grpc.RouterAdminStub(channel)
+            while True:  # both servers known, every session's place learned from them
+                listed = await admin.ListBackends(router_pb2.ListBackendsRequest())
+                if sum(b.live_sessions for b in listed.backends) == len(sessions):
+                    break
+                assert time.monotonic() - killed < 300, events
+                await asyncio.sleep(0.2)
+            routing = time.monotonic() - killed
+            assert {b.address for b in listed.backends} == set(fleet.addresses.servers)
+            results = await asyncio.wait_for(batch, 300)
+            assert [len(r.token_ids) for r in results] == [160] * len(sessions)
+            assert {s: await routed_to(channel, s) for s in sessions} == homes
+        assert fleet.addresses.router == router and "is back" in back, events
+        print(f"\nrouter actor killed -> back and routing: {routing:.1f} s")
+        await client.close()
     finally:
         await asyncio.to_thread(fleet.close)

@@ -8,7 +8,10 @@ a log directory is given.
 With ``supervise()``, a server that dies (its engine died, it was killed, it ran out of memory)
 is reported and started again on the same address by the fleets' one rule
 (``supervision.ServerSupervisor``: backoff, a crash loop reported and left down); the router
-re-admits it when its health check passes and moves the server's sessions back.
+re-admits it when its health check passes and moves the server's sessions back. The router is
+supervised by the same rule: started again on the same gRPC, HTTP and metrics ports, with the
+fleet's current servers; it learns where each session lives from the servers' own status feeds
+(``ServerStatus``), so sessions keep their servers and their KV cache.
 
 Teardown sends SIGTERM (drain), then SIGKILL to anything left, so no process outlives the fleet.
 """
@@ -106,6 +109,8 @@ class LocalFleet(Fleet):
         self._router: _Process | None = None
         self._closing = threading.Event()
         self._supervisor: threading.Thread | None = None
+        self._router_supervisor: threading.Thread | None = None
+        self.router_supervision: ServerSupervisor | None = None
         self.restart_policy = restart_policy or RestartPolicy()
         self.metrics_port: int | None = None
         self.http_port: int | None = None  # the router's OpenAI HTTP edge, if it has one
@@ -156,30 +161,40 @@ class LocalFleet(Fleet):
             raise
         # Restarts reuse each server's address, so a router keeps it as the same backend.
         self.server_ports = [int(a.rpartition(":")[2]) for a in addresses]
-        router = self._spawn(
-            "router",
-            ROUTER_MODULE,
-            [
-                "--host",
-                self.host,
-                "--port",
-                str(self.router_port),
-                "--backends",
-                ",".join(addresses),
-                *self.router_args,
-            ],
-        )
+        self.addresses = FleetAddresses("", tuple(addresses))
+        try:
+            router = self._start_router(deadline)
+        except RuntimeError:
+            self.close()
+            raise
+        self.addresses = FleetAddresses(router, tuple(addresses))
+        self._wait_router_serving(deadline)
+        return self.addresses
+
+    def _router_command(self) -> list[str]:
+        """The router's arguments: the fleet's servers now, and (after its first start) the
+        ports it listened on, so a restarted router is found where it was."""
+        args = list(self.router_args)
+        if self.http_port:
+            args = _with_flag(args, "--http-port", str(self.http_port))
+        if self.metrics_port:
+            args = _with_flag(args, "--metrics-port", str(self.metrics_port))
+        servers = ",".join(self.addresses.servers)
+        return ["--host", self.host, "--port", str(self.router_port), "--backends", servers, *args]
+
+    def _start_router(self, deadline: float) -> str:
+        """Starts the router; returns its address once it listens."""
+        router = self._spawn("router", ROUTER_MODULE, self._router_command())
         self._router = router
         router.listening.wait(max(deadline - time.monotonic(), 0))
         listening = router.event("listening")
         if listening is None:
-            self.close()
             raise RuntimeError(f"the router did not start (exit code {router.popen.poll()})")
-        self.addresses = FleetAddresses(listening["address"], tuple(addresses))
+        address = str(listening["address"])
+        self.router_port = int(address.rpartition(":")[2])
         self.metrics_port = listening.get("metrics_port")
         self.http_port = listening.get("http_port")
-        self._wait_router_serving(deadline)
-        return self.addresses
+        return address
 
     def _wait_router_serving(self, deadline: float) -> None:
         """Waits until the router's health watches see every backend healthy."""
@@ -218,6 +233,20 @@ class LocalFleet(Fleet):
             sleep=self._closing.wait,
         )
         self._supervisor = self.supervision.start(self._closing, 0.2, "fleet supervisor")
+        self.router_supervision = ServerSupervisor(
+            1,
+            death=lambda _: self._router_death(),
+            restart=lambda _: self.restart_router(),
+            on_event=self.on_event,
+            policy=self.restart_policy,
+            noun="router",
+            back_note="it routes to the fleet again; sessions keep their servers",
+            addresses=[self.addresses.router],
+            sleep=self._closing.wait,
+        )
+        self._router_supervisor = self.router_supervision.start(
+            self._closing, 0.1, "router supervisor"
+        )
 
     @property
     def restarts(self) -> list[int]:
@@ -231,6 +260,20 @@ class LocalFleet(Fleet):
         failed = server.event("failed")
         why = f": {failed['error']}" if failed and failed.get("error") else ""
         return f"exit code {code}{why}"
+
+    def _router_death(self) -> str | None:
+        router = self._router
+        if router is None or self._closing.is_set():
+            return None
+        code = router.popen.poll()
+        return None if code is None else f"exit code {code}"
+
+    def restart_router(self, timeout: float = 120) -> str:
+        """Starts the router again on its old ports; returns its address once it listens."""
+        deadline = time.monotonic() + timeout
+        address = self._start_router(deadline)
+        self.addresses = FleetAddresses(address, self.addresses.servers)
+        return address
 
     # -- growth and shrinkage ------------------------------------------------------------------
 
@@ -254,6 +297,13 @@ class LocalFleet(Fleet):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.popen.pid, signal.SIGKILL)
         process.popen.wait()
+
+    def kill_router(self) -> None:
+        """SIGKILL the router (for fault tests)."""
+        assert self._router is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._router.popen.pid, signal.SIGKILL)
+        self._router.popen.wait()
 
     def restart_server(self, index: int, timeout: float = 600) -> str:
         """Starts engine server ``index`` again on its old port; returns once it is ready."""
@@ -285,8 +335,20 @@ class LocalFleet(Fleet):
 
     def close(self, grace: float = 15) -> None:
         self._closing.set()
-        if self._supervisor is not None:
-            self._supervisor.join(timeout=5)
+        for supervisor in (self._supervisor, self._router_supervisor):
+            if supervisor is not None:
+                supervisor.join(timeout=5)
         self._stop([*([self._router] if self._router else []), *self._servers], grace)
         self._servers.clear()
         self._router = None
+
+
+def _with_flag(args: list[str], flag: str, value: str) -> list[str]:
+    """``args`` with ``flag`` set to ``value`` (replaced where given, else added)."""
+    if flag in args:
+        position = args.index(flag)
+        return [*args[:position], flag, value, *args[position + 2 :]]
+    prefixed = [a for a in args if a.startswith(f"{flag}=")]
+    if prefixed:
+        return [f"{flag}={value}" if a in prefixed else a for a in args]
+    return [*args, flag, value]

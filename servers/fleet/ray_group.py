@@ -13,7 +13,9 @@ kills the actors and removes the placement group it created, so no process outli
 ``supervise()`` applies the fleets' one rule (``supervision.ServerSupervisor``): a server whose
 actor, node or engine died is re-created in its bundle — Ray re-places a lost node's bundles on
 a node with room — and the router's membership follows (RouterAdmin: the old address removed,
-the new one added; its sessions move as on any server death).
+the new one added; its sessions move as on any server death). The router actor is supervised by
+the same rule: re-created on its port over the fleet's current servers, it learns where each
+session lives from the servers' status feeds.
 
     with RayFleet(num_servers=2, cpu_only=True) as fleet:
         router = fleet.addresses.router
@@ -94,10 +96,10 @@ class EngineServerActor:
 class RouterActor:
     """Runs the router inside a Ray actor."""
 
-    def __init__(self, backends: list[str], host: str) -> None:
+    def __init__(self, backends: list[str], host: str, port: int = 0) -> None:
         from ..router.router_server import RouterOptions, RouterServer
 
-        self._router = RouterServer(RouterOptions(backends=backends, host=host, port=0))
+        self._router = RouterServer(RouterOptions(backends=backends, host=host, port=port))
 
     async def start(self) -> str:
         await self._router.start()
@@ -168,6 +170,8 @@ class RayFleet(Fleet):
         self._env: dict[str, str] = {}
         self._closing = threading.Event()
         self._supervisor: threading.Thread | None = None
+        self._router_supervisor: threading.Thread | None = None
+        self.router_supervision: ServerSupervisor | None = None
 
     @property
     def devices_per_engine(self) -> int:
@@ -188,7 +192,6 @@ class RayFleet(Fleet):
     def start(self, timeout: float = 600) -> FleetAddresses:
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         if not ray.is_initialized():
             # Ray starts its workers at niceness 15, below anything else a node runs: engine
@@ -214,20 +217,25 @@ class RayFleet(Fleet):
             ]
             # The router stays on this (the driver's) node: a node that leaves takes servers
             # with it, never the router that moves their sessions.
-            here = NodeAffinitySchedulingStrategy(
-                ray.get_runtime_context().get_node_id(), soft=False
-            )
-            self._router = (
-                ray.remote(RouterActor)
-                .options(num_cpus=0, scheduling_strategy=here)
-                .remote(servers, self.options.host)
-            )
-            router = self._advertised(ray.get(self._router.start.remote(), timeout=timeout))
+            router = self._start_router(servers, 0, timeout)
         except Exception:
             self.close()
             raise
         self.addresses = FleetAddresses(router, tuple(servers))
         return self.addresses
+
+    def _start_router(self, servers: list[str], port: int, timeout: float) -> str:
+        """A router actor on this (the driver's) node, started; its advertised address."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self._router = (
+            ray.remote(RouterActor)
+            .options(num_cpus=0, scheduling_strategy=here)
+            .remote(servers, self.options.host, port)
+        )
+        return self._advertised(ray.get(self._router.start.remote(), timeout=timeout))
 
     def _new_server(self, index: int) -> Any:
         """A server actor in its bundle (not started): the fleet's placement group for the
@@ -271,6 +279,45 @@ class RayFleet(Fleet):
             sleep=self._closing.wait,
         )
         self._supervisor = self.supervision.start(self._closing, interval, "ray fleet supervisor")
+        self.router_supervision = ServerSupervisor(
+            1,
+            death=lambda _: self._router_death(),
+            restart=lambda _: self._restart_router(),
+            on_event=self.on_event,
+            policy=policy or RestartPolicy(),
+            noun="router",
+            back_note="it routes to the fleet again; sessions keep their servers",
+            addresses=[self.addresses.router],
+            sleep=self._closing.wait,
+        )
+        self._router_supervisor = self.router_supervision.start(
+            self._closing, min(interval, 0.2), "ray router supervisor"
+        )
+
+    def _router_death(self) -> str | None:
+        import ray
+
+        try:
+            ray.get(self._router.pid.remote(), timeout=30)
+        except ray.exceptions.GetTimeoutError:
+            return None  # busy, not dead: asked again next pass
+        except ray.exceptions.RayActorError as error:
+            return f"its actor died: {str(error).splitlines()[0]}"
+        return None
+
+    def _restart_router(self) -> str:
+        """A new router actor on the old port, over the fleet's current servers: it learns
+        where each session lives from the servers' status feeds."""
+        import ray
+
+        try:
+            ray.kill(self._router)
+        except Exception:  # already gone
+            pass
+        port = int(self.addresses.router.rpartition(":")[2])
+        address = self._start_router(list(self.addresses.servers), port, 120)
+        self.addresses = replace(self.addresses, router=address)
+        return address
 
     def _death(self, index: int) -> str | None:
         import ray
@@ -351,6 +398,14 @@ class RayFleet(Fleet):
 
         ray.kill(self._servers[index])
 
+    def kill_router(self) -> None:
+        """SIGKILL the router actor's process (for fault tests; it runs on this node)."""
+        import signal
+
+        import ray
+
+        os.kill(ray.get(self._router.pid.remote(), timeout=30), signal.SIGKILL)
+
     def _advertised(self, address: str) -> str:
         host, _, port = address.rpartition(":")
         return f"{_node_ip()}:{port}" if host == "0.0.0.0" else address
@@ -372,9 +427,10 @@ class RayFleet(Fleet):
         from ray.util.placement_group import remove_placement_group
 
         self._closing.set()
-        if self._supervisor is not None:
-            self._supervisor.join(timeout=30)
-            self._supervisor = None
+        for supervisor in (self._supervisor, self._router_supervisor):
+            if supervisor is not None:
+                supervisor.join(timeout=30)
+        self._supervisor = self._router_supervisor = None
         stops = []
         if self._router is not None:
             stops.append(self._router.stop.remote())

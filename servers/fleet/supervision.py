@@ -1,9 +1,11 @@
-"""The one supervision rule of every fleet (local processes and Ray actors alike).
+"""The one supervision rule of every fleet (local processes and Ray actors alike), for its
+servers and for its router.
 
-Each pass looks at every server: one that is dead (its process exited, its actor or node died,
-its engine died) is started again after a backoff — the first restart waits
-``first_delay``, each further one twice as long up to ``max_delay``; a server that stayed up
-``reset_after`` seconds starts from the first delay again. A server that fails
+Each pass looks at every process it watches (servers; or the router, ``noun="router"``): one
+that is dead (its process exited, its actor or node died, its engine died) is started again
+after a backoff — the first restart waits ``first_delay``, each further one twice as long up
+to ``max_delay``; a server that stayed up ``reset_after`` seconds starts from the first delay
+again. A server that fails
 ``max_failures`` times in a row (a start that never became ready, or a death within
 ``reset_after`` of its start) is reported with its last cause and left down: a crash loop is a
 bug to fix, not something to retry forever.
@@ -57,6 +59,12 @@ class ServerSupervisor:
     restart: Callable[[int], str]
     on_event: Callable[[str], None]
     policy: RestartPolicy = field(default_factory=RestartPolicy)
+    # What it watches, in its messages: "server" or "router".
+    noun: str = "server"
+    # What a process that is back serves, said after "is back" (servers: their initial weights).
+    back_note: str = (
+        "it serves its initial weights (version 0) until the trainer's next update_weights"
+    )
     # Called as (index, old address, new address) when a restarted server's address changed
     # (on Ray it may come back on another node): the fleet updates the router's membership.
     on_moved: Callable[[int, str, str], None] = lambda index, old, new: None
@@ -103,7 +111,7 @@ class ServerSupervisor:
                 self._handle_death(index, watched, cause)
 
     def _handle_death(self, index: int, watched: _Watched, cause: str) -> None:
-        name = f"server {index} ({self._address(index)})"
+        name = f"{self.noun} {index} ({self._address(index)})"
         if self.clock() - watched.started >= self.policy.reset_after:
             watched.delay, watched.failures = self.policy.first_delay, 0
         while True:
@@ -130,10 +138,8 @@ class ServerSupervisor:
             if self.addresses and address != old:
                 self.addresses[index] = address
                 self.on_moved(index, old, address)
-            self.on_event(
-                f"server {index} ({address}) is back; it serves its initial weights (version 0) "
-                "until the trainer's next update_weights"
-            )
+            note = f"; {self.back_note}" if self.back_note else ""
+            self.on_event(f"{self.noun} {index} ({address}) is back{note}")
             return
 
     def _address(self, index: int) -> str:
