@@ -176,3 +176,43 @@ async def test_without_a_view_calls_go_through_the_router(engine_server: Any) ->
     assert len(result.token_ids) == 8
     assert not await client.connections.routes().ready()
     await client.close()
+
+
+async def test_a_client_started_while_the_router_is_down_routes_from_the_servers_status(
+    engine_server: Any, second_engine_server: Any
+) -> None:
+    """No router ever reached: the client builds its view from the servers it was given (their
+    ServerStatus), spreads new sessions over both, keeps each on its server, and hands over to
+    the router's view once a router comes up at the address."""
+    from tests.helpers.vllm_http import free_port
+
+    servers = [engine_server, second_engine_server]
+    await end_every_session(servers)
+    port = free_port()
+    backends = [engine_server.address, second_engine_server.address]
+    client = InferenceClient(f"127.0.0.1:{port}", backends)
+    sessions = [f"no-router-{i}" for i in range(8)]
+    prompts = [[1, 40 + i, 9] for i in range(len(sessions))]
+    router = None
+    try:
+        first = await client.generate_batch(prompts, GREEDY, session_ids=sessions)
+        assert [len(r.token_ids) for r in first] == [8] * len(sessions)
+        routes = client.connections.routes()
+        assert routes.from_servers and not routes.connected
+        homes = {s: holders(servers, s) for s in sessions}
+        assert all(len(h) == 1 for h in homes.values()), homes
+        assert all(n > 0 for n in live(servers).values()), live(servers)  # both took some
+        again = await client.generate_batch(prompts, GREEDY, session_ids=sessions)
+        assert [r.token_ids for r in again] == [r.token_ids for r in first]
+        assert {s: holders(servers, s) for s in sessions} == homes  # each stayed home
+        router = await fresh_router(backends, port)
+        await until(lambda: routes.connected, timeout=15, what="the router's feed")
+        assert not routes.from_servers
+        for session in sessions[:2]:
+            await client.generate([1, 5, 9], GREEDY, session_id=session)
+            assert holders(servers, session) == homes[session]
+    finally:
+        await client.close()
+        if router is not None:
+            await router.stop(0)
+        await end_every_session(servers)

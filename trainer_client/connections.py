@@ -121,7 +121,11 @@ class Connections:
         resources = self._resources()
         if resources.routes is None:
             resources.routes = DirectRoutes(
-                self.channel(self._config.router), self._config.metadata(), self._on_session_moved
+                self.channel(self._config.router),
+                self._config.metadata(),
+                self._on_session_moved,
+                servers=self._config.servers,
+                server_channel=self.channel,
             )
         return resources.routes
 

@@ -7,7 +7,11 @@ same policy classes as the router (``skyrl_grpc.placement``), so a session lands
 server whichever path its calls take. The router stays the authority: servers report the
 sessions this client places to it, and its view comes back here.
 
-If the view never arrives (an older router, or none reachable), calls go through the router,
+If the router cannot be reached and the client was given the servers' addresses, it builds
+the view from the servers themselves (each one's ``ServerStatus``: health, pause, load, weight
+version, the sessions it holds) under the router's default placement, and keeps it fresh until
+the router's feed is back: a trainer started while the router is down still generates. With
+no servers known, or a router without the feed (an older one), calls go through the router,
 and the log says so. If the feed drops after a view arrived (the router restarting), calls
 keep going direct from the last view, and the feed reconnects on its own.
 """
@@ -18,14 +22,14 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
 
 from skyrl_grpc.placement import PlacementPolicy, make_policy
 from skyrl_grpc.placement.policy import DEFAULT_EPSILON
-from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from skyrl_grpc.v1 import router_pb2, router_pb2_grpc, status_pb2, status_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +38,11 @@ UNAVAILABLE_SECONDS = 5.0
 # How long the first call waits for the first view before going through the router.
 FIRST_VIEW_SECONDS = 2.0
 RECONNECT_SECONDS = (0.1, 2.0)  # first and longest wait between feed attempts
+# The placement the router runs unless told otherwise (``servers.router`` ``--placement``):
+# the one a view built from the servers runs.
+DEFAULT_PLACEMENT = "bounded-load"
+# How long one server gets to report its status for a view built from the servers.
+STATUS_SECONDS = 2.0
 
 
 @dataclass
@@ -57,10 +66,16 @@ class DirectRoutes:
         router_channel: grpc.aio.Channel,
         metadata: tuple[tuple[str, str], ...],
         finish_at: Callable[[str, str], None],
+        servers: Sequence[str] = (),
+        server_channel: Callable[[str], grpc.aio.Channel] | None = None,
     ) -> None:
         self._channel = router_channel
         self._metadata = metadata
         self._finish_at = finish_at
+        # The servers this client was given, asked for their status while the router is away.
+        self._servers = list(servers)
+        self._server_channel = server_channel
+        self.from_servers = False  # the view now is the servers' own (the router unreachable)
         self.members: dict[str, Member] = {}
         self.policy: PlacementPolicy | None = None
         self._policy_key: tuple[str, float] | None = None
@@ -84,6 +99,8 @@ class DirectRoutes:
                     router_pb2.WatchBackendsRequest(), metadata=self._metadata
                 )
                 async for update in call:
+                    # The router is back: its view (complete at first) replaces the servers'.
+                    self.from_servers = False
                     self.apply(update)
                     if not self.connected:
                         self.connected = True
@@ -94,6 +111,8 @@ class DirectRoutes:
                 raise
             except grpc.aio.AioRpcError as error:
                 why = f"{error.code().name}: {error.details()}"
+                if not self.connected and error.code() == grpc.StatusCode.UNAVAILABLE:
+                    await self._view_from_servers()
             self._first_answer.set()
             if self.connected:
                 log.warning(
@@ -104,6 +123,62 @@ class DirectRoutes:
             self.connected = False
             await asyncio.sleep(wait)
             wait = min(wait * 2, RECONNECT_SECONDS[1])
+
+    async def _view_from_servers(self) -> None:
+        """The view from the servers' own status, while the router cannot be reached (before
+        any view from it: a last view of the router's is kept instead)."""
+        if not self._servers or self._server_channel is None:
+            return
+        if self.policy is not None and not self.from_servers:
+            return
+
+        async def status(address: str) -> status_pb2.WatchResponse | None:
+            assert self._server_channel is not None
+            stub = status_pb2_grpc.ServerStatusStub(self._server_channel(address))
+            call = stub.Watch(status_pb2.WatchRequest(), metadata=self._metadata)
+            try:
+                async for first in call:
+                    return first
+            except grpc.aio.AioRpcError:
+                return None
+            finally:
+                call.cancel()
+            return None
+
+        async def bounded(address: str) -> status_pb2.WatchResponse | None:
+            try:
+                return await asyncio.wait_for(status(address), STATUS_SECONDS)
+            except TimeoutError:
+                return None
+
+        statuses = await asyncio.gather(*(bounded(a) for a in self._servers))
+        update = router_pb2.WatchBackendsResponse(placement=DEFAULT_PLACEMENT, complete=True)
+        for address, reported in zip(self._servers, statuses, strict=True):
+            healthy = reported is not None and not reported.draining
+            update.backends.append(
+                router_pb2.Backend(
+                    address=address,
+                    state=router_pb2.BACKEND_STATE_HEALTHY
+                    if healthy
+                    else router_pb2.BACKEND_STATE_UNHEALTHY,
+                    paused=reported.paused if reported is not None else False,
+                    weight_version=reported.weight_version if reported is not None else 0,
+                    running_requests=reported.running_requests if reported is not None else 0,
+                    waiting_requests=reported.waiting_requests if reported is not None else 0,
+                )
+            )
+            if reported is not None:
+                update.sessions_added.extend(
+                    router_pb2.SessionPlacement(session_id=session, address=address)
+                    for session in reported.sessions_added
+                )
+        if not self.from_servers:
+            log.warning(
+                "direct routing: the router cannot be reached; routing from the servers' own "
+                "status until it is back"
+            )
+        self.from_servers = True
+        self.apply(update)
 
     def apply(self, update: router_pb2.WatchBackendsResponse) -> None:
         """Takes one message of the feed."""
