@@ -59,6 +59,12 @@ class DeadlineExceeded(SkyrlError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Aborted(SkyrlError):
+    """What the call read changed under it (e.g. the serving weights moved on); call again."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class DataLoss(SkyrlError):
     """Bytes arrived corrupted (a checksum did not match)."""
 

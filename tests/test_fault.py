@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from pathlib import Path
 
 import grpc
 import httpx
@@ -171,4 +172,44 @@ def test_a_killed_router_is_restarted_at_its_address_and_sessions_keep_their_ser
         await client.close()
 
     with LocalFleet(2, router_args=["--http-port", "0"]) as stack:
+        asyncio.run(scenario(stack))
+
+
+def test_a_restarted_server_catches_up_from_its_peer_before_it_serves(
+    tiny_model_dir: Path,
+) -> None:
+    """kill -9 of a server after three weight updates: restarted, it reads the fleet's weights
+    from its peer (ReadWeights) before reporting SERVING, with no trainer call: version 3,
+    checksums bit-identical to the peer's, the same greedy outputs."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.weights import GREEDY, greedy_per_server, perturbed
+
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+
+    async def scenario(stack: LocalFleet) -> None:
+        events: list[str] = []
+        stack.on_event = events.append
+        stack.supervise()
+        client = InferenceClient(stack.addresses.router, stack.addresses.servers)
+        for version in (1, 2, 3):
+            await client.update_weights(perturbed(original, seed=version).items(), version)
+        victim, peer = stack.addresses.servers
+        killed = time.monotonic()
+        await asyncio.to_thread(stack.kill_server, 0)
+        while not any("is back" in e for e in events):
+            assert time.monotonic() - killed < 300, events
+            await asyncio.sleep(0.2)
+        back_after = time.monotonic() - killed
+        # Serving now, and already current: nothing was sent to it by the trainer.
+        assert dict(await client.weight_versions()) == {victim: 3, peer: 3}
+        sums = await client.weight_checksums()
+        assert sums[victim] == sums[peer] and sums[victim]
+        outputs = await greedy_per_server([victim, peer])
+        assert outputs[victim] == outputs[peer]
+        assert all(len(tokens) == GREEDY["max_tokens"] for tokens in outputs[victim])
+        print(f"server killed -> back, caught up on version 3: {back_after:.1f} s")
+        await client.close()
+
+    with LocalFleet(2, log_dir=None) as stack:
         asyncio.run(scenario(stack))

@@ -90,7 +90,8 @@ class GenerationResult:
 
 class WeightVersions(dict[str, int]):
     """The weight version each server serves. Servers can differ: a server that restarted
-    serves the weights it started from (version 0) until the trainer pushes again."""
+    with no peer to catch up from serves the weights it started from (version 0) until the
+    trainer pushes again."""
 
     @property
     def newest(self) -> int:

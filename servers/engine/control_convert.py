@@ -1,5 +1,6 @@
 """The control plane's converters: weight-update and adapter messages from the wire into the
-domain's plain values (``weights.specs``, ``adapters.AdapterSpec``), and checksums back.
+domain's plain values (``weights.specs``, ``adapters.AdapterSpec``), and checksums and the
+serving weights (ReadWeights) back.
 
 Only shape is checked here (which oneof a message carries, a dtype the contract knows); what
 the values must be for this model is ``weights.assembly``'s and ``adapters.checks``' to say.
@@ -7,14 +8,16 @@ the values must be for this model is ``weights.assembly``'s and ``adapters.check
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from skyrl_grpc import dtypes
 from skyrl_grpc.chunk_wire import WireChunk
+from skyrl_grpc.crc import crc32
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from .adapters import AdapterSpec
+from .weights.assembly import ParamLayout
 from .weights.protocol import Checksum
 from .weights.specs import BucketSpec, Manifest, PackedParameter, ParameterSpec, PatchSpec
 
@@ -95,6 +98,49 @@ def adapter_item(message: cp.LoadLoraAdapterRequest | WireChunk) -> Manifest | W
     if kind == "manifest":
         return manifest(message.manifest)
     raise InvalidArgument("after the spec, send a manifest, then chunks")
+
+
+def read_manifest(
+    version: int, parameters: list[tuple[str, ParamLayout, bytes]]
+) -> cp.ReadWeightsResponse:
+    """The first message of a ReadWeights stream."""
+    return cp.ReadWeightsResponse(
+        weight_version=version,
+        manifest=cp.WeightManifest(
+            parameters=[
+                cp.ParameterSpec(
+                    name=name, dtype=layout.dtype.proto, shape=list(layout.shape), sha256=sha256
+                )
+                for name, layout, sha256 in parameters
+            ]
+        ),
+    )
+
+
+def read_chunks(
+    version: int, name: str, data: bytes, chunk_bytes: int
+) -> Iterator[cp.ReadWeightsResponse]:
+    """One parameter's bytes as ReadWeights chunks, each with its crc32."""
+    view = memoryview(data)
+    for offset in range(0, len(view), chunk_bytes):
+        piece = view[offset : offset + chunk_bytes]
+        yield cp.ReadWeightsResponse(
+            weight_version=version,
+            chunk=cp.WeightChunk(
+                name=name, offset_bytes=offset, data=bytes(piece), crc32=crc32(piece)
+            ),
+        )
+
+
+def read_item(message: cp.ReadWeightsResponse) -> Manifest | WireChunk:
+    """A ReadWeights message as the assembler of a PushWeights stream takes it (a server
+    catching up pushes what it reads into itself)."""
+    kind = message.WhichOneof("item")
+    if kind == "manifest":
+        return manifest(message.manifest)
+    if kind == "chunk":
+        return WireChunk.from_proto(message.chunk)
+    raise InvalidArgument("a ReadWeights message must carry a manifest or a chunk")
 
 
 def checksum_to_proto(row: Checksum) -> cp.ParameterChecksum:

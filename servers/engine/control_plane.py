@@ -1,6 +1,7 @@
 """ControlPlane servicer: pause/resume, sleep/wake, prefix cache, weight updates (the serving
-weights' ``updates``, ``weights.transaction``), LoRA adapters (``adapters.AdapterManager``),
-server info and load. Converts with ``control_convert`` and ``convert``; holds no logic."""
+weights' ``updates``, ``weights.transaction``; ReadWeights, for a peer catching up), LoRA
+adapters (``adapters.AdapterManager``), server info and load. Converts with ``control_convert``
+and ``convert``; holds no logic."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ from . import control_convert, convert, validate
 from .adapters import AdapterUpload
 from .engine_parts import EngineParts
 from .serving_state import ServingState
+
+# Bytes of parameter data per ReadWeights chunk unless the caller asks otherwise: under the
+# 4 MiB message limit of a default gRPC channel with room for the rest of the message.
+READ_CHUNK_BYTES = 2 << 20
 
 
 def add_control_plane(
@@ -168,6 +173,18 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             checksums=[control_convert.checksum_to_proto(row) for row in checksums],
             weight_version=parts.weights.version,
         )
+
+    async def ReadWeights(
+        self, request: cp.ReadWeightsRequest, context: Context
+    ) -> AsyncIterator[cp.ReadWeightsResponse]:
+        weights = self._state.parts().weights
+        chunk_bytes = request.chunk_bytes or READ_CHUNK_BYTES
+        version, parameters = await weights.readable()
+        yield control_convert.read_manifest(version, parameters)
+        names = [name for name, _, _ in parameters]
+        async for name, data in weights.read(version, names):
+            for message in control_convert.read_chunks(version, name, data, chunk_bytes):
+                yield message
 
     async def LoadLoraAdapter(
         self, request_iterator: AsyncIterator[cp.LoadLoraAdapterRequest], context: Context

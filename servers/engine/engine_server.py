@@ -5,9 +5,10 @@ Lifecycle (each step is visible in ``grpc.health.v1``):
 1. the gRPC port opens at once, before vLLM is even imported; liveness (service ``""``) is
    SERVING, the DataPlane and ControlPlane services are NOT_SERVING and their calls answer
    UNAVAILABLE;
-2. the engine starts in the background and generates a few tokens (warm-up); only then do both
-   services turn SERVING. A model it cannot run fails here: the process exits non-zero with the
-   cause as its last log line, never having reported SERVING;
+2. the engine starts in the background and generates a few tokens (warm-up); a server started
+   with ``--catch-up-from`` then reads its fleet's current weights from a peer (``catch_up``);
+   only then do both services turn SERVING. A model it cannot run fails here: the process exits
+   non-zero with the cause as its last log line, never having reported SERVING;
 3. if the engine dies later (its process killed, a kernel crash), every service turns
    NOT_SERVING at once, calls answer UNAVAILABLE naming the cause, the server drains and exits
    non-zero, so a supervisor restarts it and routers stop feeding it;
@@ -43,6 +44,7 @@ from ..common.process import announce, configure_logging, exit_now, serve_until_
 from ..common.reaper import reap_children_on_exit
 from ..common.tasks import BackgroundTasks
 from .admission import Admission
+from .catch_up import catch_up
 from .control_plane import ControlPlaneServicer, add_control_plane
 from .data_plane import DataPlaneServicer
 from .engine_logs import root_cause, route_vllm_logs
@@ -154,6 +156,14 @@ class EngineServer:
             )
             self.state.set_ready(parts)  # so a drain shuts it down
             await parts.engine.warm_up()
+            if self.options.catch_up_from:  # before anything is served: nobody sees it behind
+                outcome = await catch_up(
+                    parts,
+                    self.options.catch_up_from,
+                    self.options.control_token,
+                    self.options.max_message_bytes,
+                )
+                log.info("catch-up: %s", outcome)
         except Exception as error:
             self.failure = (
                 str(error)

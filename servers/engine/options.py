@@ -111,6 +111,9 @@ class ServerOptions:
     # Keep freed host memory for reuse (skyrl_grpc.host_memory): weight updates then stop
     # page-faulting through fresh memory, at the price of resident memory staying at its peak.
     keep_freed_memory: bool = True
+    # Peers (host:port) to read the fleet's current weights from before serving (``catch_up``):
+    # what a supervisor passes a restarted or added server.
+    catch_up_from: list[str] = field(default_factory=list)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -258,6 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
         "updates; by default freed memory is kept for reuse)",
     )
     parser.add_argument(
+        "--catch-up-from",
+        default="",
+        help="comma-separated peers (host:port): before serving, read the newest weights they "
+        "serve (a restarted or added server catches up with its fleet without the trainer)",
+    )
+    parser.add_argument(
         "--control-token",
         default=os.environ.get("SKYRL_CONTROL_TOKEN"),
         help="require this bearer token on ControlPlane (default: $SKYRL_CONTROL_TOKEN)",
@@ -327,4 +336,5 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         tls=tls_from_args(args),
         limits=limits_from_args(args),
         keep_freed_memory=not args.return_freed_memory,
+        catch_up_from=[peer for peer in args.catch_up_from.split(",") if peer],
     )

@@ -7,8 +7,9 @@ a log directory is given.
 
 With ``supervise()``, a server that dies (its engine died, it was killed, it ran out of memory)
 is reported and started again on the same address by the fleets' one rule
-(``supervision.ServerSupervisor``: backoff, a crash loop reported and left down); the router
-re-admits it when its health check passes and moves the server's sessions back. The router is
+(``supervision.ServerSupervisor``: backoff, a crash loop reported and left down), reading the
+fleet's current weights from the other servers before it serves (``--catch-up-from``); the
+router re-admits it when its health check passes and moves the server's sessions back. The router is
 supervised by the same rule: started again on the same gRPC, HTTP and metrics ports, with the
 fleet's current servers; it learns where each session lives from the servers' own status feeds
 (``ServerStatus``), so sessions keep their servers and their KV cache.
@@ -136,8 +137,13 @@ class LocalFleet(Fleet):
         threading.Thread(target=process.pump, daemon=True).start()
         return process
 
-    def _spawn_server(self, index: int) -> _Process:
+    def _spawn_server(self, index: int, catch_up: bool = False) -> _Process:
+        """Server ``index``; with ``catch_up``, it reads the fleet's current weights from the
+        other servers before it serves (a restarted or added server)."""
         args = ["--host", self.host, "--port", str(self.server_ports[index]), *self.engine_args]
+        peers = [a for i, a in enumerate(self.addresses.servers) if i != index]
+        if catch_up and peers:
+            args += ["--catch-up-from", ",".join(peers)]
         return self._spawn(f"server-{index}", ENGINE_MODULE, args)
 
     def _await_ready(self, server: _Process, deadline: float) -> str:
@@ -280,7 +286,7 @@ class LocalFleet(Fleet):
     def _add_server(self, index: int, timeout: float) -> str:
         """A server on a free port (``scale``)."""
         self.server_ports.append(0)
-        self._servers.append(self._spawn_server(index))
+        self._servers.append(self._spawn_server(index, catch_up=True))
         address = self._await_ready(self._servers[index], time.monotonic() + timeout)
         self.server_ports[index] = int(address.rpartition(":")[2])
         return address
@@ -306,8 +312,9 @@ class LocalFleet(Fleet):
         self._router.popen.wait()
 
     def restart_server(self, index: int, timeout: float = 600) -> str:
-        """Starts engine server ``index`` again on its old port; returns once it is ready."""
-        self._servers[index] = self._spawn_server(index)
+        """Starts engine server ``index`` again on its old port, caught up with the others'
+        weights (``servers.engine.catch_up``); returns once it is ready."""
+        self._servers[index] = self._spawn_server(index, catch_up=True)
         return self._await_ready(self._servers[index], time.monotonic() + timeout)
 
     @property

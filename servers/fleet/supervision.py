@@ -10,11 +10,11 @@ again. A server that fails
 ``reset_after`` of its start) is reported with its last cause and left down: a crash loop is a
 bug to fix, not something to retry forever.
 
-A restarted server serves the weights it started from (version 0) until the trainer's next
-``update_weights``, which sends it the whole weights in the same transaction as the others'
-deltas (a delta needs the version the fleet serves); ``client.weight_versions()`` shows it
-behind meanwhile. That is the catch-up, rather than an automatic one, because only the trainer
-holds the current weights.
+A restarted server reads the fleet's current weights from a healthy peer before it serves
+(``servers.engine.catch_up``, where the fleet passes it its peers: local processes); where none
+can be read it serves the weights it started from until the trainer's next ``update_weights``,
+which sends it the whole weights in the same transaction as the others' deltas (a delta needs
+the version the fleet serves); ``client.weight_versions()`` shows it behind meanwhile.
 
 Plain callables in, so ``LocalFleet`` and ``RayFleet`` share it and tests drive it without
 processes: ``death(index)`` says why a server is down (None: alive), ``restart(index)`` starts it
@@ -62,9 +62,7 @@ class ServerSupervisor:
     # What it watches, in its messages: "server" or "router".
     noun: str = "server"
     # What a process that is back serves, said after "is back" (servers: their initial weights).
-    back_note: str = (
-        "it serves its initial weights (version 0) until the trainer's next update_weights"
-    )
+    back_note: str = "it serves the fleet's weights, or its initial ones if no peer had newer"
     # Called as (index, old address, new address) when a restarted server's address changed
     # (on Ray it may come back on another node): the fleet updates the router's membership.
     on_moved: Callable[[int, str, str], None] = lambda index, old, new: None

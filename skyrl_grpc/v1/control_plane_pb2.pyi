@@ -295,6 +295,22 @@ class RollbackWeightUpdateResponse(_message.Message):
     weight_version: int
     def __init__(self, weight_version: _Optional[int] = ...) -> None: ...
 
+class ReadWeightsRequest(_message.Message):
+    __slots__ = ("chunk_bytes",)
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    chunk_bytes: int
+    def __init__(self, chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class ReadWeightsResponse(_message.Message):
+    __slots__ = ("weight_version", "manifest", "chunk")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    manifest: WeightManifest
+    chunk: WeightChunk
+    def __init__(self, weight_version: _Optional[int] = ..., manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[WeightChunk, _Mapping]] = ...) -> None: ...
+
 class GetWeightChecksumsRequest(_message.Message):
     __slots__ = ("names",)
     NAMES_FIELD_NUMBER: _ClassVar[int]

@@ -126,6 +126,11 @@ class ControlPlaneStub:
                 request_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.GetWeightChecksumsRequest.SerializeToString,
                 response_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.GetWeightChecksumsResponse.FromString,
                 _registered_method=True)
+        self.ReadWeights = channel.unary_stream(
+                '/skyrl.inference.v1.ControlPlane/ReadWeights',
+                request_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReadWeightsRequest.SerializeToString,
+                response_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReadWeightsResponse.FromString,
+                _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/skyrl.inference.v1.ControlPlane/GetServerInfo',
                 request_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.GetServerInfoRequest.SerializeToString,
@@ -292,6 +297,16 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadWeights(self, request, context):
+        """The serving weights as this server holds them, in PushWeights' form: a manifest (every
+        parameter, with its SHA-256), then CRC-checked chunks. A restarted or added server catches
+        up from a peer with it, without the trainer. ABORTED if the serving version changed while
+        they were read (read again); FAILED_PRECONDITION if this server keeps no copy to read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetServerInfo(self, request, context):
         """Static facts and capabilities of the server.
         """
@@ -411,6 +426,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.GetWeightChecksums,
                     request_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.GetWeightChecksumsRequest.FromString,
                     response_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.GetWeightChecksumsResponse.SerializeToString,
+            ),
+            'ReadWeights': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadWeights,
+                    request_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReadWeightsRequest.FromString,
+                    response_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReadWeightsResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
@@ -860,6 +880,33 @@ class ControlPlane:
             '/skyrl.inference.v1.ControlPlane/GetWeightChecksums',
             skyrl_dot_inference_dot_v1_dot_control__plane__pb2.GetWeightChecksumsRequest.SerializeToString,
             skyrl_dot_inference_dot_v1_dot_control__plane__pb2.GetWeightChecksumsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/skyrl.inference.v1.ControlPlane/ReadWeights',
+            skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReadWeightsRequest.SerializeToString,
+            skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReadWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -104,6 +104,12 @@ class ControlPlaneStub:
     """
     GetWeightChecksums: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.GetWeightChecksumsRequest, _control_plane_pb2.GetWeightChecksumsResponse]
     """SHA-256 of the serving weights, per parameter, as raw bytes in the model's dtype."""
+    ReadWeights: _grpc.UnaryStreamMultiCallable[_control_plane_pb2.ReadWeightsRequest, _control_plane_pb2.ReadWeightsResponse]
+    """The serving weights as this server holds them, in PushWeights' form: a manifest (every
+    parameter, with its SHA-256), then CRC-checked chunks. A restarted or added server catches
+    up from a peer with it, without the trainer. ABORTED if the serving version changed while
+    they were read (read again); FAILED_PRECONDITION if this server keeps no copy to read.
+    """
     GetServerInfo: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.GetServerInfoRequest, _control_plane_pb2.GetServerInfoResponse]
     """Static facts and capabilities of the server."""
     GetLoad: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.GetLoadRequest, _control_plane_pb2.GetLoadResponse]
@@ -198,6 +204,12 @@ class ControlPlaneAsyncStub(ControlPlaneStub):
     """
     GetWeightChecksums: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.GetWeightChecksumsRequest, _control_plane_pb2.GetWeightChecksumsResponse]  # type: ignore[assignment]
     """SHA-256 of the serving weights, per parameter, as raw bytes in the model's dtype."""
+    ReadWeights: _aio.UnaryStreamMultiCallable[_control_plane_pb2.ReadWeightsRequest, _control_plane_pb2.ReadWeightsResponse]  # type: ignore[assignment]
+    """The serving weights as this server holds them, in PushWeights' form: a manifest (every
+    parameter, with its SHA-256), then CRC-checked chunks. A restarted or added server catches
+    up from a peer with it, without the trainer. ABORTED if the serving version changed while
+    they were read (read again); FAILED_PRECONDITION if this server keeps no copy to read.
+    """
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.GetServerInfoRequest, _control_plane_pb2.GetServerInfoResponse]  # type: ignore[assignment]
     """Static facts and capabilities of the server."""
     GetLoad: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.GetLoadRequest, _control_plane_pb2.GetLoadResponse]  # type: ignore[assignment]
@@ -379,6 +391,18 @@ class ControlPlaneServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_control_plane_pb2.GetWeightChecksumsResponse, _abc.Awaitable[_control_plane_pb2.GetWeightChecksumsResponse]]:
         """SHA-256 of the serving weights, per parameter, as raw bytes in the model's dtype."""
+
+    @_abc_1.abstractmethod
+    def ReadWeights(
+        self,
+        request: _control_plane_pb2.ReadWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_control_plane_pb2.ReadWeightsResponse], _abc.AsyncIterator[_control_plane_pb2.ReadWeightsResponse]]:
+        """The serving weights as this server holds them, in PushWeights' form: a manifest (every
+        parameter, with its SHA-256), then CRC-checked chunks. A restarted or added server catches
+        up from a peer with it, without the trainer. ABORTED if the serving version changed while
+        they were read (read again); FAILED_PRECONDITION if this server keeps no copy to read.
+        """
 
     @_abc_1.abstractmethod
     def GetServerInfo(

@@ -29,7 +29,8 @@ CHECKSUMS = "skyrl_checksums"
 REPORT = "skyrl_report"
 RELEASE_ROLLBACK = "skyrl_release_rollback"
 CLEAR_KV_CACHE = "skyrl_clear_kv_cache"
-METHODS = (LAYOUT, CHECKSUMS, REPORT, RELEASE_ROLLBACK, CLEAR_KV_CACHE)
+READ = "skyrl_read"
+METHODS = (LAYOUT, CHECKSUMS, REPORT, RELEASE_ROLLBACK, CLEAR_KV_CACHE, READ)
 
 
 class ParameterShape(TypedDict):
@@ -191,6 +192,11 @@ class WorkerCalls:
 
     async def checksums(self, names: list[str]) -> list[Checksum]:
         result: list[Checksum] = (await self._rpc(CHECKSUMS, (names,)))[0]
+        return result
+
+    async def read(self, names: list[str]) -> list[bytes]:
+        """The serving bytes of ``names`` (checkpoint format), from the worker holding them."""
+        result: list[bytes] = (await self._rpc(READ, (names,)))[0]
         return result
 
     async def join_group(self, group: Group) -> None:

@@ -9,10 +9,13 @@ get the KV cache memory cleared, since values they left in freed blocks poison l
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
+from skyrl_grpc.errors import Aborted, FailedPrecondition
+
 from ..options import EngineOptions
+from .assembly import ParamLayout
 from .handoff import HandoffBuffer, buffer_bytes_for
 from .protocol import Lifecycle, WorkerCalls
 from .transaction import WeightTransferManager
@@ -102,6 +105,48 @@ class ServingWeights:
             if not paused:
                 await self._engine.resume()
         log.warning("replaced weights held NaN or infinity: %d bytes of KV cache cleared", cleared)
+
+    async def readable(self) -> tuple[int, list[tuple[str, ParamLayout, bytes]]]:
+        """What ``read`` gives now: the serving version, and every parameter (sorted by name)
+        with its layout and the SHA-256 of its serving bytes."""
+        version, epoch = self.version, self.epoch
+        layout = await self.updates.layout()
+        if not layout:
+            raise FailedPrecondition(
+                "this server keeps no checkpoint-format copy of its weights to read (its model "
+                "has no safetensors files)"
+            )
+        sums = {row["name"]: row["sha256"] for row in await self.updates.checksums([])}
+        self._check_unchanged(version, epoch)
+        return version, [(name, layout[name], sums[name]) for name in sorted(layout)]
+
+    async def read(
+        self, version: int, names: list[str], batch_bytes: int = 64 << 20
+    ) -> AsyncIterator[tuple[str, bytes]]:
+        """The serving bytes of ``names``, in order, read from the workers about
+        ``batch_bytes`` at a time; ABORTED once the serving weights are no longer ``version``
+        (a commit or a rollback came between)."""
+        layout = await self.updates.layout()
+        epoch = self.epoch
+        batch: list[str] = []
+        size = 0
+        for position, name in enumerate(names):
+            batch.append(name)
+            size += layout[name].num_bytes
+            if size < batch_bytes and position + 1 < len(names):
+                continue
+            values = await self.workers.read(batch)
+            self._check_unchanged(version, epoch)
+            for read_name, value in zip(batch, values, strict=True):
+                yield read_name, value
+            batch, size = [], 0
+
+    def _check_unchanged(self, version: int, epoch: int) -> None:
+        if self.version != version or self.epoch != epoch:
+            raise Aborted(
+                f"the serving weights changed from version {version} to {self.version} while "
+                "they were read: read them again"
+            )
 
     async def close(self) -> None:
         await self.updates.close()

@@ -4,8 +4,8 @@ vLLM mixes ``WeightTransferWorker`` into its Worker (engine argument ``worker_ex
 the server calls its ``skyrl_*`` methods through ``collective_rpc`` (names in ``protocol``). The
 weights themselves change only through vLLM's weight-transfer lifecycle, in this project's
 engine (``transfer_engine``): these methods read that engine's state (the checkpoint layout,
-checksums of the serving weights, what the last call did), drop its rollback copy, and clear the
-KV cache memory after non-finite weights.
+checksums and bytes of the serving weights, what the last call did), drop its rollback copy,
+and clear the KV cache memory after non-finite weights.
 """
 
 from __future__ import annotations
@@ -69,6 +69,17 @@ class WeightTransferWorker:
                 )
             )
         return result
+
+    def skyrl_read(self, names: list[str]) -> list[bytes]:
+        """The serving bytes of ``names``, as the checkpoint holds them (a peer catching up
+        reads them: ``ReadWeights``)."""
+        from skyrl_grpc.tensor_bytes import flat_bytes
+
+        engine = self._skyrl_engine()
+        if not engine.holds_copy:
+            return []
+        serving = engine.serving
+        return [bytes(flat_bytes(serving.serving_value(name)).numpy().data) for name in names]
 
     def skyrl_report(self) -> Report:
         """What this worker's last ``update_weights`` or ``finish_weight_update`` did."""

@@ -1,0 +1,99 @@
+"""A server catching up with its fleet before it serves: the weights the fleet serves now,
+read from a peer (``ControlPlane/ReadWeights``: a manifest with every parameter's SHA-256, then
+CRC-checked chunks) and committed here through the same update path a trainer's push takes.
+
+A restarted or added server is started with its peers' addresses (``--catch-up-from``); the
+engine server runs this after its warm-up and before it reports SERVING, so no router or client
+sends it anything while it is behind, and the trainer is not involved. The peer with the
+newest version is read (the next one on failure); with no peer ahead, or none reachable, the
+server serves what it has, and the log says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from skyrl_grpc.channels import open_channel
+from skyrl_grpc.chunk_wire import WireChunk
+from skyrl_grpc.metadata import bearer
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import control_plane_pb2_grpc
+
+from . import control_convert
+from .engine_parts import EngineParts
+from .weights.specs import Manifest
+
+log = logging.getLogger(__name__)
+
+# How long a peer gets to say which version it serves.
+PEER_INFO_SECONDS = 10.0
+# How long reading the whole weights from a peer may take.
+READ_SECONDS = 600.0
+
+
+async def catch_up(
+    parts: EngineParts, peers: Sequence[str], token: str | None, max_message_bytes: int
+) -> str:
+    """Brings this server to the newest version its ``peers`` serve; returns what happened."""
+    metadata = (bearer(token),) if token else ()
+    versions: list[tuple[int, str]] = []
+    for peer in peers:
+        async with open_channel(peer, max_message_bytes=max_message_bytes) as channel:
+            stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
+            try:
+                info = await stub.GetServerInfo(
+                    cp.GetServerInfoRequest(), metadata=metadata, timeout=PEER_INFO_SECONDS
+                )
+            except grpc.aio.AioRpcError as error:
+                log.info("catch-up: peer %s did not answer (%s)", peer, error.code().name)
+                continue
+        versions.append((info.weight_version, peer))
+    current = parts.weights.version
+    ahead = sorted((v for v in versions if v[0] > current), reverse=True)
+    if not ahead:
+        return (
+            f"no peer serves newer weights than version {current} (asked {len(peers)}, "
+            f"{len(versions)} answered)"
+        )
+    for version, peer in ahead:
+        try:
+            read = await _read_from(parts, peer, metadata, max_message_bytes)
+        except Exception as error:  # the next peer, or behind
+            log.warning("catch-up from %s (version %d) failed: %s", peer, version, error)
+            continue
+        return f"caught up from {peer}: version {read}"
+    return (
+        f"stays behind on version {current}: no peer ahead ({len(ahead)}) could be read; the "
+        "trainer's next update brings it the whole weights"
+    )
+
+
+async def _read_from(
+    parts: EngineParts, peer: str, metadata: tuple[tuple[str, str], ...], max_message_bytes: int
+) -> int:
+    """Reads ``peer``'s weights and commits them here as its version; returns it."""
+    async with open_channel(peer, max_message_bytes=max_message_bytes) as channel:
+        stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
+        call = stub.ReadWeights(cp.ReadWeightsRequest(), metadata=metadata, timeout=READ_SECONDS)
+        messages = call.__aiter__()
+        first = await messages.__anext__()
+        version = first.weight_version
+
+        async def items() -> AsyncIterator[Manifest | WireChunk]:
+            yield control_convert.read_item(first)
+            async for message in messages:
+                yield control_convert.read_item(message)
+
+        updates = parts.weights.updates
+        await updates.start(version, owner=f"catch-up from {peer}")
+        try:
+            await updates.push(items())
+            await updates.finish(version)
+        except BaseException:
+            if updates.open is not None:
+                await updates.cancel()
+            raise
+    return version
