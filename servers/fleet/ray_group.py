@@ -237,9 +237,11 @@ class RayFleet(Fleet):
         )
         return self._advertised(ray.get(self._router.start.remote(), timeout=timeout))
 
-    def _new_server(self, index: int) -> Any:
+    def _new_server(self, index: int, catch_up: bool = False) -> Any:
         """A server actor in its bundle (not started): the fleet's placement group for the
-        first ``num_servers``, a group of its own for one ``scale()`` added."""
+        first ``num_servers``, a group of its own for one ``scale()`` added. With
+        ``catch_up``, it reads the fleet's current weights from the other servers before it
+        serves (a re-created or added server)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -251,6 +253,10 @@ class RayFleet(Fleet):
             placement_group=pg, placement_group_bundle_index=bundle_index
         )
         bundle = self.bundle()
+        server_args = list(self.options.server_args)
+        peers = [a for i, a in enumerate(self.addresses.servers) if i != index]
+        if catch_up and peers:
+            server_args += ["--catch-up-from", ",".join(peers)]
         return (
             ray.remote(EngineServerActor)
             .options(
@@ -259,7 +265,7 @@ class RayFleet(Fleet):
                 num_gpus=bundle.get("GPU", 0),
                 resources=self.options.resources,
             )
-            .remote(self.options.server_args, self.options.engine, self.options.host, self._env)
+            .remote(server_args, self.options.engine, self.options.host, self._env)
         )
 
     # -- supervision ---------------------------------------------------------------------------
@@ -337,7 +343,7 @@ class RayFleet(Fleet):
             ray.kill(self._servers[index])
         except Exception:  # already gone with its node
             pass
-        self._servers[index] = self._new_server(index)
+        self._servers[index] = self._new_server(index, catch_up=True)
         return self._advertised(ray.get(self._servers[index].start.remote(), timeout=600))
 
     def _moved(self, index: int, old: str, new: str) -> None:
@@ -377,7 +383,7 @@ class RayFleet(Fleet):
         group = placement_group([self.bundle()], strategy=self.options.strategy)
         ray.get(group.ready(), timeout=timeout)
         self._added_pgs[index] = group
-        self._servers.append(self._new_server(index))
+        self._servers.append(self._new_server(index, catch_up=True))
         return self._advertised(ray.get(self._servers[index].start.remote(), timeout=timeout))
 
     def _remove_server(self, index: int) -> None:
