@@ -1,0 +1,240 @@
+"""Chaos soak: a training loop runs while a chaos driver kill -9s a random server or the router.
+
+A local fleet (2 engine servers and a router, the embedded model, supervised) serves a trainer
+loop: each step generates a batch of session rollouts (the client routing itself), pauses the
+fleet, pushes new weights (a small step from the last: a delta) as that step's version, and
+resumes. Meanwhile the chaos driver kills a random process (a server or the router) with
+SIGKILL every ``--kill-every`` seconds (uniformly jittered). Per kill it measures the time to
+full capacity: for a server, until it serves again at the fleet's version (its health SERVING
+and its version the trainer's last commit; it catches up from its peer before serving); for
+the router, until it answers on its address knowing both servers. Over the run: generations
+lost (a call that raised), each step's versions (every server on one version after its
+update), and each long-lived process's resident memory and open file descriptors, sampled
+every 10 s (after a warm-up, flat within 10% is the target).
+
+Run: .venv/bin/python -m scripts.chaos_soak --minutes 30 [--kill-every 60] [--output docs/soak.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import psutil
+from safetensors.torch import load_file
+
+from servers.fleet.local import LocalFleet
+from skyrl_grpc.tiny_model import ensure_tiny_model
+from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from trainer_client import InferenceClient, PauseMode
+
+SESSIONS = 16
+MAX_TOKENS = 48
+SAMPLE_SECONDS = 10.0
+
+
+@dataclass
+class Run:
+    steps: int = 0
+    generations: int = 0
+    lost: int = 0
+    update_retries: int = 0
+    split_versions: int = 0  # steps whose fleet served two versions after the update
+    kills: list[dict[str, Any]] = field(default_factory=list)
+    # role -> [(seconds since start, pid, RSS bytes of its process tree, open fds)]
+    samples: dict[str, list[tuple[float, int, int, int]]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+def usage(pid: int) -> tuple[int, int]:
+    """Resident bytes and open file descriptors of a process and its children."""
+    try:
+        process = psutil.Process(pid)
+        tree = [process, *process.children(recursive=True)]
+        return sum(p.memory_info().rss for p in tree), sum(p.num_fds() for p in tree)
+    except psutil.Error:
+        return 0, 0
+
+
+async def trainer(fleet: LocalFleet, run: Run, stop_at: float) -> None:
+    import torch
+
+    client = InferenceClient(fleet.addresses.router, fleet.addresses.servers, control_timeout=120)
+    weights = load_file(str(ensure_tiny_model() / "model.safetensors"))
+    generator = torch.Generator().manual_seed(0)
+    version = max((await client.weight_versions()).values())
+    rng = random.Random(7)
+    while time.monotonic() < stop_at:
+        prompts = [[1, *(rng.randrange(3, 2000) for _ in range(8))] for _ in range(SESSIONS)]
+        sessions = [f"chaos-{i}" for i in range(SESSIONS)]
+        sampling = {"temperature": 1.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+        try:
+            results = await client.generate_batch(prompts, sampling, session_ids=sessions)
+            run.generations += len(results)
+            run.lost += sum(1 for r in results if len(r.token_ids) != MAX_TOKENS)
+        except Exception as error:  # every generation of the batch counts as lost
+            run.lost += SESSIONS
+            run.errors.append(f"generate: {error!r}"[:300])
+        version += 1
+        for tensor in weights.values():  # a small step: most elements change a little
+            tensor.add_(1e-4 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype))
+        while True:  # the step's update, again until the fleet takes it
+            try:
+                await client.pause(PauseMode.ABORT)
+                await client.update_weights(weights.items(), version)
+                break
+            except Exception as error:
+                run.update_retries += 1
+                run.errors.append(f"update {version}: {error!r}"[:300])
+                await asyncio.sleep(1.0)
+            finally:
+                try:
+                    await client.resume()
+                except Exception as error:
+                    run.errors.append(f"resume: {error!r}"[:300])
+        versions = await client.weight_versions()
+        if len(set(versions.values())) > 1:
+            run.split_versions += 1
+        run.steps += 1
+    await client.close()
+
+
+async def full_capacity(fleet: LocalFleet, target: str, killed: float) -> float:
+    """Seconds from the kill until ``target`` (a server index, or "router") is whole again."""
+    while True:
+        try:
+            if target == "router":
+                async with grpc.aio.insecure_channel(fleet.addresses.router) as channel:
+                    listed = await router_pb2_grpc.RouterAdminStub(channel).ListBackends(
+                        router_pb2.ListBackendsRequest(), timeout=2
+                    )
+                healthy = [
+                    b for b in listed.backends if b.state == router_pb2.BACKEND_STATE_HEALTHY
+                ]
+                if len(healthy) == len(fleet.addresses.servers):
+                    return time.monotonic() - killed
+            else:
+                client = InferenceClient(fleet.addresses.servers[0], fleet.addresses.servers)
+                try:
+                    versions = await client.weight_versions(timeout=2)
+                finally:
+                    await client.close()
+                if len(set(versions.values())) == 1:
+                    return time.monotonic() - killed
+        except Exception:
+            pass
+        await asyncio.sleep(0.2)
+
+
+async def chaos(fleet: LocalFleet, run: Run, stop_at: float, every: float, seed: int) -> None:
+    rng = random.Random(seed)
+    while True:
+        await asyncio.sleep(rng.uniform(0.5 * every, 1.5 * every))
+        if time.monotonic() > stop_at - every / 2:
+            return
+        targets = [str(i) for i in range(len(fleet.addresses.servers))] + ["router"]
+        target = rng.choice(targets)
+        killed = time.monotonic()
+        if target == "router":
+            await asyncio.to_thread(fleet.kill_router)
+        else:
+            await asyncio.to_thread(fleet.kill_server, int(target))
+        seconds = await full_capacity(fleet, target, killed)
+        run.kills.append({"target": target, "at": killed, "seconds": seconds})
+        print(f"kill -9 {target}: whole again after {seconds:.1f} s", flush=True)
+
+
+async def sampler(fleet: LocalFleet, run: Run, stop_at: float, started: float) -> None:
+    import os
+
+    while time.monotonic() < stop_at:
+        pids = fleet.pids
+        roles = [f"server {i}" for i in range(len(pids) - 1)] + ["router", "trainer"]
+        for role, pid in zip(roles, [*pids, os.getpid()], strict=True):
+            rss, fds = usage(pid)
+            if rss:
+                sample = (time.monotonic() - started, pid, rss, fds)
+                run.samples.setdefault(role, []).append(sample)
+        await asyncio.sleep(SAMPLE_SECONDS)
+
+
+def report(run: Run, minutes: float, warmup: float) -> list[str]:
+    lines = [
+        f"\n### Chaos soak, {minutes:.0f} minutes\n",
+        f"Training steps {run.steps} (generate {SESSIONS} session rollouts of {MAX_TOKENS} "
+        "tokens, pause, a delta weight update, resume); generations "
+        f"{run.generations}, lost {run.lost}; steps whose fleet served two versions after the "
+        f"update: {run.split_versions}; updates tried again (a server down): "
+        f"{run.update_retries}.\n",
+        "| kill -9 | at (s) | whole again after (s) |",
+        "| --- | --- | --- |",
+    ]
+    start = min((k["at"] for k in run.kills), default=0.0)
+    for kill in run.kills:
+        name = "router" if kill["target"] == "router" else f"server {kill['target']}"
+        lines.append(f"| {name} | {kill['at'] - start:.0f} | {kill['seconds']:.1f} |")
+    for kind in ("router", "server"):
+        times = [k["seconds"] for k in run.kills if (k["target"] == "router") == (kind == "router")]
+        if times:
+            lines.append(
+                f"\n{kind} kills: {len(times)}, whole again after median "
+                f"{statistics.median(times):.1f} s, worst {max(times):.1f} s."
+            )
+    lines += [
+        "",
+        f"Resident memory and open fds per process (its tree), after the {warmup:.0f} s "
+        "warm-up (a restarted process starts again from its own level):",
+        "",
+        "| process | RSS after warm-up (MiB) | RSS at the end | fds after warm-up | fds at end |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for role, samples in sorted(run.samples.items()):
+        after = [s for s in samples if s[0] >= warmup and s[1]] or samples
+        first, last = after[0], after[-1]
+        lines.append(
+            f"| {role} | {first[1] / 2**20:.0f} | {last[1] / 2**20:.0f} | {first[2]} | {last[2]} |"
+        )
+    if run.errors:
+        lines += ["", "First errors seen:", ""] + [f"- `{e}`" for e in run.errors[:8]]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=30)
+    parser.add_argument("--kill-every", type=float, default=60, help="seconds between kills")
+    parser.add_argument("--warmup-seconds", type=float, default=120)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--output", default=None, help="append the report to this markdown file")
+    args = parser.parse_args()
+    run = Run()
+    events: list[str] = []
+    with LocalFleet(2, router_args=["--http-port", "0"], on_event=events.append) as fleet:
+        fleet.supervise()
+        started = time.monotonic()
+        stop_at = started + args.minutes * 60
+
+        async def everything() -> None:
+            await asyncio.gather(
+                trainer(fleet, run, stop_at),
+                chaos(fleet, run, stop_at, args.kill_every, args.seed),
+                sampler(fleet, run, stop_at, started),
+            )
+
+        asyncio.run(everything())
+    text = "\n".join(report(run, args.minutes, args.warmup_seconds)) + "\n"
+    print(text)
+    print("\n".join(events))
+    if args.output:
+        with open(args.output, "a") as out:
+            out.write(text)
+
+
+if __name__ == "__main__":
+    main()
