@@ -355,12 +355,12 @@ async def test_a_server_that_moved_since_the_client_looked_refuses_the_patch_and
     await other_version_moves(servers[1], version + 1)
     # The client looked before the second server moved: it broadcasts patches, which that
     # server refuses (FAILED_PRECONDITION, nothing staged); the whole weights follow to both.
-    from trainer_client import weight_updates
+    from trainer_client import weight_calls
 
     async def stale_view(self: Any, address: str) -> int:
         return version
 
-    monkeypatch.setattr(weight_updates._TransactionCalls, "serving_version", stale_view)
+    monkeypatch.setattr(weight_calls.TransactionCalls, "serving_version", stale_view)
     stepped = a_training_step(base, seed=62)
     await client.update_weights(stepped.items(), version + 2, transport="collective")
     sent = client.last_push_bytes
@@ -536,11 +536,11 @@ async def test_bad_compressed_patches_are_refused_and_the_weights_stay(
 async def test_a_server_that_does_not_take_compressed_patches_gets_them_plain(
     delta_fleet: DeltaFleet, broadcasting_client: InferenceClient, monkeypatch: Any
 ) -> None:
-    from trainer_client import weight_updates
+    from trainer_client import weight_calls
 
     client, servers = broadcasting_client, delta_fleet.servers
     newer, older = servers
-    asked = weight_updates._TransactionCalls.serving_version
+    asked = weight_calls.TransactionCalls.serving_version
 
     async def as_an_older_server(self: Any, address: str) -> int:
         version = await asked(self, address)
@@ -548,7 +548,7 @@ async def test_a_server_that_does_not_take_compressed_patches_gets_them_plain(
             self.reading_compressed.discard(address)
         return version
 
-    monkeypatch.setattr(weight_updates._TransactionCalls, "serving_version", as_an_older_server)
+    monkeypatch.setattr(weight_calls.TransactionCalls, "serving_version", as_an_older_server)
     weights = perturbed(delta_fleet.original, seed=95)
     version = await next_version(client)
     await client.update_weights(weights.items(), version, transport="grpc")
