@@ -329,7 +329,7 @@ async def updates(
         started = time.perf_counter()
         restored = await client.rollback_weights(version, timeout=1800)
         floors.append(time.perf_counter() - started)
-        assert set(restored.values()) == {version - 1}, restored
+        assert len(set(restored.values())) == 1 and min(restored.values()) < version, restored
         print({"reload floor (rollback)": floors[-1], "transport": transport}, flush=True)
 
     floors: list[float] = []

@@ -40,13 +40,18 @@ async def test_a_fleet_scales_up_caught_up_from_a_peer_and_scales_down_by_draini
         weights = load_file(str(tiny_model_dir / "model.safetensors"))
         first = InferenceClient(fleet.addresses.router, list(fleet.addresses.servers))
         await first.update_weights(weights.items(), 1)
-        await first.close()
         await asyncio.to_thread(fleet.scale, 2)
         old, new = fleet.addresses.servers
+        # A client built before the fleet grew reaches the new server too (it follows the
+        # router's membership), without being rebuilt.
+        deadline = time.monotonic() + 60
+        while set(await first.weight_versions()) != {old, new}:
+            assert time.monotonic() < deadline, await first.weight_versions()
+            await asyncio.sleep(0.1)
+        await first.close()
         client = InferenceClient(fleet.addresses.router, [old, new], direct=False)
         sampling = {"temperature": 0.0, "max_tokens": 4}
         prompts = [[1, 60 + i] for i in range(6)]
-        deadline = time.monotonic() + 60
         while (await listed(fleet.addresses.router))[new].state != router_pb2.BACKEND_STATE_HEALTHY:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.1)

@@ -76,6 +76,9 @@ class DirectRoutes:
         self._servers = list(servers)
         self._server_channel = server_channel
         self.from_servers = False  # the view now is the servers' own (the router unreachable)
+        # The members of the router's first view: a client given exactly those follows the
+        # fleet's membership for its control calls (``fleet_now``).
+        self.first_members: frozenset[str] | None = None
         self.members: dict[str, Member] = {}
         self.policy: PlacementPolicy | None = None
         self._policy_key: tuple[str, float] | None = None
@@ -102,6 +105,8 @@ class DirectRoutes:
                     # The router is back: its view (complete at first) replaces the servers'.
                     self.from_servers = False
                     self.apply(update)
+                    if self.first_members is None:
+                        self.first_members = frozenset(self.members)
                     if not self.connected:
                         self.connected = True
                         wait = RECONNECT_SECONDS[0]
@@ -230,6 +235,14 @@ class DirectRoutes:
             self._homes[placed.session_id] = placed.address
 
     # -- choosing -----------------------------------------------------------------------------
+
+    def fleet_now(self, given: Sequence[str]) -> list[str] | None:
+        """The fleet as the router sees it now (servers moved, added or removed since), for a
+        client given the router's whole fleet when its view first arrived; None otherwise (a
+        client given some of the servers keeps to those)."""
+        if self.first_members is None or self.from_servers or set(given) != self.first_members:
+            return None
+        return list(self.members)
 
     async def ready(self) -> bool:
         """Whether calls can go direct: a view has arrived (waiting a little for the first)."""

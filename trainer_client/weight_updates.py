@@ -45,6 +45,8 @@ class WeightUpdates(WeightDelivery):
         self._last_pushed: PushedWeights | None = None
         # Bytes of parameter data the last update sent to each server.
         self.last_push_bytes: dict[str, int] = {}
+        # The servers that joined the collective group (its broadcasts reach those).
+        self._group_servers: list[str] = list(self.config.servers)
 
     @property
     def has_weight_group(self) -> bool:
@@ -65,14 +67,15 @@ class WeightUpdates(WeightDelivery):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r}: use 'gloo' or 'nccl' (in-band needs no group)")
         request = cp.GetServerInfoRequest()
+        servers = await self.control_servers()
         sizes = await self._fan_out(lambda s: s.GetServerInfo, request, None, _world_size)
-        servers = list(self.config.servers)
         offsets, world_size = rank_offsets([sizes[a] for a in servers])
         port = master_port or free_port(master_address)
         sender = CollectiveSender(
             backend, master_address, port, world_size, group_name, timeout_seconds
         )
         by_server = dict(zip(servers, offsets, strict=True))
+        self._group_servers = list(servers)
         proto_backend = (
             cp.WEIGHT_TRANSFER_BACKEND_GLOO
             if backend == "gloo"
@@ -160,12 +163,15 @@ class WeightUpdates(WeightDelivery):
         now. Returns each server's answer to the commit (the version, parameters replaced).
         """
         tensors = list(named_tensors)
-        servers = list(self.config.servers)
         sender = self._sender
         if transport is None:
             transport = "collective" if sender is not None else "grpc"
         if transport not in ("collective", "grpc"):
             raise ValueError(f"transport {transport!r}: use 'collective' or 'grpc'")
+        # In-band: the fleet as it is now; the collective: the servers that joined its group.
+        servers = (
+            list(self._group_servers) if transport == "collective" else await self.control_servers()
+        )
         if transport == "collective" and sender is None:
             raise ValueError(
                 "no collective group: call init_weight_transfer() or use transport='grpc'"
@@ -246,7 +252,7 @@ class WeightUpdates(WeightDelivery):
                 return 0  # nothing open there
             return response.parameters_discarded
 
-        return await fan_out("CancelWeightUpdate", self.config.servers, cancel)
+        return await fan_out("CancelWeightUpdate", await self.control_servers(), cancel)
 
     async def rollback_weights(
         self, weight_version: int, *, timeout: float | None = None
