@@ -52,11 +52,12 @@ class Run:
     errors: list[str] = field(default_factory=list)
 
 
-def usage(pid: int) -> tuple[int, int]:
-    """Resident bytes and open file descriptors of a process and its children."""
+def usage(pid: int, alone: bool = False) -> tuple[int, int]:
+    """Resident bytes and open file descriptors of a process and its children (``alone``: of
+    the process alone)."""
     try:
         process = psutil.Process(pid)
-        tree = [process, *process.children(recursive=True)]
+        tree = [process] if alone else [process, *process.children(recursive=True)]
         return sum(p.memory_info().rss for p in tree), sum(p.num_fds() for p in tree)
     except psutil.Error:
         return 0, 0
@@ -157,7 +158,7 @@ async def sampler(fleet: LocalFleet, run: Run, stop_at: float, started: float) -
         pids = fleet.pids
         roles = [f"server {i}" for i in range(len(pids) - 1)] + ["router", "trainer"]
         for role, pid in zip(roles, [*pids, os.getpid()], strict=True):
-            rss, fds = usage(pid)
+            rss, fds = usage(pid, alone=role == "trainer")  # the fleet is the trainer's child
             if rss:
                 sample = (time.monotonic() - started, pid, rss, fds)
                 run.samples.setdefault(role, []).append(sample)
@@ -188,18 +189,30 @@ def report(run: Run, minutes: float, warmup: float) -> list[str]:
             )
     lines += [
         "",
-        f"Resident memory and open fds per process (its tree), after the {warmup:.0f} s "
-        "warm-up (a restarted process starts again from its own level):",
+        "Resident memory and open fds of each process, per life (a killed process starts a "
+        f"new one), from {warmup:.0f} s into that life to its last sample; lives shorter than "
+        f"{2 * warmup:.0f} s are left out. Servers and the router count their child processes "
+        "(a server's engine core); the trainer is this process alone:",
         "",
-        "| process | RSS after warm-up (MiB) | RSS at the end | fds after warm-up | fds at end |",
-        "| --- | --- | --- | --- | --- |",
+        "| process | life (s) | RSS after warm-up (MiB) | RSS at its end | growth "
+        "| fds after warm-up | fds at its end |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for role, samples in sorted(run.samples.items()):
-        after = [s for s in samples if s[0] >= warmup and s[1]] or samples
-        first, last = after[0], after[-1]
-        lines.append(
-            f"| {role} | {first[1] / 2**20:.0f} | {last[1] / 2**20:.0f} | {first[2]} | {last[2]} |"
-        )
+        lives: dict[int, list[tuple[float, int, int, int]]] = {}
+        for sample in samples:
+            lives.setdefault(sample[1], []).append(sample)
+        for life in lives.values():
+            born = life[0][0]
+            if life[-1][0] - born < 2 * warmup:
+                continue
+            settled = [s for s in life if s[0] - born >= warmup]
+            first, last = settled[0], settled[-1]
+            lines.append(
+                f"| {role} | {last[0] - born:.0f} | {first[2] / 2**20:.0f} | "
+                f"{last[2] / 2**20:.0f} | {(last[2] - first[2]) / first[2]:+.1%} | "
+                f"{first[3]} | {last[3]} |"
+            )
     if run.errors:
         lines += ["", "First errors seen:", ""] + [f"- `{e}`" for e in run.errors[:8]]
     return lines

@@ -116,9 +116,9 @@ class ClientCore:
             return read(await self._unary(address, rpc(self._control(address)), request, deadline))
 
         operation = type(request).__name__.removesuffix("Request")
-        return await fan_out(operation, await self.control_servers(), call)
+        return await fan_out(operation, await self._control_servers(), call)
 
-    async def control_servers(self) -> list[str]:
+    async def _control_servers(self) -> list[str]:
         """The servers control calls reach: the fleet as the router sees it now, when this
         client routes itself and was given the router's whole fleet (so a server that moved,
         or one added or removed since, is reached without rebuilding the client); else the

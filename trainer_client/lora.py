@@ -54,7 +54,7 @@ class Adapters(ClientCore):
             response = await self._unary(address, call, iter(messages), deadline)
             return LoraAdapter.from_proto(response.adapter)
 
-        return await fan_out("LoadLoraAdapter", await self.control_servers(), load)
+        return await fan_out("LoadLoraAdapter", await self._control_servers(), load)
 
     async def unload_lora(self, name: str, *, timeout: float | None = None) -> dict[str, int]:
         """Unloads adapter ``name`` everywhere; returns each server's last version of it."""

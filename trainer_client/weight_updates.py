@@ -67,7 +67,7 @@ class WeightUpdates(WeightDelivery):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r}: use 'gloo' or 'nccl' (in-band needs no group)")
         request = cp.GetServerInfoRequest()
-        servers = await self.control_servers()
+        servers = await self._control_servers()
         sizes = await self._fan_out(lambda s: s.GetServerInfo, request, None, _world_size)
         offsets, world_size = rank_offsets([sizes[a] for a in servers])
         port = master_port or free_port(master_address)
@@ -170,7 +170,9 @@ class WeightUpdates(WeightDelivery):
             raise ValueError(f"transport {transport!r}: use 'collective' or 'grpc'")
         # In-band: the fleet as it is now; the collective: the servers that joined its group.
         servers = (
-            list(self._group_servers) if transport == "collective" else await self.control_servers()
+            list(self._group_servers)
+            if transport == "collective"
+            else await self._control_servers()
         )
         if transport == "collective" and sender is None:
             raise ValueError(
@@ -252,7 +254,7 @@ class WeightUpdates(WeightDelivery):
                 return 0  # nothing open there
             return response.parameters_discarded
 
-        return await fan_out("CancelWeightUpdate", await self.control_servers(), cancel)
+        return await fan_out("CancelWeightUpdate", await self._control_servers(), cancel)
 
     async def rollback_weights(
         self, weight_version: int, *, timeout: float | None = None
