@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import Fleet, FleetAddresses
+from .ray_actors import EngineServerActor, RouterActor, server_options
 from .supervision import RestartPolicy, ServerSupervisor
 
 
@@ -38,79 +39,6 @@ def _node_ip() -> str:
     import ray
 
     return str(ray.util.get_node_ip_address())
-
-
-def server_options(server_args: list[str], engine: dict[str, Any], host: str) -> Any:
-    """One server's options: ``skyrl-grpc serve``'s flags (every one of them: LoRA, limits,
-    tokens, TLS, dtype, ...), then ``engine`` (``EngineOptions`` fields) over them; the fleet
-    picks the address. The rule ``LocalFleet`` follows too: servers take the serve command's
-    flags."""
-    import dataclasses
-
-    from ..engine.options import build_parser, options_from_args
-
-    for flag in ("--host", "--port"):
-        if any(a == flag or a.startswith(f"{flag}=") for a in server_args):
-            raise ValueError(f"{flag} is the fleet's to choose, not a server flag here")
-    parsed, unknown = build_parser().parse_known_args(server_args)
-    if unknown:
-        raise ValueError(f"not flags of `skyrl-grpc serve`: {' '.join(unknown)}")
-    options = options_from_args(parsed)
-    return dataclasses.replace(
-        options, host=host, port=0, engine=dataclasses.replace(options.engine, **engine)
-    )
-
-
-class EngineServerActor:
-    """Runs one EngineServer inside a Ray actor (an async actor: the server shares its loop)."""
-
-    def __init__(
-        self, server_args: list[str], engine: dict[str, Any], host: str, env: dict[str, str]
-    ) -> None:
-        os.environ.update(env)
-        from ..engine.engine_server import EngineServer
-
-        self._server = EngineServer(server_options(server_args, engine, host))
-
-    async def start(self) -> str:
-        await self._server.start()
-        await self._server.wait_ready()
-        return self._server.address
-
-    async def stop(self) -> None:
-        await self._server.drain(grace=5)
-
-    def failure(self) -> str | None:
-        """Why the server stopped serving (its engine failed or died); None while it serves."""
-        return self._server.failure
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def node_id(self) -> str:
-        import ray
-
-        return str(ray.get_runtime_context().get_node_id())
-
-
-class RouterActor:
-    """Runs the router inside a Ray actor."""
-
-    def __init__(self, backends: list[str], host: str, port: int = 0) -> None:
-        from ..router.router_server import RouterOptions, RouterServer
-
-        self._router = RouterServer(RouterOptions(backends=backends, host=host, port=port))
-
-    async def start(self) -> str:
-        await self._router.start()
-        await self._router.wait_healthy(len(self._router.options.backends), timeout=120)
-        return self._router.address
-
-    async def stop(self) -> None:
-        await self._router.stop(grace=2)
-
-    def pid(self) -> int:
-        return os.getpid()
 
 
 @dataclass
