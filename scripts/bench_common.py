@@ -65,6 +65,33 @@ def median_range(values: Sequence[float], digits: int = 2) -> str:
     )
 
 
+def _tree(pid: int, alone: bool) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root] if alone else [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def tree_rss(pid: int, alone: bool = False) -> int:
+    """Resident bytes of a process and its children (``alone``: of the process alone); a
+    process gone meanwhile counts 0."""
+    total = 0
+    for process in _tree(pid, alone):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += process.memory_info().rss
+    return total
+
+
+def tree_fds(pid: int, alone: bool = False) -> int:
+    """Open file descriptors of a process and its children, as ``tree_rss`` counts."""
+    total = 0
+    for process in _tree(pid, alone):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += process.num_fds()
+    return total
+
+
 class ProcessTree:
     """Processes (with all their descendants) measured and frozen together."""
 

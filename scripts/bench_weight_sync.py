@@ -38,6 +38,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from scripts.bench_common import tree_rss
+
 ROOT = Path(__file__).resolve().parents[1]
 
 GiB = 1 << 30
@@ -81,26 +83,7 @@ def build_model(dtype: str) -> Path:
 
 def own_rss(pid: int) -> int:
     """Resident memory of the process alone (the engine servers are this one's children)."""
-    import psutil
-
-    return int(psutil.Process(pid).memory_info().rss)
-
-
-def tree_rss(pid: int) -> int:
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for process in processes:
-        try:
-            total += process.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
+    return tree_rss(pid, alone=True)
 
 
 class PeakRss:

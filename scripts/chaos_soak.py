@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import psutil
 from safetensors.torch import load_file
 
+from scripts.bench_common import tree_fds, tree_rss
 from servers.fleet.local import LocalFleet
 from skyrl_grpc.tiny_model import ensure_tiny_model
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
@@ -50,17 +50,6 @@ class Run:
     # role -> [(seconds since start, pid, RSS bytes of its process tree, open fds)]
     samples: dict[str, list[tuple[float, int, int, int]]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
-
-
-def usage(pid: int, alone: bool = False) -> tuple[int, int]:
-    """Resident bytes and open file descriptors of a process and its children (``alone``: of
-    the process alone)."""
-    try:
-        process = psutil.Process(pid)
-        tree = [process] if alone else [process, *process.children(recursive=True)]
-        return sum(p.memory_info().rss for p in tree), sum(p.num_fds() for p in tree)
-    except psutil.Error:
-        return 0, 0
 
 
 async def trainer(fleet: LocalFleet, run: Run, stop_at: float) -> None:
@@ -158,7 +147,8 @@ async def sampler(fleet: LocalFleet, run: Run, stop_at: float, started: float) -
         pids = fleet.pids
         roles = [f"server {i}" for i in range(len(pids) - 1)] + ["router", "trainer"]
         for role, pid in zip(roles, [*pids, os.getpid()], strict=True):
-            rss, fds = usage(pid, alone=role == "trainer")  # the fleet is the trainer's child
+            alone = role == "trainer"  # the fleet is the trainer's child
+            rss, fds = tree_rss(pid, alone), tree_fds(pid, alone)
             if rss:
                 sample = (time.monotonic() - started, pid, rss, fds)
                 run.samples.setdefault(role, []).append(sample)

@@ -19,19 +19,14 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 from safetensors.torch import load_file
 
+from scripts.bench_common import tree_rss
 from servers.fleet.local import LocalFleet
 from skyrl_grpc.tiny_model import ensure_tiny_model
 from trainer_client import InferenceClient
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def tree_rss(pid: int) -> int:
-    process = psutil.Process(pid)
-    return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
 
 
 async def soak(stack: LocalFleet, seconds: float, workers: int) -> dict[str, float]:

@@ -11,10 +11,9 @@ import grpc
 import pytest
 
 from servers.router.router_server import RouterOptions, RouterServer
-from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
 from skyrl_grpc.names import GENERATE_STREAM
-from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, router_pb2, router_pb2_grpc
-from tests.helpers.sessions import end_every_session
+from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from tests.helpers.sessions import end_every_session, routed_to
 from tests.helpers.waits import until
 from trainer_client import InferenceClient
 
@@ -32,13 +31,10 @@ def live(servers: list[Any]) -> dict[str, int]:
     return {s.address: len(s.state.started.sessions.snapshot()) for s in servers}
 
 
-async def routed_to(router: str, session: str) -> str:
+async def placed_by(router: str, session: str) -> str:
+    """Where the router at ``router`` sends ``session``."""
     async with grpc.aio.insecure_channel(router) as channel:
-        call = data_plane_pb2_grpc.DataPlaneStub(channel).Tokenize(
-            data_plane_pb2.TokenizeRequest(text="x"), metadata=((SESSION_ID, session),)
-        )
-        await call
-        return str(dict(await call.initial_metadata())[ROUTED_TO])
+        return await routed_to(channel, session)
 
 
 def forwarded(router: RouterServer) -> float:
@@ -79,7 +75,7 @@ async def test_sessions_land_on_the_same_servers_through_the_router_and_directly
         for session in direct:
             (home,) = holders(servers, session)
             await until(lambda s=session: router.pool.placement.sessions.home(s) is not None)
-            assert await routed_to(router.address, session) == home
+            assert await placed_by(router.address, session) == home
         # Each new session went to the server with the fewest live sessions: the gap narrowed
         # by every placement, or to one where six could not close it.
         gap_before = abs(held_before[servers[0].address] - held_before[servers[1].address])
@@ -89,7 +85,7 @@ async def test_sessions_land_on_the_same_servers_through_the_router_and_directly
         ), (held_before, after)
         # And the other way round: placed by the router first, then followed by the client.
         via_router = [f"router-{i}" for i in range(6)]
-        homes = {s: await routed_to(router.address, s) for s in via_router}
+        homes = {s: await placed_by(router.address, s) for s in via_router}
         routes = client.connections.routes()
         await until(lambda: all(routes.pick(s) is not None for s in via_router))
         await until(
@@ -134,7 +130,7 @@ async def test_a_backend_added_to_the_router_gets_new_sessions_on_both_paths(
         assert holders([engine_server, second_engine_server], "after-join-direct") == {
             second_engine_server.address
         }
-        assert await routed_to(router.address, "after-join-router") == second_engine_server.address
+        assert await placed_by(router.address, "after-join-router") == second_engine_server.address
         for session in [*old, "after-join-direct", "after-join-router"]:
             await client.finish_session(session)
     finally:

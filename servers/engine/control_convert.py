@@ -58,9 +58,14 @@ def bucket_specs(request: cp.UpdateWeightsRequest) -> list[BucketSpec]:
     return [bucket_spec(bucket) for bucket in request.buckets]
 
 
-def push_item(message: cp.PushWeightsRequest | WireChunk) -> Manifest | WireChunk:
-    """A PushWeights message (as protobuf parsed it, or as ``decode_push_request`` read a
-    chunk) as the assembler takes it."""
+# The messages of an in-band stream: a manifest, then chunks, in a oneof named ``item``.
+StreamMessage = cp.PushWeightsRequest | cp.LoadLoraAdapterRequest | cp.ReadWeightsResponse
+
+
+def stream_item(message: StreamMessage | WireChunk, refusal: str) -> Manifest | WireChunk:
+    """An in-band stream's message (as protobuf parsed it, or a chunk ``decode_push_request``
+    read) as the assembler takes it; INVALID_ARGUMENT saying ``refusal`` if it carries
+    neither a manifest nor a chunk."""
     if isinstance(message, WireChunk):
         return message
     kind = message.WhichOneof("item")
@@ -68,7 +73,12 @@ def push_item(message: cp.PushWeightsRequest | WireChunk) -> Manifest | WireChun
         return manifest(message.manifest)
     if kind == "chunk":
         return WireChunk.from_proto(message.chunk)
-    raise InvalidArgument("a PushWeights message must carry a manifest or a chunk")
+    raise InvalidArgument(refusal)
+
+
+def push_item(message: cp.PushWeightsRequest | WireChunk) -> Manifest | WireChunk:
+    """A PushWeights message as the assembler takes it."""
+    return stream_item(message, "a PushWeights message must carry a manifest or a chunk")
 
 
 async def push_items(
@@ -90,14 +100,7 @@ def adapter_spec(message: cp.LoadLoraAdapterRequest) -> AdapterSpec:
 
 def adapter_item(message: cp.LoadLoraAdapterRequest | WireChunk) -> Manifest | WireChunk:
     """A LoadLoraAdapter message after the spec: its manifest or one of its chunks."""
-    if isinstance(message, WireChunk):
-        return message
-    kind = message.WhichOneof("item")
-    if kind == "chunk":
-        return WireChunk.from_proto(message.chunk)
-    if kind == "manifest":
-        return manifest(message.manifest)
-    raise InvalidArgument("after the spec, send a manifest, then chunks")
+    return stream_item(message, "after the spec, send a manifest, then chunks")
 
 
 def read_manifest(
@@ -135,12 +138,7 @@ def read_chunks(
 def read_item(message: cp.ReadWeightsResponse) -> Manifest | WireChunk:
     """A ReadWeights message as the assembler of a PushWeights stream takes it (a server
     catching up pushes what it reads into itself)."""
-    kind = message.WhichOneof("item")
-    if kind == "manifest":
-        return manifest(message.manifest)
-    if kind == "chunk":
-        return WireChunk.from_proto(message.chunk)
-    raise InvalidArgument("a ReadWeights message must carry a manifest or a chunk")
+    return stream_item(message, "a ReadWeights message must carry a manifest or a chunk")
 
 
 def checksum_to_proto(row: Checksum) -> cp.ParameterChecksum:
