@@ -67,6 +67,23 @@ async def test_the_view_places_sessions_where_the_feed_says(
     assert moves == [("b", "s2")]
 
 
+async def test_the_fleet_now_keeps_the_given_order_and_adds_new_servers_after_it(
+    routes_and_moves: tuple[DirectRoutes, list[tuple[str, str]]],
+) -> None:
+    """Control calls follow the router's membership, in the order the client was given (a
+    collective group's rank offsets follow it), whatever order the router lists them in."""
+    routes, _ = routes_and_moves
+    routes.first_members = frozenset({"b", "a"})  # what the feed sets on its first view
+    routes.apply(_view({"b": HEALTHY, "a": HEALTHY}, {}))
+    assert routes.fleet_now(["a", "b"]) == ["a", "b"]
+    assert routes.fleet_now(["b", "a"]) == ["b", "a"]
+    # a moved to c (restarted elsewhere) and d joined: the kept keep their place.
+    routes.apply(_view({"d": HEALTHY, "c": HEALTHY, "b": HEALTHY}, {}))
+    assert routes.fleet_now(["a", "b"]) == ["b", "c", "d"]
+    # A client given only some of the servers keeps to those.
+    assert routes.fleet_now(["b"]) is None
+
+
 async def test_a_server_that_failed_is_skipped_for_a_while_and_tried_ones_are_not_picked(
     routes_and_moves: tuple[DirectRoutes, list[tuple[str, str]]],
 ) -> None:
@@ -85,7 +102,7 @@ async def test_status_watchers_wake_at_an_announcement_or_their_timeout() -> Non
     waiting = asyncio.ensure_future(changes.wait(timeout=30))
     await asyncio.sleep(0)
     changes.announce()
-    await asyncio.wait_for(waiting, 1)
+    await asyncio.wait_for(waiting, 30)
     started = asyncio.get_running_loop().time()
     await changes.wait(timeout=0.05)  # nothing announced: the timeout
     assert asyncio.get_running_loop().time() - started >= 0.04

@@ -239,10 +239,13 @@ class DirectRoutes:
     def fleet_now(self, given: Sequence[str]) -> list[str] | None:
         """The fleet as the router sees it now (servers moved, added or removed since), for a
         client given the router's whole fleet when its view first arrived; None otherwise (a
-        client given some of the servers keeps to those)."""
+        client given some of the servers keeps to those). The given servers still in the fleet
+        keep their order (a collective group's rank offsets follow it), new ones follow."""
         if self.first_members is None or self.from_servers or set(given) != self.first_members:
             return None
-        return list(self.members)
+        members = set(self.members)
+        kept = [address for address in given if address in members]
+        return kept + sorted(members.difference(kept))
 
     async def ready(self) -> bool:
         """Whether calls can go direct: a view has arrived (waiting a little for the first)."""
