@@ -178,14 +178,27 @@ def test_a_killed_router_is_restarted_at_its_address_and_sessions_keep_their_ser
 def test_a_restarted_server_catches_up_from_its_peer_before_it_serves(
     tiny_model_dir: Path,
 ) -> None:
-    """kill -9 of a server after three weight updates: restarted, it reads the fleet's weights
-    from its peer (ReadWeights) before reporting SERVING, with no trainer call: version 3,
-    checksums bit-identical to the peer's, the same greedy outputs."""
+    """kill -9 of a server after three weight updates and a LoRA adapter load: restarted, it
+    reads the fleet's weights (ReadWeights) and adapters (ReadLoraAdapter) from its peer before
+    reporting SERVING, with no trainer call: version 3, weight checksums bit-identical to the
+    peer's, the adapter at its version with the same SHA-256, the same greedy outputs with and
+    without it."""
     from safetensors.torch import load_file
 
-    from tests.helpers.weights import GREEDY, greedy_per_server, perturbed
+    from tests.helpers.adapters import make_adapter
+    from tests.helpers.weights import GREEDY, REFERENCE_PROMPTS, greedy_per_server, perturbed
 
     original = load_file(str(tiny_model_dir / "model.safetensors"))
+    tensors, config = make_adapter(tiny_model_dir, seed=5)
+
+    async def with_adapter(address: str) -> list[list[int]]:
+        direct = InferenceClient(address)
+        outputs = [
+            (await direct.generate(p, GREEDY, lora="fleet-adapter")).token_ids
+            for p in REFERENCE_PROMPTS
+        ]
+        await direct.close()
+        return outputs
 
     async def scenario(stack: LocalFleet) -> None:
         events: list[str] = []
@@ -194,6 +207,7 @@ def test_a_restarted_server_catches_up_from_its_peer_before_it_serves(
         client = InferenceClient(stack.addresses.router, stack.addresses.servers)
         for version in (1, 2, 3):
             await client.update_weights(perturbed(original, seed=version).items(), version)
+        await client.load_lora("fleet-adapter", tensors=tensors, config=config, version=4)
         victim, peer = stack.addresses.servers
         killed = time.monotonic()
         await asyncio.to_thread(stack.kill_server, 0)
@@ -205,11 +219,17 @@ def test_a_restarted_server_catches_up_from_its_peer_before_it_serves(
         assert dict(await client.weight_versions()) == {victim: 3, peer: 3}
         sums = await client.weight_checksums()
         assert sums[victim] == sums[peer] and sums[victim]
+        adapters = await client.list_loras()
+        assert [(a.name, a.version) for a in adapters[victim]] == [("fleet-adapter", 4)]
+        assert adapters[victim][0].sha256 == adapters[peer][0].sha256
         outputs = await greedy_per_server([victim, peer])
         assert outputs[victim] == outputs[peer]
         assert all(len(tokens) == GREEDY["max_tokens"] for tokens in outputs[victim])
-        print(f"server killed -> back, caught up on version 3: {back_after:.1f} s")
+        adapted = {address: await with_adapter(address) for address in (victim, peer)}
+        assert adapted[victim] == adapted[peer] != outputs[peer]
+        print(f"server killed -> back, caught up on version 3 with its adapter: {back_after:.1f} s")
         await client.close()
 
-    with LocalFleet(2, log_dir=None) as stack:
+    lora = ["--enable-lora", "--max-lora-rank", "8"]
+    with LocalFleet(2, engine_args=lora, log_dir=None) as stack:
         asyncio.run(scenario(stack))

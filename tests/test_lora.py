@@ -6,7 +6,9 @@ independently: transformers with the adapter merged into the base weights (W + a
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ import torch
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
 from tests.conftest import running_engine_server
+from tests.helpers.adapters import make_adapter
 from tests.helpers.waits import running_on_engines
 from trainer_client import FanOutError, InferenceClient
 from trainer_client.exceptions import ServerError
@@ -26,41 +29,6 @@ from trainer_client.weight_sending import lora_push_messages
 pytestmark = pytest.mark.engine
 PROMPTS = [[1, 17, 33, 95, 200, 311], [1, 5, 9, 13, 400, 77, 78]]
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
-
-
-def make_adapter(
-    model_dir: Path, seed: int, rank: int = 8, targets: tuple[str, ...] = ("q_proj", "v_proj")
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A PEFT-format adapter with random factors large enough to change greedy output."""
-    config = json.loads((model_dir / "config.json").read_text())
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    kv_heads, head_dim = config["num_key_value_heads"], config["head_dim"]
-    out = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim}
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    if "lm_head" in targets:  # the output projection: once, not per layer
-        tensors["base_model.model.lm_head.lora_A.weight"] = (
-            torch.randn(rank, hidden, generator=generator) / 2
-        )
-        tensors["base_model.model.lm_head.lora_B.weight"] = (
-            torch.randn(config["vocab_size"], rank, generator=generator) / 2
-        )
-    for layer in range(config["num_hidden_layers"]):
-        for module in (t for t in targets if t != "lm_head"):
-            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) / 2
-            tensors[f"{prefix}.lora_B.weight"] = (
-                torch.randn(out[module], rank, generator=generator) / 2
-            )
-    adapter_config = {
-        "peft_type": "LORA",
-        "r": rank,
-        "lora_alpha": 2 * rank,
-        "target_modules": list(targets),
-        "bias": "none",
-        "task_type": "CAUSAL_LM",
-    }
-    return tensors, adapter_config
 
 
 def merged_reference(
@@ -264,6 +232,60 @@ async def test_bad_adapters_are_refused_and_the_previous_version_keeps_serving(
     assert [a.version for a in listed[address]] == [1]
     await client.unload_lora("keep")
     await client.close()
+
+
+async def test_an_adapter_reads_back_as_the_stream_that_loads_it_elsewhere(
+    lora_fleet: tuple[Any, list[Any]], tiny_model_dir: Path
+) -> None:
+    """ReadLoraAdapter (what a server catching up reads from its peer): the spec at its
+    version, every tensor's SHA-256, chunks that reassemble its bytes; loaded on the other
+    server under another name it holds the same bytes. An unknown name is NOT_FOUND."""
+    _, servers = lora_fleet
+    source, other = servers[0].address, servers[1].address
+    tensors, config = make_adapter(tiny_model_dir, 11)
+    direct = InferenceClient(source, [source])
+    await direct.load_lora("read-me", tensors=tensors, config=config, version=7)
+    async with grpc.aio.insecure_channel(source) as channel:
+        stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
+        read = [
+            m
+            async for m in stub.ReadLoraAdapter(
+                cp.ReadLoraAdapterRequest(name="read-me", chunk_bytes=1000)
+            )
+        ]
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            async for _ in stub.ReadLoraAdapter(cp.ReadLoraAdapterRequest(name="nope")):
+                pass
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "read-me" in (unknown.value.details() or "")
+    spec, manifest = read[0].spec, read[1].manifest
+    assert (spec.name, spec.version, json.loads(spec.config_json)["r"]) == ("read-me", 7, 8)
+    assert {p.name: p.sha256 for p in manifest.parameters} == {
+        name: hashlib.sha256(t.contiguous().numpy().tobytes()).digest()
+        for name, t in tensors.items()
+    }
+    pieces: dict[str, bytes] = {}
+    for message in read[2:]:
+        chunk = message.chunk
+        assert len(chunk.data) <= 1000 and chunk.crc32 == zlib.crc32(chunk.data)
+        pieces[chunk.name] = pieces.get(chunk.name, b"") + chunk.data
+    assert pieces == {name: t.contiguous().numpy().tobytes() for name, t in tensors.items()}
+    # The same messages load it on the other server (as a copy, under another name).
+    spec.name, spec.version = "read-copy", 0
+    upload = [cp.LoadLoraAdapterRequest(spec=spec)] + [
+        cp.LoadLoraAdapterRequest(**{m.WhichOneof("item"): getattr(m, m.WhichOneof("item"))})
+        for m in read[1:]
+    ]
+    async with grpc.aio.insecure_channel(other) as channel:
+        stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
+        copied = await stub.LoadLoraAdapter(iter(upload))
+    loaded = (await direct.list_loras())[source]
+    assert copied.adapter.sha256 == next(a.sha256 for a in loaded if a.name == "read-me")
+    await direct.unload_lora("read-me")
+    await direct.close()
+    other_client = InferenceClient(other, [other])
+    await other_client.unload_lora("read-copy")
+    await other_client.close()
 
 
 async def test_unloaded_or_unknown_adapters_are_not_found_and_the_base_still_serves(

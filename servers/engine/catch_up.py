@@ -1,12 +1,15 @@
 """A server catching up with its fleet before it serves: the weights the fleet serves now,
 read from a peer (``ControlPlane/ReadWeights``: a manifest with every parameter's SHA-256, then
-CRC-checked chunks) and committed here through the same update path a trainer's push takes.
+CRC-checked chunks) and committed here through the same update path a trainer's push takes;
+then the peer's LoRA adapters (``ReadLoraAdapter``, the same form), each loaded here through
+the path a LoadLoraAdapter upload takes, at the peer's version.
 
 A restarted or added server is started with its peers' addresses (``--catch-up-from``); the
 engine server runs this after its warm-up and before it reports SERVING, so no router or client
 sends it anything while it is behind, and the trainer is not involved. The peer with the
 newest version is read (the next one on failure); with no peer ahead, or none reachable, the
-server serves what it has, and the log says so.
+server serves what it has, and the log says so. Adapters come from the peer read (or the
+newest one answering), when this server serves LoRA.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import grpc
 
 from skyrl_grpc.channels import open_channel
 from skyrl_grpc.chunk_wire import WireChunk
+from skyrl_grpc.errors import SkyrlError
 from skyrl_grpc.metadata import bearer
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
 
 from . import control_convert
+from .adapters import AdapterUpload
 from .engine_parts import EngineParts
 from .weights.specs import Manifest
 
@@ -51,24 +56,81 @@ async def catch_up(
                 log.info("catch-up: peer %s did not answer (%s)", peer, error.code().name)
                 continue
         versions.append((info.weight_version, peer))
+    weights, source = await _catch_up_weights(
+        parts, versions, len(peers), metadata, max_message_bytes
+    )
+    if not parts.adapters.limits.enabled or not versions:
+        return weights
+    peer = source or max(versions)[1]
+    try:
+        adapters = await _catch_up_adapters(parts, peer, metadata, max_message_bytes)
+    except grpc.aio.AioRpcError as error:
+        adapters = f"no adapters read from {peer} ({error.code().name}: {error.details()})"
+    return f"{weights}; {adapters}"
+
+
+async def _catch_up_weights(
+    parts: EngineParts,
+    versions: list[tuple[int, str]],
+    asked: int,
+    metadata: tuple[tuple[str, str], ...],
+    max_message_bytes: int,
+) -> tuple[str, str | None]:
+    """Reads the newest weights a peer serves; what happened, and the peer read (if any)."""
     current = parts.weights.version
     ahead = sorted((v for v in versions if v[0] > current), reverse=True)
     if not ahead:
         return (
-            f"no peer serves newer weights than version {current} (asked {len(peers)}, "
+            f"no peer serves newer weights than version {current} (asked {asked}, "
             f"{len(versions)} answered)"
-        )
+        ), None
     for version, peer in ahead:
         try:
             read = await _read_from(parts, peer, metadata, max_message_bytes)
         except Exception as error:  # the next peer, or behind
             log.warning("catch-up from %s (version %d) failed: %s", peer, version, error)
             continue
-        return f"caught up from {peer}: version {read}"
+        return f"caught up from {peer}: version {read}", peer
     return (
         f"stays behind on version {current}: no peer ahead ({len(ahead)}) could be read; the "
         "trainer's next update brings it the whole weights"
-    )
+    ), None
+
+
+async def _catch_up_adapters(
+    parts: EngineParts, peer: str, metadata: tuple[tuple[str, str], ...], max_message_bytes: int
+) -> str:
+    """Loads every adapter ``peer`` serves that this server does not serve at its version."""
+    manager = parts.adapters
+    have = {(a.name, a.version) for a in manager.serving()}
+    loaded: list[str] = []
+    async with open_channel(peer, max_message_bytes=max_message_bytes) as channel:
+        stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
+        listed = await stub.ListLoraAdapters(
+            cp.ListLoraAdaptersRequest(), metadata=metadata, timeout=PEER_INFO_SECONDS
+        )
+        for adapter in listed.adapters:
+            if (adapter.name, adapter.version) in have:
+                continue
+            call = stub.ReadLoraAdapter(
+                cp.ReadLoraAdapterRequest(name=adapter.name),
+                metadata=metadata,
+                timeout=READ_SECONDS,
+            )
+            try:
+                upload: AdapterUpload | None = None
+                async for message in call:
+                    if upload is None:
+                        upload = manager.upload(control_convert.adapter_spec(message))
+                    else:
+                        upload.add(control_convert.adapter_item(message))
+                if upload is not None:
+                    await manager.load(upload)
+                    loaded.append(f"{adapter.name} v{adapter.version}")
+            except (grpc.aio.AioRpcError, SkyrlError) as error:  # the others still load
+                call.cancel()
+                log.warning("catch-up: adapter %s from %s failed: %s", adapter.name, peer, error)
+    return f"adapters from {peer}: {', '.join(loaded) or 'none needed'}"
 
 
 async def _read_from(

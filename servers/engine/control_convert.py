@@ -1,6 +1,6 @@
 """The control plane's converters: weight-update and adapter messages from the wire into the
-domain's plain values (``weights.specs``, ``adapters.AdapterSpec``), and checksums and the
-serving weights (ReadWeights) back.
+domain's plain values (``weights.specs``, ``adapters.AdapterSpec``), and checksums, the
+serving weights (ReadWeights) and a loaded adapter (ReadLoraAdapter) back.
 
 Only shape is checked here (which oneof a message carries, a dtype the contract knows); what
 the values must be for this model is ``weights.assembly``'s and ``adapters.checks``' to say.
@@ -8,6 +8,7 @@ the values must be for this model is ``weights.assembly``'s and ``adapters.check
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator, Iterator
 
 from skyrl_grpc import dtypes
@@ -16,7 +17,7 @@ from skyrl_grpc.crc import crc32
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
-from .adapters import AdapterSpec
+from .adapters import AdapterCopy, AdapterSpec
 from .weights.assembly import ParamLayout
 from .weights.protocol import Checksum
 from .weights.specs import BucketSpec, Manifest, PackedParameter, ParameterSpec, PatchSpec
@@ -59,7 +60,14 @@ def bucket_specs(request: cp.UpdateWeightsRequest) -> list[BucketSpec]:
 
 
 # The messages of an in-band stream: a manifest, then chunks, in a oneof named ``item``.
-StreamMessage = cp.PushWeightsRequest | cp.LoadLoraAdapterRequest | cp.ReadWeightsResponse
+StreamMessage = (
+    cp.PushWeightsRequest
+    | cp.LoadLoraAdapterRequest
+    | cp.ReadWeightsResponse
+    | cp.ReadLoraAdapterResponse
+)
+# An adapter's stream: LoadLoraAdapter's, or ReadLoraAdapter's (the same items, the same order).
+AdapterMessage = cp.LoadLoraAdapterRequest | cp.ReadLoraAdapterResponse
 
 
 def stream_item(message: StreamMessage | WireChunk, refusal: str) -> Manifest | WireChunk:
@@ -88,8 +96,8 @@ async def push_items(
         yield push_item(message)
 
 
-def adapter_spec(message: cp.LoadLoraAdapterRequest) -> AdapterSpec:
-    """The spec a LoadLoraAdapter stream must open with."""
+def adapter_spec(message: AdapterMessage) -> AdapterSpec:
+    """The spec an adapter's stream must open with."""
     if message.WhichOneof("item") != "spec":
         raise InvalidArgument("the first LoadLoraAdapter message must be the spec")
     spec = message.spec
@@ -98,8 +106,8 @@ def adapter_spec(message: cp.LoadLoraAdapterRequest) -> AdapterSpec:
     )
 
 
-def adapter_item(message: cp.LoadLoraAdapterRequest | WireChunk) -> Manifest | WireChunk:
-    """A LoadLoraAdapter message after the spec: its manifest or one of its chunks."""
+def adapter_item(message: AdapterMessage | WireChunk) -> Manifest | WireChunk:
+    """An adapter's stream message after the spec: its manifest or one of its chunks."""
     return stream_item(message, "after the spec, send a manifest, then chunks")
 
 
@@ -124,15 +132,40 @@ def read_chunks(
     version: int, name: str, data: bytes, chunk_bytes: int
 ) -> Iterator[cp.ReadWeightsResponse]:
     """One parameter's bytes as ReadWeights chunks, each with its crc32."""
+    for chunk in _chunks(name, data, chunk_bytes):
+        yield cp.ReadWeightsResponse(weight_version=version, chunk=chunk)
+
+
+def _chunks(name: str, data: bytes, chunk_bytes: int) -> Iterator[cp.WeightChunk]:
     view = memoryview(data)
     for offset in range(0, len(view), chunk_bytes):
         piece = view[offset : offset + chunk_bytes]
-        yield cp.ReadWeightsResponse(
-            weight_version=version,
-            chunk=cp.WeightChunk(
-                name=name, offset_bytes=offset, data=bytes(piece), crc32=crc32(piece)
-            ),
+        yield cp.WeightChunk(name=name, offset_bytes=offset, data=bytes(piece), crc32=crc32(piece))
+
+
+def adapter_read(copy: AdapterCopy, chunk_bytes: int) -> Iterator[cp.ReadLoraAdapterResponse]:
+    """A loaded adapter as a ReadLoraAdapter stream: the spec, the manifest (SHA-256 per
+    tensor), then each tensor's chunks."""
+    spec = copy.spec
+    yield cp.ReadLoraAdapterResponse(
+        spec=cp.LoraAdapterSpec(name=spec.name, config_json=spec.config_json, version=spec.version)
+    )
+    yield cp.ReadLoraAdapterResponse(
+        manifest=cp.WeightManifest(
+            parameters=[
+                cp.ParameterSpec(
+                    name=name,
+                    dtype=dtypes.BY_TORCH[dtype].proto,
+                    shape=list(shape),
+                    sha256=hashlib.sha256(data).digest(),
+                )
+                for name, dtype, shape, data in copy.tensors
+            ]
         )
+    )
+    for name, _, _, data in copy.tensors:
+        for chunk in _chunks(name, data, chunk_bytes):
+            yield cp.ReadLoraAdapterResponse(chunk=chunk)
 
 
 def read_item(message: cp.ReadWeightsResponse) -> Manifest | WireChunk:

@@ -1,7 +1,7 @@
 """ControlPlane servicer: pause/resume, sleep/wake, prefix cache, weight updates (the serving
-weights' ``updates``, ``weights.transaction``; ReadWeights, for a peer catching up), LoRA
-adapters (``adapters.AdapterManager``), server info and load. Converts with ``control_convert``
-and ``convert``; holds no logic."""
+weights' ``updates``, ``weights.transaction``), LoRA adapters (``adapters.AdapterManager``),
+the reads a peer catching up makes (ReadWeights, ReadLoraAdapter), server info and load.
+Converts with ``control_convert`` and ``convert``; holds no logic."""
 
 from __future__ import annotations
 
@@ -220,6 +220,13 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         return cp.ListLoraAdaptersResponse(
             adapters=[convert.lora_adapter_to_proto(a) for a in adapters]
         )
+
+    async def ReadLoraAdapter(
+        self, request: cp.ReadLoraAdapterRequest, context: Context
+    ) -> AsyncIterator[cp.ReadLoraAdapterResponse]:
+        copy = await self._state.parts().adapters.read(request.name)
+        for message in control_convert.adapter_read(copy, request.chunk_bytes or READ_CHUNK_BYTES):
+            yield message
 
     async def GetServerInfo(
         self, request: cp.GetServerInfoRequest, context: Context

@@ -472,3 +472,21 @@ class ListLoraAdaptersResponse(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[_lora_pb2.LoraAdapter]
     def __init__(self, adapters: _Optional[_Iterable[_Union[_lora_pb2.LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class ReadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name", "chunk_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    chunk_bytes: int
+    def __init__(self, name: _Optional[str] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class ReadLoraAdapterResponse(_message.Message):
+    __slots__ = ("spec", "manifest", "chunk")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    spec: LoraAdapterSpec
+    manifest: WeightManifest
+    chunk: WeightChunk
+    def __init__(self, spec: _Optional[_Union[LoraAdapterSpec, _Mapping]] = ..., manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[WeightChunk, _Mapping]] = ...) -> None: ...

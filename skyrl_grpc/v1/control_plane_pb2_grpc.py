@@ -156,6 +156,11 @@ class ControlPlaneStub:
                 request_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ListLoraAdaptersRequest.SerializeToString,
                 response_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ListLoraAdaptersResponse.FromString,
                 _registered_method=True)
+        self.ReadLoraAdapter = channel.unary_stream(
+                '/skyrl.inference.v1.ControlPlane/ReadLoraAdapter',
+                request_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReadLoraAdapterRequest.SerializeToString,
+                response_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class ControlPlaneServicer:
@@ -349,6 +354,16 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadLoraAdapter(self, request, context):
+        """One loaded adapter as this server holds it, in LoadLoraAdapter's in-band form: its spec
+        (config and version), a manifest (every tensor, with its SHA-256), then CRC-checked
+        chunks. A restarted or added server loads its peers' adapters with it before it serves.
+        NOT_FOUND for an unknown name; FAILED_PRECONDITION unless the server serves LoRA.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -456,6 +471,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.ListLoraAdapters,
                     request_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ListLoraAdaptersRequest.FromString,
                     response_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ListLoraAdaptersResponse.SerializeToString,
+            ),
+            'ReadLoraAdapter': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadLoraAdapter,
+                    request_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReadLoraAdapterRequest.FromString,
+                    response_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1042,6 +1062,33 @@ class ControlPlane:
             '/skyrl.inference.v1.ControlPlane/ListLoraAdapters',
             skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ListLoraAdaptersRequest.SerializeToString,
             skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ListLoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/skyrl.inference.v1.ControlPlane/ReadLoraAdapter',
+            skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReadLoraAdapterRequest.SerializeToString,
+            skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -129,6 +129,12 @@ class ControlPlaneStub:
     """
     ListLoraAdapters: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.ListLoraAdaptersRequest, _control_plane_pb2.ListLoraAdaptersResponse]
     """The adapters loaded now, with their versions."""
+    ReadLoraAdapter: _grpc.UnaryStreamMultiCallable[_control_plane_pb2.ReadLoraAdapterRequest, _control_plane_pb2.ReadLoraAdapterResponse]
+    """One loaded adapter as this server holds it, in LoadLoraAdapter's in-band form: its spec
+    (config and version), a manifest (every tensor, with its SHA-256), then CRC-checked
+    chunks. A restarted or added server loads its peers' adapters with it before it serves.
+    NOT_FOUND for an unknown name; FAILED_PRECONDITION unless the server serves LoRA.
+    """
 
 @_typing.type_check_only
 class ControlPlaneAsyncStub(ControlPlaneStub):
@@ -229,6 +235,12 @@ class ControlPlaneAsyncStub(ControlPlaneStub):
     """
     ListLoraAdapters: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.ListLoraAdaptersRequest, _control_plane_pb2.ListLoraAdaptersResponse]  # type: ignore[assignment]
     """The adapters loaded now, with their versions."""
+    ReadLoraAdapter: _aio.UnaryStreamMultiCallable[_control_plane_pb2.ReadLoraAdapterRequest, _control_plane_pb2.ReadLoraAdapterResponse]  # type: ignore[assignment]
+    """One loaded adapter as this server holds it, in LoadLoraAdapter's in-band form: its spec
+    (config and version), a manifest (every tensor, with its SHA-256), then CRC-checked
+    chunks. A restarted or added server loads its peers' adapters with it before it serves.
+    NOT_FOUND for an unknown name; FAILED_PRECONDITION unless the server serves LoRA.
+    """
 
 class ControlPlaneServicer(metaclass=_abc_1.ABCMeta):
     """Control of one engine server.
@@ -452,5 +464,17 @@ class ControlPlaneServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_control_plane_pb2.ListLoraAdaptersResponse, _abc.Awaitable[_control_plane_pb2.ListLoraAdaptersResponse]]:
         """The adapters loaded now, with their versions."""
+
+    @_abc_1.abstractmethod
+    def ReadLoraAdapter(
+        self,
+        request: _control_plane_pb2.ReadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_control_plane_pb2.ReadLoraAdapterResponse], _abc.AsyncIterator[_control_plane_pb2.ReadLoraAdapterResponse]]:
+        """One loaded adapter as this server holds it, in LoadLoraAdapter's in-band form: its spec
+        (config and version), a manifest (every tensor, with its SHA-256), then CRC-checked
+        chunks. A restarted or added server loads its peers' adapters with it before it serves.
+        NOT_FOUND for an unknown name; FAILED_PRECONDITION unless the server serves LoRA.
+        """
 
 def add_ControlPlaneServicer_to_server(servicer: ControlPlaneServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

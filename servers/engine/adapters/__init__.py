@@ -5,11 +5,12 @@ whole load / swap / remove path, over plain engine callables)."""
 from .checks import ZERO_ADAPTER_ID, AdapterConfig, ModelShapes, write_zero_adapter
 from .manager import AdapterLimits, AdapterManager, EngineAdapterCalls
 from .registry import LoadedAdapter
-from .upload import AdapterSpec, AdapterUpload
+from .upload import AdapterCopy, AdapterSpec, AdapterUpload
 
 __all__ = [
     "ZERO_ADAPTER_ID",
     "AdapterConfig",
+    "AdapterCopy",
     "AdapterLimits",
     "AdapterManager",
     "AdapterSpec",

@@ -11,6 +11,7 @@ takes its workers' calls, so this logic runs and is tested without vLLM.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 from collections.abc import Awaitable, Callable
@@ -21,7 +22,7 @@ from skyrl_grpc.errors import FailedPrecondition, InvalidArgument, NotFound
 
 from .checks import ModelShapes
 from .registry import AdapterRegistry, LoadedAdapter
-from .upload import AdapterSpec, AdapterUpload
+from .upload import AdapterCopy, AdapterSpec, AdapterUpload, read_tensors
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,17 @@ class AdapterManager:
             adapter, unused = registry.unload(name)
         await self._remove(unused)
         return adapter
+
+    async def read(self, name: str) -> AdapterCopy:
+        """The adapter serving under ``name`` as a peer would load it (its version too)."""
+        registry = self._enabled()
+        async with self._lock:  # so no replacement removes its files while they are read
+            adapter = registry.named(name)
+            tensors = await asyncio.to_thread(read_tensors, adapter.path)
+        spec = AdapterSpec(
+            name=name, config_json=json.dumps(adapter.config.raw), version=adapter.version
+        )
+        return AdapterCopy(spec, tensors)
 
     def serving(self) -> list[LoadedAdapter]:
         return [] if self._registry is None else self._registry.serving()

@@ -82,11 +82,16 @@ class AdapterRegistry:
         self._retired[adapter.vllm_id] = adapter
         return adapter, self._collect()
 
-    def begin(self, name: str) -> LoadedAdapter:
-        """The version a new request named ``name`` runs on (counted until ``end``)."""
+    def named(self, name: str) -> LoadedAdapter:
+        """The version serving under ``name`` now."""
         adapter = self._serving.get(name)
         if adapter is None:
             raise NotFound(f"no LoRA adapter named {name!r}{self._names()}")
+        return adapter
+
+    def begin(self, name: str) -> LoadedAdapter:
+        """The version a new request named ``name`` runs on (counted until ``end``)."""
+        adapter = self.named(name)
         adapter.running += 1
         return adapter
 

@@ -34,6 +34,34 @@ class AdapterSpec:
     version: int = 0
 
 
+@dataclass(frozen=True)
+class AdapterCopy:
+    """A loaded adapter as a peer loads it in-band: its spec (config and version) and its
+    tensors (PEFT name, torch dtype name, shape, raw bytes), in name order."""
+
+    spec: AdapterSpec
+    tensors: list[tuple[str, str, tuple[int, ...], bytes]]
+
+
+def read_tensors(directory: Path) -> list[tuple[str, str, tuple[int, ...], bytes]]:
+    """The tensors of the adapter staged or named at ``directory``, as ``AdapterCopy`` holds
+    them."""
+    from safetensors.torch import load_file
+
+    from skyrl_grpc.tensor_bytes import flat_bytes
+
+    tensors = load_file(str(directory / WEIGHTS_FILE))
+    return [
+        (
+            name,
+            str(tensors[name].dtype).removeprefix("torch."),
+            tuple(tensors[name].shape),
+            flat_bytes(tensors[name]).numpy().tobytes(),
+        )
+        for name in sorted(tensors)
+    ]
+
+
 class AdapterUpload:
     """One LoadLoraAdapter stream being received: spec, then (in-band) manifest and chunks."""
 
