@@ -156,7 +156,7 @@ async def test_the_client_keeps_serving_while_the_router_is_down_and_reconnects(
         during = await client.generate([1, 5, 9], GREEDY, session_id="outage")
         assert during.token_ids == first.token_ids  # served directly from the last view
         router = await fresh_router(backends, port)
-        await until(lambda: routes.connected, timeout=15, what="the feed to reconnect")
+        await until(lambda: routes.connected, what="the feed to reconnect")
         after = await client.generate([1, 5, 9], GREEDY, session_id="outage")
         assert after.token_ids == first.token_ids
         await client.finish_session("outage")
@@ -202,7 +202,7 @@ async def test_a_client_started_while_the_router_is_down_routes_from_the_servers
         assert [r.token_ids for r in again] == [r.token_ids for r in first]
         assert {s: holders(servers, s) for s in sessions} == homes  # each stayed home
         router = await fresh_router(backends, port)
-        await until(lambda: routes.connected, timeout=15, what="the router's feed")
+        await until(lambda: routes.connected, what="the router's feed")
         assert not routes.from_servers
         for session in sessions[:2]:
             await client.generate([1, 5, 9], GREEDY, session_id=session)

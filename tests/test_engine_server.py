@@ -42,7 +42,7 @@ async def leave_engine_resumed_and_idle(engine_channel: grpc.aio.Channel) -> Any
 
 
 async def wait_idle(
-    control: control_plane_pb2_grpc.ControlPlaneStub, timeout: float = 10
+    control: control_plane_pb2_grpc.ControlPlaneStub, timeout: float = 60
 ) -> cp.GetLoadResponse:
     deadline = time.monotonic() + timeout
     while True:
@@ -313,7 +313,7 @@ async def test_abort_by_request_id_ends_stream_with_aborted(
     await watcher.until_tokens(3)
     aborted = await data.Abort(data_plane_pb2.AbortRequest(request_ids=["to-abort", "unknown"]))
     assert list(aborted.aborted_request_ids) == ["to-abort"]
-    await asyncio.wait_for(watcher.task, 10)
+    await asyncio.wait_for(watcher.task, 60)
     assert watcher.finish_reason == gen.FINISH_REASON_ABORTED
     assert 3 <= len(watcher.tokens) < 400
     await wait_idle(control)
@@ -340,7 +340,7 @@ async def test_client_cancel_aborts_request_in_engine(
     busy = await control.GetLoad(cp.GetLoadRequest())
     assert busy.running_requests + busy.waiting_requests == 1
     watcher.call.cancel()
-    load = await wait_idle(control, timeout=5)
+    load = await wait_idle(control, timeout=60)
     assert load.running_requests == 0
 
 
@@ -356,7 +356,7 @@ async def test_deadline_ends_with_deadline_exceeded_and_engine_idle(
             timeout=0.3,
         )
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    await wait_idle(control, timeout=5)
+    await wait_idle(control, timeout=60)
 
 
 # -- pause modes --------------------------------------------------------------------------------
@@ -415,7 +415,7 @@ async def test_pause_keep_freezes_and_resumes_with_nothing_lost(
     assert [len(w.tokens) for w in watchers] == frozen, "tokens arrived while paused"
     assert all(not w.task.done() for w in watchers)
     await control.Resume(cp.ResumeRequest())
-    await asyncio.wait_for(asyncio.gather(*(w.task for w in watchers)), 30)
+    await asyncio.wait_for(asyncio.gather(*(w.task for w in watchers)), 120)
     for w, want in zip(watchers, expected, strict=True):
         assert w.finish_reason == gen.FINISH_REASON_LENGTH
         assert w.tokens == want

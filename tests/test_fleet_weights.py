@@ -161,7 +161,7 @@ async def test_an_update_whose_trainer_exited_expires_with_its_lease(
     async def expired() -> bool:
         return not any([(await info(a)).HasField("open_weight_update") for a in servers])
 
-    await until(expired, timeout=10, what="the lease to expire")
+    await until(expired, what="the lease to expire")
     await client.update_weights(guarded_fleet.original.items(), transport="grpc")
     assert await greedy_per_server(servers) == guarded_fleet.reference
 

@@ -164,7 +164,7 @@ async def test_bad_requests_get_openai_errors_and_a_disconnect_frees_the_engine(
             load.running_requests == 0 and load.waiting_requests == 0 for load in loads.values()
         )
 
-    await until(idle, timeout=10, what="the engines to go idle after the disconnect")
+    await until(idle, what="the engines to go idle after the disconnect")
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -53,7 +53,7 @@ def alive(processes: list[psutil.Process]) -> list[int]:
 def health(address: str, service: str = DATA_PLANE) -> int:
     with grpc.insecure_channel(address) as channel:
         request = health_pb2.HealthCheckRequest(service=service)
-        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status  # type: ignore[no-any-return]
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=30).status  # type: ignore[no-any-return]
 
 
 def test_the_port_opens_before_the_engine_loads(server: ServerProcess) -> None:
@@ -101,9 +101,9 @@ def test_a_killed_server_leaves_no_process_behind(server: ServerProcess) -> None
     assert any("EngineCore" in p.name() for p in started), [p.name() for p in started]
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # the kernel reaps them at once; a busy box takes longer
     while alive(started):
-        assert time.monotonic() < deadline, f"still alive 5 s later: {alive(started)}"
+        assert time.monotonic() < deadline, f"still alive 60 s later: {alive(started)}"
         time.sleep(0.05)
 
 
@@ -280,7 +280,7 @@ async def test_up_scales_its_fleet_from_its_standard_input(tmp_path: Path) -> No
         await asyncio.to_thread(up.wait_for, "Ctrl-C to stop", 300)
         router = up.wait_for("router: ", 1).split(": ", 1)[1]
         up.type("grow please")
-        await asyncio.to_thread(up.wait_for, "use `scale N`", 10)
+        await asyncio.to_thread(up.wait_for, "use `scale N`", 60)
         up.type("scale 2")
         added = await asyncio.to_thread(up.wait_for, "server 1 (", 300)
         new = added.split("(", 1)[1].split(")", 1)[0]

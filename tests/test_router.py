@@ -159,7 +159,7 @@ async def test_unhealthy_backend_is_ejected_and_readmitted(router_on_stand_ins) 
     assert victim.observed.calls == calls_before
     assert await health_status(channel) == SERVING
     await victim.set_serving(True)
-    await router.wait_healthy(4, timeout=5)
+    await router.wait_healthy(4, timeout=60)
     for s in sessions:
         assert (await routed_stream(channel, s))[0] == before[s]  # sessions came back
 
@@ -169,14 +169,14 @@ async def test_stopped_backend_is_ejected_and_restarted_one_rejoins(router_on_st
     victim = backends[3]
     port = victim.port
     await victim.stop()
-    deadline = time.monotonic() + 3
-    while victim.address in {b.address for b in router.pool.healthy()}:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.02)
+    await until(
+        lambda: victim.address not in {b.address for b in router.pool.healthy()},
+        what="the stopped backend to be ejected",
+    )
     for i in range(30):
         assert (await routed_stream(channel, f"k{i}"))[0] != victim.address
     restarted = await FakeBackend("b3-again", port=port).start()
-    await router.wait_healthy(4, timeout=10)
+    await router.wait_healthy(4, timeout=60)
     owned = [s for s in (f"k{i}" for i in range(30)) if router.pool.owner(s) == restarted.address]
     assert owned
     for s in owned:
@@ -189,17 +189,18 @@ async def test_no_healthy_backend_is_unavailable_with_reason(router_on_stand_ins
     for b in backends:
         await b.set_serving(False)
     await until(lambda: not router.pool.healthy(), what="every backend ejected")
-    deadline = time.monotonic() + 5
-    while await health_status(channel) != NOT_SERVING:
-        assert time.monotonic() < deadline, "router health still SERVING"
-        await asyncio.sleep(0.01)
+
+    async def not_serving() -> bool:
+        return await health_status(channel) == NOT_SERVING
+
+    await until(not_serving, what="the router's health to turn NOT_SERVING")
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await routed_stream(channel, "any")
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "no healthy backend" in (raised.value.details() or "")
     for b in backends:
         await b.set_serving(True)
-    await router.wait_healthy(4, timeout=5)
+    await router.wait_healthy(4, timeout=60)
     assert await health_status(channel) == SERVING
 
 
@@ -210,7 +211,7 @@ async def test_retry_before_first_chunk_but_never_after(router_on_stand_ins) -> 
     by_address[first_choice].servicer.fail_next_with = grpc.StatusCode.UNAVAILABLE
     address, tokens = await routed_stream(channel, "retry-me")
     assert address != first_choice and tokens == [0, 1, 2, 3]
-    await router.wait_healthy(4, timeout=5)  # the watch re-admits the backend that is fine
+    await router.wait_healthy(4, timeout=60)  # the watch re-admits the backend that is fine
     # INVALID_ARGUMENT is the request's fault: passed through, not retried.
     owner = by_address[router.pool.owner("bad")]
     owner.servicer.fail_next_with = grpc.StatusCode.INVALID_ARGUMENT
@@ -263,10 +264,7 @@ async def test_cancel_and_deadline_pass_through(router_on_stand_ins) -> None:  #
     await call.read()
     owner = {b.address: b for b in backends}[router.pool.owner("c")]
     call.cancel()
-    deadline = time.monotonic() + 3
-    while owner.observed.cancelled == 0:
-        assert time.monotonic() < deadline, "the upstream call was not cancelled"
-        await asyncio.sleep(0.02)
+    await until(lambda: owner.observed.cancelled > 0, what="the upstream call's cancellation")
     assert owner.observed.in_flight == 0
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await routed_stream(channel, "d", max_tokens=200, timeout=0.4)
@@ -285,7 +283,7 @@ async def test_admin_lists_adds_removes_and_drains(router_on_stand_ins) -> None:
     assert all(b.state == router_pb2.BACKEND_STATE_HEALTHY for b in listed.backends)
     extra = await FakeBackend("extra").start()
     await admin.AddBackend(router_pb2.AddBackendRequest(address=extra.address))
-    await router.wait_healthy(5, timeout=5)
+    await router.wait_healthy(5, timeout=60)
     for code, call in [
         (
             grpc.StatusCode.ALREADY_EXISTS,
@@ -439,7 +437,7 @@ async def test_bounded_load_sessions_stay_where_they_moved() -> None:
             left = sorted(s for s in homes if homes[s] == victim.address)
             await until(lambda: sorted(victim.servicer.observed.finished_sessions) == left)
             await victim.set_serving(True)
-            await router.wait_healthy(3, timeout=5)
+            await router.wait_healthy(3, timeout=60)
             # Back in: moved sessions stay where their cache now is, except the excess of the
             # two overfull servers (15 each; the bound is floor(1.25 * 10) = 12)...
             back = {s: (await routed_stream(channel, s))[0] for s in homes}

@@ -29,7 +29,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
 
 async def liveness(channel: grpc.aio.Channel) -> int:
     response = await health_pb2_grpc.HealthStub(channel).Check(
-        health_pb2.HealthCheckRequest(service=""), timeout=5
+        health_pb2.HealthCheckRequest(service=""), timeout=30
     )
     return response.status  # type: ignore[no-any-return]
 
@@ -97,7 +97,7 @@ async def test_router_serves_tls_and_reaches_mtls_backends(certs: Certificates) 
     async with grpc.aio.insecure_channel(router.address) as plain:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await data_plane_pb2_grpc.DataPlaneStub(plain).GetModelInfo(
-                data_plane_pb2.GetModelInfoRequest(), timeout=5
+                data_plane_pb2.GetModelInfoRequest(), timeout=30
             )
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
     await router.stop(0)
