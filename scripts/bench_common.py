@@ -12,6 +12,7 @@ idle vLLM CPU engine takes about a third of a core).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -44,12 +45,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def write_report(output: str | Path, lines: Sequence[str]) -> None:
-    """Writes a benchmark's markdown report and prints it."""
-    text = "\n".join(lines) + "\n"
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
-    Path(output).write_text(text)
+def add_output_argument(parser: argparse.ArgumentParser, page: str) -> None:
+    """``--output``: the docs page a script's tables go to (``write_report``)."""
+    parser.add_argument(
+        "--output",
+        default=str(ROOT / "docs" / page),
+        help=f"the docs page the run's tables go to, in its measured block (default: docs/"
+        f"{page}); '-' prints them only",
+    )
+
+
+def write_report(output: str | Path, lines: Sequence[str], block: str) -> None:
+    """Prints a run's markdown report and puts it in the docs page ``output`` ('-': nowhere),
+    between the page's ``<!-- {block}: begin -->`` and ``<!-- {block}: end -->`` markers: the
+    last run replaces the one before and the page's own prose around it stays. A page without
+    that block gets it at its end (a new page is made)."""
+    text = "\n".join(lines).strip("\n") + "\n"
     print(text)
+    if str(output) == "-":
+        return
+    path = Path(output)
+    begin, end = f"<!-- {block}: begin -->", f"<!-- {block}: end -->"
+    measured = f"{begin}\n{text}{end}"
+    page = path.read_text() if path.exists() else ""
+    if begin in page and end in page:
+        before, rest = page.split(begin, 1)
+        after = rest.split(end, 1)[1]
+        page = before + measured + after
+    else:
+        page = (page.rstrip("\n") + "\n\n" if page else "") + measured + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -17,7 +17,7 @@ short answers. 4 against 2 is printed beside it. The cost per constrained token 
 co-load's own throughput in 4 and 3.
 
 Run: .venv/bin/python -m scripts.bench_constrained [--streams 8] [--seconds 15]
-     [--model tiny|0.1b] [--output docs/bench-constrained.md]
+     [--model tiny|0.1b] [--output docs/serving.md]
 """
 
 from __future__ import annotations
@@ -26,14 +26,12 @@ import argparse
 import asyncio
 import random
 import time
-from pathlib import Path
 from typing import Any
 
+from scripts.bench_common import add_output_argument, write_report
 from servers.fleet.local import LocalFleet
 from skyrl_grpc.tiny_model import TinyModelSpec, ensure_tiny_model
 from trainer_client import InferenceClient
-
-ROOT = Path(__file__).resolve().parents[1]
 
 SCHEMA = {
     "type": "object",
@@ -134,7 +132,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
-    parser.add_argument("--output", default="")
+    add_output_argument(parser, "serving.md")
     args = parser.parse_args()
     model = ensure_tiny_model(spec=MODELS[args.model])
     engine_args = ["--model", str(model)]
@@ -143,15 +141,10 @@ def main() -> None:
             measure(fleet.addresses.router, args.streams, args.seconds, args.max_tokens)
         )
     title = (
-        f"### {args.model} model, 1 server, {args.streams}+{args.streams} streams, "
+        f"#### {args.model} model, 1 server, {args.streams}+{args.streams} streams, "
         f"{args.max_tokens} tokens per request, {args.seconds:g} s per phase"
     )
-    report = "\n".join([title, "", *lines, ""])
-    print(report)
-    if args.output:
-        path = ROOT / args.output
-        previous = path.read_text() if path.exists() else ""
-        path.write_text(previous + "\n" + report)
+    write_report(args.output, [title, "", *lines], f"bench_constrained {args.model}")
 
 
 if __name__ == "__main__":

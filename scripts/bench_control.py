@@ -6,7 +6,7 @@ GetLoad, IsPaused and Pause(KEEP) + Resume, first idle, then while 64 streams wi
 and prompt logprobs 20 (the most a request may ask for) keep it saturated; idle and loaded rounds
 alternate. Target: p99 <= 100 ms under load.
 
-Run: .venv/bin/python -m scripts.bench_control [--rounds 2] [--samples 60] [--output docs/bench-control.md]
+Run: .venv/bin/python -m scripts.bench_control [--rounds 2] [--samples 60] [--output docs/training.md]
 """
 
 from __future__ import annotations
@@ -15,17 +15,14 @@ import argparse
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import grpc
 
-from scripts.bench_common import percentile, write_report
+from scripts.bench_common import add_output_argument, percentile, write_report
 from servers.fleet.local import LocalFleet
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
-
-ROOT = Path(__file__).resolve().parents[1]
 
 HEAVY = gen.SamplingParams(temperature=1.0, max_tokens=200, logprobs=20, prompt_logprobs=20)
 
@@ -116,7 +113,7 @@ async def run(rounds: int, samples: int, streams: int) -> list[str]:
                 for name, latencies in measured.items():
                     results.setdefault((condition, name), []).extend(latencies)
     lines = [
-        "# Control-plane latency: idle vs saturated (scripts/bench_control.py)",
+        "### Control-plane latency: idle vs saturated (`python -m scripts.bench_control`)",
         "",
         f"One engine server (tiny model, 2-core machine), measured directly. Load: {streams} "
         "GenerateStream calls with n=4, logprobs=20, prompt_logprobs=20, 200 tokens, each "
@@ -140,10 +137,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--samples", type=int, default=60)
     parser.add_argument("--streams", type=int, default=64)
-    parser.add_argument("--output", default="docs/bench-control.md")
+    add_output_argument(parser, "training.md")
     args = parser.parse_args()
     lines = asyncio.run(run(args.rounds, args.samples, args.streams))
-    write_report(args.output, lines)
+    write_report(args.output, lines, "bench_control")
 
 
 if __name__ == "__main__":

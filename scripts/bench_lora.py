@@ -8,7 +8,7 @@
 2. Generation throughput at 64 concurrent streams through the router, with the adapter vs the
    base model, alternating rounds.
 
-Run: .venv/bin/python -m scripts.bench_lora [--repeats 5] [--output docs/bench-lora.md]
+Run: .venv/bin/python -m scripts.bench_lora [--repeats 5] [--output docs/training.md]
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from scripts.bench_common import add_output_argument, write_report
 from servers.engine.adapters import AdapterConfig, ModelShapes
 from servers.fleet.local import LocalFleet
 from skyrl_grpc.tiny_model import ensure_tiny_model
 from trainer_client import InferenceClient
-
-ROOT = Path(__file__).resolve().parents[1]
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -81,7 +80,7 @@ async def run(args: argparse.Namespace) -> list[str]:
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     (directory / "adapter_config.json").write_text(json.dumps(config))
     lines = [
-        "# LoRA benchmark (scripts/bench_lora.py)",
+        "### Loading adapters and serving with them (`python -m scripts.bench_lora`)",
         "",
         f"Adapter: rank {config['r']} on {', '.join(MODULES)} of the embedded tiny model "
         f"({len(tensors)} tensors, {size / 1024:.0f} KiB). Median of {args.repeats} loads.",
@@ -131,12 +130,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--output", type=Path)
+    add_output_argument(parser, "training.md")
     args = parser.parse_args()
-    lines = asyncio.run(run(args))
-    print("\n".join(lines))
-    if args.output:
-        args.output.write_text("\n".join(lines) + "\n")
+    write_report(args.output, asyncio.run(run(args)), "bench_lora")
 
 
 if __name__ == "__main__":

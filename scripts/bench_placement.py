@@ -13,7 +13,7 @@
    engine servers (tiny model), one router per policy over the same two servers, run one after
    the other: output tokens/s and prefix-cache hits (``Usage.cached_prompt_tokens``).
 
-Run: .venv/bin/python -m scripts.bench_placement [--engines] [--output docs/bench-placement.md]
+Run: .venv/bin/python -m scripts.bench_placement [--engines] [--output docs/serving.md]
 """
 
 from __future__ import annotations
@@ -26,12 +26,10 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from scripts.bench_common import add_output_argument, write_report
 from skyrl_grpc.placement import POLICIES, PlacementPolicy, make_policy
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # -- the workload --------------------------------------------------------------------------
 
@@ -215,6 +213,8 @@ def simulation_report(args: argparse.Namespace) -> list[str]:
     turns = sum(len(s.turns) for s in workload)
     longest = max(len(s.turns) for s in workload)
     lines = [
+        "### Session placement (`python -m scripts.bench_placement`)",
+        "",
         f"Simulation: {args.servers} servers, {len(workload)} sessions ({turns} turns, "
         f"median {statistics.median(len(s.turns) for s in workload):.0f} and at most {longest} "
         f"per session), Poisson arrivals at {args.rate}/s; server-0 removed at "
@@ -384,16 +384,13 @@ def main() -> None:
     parser.add_argument("--engine-remove-at", type=float, default=4.0)
     parser.add_argument("--engine-readd-at", type=float, default=10.0)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--output", type=Path)
+    add_output_argument(parser, "serving.md")
     args = parser.parse_args()
     lines = simulation_report(args)
     print("\n".join(lines), flush=True)
     if args.engines:
-        more = asyncio.run(engines_report(args))
-        print("\n".join(more), flush=True)
-        lines += more
-    if args.output:
-        args.output.write_text("# Session placement benchmark\n\n" + "\n".join(lines) + "\n")
+        lines += asyncio.run(engines_report(args))
+    write_report(args.output, lines, "bench_placement" + (" engines" if args.engines else ""))
 
 
 if __name__ == "__main__":

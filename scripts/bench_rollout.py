@@ -28,7 +28,7 @@ Then the HTTP edge under vLLM's own load generator (``vllm bench serve``: random
 128 tokens, 128 out, 256 prompts at concurrency 64) against vLLM's HTTP server and vllm-router.
 
 Run: .venv/bin/python -m scripts.bench_rollout [--rounds 5] [--samples 64,256]
-     [--output docs/bench-rollout.md]
+     [--output docs/performance.md]
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from scripts.bench_common import (
     SERVED_NAME,
     Launched,
     ProcessTree,
+    add_output_argument,
     median_range,
     skyrl_router,
     vllm_grpc_available,
@@ -387,7 +388,7 @@ def rollout_table(runs: dict[int, dict[str, list[Run]]]) -> list[str]:
         limit = statistics.median(r.tokens_per_s for r in by_name["in-process"])
         http_cpu = statistics.median(r.cpu_per_1k for r in by_name["vllm-http"])
         lines += [
-            f"### {samples} samples at once",
+            f"#### {samples} samples at once",
             "",
             "| contender | tokens/s | x in-process | server CPU s / 1k tokens | x vllm-http's |",
             "| --- | --- | --- | --- | --- |",
@@ -580,7 +581,7 @@ def contenders(
 
 async def main(args: argparse.Namespace) -> None:
     lines = [
-        "# Rollouts: every way to get a batch out of one engine",
+        "### Rollouts: every way to get a batch out of one engine",
         "",
         f"`python -m scripts.bench_rollout --rounds {args.rounds} --samples {args.samples}` "
         f"({args.tokens} tokens a sample, 16-token prompts, greedy; medians of {args.rounds} "
@@ -591,11 +592,11 @@ async def main(args: argparse.Namespace) -> None:
         if not args.no_rollouts:
             runs = await rollouts(args, groups)
             lines += rollout_table(runs)
-            lines += ["### Targets", "", *targets_table(runs), ""]
+            lines += ["#### Targets", "", *targets_table(runs), ""]
         if not args.no_edge:
-            lines += ["## The HTTP edge under `vllm bench serve`", ""]
+            lines += ["### The HTTP edge under `vllm bench serve`", ""]
             lines += edge_section(args.edge_rounds, edge["edge"], edge["http"], edge["router"])
-    write_report(args.output, lines)
+    write_report(args.output, lines, "bench_rollout")
 
 
 def parse_args() -> argparse.Namespace:
@@ -608,7 +609,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-rollouts", action="store_true")
     parser.add_argument("--no-vllm-grpc", action="store_true")
     parser.add_argument("--router-loop", choices=("asyncio", "uvloop"), default="asyncio")
-    parser.add_argument("--output", default=str(ROOT / "docs" / "bench-rollout.md"))
+    add_output_argument(parser, "performance.md")
     parser.add_argument("--in-process-worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
 

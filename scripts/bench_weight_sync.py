@@ -19,7 +19,7 @@ serving dtype, pushed with ``update_weights`` (deltas: only what changed since t
 
 Run: .venv/bin/python -m scripts.bench_weight_sync [--servers 1] [--tp 1] [--rounds 2]
      [--dtype bfloat16] [--transports grpc,collective] [--rl-lrs 1e-6,1e-5]
-     [--output docs/bench-weight-sync.md]
+     [--output docs/weights.md]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from scripts.bench_common import tree_rss
+from scripts.bench_common import add_output_argument, tree_rss, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -354,7 +354,7 @@ def main() -> None:
         help="RL steps with patches as they are (none), zstd-compressed (zstd), or both "
         "(none,zstd: the same steps twice, side by side)",
     )
-    parser.add_argument("--output", default=None, help="append the table to this markdown file")
+    add_output_argument(parser, "weights.md")
     args = parser.parse_args()
 
     import torch
@@ -378,7 +378,7 @@ def main() -> None:
         )
     reload_floor = statistics.median(floors) if floors else 0.0
     lines = [
-        f"\n### {parameters / 1e6:.0f}M parameters ({total / GiB:.2f} GiB {args.dtype}), "
+        f"\n#### {parameters / 1e6:.0f}M parameters ({total / GiB:.2f} GiB {args.dtype}), "
         f"{args.servers} server(s), TP={args.tp}\n",
         f"Floors, same run: loopback TCP of the full bytes {tcp:.2f} s, gloo broadcast "
         f"{gloo:.2f} s, vLLM's reload of the whole model from the server's memory (R, a "
@@ -400,11 +400,8 @@ def main() -> None:
             f"{row['servers_kept_above_idle'] / total:.2f} | "
             f"{row['trainer_peak_extra'] / total:.2f} |"
         )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.output:
-        with open(args.output, "a") as out:
-            out.write(text)
+    block = f"bench_weight_sync {args.dtype} servers={args.servers} tp={args.tp}"
+    write_report(args.output, lines, block)
 
 
 if __name__ == "__main__":

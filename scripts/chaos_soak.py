@@ -12,7 +12,7 @@ lost (a call that raised), each step's versions (every server on one version aft
 update), and each long-lived process's resident memory and open file descriptors, sampled
 every 10 s (after a warm-up, flat within 10% is the target).
 
-Run: .venv/bin/python -m scripts.chaos_soak --minutes 30 [--kill-every 60] [--output docs/soak.md]
+Run: .venv/bin/python -m scripts.chaos_soak --minutes 30 [--kill-every 60] [--output docs/fleet.md]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 from safetensors.torch import load_file
 
-from scripts.bench_common import tree_fds, tree_rss
+from scripts.bench_common import add_output_argument, tree_fds, tree_rss, write_report
 from servers.fleet.local import LocalFleet
 from skyrl_grpc.tiny_model import ensure_tiny_model
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
@@ -214,7 +214,7 @@ def main() -> None:
     parser.add_argument("--kill-every", type=float, default=60, help="seconds between kills")
     parser.add_argument("--warmup-seconds", type=float, default=120)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--output", default=None, help="append the report to this markdown file")
+    add_output_argument(parser, "fleet.md")
     args = parser.parse_args()
     run = Run()
     events: list[str] = []
@@ -231,12 +231,9 @@ def main() -> None:
             )
 
         asyncio.run(everything())
-    text = "\n".join(report(run, args.minutes, args.warmup_seconds)) + "\n"
-    print(text)
     print("\n".join(events))
-    if args.output:
-        with open(args.output, "a") as out:
-            out.write(text)
+    lines = report(run, args.minutes, args.warmup_seconds)
+    write_report(args.output, lines, f"chaos_soak {args.minutes:g} min")
 
 
 if __name__ == "__main__":
