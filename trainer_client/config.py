@@ -37,7 +37,7 @@ class ClientConfig:
     max_abort_retries: int | None = None
     # Tokens per streamed message for generate() / generate_batch(), which return whole
     # samples: fewer, larger messages cost the server, router and client less CPU per token
-    # (docs/performance.md, docs/bench-rollout.md). A pause, a weight-version change and the
+    # (docs/performance.md). A pause, a weight-version change and the
     # end flush at once.
     stream_interval: int = 16
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES

@@ -153,7 +153,7 @@ class WeightUpdates(WeightDelivery):
         ``delta=False`` keeps none. ``compress_patches``: patches travel zstd-compressed
         (indices as gaps, values as XORs with the base: an RL step's patch shrinks 3-5x), for
         links slower than the CPUs: compressing costs the trainer CPU time once, decompressing
-        each server less (``patch_format``; measured in docs/bench-weight-sync.md). A server
+        each server less (``patch_format``; measured in docs/weights.md). A server
         that does not take them (older than this client) gets its patches uncompressed (over
         the collective, whose broadcasts reach every server: all of them).
 

@@ -1,0 +1,54 @@
+"""The README and docs/ link only to pages and headings that exist (pages were merged and
+renamed; a stale link is the first thing a newcomer trips on)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = FENCE.sub("", page.read_text())
+    return {slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", text, re.M)}
+
+
+def links(page: Path) -> list[str]:
+    return LINK.findall(FENCE.sub("", page.read_text()))
+
+
+def test_every_local_link_names_a_page_and_heading_that_exist() -> None:
+    broken = []
+    for page in PAGES:
+        for link in links(page):
+            if re.match(r"[a-z]+://", link) or link.startswith("mailto:"):
+                continue
+            target, _, anchor = link.partition("#")
+            path = (page.parent / target).resolve() if target else page
+            if not path.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {link} (no such file)")
+            elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+                broken.append(f"{page.relative_to(ROOT)}: {link} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_slug_rule_matches_githubs_for_the_headings_linked_here() -> None:
+    assert slug("Measured: rollouts and the edge") == "measured-rollouts-and-the-edge"
+    assert (
+        slug("Soaks: mixed traffic, and kill -9 under a training loop")
+        == "soaks-mixed-traffic-and-kill--9-under-a-training-loop"
+    )
+    assert (
+        slug("Measured at 0.3B parameters, end to end (`python -m scripts.bench_weight_sync`)")
+        == "measured-at-03b-parameters-end-to-end-python--m-scriptsbench_weight_sync"
+    )
