@@ -191,3 +191,35 @@ def _alive(process: object) -> bool:
         return process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_weight_update_waits_for_a_server_still_starting_and_includes_it(
+    tiny_model_dir: Path,
+) -> None:
+    """A server up but not serving yet (restarted or added: warming up, catching up with its
+    peers): an update told not to wait fails on it (UNAVAILABLE, "starting"); one that waits
+    (the default) waits for it and commits there."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.weights import perturbed
+    from trainer_client import InferenceClient, WeightUpdateError
+
+    weights = perturbed(load_file(str(tiny_model_dir / "model.safetensors")), seed=1)
+    server = ServerProcess()
+    try:
+        address = server.until("listening")["address"]
+
+        async def scenario() -> None:
+            client = InferenceClient(address, [address])
+            with pytest.raises(WeightUpdateError) as refused:
+                await client.update_weights(weights.items(), 1, wait_for_starting=0)
+            assert "starting" in str(refused.value)
+            commits = await client.update_weights(weights.items(), 1)
+            assert commits[address].weight_version == 1
+            assert (await client.weight_versions())[address] == 1
+            await client.close()
+
+        asyncio.run(scenario())
+        assert health_status(address, CONTROL_PLANE) == SERVING
+    finally:
+        server.kill()

@@ -377,6 +377,7 @@ class BlockingInferenceClient:
         lease_seconds: int = 0,
         delta: bool = True,
         compress_patches: bool = False,
+        wait_for_starting: float = 120.0,
     ) -> dict[str, WeightCommit]:
         return self._run(
             self._client.update_weights(
@@ -390,6 +391,7 @@ class BlockingInferenceClient:
                 lease_seconds=lease_seconds,
                 delta=delta,
                 compress_patches=compress_patches,
+                wait_for_starting=wait_for_starting,
             )
         )
 

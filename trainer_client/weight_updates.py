@@ -18,6 +18,7 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 from .exceptions import FailedPrecondition
 from .fanout import fan_out
 from .fleet_info import WeightCommit
+from .readiness import wait_while_starting
 from .results import WeightVersions
 from .weight_calls import TransactionCalls
 from .weight_delivery import PushedWeights, WeightDelivery
@@ -129,6 +130,7 @@ class WeightUpdates(WeightDelivery):
         lease_seconds: int = 0,
         delta: bool = True,
         compress_patches: bool = False,
+        wait_for_starting: float = 120.0,
     ) -> dict[str, WeightCommit]:
         """Pushes new weights to every server and commits ``weight_version`` on all of them,
         or on none: a fleet-wide transaction (``trainer_client.weight_transaction``).
@@ -156,6 +158,9 @@ class WeightUpdates(WeightDelivery):
         each server less (``patch_format``; measured in docs/weights.md). A server
         that does not take them (older than this client) gets its patches uncompressed (over
         the collective, whose broadcasts reach every server: all of them).
+        ``wait_for_starting``: seconds to wait first for servers that are up but not serving
+        yet (restarted or added, warming up or catching up with their peers), so the update
+        includes them instead of failing on them (0: do not wait).
 
         On any failure (a server unreachable, a rejected chunk or version, a timeout) the update
         is cancelled on every server and rolled back where it was already committed, then
@@ -180,6 +185,9 @@ class WeightUpdates(WeightDelivery):
             )
         if not servers:
             raise ValueError("update_weights: the client has no server addresses")
+        starting = await wait_while_starting(self.channel, servers, wait_for_starting)
+        if starting:
+            log.info("still starting after %.0f s, updated anyway: %s", wait_for_starting, starting)
         if weight_version is not None and weight_version <= 0:
             # 0 means "unset" on the wire and every server starts at 0: refused before a byte
             # moves, instead of after the whole model was pushed.
