@@ -113,11 +113,19 @@ def test_tls_flags_reach_the_options(certs: Certificates, tmp_path: Path) -> Non
             certs.server_key,
             "--tls-client-ca",
             certs.ca,
+            "--catch-up-from",
+            "127.0.0.1:1",
+            "--peer-tls-ca",
+            certs.ca,
+            "--peer-tls-cert",
+            certs.client_cert,
+            "--peer-tls-key",
+            certs.client_key,
         ]
     )
-    assert engine_options.options_from_args(args).tls == ServerTls(
-        certs.server_cert, certs.server_key, certs.ca
-    )
+    options = engine_options.options_from_args(args)
+    assert options.tls == ServerTls(certs.server_cert, certs.server_key, certs.ca)
+    assert options.peer_tls == TlsConfig(certs.ca, certs.client_cert, certs.client_key)
     from servers.router import router_server as router
 
     routed = router.options_from_args(
@@ -133,3 +141,42 @@ def test_tls_flags_reach_the_options(certs: Certificates, tmp_path: Path) -> Non
         )
     )
     assert routed.tls is not None and routed.backend_tls == TlsConfig(certs.ca, None, None)
+
+
+@pytest.mark.engine
+async def test_a_server_catches_up_from_a_mutual_tls_peer(
+    certs: Certificates, tiny_model_dir: Path
+) -> None:
+    """A fleet on mutual TLS: a server started with --catch-up-from a peer and the peer TLS
+    flags (CA, client certificate) reads the peer's weights before it serves, bit-identical."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.weights import perturbed
+
+    mutual = ServerTls(certs.server_cert, certs.server_key, client_ca=certs.ca)
+    as_client = TlsConfig(certs.ca, certs.client_cert, certs.client_key)
+    peer = engine_server.EngineServer(engine_options.ServerOptions(tls=mutual))
+    await peer.start()
+    late = None
+    try:
+        await asyncio.wait_for(peer.wait_ready(), timeout=300)
+        client = InferenceClient(peer.address, [peer.address], tls=as_client)
+        weights = perturbed(load_file(str(tiny_model_dir / "model.safetensors")), seed=4)
+        await client.update_weights(weights.items(), 2)
+        late = engine_server.EngineServer(
+            engine_options.ServerOptions(
+                tls=mutual, catch_up_from=[peer.address], peer_tls=as_client
+            )
+        )
+        await late.start()
+        await asyncio.wait_for(late.wait_ready(), timeout=300)
+        both = InferenceClient(peer.address, [peer.address, late.address], tls=as_client)
+        assert dict(await both.weight_versions()) == {peer.address: 2, late.address: 2}
+        sums = await both.weight_checksums()
+        assert sums[late.address] == sums[peer.address] and sums[peer.address]
+        await both.close()
+        await client.close()
+    finally:
+        for server in (late, peer):
+            if server is not None:
+                await server.drain(grace=0)

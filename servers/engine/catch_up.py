@@ -4,18 +4,19 @@ CRC-checked chunks) and committed here through the same update path a trainer's 
 then the peer's LoRA adapters (``ReadLoraAdapter``, the same form), each loaded here through
 the path a LoadLoraAdapter upload takes, at the peer's version.
 
-A restarted or added server is started with its peers' addresses (``--catch-up-from``); the
-engine server runs this after its warm-up and before it reports SERVING, so no router or client
-sends it anything while it is behind, and the trainer is not involved. The peer with the
-newest version is read (the next one on failure); with no peer ahead, or none reachable, the
-server serves what it has, and the log says so. Adapters come from the peer read (or the
-newest one answering), when this server serves LoRA.
+A restarted or added server is started with its peers' addresses (``--catch-up-from``, and
+``--peer-tls-*`` when they serve TLS); the engine server runs this after its warm-up and before
+it reports SERVING, so no router or client sends it anything while it is behind, and the
+trainer is not involved. The peer with the newest version is read (the next one on failure);
+with no peer ahead, or none reachable, the server serves what it has, and the log says so.
+Adapters come from the peer read (or the newest one answering), when this server serves LoRA.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -23,6 +24,7 @@ from skyrl_grpc.channels import open_channel
 from skyrl_grpc.chunk_wire import WireChunk
 from skyrl_grpc.errors import SkyrlError
 from skyrl_grpc.metadata import bearer
+from skyrl_grpc.tls import TlsConfig
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
 
@@ -33,48 +35,56 @@ from .weights.specs import Manifest
 
 log = logging.getLogger(__name__)
 
-# How long a peer gets to say which version it serves.
+# How long a peer gets to say which version it serves, or which adapters it holds.
 PEER_INFO_SECONDS = 10.0
-# How long reading the whole weights from a peer may take.
+# How long reading the whole weights (or one adapter) from a peer may take.
 READ_SECONDS = 600.0
 
 
-async def catch_up(
-    parts: EngineParts, peers: Sequence[str], token: str | None, max_message_bytes: int
-) -> str:
-    """Brings this server to the newest version its ``peers`` serve; returns what happened."""
-    metadata = (bearer(token),) if token else ()
+@dataclass(frozen=True)
+class PeerAccess:
+    """How this server calls its peers: their control token, TLS, message size."""
+
+    token: str | None
+    max_message_bytes: int
+    tls: TlsConfig | None = None
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (bearer(self.token),) if self.token else ()
+
+    def channel(self, peer: str) -> grpc.aio.Channel:
+        return open_channel(peer, tls=self.tls, max_message_bytes=self.max_message_bytes)
+
+
+async def catch_up(parts: EngineParts, peers: Sequence[str], access: PeerAccess) -> str:
+    """Brings this server to the newest version its ``peers`` serve, with their adapters;
+    returns what happened."""
     versions: list[tuple[int, str]] = []
     for peer in peers:
-        async with open_channel(peer, max_message_bytes=max_message_bytes) as channel:
+        async with access.channel(peer) as channel:
             stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
             try:
                 info = await stub.GetServerInfo(
-                    cp.GetServerInfoRequest(), metadata=metadata, timeout=PEER_INFO_SECONDS
+                    cp.GetServerInfoRequest(), metadata=access.metadata, timeout=PEER_INFO_SECONDS
                 )
             except grpc.aio.AioRpcError as error:
                 log.info("catch-up: peer %s did not answer (%s)", peer, error.code().name)
                 continue
         versions.append((info.weight_version, peer))
-    weights, source = await _catch_up_weights(
-        parts, versions, len(peers), metadata, max_message_bytes
-    )
+    weights, source = await _catch_up_weights(parts, versions, len(peers), access)
     if not parts.adapters.limits.enabled or not versions:
         return weights
     peer = source or max(versions)[1]
     try:
-        adapters = await _catch_up_adapters(parts, peer, metadata, max_message_bytes)
+        adapters = await _catch_up_adapters(parts, peer, access)
     except grpc.aio.AioRpcError as error:
         adapters = f"no adapters read from {peer} ({error.code().name}: {error.details()})"
     return f"{weights}; {adapters}"
 
 
 async def _catch_up_weights(
-    parts: EngineParts,
-    versions: list[tuple[int, str]],
-    asked: int,
-    metadata: tuple[tuple[str, str], ...],
-    max_message_bytes: int,
+    parts: EngineParts, versions: list[tuple[int, str]], asked: int, access: PeerAccess
 ) -> tuple[str, str | None]:
     """Reads the newest weights a peer serves; what happened, and the peer read (if any)."""
     current = parts.weights.version
@@ -86,7 +96,7 @@ async def _catch_up_weights(
         ), None
     for version, peer in ahead:
         try:
-            read = await _read_from(parts, peer, metadata, max_message_bytes)
+            read = await _read_from(parts, peer, access)
         except Exception as error:  # the next peer, or behind
             log.warning("catch-up from %s (version %d) failed: %s", peer, version, error)
             continue
@@ -97,49 +107,13 @@ async def _catch_up_weights(
     ), None
 
 
-async def _catch_up_adapters(
-    parts: EngineParts, peer: str, metadata: tuple[tuple[str, str], ...], max_message_bytes: int
-) -> str:
-    """Loads every adapter ``peer`` serves that this server does not serve at its version."""
-    manager = parts.adapters
-    have = {(a.name, a.version) for a in manager.serving()}
-    loaded: list[str] = []
-    async with open_channel(peer, max_message_bytes=max_message_bytes) as channel:
-        stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
-        listed = await stub.ListLoraAdapters(
-            cp.ListLoraAdaptersRequest(), metadata=metadata, timeout=PEER_INFO_SECONDS
-        )
-        for adapter in listed.adapters:
-            if (adapter.name, adapter.version) in have:
-                continue
-            call = stub.ReadLoraAdapter(
-                cp.ReadLoraAdapterRequest(name=adapter.name),
-                metadata=metadata,
-                timeout=READ_SECONDS,
-            )
-            try:
-                upload: AdapterUpload | None = None
-                async for message in call:
-                    if upload is None:
-                        upload = manager.upload(control_convert.adapter_spec(message))
-                    else:
-                        upload.add(control_convert.adapter_item(message))
-                if upload is not None:
-                    await manager.load(upload)
-                    loaded.append(f"{adapter.name} v{adapter.version}")
-            except (grpc.aio.AioRpcError, SkyrlError) as error:  # the others still load
-                call.cancel()
-                log.warning("catch-up: adapter %s from %s failed: %s", adapter.name, peer, error)
-    return f"adapters from {peer}: {', '.join(loaded) or 'none needed'}"
-
-
-async def _read_from(
-    parts: EngineParts, peer: str, metadata: tuple[tuple[str, str], ...], max_message_bytes: int
-) -> int:
+async def _read_from(parts: EngineParts, peer: str, access: PeerAccess) -> int:
     """Reads ``peer``'s weights and commits them here as its version; returns it."""
-    async with open_channel(peer, max_message_bytes=max_message_bytes) as channel:
+    async with access.channel(peer) as channel:
         stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
-        call = stub.ReadWeights(cp.ReadWeightsRequest(), metadata=metadata, timeout=READ_SECONDS)
+        call = stub.ReadWeights(
+            cp.ReadWeightsRequest(), metadata=access.metadata, timeout=READ_SECONDS
+        )
         messages = call.__aiter__()
         first = await messages.__anext__()
         version = first.weight_version
@@ -159,3 +133,37 @@ async def _read_from(
                 await updates.cancel()
             raise
     return version
+
+
+async def _catch_up_adapters(parts: EngineParts, peer: str, access: PeerAccess) -> str:
+    """Loads every adapter ``peer`` serves that this server does not serve at its version."""
+    manager = parts.adapters
+    have = {(a.name, a.version) for a in manager.serving()}
+    loaded: list[str] = []
+    async with access.channel(peer) as channel:
+        stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
+        listed = await stub.ListLoraAdapters(
+            cp.ListLoraAdaptersRequest(), metadata=access.metadata, timeout=PEER_INFO_SECONDS
+        )
+        for adapter in listed.adapters:
+            if (adapter.name, adapter.version) in have:
+                continue
+            call = stub.ReadLoraAdapter(
+                cp.ReadLoraAdapterRequest(name=adapter.name),
+                metadata=access.metadata,
+                timeout=READ_SECONDS,
+            )
+            try:
+                upload: AdapterUpload | None = None
+                async for message in call:
+                    if upload is None:
+                        upload = manager.upload(control_convert.adapter_spec(message))
+                    else:
+                        upload.add(control_convert.adapter_item(message))
+                if upload is not None:
+                    await manager.load(upload)
+                    loaded.append(f"{adapter.name} v{adapter.version}")
+            except (grpc.aio.AioRpcError, SkyrlError) as error:  # the others still load
+                call.cancel()
+                log.warning("catch-up: adapter %s from %s failed: %s", adapter.name, peer, error)
+    return f"adapters from {peer}: {', '.join(loaded) or 'none needed'}"

@@ -44,7 +44,7 @@ from ..common.process import announce, configure_logging, exit_now, serve_until_
 from ..common.reaper import reap_children_on_exit
 from ..common.tasks import BackgroundTasks
 from .admission import Admission
-from .catch_up import catch_up
+from .catch_up import PeerAccess, catch_up
 from .control_plane import ControlPlaneServicer, add_control_plane
 from .data_plane import DataPlaneServicer
 from .engine_logs import root_cause, route_vllm_logs
@@ -157,12 +157,12 @@ class EngineServer:
             self.state.set_ready(parts)  # so a drain shuts it down
             await parts.engine.warm_up()
             if self.options.catch_up_from:  # before anything is served: nobody sees it behind
-                outcome = await catch_up(
-                    parts,
-                    self.options.catch_up_from,
+                access = PeerAccess(
                     self.options.control_token,
                     self.options.max_message_bytes,
+                    self.options.peer_tls,
                 )
+                outcome = await catch_up(parts, self.options.catch_up_from, access)
                 log.info("catch-up: %s", outcome)
         except Exception as error:
             self.failure = (

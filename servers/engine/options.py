@@ -13,6 +13,7 @@ from typing import Any
 
 from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB
 from skyrl_grpc.placement.session_directory import SESSION_IDLE_SECONDS
+from skyrl_grpc.tls import TlsConfig
 
 from ..common.listener import ServerTls, add_message_size_argument, add_tls_arguments, tls_from_args
 
@@ -114,6 +115,8 @@ class ServerOptions:
     # Peers (host:port) to read the fleet's current weights from before serving (``catch_up``):
     # what a supervisor passes a restarted or added server.
     catch_up_from: list[str] = field(default_factory=list)
+    # TLS of the channels to those peers (None: plain), as the router's to its backends.
+    peer_tls: TlsConfig | None = None
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -266,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated peers (host:port): before serving, read the newest weights they "
         "serve (a restarted or added server catches up with its fleet without the trainer)",
     )
+    parser.add_argument("--peer-tls-ca", default=None, help="PEM CA to verify TLS peers")
+    parser.add_argument("--peer-tls-cert", default=None, help="client certificate for mTLS peers")
+    parser.add_argument("--peer-tls-key", default=None, help="its private key")
     parser.add_argument(
         "--control-token",
         default=os.environ.get("SKYRL_CONTROL_TOKEN"),
@@ -337,4 +343,9 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         limits=limits_from_args(args),
         keep_freed_memory=not args.return_freed_memory,
         catch_up_from=[peer for peer in args.catch_up_from.split(",") if peer],
+        peer_tls=(
+            TlsConfig(args.peer_tls_ca, args.peer_tls_cert, args.peer_tls_key)
+            if args.peer_tls_ca or args.peer_tls_cert
+            else None
+        ),
     )
