@@ -233,3 +233,38 @@ def test_a_restarted_server_catches_up_from_its_peer_before_it_serves(
     lora = ["--enable-lora", "--max-lora-rank", "8"]
     with LocalFleet(2, engine_args=lora, log_dir=None) as stack:
         asyncio.run(scenario(stack))
+
+
+def test_the_collective_group_forms_again_after_a_server_restarts(tiny_model_dir: Path) -> None:
+    """kill -9 of a server in the trainer's gloo group: restarted (and caught up from its
+    peer), it is in no group; the trainer's next collective update forms the group again by
+    itself, with no call of the trainer's, and commits on both servers."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.weights import perturbed
+
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+
+    async def scenario(stack: LocalFleet) -> None:
+        events: list[str] = []
+        stack.on_event = events.append
+        stack.supervise()
+        client = InferenceClient(stack.addresses.router, stack.addresses.servers)
+        first = await client.init_weight_transfer("gloo", timeout_seconds=60)
+        await client.update_weights(perturbed(original, seed=1).items(), 1)
+        victim, peer = stack.addresses.servers
+        killed = time.monotonic()
+        await asyncio.to_thread(stack.kill_server, 0)
+        while not any("is back" in e for e in events):
+            assert time.monotonic() - killed < 300, events
+            await asyncio.sleep(0.2)
+        assert (await client.weight_versions())[victim] == 1  # caught up from its peer
+        commits = await client.update_weights(perturbed(original, seed=2).items(), 2)
+        assert {a: c.weight_version for a, c in commits.items()} == {victim: 2, peer: 2}
+        sums = await client.weight_checksums()
+        assert sums[victim] == sums[peer] and sums[victim]
+        assert client.has_weight_group and set(first) == {victim, peer}
+        await client.close()
+
+    with LocalFleet(2, log_dir=None) as stack:
+        asyncio.run(scenario(stack))

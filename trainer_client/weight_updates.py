@@ -173,6 +173,8 @@ class WeightUpdates(WeightDelivery):
             transport = "collective" if sender is not None else "grpc"
         if transport not in ("collective", "grpc"):
             raise ValueError(f"transport {transport!r}: use 'collective' or 'grpc'")
+        if transport == "collective" and sender is not None:
+            sender = await self._current_group(sender)
         # In-band: the fleet as it is now; the collective: the servers that joined its group.
         servers = (
             list(self._group_servers)
@@ -244,6 +246,52 @@ class WeightUpdates(WeightDelivery):
         if delta:
             self._last_pushed = PushedWeights.after(base, weight_version, tensors)
         return commits
+
+    async def _current_group(self, sender: CollectiveSender) -> CollectiveSender:
+        """The collective group, formed again first if the fleet moved since it formed (a
+        server restarted, so it is in no group or another one; one added or removed), with
+        the same backend and rendezvous address. A server that does not answer is left for
+        the update to report."""
+        servers = await self._control_servers()
+        request = cp.GetServerInfoRequest()
+        answers = await asyncio.gather(
+            *(
+                self._unary(a, self._control(a).GetServerInfo, request, self.config.control_timeout)
+                for a in servers
+            ),
+            return_exceptions=True,
+        )
+        infos = [a for a in answers if isinstance(a, cp.GetServerInfoResponse)]
+        if len(infos) < len(servers):
+            return sender
+
+        def in_group(info: cp.GetServerInfoResponse) -> bool:
+            group = info.weight_transfer_group
+            return (
+                info.HasField("weight_transfer_group")
+                and group.master_port == sender.master_port
+                and group.master_address == sender.master_address
+            )
+
+        left = [a for a, info in zip(servers, infos, strict=True) if not in_group(info)]
+        if not left and set(servers) == set(self._group_servers):
+            return sender
+        log.info(
+            "the fleet moved since the %s group formed (not in it: %s; was %s, is %s): forming "
+            "it again",
+            sender.backend,
+            left,
+            self._group_servers,
+            servers,
+        )
+        await self.init_weight_transfer(
+            sender.backend,
+            master_address=sender.master_address,
+            group_name=sender.group_name,
+            timeout_seconds=sender.timeout_seconds,
+        )
+        assert self._sender is not None
+        return self._sender
 
     async def cancel_weight_update(self, *, timeout: float | None = None) -> dict[str, int]:
         """Cancels the weight update open on any server (e.g. one a crashed trainer left);

@@ -237,6 +237,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             skyrl_grpc.__version__,
             parts.weights.updates.open,
             parts.weights.updates.rollback_version,
+            parts.weights.updates.group,
         )
 
     async def GetLoad(self, request: cp.GetLoadRequest, context: Context) -> cp.GetLoadResponse:

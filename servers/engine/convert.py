@@ -26,6 +26,7 @@ from .descriptions import ModelDescription, ServerDescription
 if TYPE_CHECKING:
     from vllm import SamplingParams as VllmSamplingParams
 
+    from .weights.protocol import Group
     from .weights.staging import OpenUpdate
 
 # Optional sampling fields passed to vLLM under the same name when set.
@@ -331,6 +332,7 @@ def server_info_to_proto(
     server_version: str,
     open_update: OpenUpdate | None,
     rollback_version: int | None,
+    group: Group | None = None,
 ) -> cp.GetServerInfoResponse:
     limits = server.lora
     info = cp.GetServerInfoResponse(
@@ -358,6 +360,16 @@ def server_info_to_proto(
         served_model_name=server.served_model_name,
         device=server.device,
     )
+    if group is not None:
+        info.weight_transfer_group.CopyFrom(
+            cp.WeightTransferGroup(
+                group_name=group["group_name"],
+                master_address=group["master_address"],
+                master_port=group["master_port"],
+                rank_offset=group["rank_offset"],
+                world_size=group["world_size"],
+            )
+        )
     if open_update is not None:
         info.open_weight_update.CopyFrom(
             cp.OpenWeightUpdate(
