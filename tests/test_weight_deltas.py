@@ -356,11 +356,12 @@ async def test_a_server_that_moved_since_the_client_looked_refuses_the_patch_and
     # The client looked before the second server moved: it broadcasts patches, which that
     # server refuses (FAILED_PRECONDITION, nothing staged); the whole weights follow to both.
     from trainer_client import weight_calls
+    from trainer_client.update_plan import ServerState
 
-    async def stale_view(self: Any, address: str) -> int:
-        return version
+    async def stale_view(self: Any, address: str) -> ServerState:
+        return ServerState(version, takes_compressed=True)
 
-    monkeypatch.setattr(weight_calls.TransactionCalls, "serving_version", stale_view)
+    monkeypatch.setattr(weight_calls.TransactionCalls, "state", stale_view)
     stepped = a_training_step(base, seed=62)
     await client.update_weights(stepped.items(), version + 2, transport="collective")
     sent = client.last_push_bytes
@@ -537,18 +538,19 @@ async def test_a_server_that_does_not_take_compressed_patches_gets_them_plain(
     delta_fleet: DeltaFleet, broadcasting_client: InferenceClient, monkeypatch: Any
 ) -> None:
     from trainer_client import weight_calls
+    from trainer_client.update_plan import ServerState
 
     client, servers = broadcasting_client, delta_fleet.servers
     newer, older = servers
-    asked = weight_calls.TransactionCalls.serving_version
+    asked = weight_calls.TransactionCalls.state
 
-    async def as_an_older_server(self: Any, address: str) -> int:
-        version = await asked(self, address)
+    async def as_an_older_server(self: Any, address: str) -> ServerState:
+        state = await asked(self, address)
         if address == older:  # its GetServerInfo lacks capabilities.compressed_weight_patches
-            self.reading_compressed.discard(address)
-        return version
+            return ServerState(state.version, takes_compressed=False)
+        return state
 
-    monkeypatch.setattr(weight_calls.TransactionCalls, "serving_version", as_an_older_server)
+    monkeypatch.setattr(weight_calls.TransactionCalls, "state", as_an_older_server)
     weights = perturbed(delta_fleet.original, seed=95)
     version = await next_version(client)
     await client.update_weights(weights.items(), version, transport="grpc")

@@ -10,6 +10,7 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from .client_core import ClientCore, ControlRpc, Request, Response
 from .fleet_info import WeightCommit
+from .update_plan import ServerState
 
 
 def owner_name() -> str:
@@ -24,8 +25,6 @@ class TransactionCalls:
         self._client = client
         self._lease_seconds = lease_seconds
         self._owner = owner_name()
-        # The servers that said they take compressed patches (``serving_version`` asks).
-        self.reading_compressed: set[str] = set()
 
     async def start(self, address: str, version: int) -> int:
         request = cp.StartWeightUpdateRequest(
@@ -48,10 +47,13 @@ class TransactionCalls:
         return response.weight_version
 
     async def serving_version(self, address: str) -> int:
+        return (await self.state(address)).version
+
+    async def state(self, address: str) -> ServerState:
+        """What the update's plan needs of a server: its version, and whether it takes
+        compressed patches."""
         info = await self._call(address, cp.GetServerInfoRequest(), lambda s: s.GetServerInfo)
-        if info.capabilities.compressed_weight_patches:
-            self.reading_compressed.add(address)
-        return info.weight_version
+        return ServerState(info.weight_version, info.capabilities.compressed_weight_patches)
 
     async def _call(
         self, address: str, request: Request, rpc: ControlRpc[Request, Response]

@@ -10,7 +10,6 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -22,6 +21,7 @@ from .client_core import ClientCore
 from .delta_patches import weight_patches
 from .exceptions import FailedPrecondition
 from .fanout import failures_of
+from .update_plan import PushedWeights, UpdatePlan
 from .weight_sending import (
     CollectiveSender,
     PackedBucket,
@@ -51,50 +51,47 @@ class WeightDelivery(ClientCore):
 
     async def _broadcast(
         self,
+        plan: UpdatePlan,
         sender: CollectiveSender,
         addresses: Sequence[str],
         tensors: list[tuple[str, Any]],
-        base: PushedWeights | None,
-        bucket_bytes: int,
-        checksums: bool,
-        compress: bool,
-        timeout: float,
     ) -> dict[str, BaseException]:
-        """Broadcasts to every server: patches against ``base`` (when given), else the whole
-        weights, and the whole weights again if a server refuses the patches (its version
-        moved: the others stage the whole values over their patches). Patches are computed a
-        group at a time, one group ahead of the broadcast (as ``_push`` does); whole weights go
-        as one call."""
+        """Broadcasts to every server: patches against the plan's base when every server
+        serves its version (one broadcast reaches them all), else the whole weights, and the
+        whole weights again if a server refuses the patches (its version moved: the others
+        stage the whole values over their patches). Patches are computed a group at a time,
+        one group ahead of the broadcast (as ``_push`` does); whole weights go as one call."""
         self.last_push_bytes = dict.fromkeys(addresses, 0)
-        if base is not None:
+        if plan.base is not None and plan.all_patched(addresses):
+            compress = plan.compressing.issuperset(addresses)
             failures = await self._broadcast_groups(
-                sender, addresses, tensors, base, bucket_bytes, checksums, compress, timeout
+                plan, sender, addresses, tensors, plan.base, compress
             )
             if not any(isinstance(f, FailedPrecondition) for f in failures.values()):
                 return failures
             log.info("a server refused the patches (its version moved): broadcasting it all")
-        return await self._broadcast_groups(
-            sender, addresses, tensors, None, bucket_bytes, checksums, compress, timeout
-        )
+        return await self._broadcast_groups(plan, sender, addresses, tensors, None, False)
 
     async def _broadcast_groups(
         self,
+        plan: UpdatePlan,
         sender: CollectiveSender,
         addresses: Sequence[str],
         tensors: list[tuple[str, Any]],
         base: PushedWeights | None,
-        bucket_bytes: int,
-        checksums: bool,
         compress: bool,
-        timeout: float,
     ) -> dict[str, BaseException]:
+        sending = plan.sending
         groups = push_groups(tensors, BROADCAST_GROUP_BYTES) if base is not None else [tensors]
 
         def make(index: int) -> list[PackedBucket]:
             if base is None:
-                return plan_buckets(tensor_entries(groups[index], checksums), bucket_bytes)
-            entries = weight_patches(groups[index], base.tensors, base.version, checksums, compress)
-            return plan_buckets(entries, bucket_bytes)
+                entries = tensor_entries(groups[index], sending.checksums)
+            else:
+                entries = weight_patches(
+                    groups[index], base.tensors, base.version, sending.checksums, compress
+                )
+            return plan_buckets(entries, sending.bucket_bytes)
 
         prepared = OneAhead(make, len(groups))
         try:
@@ -102,7 +99,9 @@ class WeightDelivery(ClientCore):
                 buckets = await prepared.get(index)
                 if not buckets:
                     continue  # nothing of this group changed
-                failures = await self._broadcast_buckets(sender, addresses, buckets, timeout)
+                failures = await self._broadcast_buckets(
+                    sender, addresses, buckets, sending.timeout
+                )
                 if failures:
                     return failures
             return {}
@@ -136,24 +135,17 @@ class WeightDelivery(ClientCore):
         return failures
 
     async def _push(
-        self,
-        addresses: Sequence[str],
-        tensors: list[tuple[str, Any]],
-        base: PushedWeights | None,
-        serving: dict[str, int],
-        chunk_bytes: int,
-        checksums: bool,
-        compressing: set[str],
-        timeout: float,
+        self, plan: UpdatePlan, addresses: Sequence[str], tensors: list[tuple[str, Any]]
     ) -> dict[str, BaseException]:
-        """Pushes to every server: a patch against ``base`` where the server serves its version
-        (compressed to the servers in ``compressing``), the whole weights elsewhere, and to a
+        """Pushes to every server: a patch against the plan's base where the server serves its
+        version (compressed where the plan says), the whole weights elsewhere, and to a
         server that refuses the patch (its version moved). The tensors go in groups of
         ``PUSH_GROUP_BYTES``, one PushWeights stream each (an update takes any number): a worker
         thread prepares the next group's stream (its patches, checksums) while the current one
         is sent, so the trainer's work overlaps the transfer and the servers' instead of
         preceding them. Each group is prepared once for all servers; a group with nothing
         changed sends nothing."""
+        base, sending = plan.base, plan.sending
         groups = push_groups(tensors, PUSH_GROUP_BYTES)
 
         # What a server gets: patches (compressed or not), or whole values.
@@ -165,11 +157,11 @@ class WeightDelivery(ClientCore):
             if patched:
                 assert base is not None
                 entries = weight_patches(
-                    groups[index], base.tensors, base.version, checksums, compress
+                    groups[index], base.tensors, base.version, sending.checksums, compress
                 )
             else:
-                entries = tensor_entries(groups[index], checksums)
-            return PushStream(entries, chunk_bytes)
+                entries = tensor_entries(groups[index], sending.checksums)
+            return PushStream(entries, sending.chunk_bytes)
 
         # Each variant prepared once for every server that takes it (none before one asks).
         prepared = {
@@ -193,13 +185,12 @@ class WeightDelivery(ClientCore):
                 if sent.empty:
                     continue
                 self.last_push_bytes[address] += sent.total_bytes
-                await self._unary(address, method(address), iter(sent), timeout)
+                await self._unary(address, method(address), iter(sent), sending.timeout)
 
         async def push(address: str) -> None:
-            patched = base is not None and serving.get(address) == base.version
-            if patched:
+            if plan.patched(address):
                 try:
-                    await send_all(address, compressed if address in compressing else patches)
+                    await send_all(address, compressed if address in plan.compressing else patches)
                     return
                 except FailedPrecondition:
                     # Refused before anything of that stream was staged; whole tensors staged
@@ -236,36 +227,3 @@ class OneAhead(Generic[T]):
         in its thread (at most one ahead) finishes there and is discarded."""
         for pending in self._started.values():
             pending.cancel()
-
-
-@dataclass
-class PushedWeights:
-    """The tensors this client last committed in-band, as ``version`` (copies, on their
-    device): what the next update's patches are computed against."""
-
-    version: int
-    tensors: dict[str, Any]
-
-    @staticmethod
-    def after(
-        previous: PushedWeights | None, version: int, pushed: list[tuple[str, Any]]
-    ) -> PushedWeights:
-        """The record once ``pushed`` committed as ``version``: the previous record's tensors
-        (parameters not pushed this time are unchanged on the servers) with the pushed ones
-        copied in. A copy goes into the previous record's tensor of the same shape, type and
-        device (the previous record is dropped): no second copy of the model, no fresh memory
-        to fault in every step."""
-        tensors = dict(previous.tensors) if previous is not None else {}
-        for name, tensor in pushed:
-            source = tensor.detach()
-            kept = tensors.get(name)
-            if (
-                kept is not None
-                and kept.shape == source.shape
-                and kept.dtype == source.dtype
-                and kept.device == source.device
-            ):
-                kept.copy_(source)
-            else:
-                tensors[name] = source.clone()
-        return PushedWeights(version, tensors)

@@ -20,8 +20,9 @@ from .fanout import fan_out
 from .fleet_info import WeightCommit
 from .readiness import wait_while_starting
 from .results import WeightVersions
+from .update_plan import PushedWeights, Sending, make_plan
 from .weight_calls import TransactionCalls
-from .weight_delivery import PushedWeights, WeightDelivery
+from .weight_delivery import WeightDelivery
 from .weight_sending import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHUNK_BYTES,
@@ -198,53 +199,27 @@ class WeightUpdates(WeightDelivery):
                 "(None: one more than the newest version any server serves)"
             )
         calls = TransactionCalls(self, lease_seconds)
-        in_band = not (sender is not None and transport == "collective")
-        base = self._last_pushed if delta else None
-        # What each server serves, from those that answer (one that does not fails the update
-        # at its start, where the error reports every server): asked once, when the version
-        # is to be chosen or a delta's base is to be matched.
-        serving: dict[str, int] = {}
-        if weight_version is None or base is not None:
-            answers = await asyncio.gather(
-                *(calls.serving_version(a) for a in servers), return_exceptions=True
-            )
-            serving = {a: v for a, v in zip(servers, answers, strict=True) if isinstance(v, int)}
-        if weight_version is None:
-            weight_version = 1 + max(serving.values(), default=0)
-
-        # Who takes compressed patches: asked with the serving versions (a delta needs those).
-        compressing = calls.reading_compressed if compress_patches and base is not None else set()
-        if compress_patches and base is not None and set(servers) - compressing:
-            log.info(
-                "%s do not take compressed patches: they get theirs uncompressed",
-                ", ".join(sorted(set(servers) - compressing)),
-            )
+        collective = sender is not None and transport == "collective"
+        plan = await make_plan(
+            servers,
+            weight_version,
+            self._last_pushed if delta else None,
+            collective=collective,
+            compress=compress_patches,
+            sending=Sending(chunk_bytes, bucket_bytes, checksums, timeout),
+            state=calls.state,
+        )
 
         async def transfer(addresses: Sequence[str]) -> dict[str, BaseException]:
-            if not in_band:
+            if collective:
                 assert sender is not None
-                # One broadcast reaches every server: patches only when all serve the base.
-                patched = base is not None and all(
-                    serving.get(a) == base.version for a in addresses
-                )
-                return await self._broadcast(
-                    sender,
-                    addresses,
-                    tensors,
-                    base if patched else None,
-                    bucket_bytes,
-                    checksums,
-                    compressing.issuperset(addresses),
-                    timeout,
-                )
-            return await self._push(
-                addresses, tensors, base, serving, chunk_bytes, checksums, compressing, timeout
-            )
+                return await self._broadcast(plan, sender, addresses, tensors)
+            return await self._push(plan, addresses, tensors)
 
-        commits = await run_weight_transaction(servers, weight_version, calls, transfer)
+        commits = await run_weight_transaction(plan.servers, plan.version, calls, transfer)
         self._last_pushed = None
         if delta:
-            self._last_pushed = PushedWeights.after(base, weight_version, tensors)
+            self._last_pushed = PushedWeights.after(plan.base, plan.version, tensors)
         return commits
 
     async def _current_group(self, sender: CollectiveSender) -> CollectiveSender:
