@@ -257,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="start N engine servers and a router (locally or on Ray) and keep them running",
         description="Starts N engine servers and a router and supervises them: a server that "
         "dies is reported and restarted on its address (with backoff); the router re-admits "
-        "it. A restarted server serves its initial weights (version 0): push weights again. "
+        "it. A restarted or added server reads its peers' weights and LoRA adapters before it "
+        "serves. "
         "Every `skyrl-grpc serve` flag not listed here (--tool-call-parser, --data-token, "
         "--max-n, --dtype, TLS, ...) goes to every server, locally and on Ray.",
     )
@@ -276,7 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The command line, checked as ``main`` runs it but without running it (every flag; the
+    server flags ``up`` passes on); exits naming what is wrong. Returns the arguments and what
+    goes on to the demo's trainer (``demo``) or to every server (``up``)."""
     args, rest = build_parser().parse_known_args(argv)
     if rest and args.command == "up":
         # Every other `serve` flag goes to every server: checked here, before anything starts.
@@ -287,6 +291,11 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("skyrl-grpc up: servers' ports are --base-port / --server-ports")
     elif rest and args.command != "demo":
         build_parser().parse_args(argv)  # reports the unknown arguments and exits
+    return args, rest
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, rest = parse(argv)
     configure_logging(logging.WARNING if args.command in ("demo", "up") else logging.INFO)
     args.func(args, rest)
 
