@@ -145,7 +145,9 @@ def test_a_killed_router_is_restarted_at_its_address_and_sessions_keep_their_ser
         )
         await running_on_engines(client, 1, batch)
         async with grpc.aio.insecure_channel(router) as channel:
-            homes = {s: await routed_to(channel, s) for s in sessions}
+            # Asked all at once: one by one, on a busy machine, the generation could end first.
+            placed = await asyncio.gather(*(routed_to(channel, s) for s in sessions))
+        homes = dict(zip(sessions, placed, strict=True))
         killed = time.monotonic()
         await asyncio.to_thread(stack.kill_router)
         assert not batch.done(), "generation finished before the fault"

@@ -92,9 +92,8 @@ async def test_a_node_that_leaves_takes_its_server_and_the_fleet_heals(
                 assert time.monotonic() < deadline, states
                 await asyncio.sleep(0.2)
             assert old_address not in states
-        # A training step across the new fleet: pause, a fleet-wide update, resume.
-        await client.close()
-        client = InferenceClient(fleet.addresses.router, list(fleet.addresses.servers))
+        # A training step across the new fleet with the client built before the server moved
+        # (it follows the router's membership): pause, a fleet-wide update, resume.
         await client.pause("keep")
         weights = load_file(str(tiny_model_dir / "model.safetensors"))
         await client.update_weights(weights.items(), 1)
@@ -102,6 +101,7 @@ async def test_a_node_that_leaves_takes_its_server_and_the_fleet_heals(
         stepped = time.monotonic() - left
         versions = await client.weight_versions()
         assert versions.consistent and versions.newest == 1
+        assert set(versions) == {new_address, fleet.addresses.servers[1 - victim]}
         # The same greedy tokens as before the node left (the same weights, re-pushed).
         again = await client.generate_batch(prompts[:4], greedy, session_ids=sessions[:4])
         assert [r.token_ids for r in again] == [r.token_ids for r in results[:4]]
@@ -200,7 +200,8 @@ async def test_a_killed_router_actor_is_back_at_its_address_with_sessions_on_the
         batch = asyncio.ensure_future(client.generate_batch(prompts, greedy, session_ids=sessions))
         await running_on_engines(client, 1, batch)
         async with grpc.aio.insecure_channel(router) as channel:
-            homes = {s: await routed_to(channel, s) for s in sessions}
+            placed = await asyncio.gather(*(routed_to(channel, s) for s in sessions))
+        homes = dict(zip(sessions, placed, strict=True))
         killed = time.monotonic()
         await asyncio.to_thread(fleet.kill_router)
         back = await wait_for(events, "routes to the fleet again", 300)
