@@ -5,6 +5,7 @@ the serving weights unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -358,8 +359,10 @@ async def test_a_server_that_moved_since_the_client_looked_refuses_the_patch_and
     from trainer_client import weight_calls
     from trainer_client.update_plan import ServerState
 
+    asked = weight_calls.TransactionCalls.state
+
     async def stale_view(self: Any, address: str) -> ServerState:
-        return ServerState(version, takes_compressed=True)
+        return dataclasses.replace(await asked(self, address), version=version)
 
     monkeypatch.setattr(weight_calls.TransactionCalls, "state", stale_view)
     stepped = a_training_step(base, seed=62)
@@ -547,7 +550,7 @@ async def test_a_server_that_does_not_take_compressed_patches_gets_them_plain(
     async def as_an_older_server(self: Any, address: str) -> ServerState:
         state = await asked(self, address)
         if address == older:  # its GetServerInfo lacks capabilities.compressed_weight_patches
-            return ServerState(state.version, takes_compressed=False)
+            return dataclasses.replace(state, takes_compressed=False)
         return state
 
     monkeypatch.setattr(weight_calls.TransactionCalls, "state", as_an_older_server)

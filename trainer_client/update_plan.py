@@ -17,11 +17,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServerState:
-    """What one server said before the update: the version it serves, and whether it takes
-    compressed patches (an older server does not)."""
+    """What one server said before the update: the version it serves, whether it takes
+    compressed patches (an older server does not), and the rendezvous (address, port) of the
+    collective group it is in (None: none, as after a restart)."""
 
     version: int
     takes_compressed: bool
+    group: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ class TransactionCalls:
         self._client = client
         self._lease_seconds = lease_seconds
         self._owner = owner_name()
+        # Each server's state as first asked in this update (``state``).
+        self._states: dict[str, ServerState] = {}
 
     async def start(self, address: str, version: int) -> int:
         request = cp.StartWeightUpdateRequest(
@@ -47,13 +49,28 @@ class TransactionCalls:
         return response.weight_version
 
     async def serving_version(self, address: str) -> int:
-        return (await self.state(address)).version
+        """The version ``address`` serves now (asked again: the transaction reports it)."""
+        return (await self._ask(address)).version
 
     async def state(self, address: str) -> ServerState:
-        """What the update's plan needs of a server: its version, and whether it takes
-        compressed patches."""
+        """What the update needs of a server before it starts (its version, whether it takes
+        compressed patches, its collective group), asked once per update: the group check and
+        the plan share the answer."""
+        known = self._states.get(address)
+        if known is None:
+            known = self._states[address] = await self._ask(address)
+        return known
+
+    async def _ask(self, address: str) -> ServerState:
         info = await self._call(address, cp.GetServerInfoRequest(), lambda s: s.GetServerInfo)
-        return ServerState(info.weight_version, info.capabilities.compressed_weight_patches)
+        group = info.weight_transfer_group
+        return ServerState(
+            info.weight_version,
+            info.capabilities.compressed_weight_patches,
+            (group.master_address, group.master_port)
+            if info.HasField("weight_transfer_group")
+            else None,
+        )
 
     async def _call(
         self, address: str, request: Request, rpc: ControlRpc[Request, Response]

@@ -20,7 +20,7 @@ from .fanout import fan_out
 from .fleet_info import WeightCommit
 from .readiness import wait_while_starting
 from .results import WeightVersions
-from .update_plan import PushedWeights, Sending, make_plan
+from .update_plan import PushedWeights, Sending, ServerState, make_plan
 from .weight_calls import TransactionCalls
 from .weight_delivery import WeightDelivery
 from .weight_sending import (
@@ -174,8 +174,9 @@ class WeightUpdates(WeightDelivery):
             transport = "collective" if sender is not None else "grpc"
         if transport not in ("collective", "grpc"):
             raise ValueError(f"transport {transport!r}: use 'collective' or 'grpc'")
+        calls = TransactionCalls(self, lease_seconds)
         if transport == "collective" and sender is not None:
-            sender = await self._current_group(sender)
+            sender = await self._current_group(sender, calls)
         # In-band: the fleet as it is now; the collective: the servers that joined its group.
         servers = (
             list(self._group_servers)
@@ -198,7 +199,6 @@ class WeightUpdates(WeightDelivery):
                 f"weight_version={weight_version}: versions start at 1 and must increase "
                 "(None: one more than the newest version any server serves)"
             )
-        calls = TransactionCalls(self, lease_seconds)
         collective = sender is not None and transport == "collective"
         plan = await make_plan(
             servers,
@@ -222,33 +222,20 @@ class WeightUpdates(WeightDelivery):
             self._last_pushed = PushedWeights.after(plan.base, plan.version, tensors)
         return commits
 
-    async def _current_group(self, sender: CollectiveSender) -> CollectiveSender:
+    async def _current_group(
+        self, sender: CollectiveSender, calls: TransactionCalls
+    ) -> CollectiveSender:
         """The collective group, formed again first if the fleet moved since it formed (a
         server restarted, so it is in no group or another one; one added or removed), with
         the same backend and rendezvous address. A server that does not answer is left for
-        the update to report."""
+        the update to report. The servers' answers (``calls.state``) serve the plan too."""
         servers = await self._control_servers()
-        request = cp.GetServerInfoRequest()
-        answers = await asyncio.gather(
-            *(
-                self._unary(a, self._control(a).GetServerInfo, request, self.config.control_timeout)
-                for a in servers
-            ),
-            return_exceptions=True,
-        )
-        infos = [a for a in answers if isinstance(a, cp.GetServerInfoResponse)]
-        if len(infos) < len(servers):
+        answers = await asyncio.gather(*(calls.state(a) for a in servers), return_exceptions=True)
+        states = [a for a in answers if isinstance(a, ServerState)]
+        if len(states) < len(servers):
             return sender
-
-        def in_group(info: cp.GetServerInfoResponse) -> bool:
-            group = info.weight_transfer_group
-            return (
-                info.HasField("weight_transfer_group")
-                and group.master_port == sender.master_port
-                and group.master_address == sender.master_address
-            )
-
-        left = [a for a, info in zip(servers, infos, strict=True) if not in_group(info)]
+        rendezvous = (sender.master_address, sender.master_port)
+        left = [a for a, state in zip(servers, states, strict=True) if state.group != rendezvous]
         if not left and set(servers) == set(self._group_servers):
             return sender
         log.info(
