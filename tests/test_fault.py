@@ -17,7 +17,7 @@ from servers.fleet.local import LocalFleet
 from skyrl_grpc.placement import BoundedLoadPolicy
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
 from tests.helpers.sessions import routed_to
-from tests.helpers.waits import running_on_engines
+from tests.helpers.waits import running_on_engines, until
 from trainer_client import InferenceClient
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -188,19 +188,10 @@ def test_a_restarted_server_catches_up_from_its_peer_before_it_serves(
     from safetensors.torch import load_file
 
     from tests.helpers.adapters import make_adapter
-    from tests.helpers.weights import GREEDY, REFERENCE_PROMPTS, greedy_per_server, perturbed
+    from tests.helpers.weights import GREEDY, greedy_per_server, perturbed
 
     original = load_file(str(tiny_model_dir / "model.safetensors"))
     tensors, config = make_adapter(tiny_model_dir, seed=5)
-
-    async def with_adapter(address: str) -> list[list[int]]:
-        direct = InferenceClient(address)
-        outputs = [
-            (await direct.generate(p, GREEDY, lora="fleet-adapter")).token_ids
-            for p in REFERENCE_PROMPTS
-        ]
-        await direct.close()
-        return outputs
 
     async def scenario(stack: LocalFleet) -> None:
         events: list[str] = []
@@ -213,9 +204,7 @@ def test_a_restarted_server_catches_up_from_its_peer_before_it_serves(
         victim, peer = stack.addresses.servers
         killed = time.monotonic()
         await asyncio.to_thread(stack.kill_server, 0)
-        while not any("is back" in e for e in events):
-            assert time.monotonic() - killed < 300, events
-            await asyncio.sleep(0.2)
+        await until(lambda: any("is back" in e for e in events), 300, "the server's restart")
         back_after = time.monotonic() - killed
         # Serving now, and already current: nothing was sent to it by the trainer.
         assert dict(await client.weight_versions()) == {victim: 3, peer: 3}
@@ -227,7 +216,7 @@ def test_a_restarted_server_catches_up_from_its_peer_before_it_serves(
         outputs = await greedy_per_server([victim, peer])
         assert outputs[victim] == outputs[peer]
         assert all(len(tokens) == GREEDY["max_tokens"] for tokens in outputs[victim])
-        adapted = {address: await with_adapter(address) for address in (victim, peer)}
+        adapted = await greedy_per_server([victim, peer], lora="fleet-adapter")
         assert adapted[victim] == adapted[peer] != outputs[peer]
         print(f"server killed -> back, caught up on version 3 with its adapter: {back_after:.1f} s")
         await client.close()
@@ -255,11 +244,8 @@ def test_the_collective_group_forms_again_after_a_server_restarts(tiny_model_dir
         first = await client.init_weight_transfer("gloo", timeout_seconds=60)
         await client.update_weights(perturbed(original, seed=1).items(), 1)
         victim, peer = stack.addresses.servers
-        killed = time.monotonic()
         await asyncio.to_thread(stack.kill_server, 0)
-        while not any("is back" in e for e in events):
-            assert time.monotonic() - killed < 300, events
-            await asyncio.sleep(0.2)
+        await until(lambda: any("is back" in e for e in events), 300, "the server's restart")
         assert (await client.weight_versions())[victim] == 1  # caught up from its peer
         commits = await client.update_weights(perturbed(original, seed=2).items(), 2)
         assert {a: c.weight_version for a, c in commits.items()} == {victim: 2, peer: 2}

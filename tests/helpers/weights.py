@@ -20,12 +20,15 @@ def perturbed(original: dict[str, torch.Tensor], seed: int) -> dict[str, torch.T
     }
 
 
-async def greedy_per_server(servers: list[str]) -> dict[str, list[list[int]]]:
-    """Greedy outputs of the reference prompts on each server, asked directly."""
+async def greedy_per_server(servers: list[str], lora: str = "") -> dict[str, list[list[int]]]:
+    """Greedy outputs of the reference prompts on each server, asked directly (with the LoRA
+    adapter ``lora``; "": the base model)."""
     result = {}
     for address in servers:
         direct = InferenceClient(address)
-        result[address] = [(await direct.generate(p, GREEDY)).token_ids for p in REFERENCE_PROMPTS]
+        result[address] = [
+            (await direct.generate(p, GREEDY, lora=lora)).token_ids for p in REFERENCE_PROMPTS
+        ]
         await direct.close()
     return result
 
