@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.forkserver
+import os
+from multiprocessing.connection import Connection
+
+from servers.engine import core_preload
 from servers.engine.engine_args import Platform, engine_arguments
 from servers.engine.options import TINY_MODEL_NAME, EngineOptions, RequestLimits
 
@@ -61,3 +67,39 @@ def test_the_weight_heap_slack_reaches_the_workers_environment() -> None:
         assert made.environment["SKYRL_WEIGHT_HEAP_SLACK"] == "-1"
     half = engine_arguments(EngineOptions(weight_heap_slack=0.5), RequestLimits(), CPU, "/m")
     assert half.environment["SKYRL_WEIGHT_HEAP_SLACK"] == "0.5"
+
+
+def test_the_engine_core_forks_from_a_preloaded_process_only_where_that_is_safe() -> None:
+    one = EngineOptions()
+    assert core_preload.wanted(one, cpu_build=True, ray_actor=False)
+    assert not core_preload.wanted(one, cpu_build=False, ray_actor=False)  # GPUs fork already
+    assert not core_preload.wanted(one, cpu_build=True, ray_actor=True)  # vLLM spawns in Ray
+    assert not core_preload.wanted(EngineOptions(tensor_parallel_size=2), True, False)
+    assert not core_preload.wanted(EngineOptions(preload_engine_core=False), True, False)
+
+
+def _report_variable_and_title(name: str, answer: Connection) -> None:
+    import setproctitle  # what vLLM names its engine core with
+
+    setproctitle.setproctitle("VLLM::EngineCore")
+    with open("/proc/self/comm") as comm:
+        answer.send((os.environ.get(name), comm.read().strip()))
+
+
+def test_a_forkserver_child_gets_the_environment_its_parent_had_when_it_started_it() -> None:
+    """As a spawned child would: vLLM sets variables after the forkserver started; and it can
+    still name itself (ps shows the engine core as such)."""
+    context = core_preload._PreloadedContext()
+    variable = "SKYRL_TEST_SET_AFTER_THE_FORKSERVER_STARTED"
+    multiprocessing.forkserver.ensure_running()
+    os.environ[variable] = "seen"
+    try:
+        ours, theirs = multiprocessing.Pipe()
+        child = context.Process(target=_report_variable_and_title, args=(variable, theirs))
+        child.start()
+        assert ours.poll(60), "the child never answered"
+        assert ours.recv() == ("seen", "VLLM::EngineCor")  # the kernel keeps 15 characters
+        child.join(60)
+        assert child.exitcode == 0
+    finally:
+        del os.environ[variable]

@@ -99,6 +99,12 @@ def test_a_killed_server_leaves_no_process_behind(server: ServerProcess) -> None
     server.until("ready")
     started = server.descendants()
     assert any("EngineCore" in p.name() for p in started), [p.name() for p in started]
+    # On CPU the engine core forks from a forkserver that imported vLLM beside the server
+    # (servers/engine/core_preload.py): it too must go.
+    core = next(p for p in started if "EngineCore" in p.name())
+    forkserver = core.parent()
+    assert forkserver is not None and forkserver.pid != server.proc.pid
+    assert "forkserver" in " ".join(forkserver.cmdline())
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait()
     deadline = time.monotonic() + 60  # the kernel reaps them at once; a busy box takes longer
@@ -220,7 +226,9 @@ async def test_up_survives_an_engine_death_under_load_and_restarts_the_server(
             and victim.rpartition(":")[2]
             in str([c.laddr.port for c in p.net_connections(kind="tcp")])
         )
-        engine_core = next(p for p in victim_server.children() if "EngineCore" in p.name())
+        engine_core = next(
+            p for p in victim_server.children(recursive=True) if "EngineCore" in p.name()
+        )
         client = InferenceClient(router, servers)
         sessions = [f"lifecycle-{i}" for i in range(32)]
         batch = asyncio.ensure_future(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import (
     AsyncIterator,
     Callable,
@@ -26,6 +25,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from skyrl_grpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 
+from . import core_preload
 from .engine_args import Platform, engine_arguments, resolved_model
 from .engine_logs import death_cause, root_cause
 from .engine_loop import EngineLoop, StreamGroup
@@ -231,31 +231,33 @@ class VllmEngine:
         errors: Path | None = None,
     ) -> VllmEngine:
         """Starts vLLM (about 15-30 s on CPU) without blocking the event loop."""
+        model_path = resolved_model(options)
+        limits = limits or RequestLimits()
+        # The engine core's modules import in a forkserver while ours do here.
+        preloaded = core_preload.start_if_wanted(options, limits, model_path)
         # Seconds of imports: in a thread, so the open port keeps answering (health: starting).
         await asyncio.to_thread(_import_engine_modules)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        model_path = resolved_model(options)
         platform = Platform(
             is_cpu=current_platform.device_type == "cpu",
             sleep_mode_available=bool(current_platform.is_sleep_mode_available()),
         )
-        limits = limits or RequestLimits()
         arguments = engine_arguments(options, limits, platform, model_path)
-        for name, value in arguments.environment.items():
-            # VLLM_CPU_KVCACHE_SPACE: a value the operator set wins.
-            if name == "VLLM_CPU_KVCACHE_SPACE":
-                os.environ.setdefault(name, value)
-            else:
-                os.environ[name] = value
+        core_preload.set_environment(arguments.environment)
         engine_args = AsyncEngineArgs(**arguments.args)
         load = LoadTracker()
         engine_loop = EngineLoop()
+
         try:
             llm = await engine_loop.run(
-                lambda: AsyncLLM.from_engine_args(engine_args, stat_loggers=[load.factory()])
+                lambda: core_preload.launch(
+                    engine_args.create_engine_config,
+                    lambda config: AsyncLLM.from_vllm_config(config, stat_loggers=[load.factory()]),
+                    preloaded,
+                )
             )
         except BaseException:
             engine_loop.close()
