@@ -97,9 +97,9 @@ async def trainer(fleet: LocalFleet, run: Run, stop_at: float) -> None:
 
 async def full_capacity(fleet: LocalFleet, target: str, killed: float) -> float:
     """Seconds from the kill until ``target`` (a server index, or "router") is whole again."""
-    while True:
-        try:
-            if target == "router":
+    if target == "router":
+        while True:
+            try:
                 async with grpc.aio.insecure_channel(fleet.addresses.router) as channel:
                     listed = await router_pb2_grpc.RouterAdminStub(channel).ListBackends(
                         router_pb2.ListBackendsRequest(), timeout=2
@@ -109,17 +109,22 @@ async def full_capacity(fleet: LocalFleet, target: str, killed: float) -> float:
                 ]
                 if len(healthy) == len(fleet.addresses.servers):
                     return time.monotonic() - killed
-            else:
-                client = InferenceClient(fleet.addresses.servers[0], fleet.addresses.servers)
-                try:
-                    versions = await client.weight_versions(timeout=2)
-                finally:
-                    await client.close()
-                if len(set(versions.values())) == 1:
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.2)
+    # One client for the whole wait (the router is up: one kill at a time), asking every server.
+    async with InferenceClient(fleet.addresses.router, fleet.addresses.servers) as client:
+        while True:
+            try:
+                versions = await client.weight_versions(timeout=2)
+                if (
+                    len(versions) == len(fleet.addresses.servers)
+                    and len(set(versions.values())) == 1
+                ):
                     return time.monotonic() - killed
-        except Exception:
-            pass
-        await asyncio.sleep(0.2)
+            except Exception:  # the killed server does not answer yet
+                pass
+            await asyncio.sleep(0.2)
 
 
 async def chaos(fleet: LocalFleet, run: Run, stop_at: float, every: float, seed: int) -> None:
