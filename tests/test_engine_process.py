@@ -193,16 +193,16 @@ def _alive(process: object) -> bool:
         return False
 
 
-def test_a_weight_update_waits_for_a_server_still_starting_and_includes_it(
+def test_a_pause_and_a_weight_update_wait_for_a_server_still_starting_and_include_it(
     tiny_model_dir: Path,
 ) -> None:
     """A server up but not serving yet (restarted or added: warming up, catching up with its
-    peers): an update told not to wait fails on it (UNAVAILABLE, "starting"); one that waits
-    (the default) waits for it and commits there."""
+    peers): a pause or an update told not to wait fails on it (UNAVAILABLE, "starting"); by
+    default they wait for it, so a training step (pause, update, resume) includes it."""
     from safetensors.torch import load_file
 
     from tests.helpers.weights import perturbed
-    from trainer_client import InferenceClient, WeightUpdateError
+    from trainer_client import FanOutError, InferenceClient, WeightUpdateError
 
     weights = perturbed(load_file(str(tiny_model_dir / "model.safetensors")), seed=1)
     server = ServerProcess()
@@ -211,12 +211,19 @@ def test_a_weight_update_waits_for_a_server_still_starting_and_includes_it(
 
         async def scenario() -> None:
             client = InferenceClient(address, [address])
+            with pytest.raises(FanOutError) as refused_pause:
+                await client.pause(wait_for_starting=0)
+            assert "starting" in str(refused_pause.value)
             with pytest.raises(WeightUpdateError) as refused:
                 await client.update_weights(weights.items(), 1, wait_for_starting=0)
             assert "starting" in str(refused.value)
+            assert await client.pause() == [address]
+            assert await client.all_paused()
             commits = await client.update_weights(weights.items(), 1)
             assert commits[address].weight_version == 1
+            assert await client.resume() == [address]
             assert (await client.weight_versions())[address] == 1
+            assert not await client.all_paused()
             await client.close()
 
         asyncio.run(scenario())

@@ -306,11 +306,18 @@ class BlockingInferenceClient:
         clear_cache: bool = False,
         *,
         timeout: float | None = None,
+        wait_for_starting: float = 120.0,
     ) -> list[str]:
-        return self._run(self._client.pause(mode, clear_cache, timeout=timeout))
+        return self._run(
+            self._client.pause(
+                mode, clear_cache, timeout=timeout, wait_for_starting=wait_for_starting
+            )
+        )
 
-    def resume(self, *, timeout: float | None = None) -> list[str]:
-        return self._run(self._client.resume(timeout=timeout))
+    def resume(
+        self, *, timeout: float | None = None, wait_for_starting: float = 120.0
+    ) -> list[str]:
+        return self._run(self._client.resume(timeout=timeout, wait_for_starting=wait_for_starting))
 
     def is_paused(self, *, timeout: float | None = None) -> dict[str, bool]:
         return self._run(self._client.is_paused(timeout=timeout))

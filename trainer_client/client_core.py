@@ -21,6 +21,7 @@ from .config import ClientConfig
 from .connections import Connections
 from .exceptions import ServerError
 from .fanout import fan_out
+from .readiness import wait_while_starting
 
 T = TypeVar("T")
 Request = TypeVar("Request", bound=ProtoMessage)
@@ -107,16 +108,21 @@ class ClientCore:
         request: Request,
         timeout: float | None,
         read: Callable[[Response], T],
+        wait_for_starting: float = 0.0,
     ) -> dict[str, T]:
         """``rpc`` on every server at once; what ``read`` takes from each server's answer, or
-        ``FanOutError`` (whose ``results`` hold the same for the servers that answered)."""
+        ``FanOutError`` (whose ``results`` hold the same for the servers that answered).
+        ``wait_for_starting``: seconds to wait first for servers up but still starting
+        (``readiness``), so the call reaches them once they serve instead of failing there."""
         deadline = self.config.control_timeout if timeout is None else timeout
 
         async def call(address: str) -> T:
             return read(await self._unary(address, rpc(self._control(address)), request, deadline))
 
         operation = type(request).__name__.removesuffix("Request")
-        return await fan_out(operation, await self._control_servers(), call)
+        servers = await self._control_servers()
+        await wait_while_starting(self.channel, servers, wait_for_starting)
+        return await fan_out(operation, servers, call)
 
     async def _control_servers(self) -> list[str]:
         """The servers control calls reach: the fleet as the router sees it now, when this

@@ -23,20 +23,32 @@ class FleetControl(ClientCore):
         clear_cache: bool = False,
         *,
         timeout: float | None = None,
+        wait_for_starting: float = 120.0,
     ) -> list[str]:
         """Pauses every server; returns once all are paused. ``mode``: what running
-        generations do (``PauseMode``: abort, wait or keep)."""
+        generations do (``PauseMode``: abort, wait or keep). ``wait_for_starting``: seconds
+        to wait first for a server up but still starting (restarted or added: warming up,
+        catching up with its peers), so it is paused too instead of failing the call."""
         try:
             pause_mode = PauseMode(mode)
         except ValueError:
             modes = ", ".join(m.value for m in PauseMode)
             raise ValueError(f"mode {mode!r}: use one of {modes}") from None
         request = cp.PauseRequest(mode=pause_mode.to_proto(), clear_cache=clear_cache)
-        return list(await self._fan_out(lambda stub: stub.Pause, request, timeout, _nothing))
+        paused = await self._fan_out(
+            lambda stub: stub.Pause, request, timeout, _nothing, wait_for_starting
+        )
+        return list(paused)
 
-    async def resume(self, *, timeout: float | None = None) -> list[str]:
+    async def resume(
+        self, *, timeout: float | None = None, wait_for_starting: float = 120.0
+    ) -> list[str]:
+        """Lets every server generate again (``wait_for_starting`` as ``pause``'s)."""
         request = cp.ResumeRequest()
-        return list(await self._fan_out(lambda s: s.Resume, request, timeout, _nothing))
+        resumed = await self._fan_out(
+            lambda s: s.Resume, request, timeout, _nothing, wait_for_starting
+        )
+        return list(resumed)
 
     async def is_paused(self, *, timeout: float | None = None) -> dict[str, bool]:
         request = cp.IsPausedRequest()

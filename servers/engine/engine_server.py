@@ -154,7 +154,9 @@ class EngineServer:
             parts = await EngineParts.start(
                 self.options.engine, self.options.limits, self.status_changes.announce, self.errors
             )
-            self.state.set_ready(parts)  # so a drain shuts it down
+            # A drain shuts it down from now on; calls wait until it is warm and caught up
+            # (a pause from a trainer would otherwise stall the warm-up or the catch-up).
+            self.state.set_ready(parts)
             await parts.engine.warm_up()
             if self.options.catch_up_from:  # before anything is served: nobody sees it behind
                 access = PeerAccess(
@@ -178,6 +180,7 @@ class EngineServer:
         # otherwise stop every thread for hundreds of milliseconds under load.
         gc.collect()
         gc.freeze()
+        self.state.set_serving()
         for service in (DATA_PLANE, CONTROL_PLANE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.status_changes.announce()
