@@ -32,7 +32,7 @@ from scripts.bench_common import add_output_argument, tree_fds, tree_rss, write_
 from servers.fleet.local import LocalFleet
 from skyrl_grpc.tiny_model import ensure_tiny_model
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
-from trainer_client import InferenceClient, PauseMode
+from trainer_client import FanOutError, InferenceClient, PauseMode, WeightVersions
 
 SESSIONS = 16
 MAX_TOKENS = 48
@@ -88,7 +88,10 @@ async def trainer(fleet: LocalFleet, run: Run, stop_at: float) -> None:
                     await client.resume()
                 except Exception as error:
                     run.errors.append(f"resume: {error!r}"[:300])
-        versions = await client.weight_versions()
+        try:
+            versions = await client.weight_versions()
+        except FanOutError as error:  # a server down or starting: what the others serve
+            versions = WeightVersions(error.results)
         if len(set(versions.values())) > 1:
             run.split_versions += 1
         run.steps += 1
