@@ -78,3 +78,23 @@ def status_of(number: int) -> grpc.StatusCode:
     """The status a numeric code names (as ``BatchError.code`` carries it); UNKNOWN for a
     number gRPC does not define."""
     return _STATUS_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
+# What grpc's own client core reports when the connection broke under a call in flight (a
+# batch operation failed: the peer's process died between messages). No server sent it, and
+# it means what UNAVAILABLE means: the server was lost, the call may move elsewhere.
+TRANSPORT_BROKE = "Internal error from Core"
+
+
+def call_status(error: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
+    """A failed call's status as a caller should act on it: a connection that broke under the
+    call is UNAVAILABLE (with a message that says so), every other status is the server's."""
+    code, details = error.code(), error.details() or ""
+    if code == grpc.StatusCode.INTERNAL and details == TRANSPORT_BROKE:
+        return grpc.StatusCode.UNAVAILABLE, f"the connection broke mid-call ({details})"
+    return code, details
+
+
+def server_lost(error: grpc.aio.AioRpcError) -> bool:
+    """The call failed because its server could not be reached or went away mid-call."""
+    return call_status(error)[0] == grpc.StatusCode.UNAVAILABLE

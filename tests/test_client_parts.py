@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from servers.common.listener import bind, server_options
+from skyrl_grpc.errors import TRANSPORT_BROKE, server_lost
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc, lora_pb2
 from trainer_client import (
@@ -41,6 +42,21 @@ def test_each_status_raises_its_own_subclass_of_server_error() -> None:
         assert error.code == code and str(error) == f"a:1: {code.name}: why"
     # A status without a subclass of its own is a plain ServerError.
     assert type(ServerError.of("a:1", grpc.StatusCode.DATA_LOSS, "crc")) is ServerError
+
+
+def test_a_connection_broken_under_a_call_is_a_lost_server_not_a_server_error() -> None:
+    def failed(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+    # grpc's client core's own report of a broken transport: the server was lost.
+    broken = ServerError.from_rpc_error("a:1", failed(grpc.StatusCode.INTERNAL, TRANSPORT_BROKE))
+    assert type(broken) is Unavailable and "connection broke" in broken.details
+    assert server_lost(failed(grpc.StatusCode.INTERNAL, TRANSPORT_BROKE))
+    # A server's own INTERNAL is its answer.
+    bug = ServerError.from_rpc_error("a:1", failed(grpc.StatusCode.INTERNAL, "a bug"))
+    assert not isinstance(bug, Unavailable) and bug.code == grpc.StatusCode.INTERNAL
+    assert not server_lost(failed(grpc.StatusCode.INTERNAL, "a bug"))
+    assert server_lost(failed(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
 
 
 def test_constructor_settings_are_exactly_the_configs_fields() -> None:

@@ -22,6 +22,7 @@ from servers.router.backends import BackendPool
 from servers.router.forwarding import ForwardingHandler
 from servers.router.proxy import ProxyOptions
 from servers.router.router_server import RouterOptions, RouterServer
+from skyrl_grpc.errors import TRANSPORT_BROKE
 from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, router_pb2, router_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
@@ -229,6 +230,32 @@ async def test_retry_before_first_chunk_but_never_after(router_on_stand_ins) -> 
     assert tokens == [0, 1, 0, 1, 2, 3]
     assert sum(b.observed.calls for b in backends) == calls + 2
     owner.servicer.fail_after_tokens = None
+
+
+async def test_a_connection_broken_mid_stream_migrates_a_server_error_does_not(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+    # When a backend's process dies between messages, grpc's client core may end the call with
+    # INTERNAL "Internal error from Core" (its batch failed) instead of UNAVAILABLE; it is a
+    # lost backend all the same (seen in CI: the killed-backend test failed with it).
+    backends, router, channel = router_on_stand_ins
+    owner = {b.address: b for b in backends}[router.pool.owner("broken")]
+    owner.servicer.fail_after_tokens = 2
+    owner.servicer.fail_mid_stream_with = (grpc.StatusCode.INTERNAL, TRANSPORT_BROKE)
+    try:
+        address, tokens = await routed_stream(channel, "broken", max_tokens=6)
+        assert address == owner.address and tokens == [0, 1, 0, 1, 2, 3]  # migrated
+        await router.wait_healthy(4, timeout=60)
+        # A server's own INTERNAL is an answer, not a lost connection: passed through.
+        owner = {b.address: b for b in backends}[router.pool.owner("failing")]
+        owner.servicer.fail_after_tokens = 2
+        owner.servicer.fail_mid_stream_with = (grpc.StatusCode.INTERNAL, "a bug in the server")
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await routed_stream(channel, "failing", max_tokens=6)
+        assert raised.value.code() == grpc.StatusCode.INTERNAL
+        assert raised.value.details() == "a bug in the server"
+    finally:
+        for b in backends:
+            b.servicer.fail_after_tokens = None
+            b.servicer.fail_mid_stream_with = None
 
 
 async def test_lost_backend_without_migration_is_unavailable_naming_it() -> None:

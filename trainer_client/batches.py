@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from skyrl_grpc.errors import status_of
+from skyrl_grpc.errors import server_lost, status_of
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
 
 from .abort_retry import AbortRetry
@@ -145,7 +145,7 @@ class BatchGeneration:
             if error.code() == grpc.StatusCode.UNIMPLEMENTED:
                 await self._as_single_streams(indices)
                 return
-            if target is None or error.code() != grpc.StatusCode.UNAVAILABLE:
+            if target is None or not server_lost(error):
                 raise ServerError.from_rpc_error(address, error) from error
             await self._fail_over(target, indices, error)
             return

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from skyrl_grpc.errors import server_lost
 from skyrl_grpc.placement import PlacementPolicy, make_policy
 from skyrl_grpc.placement.policy import DEFAULT_EPSILON
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc, status_pb2, status_pb2_grpc
@@ -116,7 +117,7 @@ class DirectRoutes:
                 raise
             except grpc.aio.AioRpcError as error:
                 why = f"{error.code().name}: {error.details()}"
-                if not self.connected and error.code() == grpc.StatusCode.UNAVAILABLE:
+                if not self.connected and server_lost(error):
                     await self._view_from_servers()
             self._first_answer.set()
             if self.connected:

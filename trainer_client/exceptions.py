@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 
 import grpc
 
+from skyrl_grpc.errors import call_status
+
 
 class InferenceError(Exception):
     """Base of every error ``trainer_client`` raises about the fleet."""
@@ -44,7 +46,7 @@ class ServerError(InferenceError):
 
     @staticmethod
     def from_rpc_error(address: str, error: grpc.aio.AioRpcError) -> ServerError:
-        wrapped = ServerError.of(address, error.code(), error.details() or "")
+        wrapped = ServerError.of(address, *call_status(error))
         wrapped.__cause__ = error
         return wrapped
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from skyrl_grpc.errors import server_lost
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2
 
 from .abort_retry import AbortRetry
@@ -68,7 +69,7 @@ class Generation(ClientCore):
                 yield chunk
         except grpc.aio.AioRpcError as error:
             if routes is not None and target is not None:
-                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                if server_lost(error):
                     routes.mark_unavailable(target)
                     tried.add(target)
             raise ServerError.from_rpc_error(address, error) from error

@@ -30,7 +30,7 @@ from typing import cast
 import grpc
 
 from skyrl_grpc.continuation import continue_request, resumable
-from skyrl_grpc.errors import InvalidArgument, SkyrlError
+from skyrl_grpc.errors import InvalidArgument, SkyrlError, call_status
 from skyrl_grpc.metadata import SESSION_ID
 from skyrl_grpc.names import GENERATE_BATCH
 from skyrl_grpc.v1 import data_plane_pb2
@@ -293,8 +293,9 @@ class BatchRelay:
     async def _failed(self, part: _Part, error: BaseException) -> list[bytes]:
         """A part's call ended with an error: its requests move, or end with errors."""
         self._end_part(part, failed=True)
-        code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
-        details = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
+        code, details = (
+            call_status(error) if isinstance(error, grpc.aio.AioRpcError) else (None, str(error))
+        )
         if code == grpc.StatusCode.UNAVAILABLE:
             moving, errors = self._lost(part, details or "unavailable")
             if moving:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from skyrl_grpc.errors import SkyrlError, Unavailable
+from skyrl_grpc.errors import SkyrlError, Unavailable, call_status, server_lost
 from skyrl_grpc.metadata import ROUTED_TO, session_of
 from skyrl_grpc.names import ABORT, FINISH_SESSION, GENERATE_STREAM
 from skyrl_grpc.v1 import data_plane_pb2, router_pb2
@@ -175,7 +175,7 @@ class Proxy:
         raise Unavailable(f"router: {detail}")
 
     def _may_retry(self, error: grpc.aio.AioRpcError, retries: int) -> bool:
-        return error.code() == grpc.StatusCode.UNAVAILABLE and retries < self.options.max_retries
+        return server_lost(error) and retries < self.options.max_retries
 
     async def relay(
         self,
@@ -229,14 +229,14 @@ class Proxy:
                             yield message if migration is None else migration.observe(message)
                             message = await upstream.read()
                     except grpc.aio.AioRpcError as error:
-                        if error.code() != grpc.StatusCode.UNAVAILABLE:
+                        if not server_lost(error):
                             raise
                         self.pool.mark_unavailable(backend)
                         if migration is None or not migration.can_migrate():
                             why = "migration is off" if migration is None else "no migrations left"
                             raise Unavailable(
                                 f"router: backend {backend.address} was lost mid-stream "
-                                f"({error.details()}); {why}"
+                                f"({call_status(error)[1]}); {why}"
                             ) from error
                         request = migration.continuation(backend.address)
                         self.metrics.migrations.labels(method).inc()
@@ -249,10 +249,10 @@ class Proxy:
                         upstream.cancel()  # the caller went away: stop the work upstream
                     self.end(backend, failed)
         except grpc.aio.AioRpcError as error:
-            code = error.code()
+            code, details = call_status(error)
             if unread is not None:
                 await read_rest(unread)
-            await context.abort(code, error.details() or "", tuple(error.trailing_metadata() or ()))
+            await context.abort(code, details, tuple(error.trailing_metadata() or ()))
         except SkyrlError as error:
             code = error.code
             if unread is not None:
@@ -292,10 +292,11 @@ class Proxy:
         ]
         if not answers:
             address, error = errors[0]
-            codes = {e.code() for _, e in errors if isinstance(e, grpc.aio.AioRpcError)}
+            codes = {call_status(e)[0] for _, e in errors if isinstance(e, grpc.aio.AioRpcError)}
             if len(codes) == 1 and isinstance(error, grpc.aio.AioRpcError):
-                self._finish(method, error.code(), started)
-                await context.abort(error.code(), error.details() or "")
+                code, details = call_status(error)
+                self._finish(method, code, started)
+                await context.abort(code, details)
             self._finish(method, grpc.StatusCode.UNAVAILABLE, started)
             await abort_with_status(
                 Unavailable(f"router: {method} failed on every backend ({address}: {error})"),

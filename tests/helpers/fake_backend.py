@@ -44,6 +44,8 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
         self.observed = Observed()
         self.fail_next_with: grpc.StatusCode | None = None
         self.fail_after_tokens: int | None = None
+        # The status a stream told to fail mid-stream ends with (None: UNAVAILABLE, naming it).
+        self.fail_mid_stream_with: tuple[grpc.StatusCode, str] | None = None
         # Ends every stream after this many tokens with FINISH_REASON_ABORTED, as a server
         # paused in ABORT mode does.
         self.abort_after_tokens: int | None = None
@@ -72,7 +74,10 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
             for i in range(max_tokens):
                 if self.fail_after_tokens is not None and i == self.fail_after_tokens:
                     await context.abort(
-                        grpc.StatusCode.UNAVAILABLE, f"{self.name} failed mid-stream"
+                        *(
+                            self.fail_mid_stream_with
+                            or (grpc.StatusCode.UNAVAILABLE, f"{self.name} failed mid-stream")
+                        )
                     )
                 if self.abort_after_tokens is not None and i == self.abort_after_tokens:
                     yield data_plane_pb2.GenerateStreamResponse(
