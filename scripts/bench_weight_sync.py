@@ -7,8 +7,9 @@ A Llama of ~0.3B parameters is built on the spot with the project's own builder
 from this process: each figure is from the call until every server serves the new version.
 Beside them, in the same run, the floors: the raw links for the same bytes (a loopback TCP
 socket, and a gloo broadcast between two fresh processes) and vLLM's own reload of the whole
-model from the server's memory with no transport (R: a rollback of each full update, which
-swaps the previous weights back in and reloads every layer). Every row prints its ratio to its
+model from the server's memory with no transport (R: the rollback of a full update made with
+``keep_rollback=True`` after each measured one, which swaps the previous weights back in and
+reloads every layer; the measured updates release their rollback copies, as by default). Every row prints its ratio to its
 floor, the link's time for the bytes it sent plus R. Also measured: the servers' process-tree resident
 memory above its level right after start (peak while updating, and what stays), and this
 trainer's own peak extra resident memory.
@@ -306,9 +307,20 @@ async def updates(
 
     async def reload_floor(transport: str) -> None:
         """The floor of an update with no transport: vLLM reloading the same model from the
-        server's own memory, timed as a rollback of the full update just committed (the
-        previous weights are there; the rollback swaps them in and reloads every layer)."""
+        server's own memory, timed as a rollback of a full update committed for it with
+        ``keep_rollback`` (the previous weights are there; the rollback swaps them in and
+        reloads every layer). The measured updates release their rollback copies."""
         nonlocal version
+        version += 1
+        kept = perturbed(tensors, seed=version + 10_000)
+        await client.update_weights(
+            kept,
+            version,
+            transport=transport,  # type: ignore[arg-type]
+            timeout=1800,
+            keep_rollback=True,
+        )
+        del kept
         started = time.perf_counter()
         restored = await client.rollback_weights(version, timeout=1800)
         floors.append(time.perf_counter() - started)
@@ -382,7 +394,7 @@ def main() -> None:
         f"{args.servers} server(s), TP={args.tp}\n",
         f"Floors, same run: loopback TCP of the full bytes {tcp:.2f} s, gloo broadcast "
         f"{gloo:.2f} s, vLLM's reload of the whole model from the server's memory (R, a "
-        f"rollback after each full update) {reload_floor:.2f} s (median of "
+        f"rollback of a full update after each measured one) {reload_floor:.2f} s (median of "
         f"{', '.join(f'{f:.2f}' for f in floors)}). An update's floor: the link's time for the "
         "bytes it sent, plus R.\n",
         "| update | transport | seconds | floor s | x floor | bytes sent (x full) "

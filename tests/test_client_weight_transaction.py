@@ -87,6 +87,14 @@ class Fleet:
     async def serving_version(self, address: str) -> int:
         return self.servers[address].version
 
+    async def release(self, address: str, version: int) -> None:
+        server = self.servers[address]
+        server.calls.append("release")
+        if self._take_fault(address, "release"):
+            raise lost(address)
+        assert server.version == version and not server.open
+        server.previous = None
+
 
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize("failing", SERVERS)
@@ -105,6 +113,8 @@ async def test_a_failure_anywhere_leaves_every_server_on_its_previous_weights(
     assert "failed" in error.outcomes[failing].what and failing in str(error)
     if phase in ("start", "transfer"):
         assert not any("finish" in s.calls for s in fleet.servers.values())
+    # A failed update releases nothing: the rollbacks above needed what the servers kept.
+    assert not any("release" in s.calls for s in fleet.servers.values())
     # The next update goes through.
     await run_weight_transaction(SERVERS, 8, fleet, fleet.transfer)
     assert {s.version for s in fleet.servers.values()} == {8}
@@ -185,3 +195,21 @@ async def test_a_version_below_one_is_refused_before_anything_moves() -> None:
     for version in (0, -3):
         with pytest.raises(ValueError, match="versions start at 1"):
             await client.update_weights([], weight_version=version, transport="grpc")
+
+
+async def test_the_fleet_commit_releases_every_rollback_copy_unless_kept() -> None:
+    fleet = Fleet()
+    await run_weight_transaction(SERVERS, 8, fleet, fleet.transfer)
+    for server in fleet.servers.values():
+        assert server.calls[-2:] == ["finish", "release"] and server.previous is None
+    await run_weight_transaction(SERVERS, 9, fleet, fleet.transfer, keep_rollback=True)
+    assert all(s.calls[-1] == "finish" and s.previous == 8 for s in fleet.servers.values())
+    # A release that fails does not fail the committed update: that server keeps its copy.
+    fleet.servers[SERVERS[0]].fail = "release"
+    commits = await run_weight_transaction(SERVERS, 10, fleet, fleet.transfer)
+    assert set(commits) == set(SERVERS)
+    assert {a: s.previous for a, s in fleet.servers.items()} == {
+        SERVERS[0]: 9,
+        SERVERS[1]: None,
+        SERVERS[2]: None,
+    }

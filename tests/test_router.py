@@ -232,7 +232,9 @@ async def test_retry_before_first_chunk_but_never_after(router_on_stand_ins) -> 
     owner.servicer.fail_after_tokens = None
 
 
-async def test_a_connection_broken_mid_stream_migrates_a_server_error_does_not(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+async def test_a_connection_broken_mid_stream_migrates_a_server_error_does_not(
+    router_on_stand_ins,
+) -> None:  # type: ignore[no-untyped-def]
     # When a backend's process dies between messages, grpc's client core may end the call with
     # INTERNAL "Internal error from Core" (its batch failed) instead of UNAVAILABLE; it is a
     # lost backend all the same (seen in CI: the killed-backend test failed with it).

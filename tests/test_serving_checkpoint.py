@@ -142,3 +142,22 @@ def test_xor_values_give_the_new_bits_and_a_cancel_restores_them() -> None:
     checkpoint.stage_whole("a", staged)
     checkpoint.patch("a", indices, new, xor=True)  # XOR with zero bits: the bits themselves
     assert torch.equal(flat_bits(checkpoint.pending()["a"])[indices], new)
+
+
+def test_forgetting_a_commit_frees_what_a_rollback_would_restore() -> None:
+    checkpoint = ServingCheckpoint(weights)
+    first = checkpoint.tensors["b"]
+    buffer = checkpoint.buffer_for("b", [16], torch.float32)
+    buffer.fill_(1.0)
+    checkpoint.stage_whole("b", buffer)
+    indices = torch.tensor([0, 3], dtype=torch.int32)
+    checkpoint.patch("a", indices, torch.tensor([7, 7], dtype=torch.int16))
+    checkpoint.commit()
+    # The replaced "b" (16 float32) and the 2 bfloat16 elements the patch overwrote.
+    assert checkpoint.forget_commit() == 16 * 4 + 2 * 2
+    assert not checkpoint.can_revert_commit and checkpoint.committed_names() == set()
+    assert checkpoint.forget_commit() == 0
+    # The next update's whole value goes to new memory: the old tensor was not kept as a spare.
+    checkpoint.release_commit()
+    assert checkpoint.buffer_for("b", [16], torch.float32).data_ptr() != first.data_ptr()
+    assert torch.equal(checkpoint.tensors["b"], torch.ones(16))

@@ -24,7 +24,7 @@ from skyrl_grpc.v1 import generation_pb2 as gen
 from tests.conftest import REFERENCE_PROMPTS, offline_reference
 from tests.helpers.waits import running_on_engines, until
 from tests.helpers.weights import MAX_TOKENS, greedy_per_server, next_version, perturbed
-from trainer_client import InferenceClient, WeightUpdateError
+from trainer_client import FanOutError, InferenceClient, WeightUpdateError
 from trainer_client.weight_sending import push_messages
 
 pytestmark = [pytest.mark.engine]
@@ -137,9 +137,16 @@ async def test_in_band_push_serves_exactly_the_new_weights_and_back(
     result = await client.generate(REFERENCE_PROMPTS[0], {"temperature": 0.0, "max_tokens": 4})
     assert [(s.weight_version, s.length) for s in result.weight_versions] == [(version, 4)]
     assert set((await client.weight_versions()).values()) == {version}
-    # Pushing the original weights back restores the original output exactly.
-    await client.update_weights(pushed_fleet.original.items(), transport="grpc")
+    # Every server committed, so each freed the weights it kept for a rollback.
+    assert {i.rollback_weight_version for i in (await client.server_info()).values()} == {None}
+    with pytest.raises(FanOutError, match="ReleaseRollback"):
+        await client.rollback_weights(version)
+    # Pushing the original weights back restores the original output exactly; kept for a
+    # rollback on request.
+    await client.update_weights(pushed_fleet.original.items(), transport="grpc", keep_rollback=True)
     await assert_serving(pushed_fleet, pushed_fleet.original, original_greedy)
+    kept = {i.rollback_weight_version for i in (await client.server_info()).values()}
+    assert kept == {version}
 
 
 async def test_an_update_of_part_of_a_layer_reloads_that_layer_and_keeps_the_others(

@@ -1,5 +1,5 @@
-"""The per-server control calls of a fleet weight update (start, finish, cancel, rollback, the
-serving version), over the client's channels, as ``weight_transaction`` runs them."""
+"""The per-server control calls of a fleet weight update (start, finish, cancel, rollback,
+release, the serving version), over the client's channels, as ``weight_transaction`` runs them."""
 
 from __future__ import annotations
 
@@ -47,6 +47,10 @@ class TransactionCalls:
         request = cp.RollbackWeightUpdateRequest(weight_version=version)
         response = await self._call(address, request, lambda s: s.RollbackWeightUpdate)
         return response.weight_version
+
+    async def release(self, address: str, version: int) -> None:
+        request = cp.ReleaseRollbackRequest(weight_version=version)
+        await self._call(address, request, lambda s: s.ReleaseRollback)
 
     async def serving_version(self, address: str) -> int:
         """The version ``address`` serves now (asked again: the transaction reports it)."""

@@ -11,6 +11,10 @@ without a network:
 3. Finish everywhere. If a server did not commit, every server that did is rolled back to the
    weights it served before (a server whose answer was lost is asked which version it serves,
    and rolled back if the commit happened there); the rest are cancelled.
+4. Every server committed: the fleet's commit point. Each server is told to release the
+   previous weights it kept for step 3 (their memory goes back to the system), unless the
+   caller keeps them for a later ``rollback_weights``. A server that misses the release keeps
+   its copy until its next update starts; the update succeeded all the same.
 
 On failure ``WeightUpdateError`` says, per server, what happened and which version it serves
 now, so a fleet is never left on mixed weights without the error saying so.
@@ -19,6 +23,7 @@ now, so a fleet is never left on mixed weights without the error saying so.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -29,6 +34,7 @@ from .exceptions import InferenceError, ServerError
 from .fanout import failures_of
 
 R = TypeVar("R", covariant=True)
+log = logging.getLogger(__name__)
 
 
 class TransactionCalls(Protocol[R]):
@@ -46,6 +52,8 @@ class TransactionCalls(Protocol[R]):
     async def rollback(self, address: str, version: int) -> int: ...
 
     async def serving_version(self, address: str) -> int: ...
+
+    async def release(self, address: str, version: int) -> None: ...
 
 
 # Moves the weights to the servers given; returns each one's failure (absent: it succeeded).
@@ -104,7 +112,12 @@ def _describe(error: BaseException) -> str:
 
 
 async def run_weight_transaction(
-    servers: Sequence[str], version: int, calls: TransactionCalls[R], transfer: Transfer
+    servers: Sequence[str],
+    version: int,
+    calls: TransactionCalls[R],
+    transfer: Transfer,
+    *,
+    keep_rollback: bool = False,
 ) -> dict[str, R]:
     """Commits ``version`` on every server or on none, returning each server's answer to the
     commit; see the module docstring."""
@@ -131,6 +144,16 @@ async def run_weight_transaction(
     finish_failures = await failures_of(servers, finish)
     if finish_failures:
         await _undo_commits(servers, version, calls, finish_failures, before, set(committed))
+    if not keep_rollback:
+        missed = await failures_of(servers, lambda address: calls.release(address, version))
+        for address, failure in missed.items():
+            log.warning(
+                "%s keeps its previous weights until its next update: the release after the "
+                "fleet's commit of version %d failed (%s)",
+                address,
+                version,
+                _describe(failure),
+            )
     return committed
 
 

@@ -164,6 +164,12 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         version = await self._state.parts().weights.updates.rollback(request.weight_version)
         return cp.RollbackWeightUpdateResponse(weight_version=version)
 
+    async def ReleaseRollback(
+        self, request: cp.ReleaseRollbackRequest, context: Context
+    ) -> cp.ReleaseRollbackResponse:
+        freed = await self._state.parts().weights.updates.release_rollback(request.weight_version)
+        return cp.ReleaseRollbackResponse(released_bytes=freed)
+
     async def GetWeightChecksums(
         self, request: cp.GetWeightChecksumsRequest, context: Context
     ) -> cp.GetWeightChecksumsResponse:

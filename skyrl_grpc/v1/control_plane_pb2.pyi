@@ -295,6 +295,18 @@ class RollbackWeightUpdateResponse(_message.Message):
     weight_version: int
     def __init__(self, weight_version: _Optional[int] = ...) -> None: ...
 
+class ReleaseRollbackRequest(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    def __init__(self, weight_version: _Optional[int] = ...) -> None: ...
+
+class ReleaseRollbackResponse(_message.Message):
+    __slots__ = ("released_bytes",)
+    RELEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    released_bytes: int
+    def __init__(self, released_bytes: _Optional[int] = ...) -> None: ...
+
 class ReadWeightsRequest(_message.Message):
     __slots__ = ("chunk_bytes",)
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]

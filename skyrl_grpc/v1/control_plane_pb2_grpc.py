@@ -121,6 +121,11 @@ class ControlPlaneStub:
                 request_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.RollbackWeightUpdateRequest.SerializeToString,
                 response_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.RollbackWeightUpdateResponse.FromString,
                 _registered_method=True)
+        self.ReleaseRollback = channel.unary_unary(
+                '/skyrl.inference.v1.ControlPlane/ReleaseRollback',
+                request_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReleaseRollbackRequest.SerializeToString,
+                response_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReleaseRollbackResponse.FromString,
+                _registered_method=True)
         self.GetWeightChecksums = channel.unary_unary(
                 '/skyrl.inference.v1.ControlPlane/GetWeightChecksums',
                 request_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.GetWeightChecksumsRequest.SerializeToString,
@@ -295,6 +300,16 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseRollback(self, request, context):
+        """Ends the rollback window of the last commit, once every server of the fleet committed it:
+        the previous weights kept for RollbackWeightUpdate are freed and the memory they held goes
+        back to the system, so an idle server holds no second copy of the model. A no-op if
+        nothing is kept; FAILED_PRECONDITION if the serving version is not the one named.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetWeightChecksums(self, request, context):
         """SHA-256 of the serving weights, per parameter, as raw bytes in the model's dtype.
         """
@@ -436,6 +451,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.RollbackWeightUpdate,
                     request_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.RollbackWeightUpdateRequest.FromString,
                     response_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.RollbackWeightUpdateResponse.SerializeToString,
+            ),
+            'ReleaseRollback': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseRollback,
+                    request_deserializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReleaseRollbackRequest.FromString,
+                    response_serializer=skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReleaseRollbackResponse.SerializeToString,
             ),
             'GetWeightChecksums': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWeightChecksums,
@@ -873,6 +893,33 @@ class ControlPlane:
             '/skyrl.inference.v1.ControlPlane/RollbackWeightUpdate',
             skyrl_dot_inference_dot_v1_dot_control__plane__pb2.RollbackWeightUpdateRequest.SerializeToString,
             skyrl_dot_inference_dot_v1_dot_control__plane__pb2.RollbackWeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseRollback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skyrl.inference.v1.ControlPlane/ReleaseRollback',
+            skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReleaseRollbackRequest.SerializeToString,
+            skyrl_dot_inference_dot_v1_dot_control__plane__pb2.ReleaseRollbackResponse.FromString,
             options,
             channel_credentials,
             insecure,

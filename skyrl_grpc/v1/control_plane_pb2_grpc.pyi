@@ -102,6 +102,12 @@ class ControlPlaneStub:
     then). FAILED_PRECONDITION if the serving version is not the one named, or nothing can be
     rolled back.
     """
+    ReleaseRollback: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.ReleaseRollbackRequest, _control_plane_pb2.ReleaseRollbackResponse]
+    """Ends the rollback window of the last commit, once every server of the fleet committed it:
+    the previous weights kept for RollbackWeightUpdate are freed and the memory they held goes
+    back to the system, so an idle server holds no second copy of the model. A no-op if
+    nothing is kept; FAILED_PRECONDITION if the serving version is not the one named.
+    """
     GetWeightChecksums: _grpc.UnaryUnaryMultiCallable[_control_plane_pb2.GetWeightChecksumsRequest, _control_plane_pb2.GetWeightChecksumsResponse]
     """SHA-256 of the serving weights, per parameter, as raw bytes in the model's dtype."""
     ReadWeights: _grpc.UnaryStreamMultiCallable[_control_plane_pb2.ReadWeightsRequest, _control_plane_pb2.ReadWeightsResponse]
@@ -207,6 +213,12 @@ class ControlPlaneAsyncStub(ControlPlaneStub):
     again. Possible until the next StartWeightUpdate (the previous weights are kept until
     then). FAILED_PRECONDITION if the serving version is not the one named, or nothing can be
     rolled back.
+    """
+    ReleaseRollback: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.ReleaseRollbackRequest, _control_plane_pb2.ReleaseRollbackResponse]  # type: ignore[assignment]
+    """Ends the rollback window of the last commit, once every server of the fleet committed it:
+    the previous weights kept for RollbackWeightUpdate are freed and the memory they held goes
+    back to the system, so an idle server holds no second copy of the model. A no-op if
+    nothing is kept; FAILED_PRECONDITION if the serving version is not the one named.
     """
     GetWeightChecksums: _aio.UnaryUnaryMultiCallable[_control_plane_pb2.GetWeightChecksumsRequest, _control_plane_pb2.GetWeightChecksumsResponse]  # type: ignore[assignment]
     """SHA-256 of the serving weights, per parameter, as raw bytes in the model's dtype."""
@@ -394,6 +406,18 @@ class ControlPlaneServicer(metaclass=_abc_1.ABCMeta):
         again. Possible until the next StartWeightUpdate (the previous weights are kept until
         then). FAILED_PRECONDITION if the serving version is not the one named, or nothing can be
         rolled back.
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseRollback(
+        self,
+        request: _control_plane_pb2.ReleaseRollbackRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_control_plane_pb2.ReleaseRollbackResponse, _abc.Awaitable[_control_plane_pb2.ReleaseRollbackResponse]]:
+        """Ends the rollback window of the last commit, once every server of the fleet committed it:
+        the previous weights kept for RollbackWeightUpdate are freed and the memory they held goes
+        back to the system, so an idle server holds no second copy of the model. A no-op if
+        nothing is kept; FAILED_PRECONDITION if the serving version is not the one named.
         """
 
     @_abc_1.abstractmethod

@@ -211,6 +211,18 @@ class ServingCheckpoint:
             self._spare.update(self._committed.whole)
         self._committed = None
 
+    def forget_commit(self) -> int:
+        """Ends the last commit's rollback window (the fleet committed it): what it replaced
+        and the spare tensors are dropped, not recycled; returns their bytes. The next update's
+        whole values then go to new memory."""
+        dropped = list(self._spare.values())
+        if self._committed is not None:
+            dropped += list(self._committed.whole.values())
+            dropped += [o.old_bits for o in self._committed.overwritten]
+        self._committed = None
+        self._spare = {}
+        return sum(t.numel() * t.element_size() for t in dropped)
+
     def serving_value(self, name: str) -> Any:
         """``name`` as it serves now: without the open update's patches."""
         tensor = self.tensors[name]

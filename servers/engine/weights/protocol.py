@@ -28,9 +28,10 @@ LAYOUT = "skyrl_layout"
 CHECKSUMS = "skyrl_checksums"
 REPORT = "skyrl_report"
 RELEASE_ROLLBACK = "skyrl_release_rollback"
+FORGET_ROLLBACK = "skyrl_forget_rollback"
 CLEAR_KV_CACHE = "skyrl_clear_kv_cache"
 READ = "skyrl_read"
-METHODS = (LAYOUT, CHECKSUMS, REPORT, RELEASE_ROLLBACK, CLEAR_KV_CACHE, READ)
+METHODS = (LAYOUT, CHECKSUMS, REPORT, RELEASE_ROLLBACK, FORGET_ROLLBACK, CLEAR_KV_CACHE, READ)
 
 
 class ParameterShape(TypedDict):
@@ -320,6 +321,11 @@ class WorkerCalls:
     async def release_rollback(self) -> None:
         """Drops the weights kept for a rollback (their memory)."""
         await self._rpc(RELEASE_ROLLBACK, ())
+
+    async def forget_rollback(self) -> int:
+        """Frees the weights kept for a rollback, on every rank, and returns the memory to the
+        system; returns the bytes of weights freed."""
+        return int(sum(await self._rpc(FORGET_ROLLBACK, ())))
 
     async def clear_kv_cache(self) -> int:
         """Zeroes the KV cache memory (only while no request holds KV); returns its bytes."""

@@ -363,7 +363,8 @@ class WeightTransferManager:
             if self.rollback_version is None:
                 raise FailedPrecondition(
                     "nothing to roll back: no update was committed since the last "
-                    "StartWeightUpdate (the previous weights are kept only until then)"
+                    "StartWeightUpdate or ReleaseRollback (the trainer client releases the "
+                    "previous weights once the fleet commits, unless told keep_rollback=True)"
                 )
             if weight_version != current:
                 raise FailedPrecondition(
@@ -382,6 +383,19 @@ class WeightTransferManager:
             await self._weights_changed(replaced_non_finite)
             log.warning("weights rolled back from version %d to %d", current, restored)
             return restored
+
+    async def release_rollback(self, weight_version: int) -> int:
+        """Ends the rollback window of ``weight_version``'s commit (the fleet committed it):
+        the previous weights' memory goes back to the system; returns the bytes freed."""
+        async with self._lock:
+            if weight_version != (current := self._get_version()):
+                raise FailedPrecondition(
+                    f"weight_version = {weight_version} is not the serving version {current}"
+                )
+            if self.open is not None:
+                return 0  # the open update holds what it staged; nothing kept to roll back
+            self.rollback_version = None
+            return await self._workers.forget_rollback()
 
     async def _weights_changed(self, replaced_non_finite: bool) -> None:
         """Tells the engine the serving weights changed, and whether the ones they replaced

@@ -91,6 +91,11 @@ class WeightTransferWorker:
         if engine.holds_copy:
             engine.serving.release_commit()
 
+    def skyrl_forget_rollback(self) -> int:
+        """Frees the rollback copy and spare buffers and gives the freed heap back to the
+        system (the fleet committed); returns the bytes of weights freed on this rank."""
+        return int(self._skyrl_engine().forget_rollback())
+
     def skyrl_clear_kv_cache(self) -> int:
         """Zeroes every KV cache tensor; returns the bytes cleared. Only while no request holds
         KV: non-finite values left in a block by non-finite weights reach the next requests
