@@ -7,12 +7,12 @@ A Llama of ~0.3B parameters is built on the spot with the project's own builder
 from this process: each figure is from the call until every server serves the new version.
 Beside them, in the same run, the floors: the raw links for the same bytes (a loopback TCP
 socket, and a gloo broadcast between two fresh processes) and vLLM's own reload of the whole
-model from the server's memory with no transport (R: the rollback of a full update made with
-``keep_rollback=True`` after each measured one, which swaps the previous weights back in and
-reloads every layer; the measured updates release their rollback copies, as by default). Every row prints its ratio to its
-floor, the link's time for the bytes it sent plus R. Also measured: the servers' process-tree resident
-memory above its level right after start (peak while updating, and what stays), and this
-trainer's own peak extra resident memory.
+model from the server's memory with no transport (R: a rollback of each full update, which
+swaps the previous weights back in and reloads every layer). Full updates with
+``release_memory=True`` (the previous weights freed once the fleet committed) run back to back
+beside them. Every row prints its ratio to its floor, the link's time for the bytes it sent
+plus R. Also measured: the servers' process-tree resident memory above its level right after
+start (peak while updating, and what stays), and this trainer's own peak extra resident memory.
 
 RL-like steps (``--rl-lrs``): the trainer keeps fp32 master weights and takes Adam steps on
 random gradients at each learning rate; the servers serve the master weights cast to the
@@ -274,7 +274,11 @@ async def updates(
     version = 0
 
     async def measure(
-        label: str, new: list[tuple[str, Any]], transport: str, compress: bool = False
+        label: str,
+        new: list[tuple[str, Any]],
+        transport: str,
+        compress: bool = False,
+        release_memory: bool = False,
     ) -> None:
         nonlocal version
         trainer_before = own_rss(os.getpid())
@@ -287,6 +291,7 @@ async def updates(
                 transport=transport,  # type: ignore[arg-type]
                 timeout=1800,
                 compress_patches=compress,
+                release_memory=release_memory,
             )
             seconds = time.perf_counter() - started
         versions = await client.weight_versions()
@@ -307,20 +312,9 @@ async def updates(
 
     async def reload_floor(transport: str) -> None:
         """The floor of an update with no transport: vLLM reloading the same model from the
-        server's own memory, timed as a rollback of a full update committed for it with
-        ``keep_rollback`` (the previous weights are there; the rollback swaps them in and
-        reloads every layer). The measured updates release their rollback copies."""
+        server's own memory, timed as a rollback of the full update just committed (the
+        previous weights are there; the rollback swaps them in and reloads every layer)."""
         nonlocal version
-        version += 1
-        kept = perturbed(tensors, seed=version + 10_000)
-        await client.update_weights(
-            kept,
-            version,
-            transport=transport,  # type: ignore[arg-type]
-            timeout=1800,
-            keep_rollback=True,
-        )
-        del kept
         started = time.perf_counter()
         restored = await client.rollback_weights(version, timeout=1800)
         floors.append(time.perf_counter() - started)
@@ -336,6 +330,14 @@ async def updates(
             await measure(f"full {round_index + 1}", new, transport)
             del new
             await reload_floor(transport)
+        # Back to back, as a trainer updating every step: each server frees its rollback copy
+        # once the fleet committed and gives the memory back, so the next update faults in
+        # fresh pages.
+        for round_index in range(rounds):
+            new = perturbed(tensors, seed=version + 1)
+            label = f"full {round_index + 1}, release_memory"
+            await measure(label, new, transport, release_memory=True)
+            del new
     dtype = tensors[0][1].dtype
     for transport in transports:
         for lr in rl_lrs:
@@ -394,7 +396,7 @@ def main() -> None:
         f"{args.servers} server(s), TP={args.tp}\n",
         f"Floors, same run: loopback TCP of the full bytes {tcp:.2f} s, gloo broadcast "
         f"{gloo:.2f} s, vLLM's reload of the whole model from the server's memory (R, a "
-        f"rollback of a full update after each measured one) {reload_floor:.2f} s (median of "
+        f"rollback after each full update) {reload_floor:.2f} s (median of "
         f"{', '.join(f'{f:.2f}' for f in floors)}). An update's floor: the link's time for the "
         "bytes it sent, plus R.\n",
         "| update | transport | seconds | floor s | x floor | bytes sent (x full) "

@@ -104,7 +104,7 @@ async def test_a_failure_anywhere_leaves_every_server_on_its_previous_weights(
     fleet = Fleet()
     fleet.servers[failing].fail = phase
     with pytest.raises(WeightUpdateError) as raised:
-        await run_weight_transaction(SERVERS, 8, fleet, fleet.transfer)
+        await run_weight_transaction(SERVERS, 8, fleet, fleet.transfer, release=True)
     error = raised.value
     assert error.consistent, str(error)
     assert {a: s.version for a, s in fleet.servers.items()} == dict.fromkeys(SERVERS, 7)
@@ -197,16 +197,16 @@ async def test_a_version_below_one_is_refused_before_anything_moves() -> None:
             await client.update_weights([], weight_version=version, transport="grpc")
 
 
-async def test_the_fleet_commit_releases_every_rollback_copy_unless_kept() -> None:
+async def test_the_fleet_commit_releases_every_rollback_copy_when_asked() -> None:
     fleet = Fleet()
     await run_weight_transaction(SERVERS, 8, fleet, fleet.transfer)
+    assert all(s.calls[-1] == "finish" and s.previous == 7 for s in fleet.servers.values())
+    await run_weight_transaction(SERVERS, 9, fleet, fleet.transfer, release=True)
     for server in fleet.servers.values():
         assert server.calls[-2:] == ["finish", "release"] and server.previous is None
-    await run_weight_transaction(SERVERS, 9, fleet, fleet.transfer, keep_rollback=True)
-    assert all(s.calls[-1] == "finish" and s.previous == 8 for s in fleet.servers.values())
     # A release that fails does not fail the committed update: that server keeps its copy.
     fleet.servers[SERVERS[0]].fail = "release"
-    commits = await run_weight_transaction(SERVERS, 10, fleet, fleet.transfer)
+    commits = await run_weight_transaction(SERVERS, 10, fleet, fleet.transfer, release=True)
     assert set(commits) == set(SERVERS)
     assert {a: s.previous for a, s in fleet.servers.items()} == {
         SERVERS[0]: 9,

@@ -129,7 +129,7 @@ async def test_in_band_push_serves_exactly_the_new_weights_and_back(
     )
     version = await next_version(client)
     finished = await client.update_weights(
-        new_weights.items(), version, transport="grpc", chunk_bytes=64 << 10
+        new_weights.items(), version, transport="grpc", chunk_bytes=64 << 10, release_memory=True
     )
     assert {r.weight_version for r in finished.values()} == {version}
     assert all(r.parameters_updated == len(new_weights) for r in finished.values())
@@ -137,13 +137,13 @@ async def test_in_band_push_serves_exactly_the_new_weights_and_back(
     result = await client.generate(REFERENCE_PROMPTS[0], {"temperature": 0.0, "max_tokens": 4})
     assert [(s.weight_version, s.length) for s in result.weight_versions] == [(version, 4)]
     assert set((await client.weight_versions()).values()) == {version}
-    # Every server committed, so each freed the weights it kept for a rollback.
+    # Every server committed, so each freed the weights it kept for a rollback, as asked.
     assert {i.rollback_weight_version for i in (await client.server_info()).values()} == {None}
     with pytest.raises(FanOutError, match="ReleaseRollback"):
         await client.rollback_weights(version)
-    # Pushing the original weights back restores the original output exactly; kept for a
-    # rollback on request.
-    await client.update_weights(pushed_fleet.original.items(), transport="grpc", keep_rollback=True)
+    # Pushing the original weights back restores the original output exactly; by default the
+    # previous weights stay for a rollback.
+    await client.update_weights(pushed_fleet.original.items(), transport="grpc")
     await assert_serving(pushed_fleet, pushed_fleet.original, original_greedy)
     kept = {i.rollback_weight_version for i in (await client.server_info()).values()}
     assert kept == {version}

@@ -385,7 +385,7 @@ class BlockingInferenceClient:
         delta: bool = True,
         compress_patches: bool = False,
         wait_for_starting: float = 120.0,
-        keep_rollback: bool = False,
+        release_memory: bool = False,
     ) -> dict[str, WeightCommit]:
         return self._run(
             self._client.update_weights(
@@ -400,7 +400,7 @@ class BlockingInferenceClient:
                 delta=delta,
                 compress_patches=compress_patches,
                 wait_for_starting=wait_for_starting,
-                keep_rollback=keep_rollback,
+                release_memory=release_memory,
             )
         )
 

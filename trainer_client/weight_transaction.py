@@ -11,10 +11,11 @@ without a network:
 3. Finish everywhere. If a server did not commit, every server that did is rolled back to the
    weights it served before (a server whose answer was lost is asked which version it serves,
    and rolled back if the commit happened there); the rest are cancelled.
-4. Every server committed: the fleet's commit point. Each server is told to release the
-   previous weights it kept for step 3 (their memory goes back to the system), unless the
-   caller keeps them for a later ``rollback_weights``. A server that misses the release keeps
-   its copy until its next update starts; the update succeeded all the same.
+4. Every server committed: the fleet's commit point. With ``release``, each server is told to
+   free the previous weights it kept for step 3 and give their memory back to the system
+   (otherwise they stay until its next update starts, for a later ``rollback_weights``). A
+   server that misses the release keeps its copy until then; the update succeeded all the
+   same.
 
 On failure ``WeightUpdateError`` says, per server, what happened and which version it serves
 now, so a fleet is never left on mixed weights without the error saying so.
@@ -117,7 +118,7 @@ async def run_weight_transaction(
     calls: TransactionCalls[R],
     transfer: Transfer,
     *,
-    keep_rollback: bool = False,
+    release: bool = False,
 ) -> dict[str, R]:
     """Commits ``version`` on every server or on none, returning each server's answer to the
     commit; see the module docstring."""
@@ -144,7 +145,7 @@ async def run_weight_transaction(
     finish_failures = await failures_of(servers, finish)
     if finish_failures:
         await _undo_commits(servers, version, calls, finish_failures, before, set(committed))
-    if not keep_rollback:
+    if release:
         missed = await failures_of(servers, lambda address: calls.release(address, version))
         for address, failure in missed.items():
             log.warning(

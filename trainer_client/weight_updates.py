@@ -132,7 +132,7 @@ class WeightUpdates(WeightDelivery):
         delta: bool = True,
         compress_patches: bool = False,
         wait_for_starting: float = 120.0,
-        keep_rollback: bool = False,
+        release_memory: bool = False,
     ) -> dict[str, WeightCommit]:
         """Pushes new weights to every server and commits ``weight_version`` on all of them,
         or on none: a fleet-wide transaction (``trainer_client.weight_transaction``).
@@ -163,10 +163,13 @@ class WeightUpdates(WeightDelivery):
         ``wait_for_starting``: seconds to wait first for servers that are up but not serving
         yet (restarted or added, warming up or catching up with their peers), so the update
         includes them instead of failing on them (0: do not wait).
-        ``keep_rollback``: the servers keep the weights this update replaced until the next
-        update starts, so ``rollback_weights`` can undo it after it returned (1x the replaced
-        bytes on every server, and the next full update reuses that memory instead of
-        touching fresh pages). By default they free them once every server committed.
+        ``release_memory``: once every server committed, each frees the weights this update
+        replaced and gives the freed memory back to the system (``ReleaseRollback``), so an
+        idle server holds one copy of the model, for a host shared with a trainer between
+        steps. The price: ``rollback_weights`` can no longer undo this update, and the next
+        update touches fresh memory instead of reusing it (2x its time on the benchmark VM,
+        docs/weights.md). By default servers keep them until the next update starts, which
+        reuses their memory.
 
         On any failure (a server unreachable, a rejected chunk or version, a timeout) the update
         is cancelled on every server and rolled back where it was already committed, then
@@ -222,7 +225,7 @@ class WeightUpdates(WeightDelivery):
             return await self._push(plan, addresses, tensors)
 
         commits = await run_weight_transaction(
-            plan.servers, plan.version, calls, transfer, keep_rollback=keep_rollback
+            plan.servers, plan.version, calls, transfer, release=release_memory
         )
         self._last_pushed = None
         if delta:
@@ -285,7 +288,7 @@ class WeightUpdates(WeightDelivery):
         self, weight_version: int, *, timeout: float | None = None
     ) -> dict[str, int]:
         """On every server, undoes the commit of ``weight_version`` (possible until the next
-        update starts, if it was made with ``keep_rollback=True``); returns the version each
+        update starts, unless it was made with ``release_memory=True``); returns the version each
         server serves again."""
         request = cp.RollbackWeightUpdateRequest(weight_version=weight_version)
         return await self._fan_out(

@@ -364,7 +364,7 @@ class WeightTransferManager:
                 raise FailedPrecondition(
                     "nothing to roll back: no update was committed since the last "
                     "StartWeightUpdate or ReleaseRollback (the trainer client releases the "
-                    "previous weights once the fleet commits, unless told keep_rollback=True)"
+                    "previous weights when told update_weights(..., release_memory=True))"
                 )
             if weight_version != current:
                 raise FailedPrecondition(
