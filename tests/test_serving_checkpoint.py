@@ -161,3 +161,18 @@ def test_forgetting_a_commit_frees_what_a_rollback_would_restore() -> None:
     checkpoint.release_commit()
     assert checkpoint.buffer_for("b", [16], torch.float32).data_ptr() != first.data_ptr()
     assert torch.equal(checkpoint.tensors["b"], torch.ones(16))
+
+
+def test_spares_made_at_start_take_the_first_full_update() -> None:
+    checkpoint = ServingCheckpoint(weights)
+    assert checkpoint.prepare_spares() == 4 * 8 * 2 + 16 * 4  # one of each parameter
+    assert checkpoint.prepare_spares() == 0  # each has one already
+    prepared = {
+        name: checkpoint.buffer_for(name, list(t.shape), t.dtype) for name, t in weights().items()
+    }
+    # Every one fits its parameter and is a tensor of its own, not the serving one.
+    assert {n: t.data_ptr() for n, t in prepared.items()}.keys() == {"a", "b"}
+    assert all(t.data_ptr() != checkpoint.tensors[n].data_ptr() for n, t in prepared.items())
+    assert checkpoint.buffer_for("b", [16], torch.float32).data_ptr() not in {
+        t.data_ptr() for t in prepared.values()
+    }  # taken: the next one is new

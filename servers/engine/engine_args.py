@@ -10,7 +10,7 @@ from skyrl_grpc.tiny_model import ensure_tiny_model
 
 from .options import TINY_MODEL_NAME, EngineOptions, RequestLimits
 from .weights.protocol import BACKEND as WEIGHT_TRANSFER_BACKEND
-from .weights.protocol import HEAP_SLACK_ENVIRONMENT
+from .weights.protocol import HEAP_SLACK_ENVIRONMENT, STAGING_AT_START_ENVIRONMENT
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,10 @@ def engine_arguments(
 ) -> EngineArguments:
     """What vLLM starts with for these options on this platform."""
     # Read by the weight-transfer engine in each worker (vLLM's config has no place for it).
-    environment: dict[str, str] = {HEAP_SLACK_ENVIRONMENT: f"{options.weight_heap_slack:g}"}
+    environment: dict[str, str] = {
+        HEAP_SLACK_ENVIRONMENT: f"{options.weight_heap_slack:g}",
+        STAGING_AT_START_ENVIRONMENT: "1" if options.weight_staging_at_start else "0",
+    }
     if platform.is_cpu:
         environment["VLLM_CPU_KVCACHE_SPACE"] = f"{options.kv_cache_gib:g}"
     dtype = options.dtype

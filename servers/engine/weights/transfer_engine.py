@@ -54,6 +54,7 @@ from .handoff import HandoffReader
 from .heap import HeapKeeper
 from .protocol import (
     HEAP_SLACK_ENVIRONMENT,
+    STAGING_AT_START_ENVIRONMENT,
     Bucket,
     Group,
     Report,
@@ -122,6 +123,9 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             except Exception:
                 log.warning("no checkpoint copy to update: weight updates will fail", exc_info=True)
                 self._checkpoint = None
+            else:
+                if os.environ.get(STAGING_AT_START_ENVIRONMENT, "1") != "0":
+                    self.serving.prepare_spares()
 
     @property
     def holds_copy(self) -> bool:
