@@ -198,7 +198,7 @@ class FakeWorkers:
                 n: {"dtype": p.dtype.torch_name, "shape": list(p.shape)} for n, p in LAYOUT.items()
             },
             protocol.REPORT: self.report,
-            protocol.FORGET_ROLLBACK: 64,  # the bytes a worker freed
+            protocol.FREE_ROLLBACK: 64,  # the bytes a worker freed
         }
         return [answers.get(method)]
 
@@ -422,7 +422,7 @@ async def test_a_commit_can_be_rolled_back_until_the_next_update_starts() -> Non
     await manager.push(push_items(_messages()))
     await manager.finish()
     await manager.start(4)  # a new update: the weights before 3 are no longer kept
-    assert protocol.RELEASE_ROLLBACK in workers.calls
+    assert protocol.RECYCLE_ROLLBACK in workers.calls
     with pytest.raises(FailedPrecondition, match="nothing to roll back"):
         await manager.rollback(3)
     await manager.close()
@@ -435,9 +435,9 @@ async def test_the_fleet_commit_releases_the_rollback_copy() -> None:
     await manager.finish()
     with pytest.raises(FailedPrecondition, match="is not the serving version 3"):
         await manager.release_rollback(2)  # a late release for an older commit
-    assert manager.rollback_version == 2 and protocol.FORGET_ROLLBACK not in workers.calls
+    assert manager.rollback_version == 2 and protocol.FREE_ROLLBACK not in workers.calls
     assert await manager.release_rollback(3) == 64
-    assert manager.rollback_version is None and protocol.FORGET_ROLLBACK in workers.calls
+    assert manager.rollback_version is None and protocol.FREE_ROLLBACK in workers.calls
     with pytest.raises(FailedPrecondition, match=r"nothing to roll back.*ReleaseRollback"):
         await manager.rollback(3)
     # While a newer update is open nothing is kept to release: the workers are not asked.

@@ -90,7 +90,7 @@ def test_release_forgets_the_previous_weights() -> None:
     checkpoint = ServingCheckpoint(weights)
     patch(checkpoint, "a", [0], 4.0)
     checkpoint.commit()
-    checkpoint.release_commit()
+    checkpoint.recycle_commit()
     try:
         checkpoint.revert_commit()
     except RuntimeError as error:
@@ -110,10 +110,10 @@ def test_full_updates_reuse_the_two_copies_they_need() -> None:
         checkpoint.commit()
         return buffer
 
-    checkpoint.release_commit()  # no commit yet: nothing to reuse
+    checkpoint.recycle_commit()  # no commit yet: nothing to reuse
     second = full_update(1.0)  # a new tensor: the first is kept for a rollback
     assert second.data_ptr() != first.data_ptr()
-    checkpoint.release_commit()
+    checkpoint.recycle_commit()
     third = full_update(2.0)  # into the first's memory, released by the rollback
     assert third.data_ptr() == first.data_ptr()
     assert torch.equal(checkpoint.tensors["b"], torch.full((16,), 2.0))
@@ -144,7 +144,7 @@ def test_xor_values_give_the_new_bits_and_a_cancel_restores_them() -> None:
     assert torch.equal(flat_bits(checkpoint.pending()["a"])[indices], new)
 
 
-def test_forgetting_a_commit_frees_what_a_rollback_would_restore() -> None:
+def test_freeing_a_commit_drops_what_a_rollback_would_restore() -> None:
     checkpoint = ServingCheckpoint(weights)
     first = checkpoint.tensors["b"]
     buffer = checkpoint.buffer_for("b", [16], torch.float32)
@@ -154,11 +154,11 @@ def test_forgetting_a_commit_frees_what_a_rollback_would_restore() -> None:
     checkpoint.patch("a", indices, torch.tensor([7, 7], dtype=torch.int16))
     checkpoint.commit()
     # The replaced "b" (16 float32) and the 2 bfloat16 elements the patch overwrote.
-    assert checkpoint.forget_commit() == 16 * 4 + 2 * 2
+    assert checkpoint.free_commit() == 16 * 4 + 2 * 2
     assert not checkpoint.can_revert_commit and checkpoint.committed_names() == set()
-    assert checkpoint.forget_commit() == 0
+    assert checkpoint.free_commit() == 0
     # The next update's whole value goes to new memory: the old tensor was not kept as a spare.
-    checkpoint.release_commit()
+    checkpoint.recycle_commit()
     assert checkpoint.buffer_for("b", [16], torch.float32).data_ptr() != first.data_ptr()
     assert torch.equal(checkpoint.tensors["b"], torch.ones(16))
 

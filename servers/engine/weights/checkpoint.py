@@ -144,7 +144,7 @@ class ServingCheckpoint:
         for name, tensor in self.tensors.items():
             if name not in self._spare:
                 self._spare[name] = torch.zeros_like(tensor)
-                allocated += tensor.numel() * tensor.element_size()
+                allocated += tensor.nbytes
         return allocated
 
     def buffer_for(self, name: str, shape: list[int], dtype: Any) -> Any:
@@ -218,14 +218,14 @@ class ServingCheckpoint:
     def can_revert_commit(self) -> bool:
         return self._committed is not None
 
-    def release_commit(self) -> None:
+    def recycle_commit(self) -> None:
         """Forgets what the last commit replaced (a new update starts): its whole tensors
         become spares for the new values."""
         if self._committed is not None:
             self._spare.update(self._committed.whole)
         self._committed = None
 
-    def forget_commit(self) -> int:
+    def free_commit(self) -> int:
         """Ends the last commit's rollback window (the fleet committed it): what it replaced
         and the spare tensors are dropped, not recycled; returns their bytes. The next update's
         whole values then go to new memory."""
@@ -235,7 +235,7 @@ class ServingCheckpoint:
             dropped += [o.old_bits for o in self._committed.overwritten]
         self._committed = None
         self._spare = {}
-        return sum(t.numel() * t.element_size() for t in dropped)
+        return sum(t.nbytes for t in dropped)
 
     def serving_value(self, name: str) -> Any:
         """``name`` as it serves now: without the open update's patches."""

@@ -27,11 +27,11 @@ BACKEND = "skyrl"
 LAYOUT = "skyrl_layout"
 CHECKSUMS = "skyrl_checksums"
 REPORT = "skyrl_report"
-RELEASE_ROLLBACK = "skyrl_release_rollback"
-FORGET_ROLLBACK = "skyrl_forget_rollback"
+RECYCLE_ROLLBACK = "skyrl_recycle_rollback"
+FREE_ROLLBACK = "skyrl_free_rollback"
 CLEAR_KV_CACHE = "skyrl_clear_kv_cache"
 READ = "skyrl_read"
-METHODS = (LAYOUT, CHECKSUMS, REPORT, RELEASE_ROLLBACK, FORGET_ROLLBACK, CLEAR_KV_CACHE, READ)
+METHODS = (LAYOUT, CHECKSUMS, REPORT, RECYCLE_ROLLBACK, FREE_ROLLBACK, CLEAR_KV_CACHE, READ)
 
 
 class ParameterShape(TypedDict):
@@ -320,14 +320,15 @@ class WorkerCalls:
         await self._update({"restore_previous": True})
         return (await self._finish(str(weight_version)))[0]["changed"]
 
-    async def release_rollback(self) -> None:
-        """Drops the weights kept for a rollback (their memory)."""
-        await self._rpc(RELEASE_ROLLBACK, ())
+    async def recycle_rollback(self) -> None:
+        """Ends the rollback window as a new update starts: the weights kept for it become
+        that update's staging (their memory is reused, not freed: ``free_rollback`` frees)."""
+        await self._rpc(RECYCLE_ROLLBACK, ())
 
-    async def forget_rollback(self) -> int:
+    async def free_rollback(self) -> int:
         """Frees the weights kept for a rollback, on every rank, and returns the memory to the
         system; returns the bytes of weights freed."""
-        return int(sum(await self._rpc(FORGET_ROLLBACK, ())))
+        return int(sum(await self._rpc(FREE_ROLLBACK, ())))
 
     async def clear_kv_cache(self) -> int:
         """Zeroes the KV cache memory (only while no request holds KV); returns its bytes."""

@@ -150,7 +150,7 @@ class WeightTransferManager:
             if weight_version:
                 self._check_version(weight_version, allow_same_version)
             await self.layout()
-            await self._workers.release_rollback()
+            await self._workers.recycle_rollback()
             await self._workers.open()
             self.rollback_version = None
             update = OpenUpdate(
@@ -395,7 +395,7 @@ class WeightTransferManager:
             if self.open is not None:
                 return 0  # the open update holds what it staged; nothing kept to roll back
             self.rollback_version = None
-            return await self._workers.forget_rollback()
+            return await self._workers.free_rollback()
 
     async def _weights_changed(self, replaced_non_finite: bool) -> None:
         """Tells the engine the serving weights changed, and whether the ones they replaced

@@ -228,11 +228,11 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             if self._heap is not None:
                 self._heap.check()
 
-    def forget_rollback(self) -> int:
+    def free_rollback(self) -> int:
         """Frees what a rollback would restore (and spare buffers), then gives the freed heap
         back to the system at once: after a fleet commit a server holds one copy of the model.
         Returns the bytes of weights freed."""
-        freed = self.serving.forget_commit() if self.holds_copy and self._checkpoint else 0
+        freed = self.serving.free_commit() if self.holds_copy and self._checkpoint else 0
         trim = freed_memory_trim()
         if trim is not None:
             trim()

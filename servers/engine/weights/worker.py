@@ -86,15 +86,16 @@ class WeightTransferWorker:
         report: Report = self._skyrl_engine().report
         return report
 
-    def skyrl_release_rollback(self) -> None:
+    def skyrl_recycle_rollback(self) -> None:
+        """The rollback copy becomes spare staging for the update that starts."""
         engine = self._skyrl_engine()
         if engine.holds_copy:
-            engine.serving.release_commit()
+            engine.serving.recycle_commit()
 
-    def skyrl_forget_rollback(self) -> int:
+    def skyrl_free_rollback(self) -> int:
         """Frees the rollback copy and spare buffers and gives the freed heap back to the
         system (the fleet committed); returns the bytes of weights freed on this rank."""
-        return int(self._skyrl_engine().forget_rollback())
+        return int(self._skyrl_engine().free_rollback())
 
     def skyrl_clear_kv_cache(self) -> int:
         """Zeroes every KV cache tensor; returns the bytes cleared. Only while no request holds
