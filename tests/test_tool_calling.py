@@ -160,12 +160,18 @@ def message_of(answer: dict[str, Any]) -> dict[str, Any]:
 
 def deltas_of(events: list[dict[str, Any]]) -> list[Any]:
     """The sequence of (delta, finish_reason) a client folds, ids blanked. Consecutive pieces
-    of plain content are joined: how many tokens one event carries depends on timing (vLLM's
-    output handler merges what its consumer has not taken yet), what they say does not."""
+    of plain content are joined, and a finish reason that comes alone (an empty delta) goes
+    with the piece before it: how many tokens one event carries, and whether the last ones
+    come with the finish, depends on timing (vLLM's output handler merges what its consumer
+    has not taken yet; on a loaded machine a stream's last tokens and its end arrive apart),
+    what they say does not."""
     folded: list[Any] = []
     for event in events:
         for choice in event["choices"]:
             delta, finish = without_ids(choice["delta"]), choice["finish_reason"]
+            if not delta and finish is not None and folded and folded[-1][1] is None:
+                folded[-1][1], folded[-1][2] = finish, None
+                continue
             key = _appending(delta)
             if key is not None and folded and folded[-1][2] == key:
                 _append(folded[-1][0], delta)
@@ -606,3 +612,25 @@ async def test_reasoning_comes_apart_from_the_answer(
     assert (result.message.reasoning, result.message.content) == (thought, answer)
     assert result.text == f"<think>{thought}</think>{answer}"  # the tokens trained on, whole
     await client.close()
+
+
+def test_a_finish_that_comes_alone_folds_like_one_that_comes_with_the_last_piece() -> None:
+    """Seen on a loaded machine: our edge sent the last arguments and the finish in two events
+    where vLLM's sent one. The fold says they are the same stream; a different finish, or
+    different arguments, is still a difference."""
+
+    def event(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    def arguments(text: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+
+    first = {"role": "assistant", "content": ""}
+    together = [event(first, None), event(arguments('{"zone"'), None),
+                event(arguments(':"UTC"}'), "stop")]  # fmt: skip
+    apart = [event(first, None), event(arguments('{"zone":'), None),
+             event(arguments('"UTC"}'), None), event({}, "stop")]  # fmt: skip
+    assert deltas_of(apart) == deltas_of(together)
+    assert deltas_of(apart)[-1] == (arguments('{"zone":"UTC"}'), "stop")
+    assert deltas_of([*apart[:-1], event({}, "length")]) != deltas_of(together)
+    assert deltas_of([*apart[:2], event(arguments('"UTZ"}'), "stop")]) != deltas_of(together)
