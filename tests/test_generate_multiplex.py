@@ -1,7 +1,7 @@
 """GenerateMultiplex on a real engine and real sockets: requests join and leave one long-lived
 call, a message per engine step carries every request that advanced; the router forwards
-GenerateStream calls over one such call per server, and falls back to plain calls for a server
-without it."""
+GenerateStream calls over one such call per server (the fallback to plain calls for a server
+without it: test_multiplex_fallback)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import pytest
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
 from tests.conftest import running_router
-from tests.helpers.fake_backend import FakeBackend
 from tests.helpers.waits import engines_idle, until
 from trainer_client import InferenceClient
 
@@ -170,22 +169,3 @@ async def test_the_router_multiplexes_streams_to_a_server(engine_server: Any) ->
             long_call.cancel()
         await until(lambda: engines_idle(watcher), 60, "the cancelled stream aborted on the server")
     await watcher.close()
-
-
-async def test_a_server_without_multiplexing_gets_plain_calls() -> None:
-    """A server that does not take GenerateMultiplex (an older build, another implementation)
-    answers UNIMPLEMENTED once; the stream goes as its own call and so do the next ones."""
-    backend = await FakeBackend("old", delay=0.001).start()
-    try:
-        async for router in running_router([backend.address]):
-            async with grpc.aio.insecure_channel(router.address) as channel:
-                stub = data_plane_pb2_grpc.DataPlaneStub(channel)
-                request = data_plane_pb2.GenerateStreamRequest(
-                    prompt_token_ids=[1, 2], sampling_params=gen.SamplingParams(max_tokens=5)
-                )
-                for _ in range(2):
-                    assert await single_stream(stub, request) == [0, 1, 2, 3, 4]
-            assert not router.proxy.multiplexers.supported(backend.address)
-            assert backend.observed.calls == 2  # each stream a GenerateStream call of its own
-    finally:
-        await backend.stop()

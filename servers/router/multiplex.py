@@ -15,6 +15,13 @@ A request's error (``BatchError``) fails its stream with that status; the call f
 server lost) fails every stream on it, each then retried or migrated by the proxy as if its own
 call had failed; the next request opens a new call. A server without GenerateMultiplex (an
 older one) answers UNIMPLEMENTED once and gets plain calls from then on.
+
+That answer can reach the router disguised: a server without the method answers at once,
+without reading, and when its status beats the router's write of the first request, grpc's
+client reports the call as INTERNAL "Internal error from Core" (about 1 call in 300 here, more
+on a busy machine) -- what a broken connection also looks like. A call that fails so before the
+server sent anything is settled by a plain call to the same server (``WithFallback``): a server
+without the method answers it, a lost one fails it UNAVAILABLE and the proxy moves on.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any
 
 import grpc
 
-from skyrl_grpc.errors import status_of
+from skyrl_grpc.errors import TRANSPORT_BROKE, status_of
 from skyrl_grpc.metadata import AUTHORIZATION, session_of
 from skyrl_grpc.names import GENERATE_MULTIPLEX
 from skyrl_grpc.stream_chunks import merge_backlog
@@ -56,6 +63,11 @@ class MuxStream:
         self._ready = asyncio.Event()
         self._done = False
         self.request_id = ""
+
+    @property
+    def call_answered(self) -> bool:
+        """Whether the server has sent anything on the multiplexed call this stream is on."""
+        return self._mux.answered
 
     @property
     def finished(self) -> bool:
@@ -117,6 +129,8 @@ class Multiplexer:
         self._streams: dict[int, MuxStream] = {}
         self._next_index = 0
         self.failed: grpc.aio.AioRpcError | None = None
+        # The server has sent a message on the call (so it takes GenerateMultiplex).
+        self.answered = False
         method: grpc.aio.StreamStreamMultiCallable[bytes, bytes] = channel.stream_stream(
             GENERATE_MULTIPLEX
         )
@@ -156,6 +170,7 @@ class Multiplexer:
     async def _read(self) -> None:
         try:
             async for raw in self._call:
+                self.answered = True
                 message = data_plane_pb2.GenerateMultiplexResponse.FromString(raw)
                 for chunk in message.chunks:
                     stream = self._streams.get(chunk.batch_index)
@@ -252,21 +267,36 @@ class Multiplexers:
 
 class WithFallback:
     """A multiplexed stream that becomes a plain call when the server turns out not to take
-    GenerateMultiplex (UNIMPLEMENTED before anything arrived)."""
+    GenerateMultiplex: UNIMPLEMENTED before anything arrived, or the transport's INTERNAL on a
+    call the server never answered (the module's docstring: that may be UNIMPLEMENTED too)."""
 
-    def __init__(self, stream: MuxStream, plain: Any, on_unsupported: Any) -> None:
+    def __init__(
+        self, stream: MuxStream, plain: Callable[[], Any], on_unsupported: Callable[[], None]
+    ) -> None:
         self._upstream: Any = stream
+        self._mux_stream = stream
         self._plain = plain
         self._on_unsupported = on_unsupported
         self._started = False
+
+    def _settle_with_plain_call(self, error: grpc.aio.AioRpcError) -> bool:
+        if self._started or self._upstream is not self._mux_stream:
+            return False
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self._on_unsupported()
+            return True
+        return (
+            error.code() == grpc.StatusCode.INTERNAL
+            and error.details() == TRANSPORT_BROKE
+            and not self._mux_stream.call_answered
+        )
 
     async def read(self) -> Any:
         try:
             message = await self._upstream.read()
         except grpc.aio.AioRpcError as error:
-            if self._started or error.code() != grpc.StatusCode.UNIMPLEMENTED:
+            if not self._settle_with_plain_call(error):
                 raise
-            self._on_unsupported()
             self._upstream = self._plain()
             message = await self._upstream.read()
         self._started = True
