@@ -16,6 +16,7 @@ from servers.engine import engine_server
 from servers.engine import options as engine_options
 from servers.router.router_server import RouterOptions, RouterServer
 from skyrl_grpc.metadata import bearer
+from skyrl_grpc.names import CONTROL_PLANE_SERVICE, PUSH_WEIGHTS, method_path
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import (
     control_plane_pb2_grpc,
@@ -95,6 +96,21 @@ async def test_tokens_guard_control_and_data_planes(
     assert "missing bearer token for skyrl.inference.v1.ControlPlane" in (
         raised.value.details() or ""
     )
+
+
+async def test_an_upload_refused_for_its_token_is_told_so_not_a_broken_connection(
+    guarded_server: engine_server.EngineServer,
+) -> None:
+    """Refused while its caller is still sending (100 MB of weights or of an adapter), the call
+    ends UNAUTHENTICATED, not in grpc's INTERNAL "Internal error from Core" that a caller reads
+    as a lost server (one such call in four did, before the refusal read what was sent)."""
+    async with grpc.aio.insecure_channel(guarded_server.address) as channel:
+        load_adapter = method_path(CONTROL_PLANE_SERVICE, "LoadLoraAdapter")
+        for method in (PUSH_WEIGHTS, load_adapter) * 8:
+            upload: grpc.aio.StreamUnaryMultiCallable[bytes, bytes] = channel.stream_unary(method)
+            chunks = iter([bytes(4_000_000)] * 25)
+            call = upload(chunks, metadata=(bearer("wrong"),))
+            assert await code_of(call) == grpc.StatusCode.UNAUTHENTICATED, method
 
 
 async def test_client_sends_its_token(guarded_server: engine_server.EngineServer) -> None:

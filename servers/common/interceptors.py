@@ -20,6 +20,7 @@ import grpc
 from skyrl_grpc.errors import InvalidArgument, SkyrlError
 from skyrl_grpc.metadata import AUTHORIZATION
 
+from .early_answer import read_rest
 from .grpc_types import Context, Handler
 
 log = logging.getLogger(__name__)
@@ -232,7 +233,16 @@ def _rejecting_handler(handler: Handler, message: str) -> Handler:
     async def reject(request: Any, context: Context) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
+    async def reject_upload(requests: AsyncIterator[bytes], context: Context) -> Any:
+        # An upload (weights, an adapter) still being sent when the status arrives ends at
+        # its caller as grpc's INTERNAL "Internal error from Core", a broken connection,
+        # instead of this status: read it first (left undecoded: nobody will use it).
+        await read_rest(requests)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
     async def reject_stream(request: Any, context: Context) -> AsyncIterator[Any]:
+        # Not for a stream of requests too: a long-lived one (GenerateMultiplex) never ends,
+        # and its caller settles that status with a plain call (servers/router/multiplex.py).
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - abort raises
 
@@ -242,7 +252,7 @@ def _rejecting_handler(handler: Handler, message: str) -> Handler:
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(reject_stream, deserialize, serialize)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(reject, deserialize, serialize)
+        return grpc.stream_unary_rpc_method_handler(reject_upload, None, serialize)
     return grpc.stream_stream_rpc_method_handler(reject_stream, deserialize, serialize)
 
 
