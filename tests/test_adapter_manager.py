@@ -4,7 +4,6 @@ subject is the manager; ``test_lora.py`` runs the same path on real vLLM)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from servers.engine.adapters import (
 from servers.engine.control_convert import adapter_item, adapter_spec
 from skyrl_grpc.errors import FailedPrecondition, InvalidArgument, NotFound
 from skyrl_grpc.v1 import control_plane_pb2 as cp
+from tests.helpers.waits import until
 from trainer_client.weight_sending import lora_push_messages
 
 SHAPES = ModelShapes(layers=2, features={"q_proj": (8, 8), "v_proj": (8, 4), "lm_head": (8, 32)})
@@ -96,9 +96,8 @@ async def test_a_running_request_keeps_its_version_until_it_ends() -> None:
     await load(manager, "policy", seed=2)
     assert engine.removed == [] and first.path.exists()  # still generating on version 1
     manager.end(running)
-    for _ in range(20):
-        await asyncio.sleep(0)  # the removal runs in the background
-    assert engine.removed == [first.vllm_id]
+    # The removal runs in the background.
+    await until(lambda: engine.removed == [first.vllm_id], what="version 1's removal")
     assert manager.begin("") is None  # the base model
     manager.close()
 

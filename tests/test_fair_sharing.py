@@ -124,7 +124,10 @@ async def test_beyond_the_queue_bound_requests_are_resource_exhausted(
     queued = [
         asyncio.ensure_future(data.Generate(generate(sampling_params=long))) for _ in range(2)
     ]
-    await asyncio.sleep(0.2)  # let them reach the queue (a negative condition follows)
+    await until(
+        lambda: limited.admission.queued == 2 or any(q.done() for q in queued),
+        what="both requests queued for admission",
+    )
     assert not any(q.done() for q in queued)
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await data.Generate(generate())

@@ -4,7 +4,6 @@ router, not vLLM: tests/test_http_edge.py runs the real SDK against real engines
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -20,6 +19,7 @@ from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
 from skyrl_grpc.names import GENERATE_STREAM
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 from tests.helpers.fake_backend import FakeBackend
+from tests.helpers.waits import until
 
 
 @pytest.fixture
@@ -177,11 +177,10 @@ async def test_backend_errors_keep_their_status_and_a_disconnect_cancels_upstrea
             async for line in response.aiter_lines():
                 if line.startswith("data:"):
                     break  # the first token arrived: hang up
-    for _ in range(200):
-        if sum(b.observed.cancelled for b in backends) == 1:
-            break
-        await asyncio.sleep(0.01)
-    assert sum(b.observed.cancelled for b in backends) == 1
+    await until(
+        lambda: sum(b.observed.cancelled for b in backends) == 1,
+        what="the hang-up to cancel the stream at its backend",
+    )
     assert sum(b.observed.in_flight for b in backends) == 0
 
 
@@ -197,10 +196,7 @@ async def test_health_and_finish_session(edge_on_stand_ins) -> None:  # type: ig
         assert (await client.get("/v1/nothing")).status_code == 404
         for backend in backends:
             await backend.set_serving(False)
-        for _ in range(100):
-            if not router.pool.healthy():
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: not router.pool.healthy(), what="the router to see none serving")
         response = await client.get("/health")
         assert response.status_code == 503
         failed = await client.post("/v1/completions", json={"prompt": [1]})

@@ -489,11 +489,10 @@ async def test_removing_a_backend_just_marked_unavailable_returns() -> None:
     try:
         await pool.start()
         member = pool.get(backend.address)
-        for _ in range(200):  # the watch is in its call once the backend reads healthy
-            if member.eligible and member.watch_call is not None:
-                break
-            await asyncio.sleep(0.01)
-        assert member.eligible
+        await until(
+            lambda: member.eligible and member.watch_call is not None,
+            what="the health watch in its call, the backend read healthy",
+        )
         pool.mark_unavailable(member)
         started = time.monotonic()
         await asyncio.wait_for(pool.remove(backend.address), timeout=5)

@@ -395,8 +395,10 @@ async def test_an_open_update_locks_out_other_owners_until_its_lease_expires() -
 
 async def test_calls_renew_the_lease() -> None:
     manager, _, _ = manager_at(0)
-    await manager.start(1, owner="slow", lease_seconds=0.3)
-    for _ in range(4):  # 0.6 s in all, but never 0.3 s without a call
+    # 0.75 s in all, but never the lease's 0.6 s without a call (a margin of 4x the pause
+    # between calls, for a busy machine that wakes a sleeper late).
+    await manager.start(1, owner="slow", lease_seconds=0.6)
+    for _ in range(5):
         await asyncio.sleep(0.15)
         await manager.push(push_items(_messages()))
     assert manager.update_open

@@ -81,6 +81,9 @@ class EngineServer:
         self.state: ServingState[EngineParts] = ServingState()
         self.health = health.aio.HealthServicer()
         self.calls = CallCounter()
+        # The data plane's admission (its ``queued`` is read by tests).
+        limits = options.limits
+        self.admission = Admission(limits.max_concurrent_samples, limits.max_queued_requests)
         tokens = {CONTROL_PLANE: options.control_token or "", DATA_PLANE: options.data_token or ""}
         self.server = grpc.aio.server(
             interceptors=[
@@ -119,10 +122,8 @@ class EngineServer:
         )
 
     async def start(self) -> None:
-        limits = self.options.limits
-        admission = Admission(limits.max_concurrent_samples, limits.max_queued_requests)
         data_plane_pb2_grpc.add_DataPlaneServicer_to_server(
-            DataPlaneServicer(self.state, admission), self.server
+            DataPlaneServicer(self.state, self.admission), self.server
         )
         add_control_plane(ControlPlaneServicer(self.state), self.server)
         status_pb2_grpc.add_ServerStatusServicer_to_server(
