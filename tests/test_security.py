@@ -98,6 +98,7 @@ async def test_tokens_guard_control_and_data_planes(
     )
 
 
+@pytest.mark.slow  # 1.6 GB through loopback
 async def test_an_upload_refused_for_its_token_is_told_so_not_a_broken_connection(
     guarded_server: engine_server.EngineServer,
 ) -> None:

@@ -121,15 +121,21 @@ _NOT_COUNTED = _NoCounter()
 
 
 @contextlib.asynccontextmanager
-async def _guarded(context: Context, method: str, counter: CallCounter) -> AsyncIterator[None]:
+async def _guarded(
+    context: Context, method: str, counter: CallCounter, upload: Any = None
+) -> AsyncIterator[None]:
     """A handler's call, counted while it runs, its errors ended as their statuses: the one
-    rule of every method shape."""
+    rule of every method shape. ``upload``: a client-streaming call's requests, read to their
+    end before an error is answered (``early_answer``: a caller still sending would otherwise
+    see a broken connection instead of the status)."""
     counter.begin()
     try:
         yield
     except grpc.aio.AbortError:
         raise
     except Exception as exc:
+        if upload is not None:
+            await read_rest(upload)
         await abort_with_status(exc, context, method)
     finally:
         counter.end()
@@ -176,7 +182,7 @@ def _wrap(
         inner_su = behaviours.stream_unary
 
         async def stream_unary(requests: Any, context: Context) -> Any:
-            async with _guarded(context, method, counter):
+            async with _guarded(context, method, counter, upload=requests):
                 return await inner_su(_checked(requests, method), context)
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, decode, serialize)

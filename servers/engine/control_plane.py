@@ -12,12 +12,11 @@ import grpc
 
 import skyrl_grpc
 from skyrl_grpc.chunk_wire import WireChunk, decode_push_request
-from skyrl_grpc.errors import InvalidArgument, SkyrlError
+from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.names import CONTROL_PLANE
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
 
-from ..common.early_answer import read_rest
 from ..common.grpc_types import Context
 from . import control_convert, convert, validate
 from .adapters import AdapterUpload
@@ -138,12 +137,10 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         request_iterator: AsyncIterator[cp.PushWeightsRequest | WireChunk],
         context: Context,
     ) -> cp.PushWeightsResponse:
+        # Refused mid-stream, the rest of the stream is read before the status is sent: the
+        # error interceptor does that for every client-streaming call.
         weights = self._state.parts().weights.updates
-        try:
-            staged, received = await weights.push(control_convert.push_items(request_iterator))
-        except SkyrlError:
-            await read_rest(request_iterator)
-            raise
+        staged, received = await weights.push(control_convert.push_items(request_iterator))
         return cp.PushWeightsResponse(parameters_staged=staged, bytes_received=received)
 
     async def FinishWeightUpdate(
@@ -197,15 +194,11 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     ) -> cp.LoadLoraAdapterResponse:
         parts = self._state.parts()
         upload: AdapterUpload | None = None
-        try:
-            async for message in request_iterator:
-                if upload is None:
-                    upload = parts.adapters.upload(control_convert.adapter_spec(message))
-                else:
-                    upload.add(control_convert.adapter_item(message))
-        except SkyrlError:
-            await read_rest(request_iterator)
-            raise
+        async for message in request_iterator:
+            if upload is None:
+                upload = parts.adapters.upload(control_convert.adapter_spec(message))
+            else:
+                upload.add(control_convert.adapter_item(message))
         if upload is None:
             raise InvalidArgument("the LoadLoraAdapter stream was empty: send the spec first")
         adapter, replaced = await parts.adapters.load(upload)
