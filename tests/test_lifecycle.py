@@ -303,3 +303,24 @@ async def test_up_scales_its_fleet_from_its_standard_input(tmp_path: Path) -> No
         assert not any("died" in line for line in up.lines), up.lines
     finally:
         up.stop()
+
+
+def test_a_killed_up_takes_its_router_and_servers_with_it(tmp_path: Path) -> None:
+    """kill -9 of ``skyrl-grpc up`` (nothing in it runs): its router and servers end
+    themselves, and with them their engines; none is left re-parented to init."""
+    up = Up(tmp_path / "logs", servers=1)
+    try:
+        up.wait_for("Ctrl-C to stop", 300)
+        fleet = psutil.Process(up.proc.pid).children(recursive=True)
+        commands = [" ".join(p.cmdline()) for p in fleet]
+        assert any("servers.router" in c for c in commands), commands
+        assert any("servers.engine" in c for c in commands), commands
+        assert any("EngineCore" in p.name() for p in fleet), [p.name() for p in fleet]
+        os.kill(up.proc.pid, signal.SIGKILL)
+        up.proc.wait()
+        deadline = time.monotonic() + 120  # a drain each, then their reapers; generous
+        while alive(fleet):
+            assert time.monotonic() < deadline, f"still alive 120 s later: {alive(fleet)}"
+            time.sleep(0.1)
+    finally:
+        up.stop()

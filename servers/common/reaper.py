@@ -11,13 +11,25 @@ of a pipe whose write end only this process holds. When this process dies for an
 kernel closes the pipe; the watchdog sees end-of-file and ends the group: SIGTERM (vLLM's
 processes clean up their shared memory on it), then SIGKILL to whatever is left after a grace.
 It costs one sleeping process of a few MB and no polling.
+
+One level up, a fleet's processes (engine servers, the router) die with the fleet that started
+them: ``LocalFleet`` gives each a pipe as its standard input, holds the other end and sets
+``EXIT_WITH_SUPERVISOR``; ``exit_with_supervisor`` in the process sends itself SIGTERM (a
+drain, and then its own reaper's work) when that pipe reaches end-of-file, i.e. when the
+fleet's process is gone however it died. Without it, a ``skyrl-grpc up`` killed with SIGKILL
+left its whole fleet running, re-parented to init (2 GB resident per tiny-model server).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+
+# Set (to "1") by a supervisor that holds the other end of this process's standard input.
+EXIT_WITH_SUPERVISOR = "SKYRL_GRPC_EXIT_WITH_SUPERVISOR"
 
 # The watchdog's whole program: wait for the pipe to close, then end the process group.
 _WATCHDOG = """
@@ -62,3 +74,24 @@ def reap_children_on_exit(grace_seconds: float = 2.0) -> subprocess.Popen[bytes]
         )
     finally:
         os.close(read_end)
+
+
+def exit_with_supervisor() -> None:
+    """Where the process that started this one asked for it (``EXIT_WITH_SUPERVISOR``): once
+    standard input reaches end-of-file (that process has died: it never writes and never
+    closes it while alive), this process is sent SIGTERM. Returns at once; a daemon thread
+    waits."""
+    if os.environ.get(EXIT_WITH_SUPERVISOR) != "1":
+        return
+    # Not passed on: the engine's own child processes are ended by this process's reaper.
+    del os.environ[EXIT_WITH_SUPERVISOR]
+
+    def watch() -> None:
+        try:
+            while os.read(0, 4096):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="supervisor watch", daemon=True).start()

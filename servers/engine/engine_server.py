@@ -41,7 +41,7 @@ from skyrl_grpc.v1 import data_plane_pb2_grpc, status_pb2_grpc
 from ..common.interceptors import BearerTokenInterceptor, CallCounter, ErrorMappingInterceptor
 from ..common.listener import bind, server_options
 from ..common.process import announce, configure_logging, exit_now, serve_until_stopped
-from ..common.reaper import reap_children_on_exit
+from ..common.reaper import exit_with_supervisor, reap_children_on_exit
 from ..common.tasks import BackgroundTasks
 from .admission import Admission
 from .catch_up import PeerAccess, catch_up
@@ -287,6 +287,7 @@ def run(options: ServerOptions) -> NoReturn:
     configure_logging()
     errors = route_vllm_logs()
     reap_children_on_exit()
+    exit_with_supervisor()
     code = 0
     try:
         asyncio.run(serve(options, errors))

@@ -14,7 +14,9 @@ supervised by the same rule: started again on the same gRPC, HTTP and metrics po
 fleet's current servers; it learns where each session lives from the servers' own status feeds
 (``ServerStatus``), so sessions keep their servers and their KV cache.
 
-Teardown sends SIGTERM (drain), then SIGKILL to anything left, so no process outlives the fleet.
+Teardown sends SIGTERM (drain), then SIGKILL to anything left, so no process outlives the fleet;
+and if the fleet's own process dies first (SIGKILL, out of memory), its processes end themselves
+(``reaper.exit_with_supervisor``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..common.process import read_announcement
+from ..common.reaper import EXIT_WITH_SUPERVISOR
 from . import Fleet, FleetAddresses
 from .supervision import RestartPolicy, ServerSupervisor
 
@@ -127,10 +130,13 @@ class LocalFleet(Fleet):
             stderr = log
         popen = subprocess.Popen(
             [sys.executable, "-m", module, *args],
+            # Held open by this process and never written: it closes when this process dies,
+            # and the child then ends itself (``reaper.exit_with_supervisor``).
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
-            env=self.env,
+            env={**self.env, EXIT_WITH_SUPERVISOR: "1"},
             start_new_session=True,  # SIGTERM/SIGKILL reach the engine's own child processes
         )
         process = _Process(name, popen, log)

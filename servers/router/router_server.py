@@ -38,6 +38,7 @@ from ..common.listener import (
     tls_from_args,
 )
 from ..common.process import configure_logging, serve_until_stopped
+from ..common.reaper import exit_with_supervisor
 from ..common.tasks import BackgroundTasks
 from .admin import RouterAdminServicer
 from .backends import Backend, BackendPool
@@ -319,6 +320,7 @@ async def serve(options: RouterOptions) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure_logging()
+    exit_with_supervisor()
     if args.event_loop == "uvloop":
         import uvloop
 
