@@ -122,7 +122,10 @@ _NOT_COUNTED = _NoCounter()
 
 @contextlib.asynccontextmanager
 async def _guarded(
-    context: Context, method: str, counter: CallCounter, upload: Any = None
+    context: Context,
+    method: str,
+    counter: CallCounter,
+    upload: AsyncIterator[Any] | None = None,
 ) -> AsyncIterator[None]:
     """A handler's call, counted while it runs, its errors ended as their statuses: the one
     rule of every method shape. ``upload``: a client-streaming call's requests, read to their

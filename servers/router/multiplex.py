@@ -18,8 +18,8 @@ older one) answers UNIMPLEMENTED once and gets plain calls from then on.
 
 That answer can reach the router disguised: a server without the method answers at once,
 without reading, and when its status beats the router's write of the first request, grpc's
-client reports the call as INTERNAL "Internal error from Core" (about 1 call in 300 here, more
-on a busy machine) -- what a broken connection also looks like. A call that fails so before the
+client reports the call as INTERNAL "Internal error from Core" (1 new call in 300 to 1000 here,
+more on a busy machine) -- what a broken connection also looks like. A call that fails so before the
 server sent anything is settled by a plain call to the same server (``WithFallback``): a server
 without the method answers it, a lost one fails it UNAVAILABLE and the proxy moves on.
 """
