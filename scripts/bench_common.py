@@ -109,6 +109,21 @@ def tree_rss(pid: int, alone: bool = False) -> int:
     return total
 
 
+def tree_pss(pid: int, alone: bool = False) -> int:
+    """Proportional resident bytes of a process and its children (Linux: each shared page
+    divided among the processes mapping it, so memory the processes share, like a server's
+    checkpoint copy that its tensor-parallel ranks all map, counts once); 0 for one gone."""
+    total = 0
+    for process in _tree(pid, alone):
+        with contextlib.suppress(OSError, ValueError):
+            with open(f"/proc/{process.pid}/smaps_rollup") as rollup:
+                for line in rollup:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+    return total
+
+
 def tree_fds(pid: int, alone: bool = False) -> int:
     """Open file descriptors of a process and its children, as ``tree_rss`` counts."""
     total = 0

@@ -11,8 +11,10 @@ model from the server's memory with no transport (R: a rollback of each full upd
 swaps the previous weights back in and reloads every layer). Full updates with
 ``release_memory=True`` (the previous weights freed once the fleet committed) run back to back
 beside them. Every row prints its ratio to its floor, the link's time for the bytes it sent
-plus R. Also measured: the servers' process-tree resident memory above its level right after
-start (peak while updating, and what stays), and this trainer's own peak extra resident memory.
+plus R. Also measured: the servers' process-tree memory above its level right after start
+(proportional: memory the processes share, such as the checkpoint copy all tensor-parallel
+ranks map, counts once; peak while updating, and what stays), and this trainer's own peak extra
+resident memory.
 
 RL-like steps (``--rl-lrs``): the trainer keeps fp32 master weights and takes Adam steps on
 random gradients at each learning rate; the servers serve the master weights cast to the
@@ -39,7 +41,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from scripts.bench_common import add_output_argument, tree_rss, write_report
+from scripts.bench_common import add_output_argument, tree_pss, tree_rss, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,12 +90,12 @@ def own_rss(pid: int) -> int:
 
 
 class PeakRss:
-    """Samples the resident memory of process trees (``alone``: of the processes alone) every
-    100 ms while in use."""
+    """Samples the memory of process trees (proportional, ``tree_pss``), or the resident memory
+    of processes alone (``alone``), every 100 ms while in use."""
 
     def __init__(self, pids: list[int], alone: bool = False) -> None:
         self.pids = pids
-        self._rss = own_rss if alone else tree_rss
+        self._rss = own_rss if alone else tree_pss
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -268,7 +270,7 @@ async def updates(
     addresses = [s.address for s in servers]  # type: ignore[attr-defined]
     client = InferenceClient(addresses[0], addresses, direct=False, control_timeout=600)
     pids = [s.pid for s in servers]
-    idle = sum(tree_rss(p) for p in pids)
+    idle = sum(tree_pss(p) for p in pids)
     full = sum(t.numel() * t.element_size() for _, t in tensors)
     rows = []
     version = 0
@@ -304,7 +306,7 @@ async def updates(
                 "seconds": seconds,
                 "wire_fraction": sent / full,
                 "servers_peak_above_idle": servers_peak.peak - idle,
-                "servers_kept_above_idle": sum(tree_rss(p) for p in pids) - idle,
+                "servers_kept_above_idle": sum(tree_pss(p) for p in pids) - idle,
                 "trainer_peak_extra": trainer_peak.peak - trainer_before,
             }
         )

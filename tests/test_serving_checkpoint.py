@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from servers.engine.weights.checkpoint import ServingCheckpoint, flat_bits
+from servers.engine.weights.shared_copy import SharedCopy, SharedCopyReader, layout_of
 
 
 def weights() -> dict[str, torch.Tensor]:
@@ -176,3 +177,69 @@ def test_spares_made_at_start_take_the_first_full_update() -> None:
     assert checkpoint.buffer_for("b", [16], torch.float32).data_ptr() not in {
         t.data_ptr() for t in prepared.values()
     }  # taken: the next one is new
+
+
+def in_shared_memory() -> tuple[ServingCheckpoint, SharedCopy]:
+    plain = weights()
+    shared = SharedCopy(layout_of(plain))
+    tensors = {name: shared.value(name, 0).copy_(tensor) for name, tensor in plain.items()}
+    return ServingCheckpoint(lambda: tensors, shared), shared
+
+
+def test_in_shared_memory_full_updates_alternate_two_places_and_roll_back_exactly() -> None:
+    checkpoint, shared = in_shared_memory()
+    places = {name: shared.offset_of(t) for name, t in checkpoint.tensors.items()}
+    assert None not in places.values()
+    checkpoint.prepare_spares()
+    committed = []
+    for step in range(3):  # each update's values go to the place the serving ones are not in
+        before = snapshot(checkpoint)
+        for name, tensor in before.items():
+            buffer = checkpoint.buffer_for(name, list(tensor.shape), tensor.dtype)
+            assert shared.offset_of(buffer) not in (
+                None,
+                shared.offset_of(checkpoint.tensors[name]),
+            )
+            buffer.copy_(tensor + step + 1)
+            checkpoint.stage_whole(name, buffer)
+        checkpoint.commit()
+        committed.append(snapshot(checkpoint))
+        if step < 2:
+            checkpoint.recycle_commit()
+    assert {name: shared.offset_of(t) for name, t in checkpoint.tensors.items()} != places
+    # The last commit kept what it replaced in the other place: the rollback reads it there.
+    assert checkpoint.revert_commit() == 2
+    assert same(snapshot(checkpoint), committed[1])
+    assert not same(committed[1], committed[2])
+
+
+def test_in_shared_memory_a_release_gives_the_replaced_values_pages_back() -> None:
+    checkpoint, shared = in_shared_memory()
+    checkpoint.prepare_spares()
+    held = shared.allocated_bytes()
+    for name, tensor in snapshot(checkpoint).items():
+        buffer = checkpoint.buffer_for(name, list(tensor.shape), tensor.dtype)
+        checkpoint.stage_whole(name, buffer.copy_(tensor * 2))
+    checkpoint.commit()
+    assert checkpoint.free_commit() == 4 * 8 * 2 + 16 * 4
+    assert shared.allocated_bytes() < held  # a page each, given back
+    # The next update takes the place again (fresh pages), and serves what it was sent.
+    buffer = checkpoint.buffer_for("b", [16], torch.float32)
+    assert shared.offset_of(buffer) is not None
+    checkpoint.stage_whole("b", buffer.copy_(torch.arange(16.0)))
+    checkpoint.commit()
+    assert torch.equal(checkpoint.tensors["b"], torch.arange(16.0))
+
+
+def test_the_other_ranks_read_the_copy_where_it_lies() -> None:
+    checkpoint, shared = in_shared_memory()
+    reader = SharedCopyReader()  # as another process of the host would open it
+    assert reader.why_unreadable(shared.path) == ""
+    assert reader.why_unreadable("/proc/self/fd/999999").startswith("FileNotFoundError")
+    patch(checkpoint, "a", [2], 5.0)  # written in place: the readers see it
+    for tensor in checkpoint.tensors.values():
+        offset = shared.offset_of(tensor)
+        assert offset is not None
+        seen = reader.tensor(shared.path, offset, tensor.dtype, list(tensor.shape))
+        assert torch.equal(flat_bits(seen), flat_bits(tensor))
+    assert checkpoint.tensors["a"].view(-1)[2].item() == 5.0

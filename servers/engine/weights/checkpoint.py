@@ -24,7 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .shared_copy import SharedCopy
 
 
 def bits_of(itemsize: int) -> Any:
@@ -90,8 +93,11 @@ class _Changes:
 class ServingCheckpoint:
     """The serving weights (checkpoint names → host tensors) with the open update's changes."""
 
-    def __init__(self, load: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, load: Callable[[], dict[str, Any]], shared: SharedCopy | None = None):
         self._load = load
+        # Where ``load`` put the serving tensors, with a second place for each (its spare):
+        # then the other tensor-parallel ranks read the copy there (``shared_copy``).
+        self.shared = shared
         self._tensors: dict[str, Any] | None = None
         self._open = _Changes()  # whole: the staged new values
         self._committed: _Changes | None = None  # whole: the values the commit replaced
@@ -143,19 +149,43 @@ class ServingCheckpoint:
         allocated = 0
         for name, tensor in self.tensors.items():
             if name not in self._spare:
-                self._spare[name] = torch.zeros_like(tensor)
+                spare = self._second_place(name)
+                if spare is None:
+                    spare = torch.zeros_like(tensor)
+                else:
+                    spare.zero_()  # touched: mapped now, not in the first update
+                self._spare[name] = spare
                 allocated += tensor.nbytes
         return allocated
 
     def buffer_for(self, name: str, shape: list[int], dtype: Any) -> Any:
         """A tensor to receive ``name``'s new whole value into: a spare one of its shape and
-        type when there is one, else a new one."""
+        type when there is one, else the second place the shared copy keeps for it, else a
+        new one."""
         import torch
 
         spare = self._spare.pop(name, None)
+        if spare is None:
+            spare = self._second_place(name)
         if spare is not None and list(spare.shape) == list(shape) and spare.dtype == dtype:
             return spare
         return torch.empty(shape, dtype=dtype)
+
+    def _second_place(self, name: str) -> Any:
+        """The shared copy's place for ``name`` that its serving value does not occupy (None
+        without a shared copy). Free whenever no spare is kept: the previous value a commit
+        replaced becomes a spare when the next update starts, and is released otherwise."""
+        serving = self.tensors.get(name)
+        if self.shared is None or serving is None:
+            return None
+        kept = self._committed.whole.get(name) if self._committed is not None else None
+        if kept is not None and self.shared.which(name, kept) is not None:
+            return None  # it holds the previous value, for a rollback
+        return self.shared.other(name, serving)
+
+    def location(self, tensor: Any) -> int | None:
+        """Where ``tensor`` lies in the shared copy (None: not there)."""
+        return None if self.shared is None else self.shared.offset_of(tensor)
 
     def staged_whole(self, name: str) -> Any:
         """The new value staged for ``name`` (KeyError: none)."""
@@ -235,6 +265,8 @@ class ServingCheckpoint:
             dropped += [o.old_bits for o in self._committed.overwritten]
         self._committed = None
         self._spare = {}
+        if self.shared is not None:  # their memory goes back to the system, not just the heap
+            self.shared.release(dropped)
         return sum(t.nbytes for t in dropped)
 
     def serving_value(self, name: str) -> Any:

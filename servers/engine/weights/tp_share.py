@@ -3,29 +3,43 @@
 Each worker of a tensor-parallel engine reloads its own shard, and vLLM's weight loaders take
 whole checkpoint tensors (each worker cuts its shard out). Rather than every worker keeping a
 full checkpoint-format copy of the serving weights, TP rank 0 keeps it (stages, patches, undo
-records) and, when an update is applied, streams the tensors of the layers to reload to the
-other ranks over the tensor-parallel group's CPU (gloo) group, one tensor at a time, in the
-order every rank's ``load_weights`` consumes them. The others hold a tensor only while their
-loader uses it. Without tensor parallelism nothing is sent.
+records). When an update is applied, rank 0 tells the others which tensors to reload (the plan)
+and where each lies in the shared memory holding the copy (``shared_copy``): every rank then
+reads them there itself, and the ranks reload in parallel. A tensor not in shared memory (none
+could be made, a small parameter of a collective bucket), or every tensor when a rank cannot map
+rank 0's memory (another host), is streamed instead over the tensor-parallel group's CPU (gloo)
+group, one at a time, in the order every rank's ``load_weights`` consumes them. Without tensor
+parallelism nothing is sent.
 
-The plan (which tensors, their types and shapes) crosses as JSON bytes: no pickle.
+The plan (which tensors, their types, shapes and places) crosses as JSON bytes: no pickle.
 
-The ranks reload in lockstep, so a rank whose reload fails must not leave the others waiting in
-a broadcast for a tensor that never comes: before every tensor (and after the last) the ranks
-agree that all are still going, and after the reload on its outcome (``outcome``): one failure
-anywhere and every rank restores the previous weights together.
+Streamed tensors go in lockstep, so a rank whose reload fails must not leave the others waiting
+in a broadcast for a tensor that never comes: before every streamed tensor (and after the last
+tensor) the ranks agree that all are still going, and after the reload on its outcome
+(``outcome``): one failure anywhere and every rank restores the previous weights together.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-# A reload plan: (checkpoint name, torch element type name, shape) of each tensor, in order.
-Plan = list[tuple[str, str, list[int]]]
+from .shared_copy import SharedCopyReader
+
+
+class Row(NamedTuple):
+    """One tensor of a reload plan."""
+
+    name: str  # its checkpoint name
+    dtype: str  # torch's element type name
+    shape: list[int]
+    offset: int | None  # where it lies in the shared copy (None: it is streamed)
+
+
+Plan = list[Row]  # in the order the ranks' loaders take them
 
 
 class StreamAborted(RuntimeError):
@@ -49,13 +63,18 @@ class TensorParallelShare:
         self.holds_copy = rank == 0
         self._streamed = False  # the last stream gave every tensor
         self._aborted = False  # the last stream stopped because another rank failed
+        self._reader = SharedCopyReader()
+        self._path = ""  # the shared copy every rank reads in this reload ("": none)
 
-    def agree(self, plan: Plan | None) -> Plan:
-        """The holder's ``plan``, on every rank (peers pass None). Starts a reload."""
+    def agree(self, plan: Plan | None, path: str = "") -> Plan:
+        """The holder's ``plan`` and the ``path`` of its shared copy, on every rank (peers pass
+        None and ""). Starts a reload: the ranks also agree whether all of them can read the
+        copy (if one cannot, every tensor is streamed)."""
         self._streamed = self._aborted = False
         if self.size == 1:
             return plan or []
-        payload = json.dumps(plan or []).encode() if self.holds_copy else b""
+        header = {"path": path, "rows": plan or []}
+        payload = json.dumps(header).encode() if self.holds_copy else b""
         size = torch.tensor([len(payload)], dtype=torch.int64)
         self._broadcast(size)
         raw = (
@@ -65,22 +84,28 @@ class TensorParallelShare:
         )
         if raw.numel():
             self._broadcast(raw)
-        rows = json.loads(raw.numpy().tobytes() or b"[]")
-        return [(name, dtype, list(shape)) for name, dtype, shape in rows]
+        header = json.loads(raw.numpy().tobytes() or b"{}")
+        path = str(header.get("path", ""))
+        readable = bool(path) and (self.holds_copy or not self._reader.why_unreadable(path))
+        self._path = path if self._agree(readable) else ""
+        return [Row(n, d, list(shape), o) for n, d, shape, o in header.get("rows", [])]
 
     def stream(
         self, plan: Plan, weights: dict[str, Any] | None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The plan's tensors: the holder's own (sent to the peers as they are taken), or those
         received from it. Raises ``StreamAborted`` when another rank failed meanwhile."""
-        for name, dtype, shape in plan:
-            self._all_going()
+        for name, dtype, shape, offset in plan:
             if self.holds_copy:
                 assert weights is not None
                 tensor = weights[name].contiguous()
+            elif self._path and offset is not None:
+                tensor = self._reader.tensor(self._path, offset, getattr(torch, dtype), shape)
             else:
                 tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-            if self.size > 1:  # as bytes: gloo need not know the element type
+            if self.size > 1 and not (self._path and offset is not None):
+                self._all_going()
+                # as bytes: gloo need not know the element type
                 self._broadcast(tensor.view(-1).view(torch.uint8))
             yield name, tensor
         self._all_going()

@@ -61,7 +61,8 @@ from .protocol import (
     StagedParameter,
     empty_report,
 )
-from .tp_share import Plan, StreamAborted, TensorParallelShare
+from .shared_copy import SharedCopy, copied
+from .tp_share import Plan, Row, StreamAborted, TensorParallelShare
 from .worker_receive import apply_patch, copy_into, receive_buckets
 
 # A worker gives freed heap back once it has grown past its start by this many times the
@@ -138,7 +139,8 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         if not self.holds_copy:
             raise RuntimeError("only tensor-parallel rank 0 keeps the serving checkpoint")
         if self._checkpoint is None:
-            self._checkpoint = ServingCheckpoint(self._read_checkpoint)
+            tensors, shared = self._read_checkpoint()
+            self._checkpoint = ServingCheckpoint(lambda: tensors, shared)
         return self._checkpoint
 
     def _checkpoint_files(self) -> list[Any]:
@@ -147,20 +149,22 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
 
         return sorted(Path(self.model_config.model).glob("*.safetensors"))
 
-    def _read_checkpoint(self) -> dict[str, Any]:
+    def _read_checkpoint(self) -> tuple[dict[str, Any], SharedCopy | None]:
+        """The serving weights as the checkpoint holds them, copied into shared memory the
+        other tensor-parallel ranks read (``shared_copy``), or into this process's own memory
+        where none can be made."""
         from safetensors.torch import load_file
 
-        weights: dict[str, Any] = {}
+        # load_file maps the files: their tensors would be read at the first reload and copied
+        # page by page at the first write (patches, or a full update reusing them: ~0.7 GB of
+        # page faults in the second update of a 0.3B bf16 model). Copied into memory of their
+        # own now, once, while the engine starts.
+        mapped: dict[str, Any] = {}
         for path in self._checkpoint_files():
-            # load_file maps the file: its tensors would be read at the first reload and
-            # copied page by page at the first write (patches, or a full update reusing them:
-            # ~0.7 GB of page faults in the second update of a 0.3B bf16 model). Copied into
-            # memory of their own now, once, while the engine starts.
-            for name, mapped in load_file(str(path), device="cpu").items():
-                weights[name] = mapped.clone()
-        if not weights:
+            mapped.update(load_file(str(path), device="cpu"))
+        if not mapped:
             raise RuntimeError(f"no safetensors weights in {self.model_config.model} to update")
-        return weights
+        return copied(mapped)
 
     # -- vLLM's lifecycle ------------------------------------------------------------------
 
@@ -377,15 +381,22 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         else from the serving copy."""
         weights: dict[str, Any] | None = None
         plan: Plan | None = None
+        path = ""  # where the other ranks read the copy (``shared_copy``)
         if self.holds_copy:
             weights = self.serving.pending() if pending else self.serving.tensors
             layers = [g for g in layerwise_groups(list(weights)) if names.intersection(g)]
             plan = [
-                (name, torch_name(weights[name].dtype), list(weights[name].shape))
+                Row(
+                    name,
+                    torch_name(weights[name].dtype),
+                    list(weights[name].shape),
+                    self.serving.location(weights[name]),
+                )
                 for group in layers
                 for name in group
             ]
-        plan = self.share.agree(plan)
+            path = self.serving.shared.path if self.serving.shared is not None else ""
+        plan = self.share.agree(plan, path)
         if not plan:
             return
         # vLLM warns for every layer a reload leaves as it was: expected here, not a failure.
