@@ -160,6 +160,25 @@ def test_sigterm_drains_in_flight_streams_then_exits(server_to_stop: ServerProce
     assert server_process.proc.wait(timeout=120) == 0  # drained, then exited on its own
 
 
+def test_sigterm_while_the_engine_starts_stops_the_server_at_once(tmp_path: Path) -> None:
+    """Stopped before its engine is ready (here while vLLM's modules import, the seconds after
+    its port opens), a server ends its start: it says "stopped" and exits 0 without waiting for
+    the import to finish, and never says "ready". (It used to raise out of its event loop,
+    exit 1 without "stopped", and only once the import had finished.)"""
+    logs = tmp_path / "server.log"
+    server = ServerProcess(stderr=logs)
+    try:
+        server.until("listening")
+        server.proc.send_signal(signal.SIGTERM)
+        server.until("stopped")
+        assert server.proc.wait(timeout=120) == 0
+        assert "ready" not in [event["event"] for _, event in server.events]
+        # The import thread did not get to its end: the process did not wait for it.
+        assert "modules imported" not in logs.read_text()
+    finally:
+        server.kill()
+
+
 def test_sigkill_of_skyrl_grpc_serve_leaves_no_process_of_its_tree() -> None:
     # The command the README teaches, killed as the kernel's OOM killer would: vLLM's engine
     # processes must not outlive it (they hold the model's memory).

@@ -87,18 +87,40 @@ async def serve_until_stopped(
 ) -> None:
     """Starts ``server``, announces ``listening`` (with the fields ``describe()`` gives once it
     has started), then ``ready`` (or ``failed``, re-raising), and runs until ``stop()``, which
-    SIGTERM or SIGINT calls, has stopped it."""
+    SIGTERM or SIGINT calls, has stopped it, then announces ``stopped``. A stop that comes
+    before the server is ready ends its start (``wait_ready`` is cancelled) and stops it."""
     await server.start()
+    stopping = asyncio.Event()
+
+    async def stop_once_asked() -> None:
+        stopping.set()
+        await stop()
+
+    # Before "listening": a launcher may stop the server as soon as it reads that line.
+    on_stop_signals(stop_once_asked)
     announce("listening", address=server.address, **describe())
-    on_stop_signals(stop)
     try:
         await server.wait_ready()
+    except asyncio.CancelledError:
+        if not stopping.is_set():
+            raise
     except Exception as error:
         announce("failed", address=server.address, error=str(error))
         raise
-    announce("ready", address=server.address)
+    else:
+        announce("ready", address=server.address)
     await server.wait_stopped()
     announce("stopped", address=server.address)
+
+
+def run_until_done(main: Awaitable[None]) -> None:
+    """``asyncio.run(main)`` without its last step, waiting for the loop's worker threads: a
+    server stopped while its engine's modules still import in one (seconds, more on a busy
+    host) would otherwise stay up until the import finished. For a process that ends with
+    ``exit_now`` right after, which ends such threads with it."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    loop.run_until_complete(main)
 
 
 def exit_now(code: int) -> NoReturn:

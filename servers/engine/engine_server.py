@@ -40,7 +40,13 @@ from skyrl_grpc.v1 import data_plane_pb2_grpc, status_pb2_grpc
 
 from ..common.interceptors import BearerTokenInterceptor, CallCounter, ErrorMappingInterceptor
 from ..common.listener import bind, server_options
-from ..common.process import announce, configure_logging, exit_now, serve_until_stopped
+from ..common.process import (
+    announce,
+    configure_logging,
+    exit_now,
+    run_until_done,
+    serve_until_stopped,
+)
 from ..common.reaper import exit_with_supervisor, reap_children_on_exit
 from ..common.tasks import BackgroundTasks
 from .admission import Admission
@@ -290,9 +296,12 @@ def run(options: ServerOptions) -> NoReturn:
     exit_with_supervisor()
     code = 0
     try:
-        asyncio.run(serve(options, errors))
+        run_until_done(serve(options, errors))
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:  # said, and the process still ends now, its threads with it
+        log.exception("the server ended abnormally")
+        code = 1
     exit_now(code)
 
 

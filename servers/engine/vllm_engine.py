@@ -61,12 +61,6 @@ class EngineCannotRun(Exception):
     """The engine started but fails to generate; the message says why and what to try."""
 
 
-def _import_engine_modules() -> None:
-    import transformers  # noqa: F401
-    import vllm.engine.arg_utils
-    import vllm.v1.engine.async_llm  # noqa: F401
-
-
 class VllmEngine:
     """A started vLLM engine with the contract's extra state. Build with ``VllmEngine.start``."""
 
@@ -236,7 +230,7 @@ class VllmEngine:
         # The engine core's modules import in a forkserver while ours do here.
         preloaded = core_preload.start_if_wanted(options, limits, model_path)
         # Seconds of imports: in a thread, so the open port keeps answering (health: starting).
-        await asyncio.to_thread(_import_engine_modules)
+        await asyncio.to_thread(core_preload.import_server_modules)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
