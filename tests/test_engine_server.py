@@ -294,6 +294,7 @@ async def test_model_info(
     assert info.has_chat_template and list(info.eos_token_ids) == [2]
     server = await control.GetServerInfo(cp.GetServerInfoRequest())
     assert server.world_size == 1 and server.tensor_parallel_size == 1
+    assert server.weight_group_ranks == 1
     assert server.engine == "vllm" and server.engine_version == "0.32.0" and server.device == "cpu"
     assert not server.capabilities.sleep
     assert set(server.capabilities.pause_modes) == {

@@ -22,6 +22,7 @@ from skyrl_grpc import dtypes
 from skyrl_grpc.errors import DataLoss, FailedPrecondition, InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.weight_sending import plan_buckets, push_messages, rank_offsets, tensor_entries
+from trainer_client.weight_updates import group_ranks
 
 LAYOUT = {
     "a.weight": ParamLayout(dtypes.BY_TORCH["float32"], (4, 3)),
@@ -162,9 +163,13 @@ def test_buckets_pack_at_their_offsets_and_overlaps_are_rejected() -> None:
         bucket_layout(bucket_spec(bucket.layout), LAYOUT)
 
 
-def test_rank_offsets_follow_server_world_sizes() -> None:
+def test_rank_offsets_follow_the_ranks_each_server_takes() -> None:
     assert rank_offsets([1, 1]) == ([1, 2], 3)
     assert rank_offsets([2, 4, 1]) == ([1, 3, 7], 8)
+    # A tensor-parallel server takes one rank (its copy's holder joins); one that does not say
+    # (older than the field) is taken to join with every worker, as it did.
+    assert group_ranks(cp.GetServerInfoResponse(world_size=4, weight_group_ranks=1)) == 1
+    assert group_ranks(cp.GetServerInfoResponse(world_size=4)) == 4
 
 
 # What FakeWorkers records: vLLM's lifecycle calls, and each update payload by its kind.

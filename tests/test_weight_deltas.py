@@ -236,7 +236,9 @@ async def test_a_tensor_parallel_server_takes_deltas_and_rolls_back_exactly(
     async for tp_server in running_engine_server(tensor_parallel_size=2):
         both = [single, tp_server.address]
         client = InferenceClient(single, both, direct=False)
-        assert (await client.server_info())[tp_server.address].world_size == 2
+        info = (await client.server_info())[tp_server.address]
+        # Two workers; one of them (the copy's holder) joins a weight-transfer group.
+        assert (info.world_size, info.weight_group_ranks) == (2, 1)
         base = perturbed(delta_fleet.original, seed=41)
         version = await next_version(client)
         await client.update_weights(base.items(), version)
@@ -249,7 +251,7 @@ async def test_a_tensor_parallel_server_takes_deltas_and_rolls_back_exactly(
         assert outputs[single] == outputs[tp_server.address]
         assert await client.rollback_weights(version + 1) == dict.fromkeys(both, version)
         assert await served_checksums(client) == before
-        # Only TP rank 0 keeps the checkpoint copy; rank 1 reloads from what rank 0 streams it.
+        # Only TP rank 0 keeps the checkpoint copy; rank 1 reloads from it, in shared memory.
         rolled_back = await greedy_per_server(both)
         assert rolled_back[single] == rolled_back[tp_server.address]
         # Compressed patches reach the shards the same way (the first push is whole: the
@@ -269,10 +271,11 @@ async def test_a_tensor_parallel_server_takes_deltas_and_rolls_back_exactly(
         outputs = await greedy_per_server(both)
         assert outputs[single] == outputs[tp_server.address]
         await client.close()
-        # Over the collective: both TP ranks receive every broadcast, rank 0 applies it.
+        # Over the collective: the broadcasts reach rank 0 alone (a group of the trainer and
+        # one worker), and rank 1 reloads what it staged.
         tp = tp_server.address
         broadcaster = InferenceClient(tp, [tp], direct=False)
-        await broadcaster.init_weight_transfer("gloo", timeout_seconds=60)
+        assert await broadcaster.init_weight_transfer("gloo", timeout_seconds=60) == {tp: 1}
         await broadcaster.update_weights(compressed.items(), version + 4)  # whole: no base yet
         stepped = a_training_step(compressed, seed=44)
         await broadcaster.update_weights(stepped.items(), version + 5, compress_patches=True)

@@ -65,12 +65,13 @@ class WeightUpdates(WeightDelivery):
         timeout_seconds: float = 300.0,
     ) -> dict[str, int]:
         """Forms the collective group: this process is rank 0, each server joins with its own
-        rank offset (computed from the servers' world sizes). Returns each server's offset."""
+        rank offset (computed from the ranks each server takes: ``group_ranks``). Returns each
+        server's offset."""
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r}: use 'gloo' or 'nccl' (in-band needs no group)")
         request = cp.GetServerInfoRequest()
         servers = await self._control_servers()
-        sizes = await self._fan_out(lambda s: s.GetServerInfo, request, None, _world_size)
+        sizes = await self._fan_out(lambda s: s.GetServerInfo, request, None, group_ranks)
         offsets, world_size = rank_offsets([sizes[a] for a in servers])
         port = master_port or free_port(master_address)
         sender = CollectiveSender(
@@ -335,5 +336,6 @@ class WeightUpdates(WeightDelivery):
         return WeightVersions(versions)
 
 
-def _world_size(info: cp.GetServerInfoResponse) -> int:
-    return info.world_size
+def group_ranks(info: cp.GetServerInfoResponse) -> int:
+    """The ranks a server takes in the group (a server older than the field: all its workers)."""
+    return info.weight_group_ranks or info.world_size

@@ -337,6 +337,7 @@ def server_info_to_proto(
     limits = server.lora
     info = cp.GetServerInfoResponse(
         world_size=server.world_size,
+        weight_group_ranks=server.weight_group_ranks,
         tensor_parallel_size=server.tensor_parallel_size,
         pipeline_parallel_size=server.pipeline_parallel_size,
         data_parallel_size=server.data_parallel_size,

@@ -28,6 +28,9 @@ class ServerDescription:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     data_parallel_size: int
+    # Ranks the server takes in a weight-transfer group: one per tensor-parallel group (the
+    # worker keeping the checkpoint copy; ``weights.transfer_engine``).
+    weight_group_ranks: int
     sleep_supported: bool
     # How weights can arrive, best first: "nccl", "gloo", "grpc_stream".
     weight_transfer_backends: list[str]

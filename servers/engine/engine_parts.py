@@ -133,6 +133,7 @@ class EngineParts:
         engine = self.engine
         return ServerDescription(
             world_size=engine.world_size,
+            weight_group_ranks=engine.world_size // engine.tensor_parallel_size,
             tensor_parallel_size=engine.tensor_parallel_size,
             pipeline_parallel_size=engine.pipeline_parallel_size,
             data_parallel_size=engine.data_parallel_size,

@@ -370,7 +370,7 @@ class Capabilities(_message.Message):
     def __init__(self, sleep: _Optional[bool] = ..., weight_transfer_backends: _Optional[_Iterable[_Union[WeightTransferBackend, str]]] = ..., pause_modes: _Optional[_Iterable[_Union[PauseMode, str]]] = ..., prefix_caching: _Optional[bool] = ..., lora: _Optional[_Union[_lora_pb2.LoraCapabilities, _Mapping]] = ..., compressed_weight_patches: _Optional[bool] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "capabilities", "weight_version", "engine", "engine_version", "server_version", "served_model_name", "device", "open_weight_update", "rollback_weight_version", "weight_transfer_group")
+    __slots__ = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "capabilities", "weight_version", "engine", "engine_version", "server_version", "served_model_name", "device", "open_weight_update", "rollback_weight_version", "weight_transfer_group", "weight_group_ranks")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +385,7 @@ class GetServerInfoResponse(_message.Message):
     OPEN_WEIGHT_UPDATE_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSFER_GROUP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_GROUP_RANKS_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     tensor_parallel_size: int
     pipeline_parallel_size: int
@@ -399,7 +400,8 @@ class GetServerInfoResponse(_message.Message):
     open_weight_update: OpenWeightUpdate
     rollback_weight_version: int
     weight_transfer_group: WeightTransferGroup
-    def __init__(self, world_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., weight_version: _Optional[int] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., server_version: _Optional[str] = ..., served_model_name: _Optional[str] = ..., device: _Optional[str] = ..., open_weight_update: _Optional[_Union[OpenWeightUpdate, _Mapping]] = ..., rollback_weight_version: _Optional[int] = ..., weight_transfer_group: _Optional[_Union[WeightTransferGroup, _Mapping]] = ...) -> None: ...
+    weight_group_ranks: int
+    def __init__(self, world_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., weight_version: _Optional[int] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., server_version: _Optional[str] = ..., served_model_name: _Optional[str] = ..., device: _Optional[str] = ..., open_weight_update: _Optional[_Union[OpenWeightUpdate, _Mapping]] = ..., rollback_weight_version: _Optional[int] = ..., weight_transfer_group: _Optional[_Union[WeightTransferGroup, _Mapping]] = ..., weight_group_ranks: _Optional[int] = ...) -> None: ...
 
 class WeightTransferGroup(_message.Message):
     __slots__ = ("group_name", "master_address", "master_port", "rank_offset", "world_size")

@@ -105,6 +105,8 @@ class SharedCopy:
 
     def offset_of(self, tensor: torch.Tensor) -> int | None:
         """Where ``tensor`` starts in the file, if it is a whole slot's value lying there."""
+        if tensor.device.type != "cpu":
+            return None
         start = tensor.data_ptr() - self._base.data_ptr()
         place = self._at.get(start)
         if place is None or not tensor.is_contiguous():

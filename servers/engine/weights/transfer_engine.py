@@ -112,7 +112,6 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self.report: Report = empty_report()
         # Only TP rank 0 keeps the checkpoint-format copy; it streams it to the others.
         self.share = TensorParallelShare()
-        self._scratch: list[torch.Tensor | None] = [None, None]  # a peer's receive buffers
         self._handoff = HandoffReader()
         self._heap: HeapKeeper | None = None
         if self.holds_copy:
@@ -175,20 +174,25 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         return SkyrlGroup(Group(**init_dict))  # type: ignore[typeddict-item]
 
     def init_transfer_engine(self, init_info: SkyrlGroup) -> None:
-        """Joins the trainer's group as ``rank_offset + this worker's rank``."""
+        """Joins the trainer's group as ``rank_offset`` + this worker's tensor-parallel group:
+        only the worker keeping the checkpoint copy joins (the others read that copy, so the
+        trainer's broadcasts reach one worker per server, not every rank)."""
         from skyrl_grpc.process_group import join_group
 
         group = init_info.group
+        self.timeout_seconds = group["timeout_seconds"]
+        if not self.holds_copy:
+            return
+        tp_group = int(self.parallel_config.rank) // self.share.size
         self.group = join_group(
             group["backend"],
             group["master_address"],
             group["master_port"],
-            group["rank_offset"] + int(self.parallel_config.rank),
+            group["rank_offset"] + tp_group,
             group["world_size"],
             group["group_name"],
             group["timeout_seconds"],
         )
-        self.timeout_seconds = group["timeout_seconds"]
 
     def shutdown(self) -> None:
         self.group = None  # its connections close with it
@@ -319,19 +323,19 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         so the trainer's broadcasts never hang; nothing of this call is staged then. Non-finite
         values are staged and named in the report: the server rejects them (and discards the
         update) unless it was started to accept them."""
+        if not self.holds_copy:
+            return  # not in the group: the broadcasts reach the copy's holder only
         if self.group is None:
             raise RuntimeError("not in a weight-transfer group: call InitWeightTransfer first")
-        # Every rank receives (the trainer broadcasts to all); only the copy's holder keeps it.
         received = receive_buckets(
             self.group,
             buckets,
             self.timeout_seconds,
             check_finite,
-            keep=self.holds_copy,
             buffer=None if torch.cuda.is_available() else self._host_buffer,
         )
         rejected = received.mismatches or received.invalid
-        if not rejected and self.holds_copy:
+        if not rejected:
             serving = self.serving
             mark = serving.mark()
             for name, tensor in received.whole.items():
@@ -351,27 +355,18 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self.report["invalid"] = received.invalid
 
     def _host_buffer(self, index: int, bucket: Bucket) -> torch.Tensor:
-        """Where bucket ``index`` of a broadcast is received on the host: the copy's holder
-        receives a one-parameter bucket straight into a recycled tensor of that parameter
-        (``ServingCheckpoint.buffer_for``); a peer, which drops what it receives, into one of
-        two buffers it keeps across updates."""
+        """Where bucket ``index`` of a broadcast is received on the host: a one-parameter
+        bucket straight into a recycled tensor of that parameter (``buffer_for``: in the shared
+        copy, where the other ranks read it), any other into a new one."""
         size = int(bucket["size"])
         params = bucket["params"]
-        if self.holds_copy:
-            if len(params) == 1 and not params[0]["patch"] and params[0]["offset"] == 0:
-                param = params[0]
-                dtype = getattr(torch, param["dtype"])
-                if num_elements(param["shape"]) * dtype.itemsize == size:
-                    tensor: torch.Tensor = self.serving.buffer_for(
-                        param["name"], param["shape"], dtype
-                    )
-                    return tensor.view(-1).view(torch.uint8)
-            return torch.empty(size, dtype=torch.uint8)
-        slot = index % 2  # the next bucket is received while this one is checked
-        scratch = self._scratch[slot]
-        if scratch is None or scratch.numel() < size:
-            scratch = self._scratch[slot] = torch.empty(size, dtype=torch.uint8)
-        return scratch[:size]
+        if len(params) == 1 and not params[0]["patch"] and params[0]["offset"] == 0:
+            param = params[0]
+            dtype = getattr(torch, param["dtype"])
+            if num_elements(param["shape"]) * dtype.itemsize == size:
+                tensor: torch.Tensor = self.serving.buffer_for(param["name"], param["shape"], dtype)
+                return tensor.view(-1).view(torch.uint8)
+        return torch.empty(size, dtype=torch.uint8)
 
     # -- applying ---------------------------------------------------------------------------
 

@@ -80,12 +80,11 @@ def receive_buckets(
     buckets: list[Bucket],
     timeout_seconds: float,
     check_finite: bool = False,
-    keep: bool = True,
     buffer: Callable[[int, Bucket], Any] | None = None,
 ) -> Received:
-    """Receives ``buckets`` from rank 0 of ``group`` and checks each parameter (none is kept
-    when not ``keep``: each bucket is dropped once checked). The receive of the next bucket is
-    posted before the current one is sliced and verified, so checking overlaps the transfer.
+    """Receives ``buckets`` from rank 0 of ``group`` and checks each parameter. The receive of
+    the next bucket is posted before the current one is sliced and verified, so checking
+    overlaps the transfer.
     ``buffer(index, bucket)``: the uint8 tensor to receive a bucket into (default: a new one,
     on the accelerator when there is one).
     """
@@ -110,14 +109,14 @@ def receive_buckets(
         host = target.cpu()
         received.bytes += host.numel()
         for param in bucket["params"]:
-            _check_received(param, host, check_finite, keep, received)
+            _check_received(param, host, check_finite, received)
     return received
 
 
 def _check_received(
-    param: BucketParameter, host: Any, check_finite: bool, keep: bool, received: Received
+    param: BucketParameter, host: Any, check_finite: bool, received: Received
 ) -> None:
-    """Checks one parameter's bytes in a received bucket and keeps them (when ``keep``)."""
+    """Checks one parameter's bytes in a received bucket and keeps them."""
     name = param["name"]
     start = int(param["offset"])
     dtype = getattr(torch, param["dtype"])
@@ -125,10 +124,7 @@ def _check_received(
     changed = int(param.get("patch", 0))
     zstd = int(param.get("zstd", 0))
     if zstd:
-        # Its values are XORs with the serving ones: checked once applied (``_receive``), by
-        # the copy's holder; another rank's decompressing would be CPU spent on nothing.
-        if not keep:
-            return
+        # Its values are XORs with the serving ones: checked once applied (``_receive``).
         try:
             layout = ParamLayout(dtypes.BY_TORCH[param["dtype"]], tuple(param["shape"]))
             frame = host[start : start + zstd].numpy()
@@ -156,8 +152,6 @@ def _check_received(
         values = raw
     if check_finite and not all_finite(values.numpy(), param["dtype"]):
         received.non_finite.append(name)  # kept: the server decides (``_receive``)
-    if not keep:
-        return
     if changed:
         received.patches.append((param, raw.numpy()))
     else:
