@@ -237,11 +237,15 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
                 self._heap.check()
 
     def free_rollback(self) -> int:
-        """Frees what a rollback would restore (and spare buffers), then gives the freed heap
-        back to the system at once: after a fleet commit a server holds one copy of the model.
-        Returns the bytes of weights freed."""
-        freed = self.serving.free_commit() if self.holds_copy and self._checkpoint else 0
-        trim = freed_memory_trim()
+        """Frees what a rollback would restore (and spare buffers) and gives their memory back
+        to the system at once: after a fleet commit a server holds one copy of the model.
+        Returns the bytes of weights freed. In shared memory that is immediate; a copy in the
+        heap needs the freed heap trimmed, which also gives back what vLLM's reloads freed (the
+        next reload then faults it in again), so only then."""
+        if not self.holds_copy or self._checkpoint is None:
+            return 0  # the other ranks keep no copy
+        freed = self._checkpoint.free_commit()
+        trim = freed_memory_trim() if self._checkpoint.shared is None else None
         if trim is not None:
             trim()
         return freed
