@@ -110,7 +110,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self._checkpoint: ServingCheckpoint | None = None
         self._restoring = False
         self.report: Report = empty_report()
-        # Only TP rank 0 keeps the checkpoint-format copy; it streams it to the others.
+        # Only TP rank 0 keeps the checkpoint-format copy; the others read it (``tp_share``).
         self.share = TensorParallelShare()
         self._handoff = HandoffReader()
         self._heap: HeapKeeper | None = None
