@@ -4,10 +4,13 @@ restores on cancel and rollback, without vLLM."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from servers.engine.weights.checkpoint import ServingCheckpoint, flat_bits
-from servers.engine.weights.shared_copy import SharedCopy, SharedCopyReader, layout_of
+from servers.engine.weights.shared_copy import SharedCopy, SharedCopyReader, copied, layout_of
 
 
 def weights() -> dict[str, torch.Tensor]:
@@ -243,3 +246,21 @@ def test_the_other_ranks_read_the_copy_where_it_lies() -> None:
         seen = reader.tensor(shared.path, offset, tensor.dtype, list(tensor.shape))
         assert torch.equal(flat_bits(seen), flat_bits(tensor))
     assert checkpoint.tensors["a"].view(-1)[2].item() == 5.0
+
+
+def test_without_shared_memory_the_copy_is_plain_and_updates_still_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(*args: object) -> int:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "memfd_create", refuse)
+    tensors, shared = copied(weights())
+    assert shared is None and same(tensors, weights())
+    checkpoint = ServingCheckpoint(lambda: tensors, shared)
+    assert checkpoint.location(tensors["a"]) is None  # the other ranks get it sent
+    checkpoint.prepare_spares()
+    buffer = checkpoint.buffer_for("b", [16], torch.float32)
+    checkpoint.stage_whole("b", buffer.copy_(torch.ones(16)))
+    checkpoint.commit()
+    assert torch.equal(checkpoint.tensors["b"], torch.ones(16))
