@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -166,10 +165,7 @@ class SharedCopyReader:
         if mapped is None:
             with open(path, "rb") as file:
                 view = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                base = torch.frombuffer(view, dtype=torch.uint8)
-            mapped = self._maps[path] = (view, base)
+            mapped = self._maps[path] = (view, torch.frombuffer(view, dtype=torch.uint8))
         return mapped[1]
 
 
