@@ -168,19 +168,37 @@ def deltas_of(events: list[dict[str, Any]]) -> list[Any]:
     folded: list[Any] = []
     for event in events:
         for choice in event["choices"]:
-            delta, finish = without_ids(choice["delta"]), choice["finish_reason"]
-            if not delta and finish is not None and folded and folded[-1][1] is None:
-                folded[-1][1], folded[-1][2] = finish, None
-                continue
-            key = _appending(delta)
-            if key is not None and folded and folded[-1][2] == key:
-                _append(folded[-1][0], delta)
-                folded[-1][1] = finish
-            else:
-                folded.append([delta, finish, key])
-            if finish is not None:
-                folded[-1][2] = None
+            for delta, finish in _pieces(without_ids(choice["delta"]), choice["finish_reason"]):
+                _fold(folded, delta, finish)
     return [(delta, finish) for delta, finish, _ in folded]
+
+
+def _pieces(delta: dict[str, Any], finish: str | None) -> list[tuple[dict[str, Any], Any]]:
+    """A delta as the deltas it may be made of: vLLM's server, given several tokens at once by
+    its output handler (a slow consumer), sends a call's header and its arguments as one delta
+    listing both; the finish reason goes with the last."""
+    calls = delta.get("tool_calls") or []
+    if len(calls) < 2:
+        return [(delta, finish)]
+    rest = {"content": None} if "content" in delta else {}
+    pieces = [{**delta, "tool_calls": calls[:1]}] + [{**rest, "tool_calls": [c]} for c in calls[1:]]
+    return [(piece, finish if i == len(pieces) - 1 else None) for i, piece in enumerate(pieces)]
+
+
+def _fold(folded: list[Any], delta: dict[str, Any], finish: str | None) -> None:
+    """Adds one delta to ``folded`` ([delta, finish, what it appends to]), joined with the one
+    before where it only appends to the same text."""
+    if not delta and finish is not None and folded and folded[-1][1] is None:
+        folded[-1][1], folded[-1][2] = finish, None
+        return
+    key = _appending(delta)
+    if key is not None and folded and folded[-1][2] == key:
+        _append(folded[-1][0], delta)
+        folded[-1][1] = finish
+    else:
+        folded.append([delta, finish, key])
+    if finish is not None:
+        folded[-1][2] = None
 
 
 def _appending(delta: dict[str, Any]) -> str | None:
