@@ -120,6 +120,8 @@ class ServerInfo:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     data_parallel_size: int
+    # Ranks it takes in a collective weight-transfer group (one per tensor-parallel group).
+    weight_group_ranks: int
     capabilities: Capabilities
     weight_version: int
     engine: str
@@ -145,6 +147,7 @@ class ServerInfo:
             tensor_parallel_size=info.tensor_parallel_size,
             pipeline_parallel_size=info.pipeline_parallel_size,
             data_parallel_size=info.data_parallel_size,
+            weight_group_ranks=info.weight_group_ranks or info.world_size,
             capabilities=Capabilities(
                 sleep=caps.sleep,
                 weight_transfer_backends=backends,
