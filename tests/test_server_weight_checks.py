@@ -21,8 +21,8 @@ from servers.engine.weights.worker import WeightTransferWorker
 from skyrl_grpc import dtypes
 from skyrl_grpc.errors import DataLoss, FailedPrecondition, InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
+from trainer_client.fleet_info import group_ranks
 from trainer_client.weight_sending import plan_buckets, push_messages, rank_offsets, tensor_entries
-from trainer_client.weight_updates import group_ranks
 
 LAYOUT = {
     "a.weight": ParamLayout(dtypes.BY_TORCH["float32"], (4, 3)),

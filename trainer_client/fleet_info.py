@@ -147,7 +147,7 @@ class ServerInfo:
             tensor_parallel_size=info.tensor_parallel_size,
             pipeline_parallel_size=info.pipeline_parallel_size,
             data_parallel_size=info.data_parallel_size,
-            weight_group_ranks=info.weight_group_ranks or info.world_size,
+            weight_group_ranks=group_ranks(info),
             capabilities=Capabilities(
                 sleep=caps.sleep,
                 weight_transfer_backends=backends,
@@ -209,3 +209,9 @@ class WeightCommit:
     @classmethod
     def from_proto(cls, response: cp.FinishWeightUpdateResponse) -> WeightCommit:
         return cls(response.weight_version, response.parameters_updated)
+
+
+def group_ranks(info: cp.GetServerInfoResponse) -> int:
+    """The ranks a server takes in a weight-transfer group (a server older than the field: all
+    its workers)."""
+    return info.weight_group_ranks or info.world_size

@@ -17,7 +17,7 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from .exceptions import FailedPrecondition
 from .fanout import fan_out
-from .fleet_info import WeightCommit
+from .fleet_info import WeightCommit, group_ranks
 from .readiness import wait_while_starting
 from .results import WeightVersions
 from .update_plan import PushedWeights, Sending, ServerState, make_plan
@@ -334,8 +334,3 @@ class WeightUpdates(WeightDelivery):
             lambda s: s.GetServerInfo, request, timeout, lambda r: r.weight_version
         )
         return WeightVersions(versions)
-
-
-def group_ranks(info: cp.GetServerInfoResponse) -> int:
-    """The ranks a server takes in the group (a server older than the field: all its workers)."""
-    return info.weight_group_ranks or info.world_size

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from skyrl_grpc.dtypes import num_elements
+
 PAGE = mmap.PAGESIZE
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,7 @@ class SharedCopy:
         self._at: dict[int, tuple[str, int]] = {}  # a slot's offset: its parameter and index
         offset = 0
         for name, dtype, shape in layout:
-            nbytes = dtype.itemsize * _elements(shape)
+            nbytes = dtype.itemsize * num_elements(tuple(shape))
             size = _page_aligned(max(nbytes, 1))
             self._slots[name] = (Slot(offset, nbytes), Slot(offset + size, nbytes))
             self._layout[name] = (dtype, tuple(shape))
@@ -134,10 +136,6 @@ class SharedCopy:
         """The file's memory now (what ``release`` gives back, it no longer counts)."""
         return os.fstat(self._fd).st_blocks * 512
 
-    def close(self) -> None:
-        """Closes the file (its memory goes once no process maps it any more)."""
-        os.close(self._fd)
-
 
 class SharedCopyReader:
     """Another rank's side: the file mapped as its own private view (a stray write would land in
@@ -156,7 +154,7 @@ class SharedCopyReader:
         return ""
 
     def tensor(self, path: str, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        nbytes = dtype.itemsize * _elements(shape)
+        nbytes = dtype.itemsize * num_elements(shape)
         base = self._base(path)
         return base[offset : offset + nbytes].view(dtype).view(shape)
 
@@ -167,13 +165,6 @@ class SharedCopyReader:
                 view = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
             mapped = self._maps[path] = (view, torch.frombuffer(view, dtype=torch.uint8))
         return mapped[1]
-
-
-def _elements(shape: Iterable[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= int(size)
-    return count
 
 
 def layout_of(tensors: dict[str, Any]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:

@@ -93,17 +93,20 @@ class TensorParallelShare:
     def stream(
         self, plan: Plan, weights: dict[str, Any] | None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The plan's tensors: the holder's own (sent to the peers as they are taken), or those
-        received from it. Raises ``StreamAborted`` when another rank failed meanwhile."""
+        """The plan's tensors: the holder's own, or on the other ranks read from its shared
+        copy, or received from it (streamed as the holder takes them). Raises
+        ``StreamAborted`` when another rank failed meanwhile."""
         for name, dtype, shape, offset in plan:
+            shared = bool(self._path) and offset is not None
             if self.holds_copy:
                 assert weights is not None
                 tensor = weights[name].contiguous()
-            elif self._path and offset is not None:
+            elif shared:
+                assert offset is not None
                 tensor = self._reader.tensor(self._path, offset, getattr(torch, dtype), shape)
             else:
                 tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-            if self.size > 1 and not (self._path and offset is not None):
+            if self.size > 1 and not shared:
                 self._all_going()
                 # as bytes: gloo need not know the element type
                 self._broadcast(tensor.view(-1).view(torch.uint8))
