@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Runs the README's test command PASSES times in a row (default 3) on a fresh clone of one commit
+# while two busy processes (`python3 -c "while True: pass"`, one per core of a 2-core machine)
+# run beside it: how a shared, noisy CI machine looks to the suite. Stops at the first red pass.
+#   bash scripts/suite_under_load.sh [PASSES] [COMMIT] [WORKDIR]
+# Each pass's output goes to WORKDIR/passK.log, one summary line per pass to WORKDIR/summary, the
+# load average once a minute to WORKDIR/loadlog. The clone uses this checkout's .venv (a link),
+# so the passes measure the tests, not the install.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+passes=${1:-3}
+commit=$(git -C "$root" rev-parse "${2:-HEAD}")
+work=${3:-/tmp/suite-under-load}
+mkdir -p "$work"
+busy=()
+cleanup() {
+    kill "${busy[@]}" "${loadlog_pid:-}" 2>/dev/null
+    wait 2>/dev/null
+}
+trap cleanup EXIT
+for _ in 1 2; do
+    python3 -c "while True: pass" &
+    busy+=($!)
+done
+(while true; do echo "$(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"; sleep 60; done) >> "$work/loadlog" &
+loadlog_pid=$!
+echo "$(date +%T) commit $commit, $passes passes, busy pids ${busy[*]}" >> "$work/summary"
+for pass in $(seq 1 "$passes"); do
+    clone="$work/clone"
+    rm -rf "$clone"
+    git clone -q "$root" "$clone" && git -C "$clone" checkout -q "$commit"
+    ln -s "$root/.venv" "$clone/.venv"
+    # Older than the environment's install stamp: setup.sh must not re-point the editable install.
+    touch -d 2000-01-01 "$clone/pyproject.toml"
+    started=$(date +%s)
+    (cd "$clone" && bash scripts/test.sh --durations=40) > "$work/pass$pass.log" 2>&1
+    rc=$?
+    result=$(grep -E "^=+ .*(passed|failed|error).* in " "$work/pass$pass.log" | tail -1)
+    echo "$(date +%T) pass $pass rc=$rc wall=$(( $(date +%s) - started ))s $result" >> "$work/summary"
+    [ "$rc" -eq 0 ] || exit "$rc"
+done
