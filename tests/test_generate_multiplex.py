@@ -138,6 +138,31 @@ async def test_bad_requests_fail_alone_and_a_reused_index_ends_the_call(
         assert len(await single_stream(stub, stream_request(3))) == TOKENS
 
 
+async def read_to_end(call: Any, chunks: list[data_plane_pb2.GenerateStreamResponse]) -> None:
+    while (chunk := await call.read()) is not grpc.aio.EOF:
+        chunks.append(chunk)
+
+
+async def test_the_first_stream_on_a_call_outlives_those_that_end_before_it(
+    engine_server: Any,
+) -> None:
+    """The first stream on a router's multiplexed call (index 0) gets every chunk to its end
+    while a stream opened after it ends first. (The router once renumbered a chunk for its
+    caller before it looked up whose it was: any other stream's end dropped the first one from
+    the call, and its caller waited forever; an Abort through the router hung so.)"""
+    longer = gen.SamplingParams(temperature=0.0, max_tokens=3 * TOKENS, ignore_eos=True)
+    async for router in running_router([engine_server.address]):
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            routed = data_plane_pb2_grpc.DataPlaneStub(channel)
+            first = routed.GenerateStream(stream_request(0, longer))
+            chunks = [await first.read()]  # on the call (a new one: the router is new)
+            later = await single_stream(routed, stream_request(1))
+            assert len(later) == TOKENS
+            await asyncio.wait_for(read_to_end(first, chunks), 120)
+            assert len(tokens_of(chunks)) == 3 * TOKENS
+            assert chunks[-1].finish_reason == gen.FINISH_REASON_LENGTH
+
+
 async def test_the_router_multiplexes_streams_to_a_server(engine_server: Any) -> None:
     """32 concurrent GenerateStream calls through the router travel over one multiplexed call
     to the server; each caller gets its own stream's tokens, logprobs and finish reason, a
