@@ -173,13 +173,11 @@ class Multiplexer:
                 self.answered = True
                 message = data_plane_pb2.GenerateMultiplexResponse.FromString(raw)
                 for chunk in message.chunks:
-                    # Read before ``deliver``, which renumbers the chunk for its caller (0).
-                    index = chunk.batch_index
-                    stream = self._streams.get(index)
+                    stream = self._streams.get(chunk.batch_index)
                     if stream is not None:
-                        stream.deliver(chunk)
+                        stream.deliver(chunk)  # renumbers the chunk for its caller
                         if stream.finished:
-                            self._streams.pop(index, None)
+                            self._streams.pop(stream.index, None)
                 for error in message.errors:
                     stream = self._streams.pop(error.index, None)
                     if stream is not None:
