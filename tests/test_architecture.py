@@ -35,6 +35,16 @@ def _lint_imports(tree: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.fixture(scope="module")
+def clean_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the packages that passes the contracts (checked once: each test breaks one
+    contract in it and puts the module back)."""
+    tree = _copy_tree(tmp_path_factory.mktemp("tree"))
+    clean = _lint_imports(tree)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    return tree
+
+
 @pytest.mark.parametrize(
     ("module", "violation", "contract"),
     [
@@ -71,14 +81,15 @@ def _lint_imports(tree: Path) -> subprocess.CompletedProcess[str]:
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(
-    tmp_path: Path, module: str, violation: str, contract: str
+    clean_tree: Path, module: str, violation: str, contract: str
 ) -> None:
-    tree = _copy_tree(tmp_path)
-    clean = _lint_imports(tree)
-    assert clean.returncode == 0, clean.stdout + clean.stderr
-    path = tree / module
-    path.write_text(path.read_text() + f"\n{violation}  # deliberate violation\n")
-    broken = _lint_imports(tree)
+    path = clean_tree / module
+    original = path.read_text()
+    path.write_text(original + f"\n{violation}  # deliberate violation\n")
+    try:
+        broken = _lint_imports(clean_tree)
+    finally:
+        path.write_text(original)  # the next test starts from the clean copy again
     assert broken.returncode != 0
     assert f"{contract} BROKEN" in broken.stdout
 

@@ -24,6 +24,10 @@ LIMITS = ModelLimits(vocab_size=100, max_model_len=64, max_logprobs=5)
 SP = generation_pb2.SamplingParams
 
 
+# Building vLLM's own SamplingParams imports vLLM: about 8 s on 2 cores, out of the quick loop.
+IMPORTS_VLLM = pytest.mark.slow
+
+
 def build(params: generation_pb2.SamplingParams, prompt_len: int = 4, n: int = 1):  # type: ignore[no-untyped-def]
     max_tokens = validate.sampling(params, prompt_len=prompt_len, limits=LIMITS)
     return build_sampling_params(params, n=n, max_tokens=max_tokens, detokenize=False)
@@ -109,6 +113,7 @@ def test_server_limits_name_their_flag() -> None:
     assert ModelLimits(vocab_size=100, max_model_len=64, max_logprobs=5).max_prompt_tokens == 63
 
 
+@IMPORTS_VLLM
 def test_unset_fields_take_documented_defaults() -> None:
     params = build(SP(), prompt_len=10)
     assert params.temperature == 1.0 and params.top_p == 1.0 and params.top_k in (0, -1)
@@ -117,6 +122,7 @@ def test_unset_fields_take_documented_defaults() -> None:
     assert params.detokenize is False
 
 
+@IMPORTS_VLLM
 def test_set_fields_reach_vllm() -> None:
     params = build(
         SP(

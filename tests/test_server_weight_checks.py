@@ -314,6 +314,7 @@ def test_every_protocol_method_is_a_method_of_the_worker_extension() -> None:
     )
 
 
+@pytest.mark.slow  # imports vLLM: about 8 s on 2 cores, out of the quick loop
 def test_the_lifecycle_the_server_drives_is_vllms() -> None:
     """``protocol.Lifecycle`` names AsyncLLM's weight-transfer methods: a vLLM that renamed one
     fails here. The engine registered under ``protocol.BACKEND`` is this project's."""

@@ -7,14 +7,18 @@ from pathlib import Path
 from skyrl_grpc.tiny_model import TinyModelSpec, build_tiny_model, ensure_tiny_model
 
 
-def test_two_builds_are_byte_identical(tmp_path: Path) -> None:
-    first = build_tiny_model(tmp_path / "first")
+def test_two_builds_are_byte_identical(tmp_path: Path, tiny_model_dir: Path) -> None:
+    # The session's cached build (another process, maybe another day) against a fresh one: a
+    # builder change that alters the output must also change the cache key (RECIPE_VERSION).
+    first = tiny_model_dir
     second = build_tiny_model(tmp_path / "second")
     names = sorted(p.name for p in first.iterdir())
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(names)
     assert names == sorted(p.name for p in second.iterdir())
     for name in names:
-        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+        assert (first / name).read_bytes() == (second / name).read_bytes(), (
+            f"{name} differs from the cached build (a builder change needs a new RECIPE_VERSION)"
+        )
 
 
 def test_cache_reuses_a_build_and_separates_recipes(tmp_path: Path) -> None:
