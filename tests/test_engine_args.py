@@ -6,9 +6,12 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
 
 from servers.engine import core_preload
-from servers.engine.engine_args import Platform, engine_arguments
+from servers.engine.engine_args import ModelNotFound, Platform, engine_arguments, resolved_model
 from servers.engine.options import TINY_MODEL_NAME, EngineOptions, RequestLimits
 
 CPU = Platform(is_cpu=True)
@@ -30,6 +33,18 @@ def test_the_tiny_model_on_cpu_runs_in_one_process_on_one_thread() -> None:
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
+
+
+def test_a_local_model_path_that_is_not_there_fails_by_name(tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ModelNotFound, match=f"--model {missing}: does not exist"):
+        resolved_model(EngineOptions(model=missing))
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ModelNotFound, match="is a file, not a model directory"):
+        resolved_model(EngineOptions(model=str(tmp_path / "weights.bin")))
+    # What exists is served as given; anything else may be a Hugging Face repo id.
+    assert resolved_model(EngineOptions(model=str(tmp_path))) == str(tmp_path)
+    assert resolved_model(EngineOptions(model="org/name")) == "org/name"
 
 
 def test_a_model_of_ones_own_keeps_its_dtype_and_vllms_thread_binding() -> None:

@@ -4,6 +4,7 @@ options and the platform's facts, so every rule here is unit tested without star
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from skyrl_grpc.tiny_model import ensure_tiny_model
@@ -84,9 +85,25 @@ def engine_arguments(
     return EngineArguments(args, environment)
 
 
+class ModelNotFound(ValueError):
+    """``--model`` names a local directory that is not there."""
+
+
 def resolved_model(options: EngineOptions) -> str:
-    """The model directory to serve (the embedded tiny model's, built on first use, by default)."""
-    return options.model or str(ensure_tiny_model())
+    """The model directory to serve (the embedded tiny model's, built on first use, by default).
+    A local path that does not exist fails here, at once and by name, instead of after seconds
+    of vLLM's imports with Hugging Face's complaint about repo ids."""
+    if not options.model:
+        return str(ensure_tiny_model())
+    if options.model.startswith(("/", "./", "../", "~")):
+        path = Path(options.model).expanduser()
+        if not path.is_dir():
+            what = "is a file, not a model directory" if path.exists() else "does not exist"
+            raise ModelNotFound(
+                f"--model {options.model}: {what} (a local path; a Hugging Face repo id has the "
+                "form org/name)"
+            )
+    return options.model
 
 
 def cpu_layout(options: EngineOptions) -> tuple[dict[str, Any], dict[str, str]]:
