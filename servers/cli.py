@@ -190,12 +190,13 @@ def _up(args: argparse.Namespace, server_args: list[str]) -> None:
             nonlocal stopping
             stopping = True
 
+        # Both set here, not left to Python's KeyboardInterrupt: a process started in the
+        # background by a script (``skyrl-grpc up &``, a CI step) inherits SIGINT ignored, and
+        # Python then never turns Ctrl-C / SIGINT into KeyboardInterrupt.
         signal.signal(signal.SIGTERM, stop)
-        try:
-            while not stopping:
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            pass
+        signal.signal(signal.SIGINT, stop)
+        while not stopping:
+            time.sleep(0.5)
 
 
 def _demo(args: argparse.Namespace, trainer_args: list[str]) -> None:

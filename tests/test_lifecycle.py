@@ -149,11 +149,17 @@ def test_sigterm_of_an_idle_server_with_a_router_attached_exits_promptly(
 
 
 class Up:
-    """``skyrl-grpc up`` as a process, its output lines collected by a thread."""
+    """``skyrl-grpc up`` as a process, its output lines collected by a thread. Started as a
+    script's background job is (``skyrl-grpc up &``): with SIGINT ignored on entry, which a
+    program must undo itself to stop on Ctrl-C."""
 
     def __init__(self, log_dir: Path, servers: int = 2) -> None:
         self.proc = subprocess.Popen(
             [
+                "sh",
+                "-c",
+                "trap '' INT; exec \"$@\"",
+                "sh",
                 sys.executable,
                 "-m",
                 "servers.cli",
@@ -200,7 +206,8 @@ class Up:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """SIGINT (Ctrl-C), then SIGKILL 60 s later; False if it took the SIGKILL."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
             try:
@@ -208,6 +215,8 @@ class Up:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+                return False
+        return True
 
 
 async def test_up_survives_an_engine_death_under_load_and_restarts_the_server(
@@ -277,6 +286,7 @@ async def test_up_survives_an_engine_death_under_load_and_restarts_the_server(
         assert logs == ["router.log", "server-0.log", "server-1.log"]
         assert "the engine died" in (tmp_path / "logs" / "server-0.log").read_text()
         await client.close()
+        assert await asyncio.to_thread(up.stop), "up ignored SIGINT (Ctrl-C)"
     finally:
         up.stop()
     assert up.proc.returncode is not None
@@ -301,6 +311,7 @@ async def test_up_scales_its_fleet_from_its_standard_input(tmp_path: Path) -> No
             listed = await admin.ListBackends(router_pb2.ListBackendsRequest())
             assert new not in {b.address for b in listed.backends}
         assert not any("died" in line for line in up.lines), up.lines
+        assert await asyncio.to_thread(up.stop), "up ignored SIGINT (Ctrl-C)"
     finally:
         up.stop()
 
