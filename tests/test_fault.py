@@ -1,91 +1,28 @@
-"""Fault tests on real server processes: kill -9 of a server mid-generation (3 servers, 64
-concurrent sessions, bounded-load placement), mid-stream on the direct path, of the router, and
-of a server that must catch up from its peer or rejoin the trainer's collective group."""
+"""Fault test: 3 real servers, 64 concurrent sessions, kill -9 of one server mid-generation,
+under the default (bounded-load) placement."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import httpx
-import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servers.fleet.local import LocalFleet
-from servers.fleet.supervision import RestartPolicy
 from skyrl_grpc.placement import BoundedLoadPolicy
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
-from tests.helpers.sessions import end_sessions_at, routed_to
+from tests.helpers.sessions import routed_to
 from tests.helpers.waits import running_on_engines, until
 from trainer_client import InferenceClient
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 SESSIONS = [f"fault-session-{i}" for i in range(64)]
 MAX_TOKENS = 320
-
-
-class SupervisedFleet:
-    """Two supervised servers (LoRA on) and a router with its HTTP edge, shared by the tests
-    that kill a process and wait for the supervisor to bring it back: starting a fleet is most
-    of such a test's time. ``events``: the supervisors' lines since the test began."""
-
-    def __init__(self) -> None:
-        self.events: list[str] = []
-        self.stack = LocalFleet(
-            2,
-            engine_args=["--enable-lora", "--max-lora-rank", "8"],
-            router_args=["--http-port", "0"],
-            log_dir=None,
-            on_event=self.events.append,
-            # Each test kills a process that served for seconds: a new failure, not a streak.
-            restart_policy=RestartPolicy(reset_after=5.0),
-        )
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-@pytest.fixture(scope="module")
-def shared() -> Iterator[SupervisedFleet]:
-    fleet = SupervisedFleet()
-    with fleet.stack:
-        fleet.stack.supervise()
-        yield fleet
-
-
-@pytest.fixture
-def supervised(shared: SupervisedFleet) -> SupervisedFleet:
-    """The shared fleet, ready: every process up (what an earlier test killed is back), the
-    router seeing every server healthy, and no session left by an earlier test."""
-    stack = shared.stack
-
-    async def ready() -> bool:
-        if stack.supervision is None or stack.supervision.given_up:
-            raise AssertionError(f"the supervisor gave up: {shared.events}")
-        if not all(alive(pid) for pid in stack.pids):
-            return False
-        try:
-            async with grpc.aio.insecure_channel(stack.addresses.router) as channel:
-                states = await backend_states(channel)
-        except grpc.aio.AioRpcError:
-            return False
-        return sorted(states) == sorted(stack.addresses.servers) and all(
-            state == router_pb2.BACKEND_STATE_HEALTHY for state in states.values()
-        )
-
-    asyncio.run(until(ready, 600, f"the shared fleet to be whole again: {shared.events}"))
-    asyncio.run(end_sessions_at(list(stack.addresses.servers)))
-    shared.events.clear()
-    return shared
 
 
 async def backend_states(channel: grpc.aio.Channel) -> dict[str, int]:
@@ -148,9 +85,7 @@ def test_killed_server_mid_generation_loses_nothing_and_rejoins() -> None:
         asyncio.run(scenario(stack))
 
 
-def test_a_server_killed_mid_stream_is_survived_on_the_direct_path_with_identical_tokens(
-    supervised: SupervisedFleet,
-) -> None:
+def test_a_server_killed_mid_stream_is_survived_on_the_direct_path_with_identical_tokens() -> None:
     """The client routing itself (no router hop) moves a cut generation to another server
     with the prompt plus the tokens so far; greedy output equals an uninterrupted run."""
 
@@ -179,12 +114,11 @@ def test_a_server_killed_mid_stream_is_survived_on_the_direct_path_with_identica
         await client.close()
         await survivor.close()
 
-    asyncio.run(scenario(supervised.stack))
+    with LocalFleet(2) as stack:
+        asyncio.run(scenario(stack))
 
 
-def test_a_killed_router_is_restarted_at_its_address_and_sessions_keep_their_servers(
-    supervised: SupervisedFleet,
-) -> None:
+def test_a_killed_router_is_restarted_at_its_address_and_sessions_keep_their_servers() -> None:
     """kill -9 of the router under 32 session generations: the client routing itself carries
     on from its last view (nothing lost); the supervisor starts the router again on the same
     gRPC and HTTP ports; it learns the fleet and where each session lives from the servers'
@@ -199,7 +133,9 @@ def test_a_killed_router_is_restarted_at_its_address_and_sessions_keep_their_ser
         return sum(b.live_sessions for b in healthy) if len(healthy) == 2 else -1
 
     async def scenario(stack: LocalFleet) -> None:
-        events = supervised.events
+        events: list[str] = []
+        stack.on_event = events.append
+        stack.supervise()
         router, http_port = stack.addresses.router, stack.http_port
         client = InferenceClient(router, stack.addresses.servers)
         prompts = [[1, 500 + i, 7, 9] for i in range(len(sessions))]
@@ -237,11 +173,12 @@ def test_a_killed_router_is_restarted_at_its_address_and_sessions_keep_their_ser
         print(f"router back and routing {back_after:.1f} s after kill -9")
         await client.close()
 
-    asyncio.run(scenario(supervised.stack))
+    with LocalFleet(2, router_args=["--http-port", "0"]) as stack:
+        asyncio.run(scenario(stack))
 
 
 def test_a_restarted_server_catches_up_from_its_peer_before_it_serves(
-    tiny_model_dir: Path, supervised: SupervisedFleet
+    tiny_model_dir: Path,
 ) -> None:
     """kill -9 of a server after three weight updates and a LoRA adapter load: restarted, it
     reads the fleet's weights (ReadWeights) and adapters (ReadLoraAdapter) from its peer before
@@ -251,17 +188,17 @@ def test_a_restarted_server_catches_up_from_its_peer_before_it_serves(
     from safetensors.torch import load_file
 
     from tests.helpers.adapters import make_adapter
-    from tests.helpers.weights import GREEDY, greedy_per_server, next_version, perturbed
+    from tests.helpers.weights import GREEDY, greedy_per_server, perturbed
 
     original = load_file(str(tiny_model_dir / "model.safetensors"))
     tensors, config = make_adapter(tiny_model_dir, seed=5)
 
     async def scenario(stack: LocalFleet) -> None:
-        events = supervised.events
+        events: list[str] = []
+        stack.on_event = events.append
+        stack.supervise()
         client = InferenceClient(stack.addresses.router, stack.addresses.servers)
-        first = await next_version(client)  # the shared fleet may serve earlier tests' pushes
-        newest = first + 2
-        for version in range(first, newest + 1):
+        for version in (1, 2, 3):
             await client.update_weights(perturbed(original, seed=version).items(), version)
         await client.load_lora("fleet-adapter", tensors=tensors, config=config, version=4)
         victim, peer = stack.addresses.servers
@@ -270,7 +207,7 @@ def test_a_restarted_server_catches_up_from_its_peer_before_it_serves(
         await until(lambda: any("is back" in e for e in events), 300, "the server's restart")
         back_after = time.monotonic() - killed
         # Serving now, and already current: nothing was sent to it by the trainer.
-        assert dict(await client.weight_versions()) == {victim: newest, peer: newest}
+        assert dict(await client.weight_versions()) == {victim: 3, peer: 3}
         sums = await client.weight_checksums()
         assert sums[victim] == sums[peer] and sums[victim]
         adapters = await client.list_loras()
@@ -281,46 +218,41 @@ def test_a_restarted_server_catches_up_from_its_peer_before_it_serves(
         assert all(len(tokens) == GREEDY["max_tokens"] for tokens in outputs[victim])
         adapted = await greedy_per_server([victim, peer], lora="fleet-adapter")
         assert adapted[victim] == adapted[peer] != outputs[peer]
-        print(
-            f"server killed -> back, caught up on version {newest} with its adapter: "
-            f"{back_after:.1f} s"
-        )
-        await client.unload_lora("fleet-adapter")
+        print(f"server killed -> back, caught up on version 3 with its adapter: {back_after:.1f} s")
         await client.close()
 
-    asyncio.run(scenario(supervised.stack))
+    lora = ["--enable-lora", "--max-lora-rank", "8"]
+    with LocalFleet(2, engine_args=lora, log_dir=None) as stack:
+        asyncio.run(scenario(stack))
 
 
-def test_the_collective_group_forms_again_after_a_server_restarts(
-    tiny_model_dir: Path, supervised: SupervisedFleet
-) -> None:
+def test_the_collective_group_forms_again_after_a_server_restarts(tiny_model_dir: Path) -> None:
     """kill -9 of a server in the trainer's gloo group: restarted (and caught up from its
     peer), it is in no group; the trainer's next collective update forms the group again by
     itself, with no call of the trainer's, and commits on both servers."""
     from safetensors.torch import load_file
 
-    from tests.helpers.weights import next_version, perturbed
+    from tests.helpers.weights import perturbed
 
     original = load_file(str(tiny_model_dir / "model.safetensors"))
 
     async def scenario(stack: LocalFleet) -> None:
-        events = supervised.events
+        events: list[str] = []
+        stack.on_event = events.append
+        stack.supervise()
         client = InferenceClient(stack.addresses.router, stack.addresses.servers)
         first = await client.init_weight_transfer("gloo", timeout_seconds=60)
-        version = await next_version(client)  # the shared fleet may serve earlier tests' pushes
-        await client.update_weights(perturbed(original, seed=1).items(), version)
+        await client.update_weights(perturbed(original, seed=1).items(), 1)
         victim, peer = stack.addresses.servers
         await asyncio.to_thread(stack.kill_server, 0)
         await until(lambda: any("is back" in e for e in events), 300, "the server's restart")
-        assert (await client.weight_versions())[victim] == version  # caught up from its peer
-        commits = await client.update_weights(perturbed(original, seed=2).items(), version + 1)
-        assert {a: c.weight_version for a, c in commits.items()} == {
-            victim: version + 1,
-            peer: version + 1,
-        }
+        assert (await client.weight_versions())[victim] == 1  # caught up from its peer
+        commits = await client.update_weights(perturbed(original, seed=2).items(), 2)
+        assert {a: c.weight_version for a, c in commits.items()} == {victim: 2, peer: 2}
         sums = await client.weight_checksums()
         assert sums[victim] == sums[peer] and sums[victim]
         assert client.has_weight_group and set(first) == {victim, peer}
         await client.close()
 
-    asyncio.run(scenario(supervised.stack))
+    with LocalFleet(2, log_dir=None) as stack:
+        asyncio.run(scenario(stack))

@@ -1,6 +1,5 @@
 """Sessions in tests: where a router places one (``routed_to``), and ending what earlier tests
-left on the shared engine servers (``end_every_session`` in this process, ``end_sessions_at``
-for server processes: their sessions live on for
+left on the shared engine servers (``end_every_session``: their sessions live on for
 ``SESSION_IDLE_SECONDS`` and then end by idleness in the middle of whatever test runs then; a
 test that counts sessions starts from none instead)."""
 
@@ -11,7 +10,7 @@ from typing import Any
 import grpc
 
 from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
-from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, status_pb2, status_pb2_grpc
+from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 
 
 async def routed_to(channel: grpc.aio.Channel, session: str) -> str:
@@ -31,17 +30,4 @@ async def end_every_session(servers: list[Any]) -> None:
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = data_plane_pb2_grpc.DataPlaneStub(channel)
             for session in live:
-                await stub.FinishSession(data_plane_pb2.FinishSessionRequest(session_id=session))
-
-
-async def end_sessions_at(addresses: list[str]) -> None:
-    """Finishes every live session on each engine server at ``addresses`` (processes): the
-    first message of a server's status feed lists them all."""
-    for address in addresses:
-        async with grpc.aio.insecure_channel(address) as channel:
-            feed = status_pb2_grpc.ServerStatusStub(channel).Watch(status_pb2.WatchRequest())
-            first = await feed.read()
-            feed.cancel()
-            stub = data_plane_pb2_grpc.DataPlaneStub(channel)
-            for session in first.sessions_added:
                 await stub.FinishSession(data_plane_pb2.FinishSessionRequest(session_id=session))
