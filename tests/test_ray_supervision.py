@@ -100,7 +100,7 @@ async def test_a_node_that_leaves_takes_its_server_and_the_fleet_heals(
         await client.resume()
         stepped = time.monotonic() - left
         versions = await client.weight_versions()
-        assert versions.consistent and versions.newest == 1
+        assert versions.consistent and versions.newest == 1, (dict(versions), events)
         assert set(versions) == {new_address, fleet.addresses.servers[1 - victim]}
         # The same greedy tokens as before the node left (the same weights, re-pushed).
         again = await client.generate_batch(prompts[:4], greedy, session_ids=sessions[:4])

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from servers.engine.status import StatusChanges
-from skyrl_grpc.v1 import router_pb2
+from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
 from trainer_client.direct import DirectRoutes
 from trainer_client.exceptions import FanOutError, NotFound, ServerError
 from trainer_client.fanout import failures_of, fan_out
@@ -75,13 +75,51 @@ async def test_the_fleet_now_keeps_the_given_order_and_adds_new_servers_after_it
     routes, _ = routes_and_moves
     routes.first_members = frozenset({"b", "a"})  # what the feed sets on its first view
     routes.apply(_view({"b": HEALTHY, "a": HEALTHY}, {}))
-    assert routes.fleet_now(["a", "b"]) == ["a", "b"]
-    assert routes.fleet_now(["b", "a"]) == ["b", "a"]
+    assert await routes.fleet_now(["a", "b"]) == ["a", "b"]
+    assert await routes.fleet_now(["b", "a"]) == ["b", "a"]
     # a moved to c (restarted elsewhere) and d joined: the kept keep their place.
     routes.apply(_view({"d": HEALTHY, "c": HEALTHY, "b": HEALTHY}, {}))
-    assert routes.fleet_now(["a", "b"]) == ["b", "c", "d"]
+    assert await routes.fleet_now(["a", "b"]) == ["b", "c", "d"]
     # A client given only some of the servers keeps to those.
-    assert routes.fleet_now(["b"]) is None
+    assert await routes.fleet_now(["b"]) is None
+
+
+class _ListingRouter(router_pb2_grpc.RouterAdminServicer):
+    """A router that lists the members it is told to (its feed is not served)."""
+
+    def __init__(self, members: list[str]) -> None:
+        self.members = members
+
+    async def ListBackends(
+        self, request: router_pb2.ListBackendsRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ListBackendsResponse:
+        return router_pb2.ListBackendsResponse(
+            backends=[router_pb2.Backend(address=a, state=HEALTHY) for a in self.members]
+        )
+
+
+async def test_the_fleet_now_is_the_routers_membership_at_the_call_not_a_lagging_feeds() -> None:
+    """The feed lags while it reconnects (the router restarted): a fleet-wide call planned on
+    that view missed a server that had joined, and a weight update "committed" with it left
+    at the old version (seen in CI: a node left, its server came back elsewhere)."""
+    router = grpc.aio.server()
+    listing = _ListingRouter(["b", "c"])
+    router_pb2_grpc.add_RouterAdminServicer_to_server(listing, router)
+    port = router.add_insecure_port("127.0.0.1:0")
+    await router.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    routes = DirectRoutes(channel, (), lambda address, session: None)
+    try:
+        routes.first_members = frozenset({"a", "b"})
+        routes.apply(_view({"a": HEALTHY, "b": HEALTHY}, {}))  # the last view the feed gave
+        assert await routes.fleet_now(["a", "b"]) == ["b", "c"]
+        # The router gone: its last view decides (a trainer keeps working while it restarts).
+        await router.stop(None)
+        assert await routes.fleet_now(["a", "b"]) == ["a", "b"]
+    finally:
+        await routes.close()
+        await channel.close()
+        await router.stop(None)
 
 
 async def test_a_server_that_failed_is_skipped_for_a_while_and_tried_ones_are_not_picked(

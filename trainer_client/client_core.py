@@ -135,4 +135,4 @@ class ClientCore:
         routes = self._connections.routes()
         if not await routes.ready():
             return given
-        return routes.fleet_now(given) or given
+        return await routes.fleet_now(given) or given

@@ -44,6 +44,8 @@ RECONNECT_SECONDS = (0.1, 2.0)  # first and longest wait between feed attempts
 DEFAULT_PLACEMENT = "bounded-load"
 # How long one server gets to report its status for a view built from the servers.
 STATUS_SECONDS = 2.0
+# How long the router gets to list its members for a fleet-wide control call.
+MEMBERS_SECONDS = 5.0
 
 
 @dataclass
@@ -237,16 +239,41 @@ class DirectRoutes:
 
     # -- choosing -----------------------------------------------------------------------------
 
-    def fleet_now(self, given: Sequence[str]) -> list[str] | None:
+    async def fleet_now(self, given: Sequence[str]) -> list[str] | None:
         """The fleet as the router sees it now (servers moved, added or removed since), for a
         client given the router's whole fleet when its view first arrived; None otherwise (a
         client given some of the servers keeps to those). The given servers still in the fleet
-        keep their order (a collective group's rank offsets follow it), new ones follow."""
+        keep their order (a collective group's rank offsets follow it), new ones follow.
+
+        The router is asked at the call (``ListBackends``), not only read from the feed: the
+        feed lags while it reconnects (the router restarted), and a fleet-wide call planned on
+        a stale view would miss a server that joined meanwhile (a weight update "committed"
+        with that server left at the old version). Only a router that cannot be reached leaves
+        the feed's last view to decide."""
         if self.first_members is None or self.from_servers or set(given) != self.first_members:
             return None
-        members = set(self.members)
+        members = await self._router_members()
+        if members is None:
+            members = set(self.members)
         kept = [address for address in given if address in members]
         return kept + sorted(members.difference(kept))
+
+    async def _router_members(self) -> set[str] | None:
+        """The router's members now, or None if it does not answer in time."""
+        stub = router_pb2_grpc.RouterAdminStub(self._channel)
+        try:
+            listed = await stub.ListBackends(
+                router_pb2.ListBackendsRequest(), metadata=self._metadata, timeout=MEMBERS_SECONDS
+            )
+        except grpc.aio.AioRpcError as error:
+            log.warning(
+                "the router did not list its servers (%s: %s); control calls go to its last "
+                "view's",
+                error.code().name,
+                error.details(),
+            )
+            return None
+        return {backend.address for backend in listed.backends}
 
     async def ready(self) -> bool:
         """Whether calls can go direct: a view has arrived (waiting a little for the first)."""
