@@ -35,7 +35,9 @@ def test_the_tiny_model_on_cpu_runs_in_one_process_on_one_thread() -> None:
     }
 
 
-def test_a_local_model_path_that_is_not_there_fails_by_name(tmp_path: Path) -> None:
+def test_a_local_model_path_that_is_not_there_fails_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(ModelNotFound, match=f"--model {missing}: does not exist"):
         resolved_model(EngineOptions(model=missing))
@@ -45,6 +47,9 @@ def test_a_local_model_path_that_is_not_there_fails_by_name(tmp_path: Path) -> N
     # What exists is served as given; anything else may be a Hugging Face repo id.
     assert resolved_model(EngineOptions(model=str(tmp_path))) == str(tmp_path)
     assert resolved_model(EngineOptions(model="org/name")) == "org/name"
+    # A home-relative path reaches vLLM expanded (it would take "~/..." for a repo id).
+    monkeypatch.setenv("HOME", str(tmp_path.parent))
+    assert resolved_model(EngineOptions(model=f"~/{tmp_path.name}")) == str(tmp_path)
 
 
 def test_a_model_of_ones_own_keeps_its_dtype_and_vllms_thread_binding() -> None:

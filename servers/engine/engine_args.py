@@ -92,7 +92,8 @@ class ModelNotFound(ValueError):
 def resolved_model(options: EngineOptions) -> str:
     """The model directory to serve (the embedded tiny model's, built on first use, by default).
     A local path that does not exist fails here, at once and by name, instead of after seconds
-    of vLLM's imports with Hugging Face's complaint about repo ids."""
+    of vLLM's imports with Hugging Face's complaint about repo ids. A local path is returned
+    with ``~`` expanded: vLLM does not expand it, and would take ``~/model`` for a repo id."""
     if not options.model:
         return str(ensure_tiny_model())
     if options.model.startswith(("/", "./", "../", "~")):
@@ -103,6 +104,7 @@ def resolved_model(options: EngineOptions) -> str:
                 f"--model {options.model}: {what} (a local path; a Hugging Face repo id has the "
                 "form org/name)"
             )
+        return str(path)
     return options.model
 
 
