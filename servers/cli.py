@@ -199,12 +199,21 @@ def _up(args: argparse.Namespace, server_args: list[str]) -> None:
             time.sleep(0.5)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _demo(args: argparse.Namespace, trainer_args: list[str]) -> None:
     if args.model:
         print("the demo trains the embedded tiny model; --model is not used", file=sys.stderr)
         args.model = None
     if "--lora" in trainer_args:
         args.enable_lora = True  # the trainer pushes an adapter: the servers must take it
+    # Ctrl-C and SIGTERM unwind (the fleet's ``with`` closes it), also when this was started with
+    # SIGINT ignored (a script's background job), where Python would never raise
+    # KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     started = time.perf_counter()
     print(f"starting {args.servers} engine servers and a router on the tiny model ...", flush=True)
     with make_fleet(args) as fleet:

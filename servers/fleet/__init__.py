@@ -78,7 +78,11 @@ class Fleet(abc.ABC):
         """Stops everything this fleet started (no process outlives it)."""
 
     def __enter__(self) -> Self:
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # Ctrl-C while starting too: nothing started is left running
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
