@@ -105,11 +105,19 @@ def test_a_killed_server_leaves_no_process_behind(server: ServerProcess) -> None
     forkserver = core.parent()
     assert forkserver is not None and forkserver.pid != server.proc.pid
     assert "forkserver" in " ".join(forkserver.cmdline())
+    # The temporary directory the server and its engine write to (vLLM's sockets, its
+    # rendezvous file, the forkserver's) is the server's own, and goes with it. (Read from the
+    # forkserver: the engine core's process title overwrites its environment block.)
+    scratch = Path(forkserver.environ()["TMPDIR"])
+    assert scratch.name.startswith("skyrl-engine-") and scratch.is_dir()
+    assert any(p.is_socket() for p in scratch.iterdir()), list(scratch.iterdir())
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait()
     deadline = time.monotonic() + 60  # the kernel reaps them at once; a busy box takes longer
-    while alive(started):
-        assert time.monotonic() < deadline, f"still alive 60 s later: {alive(started)}"
+    while alive(started) or scratch.exists():
+        assert time.monotonic() < deadline, (
+            f"60 s later: alive {alive(started)}, scratch left: {scratch.exists()}"
+        )
         time.sleep(0.05)
 
 

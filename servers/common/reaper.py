@@ -10,7 +10,10 @@ children inherit) and starts a tiny watchdog process outside that group, holding
 of a pipe whose write end only this process holds. When this process dies for any reason, the
 kernel closes the pipe; the watchdog sees end-of-file and ends the group: SIGTERM (vLLM's
 processes clean up their shared memory on it), then SIGKILL to whatever is left after a grace.
-It costs one sleeping process of a few MB and no polling.
+It costs one sleeping process of a few MB and no polling. Once the group is gone the watchdog
+also removes the directory it was given: an engine server's scratch directory
+(``servers.engine.scratch``), where vLLM's sockets and files of the dead processes would
+otherwise stay.
 
 One level up, a fleet's processes (engine servers, the router) die with the fleet that started
 them: ``LocalFleet`` gives each a pipe as its standard input, holds the other end and sets
@@ -27,14 +30,15 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 # Set (to "1") by a supervisor that holds the other end of this process's standard input.
 EXIT_WITH_SUPERVISOR = "SKYRL_GRPC_EXIT_WITH_SUPERVISOR"
 
 # The watchdog's whole program: wait for the pipe to close, then end the process group.
 _WATCHDOG = """
-import os, signal, sys, time
-group, grace = int(sys.argv[1]), float(sys.argv[2])
+import os, shutil, signal, sys, time
+group, grace, remove = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 sys.stdin.buffer.read()  # returns when the server's end of the pipe closes: it is gone
 def signal_group(sig):
     try:
@@ -47,12 +51,20 @@ if signal_group(signal.SIGTERM):
     while time.monotonic() < deadline and signal_group(0):
         time.sleep(0.05)
     signal_group(signal.SIGKILL)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and signal_group(0):
+        time.sleep(0.05)
+if remove:
+    shutil.rmtree(remove, ignore_errors=True)
 """
 
 
-def reap_children_on_exit(grace_seconds: float = 2.0) -> subprocess.Popen[bytes] | None:
+def reap_children_on_exit(
+    grace_seconds: float = 2.0, remove: Path | None = None
+) -> subprocess.Popen[bytes] | None:
     """Ends every process of this process's group once this process has died (see the module
-    docstring); returns the watchdog, or None where process groups do not exist."""
+    docstring), then removes the directory ``remove`` (the server's scratch directory, which
+    they wrote to); returns the watchdog, or None where process groups do not exist."""
     if os.name != "posix":
         return None
     try:
@@ -67,7 +79,14 @@ def reap_children_on_exit(grace_seconds: float = 2.0) -> subprocess.Popen[bytes]
     read_end, _write_end = os.pipe()
     try:
         return subprocess.Popen(
-            [sys.executable, "-c", _WATCHDOG, str(os.getpgrp()), str(grace_seconds)],
+            [
+                sys.executable,
+                "-c",
+                _WATCHDOG,
+                str(os.getpgrp()),
+                str(grace_seconds),
+                str(remove or ""),
+            ],
             stdin=read_end,
             stdout=subprocess.DEVNULL,
             start_new_session=True,  # outside our group: it must outlive it

@@ -57,6 +57,7 @@ from .engine_logs import root_cause, route_vllm_logs
 from .engine_parts import EngineParts
 from .live_sessions import LiveSessions
 from .options import ServerOptions, build_parser, options_from_args
+from .scratch import use_scratch_directory
 from .serving_state import ServingState
 from .status import ServerStatusServicer, StatusChanges
 from .vllm_engine import EngineCannotRun, VllmEngine
@@ -291,8 +292,9 @@ def run(options: ServerOptions) -> NoReturn:
     stderr (before vLLM is imported), ties the engine's processes to this one (they die with it,
     however it dies), serves until stopped, and exits without the interpreter's teardown."""
     configure_logging()
-    errors = route_vllm_logs()
-    reap_children_on_exit()
+    scratch = use_scratch_directory()
+    errors = route_vllm_logs(scratch)
+    reap_children_on_exit(remove=scratch)
     exit_with_supervisor()
     code = 0
     try:
