@@ -4,6 +4,11 @@ cause and left down, and a server that comes back elsewhere reported as moved.""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
 from servers.fleet.supervision import RestartPolicy, ServerSupervisor
 
 
@@ -89,3 +94,41 @@ def test_a_server_back_at_another_address_is_reported_as_moved() -> None:
     supervisor.check_once()
     assert world.moves == [(0, "10.0.0.0:1", "10.0.0.7:1")]
     assert supervisor.addresses == ["10.0.0.7:1", "10.0.0.1:1"]
+
+
+class _Actor:
+    """A Ray actor handle whose every method's call gives a token ``ray.get`` is patched on."""
+
+    def __getattr__(self, name: str) -> Any:
+        return SimpleNamespace(remote=lambda: name)
+
+
+def test_a_ray_actor_out_of_reach_for_now_is_not_taken_for_dead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray's ActorUnavailableError is a RayActorError but means "try again later": a fleet that
+    took it for a death would kill and restart a live router or server. Only ActorDiedError is
+    a death."""
+    import ray
+
+    from servers.fleet.ray_group import RayFleet
+
+    fleet = RayFleet(1)
+    fleet._router, fleet._servers = _Actor(), [_Actor()]
+    answers: list[Exception] = []
+
+    def get(ref: Any, timeout: float | None = None) -> Any:
+        raise answers[0]
+
+    monkeypatch.setattr(ray, "get", get)
+    for passing in (
+        ray.exceptions.ActorUnavailableError("the node is slow to answer", None),
+        ray.exceptions.GetTimeoutError("busy"),
+    ):
+        answers[:] = [passing]
+        assert fleet._router_death() is None
+        assert fleet._death(0) is None
+    answers[:] = [ray.exceptions.ActorDiedError()]
+    router_death, server_death = fleet._router_death(), fleet._death(0)
+    assert router_death is not None and router_death.startswith("its actor died")
+    assert server_death is not None and server_death.startswith("its actor died")

@@ -66,6 +66,17 @@ STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 RAY_WORKER_NICENESS = "RAY_worker_niceness"
 
 
+def not_dead_yet() -> tuple[type[Exception], ...]:
+    """What a call to a live actor may raise: a timeout (the actor is busy), and Ray's
+    ``ActorUnavailableError`` (out of reach for now: its node is slow to answer, or Ray is busy
+    with a node that left). That one is a ``RayActorError`` too, but not a death: a supervisor
+    that took it for one would kill and restart a live router or server, cutting its streams.
+    A dead actor raises ``ActorDiedError`` once Ray knows, and is restarted then."""
+    import ray
+
+    return (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError)
+
+
 class RayFleet(Fleet):
     """See the module docstring."""
 
@@ -233,8 +244,8 @@ class RayFleet(Fleet):
 
         try:
             ray.get(self._router.pid.remote(), timeout=30)
-        except ray.exceptions.GetTimeoutError:
-            return None  # busy, not dead: asked again next pass
+        except not_dead_yet():
+            return None  # busy, or out of reach for now: asked again next pass
         except ray.exceptions.RayActorError as error:
             return f"its actor died: {str(error).splitlines()[0]}"
         return None
@@ -258,8 +269,8 @@ class RayFleet(Fleet):
 
         try:
             failure = ray.get(self._servers[index].failure.remote(), timeout=30)
-        except ray.exceptions.GetTimeoutError:
-            return None  # busy, not dead: asked again next pass
+        except not_dead_yet():
+            return None  # busy, or out of reach for now: asked again next pass
         except ray.exceptions.RayActorError as error:
             return f"its actor died: {str(error).splitlines()[0]}"
         return None if failure is None else str(failure)
