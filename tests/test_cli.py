@@ -9,7 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+
+from tests.helpers.server_process import WITH_SIGINT_IGNORED, alive
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,41 +123,13 @@ def test_up_refuses_a_server_flag_it_cannot_pass(flags: list[str], words: str) -
     assert result.returncode != 0 and words in result.stderr, result.stderr
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every process below ``pid`` now (from /proc)."""
-    found: set[int] = set()
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-        return found
-    for task in tasks:
-        try:
-            children = Path(f"/proc/{pid}/task/{task}/children").read_text().split()
-        except FileNotFoundError:
-            continue
-        for child in map(int, children):
-            found |= {child, *_descendants(child)}
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.slow
 def test_the_demo_stops_on_sigint_even_started_with_it_ignored() -> None:
     """Started the way a script's background job is (SIGINT ignored on entry), the demo stops on
     SIGINT while its fleet starts, and the processes it had started are gone with it."""
     demo = subprocess.Popen(
         [
-            "sh",
-            "-c",
-            "trap '' INT; exec \"$@\"",
-            "sh",
+            *WITH_SIGINT_IGNORED,
             sys.executable,
             "-m",
             "servers.cli",
@@ -173,7 +148,10 @@ def test_the_demo_stops_on_sigint_even_started_with_it_ignored() -> None:
         first = demo.stdout.readline()
         assert first.startswith("starting 1 engine servers"), first
         deadline = time.monotonic() + 60
-        while not (started := _descendants(demo.pid)) and time.monotonic() < deadline:
+        while (
+            not (started := psutil.Process(demo.pid).children(recursive=True))
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)  # until its fleet's first process exists
         assert started, "the demo started no process"
         os.kill(demo.pid, signal.SIGINT)
@@ -183,9 +161,9 @@ def test_the_demo_stops_on_sigint_even_started_with_it_ignored() -> None:
             raise AssertionError("the demo ignored SIGINT (Ctrl-C)") from None
         assert demo.returncode != 0, "the demo ran to its end: it ignored SIGINT (Ctrl-C)"
         deadline = time.monotonic() + 60
-        while any(_alive(p) for p in started) and time.monotonic() < deadline:
+        while alive(started) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not [p for p in started if _alive(p)]
+        assert not alive(started)
     finally:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)

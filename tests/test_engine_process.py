@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
-from tests.helpers.server_process import ServerProcess
+from tests.helpers.server_process import ServerProcess, alive
 
 pytestmark = [pytest.mark.engine]
 GRPCURL = str(Path(sys.executable).with_name("grpcurl"))
@@ -193,23 +193,13 @@ def test_sigkill_of_skyrl_grpc_serve_leaves_no_process_of_its_tree() -> None:
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait()
         deadline = time.monotonic() + 15
-        alive = tree
-        while alive and time.monotonic() < deadline:
+        left = tree
+        while left and time.monotonic() < deadline:
             time.sleep(0.1)
-            alive = [p for p in alive if _alive(p)]
-        assert not alive, [(p.pid, p.name()) for p in alive]
+            left = alive(left)
+        assert not left, [(p.pid, p.name()) for p in left]
     finally:
         server.kill()
-
-
-def _alive(process: object) -> bool:
-    import psutil
-
-    assert isinstance(process, psutil.Process)
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_a_pause_and_a_weight_update_wait_for_a_server_still_starting_and_include_it(

@@ -22,7 +22,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from skyrl_grpc.names import DATA_PLANE
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
-from tests.helpers.server_process import ENV, ROOT, ServerProcess
+from tests.helpers.server_process import (
+    ENV,
+    ROOT,
+    WITH_SIGINT_IGNORED,
+    ServerProcess,
+    alive,
+)
 from tests.helpers.waits import running_on_engines
 from trainer_client import InferenceClient
 
@@ -37,17 +43,6 @@ def server() -> Iterator[ServerProcess]:
     process = ServerProcess()
     yield process
     process.kill()
-
-
-def alive(processes: list[psutil.Process]) -> list[int]:
-    found = []
-    for process in processes:
-        try:
-            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                found.append(process.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return found
 
 
 def health(address: str, service: str = DATA_PLANE) -> int:
@@ -164,10 +159,7 @@ class Up:
     def __init__(self, log_dir: Path, servers: int = 2) -> None:
         self.proc = subprocess.Popen(
             [
-                "sh",
-                "-c",
-                "trap '' INT; exec \"$@\"",
-                "sh",
+                *WITH_SIGINT_IGNORED,
                 sys.executable,
                 "-m",
                 "servers.cli",

@@ -17,6 +17,21 @@ from servers.common.process import read_announcement
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+# Put before a command: it starts the way a script's background job does (``cmd &``), with
+# SIGINT ignored on entry, which a program must undo itself to stop on Ctrl-C.
+WITH_SIGINT_IGNORED = ("sh", "-c", "trap '' INT; exec \"$@\"", "sh")
+
+
+def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``processes`` still running (a zombie is not)."""
+    found = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 class ServerProcess:
