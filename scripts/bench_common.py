@@ -91,7 +91,8 @@ def median_range(values: Sequence[float], digits: int = 2) -> str:
     )
 
 
-def _tree(pid: int, alone: bool) -> list[psutil.Process]:
+def tree_processes(pid: int, alone: bool = False) -> list[psutil.Process]:
+    """A process and its descendants (``alone``: the process only); none for one gone."""
     try:
         root = psutil.Process(pid)
         return [root] if alone else [root, *root.children(recursive=True)]
@@ -103,7 +104,7 @@ def tree_rss(pid: int, alone: bool = False) -> int:
     """Resident bytes of a process and its children (``alone``: of the process alone); a
     process gone meanwhile counts 0."""
     total = 0
-    for process in _tree(pid, alone):
+    for process in tree_processes(pid, alone):
         with contextlib.suppress(psutil.NoSuchProcess):
             total += process.memory_info().rss
     return total
@@ -114,7 +115,7 @@ def tree_pss(pid: int, alone: bool = False) -> int:
     divided among the processes mapping it, so memory the processes share, like a server's
     checkpoint copy that its tensor-parallel ranks all map, counts once); 0 for one gone."""
     total = 0
-    for process in _tree(pid, alone):
+    for process in tree_processes(pid, alone):
         with contextlib.suppress(OSError, ValueError):
             with open(f"/proc/{process.pid}/smaps_rollup") as rollup:
                 for line in rollup:
@@ -127,7 +128,7 @@ def tree_pss(pid: int, alone: bool = False) -> int:
 def tree_fds(pid: int, alone: bool = False) -> int:
     """Open file descriptors of a process and its children, as ``tree_rss`` counts."""
     total = 0
-    for process in _tree(pid, alone):
+    for process in tree_processes(pid, alone):
         with contextlib.suppress(psutil.NoSuchProcess):
             total += process.num_fds()
     return total

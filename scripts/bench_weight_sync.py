@@ -11,10 +11,10 @@ model from the server's memory with no transport (R: a rollback of each full upd
 swaps the previous weights back in and reloads every layer). Full updates with
 ``release_memory=True`` (the previous weights freed once the fleet committed) run back to back
 beside them. Every row prints its ratio to its floor, the link's time for the bytes it sent
-plus R. Also measured: the servers' process-tree memory above its level right after start
-(proportional: memory the processes share, such as the checkpoint copy all tensor-parallel
-ranks map, counts once; peak while updating, and what stays), and this trainer's own peak extra
-resident memory.
+plus R; in-band rows also to a bare gRPC stream of the same chunks plus R (``grpc_floor``).
+Also measured: the servers' process-tree resident memory above its level right after start
+(peak while updating, from the kernel's high-water marks, and what stays), this trainer's own
+peak extra resident memory, and the CPU seconds of the trainer and of the servers per update.
 
 RL-like steps (``--rl-lrs``): the trainer keeps fp32 master weights and takes Adam steps on
 random gradients at each learning rate; the servers serve the master weights cast to the
@@ -29,19 +29,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from scripts.bench_common import add_output_argument, tree_pss, tree_rss, write_report
+import psutil
+
+from scripts.bench_common import (
+    ProcessTree,
+    add_output_argument,
+    tree_processes,
+    tree_rss,
+    write_report,
+)
+from scripts.grpc_floor import raw_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,30 +98,41 @@ def own_rss(pid: int) -> int:
     return tree_rss(pid, alone=True)
 
 
+def own_cpu() -> float:
+    """This process's CPU seconds so far (its children, the servers, not counted)."""
+    times = psutil.Process().cpu_times()
+    return float(times.user + times.system)
+
+
 class PeakRss:
-    """Samples the memory of process trees (proportional, ``tree_pss``), or the resident memory
-    of processes alone (``alone``), every 100 ms while in use."""
+    """The peak resident memory of processes (with their children, or ``alone``) while in use,
+    from the kernel's own high-water mark (``VmHWM``, reset on entry through
+    ``/proc/PID/clear_refs``): nothing reads memory while the update runs. The sampler this
+    replaces read proportional memory (``smaps_rollup``) ten times a second, at 0.15 s of CPU a
+    read of a server this size: on two cores it took from the update it measured ~0.8 s of an
+    in-band update's ~3.7 s. ``peak`` sums each process's own peak, an upper bound of the
+    processes' memory at any one moment."""
 
     def __init__(self, pids: list[int], alone: bool = False) -> None:
         self.pids = pids
-        self._rss = own_rss if alone else tree_pss
+        self.alone = alone
         self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, sum(self._rss(p) for p in self.pids))
-            time.sleep(0.1)  # psutil over the process trees costs CPU: not too often
+    def _processes(self) -> list[int]:
+        return [p.pid for pid in self.pids for p in tree_processes(pid, self.alone)]
 
     def __enter__(self) -> PeakRss:
-        self._thread.start()
+        for pid in self._processes():
+            with contextlib.suppress(OSError):
+                Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, sum(self._rss(p) for p in self.pids))
+        for pid in self._processes():
+            with contextlib.suppress(OSError, ValueError):
+                status = Path(f"/proc/{pid}/status").read_text()
+                kib = next(line for line in status.splitlines() if line.startswith("VmHWM:"))
+                self.peak += int(kib.split()[1]) * 1024
 
 
 # -- servers ------------------------------------------------------------------------------------
@@ -270,7 +290,7 @@ async def updates(
     addresses = [s.address for s in servers]  # type: ignore[attr-defined]
     client = InferenceClient(addresses[0], addresses, direct=False, control_timeout=600)
     pids = [s.pid for s in servers]
-    idle = sum(tree_pss(p) for p in pids)
+    idle = sum(tree_rss(p) for p in pids)
     full = sum(t.numel() * t.element_size() for _, t in tensors)
     rows = []
     version = 0
@@ -284,6 +304,8 @@ async def updates(
     ) -> None:
         nonlocal version
         trainer_before = own_rss(os.getpid())
+        servers_cpu = ProcessTree(*pids)  # the trainer's own: this process alone
+        cpu_before = own_cpu(), servers_cpu.cpu_seconds()
         version += 1
         with PeakRss(pids) as servers_peak, PeakRss([os.getpid()], alone=True) as trainer_peak:
             started = time.perf_counter()
@@ -296,6 +318,7 @@ async def updates(
                 release_memory=release_memory,
             )
             seconds = time.perf_counter() - started
+        cpu = own_cpu() - cpu_before[0], servers_cpu.cpu_seconds() - cpu_before[1]
         versions = await client.weight_versions()
         assert set(versions.values()) == {version}, versions
         sent = max(client.last_push_bytes.values())
@@ -306,8 +329,10 @@ async def updates(
                 "seconds": seconds,
                 "wire_fraction": sent / full,
                 "servers_peak_above_idle": servers_peak.peak - idle,
-                "servers_kept_above_idle": sum(tree_pss(p) for p in pids) - idle,
+                "servers_kept_above_idle": sum(tree_rss(p) for p in pids) - idle,
                 "trainer_peak_extra": trainer_peak.peak - trainer_before,
+                "cpu_trainer": cpu[0],  # this process, its memory sampler included
+                "cpu_servers": cpu[1],
             }
         )
         print(rows[-1], flush=True)
@@ -384,8 +409,9 @@ def main() -> None:
     torch.set_num_threads(1)
     tcp = min(raw_tcp(tensors) for _ in range(args.rounds))
     gloo = raw_gloo(tensors, args.rounds)
-    print(f"raw loopback TCP {tcp:.2f} s, raw gloo broadcast {gloo:.2f} s", flush=True)
     transports = [t for t in args.transports.split(",") if t]
+    stream = raw_grpc(tensors, args.rounds) if "grpc" in transports else None
+    print(f"raw loopback TCP {tcp:.2f} s, raw gloo broadcast {gloo:.2f} s, {stream}", flush=True)
     rl_lrs = [float(x) for x in args.rl_lrs.split(",") if x]
     compressions = [c == "zstd" for c in args.patch_compression.split(",") if c]
     with engine_servers(model, args.servers, args.tp, args.dtype) as servers:
@@ -401,20 +427,36 @@ def main() -> None:
         f"rollback after each full update) {reload_floor:.2f} s (median of "
         f"{', '.join(f'{f:.2f}' for f in floors)}). An update's floor: the link's time for the "
         "bytes it sent, plus R.\n",
-        "| update | transport | seconds | floor s | x floor | bytes sent (x full) "
+        *(
+            [
+                f"The same chunks as a bare gRPC stream (`scripts/grpc_floor.py`: nothing done "
+                f"to them) {stream.seconds:.2f} s, {stream.client_cpu_seconds:.2f} s of the "
+                f"sender's CPU and {stream.server_cpu_seconds:.2f} s of the receiver's: an "
+                "in-band update's floor through gRPC is that plus R (column x gRPC floor).\n"
+            ]
+            if stream
+            else []
+        ),
+        "| update | transport | seconds | floor s | x floor | x gRPC floor | bytes sent (x full) "
         "| servers' peak above idle (x model) | kept above idle (x model) "
-        "| trainer's peak extra (x model) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| trainer's peak extra (x model) | CPU s: trainer, servers |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
         link = tcp if row["transport"] == "grpc" else gloo
         floor = link * row["wire_fraction"] + reload_floor
+        by_grpc = "-"
+        if stream and row["transport"] == "grpc":
+            by_grpc = (
+                f"{row['seconds'] / (stream.seconds * row['wire_fraction'] + reload_floor):.2f}x"
+            )
         lines.append(
             f"| {row['update']} | {row['transport']} | {row['seconds']:.2f} | {floor:.2f} | "
-            f"{row['seconds'] / floor:.2f}x | {row['wire_fraction']:.3f} | "
+            f"{row['seconds'] / floor:.2f}x | {by_grpc} | {row['wire_fraction']:.3f} | "
             f"{row['servers_peak_above_idle'] / total:.2f} | "
             f"{row['servers_kept_above_idle'] / total:.2f} | "
-            f"{row['trainer_peak_extra'] / total:.2f} |"
+            f"{row['trainer_peak_extra'] / total:.2f} | "
+            f"{row['cpu_trainer']:.2f}, {row['cpu_servers']:.2f} |"
         )
     block = f"bench_weight_sync {args.dtype} servers={args.servers} tp={args.tp}"
     write_report(args.output, lines, block)
