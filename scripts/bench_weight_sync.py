@@ -198,9 +198,12 @@ def _gloo_receiver(port: int, sizes: list[int], rounds: int, done: Any) -> None:
     from skyrl_grpc.process_group import join_group
 
     group = join_group("gloo", "127.0.0.1", port, 1, 2, "bench-raw-gloo", 120)
+    # Received into the same buffers every round, as a server receives into its staging memory
+    # (made at its start): a fresh buffer per broadcast would time page faults, not the link.
+    buffers = [torch.ones(size, dtype=torch.uint8) for size in sizes]
     for _ in range(rounds):
-        for size in sizes:
-            group.broadcast(torch.empty(size, dtype=torch.uint8), 0).wait()
+        for buffer in buffers:
+            group.broadcast(buffer, 0).wait()
         done.put(0)
 
 
