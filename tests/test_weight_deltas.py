@@ -111,6 +111,37 @@ async def test_a_delta_gives_the_same_weights_as_a_full_push(delta_fleet: DeltaF
     assert set((await client.weight_versions()).values()) == {version + 4}
 
 
+async def test_a_reserved_delta_base_is_the_first_records_memory_and_never_its_values(
+    delta_fleet: DeltaFleet,
+) -> None:
+    servers = delta_fleet.servers
+    client = InferenceClient(servers[0], servers, direct=False)
+    try:
+        first = perturbed(delta_fleet.original, seed=41)
+        # Reserved like the model, plus a name the updates never push and one of another shape.
+        misfit = sorted(first)[0]
+        like = {**first, "not.pushed": torch.ones(3), misfit: torch.ones(2, 2)}
+        await client.reserve_delta_base(like.items())
+        reserved = {name: tensor.data_ptr() for name, tensor in client._reserved_record.items()}
+        version = await next_version(client)
+        await client.update_weights(first.items(), version)  # no base yet: everything
+        record = client._last_pushed
+        assert record is not None and set(record.tensors) == set(first)
+        reused = {n for n, t in record.tensors.items() if t.data_ptr() == reserved[n]}
+        assert reused == set(first) - {misfit}  # copied into; the misfit cloned
+        assert all(torch.equal(record.tensors[n], first[n]) for n in first)
+
+        # The record is the pushed values: a delta against it serves exactly the new weights.
+        stepped = a_training_step(first, seed=42)
+        await client.update_weights(stepped.items(), version + 1)
+        assert all(
+            0 < sent < 0.1 * delta_fleet.full_bytes for sent in client.last_push_bytes.values()
+        )
+        assert await served_checksums(client) == dict.fromkeys(servers, expected_checksums(stepped))
+    finally:
+        await client.close()
+
+
 async def test_a_server_on_another_version_gets_everything_in_the_same_transaction(
     delta_fleet: DeltaFleet,
 ) -> None:

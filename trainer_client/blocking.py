@@ -404,6 +404,9 @@ class BlockingInferenceClient:
             )
         )
 
+    def reserve_delta_base(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        self._run(self._client.reserve_delta_base(named_tensors))
+
     def cancel_weight_update(self, *, timeout: float | None = None) -> dict[str, int]:
         return self._run(self._client.cancel_weight_update(timeout=timeout))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,24 +107,42 @@ class PushedWeights:
 
     @staticmethod
     def after(
-        previous: PushedWeights | None, version: int, pushed: list[tuple[str, Any]]
+        previous: PushedWeights | None,
+        version: int,
+        pushed: list[tuple[str, Any]],
+        reserved: Mapping[str, Any] | None = None,
     ) -> PushedWeights:
         """The record once ``pushed`` committed as ``version``: the previous record's tensors
         (parameters not pushed this time are unchanged on the servers) with the pushed ones
         copied in. A copy goes into the previous record's tensor of the same shape, type and
-        device (the previous record is dropped): no second copy of the model, no fresh memory
-        to fault in every step."""
+        device (the previous record is dropped), or else into the ``reserved`` one
+        (``reserve_record``): no second copy of the model, no fresh memory to fault in every
+        step. Only a tensor with neither is cloned."""
         tensors = dict(previous.tensors) if previous is not None else {}
+        spare = reserved or {}
         for name, tensor in pushed:
             source = tensor.detach()
             kept = tensors.get(name)
-            if (
-                kept is not None
-                and kept.shape == source.shape
-                and kept.dtype == source.dtype
-                and kept.device == source.device
-            ):
+            if kept is None or not _fits(kept, source):
+                kept = spare.get(name)
+            if kept is not None and _fits(kept, source):
                 kept.copy_(source)
+                tensors[name] = kept
             else:
                 tensors[name] = source.clone()
         return PushedWeights(version, tensors)
+
+
+def reserve_record(named_tensors: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """Memory for a first record, touched now (zeroed): one tensor like each of
+    ``named_tensors``, on its device. Its values are never a base: only ``after`` writes into
+    it, and only the tensors it copies there become the record."""
+    import torch
+
+    return {name: torch.zeros_like(tensor.detach()) for name, tensor in named_tensors}
+
+
+def _fits(kept: Any, source: Any) -> bool:
+    return bool(
+        kept.shape == source.shape and kept.dtype == source.dtype and kept.device == source.device
+    )
