@@ -31,6 +31,7 @@ from pathlib import Path
 
 import psutil
 
+from scripts.process_memory import memory_of
 from servers.engine.engine_args import cpu_layout
 from servers.engine.options import EngineOptions
 from skyrl_grpc.tiny_model import ensure_tiny_model
@@ -123,6 +124,11 @@ def tree_pss(pid: int, alone: bool = False) -> int:
                         total += int(line.split()[1]) * 1024
                         break
     return total
+
+
+def tree_memory(pid: int, alone: bool = False) -> int:
+    """``memory_of`` a process and its children (``alone``: the process only)."""
+    return memory_of([p.pid for p in tree_processes(pid, alone)])
 
 
 def tree_fds(pid: int, alone: bool = False) -> int:

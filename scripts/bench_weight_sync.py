@@ -12,9 +12,11 @@ swaps the previous weights back in and reloads every layer). Full updates with
 ``release_memory=True`` (the previous weights freed once the fleet committed) run back to back
 beside them. Every row prints its ratio to its floor, the link's time for the bytes it sent
 plus R; in-band rows also to a bare gRPC stream of the same chunks plus R (``grpc_floor``).
-Also measured: the servers' process-tree resident memory above its level right after start
-(peak while updating, from the kernel's high-water marks, and what stays), this trainer's own
-peak extra resident memory, and the CPU seconds of the trainer and of the servers per update.
+Also measured: the servers' process-tree memory above its level right after start (anonymous
+memory, and shared memory such as the checkpoint copy all tensor-parallel ranks map counted
+once: ``process_memory.memory_of``; peak while updating, and what stays), this trainer's own peak
+extra memory, and the CPU seconds of the trainer and of the servers per update. The trainer
+reserves its delta base at its start (``reserve_delta_base``), as the docs advise.
 
 RL-like steps (``--rl-lrs``): the trainer keeps fp32 master weights and takes Adam steps on
 random gradients at each learning rate; the servers serve the master weights cast to the
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import multiprocessing
 import os
 import statistics
@@ -46,11 +47,12 @@ import psutil
 from scripts.bench_common import (
     ProcessTree,
     add_output_argument,
+    tree_memory,
     tree_processes,
-    tree_rss,
     write_report,
 )
 from scripts.grpc_floor import raw_grpc
+from scripts.process_memory import PeakMemory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,46 +95,15 @@ def build_model(dtype: str) -> Path:
 # -- memory -------------------------------------------------------------------------------------
 
 
-def own_rss(pid: int) -> int:
-    """Resident memory of the process alone (the engine servers are this one's children)."""
-    return tree_rss(pid, alone=True)
+def own_memory(pid: int) -> int:
+    """``tree_memory`` of the process alone (the engine servers are this one's children)."""
+    return tree_memory(pid, alone=True)
 
 
 def own_cpu() -> float:
     """This process's CPU seconds so far (its children, the servers, not counted)."""
     times = psutil.Process().cpu_times()
     return float(times.user + times.system)
-
-
-class PeakRss:
-    """The peak resident memory of processes (with their children, or ``alone``) while in use,
-    from the kernel's own high-water mark (``VmHWM``, reset on entry through
-    ``/proc/PID/clear_refs``): nothing reads memory while the update runs. The sampler this
-    replaces read proportional memory (``smaps_rollup``) ten times a second, at 0.15 s of CPU a
-    read of a server this size: on two cores it took from the update it measured ~0.8 s of an
-    in-band update's ~3.7 s. ``peak`` sums each process's own peak, an upper bound of the
-    processes' memory at any one moment."""
-
-    def __init__(self, pids: list[int], alone: bool = False) -> None:
-        self.pids = pids
-        self.alone = alone
-        self.peak = 0
-
-    def _processes(self) -> list[int]:
-        return [p.pid for pid in self.pids for p in tree_processes(pid, self.alone)]
-
-    def __enter__(self) -> PeakRss:
-        for pid in self._processes():
-            with contextlib.suppress(OSError):
-                Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for pid in self._processes():
-            with contextlib.suppress(OSError, ValueError):
-                status = Path(f"/proc/{pid}/status").read_text()
-                kib = next(line for line in status.splitlines() if line.startswith("VmHWM:"))
-                self.peak += int(kib.split()[1]) * 1024
 
 
 # -- servers ------------------------------------------------------------------------------------
@@ -292,8 +263,12 @@ async def updates(
 
     addresses = [s.address for s in servers]  # type: ignore[attr-defined]
     client = InferenceClient(addresses[0], addresses, direct=False, control_timeout=600)
+    # As a trainer does at its start: the first update copies into this instead of faulting in
+    # fresh memory for the base of the next delta (in the trainer's memory before every update).
+    await client.reserve_delta_base(tensors)
     pids = [s.pid for s in servers]
-    idle = sum(tree_rss(p) for p in pids)
+    idle = sum(tree_memory(p) for p in pids)
+    server_processes = [p.pid for pid in pids for p in tree_processes(pid)]
     full = sum(t.numel() * t.element_size() for _, t in tensors)
     rows = []
     version = 0
@@ -306,11 +281,14 @@ async def updates(
         release_memory: bool = False,
     ) -> None:
         nonlocal version
-        trainer_before = own_rss(os.getpid())
+        trainer_before = own_memory(os.getpid())
         servers_cpu = ProcessTree(*pids)  # the trainer's own: this process alone
         cpu_before = own_cpu(), servers_cpu.cpu_seconds()
         version += 1
-        with PeakRss(pids) as servers_peak, PeakRss([os.getpid()], alone=True) as trainer_peak:
+        with (
+            PeakMemory(server_processes) as servers_peak,
+            PeakMemory([os.getpid()]) as trainer_peak,
+        ):
             started = time.perf_counter()
             await client.update_weights(
                 new,
@@ -332,7 +310,7 @@ async def updates(
                 "seconds": seconds,
                 "wire_fraction": sent / full,
                 "servers_peak_above_idle": servers_peak.peak - idle,
-                "servers_kept_above_idle": sum(tree_rss(p) for p in pids) - idle,
+                "servers_kept_above_idle": sum(tree_memory(p) for p in pids) - idle,
                 "trainer_peak_extra": trainer_peak.peak - trainer_before,
                 "cpu_trainer": cpu[0],  # this process, its memory sampler included
                 "cpu_servers": cpu[1],
