@@ -39,8 +39,8 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @pytest.fixture
-def server() -> Iterator[ServerProcess]:
-    process = ServerProcess()
+def server(tmp_path: Path) -> Iterator[ServerProcess]:
+    process = ServerProcess(stderr=tmp_path / "server.log")
     yield process
     process.kill()
 
@@ -60,6 +60,22 @@ def test_the_port_opens_before_the_engine_loads(server: ServerProcess) -> None:
     server.until("ready")
     assert server.events[-1][0] - opened > 3 * opened, server.events
     assert health(listening["address"]) == SERVING
+
+
+def test_a_server_reloads_its_weights_once_before_it_serves(
+    server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Prepared for weight updates at start: every layer is reloaded once from the serving
+    weights before the server says it is ready, so the first update's commit does not pay what
+    vLLM's first reload pays once; the weights are unchanged (the greedy tests of
+    test_engine_server compare a started server's outputs with vLLM's own)."""
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as weights:
+        parameters = len(list(weights.keys()))
+    server.until("ready")
+    log = (tmp_path / "server.log").read_text()
+    assert f"weights reloaded once at start: {parameters} parameters" in log, log[-2000:]
 
 
 def test_a_model_the_engine_cannot_run_fails_at_start(tmp_path: Path) -> None:

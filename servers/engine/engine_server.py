@@ -61,6 +61,7 @@ from .scratch import use_scratch_directory
 from .serving_state import ServingState
 from .status import ServerStatusServicer, StatusChanges
 from .vllm_engine import EngineCannotRun, VllmEngine
+from .weights.serving import WeightsCannotReload
 
 log = logging.getLogger(__name__)
 DATA_PLANE_PREFIX = f"/{DATA_PLANE}/"
@@ -165,6 +166,8 @@ class EngineServer:
             # A drain shuts it down from now on; calls wait until it is warm and caught up
             # (a pause from a trainer would otherwise stall the warm-up or the catch-up).
             self.state.set_ready(parts)
+            if self.options.engine.weight_staging_at_start:
+                await parts.weights.warm_reload()  # the warm-up below generates with its result
             await parts.engine.warm_up()
             if self.options.catch_up_from:  # before anything is served: nobody sees it behind
                 access = PeerAccess(
@@ -177,7 +180,7 @@ class EngineServer:
         except Exception as error:
             self.failure = (
                 str(error)
-                if isinstance(error, EngineCannotRun)
+                if isinstance(error, EngineCannotRun | WeightsCannotReload)
                 else f"the engine failed to start: {root_cause(self.errors) or error}"
             )
             log.debug("engine start failed", exc_info=error)

@@ -62,7 +62,8 @@ class EngineOptions:
     # negative: never.
     weight_heap_slack: float = 1.0
     # The memory a full update stages into is allocated and touched at start (1x the model at
-    # TP rank 0, counted in idle), so the first update does not pay its page faults.
+    # TP rank 0, counted in idle), and every layer is reloaded once (what vLLM's first reload
+    # pays once), so the first update does not pay either.
     weight_staging_at_start: bool = True
     # Accept weights holding NaN or infinity (refused by default: they poison generation).
     allow_non_finite_weights: bool = False
@@ -181,9 +182,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--no-weight-staging-at-start",
         action="store_true",
-        help="do not allocate the memory a full weight update stages into at start (1x the "
-        "model in host memory, at TP rank 0): an idle server holds less, and its first update "
-        "pays the page faults (on the benchmark VM ~4x a later update's time)",
+        help="do not prepare for weight updates at start (allocate the memory a full update "
+        "stages into, 1x the model in host memory at TP rank 0, and reload every layer once): "
+        "an idle server holds less and starts sooner, and its first update pays both",
     )
     group.add_argument(
         "--session-idle-seconds",

@@ -31,7 +31,17 @@ RECYCLE_ROLLBACK = "skyrl_recycle_rollback"
 FREE_ROLLBACK = "skyrl_free_rollback"
 CLEAR_KV_CACHE = "skyrl_clear_kv_cache"
 READ = "skyrl_read"
-METHODS = (LAYOUT, CHECKSUMS, REPORT, RECYCLE_ROLLBACK, FREE_ROLLBACK, CLEAR_KV_CACHE, READ)
+WARM_RELOAD = "skyrl_warm_reload"
+METHODS = (
+    LAYOUT,
+    CHECKSUMS,
+    REPORT,
+    RECYCLE_ROLLBACK,
+    FREE_ROLLBACK,
+    CLEAR_KV_CACHE,
+    READ,
+    WARM_RELOAD,
+)
 
 
 class ParameterShape(TypedDict):
@@ -201,6 +211,12 @@ class WorkerCalls:
         """The serving bytes of ``names`` (checkpoint format), from the worker holding them."""
         result: list[bytes] = (await self._rpc(READ, (names,)))[0]
         return result
+
+    async def warm_reload(self) -> int:
+        """Reloads every layer from the serving weights, on every worker in step (at start:
+        the weights stay what they are); returns the parameters reloaded."""
+        reloaded: list[int] = await self._rpc(WARM_RELOAD, ())
+        return max(reloaded, default=0)
 
     async def join_group(self, group: Group) -> None:
         """Joins every worker to the trainer's group (each as ``rank_offset`` + its rank)."""

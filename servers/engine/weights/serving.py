@@ -9,6 +9,7 @@ get the KV cache memory cleared, since values they left in freed blocks poison l
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -21,6 +22,10 @@ from .protocol import Lifecycle, WorkerCalls
 from .transaction import WeightTransferManager
 
 log = logging.getLogger(__name__)
+
+
+class WeightsCannotReload(Exception):
+    """The engine started, but reloading its weights (``ServingWeights.warm_reload``) failed."""
 
 
 class WeightEngine(Protocol):
@@ -63,6 +68,23 @@ class ServingWeights:
             stage_batch_bytes=options.weight_stage_batch_bytes,
             allow_non_finite=options.allow_non_finite_weights,
         )
+
+    async def warm_reload(self) -> None:
+        """Reloads every layer once, at start, before anything is served: the weights stay
+        what they are, and what vLLM's first reload pays once is not paid by the first update
+        (``SkyrlWeightTransferEngine.warm_reload``). A failure fails the start: this model's
+        weights could not be updated either."""
+        started = time.monotonic()
+        try:
+            reloaded = await self.workers.warm_reload()
+        except Exception as error:
+            raise WeightsCannotReload(
+                f"the engine started but reloading its weights failed ({error}), so weight "
+                "updates would fail too; start with --no-weight-staging-at-start to serve it "
+                "without preparing for updates"
+            ) from error
+        seconds = time.monotonic() - started
+        log.info("weights reloaded once at start: %d parameters in %.2f s", reloaded, seconds)
 
     @property
     def cache_salt(self) -> str:

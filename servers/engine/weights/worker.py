@@ -81,6 +81,11 @@ class WeightTransferWorker:
         serving = engine.serving
         return [bytes(flat_bytes(serving.serving_value(name)).numpy().data) for name in names]
 
+    def skyrl_warm_reload(self) -> int:
+        """Reloads every layer from the serving weights (``SkyrlWeightTransferEngine.warm_reload``);
+        returns the parameters reloaded (0 on the ranks that keep no copy)."""
+        return int(self._skyrl_engine().warm_reload())
+
     def skyrl_report(self) -> Report:
         """What this worker's last ``update_weights`` or ``finish_weight_update`` did."""
         report: Report = self._skyrl_engine().report
