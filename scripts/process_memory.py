@@ -4,10 +4,11 @@
 read), where ``smaps_rollup`` walks every page (0.15 s of CPU for a server of a 1 GB model).
 
 ``PeakMemory`` samples it 20 times a second from a small process of its own
-(``python -m scripts.process_memory PID...``): a sampling thread inside the measured trainer
-took its GIL 20 times a second, and on two cores shared by three busy processes each handoff
-waited for that thread to be scheduled, slowing the update it measured by up to 0.5 s. (Before
-that, a thread reading ``smaps_rollup`` ten times a second took ~0.8 s of a ~3.7 s update.)
+(``python -m scripts.process_memory PID...``), not a thread of the measured trainer, whose GIL
+it would take 20 times a second: on two cores shared by three busy processes each such handoff
+waits for the thread to be scheduled (the one run with a thread had in-band updates ~0.5 s
+slower; the machine is noisy, so this is a precaution). Before that, a thread reading
+``smaps_rollup`` ten times a second took ~0.8 s of a ~3.7 s update.
 """
 
 from __future__ import annotations
