@@ -140,6 +140,12 @@ def tree_fds(pid: int, alone: bool = False) -> int:
     return total
 
 
+def cpu_seconds(process: psutil.Process) -> float:
+    """User + system CPU time of one process so far (its children not counted)."""
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
 class ProcessTree:
     """Processes (with all their descendants) measured and frozen together."""
 
@@ -162,8 +168,7 @@ class ProcessTree:
         total = 0.0
         for process in self.processes():
             with contextlib.suppress(psutil.NoSuchProcess):
-                times = process.cpu_times()
-                total += times.user + times.system
+                total += cpu_seconds(process)
         return total
 
     def freeze(self) -> None:

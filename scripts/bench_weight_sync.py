@@ -47,6 +47,7 @@ import psutil
 from scripts.bench_common import (
     ProcessTree,
     add_output_argument,
+    cpu_seconds,
     tree_memory,
     tree_processes,
     write_report,
@@ -98,12 +99,6 @@ def build_model(dtype: str) -> Path:
 def own_memory(pid: int) -> int:
     """``tree_memory`` of the process alone (the engine servers are this one's children)."""
     return tree_memory(pid, alone=True)
-
-
-def own_cpu() -> float:
-    """This process's CPU seconds so far (its children, the servers, not counted)."""
-    times = psutil.Process().cpu_times()
-    return float(times.user + times.system)
 
 
 # -- servers ------------------------------------------------------------------------------------
@@ -282,8 +277,9 @@ async def updates(
     ) -> None:
         nonlocal version
         trainer_before = own_memory(os.getpid())
-        servers_cpu = ProcessTree(*pids)  # the trainer's own: this process alone
-        cpu_before = own_cpu(), servers_cpu.cpu_seconds()
+        # The trainer's CPU is this process's alone: the servers are its children.
+        trainer_cpu, servers_cpu = psutil.Process(), ProcessTree(*pids)
+        cpu_before = cpu_seconds(trainer_cpu), servers_cpu.cpu_seconds()
         version += 1
         with (
             PeakMemory(server_processes) as servers_peak,
@@ -299,7 +295,7 @@ async def updates(
                 release_memory=release_memory,
             )
             seconds = time.perf_counter() - started
-        cpu = own_cpu() - cpu_before[0], servers_cpu.cpu_seconds() - cpu_before[1]
+        cpu = cpu_seconds(trainer_cpu) - cpu_before[0], servers_cpu.cpu_seconds() - cpu_before[1]
         versions = await client.weight_versions()
         assert set(versions.values()) == {version}, versions
         sent = max(client.last_push_bytes.values())
@@ -312,7 +308,7 @@ async def updates(
                 "servers_peak_above_idle": servers_peak.peak - idle,
                 "servers_kept_above_idle": sum(tree_memory(p) for p in pids) - idle,
                 "trainer_peak_extra": trainer_peak.peak - trainer_before,
-                "cpu_trainer": cpu[0],  # this process, its memory sampler included
+                "cpu_trainer": cpu[0],  # this process (the memory samplers are processes)
                 "cpu_servers": cpu[1],
             }
         )

@@ -6,11 +6,11 @@ by gRPC's Python runtime into and out of its own buffers on both sides (HTTP/2 f
 core's slices, a Python ``bytes`` per message received). A raw loopback socket (the benchmark's
 TCP floor) pays none of that. This measures what it costs: a bare gRPC server in a fresh process,
 with the engine servers' own options (``servers.common.listener.server_options``) and memory
-policy (``keep_freed_memory``), takes a
-client-streaming call that carries every tensor's bytes, encoded as the trainer client encodes
-them (``skyrl_grpc.chunk_wire.encode_chunk``, CRC-32 included), and only counts them; the
-client's channel has the trainer client's options. The seconds and each side's CPU seconds
-(its process, read from the OS) are the best of ``rounds`` after a warm-up round.
+policy (``keep_freed_memory``), takes a client-streaming call that carries every tensor's bytes,
+made by the trainer client's own ``PushStream`` (a manifest, then CRC-32-checked chunks), and
+only counts them; the client's channel has the trainer client's options. The seconds and each
+side's CPU seconds (its process, read from the OS) are the best of ``rounds`` after a warm-up
+round.
 """
 
 from __future__ import annotations
@@ -64,18 +64,16 @@ def _serve(ready: Any) -> None:
 
 
 def _messages(tensors: list[tuple[str, Any]]) -> Iterator[bytes]:
-    import torch
+    """The stream the trainer client sends for a full in-band update (its manifest, then every
+    tensor's CRC-checked chunks), made as the client makes it: checksums included in the time."""
+    from trainer_client.weight_sending import PushStream, tensor_entries
 
-    from skyrl_grpc.chunk_wire import encode_chunk
-
-    for name, tensor in tensors:
-        data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
-        for offset in range(0, len(data), CHUNK_BYTES):
-            yield encode_chunk(name, offset, data[offset : offset + CHUNK_BYTES])
+    yield from PushStream(tensor_entries(tensors, with_checksums=False), CHUNK_BYTES)
 
 
 def raw_grpc(tensors: list[tuple[str, Any]], rounds: int) -> GrpcFloor:
     """The best of ``rounds`` streams of every tensor's bytes to a bare gRPC server."""
+    from scripts.bench_common import cpu_seconds  # not at the top: the server process skips it
     from skyrl_grpc.channels import open_channel
 
     context = multiprocessing.get_context("spawn")
@@ -87,22 +85,19 @@ def raw_grpc(tensors: list[tuple[str, Any]], rounds: int) -> GrpcFloor:
         server_process = psutil.Process(server.pid)
         this_process = psutil.Process()
 
-        def cpu(process: psutil.Process) -> float:
-            times = process.cpu_times()
-            return float(times.user + times.system)
-
         async def streams() -> GrpcFloor:
             channel = open_channel(f"127.0.0.1:{port}")
             call = channel.stream_unary(METHOD)
             best: GrpcFloor | None = None
             for round_index in range(rounds + 1):
-                server_before, client_before = cpu(server_process), cpu(this_process)
+                server_before = cpu_seconds(server_process)
+                client_before = cpu_seconds(this_process)
                 started = time.perf_counter()
                 await call(_messages(tensors))
                 measured = GrpcFloor(
                     time.perf_counter() - started,
-                    cpu(server_process) - server_before,
-                    cpu(this_process) - client_before,
+                    cpu_seconds(server_process) - server_before,
+                    cpu_seconds(this_process) - client_before,
                 )
                 if round_index and (best is None or measured.seconds < best.seconds):
                     best = measured
