@@ -52,24 +52,32 @@ def encode_chunk(name: str, offset: int, piece: memoryview, crc32: int | None = 
     """A serialized ``PushWeightsRequest`` carrying one chunk with its CRC-32 (``crc32`` when
     the caller computed it already); ``piece`` is copied once, into the result."""
     crc = crc_of(piece) if crc32 is None else crc32
-    head = cp.WeightChunk(name=name, offset_bytes=offset, crc32=crc)
-    head_bytes = head.SerializeToString()
-    data_prefix = _varint(_DATA << 3 | _LENGTH_DELIMITED) + _varint(len(piece))
-    inner = len(head_bytes) + len(data_prefix) + len(piece)
-    chunk_prefix = _varint(_CHUNK << 3 | _LENGTH_DELIMITED) + _varint(inner)
-    return b"".join((chunk_prefix, head_bytes, data_prefix, piece))
+    return b"".join((chunk_head(name, offset, len(piece), crc), piece))
 
 
-def decode_push_request(raw: bytes) -> cp.PushWeightsRequest | WireChunk:
-    """The request as a ``WireChunk`` (data not copied) when it is a plain chunk, else as
-    protobuf parses it. Raises ``DecodeError`` for bytes protobuf would reject."""
+def chunk_head(name: str, offset: int, size: int, crc32: int) -> bytes:
+    """Every byte of ``encode_chunk``'s message before the chunk's ``size`` bytes of data: a
+    sender that writes the data from its own memory right after it (a socket's scatter
+    write) sends the same message without copying the data."""
+    head_bytes = cp.WeightChunk(name=name, offset_bytes=offset, crc32=crc32).SerializeToString()
+    data_prefix = _varint(_DATA << 3 | _LENGTH_DELIMITED) + _varint(size)
+    inner = len(head_bytes) + len(data_prefix) + size
+    return b"".join(
+        (_varint(_CHUNK << 3 | _LENGTH_DELIMITED), _varint(inner), head_bytes, data_prefix)
+    )
+
+
+def decode_push_request(raw: bytes | memoryview) -> cp.PushWeightsRequest | WireChunk:
+    """The request as a ``WireChunk`` (data not copied: a view of ``raw``) when it is a plain
+    chunk, else as protobuf parses it. Raises ``DecodeError`` for bytes protobuf would
+    reject."""
     try:
         chunk = _read_chunk(raw)
     except _Unusual:
         chunk = None
     if chunk is not None:
         return chunk
-    message = cp.PushWeightsRequest.FromString(raw)
+    message = cp.PushWeightsRequest.FromString(bytes(raw))
     if message.WhichOneof("item") == "chunk":
         return WireChunk.from_proto(message.chunk)
     return message
@@ -79,7 +87,7 @@ class _Unusual(Exception):
     """Something the fast reader leaves to protobuf."""
 
 
-def _read_chunk(raw: bytes) -> WireChunk | None:
+def _read_chunk(raw: bytes | memoryview) -> WireChunk | None:
     view = memoryview(raw)
     tag, position = _read_varint(raw, 0)
     if tag != (_CHUNK << 3 | _LENGTH_DELIMITED):
@@ -122,7 +130,7 @@ def _read_chunk(raw: bytes) -> WireChunk | None:
     return WireChunk(name, offset, data, crc32, sha256)
 
 
-def _read_varint(raw: bytes, position: int) -> tuple[int, int]:
+def _read_varint(raw: bytes | memoryview, position: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         if position >= len(raw) or shift > 63:

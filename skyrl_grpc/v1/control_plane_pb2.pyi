@@ -160,12 +160,16 @@ class StartWeightUpdateRequest(_message.Message):
     def __init__(self, weight_version: _Optional[int] = ..., allow_same_version: _Optional[bool] = ..., owner: _Optional[str] = ..., lease_seconds: _Optional[int] = ...) -> None: ...
 
 class StartWeightUpdateResponse(_message.Message):
-    __slots__ = ("serving_weight_version", "lease_seconds")
+    __slots__ = ("serving_weight_version", "lease_seconds", "push_socket_port", "push_ticket")
     SERVING_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_SOCKET_PORT_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TICKET_FIELD_NUMBER: _ClassVar[int]
     serving_weight_version: int
     lease_seconds: int
-    def __init__(self, serving_weight_version: _Optional[int] = ..., lease_seconds: _Optional[int] = ...) -> None: ...
+    push_socket_port: int
+    push_ticket: bytes
+    def __init__(self, serving_weight_version: _Optional[int] = ..., lease_seconds: _Optional[int] = ..., push_socket_port: _Optional[int] = ..., push_ticket: _Optional[bytes] = ...) -> None: ...
 
 class ParameterSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape", "sha256", "patch")
@@ -258,6 +262,22 @@ class PushWeightsResponse(_message.Message):
     parameters_staged: int
     bytes_received: int
     def __init__(self, parameters_staged: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class PushSocketHello(_message.Message):
+    __slots__ = ("ticket",)
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    def __init__(self, ticket: _Optional[bytes] = ...) -> None: ...
+
+class PushSocketReply(_message.Message):
+    __slots__ = ("response", "code", "message")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    response: PushWeightsResponse
+    code: int
+    message: str
+    def __init__(self, response: _Optional[_Union[PushWeightsResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class FinishWeightUpdateRequest(_message.Message):
     __slots__ = ("weight_version",)
