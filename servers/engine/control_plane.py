@@ -65,8 +65,10 @@ def add_control_plane(
 class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     """Serves control calls for one vLLM engine."""
 
-    def __init__(self, state: ServingState[EngineParts]) -> None:
+    def __init__(self, state: ServingState[EngineParts], push_socket_port: int = 0) -> None:
         self._state = state
+        # The push socket's port, offered with every update (0: none).
+        self._push_socket_port = push_socket_port
 
     async def Pause(self, request: cp.PauseRequest, context: Context) -> cp.PauseResponse:
         mode = validate.pause_mode(request.mode)
@@ -123,6 +125,8 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         return cp.StartWeightUpdateResponse(
             serving_weight_version=parts.weights.version,
             lease_seconds=round(update.lease_seconds),
+            push_socket_port=self._push_socket_port,
+            push_ticket=update.ticket if self._push_socket_port else b"",
         )
 
     async def UpdateWeights(

@@ -57,11 +57,13 @@ from .engine_logs import root_cause, route_vllm_logs
 from .engine_parts import EngineParts
 from .live_sessions import LiveSessions
 from .options import ServerOptions, build_parser, options_from_args
+from .push_socket import PushSocketServer
 from .scratch import use_scratch_directory
 from .serving_state import ServingState
 from .status import ServerStatusServicer, StatusChanges
 from .vllm_engine import EngineCannotRun, VllmEngine
 from .weights.serving import WeightsCannotReload
+from .weights.transaction import WeightTransferManager
 
 log = logging.getLogger(__name__)
 DATA_PLANE_PREFIX = f"/{DATA_PLANE}/"
@@ -105,6 +107,7 @@ class EngineServer:
             options=server_options(options.max_message_bytes),
         )
         self.status_changes = StatusChanges()
+        self.push_socket: PushSocketServer | None = None
         self.port = 0
         self.failure: str | None = None
         self._engine_task: asyncio.Task[None] | None = None
@@ -129,11 +132,30 @@ class EngineServer:
             f"{limit} bytes, which a prompt of {tokens} tokens (--max-prompt-tokens) needs",
         )
 
+    def _open_push_socket(self) -> PushSocketServer | None:
+        """The push socket, unless turned off or the server serves TLS (it is not encrypted)."""
+        options = self.options
+        if options.weight_push_port < 0 or options.tls is not None:
+            return None
+
+        def updates() -> WeightTransferManager:
+            return self.state.parts().weights.updates
+
+        return PushSocketServer(
+            options.host,
+            options.weight_push_port,
+            push=lambda ticket, items: updates().push(items, ticket),
+            check_ticket=lambda ticket: updates().check_ticket(ticket),
+            max_frame_bytes=options.max_message_bytes,
+        )
+
     async def start(self) -> None:
         data_plane_pb2_grpc.add_DataPlaneServicer_to_server(
             DataPlaneServicer(self.state, self.admission), self.server
         )
-        add_control_plane(ControlPlaneServicer(self.state), self.server)
+        self.push_socket = self._open_push_socket()
+        push_port = self.push_socket.port if self.push_socket is not None else 0
+        add_control_plane(ControlPlaneServicer(self.state, push_port), self.server)
         status_pb2_grpc.add_ServerStatusServicer_to_server(
             ServerStatusServicer(self.state, self.status_changes), self.server
         )
@@ -153,6 +175,8 @@ class EngineServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.port = bind(self.server, f"{self.options.host}:{self.options.port}", self.options.tls)
         await self.server.start()
+        if self.push_socket is not None:
+            self.push_socket.start()
         log.info("listening on %s; starting the engine", self.address)
         self._engine_task = asyncio.create_task(self._start_engine())
 
@@ -247,6 +271,8 @@ class EngineServer:
         if not await self.calls.wait_idle(grace):
             log.warning("%d calls still running after the %.0f s grace", self.calls.active, grace)
         await self.server.stop(0)
+        if self.push_socket is not None:
+            await self.push_socket.close()
         task = self._engine_task
         if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()

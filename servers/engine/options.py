@@ -108,6 +108,9 @@ class ServerOptions:
 
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port (see EngineServer.port)
+    # The push socket's TCP port (PushSocketHello in control_plane.proto: in-band weights
+    # without gRPC's cost), on ``host``: 0 any free one, -1 none. None is offered with TLS.
+    weight_push_port: int = 0
     engine: EngineOptions = field(default_factory=EngineOptions)
     drain_grace_seconds: float = 10.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -276,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default=defaults.host)
     # The command line's well-known port; in code, ServerOptions' 0 picks a free one.
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    parser.add_argument(
+        "--weight-push-port",
+        type=int,
+        default=defaults.weight_push_port,
+        help="TCP port of the push socket, which takes in-band weight updates without gRPC's "
+        "cost (unencrypted: not offered with TLS): 0 any free port (default), -1 none",
+    )
     parser.add_argument("--drain-grace-seconds", type=float, default=defaults.drain_grace_seconds)
     add_message_size_argument(parser)
     parser.add_argument(
@@ -355,6 +365,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(
         host=args.host,
         port=args.port,
+        weight_push_port=args.weight_push_port,
         engine=engine_options_from_args(args),
         drain_grace_seconds=args.drain_grace_seconds,
         max_message_bytes=args.max_message_mib * MiB,

@@ -15,7 +15,7 @@ from typing import Any
 from skyrl_grpc import dtypes, patch_format
 from skyrl_grpc.chunk_wire import WireChunk
 from skyrl_grpc.crc import crc32
-from skyrl_grpc.errors import DataLoss, InvalidArgument
+from skyrl_grpc.errors import DataLoss, FailedPrecondition, InvalidArgument
 
 from .finite import FiniteCheck
 from .protocol import (
@@ -394,3 +394,19 @@ def model_layout(shapes: dict[str, ParameterShape]) -> dict[str, ParamLayout]:
         name: ParamLayout(dtypes.BY_TORCH[shape["dtype"]], tuple(shape["shape"]))
         for name, shape in shapes.items()
     }
+
+
+class PatchBaseMismatch(FailedPrecondition):
+    """Patches for a version this server does not serve: refused before anything is staged,
+    leaving the update open for the whole weights."""
+
+
+def check_patch_bases(bases: dict[str, int], serving: int) -> None:
+    """Raises ``PatchBaseMismatch`` unless every patch applies to the ``serving`` version."""
+    wrong = sorted(name for name, base in bases.items() if base != serving)
+    if wrong:
+        raise PatchBaseMismatch(
+            f"{len(wrong)} patches (e.g. {wrong[0]}) apply to version {bases[wrong[0]]}, "
+            f"but this server serves version {serving}: send the whole parameters (the "
+            "update stays open, nothing was staged)"
+        )

@@ -5,9 +5,13 @@ in-band stream's bytes to the workers in batches, one batch in flight while the 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+
+from skyrl_grpc.errors import FailedPrecondition
 
 from .protocol import StagedParameter
 
@@ -26,6 +30,17 @@ class OpenUpdate:
     bytes_received: int = 0
     # Whether anything staged holds a NaN or infinity (only possible when they are allowed).
     non_finite: bool = False
+    # What a push socket connection presents to stream into this update, and no other.
+    ticket: bytes = field(default_factory=lambda: secrets.token_bytes(16))
+
+    def check_ticket(self, ticket: bytes | None) -> None:
+        """Raises unless ``ticket`` is this update's (None: a gRPC call, which its channel's
+        credentials authorise)."""
+        if ticket is not None and not hmac.compare_digest(ticket, self.ticket):
+            raise FailedPrecondition(
+                "this push socket's ticket is not the open update's: the update it was given "
+                "for ended (finished, cancelled, expired or replaced); start another"
+            )
 
     def touch(self) -> None:
         self.last_call = time.monotonic()

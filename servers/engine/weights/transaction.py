@@ -31,8 +31,10 @@ from ...common.tasks import BackgroundTasks
 from .assembly import (
     InBandAssembler,
     ParamLayout,
+    PatchBaseMismatch,
     bucket_layout,
     bucket_patch_bases,
+    check_patch_bases,
     model_layout,
     non_finite_error,
 )
@@ -178,14 +180,19 @@ class WeightTransferManager:
                     )
                     await self._close()
 
-    def _require_open(self, what: str) -> OpenUpdate:
+    def _require_open(self, what: str, ticket: bytes | None = None) -> OpenUpdate:
         if self.open is None:
             raise FailedPrecondition(
                 f"{what} before StartWeightUpdate: open an update first (an update also "
                 "closes when it is rejected, cancelled or its lease expires)"
             )
+        self.open.check_ticket(ticket)
         self.open.touch()
         return self.open
+
+    def check_ticket(self, ticket: bytes) -> None:
+        """Raises unless ``ticket`` is the open update's (a push socket's hello)."""
+        self._require_open("a push socket connection", ticket)
 
     async def update(self, bucket_specs: list[BucketSpec]) -> tuple[int, int]:
         async with self._lock:
@@ -206,7 +213,7 @@ class WeightTransferManager:
                 await self._abandon(self._workers.receive_buckets(empty, False))
                 raise
             try:
-                self._check_patch_bases(bucket_patch_bases(bucket_specs))
+                check_patch_bases(bucket_patch_bases(bucket_specs), self._get_version())
             except PatchBaseMismatch:
                 await self._workers.receive_buckets(empty, False)
                 raise  # nothing staged: the update stays open for the whole weights
@@ -255,10 +262,13 @@ class WeightTransferManager:
         except Exception:
             log.exception("leaving the broken weight-transfer group failed")
 
-    async def push(self, items: AsyncIterator[Manifest | WireChunk]) -> tuple[int, int]:
-        """Stages one in-band stream: its manifest, then its chunks."""
+    async def push(
+        self, items: AsyncIterator[Manifest | WireChunk], ticket: bytes | None = None
+    ) -> tuple[int, int]:
+        """Stages one in-band stream: its manifest, then its chunks (from a push socket: for the
+        update whose ``ticket`` it presented, and no other)."""
         async with self._lock:
-            update = self._require_open("PushWeights")
+            update = self._require_open("PushWeights", ticket)
             assembler = InBandAssembler(await self.layout(), self.allow_non_finite)
             # Bytes go on to the workers as they arrive, in batches, one batch in flight while
             # the next is received and checked: the server holds at most two batches, never
@@ -274,7 +284,7 @@ class WeightTransferManager:
                     assembler.add(item)
                     if not bases_checked:  # the manifest: patches must fit what this serves
                         bases_checked = True
-                        self._check_patch_bases(assembler.patch_bases)
+                        check_patch_bases(assembler.patch_bases, self._get_version())
                     update.bytes_received = received_before + assembler.bytes_received
                     update.touch()
                     if assembler.ready_bytes >= self.stage_batch_bytes:
@@ -296,16 +306,6 @@ class WeightTransferManager:
             update.non_finite = update.non_finite or bool(assembler.non_finite)
             update.touch()
             return staged, assembler.bytes_received
-
-    def _check_patch_bases(self, bases: dict[str, int]) -> None:
-        serving = self._get_version()
-        wrong = sorted(name for name, base in bases.items() if base != serving)
-        if wrong:
-            raise PatchBaseMismatch(
-                f"{len(wrong)} patches (e.g. {wrong[0]}) apply to version {bases[wrong[0]]}, "
-                f"but this server serves version {serving}: send the whole parameters (the "
-                "update stays open, nothing was staged)"
-            )
 
     async def _stage(self, params: list[StagedParameter], non_finite: list[str]) -> int:
         """Stages ``params`` in batches; compressed patches whose values proved non-finite
@@ -435,11 +435,6 @@ class WeightTransferManager:
     async def close(self) -> None:
         """Stops the lease timer (server shutdown)."""
         await self._tasks.close()
-
-
-class PatchBaseMismatch(FailedPrecondition):
-    """Patches for a version this server does not serve: refused before anything is staged,
-    leaving the update open for the whole weights."""
 
 
 def _transport_error(what: str, exc: Exception, started: float, timeout: float) -> SkyrlError:
