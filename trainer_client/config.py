@@ -49,6 +49,10 @@ class ClientConfig:
     # first token: a retry; after: the prompt plus the tokens so far, as the router migrates).
     max_direct_failovers: int = 4
     extra_metadata: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    # In-band weight updates go over each server's push socket where it offers one (the same
+    # streams at the link's speed instead of gRPC's: trainer_client.push_socket), else over
+    # gRPC. Never with ``tls``: the socket is not encrypted. False: always over gRPC.
+    push_socket: bool = True
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         pairs = list(self.extra_metadata)
@@ -74,3 +78,4 @@ class ClientSettings(TypedDict, total=False):
     direct: bool
     max_direct_failovers: int
     extra_metadata: tuple[tuple[str, str], ...]
+    push_socket: bool

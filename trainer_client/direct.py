@@ -267,8 +267,7 @@ class DirectRoutes:
             )
         except grpc.aio.AioRpcError as error:
             log.warning(
-                "the router did not list its servers (%s: %s); control calls go to its last "
-                "view's",
+                "the router did not list its servers (%s: %s); control calls go to its last view's",
                 error.code().name,
                 error.details(),
             )

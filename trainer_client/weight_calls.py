@@ -10,6 +10,7 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from .client_core import ClientCore, ControlRpc, Request, Response
 from .fleet_info import WeightCommit
+from .push_socket import PushSocketOffer
 from .update_plan import ServerState
 
 
@@ -27,12 +28,19 @@ class TransactionCalls:
         self._owner = owner_name()
         # Each server's state as first asked in this update (``state``).
         self._states: dict[str, ServerState] = {}
+        # The push sockets the servers offered for this update (``start``).
+        self.push_sockets: dict[str, PushSocketOffer] = {}
 
     async def start(self, address: str, version: int) -> int:
         request = cp.StartWeightUpdateRequest(
             weight_version=version, owner=self._owner, lease_seconds=self._lease_seconds
         )
         response = await self._call(address, request, lambda s: s.StartWeightUpdate)
+        config = self._client.config
+        if response.push_socket_port and config.push_socket and config.tls is None:
+            self.push_sockets[address] = PushSocketOffer(
+                response.push_socket_port, response.push_ticket
+            )
         return response.serving_weight_version
 
     async def finish(self, address: str, version: int) -> WeightCommit:

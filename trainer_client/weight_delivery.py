@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -21,6 +21,7 @@ from .client_core import ClientCore
 from .delta_patches import weight_patches
 from .exceptions import FailedPrecondition
 from .fanout import failures_of
+from .push_socket import PushSocket, PushSocketOffer, open_push_socket
 from .update_plan import PushedWeights, UpdatePlan
 from .weight_sending import (
     CollectiveSender,
@@ -135,7 +136,11 @@ class WeightDelivery(ClientCore):
         return failures
 
     async def _push(
-        self, plan: UpdatePlan, addresses: Sequence[str], tensors: list[tuple[str, Any]]
+        self,
+        plan: UpdatePlan,
+        addresses: Sequence[str],
+        tensors: list[tuple[str, Any]],
+        sockets: Mapping[str, PushSocketOffer],
     ) -> dict[str, BaseException]:
         """Pushes to every server: a patch against the plan's base where the server serves its
         version (compressed where the plan says), the whole weights elsewhere, and to a
@@ -144,7 +149,8 @@ class WeightDelivery(ClientCore):
         thread prepares the next group's stream (its patches, checksums) while the current one
         is sent, so the trainer's work overlaps the transfer and the servers' instead of
         preceding them. Each group is prepared once for all servers; a group with nothing
-        changed sends nothing."""
+        changed sends nothing. A server that offered a push socket for this update
+        (``sockets``) gets the same streams over it, else over gRPC."""
         base, sending = plan.base, plan.sending
         groups = push_groups(tensors, PUSH_GROUP_BYTES)
 
@@ -178,25 +184,36 @@ class WeightDelivery(ClientCore):
                 response_deserializer=cp.PushWeightsResponse.FromString,
             )
 
-        async def send_all(address: str, variant: Variant) -> None:
+        async def send_all(address: str, variant: Variant, lane: PushSocket | None) -> None:
             self.last_push_bytes[address] = 0
             for index in range(len(groups)):
                 sent = await prepared[variant].get(index)
                 if sent.empty:
                     continue
                 self.last_push_bytes[address] += sent.total_bytes
-                await self._unary(address, method(address), iter(sent), sending.timeout)
+                if lane is not None:
+                    await asyncio.to_thread(lane.send, sent)
+                else:
+                    await self._unary(address, method(address), iter(sent), sending.timeout)
 
         async def push(address: str) -> None:
-            if plan.patched(address):
-                try:
-                    await send_all(address, compressed if address in plan.compressing else patches)
-                    return
-                except FailedPrecondition:
-                    # Refused before anything of that stream was staged; whole tensors staged
-                    # by earlier streams are staged again, whole.
-                    log.info("%s refused the patch (its version moved): sending it all", address)
-            await send_all(address, whole)
+            lane = await open_push_socket(address, sockets.get(address), sending.timeout)
+            try:
+                if plan.patched(address):
+                    variant = compressed if address in plan.compressing else patches
+                    try:
+                        await send_all(address, variant, lane)
+                        return
+                    except FailedPrecondition:
+                        # Refused before anything of that stream was staged; whole tensors
+                        # staged by earlier streams are staged again, whole.
+                        log.info(
+                            "%s refused the patch (its version moved): sending it all", address
+                        )
+                await send_all(address, whole, lane)
+            finally:
+                if lane is not None:
+                    lane.close()  # a send still running in its thread fails at once
 
         self.last_push_bytes = {}
         try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from skyrl_grpc import dtypes
-from skyrl_grpc.chunk_wire import encode_chunk
+from skyrl_grpc.chunk_wire import chunk_head
 from skyrl_grpc.crc import crc32
 from skyrl_grpc.process_group import join_group, master_store
 from skyrl_grpc.tensor_bytes import flat_bytes, sha256_of
@@ -143,12 +143,19 @@ class PushStream:
         self.empty = not self._entries
 
     def __iter__(self) -> Iterator[bytes]:
-        yield self._manifest
+        for head, data in self.frames():
+            yield b"".join((head, data)) if len(data) else head
+
+    def frames(self) -> Iterator[tuple[bytes, memoryview]]:
+        """The same messages, each as its head and its data (a view of the tensor's memory,
+        empty for the manifest): a socket writes the two without joining them."""
+        yield self._manifest, memoryview(b"")
         size = self._chunk_bytes
         for (name, data), crcs in zip(self._entries, self._crcs, strict=True):
             for index, crc in enumerate(crcs):
                 offset = index * size
-                yield encode_chunk(name, offset, memoryview(data[offset : offset + size]), crc)
+                piece = memoryview(data[offset : offset + size])
+                yield chunk_head(name, offset, len(piece), crc), piece
 
 
 def push_groups(

@@ -225,7 +225,7 @@ class WeightUpdates(WeightDelivery):
             if collective:
                 assert sender is not None
                 return await self._broadcast(plan, sender, addresses, tensors)
-            return await self._push(plan, addresses, tensors)
+            return await self._push(plan, addresses, tensors, calls.push_sockets)
 
         # A first record (none to copy into) is all new memory: it is cloned in a thread beside
         # the transfer instead of after the commit (faulting in the 0.3B benchmark model's
