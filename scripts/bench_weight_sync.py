@@ -23,7 +23,7 @@ random gradients at each learning rate; the servers serve the master weights cas
 serving dtype, pushed with ``update_weights`` (deltas: only what changed since the last push).
 
 Run: .venv/bin/python -m scripts.bench_weight_sync [--servers 1] [--tp 1] [--rounds 2]
-     [--dtype bfloat16] [--transports grpc,collective] [--rl-lrs 1e-6,1e-5]
+     [--dtype bfloat16] [--transports socket,grpc,collective] [--rl-lrs 1e-6,1e-5]
      [--output docs/weights.md]
 """
 
@@ -258,9 +258,15 @@ async def updates(
 
     addresses = [s.address for s in servers]  # type: ignore[attr-defined]
     client = InferenceClient(addresses[0], addresses, direct=False, control_timeout=600)
+    # In-band over gRPC only: the same client without the servers' push sockets.
+    grpc_client = InferenceClient(
+        addresses[0], addresses, direct=False, control_timeout=600, push_socket=False
+    )
     # As a trainer does at its start: the first update copies into this instead of faulting in
     # fresh memory for the base of the next delta (in the trainer's memory before every update).
     await client.reserve_delta_base(tensors)
+    if "grpc" in transports:
+        await grpc_client.reserve_delta_base(tensors)
     pids = [s.pid for s in servers]
     idle = sum(tree_memory(p) for p in pids)
     server_processes = [p.pid for pid in pids for p in tree_processes(pid)]
@@ -286,10 +292,11 @@ async def updates(
             PeakMemory([os.getpid()]) as trainer_peak,
         ):
             started = time.perf_counter()
-            await client.update_weights(
+            sender = grpc_client if transport == "grpc" else client
+            await sender.update_weights(
                 new,
                 version,
-                transport=transport,  # type: ignore[arg-type]
+                transport="collective" if transport == "collective" else "grpc",
                 timeout=1800,
                 compress_patches=compress,
                 release_memory=release_memory,
@@ -298,7 +305,7 @@ async def updates(
         cpu = cpu_seconds(trainer_cpu) - cpu_before[0], servers_cpu.cpu_seconds() - cpu_before[1]
         versions = await client.weight_versions()
         assert set(versions.values()) == {version}, versions
-        sent = max(client.last_push_bytes.values())
+        sent = max(sender.last_push_bytes.values())
         rows.append(
             {
                 "update": label,
@@ -355,6 +362,7 @@ async def updates(
                     await measure(f"{kind}: step {step + 1}", serving, transport, compress)
                 del trainer
     await client.close()
+    await grpc_client.close()
     return rows, floors
 
 
@@ -363,7 +371,12 @@ def main() -> None:
     parser.add_argument("--servers", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--transports", default="grpc,collective")
+    parser.add_argument(
+        "--transports",
+        default="socket,grpc,collective",
+        help="in-band over the servers' push sockets (socket), in-band over gRPC alone (grpc), "
+        "the gloo collective (collective)",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rl-lrs", default="1e-6,1e-5", help="learning rates of RL-like steps")
     parser.add_argument(
@@ -420,7 +433,7 @@ def main() -> None:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
-        link = tcp if row["transport"] == "grpc" else gloo
+        link = gloo if row["transport"] == "collective" else tcp
         floor = link * row["wire_fraction"] + reload_floor
         by_grpc = "-"
         if stream and row["transport"] == "grpc":

@@ -148,7 +148,8 @@ async def test_a_server_catches_up_from_a_mutual_tls_peer(
     certs: Certificates, tiny_model_dir: Path
 ) -> None:
     """A fleet on mutual TLS: a server started with --catch-up-from a peer and the peer TLS
-    flags (CA, client certificate) reads the peer's weights before it serves, bit-identical."""
+    flags (CA, client certificate) reads the peer's weights before it serves, bit-identical.
+    Weights go over gRPC (TLS), not the push socket, which a TLS server does not open."""
     from safetensors.torch import load_file
 
     from tests.helpers.weights import perturbed
@@ -160,6 +161,7 @@ async def test_a_server_catches_up_from_a_mutual_tls_peer(
     late = None
     try:
         await asyncio.wait_for(peer.wait_ready(), timeout=300)
+        assert peer.push_socket is None, "the push socket is not encrypted: none with TLS"
         client = InferenceClient(peer.address, [peer.address], tls=as_client)
         weights = perturbed(load_file(str(tiny_model_dir / "model.safetensors")), seed=4)
         await client.update_weights(weights.items(), 2)
