@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,17 +40,24 @@ def send_frame(sock: socket.socket, *parts: Any) -> None:
                 sent = 0
 
 
-def recv_frame(sock: socket.socket, limit: int) -> memoryview | None:
-    """The next frame's bytes (in memory of their own, uninitialised before the read), or None
-    if the connection closed cleanly before it. Raises ``FrameTooLarge`` for a frame over
-    ``limit`` bytes, ``ConnectionError`` for one cut short."""
+def fresh_memory(size: int) -> memoryview:
+    """``size`` bytes of memory of their own, uninitialised (the read overwrites them)."""
+    return np.empty(size, dtype=np.uint8).data.cast("B")
+
+
+def recv_frame(
+    sock: socket.socket, limit: int, allocate: Callable[[int], memoryview] = fresh_memory
+) -> memoryview | None:
+    """The next frame's bytes, read into ``allocate(size)``, or None if the connection closed
+    cleanly before it. Raises ``FrameTooLarge`` for a frame over ``limit`` bytes,
+    ``ConnectionError`` for one cut short."""
     header = _recv_exactly(sock, memoryview(bytearray(FRAME_HEADER.size)), at_start=True)
     if header is None:
         return None
     (size,) = FRAME_HEADER.unpack(header)
     if size > limit:
         raise FrameTooLarge(f"a {size}-byte frame, over the {limit} bytes this receiver takes")
-    frame = np.empty(size, dtype=np.uint8).data.cast("B")
+    frame = allocate(size)
     _recv_exactly(sock, frame, at_start=False)
     return frame
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from servers.engine.frame_buffers import FrameBuffers
 from skyrl_grpc.chunk_wire import chunk_head
 from skyrl_grpc.socket_frames import FRAME_HEADER, recv_frame, send_frame
 from skyrl_grpc.tensor_bytes import sha256_of
@@ -267,3 +268,26 @@ def test_a_chunks_head_and_data_are_the_grpc_message() -> None:
     joined = [bytes(head) + bytes(data) for head, data in stream.frames()]
     assert joined == list(stream)
     assert len(joined) == 4 and chunk_head("w", 0, 4096, 1).endswith(b"\x80\x20")
+
+
+def test_frame_memory_is_reused_once_no_view_of_it_is_left() -> None:
+    """A buffer is handed out again only when nothing refers to what was read into it (a
+    chunk's data is a view of its frame until staged), so memory stays flat across updates
+    and nothing is overwritten while in use."""
+    buffers = FrameBuffers()
+    first = buffers.take(4 << 20)
+    chunk_data = first[100:200]  # what a decoded chunk keeps of its frame
+    first_buffer = id(first.obj)  # ids: a reference would keep the buffer in use
+    del first
+    second = buffers.take(4 << 20)
+    assert id(second.obj) != first_buffer, "a buffer a chunk still refers to is not reused"
+    second_buffer = id(second.obj)
+    held = buffers.held_bytes
+    del chunk_data, second
+    for _ in range(10):
+        frame = buffers.take(4 << 20)
+        assert id(frame.obj) in (first_buffer, second_buffer)
+        del frame
+    assert buffers.held_bytes == held, "freed buffers are taken again, none added"
+    small = buffers.take(100)
+    assert len(small) == 100 and buffers.held_bytes == held, "small frames are not pooled"

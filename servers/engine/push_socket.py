@@ -32,6 +32,7 @@ from skyrl_grpc.socket_frames import FrameTooLarge, recv_frame, send_frame
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 from .control_convert import push_item
+from .frame_buffers import FrameBuffers
 from .weights.specs import Manifest
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class PushSocketServer:
         self._accepting: asyncio.Task[None] | None = None
         # Streams staged through this socket since the server started.
         self.streams_staged = 0
+        # Memory frames are read into, reused once staged (every connection's).
+        self.buffers = FrameBuffers()
 
     def start(self) -> None:
         self._accepting = asyncio.create_task(self._accept(), name="push socket")
@@ -98,7 +101,7 @@ class PushSocketServer:
         connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # Its own thread: a connection's blocking reads never hold a thread others need.
         executor = ThreadPoolExecutor(1, thread_name_prefix="push-socket")
-        frames = _Frames(connection, executor, self._max_frame_bytes)
+        frames = _Frames(connection, executor, self._max_frame_bytes, self.buffers.take)
         try:
             ticket = await self._hello(frames)
             if ticket is None:
@@ -171,17 +174,24 @@ class _Frames:
     """A connection's frames, read in its thread one ahead of the one being handled (within a
     stream), so the next frame arrives while this one is checked and staged."""
 
-    def __init__(self, sock: socket.socket, executor: ThreadPoolExecutor, limit: int) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        executor: ThreadPoolExecutor,
+        limit: int,
+        allocate: Callable[[int], memoryview],
+    ) -> None:
         self._sock = sock
         self._executor = executor
         self._limit = limit
+        self._allocate = allocate
         self._ahead: asyncio.Future[memoryview | None] | None = None
         # Whether the last frame handed out ended a stream (or no stream began yet).
         self._between_streams = True
 
     def _read(self, limit: int) -> asyncio.Future[memoryview | None]:
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._executor, recv_frame, self._sock, limit)
+        return loop.run_in_executor(self._executor, recv_frame, self._sock, limit, self._allocate)
 
     async def next(self, limit: int | None = None) -> memoryview | None:
         """The next frame (None: the peer closed the connection)."""
