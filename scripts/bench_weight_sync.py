@@ -341,9 +341,11 @@ async def updates(
             await measure(f"full {round_index + 1}", new, transport)
             del new
             await reload_floor(transport)
-        # Back to back, as a trainer updating every step: each server frees its rollback copy
-        # once the fleet committed and gives the memory back, so the next update faults in
-        # fresh pages.
+    # Back to back, as a trainer updating every step: each server frees its rollback copy once
+    # the fleet committed and gives the memory back, so the next update faults in fresh pages.
+    # After every transport's own rows: a transport's first update must not pay for memory an
+    # earlier transport's release gave back.
+    for transport in transports:
         for round_index in range(rounds):
             new = perturbed(tensors, seed=version + 1)
             label = f"full {round_index + 1}, release_memory"
