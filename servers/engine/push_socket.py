@@ -226,6 +226,8 @@ class _Frames:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes a read blocked in the thread
         self._sock.close()
+        if self._ahead is not None:  # a read ahead now fails: nobody waits for it
+            self._ahead.add_done_callback(lambda read: read.cancelled() or read.exception())
 
 
 def _error_reply(error: SkyrlError) -> cp.PushSocketReply:
