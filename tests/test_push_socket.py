@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from servers.common.interceptors import CallCounter
 from servers.engine.frame_buffers import FrameBuffers
+from servers.engine.push_socket import PushSocketServer
 from skyrl_grpc.chunk_wire import chunk_head
 from skyrl_grpc.socket_frames import FRAME_HEADER, recv_frame, send_frame
 from skyrl_grpc.tensor_bytes import sha256_of
@@ -291,3 +294,32 @@ def test_frame_memory_is_reused_once_no_view_of_it_is_left() -> None:
     assert buffers.held_bytes == held, "freed buffers are taken again, none added"
     small = buffers.take(100)
     assert len(small) == 100 and buffers.held_bytes == held, "small frames are not pooled"
+
+
+async def test_a_stream_in_progress_is_a_call_a_drain_waits_for() -> None:
+    """A stream counts as a call in progress from its first frame until its reply is sent, so
+    a draining server lets it finish within its grace, as it does a PushWeights call. (The
+    subject is the socket's accounting: the push it feeds is a stand-in.)"""
+    calls = CallCounter()
+    pushing, release = asyncio.Event(), asyncio.Event()
+
+    async def push(ticket: bytes, items: AsyncIterator[Any]) -> tuple[int, int]:
+        received = [item async for item in items]
+        pushing.set()
+        await release.wait()
+        return len(received), 0
+
+    server = PushSocketServer("127.0.0.1", 0, push, lambda ticket: None, 1 << 20, calls)
+    server.start()
+    lane = await asyncio.to_thread(connected, server.port, b"ticket")
+    stream = PushStream(tensor_entries([("w", torch.ones(8))]))
+    try:
+        sending = asyncio.ensure_future(asyncio.to_thread(lane.send, stream))
+        await pushing.wait()
+        assert calls.active == 1 and not await calls.wait_idle(0.05)
+        release.set()
+        assert (await sending).parameters_staged == 2  # the manifest and the one chunk
+        assert await calls.wait_idle(60)
+    finally:
+        lane.close()
+        await server.close()

@@ -147,6 +147,7 @@ class EngineServer:
             push=lambda ticket, items: updates().push(items, ticket),
             check_ticket=lambda ticket: updates().check_ticket(ticket),
             max_frame_bytes=options.max_message_bytes,
+            calls=self.calls,
         )
 
     async def start(self) -> None:
@@ -258,8 +259,9 @@ class EngineServer:
     async def drain(self, grace: float | None = None) -> None:
         """Health NOT_SERVING, then let in-flight calls finish within ``grace``, then stop.
 
-        Only calls of the DataPlane and ControlPlane are waited for: long-lived health watches
-        (every router holds one) are ended with the server, not waited on.
+        Only calls of the DataPlane and ControlPlane, and the push socket's streams, are waited
+        for: long-lived health watches (every router holds one) are ended with the server, not
+        waited on.
         """
         if self.state.draining:
             await self._stopped.wait()

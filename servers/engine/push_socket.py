@@ -31,6 +31,7 @@ from skyrl_grpc.errors import InvalidArgument, SkyrlError
 from skyrl_grpc.socket_frames import FrameTooLarge, recv_frame, send_frame
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
+from ..common.interceptors import CallCounter
 from .control_convert import push_item
 from .frame_buffers import FrameBuffers
 from .weights.specs import Manifest
@@ -57,8 +58,12 @@ class PushSocketServer:
         push: Push,
         check_ticket: CheckTicket,
         max_frame_bytes: int,
+        calls: CallCounter | None = None,
     ) -> None:
         self._push = push
+        # Counts each stream as a call in progress: a draining server lets it finish, as it
+        # does a PushWeights call.
+        self._calls = calls or CallCounter()
         self._check_ticket = check_ticket
         self._max_frame_bytes = max_frame_bytes
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -107,8 +112,11 @@ class PushSocketServer:
             if ticket is None:
                 return
             while await frames.stream_begins():
-                reply = await self._stream(ticket, frames)
-                await frames.send(reply)
+                self._calls.begin()
+                try:
+                    await frames.send(await self._stream(ticket, frames))
+                finally:
+                    self._calls.end()
         except FrameTooLarge as error:  # the rest of the connection cannot be framed: closed
             refusal = InvalidArgument(f"{error}: send smaller chunks or raise --max-message-mib")
             with contextlib.suppress(OSError):
