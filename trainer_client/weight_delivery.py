@@ -25,8 +25,10 @@ from .push_socket import PushSocket, PushSocketOffer, open_push_socket
 from .update_plan import PushedWeights, UpdatePlan
 from .weight_sending import (
     CollectiveSender,
+    HostStaging,
     PackedBucket,
     PushStream,
+    cuda_bytes,
     plan_buckets,
     push_groups,
     tensor_entries,
@@ -49,6 +51,8 @@ class WeightDelivery(ClientCore):
 
     # Bytes of parameter data the last update sent to each server.
     last_push_bytes: dict[str, int]
+    # Page-locked host memory CUDA tensors' in-band bytes are copied into (process-local).
+    _host_staging: HostStaging
 
     async def _broadcast(
         self,
@@ -153,6 +157,11 @@ class WeightDelivery(ClientCore):
         (``sockets``) gets the same streams over it, else over gRPC."""
         base, sending = plan.base, plan.sending
         groups = push_groups(tensors, PUSH_GROUP_BYTES)
+        # CUDA tensors' bytes reach the host through page-locked memory kept for them.
+        on_gpu = cuda_bytes(tensors)
+        staging = self._host_staging if on_gpu else None
+        if staging is not None:
+            await asyncio.to_thread(staging.reset, on_gpu)
 
         # What a server gets: patches (compressed or not), or whole values.
         Variant = tuple[bool, bool]
@@ -167,7 +176,7 @@ class WeightDelivery(ClientCore):
                 )
             else:
                 entries = tensor_entries(groups[index], sending.checksums)
-            return PushStream(entries, sending.chunk_bytes)
+            return PushStream(entries, sending.chunk_bytes, staging)
 
         # Each variant prepared once for every server that takes it (none before one asks).
         prepared = {

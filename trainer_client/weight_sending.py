@@ -115,6 +115,83 @@ def host_array(data: Any) -> Any:
     return data.cpu().numpy() if hasattr(data, "cpu") else data
 
 
+def cuda_bytes(named_tensors: Iterable[tuple[str, Any]]) -> int:
+    """The bytes of the CUDA tensors among ``named_tensors`` (what ``HostStaging`` takes)."""
+    return sum(t.numel() * t.element_size() for _, t in named_tensors if getattr(t, "is_cuda", 0))
+
+
+# Page-locked host memory a client keeps for the in-band bytes of CUDA tensors, at most: what
+# does not fit goes through ordinary memory, as before.
+PINNED_LIMIT_BYTES = 4 << 30
+
+
+class HostStaging:
+    """Page-locked host memory that CUDA tensors' bytes are copied into before they are
+    streamed, kept by the client from one update to the next. Measured on an H200 with the
+    0.3B benchmark model (1.17 GB float32): copying to ordinary host memory (``.cpu()``) took
+    0.50-0.74 s, copying into page-locked memory allocated once 0.021 s, and the whole stream
+    from CUDA tensors took 0.97-1.02 s against 0.31 s from host memory.
+
+    ``reset(total)`` starts an update: what it stages goes from the buffer's start again (the
+    previous update's streams are done), and the buffer grows to ``total`` (at most
+    ``limit``). ``to_host`` copies a group's CUDA tensors in and returns host arrays of their
+    bytes (CPU tensors and arrays as they are; what does not fit through ordinary memory)."""
+
+    def __init__(self, limit: int = PINNED_LIMIT_BYTES) -> None:
+        self._limit = limit
+        self._buffer: Any = None
+        self._used = 0
+        self._copying = 0  # groups being copied in right now (worker threads)
+        self._idle = threading.Condition()
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buffer is None else int(self._buffer.numel())
+
+    def reset(self, total: int) -> None:
+        import torch
+
+        with self._idle:
+            # A group still being copied (prepared ahead for an update given up) finishes first.
+            self._idle.wait_for(lambda: self._copying == 0)
+            self._used = 0
+            wanted = min(total, self._limit)
+            if wanted > self.capacity:
+                self._buffer = None  # freed before the larger one is pinned
+                self._buffer = torch.empty(wanted, dtype=torch.uint8, pin_memory=True)
+
+    def to_host(self, datas: list[Any]) -> list[Any]:
+        import torch
+
+        regions: list[Any] = []
+        with self._idle:
+            self._copying += 1
+            for data in datas:
+                size = int(data.numel()) if getattr(data, "is_cuda", False) else 0
+                if size and self._buffer is not None and self._used + size <= self.capacity:
+                    regions.append(self._buffer[self._used : self._used + size])
+                    self._used += size
+                else:
+                    regions.append(None)
+        try:
+            devices = set()
+            hosts = []
+            for data, region in zip(datas, regions, strict=True):
+                if region is None:
+                    hosts.append(host_array(data))
+                    continue
+                region.copy_(data, non_blocking=True)
+                devices.add(data.device)
+                hosts.append(region.numpy())
+            for device in devices:
+                torch.cuda.synchronize(device)  # the copies were queued on its stream
+            return hosts
+        finally:
+            with self._idle:
+                self._copying -= 1
+                self._idle.notify_all()
+
+
 class PushStream:
     """A PushWeights stream made as it is sent: the manifest, then every parameter's bytes in
     checksummed chunks. Checksums are computed once, up front (SHA-256 per tensor when asked,
@@ -123,13 +200,21 @@ class PushStream:
     of the model (each message is one chunk, copied once into it).
 
     ``entries``: each parameter's spec and bytes (a flat uint8 tensor, moved to the host here,
-    or array); ``tensor_entries`` and ``weight_patches`` make them."""
+    through ``staging``'s page-locked memory when given, or array); ``tensor_entries`` and
+    ``weight_patches`` make them."""
 
-    def __init__(self, entries: list[Entry], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        entries: list[Entry],
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        staging: HostStaging | None = None,
+    ) -> None:
         manifest = cp.WeightManifest(parameters=[spec for spec, _ in entries])
         self._manifest = cp.PushWeightsRequest(manifest=manifest).SerializeToString()
         self._chunk_bytes = chunk_bytes
-        self._entries = [(spec.name, host_array(data)) for spec, data in entries]
+        datas = [data for _, data in entries]
+        hosts = staging.to_host(datas) if staging else [host_array(data) for data in datas]
+        self._entries = [(spec.name, host) for (spec, _), host in zip(entries, hosts, strict=True)]
         self._crcs = [
             [
                 crc32(memoryview(data[offset : offset + chunk_bytes]))

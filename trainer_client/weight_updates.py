@@ -27,6 +27,8 @@ from .weight_sending import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHUNK_BYTES,
     CollectiveSender,
+    HostStaging,
+    cuda_bytes,
     rank_offsets,
 )
 from .weight_transaction import run_weight_transaction
@@ -49,6 +51,8 @@ class WeightUpdates(WeightDelivery):
         self._reserved_record: dict[str, Any] | None = None
         # Bytes of parameter data the last update sent to each server.
         self.last_push_bytes: dict[str, int] = {}
+        # Page-locked host memory for CUDA tensors' in-band bytes, kept between updates.
+        self._host_staging = HostStaging()
         # The servers that joined the collective group (its broadcasts reach those).
         self._group_servers: list[str] = list(self.config.servers)
 
@@ -261,8 +265,14 @@ class WeightUpdates(WeightDelivery):
         device. The first update copies into it instead of cloning into fresh memory, which
         it would fault in while it sends: ~1.7 s of the 0.3B benchmark model's first
         update on its 2-core VM. Only shapes, types and devices are read, never values; a
-        tensor the first update pushes with another shape is cloned as before."""
-        self._reserved_record = await asyncio.to_thread(reserve_record, list(named_tensors))
+        tensor the first update pushes with another shape is cloned as before. For CUDA
+        tensors it also pins the host memory their in-band bytes go through
+        (``weight_sending.HostStaging``): pinning 1.17 GB took 0.95 s on an H200's host."""
+        tensors = list(named_tensors)
+        self._reserved_record = await asyncio.to_thread(reserve_record, tensors)
+        on_gpu = cuda_bytes(tensors)
+        if on_gpu:
+            await asyncio.to_thread(self._host_staging.reset, on_gpu)
 
     async def _current_group(
         self, sender: CollectiveSender, calls: TransactionCalls
