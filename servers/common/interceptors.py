@@ -29,14 +29,19 @@ log = logging.getLogger(__name__)
 NextHandler: TypeAlias = Callable[[grpc.HandlerCallDetails], Awaitable["Handler | None"]]
 
 
-async def abort_with_status(exc: BaseException, context: Context, method: str) -> NoReturn:
-    """Ends the call with ``exc``'s status: a ``SkyrlError``'s code and message, or INTERNAL
-    with a generic message for anything unexpected (its traceback goes to the log, not the
-    wire). The one mapping every handler's errors go through."""
+def status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    """``exc``'s status: a ``SkyrlError``'s code and message, or INTERNAL with a generic
+    message for anything unexpected (its traceback goes to the log, not the wire). The one
+    mapping every handler's errors go through, the push socket's too."""
     if isinstance(exc, SkyrlError):
-        await context.abort(exc.code, str(exc))
+        return exc.code, str(exc)
     log.error("unexpected error in %s", method, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see server log")
+    return grpc.StatusCode.INTERNAL, f"internal error in {method}; see server log"
+
+
+async def abort_with_status(exc: BaseException, context: Context, method: str) -> NoReturn:
+    """Ends the call with ``exc``'s status (``status_of``)."""
+    await context.abort(*status_of(exc, method))
 
 
 class _Malformed:

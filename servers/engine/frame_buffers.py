@@ -14,6 +14,8 @@ import threading
 
 import numpy as np
 
+from skyrl_grpc.socket_frames import fresh_memory
+
 # Frames smaller than this get memory of their own (a manifest, a reply): not worth keeping.
 POOLED_BYTES = 1 << 20
 # Buffers are made this much larger than the frame asking for one (a chunk's head varies by a
@@ -35,7 +37,7 @@ class FrameBuffers:
 
     def take(self, size: int) -> memoryview:
         if size < POOLED_BYTES:
-            return np.empty(size, dtype=np.uint8).data.cast("B")
+            return fresh_memory(size)
         with self._lock:
             for buffer in self._buffers:
                 if len(buffer) >= size and sys.getrefcount(buffer) == _FREE_REFERENCES:

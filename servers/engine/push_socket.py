@@ -23,7 +23,6 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 from google.protobuf.message import DecodeError
 
 from skyrl_grpc.chunk_wire import WireChunk, decode_push_request
@@ -31,7 +30,7 @@ from skyrl_grpc.errors import InvalidArgument, SkyrlError
 from skyrl_grpc.socket_frames import FrameTooLarge, recv_frame, send_frame
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 
-from ..common.interceptors import CallCounter
+from ..common.interceptors import CallCounter, status_of
 from .control_convert import push_item
 from .frame_buffers import FrameBuffers
 from .weights.specs import Manifest
@@ -147,18 +146,11 @@ class PushSocketServer:
         connection is ready for the next stream): the reply either way."""
         try:
             staged, received = await self._push(ticket, _items(frames))
-        except SkyrlError as error:
+        except (OSError, FrameTooLarge):
+            raise  # the peer went away, or the connection cannot be framed: ``_serve`` ends it
+        except Exception as error:
             await frames.skip_stream()
             return _error_reply(error)
-        except (OSError, FrameTooLarge):
-            raise
-        except Exception as error:
-            log.error("unexpected error in a push socket stream", exc_info=error)
-            await frames.skip_stream()
-            return cp.PushSocketReply(
-                code=grpc.StatusCode.INTERNAL.value[0],
-                message="internal error in a push socket stream; see server log",
-            )
         self.streams_staged += 1
         response = cp.PushWeightsResponse(parameters_staged=staged, bytes_received=received)
         return cp.PushSocketReply(response=response)
@@ -238,8 +230,10 @@ class _Frames:
             self._ahead.add_done_callback(lambda read: read.cancelled() or read.exception())
 
 
-def _error_reply(error: SkyrlError) -> cp.PushSocketReply:
-    return cp.PushSocketReply(code=error.code.value[0], message=str(error))
+def _error_reply(error: BaseException) -> cp.PushSocketReply:
+    """The status PushWeights would have ended with, as a reply."""
+    code, message = status_of(error, "a push socket stream")
+    return cp.PushSocketReply(code=code.value[0], message=message)
 
 
 def _not_a_hello(error: DecodeError) -> SkyrlError:
