@@ -128,9 +128,10 @@ PINNED_LIMIT_BYTES = 4 << 30
 class HostStaging:
     """Page-locked host memory that CUDA tensors' bytes are copied into before they are
     streamed, kept by the client from one update to the next. Measured on an H200 with the
-    0.3B benchmark model (1.17 GB float32): copying to ordinary host memory (``.cpu()``) took
-    0.50-0.74 s, copying into page-locked memory allocated once 0.021 s, and the whole stream
-    from CUDA tensors took 0.97-1.02 s against 0.31 s from host memory.
+    0.3B benchmark model's 1.17 GB of float32 weights (``scripts/bench_gpu_trainer.py``):
+    copying them to ordinary host memory (``.cpu()``) took 0.50-1.36 s and into page-locked
+    memory allocated once 0.022 s; a whole stream from CUDA tensors took 1.12-1.59 s through
+    ordinary memory, 0.43-0.50 s through this, and 0.37-0.44 s from host memory.
 
     ``reset(total)`` starts an update: what it stages goes from the buffer's start again (the
     previous update's streams are done), and the buffer grows to ``total`` (at most
