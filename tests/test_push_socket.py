@@ -180,6 +180,39 @@ async def test_a_corrupt_chunk_on_the_push_socket_is_refused_and_the_weights_sta
 
 
 @pytest.mark.engine
+async def test_a_nan_on_the_push_socket_is_refused_and_the_weights_stay(
+    engine_server: Any, engine_channel: grpc.aio.Channel, original: dict[str, torch.Tensor]
+) -> None:
+    """A value that is not finite: the stream is answered INVALID_ARGUMENT naming the parameter
+    and the flag that would accept it, as PushWeights would be, and the previous weights keep
+    serving."""
+    address = engine_server.address
+    client = InferenceClient(address, [address], direct=False)
+    served = await served_checksums(client, address)
+    name = "model.norm.weight"
+    value = perturbed({name: original[name]}, seed=6)[name]
+    value[-1] = float("nan")
+    async with OpenUpdate(engine_channel) as opened:
+        sock = await asyncio.to_thread(hello, opened.push_socket_port, opened.push_ticket)
+        try:
+
+            def send() -> cp.PushSocketReply:
+                for frame in PushStream(tensor_entries([(name, value)])).frames():
+                    send_frame(sock, *frame)
+                send_frame(sock)
+                return reply_of(sock)
+
+            reply = await asyncio.to_thread(send)
+        finally:
+            sock.close()
+    assert reply.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert name in reply.message and "NaN or an infinity" in reply.message
+    assert "--allow-non-finite-weights" in reply.message
+    assert await served_checksums(client, address) == served
+    await client.close()
+
+
+@pytest.mark.engine
 async def test_a_frame_over_the_message_size_is_refused_naming_the_flag(
     engine_server: Any, engine_channel: grpc.aio.Channel
 ) -> None:
