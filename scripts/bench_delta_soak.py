@@ -1,7 +1,7 @@
 """Memory over a run of delta steps, as an RL trainer makes them (issue 44: "a run of 20 delta
 steps leaves RSS flat, within 0.1x the model").
 
-The 0.3B benchmark model (``bench_weight_sync.build_model``) is served by one engine server
+The 0.3B benchmark model (``bench_weight_sync.load_model``) is served by one engine server
 started as a process; this process keeps fp32 master weights, takes Adam steps on random
 gradients (``bench_weight_sync.AdamMaster``), and pushes the serving-dtype weights after each
 step with ``InferenceClient.update_weights`` (deltas: only what changed since the last push),
@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from scripts.bench_common import add_output_argument, tree_memory, tree_processes, write_report
-from scripts.bench_weight_sync import AdamMaster, GiB, build_model, engine_servers, own_memory
+from scripts.bench_weight_sync import AdamMaster, GiB, engine_servers, load_model, own_memory
 
 # The issue's bound on the drift over the run, in multiples of the model's bytes.
 FLAT_WITHIN = 0.1
@@ -94,12 +94,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from safetensors.torch import load_file
 
-    model = build_model(args.dtype)
-    tensors = sorted(load_file(str(model / "model.safetensors")).items())
-    total = sum(t.numel() * t.element_size() for _, t in tensors)
-    parameters = sum(t.numel() for _, t in tensors)
+    model, tensors, total, parameters = load_model(args.dtype)
     torch.set_num_threads(1)
     with engine_servers(model, 1, args.tp, args.dtype) as servers:
         address = servers[0].address  # type: ignore[attr-defined]

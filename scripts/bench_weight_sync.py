@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 
@@ -91,6 +91,26 @@ def build_model(dtype: str) -> Path:
         config["torch_dtype"] = dtype
         (copy / "config.json").write_text(json.dumps(config))
     return copy
+
+
+class BenchModel(NamedTuple):
+    """The benchmark model as built and read back: what the servers load, and what a trainer
+    pushes."""
+
+    path: Path
+    tensors: list[tuple[str, Any]]  # sorted by name
+    total_bytes: int
+    parameters: int
+
+
+def load_model(dtype: str) -> BenchModel:
+    """``build_model(dtype)`` and its weights read back."""
+    from safetensors.torch import load_file
+
+    path = build_model(dtype)
+    tensors = sorted(load_file(str(path / "model.safetensors")).items())
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    return BenchModel(path, tensors, total, sum(t.numel() for _, t in tensors))
 
 
 # -- memory -------------------------------------------------------------------------------------
@@ -391,12 +411,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from safetensors.torch import load_file
 
-    model = build_model(args.dtype)
-    tensors = sorted(load_file(str(model / "model.safetensors")).items())
-    total = sum(t.numel() * t.element_size() for _, t in tensors)
-    parameters = sum(t.numel() for _, t in tensors)
+    model, tensors, total, parameters = load_model(args.dtype)
     print(f"model: {parameters / 1e6:.0f}M parameters, {total / GiB:.2f} GiB {args.dtype}")
     torch.set_num_threads(1)
     tcp = min(raw_tcp(tensors) for _ in range(args.rounds))

@@ -21,7 +21,7 @@ import asyncio
 import threading
 import time
 
-from scripts.bench_weight_sync import build_model, engine_servers, perturbed
+from scripts.bench_weight_sync import engine_servers, load_model, perturbed
 
 MiB = 1 << 20
 
@@ -58,13 +58,10 @@ def sample(pid: int, peaks: dict[str, int], done: threading.Event) -> None:
 
 
 async def run(transport: str, dtype: str, updates: int, server_args: list[str]) -> None:
-    from safetensors.torch import load_file
-
     from trainer_client import InferenceClient
 
-    model = build_model(dtype)
-    tensors = sorted(load_file(str(model / "model.safetensors")).items())
-    print(f"model: {sum(t.numel() * t.element_size() for _, t in tensors) // MiB} MiB {dtype}")
+    model, tensors, total, _ = load_model(dtype)
+    print(f"model: {total // MiB} MiB {dtype}")
     with engine_servers(model, 1, 1, dtype, server_args) as (server,):
         address: str = server.address  # type: ignore[attr-defined]
         print("after start (MiB resident, anonymous):", per_process(server.pid))
