@@ -81,6 +81,25 @@ def hello(port: int, ticket: bytes) -> socket.socket:
     return sock
 
 
+async def reply_to_stream(
+    opened: cp.StartWeightUpdateResponse, frames: list[tuple[bytes | memoryview, ...]]
+) -> cp.PushSocketReply:
+    """A raw connection to ``opened``'s push socket: its hello, then ``frames`` (each a frame's
+    parts) as one stream; the server's reply to it."""
+    sock = await asyncio.to_thread(hello, opened.push_socket_port, opened.push_ticket)
+
+    def send() -> cp.PushSocketReply:
+        for frame in frames:
+            send_frame(sock, *frame)
+        send_frame(sock)
+        return reply_of(sock)
+
+    try:
+        return await asyncio.to_thread(send)
+    finally:
+        sock.close()
+
+
 @pytest.mark.engine
 async def test_in_band_updates_go_over_the_push_socket_and_land_bit_exact(
     engine_server: Any, original: dict[str, torch.Tensor]
@@ -155,23 +174,12 @@ async def test_a_corrupt_chunk_on_the_push_socket_is_refused_and_the_weights_sta
     served = await served_checksums(client, address)
     name = "model.norm.weight"
     value = perturbed({name: original[name]}, seed=5)[name]
+    frames = list(PushStream(tensor_entries([(name, value)])).frames())
+    manifest, (head, data) = frames[0][0], frames[1]
+    corrupt = bytearray(data)
+    corrupt[0] ^= 0xFF
     async with OpenUpdate(engine_channel) as opened:
-        sock = await asyncio.to_thread(hello, opened.push_socket_port, opened.push_ticket)
-        try:
-            frames = list(PushStream(tensor_entries([(name, value)])).frames())
-            manifest, (head, data) = frames[0][0], frames[1]
-            corrupt = bytearray(data)
-            corrupt[0] ^= 0xFF
-
-            def send() -> cp.PushSocketReply:
-                send_frame(sock, manifest)
-                send_frame(sock, head, corrupt)
-                send_frame(sock)
-                return reply_of(sock)
-
-            reply = await asyncio.to_thread(send)
-        finally:
-            sock.close()
+        reply = await reply_to_stream(opened, [(manifest,), (head, corrupt)])
     assert reply.code == grpc.StatusCode.DATA_LOSS.value[0]
     assert "checksum mismatch" in reply.message and name in reply.message
     assert await served_checksums(client, address) == served
@@ -192,19 +200,9 @@ async def test_a_nan_on_the_push_socket_is_refused_and_the_weights_stay(
     name = "model.norm.weight"
     value = perturbed({name: original[name]}, seed=6)[name]
     value[-1] = float("nan")
+    frames = list(PushStream(tensor_entries([(name, value)])).frames())
     async with OpenUpdate(engine_channel) as opened:
-        sock = await asyncio.to_thread(hello, opened.push_socket_port, opened.push_ticket)
-        try:
-
-            def send() -> cp.PushSocketReply:
-                for frame in PushStream(tensor_entries([(name, value)])).frames():
-                    send_frame(sock, *frame)
-                send_frame(sock)
-                return reply_of(sock)
-
-            reply = await asyncio.to_thread(send)
-        finally:
-            sock.close()
+        reply = await reply_to_stream(opened, frames)
     assert reply.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert name in reply.message and "NaN or an infinity" in reply.message
     assert "--allow-non-finite-weights" in reply.message
