@@ -27,6 +27,20 @@ REFERENCE_PROMPTS = [[1, 45, 722, 84], [1, 300, 301, 302, 303, 304], [1, 7, 900,
 REFERENCE_MAX_TOKENS = 24
 
 
+# Files that start a Ray cluster of their own (a head node and workers): one cluster at a time.
+RAY_CLUSTER_FILES = ("test_ray_fleet.py", "test_ray_supervision.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist's ``--dist loadgroup`` (scripts/test.sh): a file's tests run on one
+    worker, so its module fixtures (engines, reference servers) start once, and the files that
+    start a Ray cluster run on the same worker, one after the other."""
+    for item in items:
+        name = item.path.name
+        group = "ray-clusters" if name in RAY_CLUSTER_FILES else name
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     return ensure_tiny_model()
