@@ -11,4 +11,4 @@ bash "$root/scripts/check.sh"
 # Two workers (SKYRL_TEST_WORKERS; 0 runs in this process): on its own the suite keeps about 40%
 # of two cores busy, the rest is waiting on engines, sockets and processes it starts. Each file
 # runs on one worker (tests/conftest.py groups them), so a module's fixtures start once.
-exec python -m pytest -q -ra -n "${SKYRL_TEST_WORKERS:-2}" --dist loadgroup "$@"
+exec python -m pytest -q -ra -n "${SKYRL_TEST_WORKERS:-2}" "$@"
