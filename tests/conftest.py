@@ -43,34 +43,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             path = nodeid.split("::", 1)[0]
             return "ray-clusters" if path.rpartition("/")[2] in RAY_CLUSTER_FILES else path
 
-    config.option.loadscopereorder = False  # the order below, not the most tests first
     return ByFile(config, log)
-
-
-# The files that take longest (each a few minutes, mostly engine processes started, killed and
-# started again), longest first: given out first, they do not leave one worker running the last
-# of them alone while the other has finished. Any file not named keeps its place after them.
-LONGEST_FILES = (
-    "test_ray_fleet.py",
-    "test_ray_supervision.py",
-    "test_fault.py",
-    "test_lifecycle.py",
-    "test_local_scale.py",
-    "test_tool_calling.py",
-    "test_weight_transfer.py",
-    "test_engine_process.py",
-    "test_demo.py",
-    "test_generate_batch.py",
-    "test_weight_deltas.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        name = item.path.name
-        return LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
-
-    items.sort(key=rank)  # stable: each file's tests keep their order
 
 
 @pytest.fixture(scope="session")
