@@ -36,14 +36,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     fixtures (engines, reference servers) start once, and the files that start a Ray cluster run
     on the same worker, one after the other. (xdist's ``loadgroup`` marks would say the second;
     they do not take on pytest 9, whose items no longer read the ``_nodeid`` xdist rewrites.)"""
-    from xdist.scheduler import LoadScopeScheduling
+    from xdist.scheduler import LoadFileScheduling
 
-    class ByFile(LoadScopeScheduling):
+    class ByFileRayTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
+            path = super()._split_scope(nodeid)
             return "ray-clusters" if path.rpartition("/")[2] in RAY_CLUSTER_FILES else path
 
-    return ByFile(config, log)
+    return ByFileRayTogether(config, log)
 
 
 @pytest.fixture(scope="session")
