@@ -129,6 +129,9 @@ async def running_router(backends: list[str], **options: Any) -> AsyncIterator[A
     await router.stop(0)
 
 
+SHARED_ROUTERS = {"two_server_router", "http_router"}
+
+
 @pytest.fixture(autouse=True)
 async def _shared_servers_on_one_version(request: pytest.FixtureRequest) -> None:
     """A test on both shared engine servers starts with them on one weight version: placement
@@ -138,6 +141,7 @@ async def _shared_servers_on_one_version(request: pytest.FixtureRequest) -> None
         return
     from safetensors.torch import load_file
 
+    from tests.helpers.waits import until
     from tests.helpers.weights import on_one_version
     from trainer_client import InferenceClient
 
@@ -147,7 +151,17 @@ async def _shared_servers_on_one_version(request: pytest.FixtureRequest) -> None
     client = InferenceClient(servers[0], servers, direct=False)
     model = request.getfixturevalue("tiny_model_dir")
     await on_one_version(client, load_file(str(model / "model.safetensors")))
+    versions = set((await client.weight_versions()).values())
     await client.close()
+    # A shared router learns versions from the servers' status streams, a moment later: until
+    # it does, it keeps this test's calls off the server it still sees behind.
+    for name in SHARED_ROUTERS & set(request.fixturenames):
+        backends = request.getfixturevalue(name).pool.backends
+        await until(
+            lambda backends=backends: {b.weight_version for b in backends} == versions
+            and all(b.eligible and not b.paused for b in backends),
+            what=f"{name} to see both servers healthy, running, on versions {versions}",
+        )
 
 
 @pytest.fixture(scope="session")
