@@ -158,8 +158,10 @@ async def _shared_servers_on_one_version(request: pytest.FixtureRequest) -> None
     for name in SHARED_ROUTERS & set(request.fixturenames):
         backends = request.getfixturevalue(name).pool.backends
         await until(
-            lambda backends=backends: {b.weight_version for b in backends} == versions
-            and all(b.eligible and not b.paused for b in backends),
+            lambda backends=backends: (
+                {b.weight_version for b in backends} == versions
+                and all(b.eligible and not b.paused for b in backends)
+            ),
             what=f"{name} to see both servers healthy, running, on versions {versions}",
         )
 

@@ -83,7 +83,17 @@ async def test_each_limit_refuses_before_the_engine_and_names_its_flag(
 ) -> None:
     engine = limited.state.parts().engine
     data = stub(limited)
-    await data.Generate(generate())  # warm
+
+    async def timed_generations() -> list[float]:
+        timings = []
+        for _ in range(3):
+            began = time.perf_counter()
+            response = await data.Generate(generate())
+            timings.append(time.perf_counter() - began)
+            assert len(response.samples[0].token_ids) == 4
+        return timings
+
+    before = await timed_generations()  # warm, and the pace of this machine now
     started = engine.requests_started
     request, fragment = REFUSALS[limit]
     with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -91,13 +101,10 @@ async def test_each_limit_refuses_before_the_engine_and_names_its_flag(
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert fragment in (raised.value.details() or "")
     assert engine.requests_started == started  # the engine never saw it
-    timings = []
-    for _ in range(3):
-        began = time.perf_counter()
-        response = await data.Generate(generate())
-        timings.append(time.perf_counter() - began)
-        assert len(response.samples[0].token_ids) == 4
-    assert min(timings) < 0.1, timings  # serving normally right after
+    # Serving at its pace right after: a refusal leaves nothing queued or held. Compared with
+    # the same calls just before, not with a fixed time a loaded machine would miss.
+    after = await timed_generations()
+    assert min(after) < 3 * max(before), (before, after)
 
 
 async def test_text_that_cannot_fit_is_refused_before_the_tokenizer(limited: EngineServer) -> None:
