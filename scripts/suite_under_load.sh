@@ -3,9 +3,9 @@
 # while two busy processes (`python3 -c "while True: pass"`, one per core of a 2-core machine)
 # run beside it: how a shared, noisy CI machine looks to the suite. Stops at the first red pass.
 #   bash scripts/suite_under_load.sh [PASSES] [COMMIT] [WORKDIR]
-# Each pass's output, with every test's duration (which tests a loaded machine stretches), goes
-# to WORKDIR/passK.log, one summary line per pass to WORKDIR/summary, the load average once a
-# minute to WORKDIR/loadlog. The clone uses this checkout's .venv (a link), so the passes
+# Each pass's output, with every test's outcome as it ends and its duration (which tests a
+# loaded machine stretches), goes to WORKDIR/passK.log, one summary line per pass to
+# WORKDIR/summary, the load average once a minute to WORKDIR/loadlog. The clone uses this checkout's .venv (a link), so the passes
 # measure the tests, not the install.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -34,7 +34,9 @@ for pass in $(seq 1 "$passes"); do
     # Older than the environment's install stamp: setup.sh must not re-point the editable install.
     touch -d 2000-01-01 "$clone/pyproject.toml"
     started=$(date +%s)
-    (cd "$clone" && bash scripts/test.sh --durations=0) > "$work/pass$pass.log" 2>&1
+    # -v: each test's outcome is written as it ends, so a failure is known (and can be chased)
+    # while the pass still runs; xdist's -q output names failures only once the pass is over.
+    (cd "$clone" && bash scripts/test.sh -v --durations=0) > "$work/pass$pass.log" 2>&1
     rc=$?
     result=$(grep -E "(passed|failed|error).* in [0-9.]+s" "$work/pass$pass.log" | tail -1)
     echo "$(date +%T) pass $pass rc=$rc wall=$(( $(date +%s) - started ))s $result" >> "$work/summary"
