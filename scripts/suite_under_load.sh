@@ -5,8 +5,8 @@
 #   bash scripts/suite_under_load.sh [PASSES] [COMMIT] [WORKDIR]
 # Each pass's output, with every test's outcome as it ends and its duration (which tests a
 # loaded machine stretches), goes to WORKDIR/passK.log, one summary line per pass to
-# WORKDIR/summary, the load average once a minute to WORKDIR/loadlog. The clone uses this checkout's .venv (a link), so the passes
-# measure the tests, not the install.
+# WORKDIR/summary, the load average once a minute to WORKDIR/loadlog. The clone uses this
+# checkout's .venv (a link), so the passes measure the tests, not the install.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 passes=${1:-3}
