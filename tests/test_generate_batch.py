@@ -66,7 +66,8 @@ async def test_a_batch_through_the_router_is_its_single_streams_and_keeps_sessio
     sessions = [f"batch-episode-{i}" for i in range(64)]
     requests = [stream_request(i) for i in range(64)]
     servers = (engine_server, second_engine_server)
-    # Sessions earlier tests left on the shared servers count in the router's balance too.
+    # Sessions earlier tests left on the shared servers count in the router's balance too
+    # (read here to say, if the bound below fails, what the batch found there).
     before = {s.address: len(s.state.parts().sessions.snapshot()) for s in servers}
     async with grpc.aio.insecure_channel(two_server_router.address) as channel:
         stub = data_plane_pb2_grpc.DataPlaneStub(channel)
@@ -103,7 +104,6 @@ async def test_a_batch_through_the_router_is_its_single_streams_and_keeps_sessio
     bound = BoundedLoadPolicy().capacity(sum(map(len, live.values())), 2)
     for address, held in live.items():
         assert len(held) <= bound or not holders[address], (address, before, len(held), bound)
-        assert len(held) <= max(bound, before[address]), (address, before, len(held), bound)
     async with grpc.aio.insecure_channel(two_server_router.address) as channel:
         stub = data_plane_pb2_grpc.DataPlaneStub(channel)
         for session in sessions[:8]:
