@@ -33,7 +33,10 @@ async def test_a_fleet_scales_up_caught_up_from_a_peer_and_scales_down_by_draini
     tiny_model_dir: Path,
 ) -> None:
     events: list[str] = []
-    fleet = LocalFleet(1, engine_args=["--model", str(tiny_model_dir)], on_event=events.append)
+    # --cpu-threads 1: the embedded model's one thread (a --model directory otherwise gets
+    # vLLM's per-core binding, OpenMP threads spinning on the other test worker's cores).
+    engine_args = ["--model", str(tiny_model_dir), "--cpu-threads", "1"]
+    fleet = LocalFleet(1, engine_args=engine_args, on_event=events.append)
     await asyncio.to_thread(fleet.start)
     try:
         fleet.supervise()

@@ -24,6 +24,10 @@ from tests.helpers.vllm_http import SERVED_NAME, vllm_http_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
+# The hermes model is tiny too: one model thread, as the embedded model gets. By default a
+# --model directory gets vLLM's per-core binding, whose OpenMP threads spin on both cores that
+# the other test worker needs.
+MODEL_THREADS = 1
 TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 WEATHER: dict[str, Any] = {
     "type": "function",
@@ -78,6 +82,7 @@ async def tool_router(hermes_model_dir: Path) -> AsyncIterator[Any]:
         model=str(hermes_model_dir),
         served_model_name=SERVED_NAME,
         dtype="float32",
+        cpu_threads=MODEL_THREADS,
         tool_call_parser="hermes",
         enable_auto_tool_choice=True,
     ):
@@ -583,6 +588,7 @@ async def reasoning_router(hermes_model_dir: Path) -> AsyncIterator[Any]:
         model=str(hermes_model_dir),
         served_model_name=SERVED_NAME,
         dtype="float32",
+        cpu_threads=MODEL_THREADS,
         reasoning_parser="deepseek_r1",
     ):
         async for router in running_router([engine.address], http_port=0):

@@ -96,7 +96,10 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
                     ),
                 )
             self.observed.completed += 1
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A cancelled call ends here either way: CancelledError if grpc cancelled the call
+            # while this generator awaited its sleep, GeneratorExit if it was cancelled while
+            # grpc was sending a chunk (grpc then drops the generator, which is closed).
             self.observed.cancelled += 1
             raise
         finally:
