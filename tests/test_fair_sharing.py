@@ -214,10 +214,11 @@ async def test_a_paused_fleet_is_visible_and_requests_behave_as_documented(
             await until(lambda: all(b.paused for b in fail_fast.pool.backends))
             began = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as raised:
-                await data_plane_pb2_grpc.DataPlaneStub(channel).Generate(generate(), timeout=10)
+                await data_plane_pb2_grpc.DataPlaneStub(channel).Generate(generate(), timeout=60)
+            # UNAVAILABLE, not DEADLINE_EXCEEDED: refused at once, not held to the deadline.
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "--fail-when-paused" in (raised.value.details() or "")
-            assert time.monotonic() - began < 5.0  # at once, not at the 10 s deadline
+            assert time.monotonic() - began < 30.0
         metrics = fail_fast.metrics.registry.get_sample_value(
             "skyrl_router_backend_paused", {"backend": servers[0]}
         )
