@@ -34,9 +34,10 @@ for pass in $(seq 1 "$passes"); do
     # Older than the environment's install stamp: setup.sh must not re-point the editable install.
     touch -d 2000-01-01 "$clone/pyproject.toml"
     started=$(date +%s)
-    # -v: each test's outcome is written as it ends, so a failure is known (and can be chased)
-    # while the pass still runs; xdist's -q output names failures only once the pass is over.
-    (cd "$clone" && bash scripts/test.sh -v --durations=0) > "$work/pass$pass.log" 2>&1
+    # -vv (one -v only cancels the README command's -q): each test's outcome is written as it
+    # ends, so a failure is known (and can be chased) while the pass still runs; xdist's quiet
+    # output names failures only once the pass is over.
+    (cd "$clone" && bash scripts/test.sh -vv --durations=0) > "$work/pass$pass.log" 2>&1
     rc=$?
     result=$(grep -E "(passed|failed|error).* in [0-9.]+s" "$work/pass$pass.log" | tail -1)
     echo "$(date +%T) pass $pass rc=$rc wall=$(( $(date +%s) - started ))s $result" >> "$work/summary"
