@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from skyrl_grpc.tiny_model import ensure_tiny_model
+from tests.helpers.waits import ENGINE_START_SECONDS
 
 ROOT = Path(__file__).resolve().parents[1]
 # Engines share this machine: keep each one's KV cache small.
@@ -62,7 +63,7 @@ def offline_reference(
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=ENGINE_START_SECONDS,
     )
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert result.returncode == 0 and lines, result.stderr[-3000:]
@@ -92,7 +93,7 @@ async def running_engine_server(**engine: Any) -> AsyncIterator[Any]:
 
     server = EngineServer(ServerOptions(engine=EngineOptions(**engine)))
     await server.start()
-    await asyncio.wait_for(server.wait_ready(), timeout=300)
+    await asyncio.wait_for(server.wait_ready(), timeout=ENGINE_START_SECONDS)
     yield server
     await server.drain(grace=1)
 

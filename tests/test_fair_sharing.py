@@ -27,7 +27,7 @@ from skyrl_grpc.v1 import (
     status_pb2_grpc,
 )
 from skyrl_grpc.v1 import generation_pb2 as gen
-from tests.helpers.waits import until
+from tests.helpers.waits import ENGINE_START_SECONDS, until
 from trainer_client import InferenceClient
 
 pytestmark = [pytest.mark.engine]
@@ -46,7 +46,7 @@ SHORT = gen.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 async def limited() -> AsyncIterator[EngineServer]:
     server = EngineServer(ServerOptions(engine=EngineOptions(), limits=LIMITS))
     await server.start()
-    await asyncio.wait_for(server.wait_ready(), 300)
+    await asyncio.wait_for(server.wait_ready(), ENGINE_START_SECONDS)
     yield server
     await server.drain(grace=1)
 

@@ -17,10 +17,10 @@ from servers.fleet.local import LocalFleet
 from skyrl_grpc.placement import BoundedLoadPolicy
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
 from tests.helpers.sessions import routed_to
-from tests.helpers.waits import running_on_engines, until
-from trainer_client import InferenceClient
+from tests.helpers.waits import ENGINE_START_SECONDS, FLEET_TEST_TIMEOUT, running_on_engines, until
+from trainer_client import InferenceClient, PauseMode
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(FLEET_TEST_TIMEOUT)]
 SESSIONS = [f"fault-session-{i}" for i in range(64)]
 MAX_TOKENS = 320
 
@@ -99,16 +99,20 @@ def test_a_server_killed_mid_stream_is_survived_on_the_direct_path_with_identica
             client.generate_batch(prompts, sampling, session_ids=sessions)
         )
         await running_on_engines(client, 1, batch)
+        # Held where they are (a keep pause) until the kill has landed: on a busy machine this
+        # process may get the CPU too late to cut any generation still running.
+        await client.pause(PauseMode.KEEP)
         # The server running the most of them dies (the client placed the sessions: which
         # one holds any is its choice, not the test's).
         loads = await client.server_loads()
         servers = list(stack.addresses.servers)
         victim = max(servers, key=lambda server: loads[server].running_requests)
+        assert loads[victim].running_requests > 0, "generation finished before the fault"
         await asyncio.to_thread(stack.kill_server, servers.index(victim))
-        assert not batch.done(), "generation finished before the fault"
-        results = await asyncio.wait_for(batch, 300)
         alive = next(server for server in servers if server != victim)
         survivor = InferenceClient(alive, [alive])
+        await survivor.resume()
+        results = await asyncio.wait_for(batch, 300)
         reference = await survivor.generate_batch(prompts, sampling)
         assert [r.token_ids for r in results] == [r.token_ids for r in reference]
         await client.close()
@@ -204,7 +208,11 @@ def test_a_restarted_server_catches_up_from_its_peer_before_it_serves(
         victim, peer = stack.addresses.servers
         killed = time.monotonic()
         await asyncio.to_thread(stack.kill_server, 0)
-        await until(lambda: any("is back" in e for e in events), 300, "the server's restart")
+        await until(
+            lambda: any("is back" in e for e in events),
+            ENGINE_START_SECONDS,
+            "the server's restart",
+        )
         back_after = time.monotonic() - killed
         # Serving now, and already current: nothing was sent to it by the trainer.
         assert dict(await client.weight_versions()) == {victim: 3, peer: 3}
@@ -245,7 +253,11 @@ def test_the_collective_group_forms_again_after_a_server_restarts(tiny_model_dir
         await client.update_weights(perturbed(original, seed=1).items(), 1)
         victim, peer = stack.addresses.servers
         await asyncio.to_thread(stack.kill_server, 0)
-        await until(lambda: any("is back" in e for e in events), 300, "the server's restart")
+        await until(
+            lambda: any("is back" in e for e in events),
+            ENGINE_START_SECONDS,
+            "the server's restart",
+        )
         assert (await client.weight_versions())[victim] == 1  # caught up from its peer
         commits = await client.update_weights(perturbed(original, seed=2).items(), 2)
         assert {a: c.weight_version for a, c in commits.items()} == {victim: 2, peer: 2}

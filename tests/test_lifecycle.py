@@ -29,7 +29,7 @@ from tests.helpers.server_process import (
     ServerProcess,
     alive,
 )
-from tests.helpers.waits import running_on_engines
+from tests.helpers.waits import ENGINE_START_SECONDS, FLEET_TEST_TIMEOUT, running_on_engines
 from trainer_client import InferenceClient
 
 pytestmark = [pytest.mark.engine]
@@ -238,12 +238,13 @@ class Up:
         return True
 
 
+@pytest.mark.timeout(FLEET_TEST_TIMEOUT)
 async def test_up_survives_an_engine_death_under_load_and_restarts_the_server(
     tmp_path: Path,
 ) -> None:
     up = Up(tmp_path / "logs")
     try:
-        await asyncio.to_thread(up.wait_for, "Ctrl-C to stop", 300)
+        await asyncio.to_thread(up.wait_for, "Ctrl-C to stop", ENGINE_START_SECONDS)
         router = up.wait_for("router: ", 1).split(": ", 1)[1]
         servers = [up.wait_for(f"server {i}: ", 1).split(": ", 1)[1] for i in range(2)]
         victim = servers[0]
@@ -286,7 +287,7 @@ async def test_up_survives_an_engine_death_under_load_and_restarts_the_server(
             [[1, 300 + i] for i in range(8)], {"temperature": 0.0, "max_tokens": 8}
         )
         assert all(len(r.token_ids) == 8 for r in fresh)
-        back = await asyncio.to_thread(up.wait_for, "is back", 300)
+        back = await asyncio.to_thread(up.wait_for, "is back", ENGINE_START_SECONDS)
         assert victim in back
         async with grpc.aio.insecure_channel(router) as channel:
             admin = router_pb2_grpc.RouterAdminStub(channel)
@@ -311,15 +312,16 @@ async def test_up_survives_an_engine_death_under_load_and_restarts_the_server(
     assert up.proc.returncode is not None
 
 
+@pytest.mark.timeout(FLEET_TEST_TIMEOUT)
 async def test_up_scales_its_fleet_from_its_standard_input(tmp_path: Path) -> None:
     up = Up(tmp_path / "logs", servers=1)
     try:
-        await asyncio.to_thread(up.wait_for, "Ctrl-C to stop", 300)
+        await asyncio.to_thread(up.wait_for, "Ctrl-C to stop", ENGINE_START_SECONDS)
         router = up.wait_for("router: ", 1).split(": ", 1)[1]
         up.type("grow please")
         await asyncio.to_thread(up.wait_for, "use `scale N`", 60)
         up.type("scale 2")
-        added = await asyncio.to_thread(up.wait_for, "server 1 (", 300)
+        added = await asyncio.to_thread(up.wait_for, "server 1 (", ENGINE_START_SECONDS)
         new = added.split("(", 1)[1].split(")", 1)[0]
         async with grpc.aio.insecure_channel(router) as channel:
             admin = router_pb2_grpc.RouterAdminStub(channel)
@@ -335,12 +337,13 @@ async def test_up_scales_its_fleet_from_its_standard_input(tmp_path: Path) -> No
         up.stop()
 
 
+@pytest.mark.timeout(FLEET_TEST_TIMEOUT)
 def test_a_killed_up_takes_its_router_and_servers_with_it(tmp_path: Path) -> None:
     """kill -9 of ``skyrl-grpc up`` (nothing in it runs): its router and servers end
     themselves, and with them their engines; none is left re-parented to init."""
     up = Up(tmp_path / "logs", servers=1)
     try:
-        up.wait_for("Ctrl-C to stop", 300)
+        up.wait_for("Ctrl-C to stop", ENGINE_START_SECONDS)
         fleet = psutil.Process(up.proc.pid).children(recursive=True)
         commands = [" ".join(p.cmdline()) for p in fleet]
         assert any("servers.router" in c for c in commands), commands

@@ -17,9 +17,10 @@ from safetensors.torch import load_file
 
 from servers.fleet.local import LocalFleet
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from tests.helpers.waits import FLEET_TEST_TIMEOUT
 from trainer_client import InferenceClient
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(FLEET_TEST_TIMEOUT)]
 
 
 async def listed(router: str) -> dict[str, Any]:

@@ -18,10 +18,10 @@ from servers.fleet.ray_group import RayFleet
 from servers.fleet.supervision import RestartPolicy
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
 from tests.helpers.sessions import routed_to
-from tests.helpers.waits import running_on_engines, until
+from tests.helpers.waits import ENGINE_START_SECONDS, FLEET_TEST_TIMEOUT, running_on_engines, until
 from trainer_client import InferenceClient
 
-pytestmark = [pytest.mark.engine]
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(FLEET_TEST_TIMEOUT)]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ async def test_a_node_that_leaves_takes_its_server_and_the_fleet_heals(
         cluster.remove_node(doomed)  # its raylet and every process on it
         results = await asyncio.wait_for(batch, 300)  # migrated: every one completes
         assert [len(r.token_ids) for r in results] == [48] * 32
-        back = await wait_for(events, "is back", 600)
+        back = await wait_for(events, "is back", ENGINE_START_SECONDS)
         whole = time.monotonic() - left
         assert f"server {victim}" in back
         assert any("died" in e and "actor died" in e for e in events), events
@@ -213,7 +213,7 @@ async def test_a_killed_router_actor_is_back_at_its_address_with_sessions_on_the
         homes = dict(zip(sessions, placed, strict=True))
         killed = time.monotonic()
         await asyncio.to_thread(fleet.kill_router)
-        back = await wait_for(events, "routes to the fleet again", 300)
+        back = await wait_for(events, "routes to the fleet again", ENGINE_START_SECONDS)
         async with grpc.aio.insecure_channel(router) as channel:
             admin = router_pb2_grpc.RouterAdminStub(channel)
             while True:  # both servers known, every session's place learned from them

@@ -19,6 +19,7 @@ from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
 from tests.helpers.certs import Certificates, make_certificates
 from tests.helpers.fake_backend import FakeBackend
+from tests.helpers.waits import ENGINE_START_SECONDS
 from trainer_client import InferenceClient
 
 
@@ -160,7 +161,7 @@ async def test_a_server_catches_up_from_a_mutual_tls_peer(
     await peer.start()
     late = None
     try:
-        await asyncio.wait_for(peer.wait_ready(), timeout=300)
+        await asyncio.wait_for(peer.wait_ready(), timeout=ENGINE_START_SECONDS)
         assert peer.push_socket is None, "the push socket is not encrypted: none with TLS"
         client = InferenceClient(peer.address, [peer.address], tls=as_client)
         weights = perturbed(load_file(str(tiny_model_dir / "model.safetensors")), seed=4)
@@ -171,7 +172,7 @@ async def test_a_server_catches_up_from_a_mutual_tls_peer(
             )
         )
         await late.start()
-        await asyncio.wait_for(late.wait_ready(), timeout=300)
+        await asyncio.wait_for(late.wait_ready(), timeout=ENGINE_START_SECONDS)
         both = InferenceClient(peer.address, [peer.address, late.address], tls=as_client)
         assert dict(await both.weight_versions()) == {peer.address: 2, late.address: 2}
         sums = await both.weight_checksums()

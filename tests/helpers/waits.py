@@ -9,6 +9,15 @@ from typing import Any
 
 from trainer_client import InferenceClient
 
+# The most an engine server's start may take (vLLM's imports, the model, the warm-up) before a
+# test fails: ~20 s alone on a quiet machine, but minutes on two shared cores when a test starts
+# several servers beside the other test worker and other people's work (a loaded pass has seen
+# five servers start at once, each getting a tenth of a core). Only reached when a start hangs.
+ENGINE_START_SECONDS = 900.0
+# pytest-timeout's limit (the suite's is 600 s) for a test that starts a fleet of server
+# processes and restarts some of them: several engine starts in a row, each up to the above.
+FLEET_TEST_TIMEOUT = 1800.0
+
 
 async def running_on_engines(
     client: InferenceClient,
