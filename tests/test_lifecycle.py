@@ -51,6 +51,31 @@ def health(address: str, service: str = DATA_PLANE) -> int:
         return health_pb2_grpc.HealthStub(channel).Check(request, timeout=30).status  # type: ignore[no-any-return]
 
 
+def test_a_lifecycle_line_to_a_launcher_that_is_gone_does_not_fail_the_server() -> None:
+    # A server whose launcher was killed still stops cleanly: "stopped" once ended it with a
+    # BrokenPipeError traceback, "the server ended abnormally" and exit code 1.
+    code = (
+        "import sys; from servers.common.process import announce; announce('listening'); "
+        "sys.stdin.read(); announce('stopped'); announce('stopped'); print('done', file=sys.stderr)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdin is not None and proc.stderr is not None
+    assert json.loads(proc.stdout.readline())["event"] == "listening"
+    proc.stdout.close()  # the launcher is gone: nothing reads the server's stdout
+    proc.stdin.close()
+    errors = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0, errors
+    assert errors.strip() == "done", errors
+
+
 def test_the_port_opens_before_the_engine_loads(server: ServerProcess) -> None:
     listening = server.until("listening")
     opened = server.events[-1][0]

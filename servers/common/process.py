@@ -22,8 +22,13 @@ def configure_logging(level: int = logging.INFO) -> None:
 
 def announce(event: str, **fields: object) -> None:
     """One JSON line on stdout per lifecycle event (listening, ready, failed, stopped), for
-    launchers and tests to read."""
-    print(json.dumps({"event": event, **fields}), flush=True)
+    launchers and tests to read. A launcher that is gone (it exited, or was killed) is not the
+    server's failure: its line is dropped, and so is every later one."""
+    try:
+        print(json.dumps({"event": event, **fields}), flush=True)
+    except BrokenPipeError:
+        # Later lines, and the interpreter's flush at exit, go nowhere instead of failing again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def read_announcement(line: str) -> dict[str, Any] | None:
