@@ -226,6 +226,7 @@ class Up:
             start_new_session=True,
         )
         self.lines: list[str] = []
+        self._closed = False  # up's stdout ended: it exited, no line will come
         self._new_line = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -235,6 +236,9 @@ class Up:
             with self._new_line:
                 self.lines.append(line.rstrip())
                 self._new_line.notify_all()
+        with self._new_line:
+            self._closed = True
+            self._new_line.notify_all()
 
     def wait_for(self, fragment: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -242,6 +246,8 @@ class Up:
             while not any(fragment in line for line in self.lines):
                 left = deadline - time.monotonic()
                 assert left > 0, f"no {fragment!r} from up in {timeout} s: {self.lines}"
+                # As ServerProcess.until: a launcher that gave up is not waited out.
+                assert not self._closed, f"up exited before {fragment!r}: {self.lines}"
                 self._new_line.wait(left)
             return next(line for line in self.lines if fragment in line)
 

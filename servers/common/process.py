@@ -28,7 +28,9 @@ def announce(event: str, **fields: object) -> None:
         print(json.dumps({"event": event, **fields}), flush=True)
     except BrokenPipeError:
         # Later lines, and the interpreter's flush at exit, go nowhere instead of failing again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def read_announcement(line: str) -> dict[str, Any] | None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trainer_client import InferenceClient
+if TYPE_CHECKING:  # conftest imports this module: the client's imports stay out of its start
+    from trainer_client import InferenceClient
 
 # The most an engine server's start may take (vLLM's imports, the model, the warm-up) before a
 # test fails: ~20 s alone on a quiet machine, but minutes on two shared cores when a test starts
