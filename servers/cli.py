@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .common.process import configure_logging
 from .engine import options as engine_options
-from .fleet import Fleet
+from .fleet import Fleet, FleetStartFailed
 from .fleet.local import LocalFleet
 from .router import router_server as router
 
@@ -78,6 +78,7 @@ def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -
             resources=json.loads(args.ray_resources) if args.ray_resources else {},
             host=args.host,
             ray_address=args.ray_address,
+            start_timeout=args.start_timeout,
         )
     router_args = []
     if args.metrics_port is not None:
@@ -92,6 +93,7 @@ def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -
         host=args.host,
         server_ports=_server_ports(args),
         router_port=args.router_port,
+        start_timeout=args.start_timeout,
     )
 
 
@@ -106,6 +108,13 @@ def _add_stack_arguments(
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="CPU: KV cache per engine")
     parser.add_argument(
         "--enable-lora", action="store_true", help="engine servers serve LoRA adapters"
+    )
+    parser.add_argument(
+        "--start-timeout",
+        type=float,
+        default=Fleet.start_timeout,
+        help="seconds each server may take to become ready, at start and when restarted or "
+        "added (a large model, or a busy machine, may need more)",
     )
     parser.add_argument("--ray", action="store_true", help="place the servers on Ray (RayFleet)")
     parser.add_argument(
@@ -307,7 +316,10 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
 def main(argv: list[str] | None = None) -> None:
     args, rest = parse(argv)
     configure_logging(logging.WARNING if args.command in ("demo", "up") else logging.INFO)
-    args.func(args, rest)
+    try:
+        args.func(args, rest)
+    except FleetStartFailed as error:  # one line, not a traceback: the logs (--log-dir) say more
+        raise SystemExit(f"skyrl-grpc {args.command}: {error}") from None
 
 
 if __name__ == "__main__":

@@ -87,14 +87,16 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
 
     extra = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--data-token", "t",
              "--max-n", "4", "--dtype", "float32"]  # fmt: skip
-    args, rest = build_parser().parse_known_args(["up", "--enable-lora", *extra])
+    up = ["up", "--enable-lora", "--start-timeout", "1200"]
+    args, rest = build_parser().parse_known_args([*up, *extra])
     assert rest == extra
     local = make_fleet(args, rest)
     assert isinstance(local, LocalFleet) and local.engine_args[-len(extra) :] == extra
     assert "--enable-lora" in local.engine_args
+    assert local.start_timeout == 1200
     args.ray = True
     ray_fleet = make_fleet(args, rest)
-    assert isinstance(ray_fleet, RayFleet)
+    assert isinstance(ray_fleet, RayFleet) and ray_fleet.start_timeout == 1200
     import ray
 
     assert not ray.is_initialized()  # Ray is only touched by start()

@@ -81,7 +81,7 @@ def test_killed_server_mid_generation_loses_nothing_and_rejoins() -> None:
             # The server that rejoined, holding no sessions, takes the next new one.
             assert await routed_to(channel, "fault-session-new") == victim
 
-    with LocalFleet(3) as stack:
+    with LocalFleet(3, start_timeout=ENGINE_START_SECONDS) as stack:
         asyncio.run(scenario(stack))
 
 
@@ -118,7 +118,7 @@ def test_a_server_killed_mid_stream_is_survived_on_the_direct_path_with_identica
         await client.close()
         await survivor.close()
 
-    with LocalFleet(2) as stack:
+    with LocalFleet(2, start_timeout=ENGINE_START_SECONDS) as stack:
         asyncio.run(scenario(stack))
 
 
@@ -177,7 +177,9 @@ def test_a_killed_router_is_restarted_at_its_address_and_sessions_keep_their_ser
         print(f"router back and routing {back_after:.1f} s after kill -9")
         await client.close()
 
-    with LocalFleet(2, router_args=["--http-port", "0"]) as stack:
+    with LocalFleet(
+        2, router_args=["--http-port", "0"], start_timeout=ENGINE_START_SECONDS
+    ) as stack:
         asyncio.run(scenario(stack))
 
 
@@ -230,7 +232,7 @@ def test_a_restarted_server_catches_up_from_its_peer_before_it_serves(
         await client.close()
 
     lora = ["--enable-lora", "--max-lora-rank", "8"]
-    with LocalFleet(2, engine_args=lora, log_dir=None) as stack:
+    with LocalFleet(2, engine_args=lora, log_dir=None, start_timeout=ENGINE_START_SECONDS) as stack:
         asyncio.run(scenario(stack))
 
 
@@ -266,5 +268,5 @@ def test_the_collective_group_forms_again_after_a_server_restarts(tiny_model_dir
         assert client.has_weight_group and set(first) == {victim, peer}
         await client.close()
 
-    with LocalFleet(2, log_dir=None) as stack:
+    with LocalFleet(2, log_dir=None, start_timeout=ENGINE_START_SECONDS) as stack:
         asyncio.run(scenario(stack))

@@ -19,7 +19,7 @@ from skyrl_grpc.names import GENERATE_BATCH, GENERATE_STREAM
 from skyrl_grpc.placement import BoundedLoadPolicy
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
-from tests.helpers.waits import engines_idle, until
+from tests.helpers.waits import ENGINE_START_SECONDS, engines_idle, until
 from trainer_client import InferenceClient
 
 pytestmark = [pytest.mark.engine]
@@ -237,7 +237,7 @@ def test_a_server_killed_mid_batch_through_the_router_loses_nothing() -> None:
             assert last.usage.prompt_tokens == len(requests[index].prompt_token_ids)
         await client.close()
 
-    with LocalFleet(2) as fleet:
+    with LocalFleet(2, start_timeout=ENGINE_START_SECONDS) as fleet:
         asyncio.run(scenario(fleet))
 
 

@@ -131,6 +131,30 @@ def test_a_model_the_engine_cannot_run_fails_at_start(tmp_path: Path) -> None:
     assert "--dtype float32" in last
 
 
+def test_up_gives_up_on_a_server_still_starting_at_its_start_timeout(tmp_path: Path) -> None:
+    """``up --start-timeout``: a server still loading when the bound runs out is named in one
+    line (no traceback) with the flag that raises it, and up stops what it started."""
+    marker = f"start-timeout-{os.getpid()}-{time.monotonic_ns()}"  # in the server's command line
+    up = Up(tmp_path / "logs", servers=1, start_timeout=1, server_flags=["--data-token", marker])
+    try:
+        assert up.proc.wait(timeout=120) == 1
+    finally:
+        up.stop()
+    up.wait_for("skyrl-grpc up: server-0 was still starting", 0)
+    assert "--start-timeout" in up.lines[-1], up.lines
+    assert not any("Traceback" in line for line in up.lines), up.lines
+    # Stopped and waited for before up exits (left to its own supervisor watch, a server
+    # would outlive up by seconds).
+    assert (tmp_path / "logs" / "server-0.log").exists()
+    assert with_marker(marker) == [], "up left its server running"
+
+
+def with_marker(marker: str) -> list[psutil.Process]:
+    return [
+        p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])
+    ]
+
+
 def test_a_killed_server_leaves_no_process_behind(server: ServerProcess) -> None:
     server.until("ready")
     started = server.descendants()
@@ -200,7 +224,13 @@ class Up:
     script's background job is (``skyrl-grpc up &``): with SIGINT ignored on entry, which a
     program must undo itself to stop on Ctrl-C."""
 
-    def __init__(self, log_dir: Path, servers: int = 2) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        servers: int = 2,
+        start_timeout: float = ENGINE_START_SECONDS,
+        server_flags: tuple[str, ...] | list[str] = (),
+    ) -> None:
         self.proc = subprocess.Popen(
             [
                 *WITH_SIGINT_IGNORED,
@@ -216,6 +246,10 @@ class Up:
                 "0",
                 "--log-dir",
                 str(log_dir),
+                # up's own bound on each server's start, as generous as the tests' own.
+                "--start-timeout",
+                str(start_timeout),
+                *server_flags,  # up passes these to every server
             ],
             cwd=ROOT,
             stdin=subprocess.PIPE,

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from servers.fleet.local import LocalFleet
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
-from tests.helpers.waits import FLEET_TEST_TIMEOUT
+from tests.helpers.waits import ENGINE_START_SECONDS, FLEET_TEST_TIMEOUT
 from trainer_client import InferenceClient
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(FLEET_TEST_TIMEOUT)]
@@ -37,7 +37,12 @@ async def test_a_fleet_scales_up_caught_up_from_a_peer_and_scales_down_by_draini
     # --cpu-threads 1: the embedded model's one thread (a --model directory otherwise gets
     # vLLM's per-core binding, OpenMP threads spinning on the other test worker's cores).
     engine_args = ["--model", str(tiny_model_dir), "--cpu-threads", "1"]
-    fleet = LocalFleet(1, engine_args=engine_args, on_event=events.append)
+    fleet = LocalFleet(
+        1,
+        engine_args=engine_args,
+        on_event=events.append,
+        start_timeout=ENGINE_START_SECONDS,
+    )
     await asyncio.to_thread(fleet.start)
     try:
         fleet.supervise()

@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from .supervision import ServerSupervisor
 
 
+class FleetStartFailed(RuntimeError):
+    """A server or the router of a starting fleet failed, or was still starting when the start
+    timeout ran out; the fleet has stopped what it started."""
+
+
 @dataclass(frozen=True)
 class FleetAddresses:
     """Where a started fleet listens: the router and every engine server."""
@@ -34,20 +39,27 @@ class Fleet(abc.ABC):
     supervision: ServerSupervisor | None = None
     #: Receives one line per supervision or scaling event.
     on_event: Callable[[str], None] = staticmethod(lambda line: print(line, flush=True))
+    #: Seconds a server may take to become ready, when the fleet starts, when one is restarted
+    #: and when ``scale()`` adds one: loading a large model, or any model on a busy machine,
+    #: can take longer than the default.
+    start_timeout: float = 600
 
     @abc.abstractmethod
-    def start(self, timeout: float = 600) -> FleetAddresses:
-        """Starts everything; returns once the router sees every server healthy."""
+    def start(self, timeout: float | None = None) -> FleetAddresses:
+        """Starts everything; returns once the router sees every server healthy (within
+        ``timeout`` seconds; default ``start_timeout``)."""
 
     @abc.abstractmethod
     def supervise(self) -> None:
         """Restarts servers that die, until ``close()`` (``supervision.ServerSupervisor``)."""
 
-    def scale(self, count: int, timeout: float = 600) -> FleetAddresses:
+    def scale(self, count: int, timeout: float | None = None) -> FleetAddresses:
         """Grows or shrinks the fleet to ``count`` servers by the one rule of ``scaling``: an
         added server joins the router (behind until the trainer's next update reaches it); a
         removed one (the newest first) is drained at the router, then stopped."""
         from .scaling import scale_fleet
+
+        bound = self.start_timeout if timeout is None else timeout
 
         def resized(servers: list[str]) -> None:
             self.addresses = replace(self.addresses, servers=tuple(servers))
@@ -56,12 +68,12 @@ class Fleet(abc.ABC):
             count,
             list(self.addresses.servers),
             router=self.addresses.router,
-            start=lambda index: self._add_server(index, timeout),
+            start=lambda index: self._add_server(index, bound),
             stop=self._remove_server,
             resized=resized,
             on_event=self.on_event,
             supervision=self.supervision,
-            timeout=timeout,
+            timeout=bound,
         )
         return self.addresses
 

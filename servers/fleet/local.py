@@ -35,7 +35,7 @@ from typing import IO, Any
 
 from ..common.process import read_announcement
 from ..common.reaper import EXIT_WITH_SUPERVISOR
-from . import Fleet, FleetAddresses
+from . import Fleet, FleetAddresses, FleetStartFailed
 from .supervision import RestartPolicy, ServerSupervisor
 
 ENGINE_MODULE = "servers.engine"
@@ -78,6 +78,7 @@ class LocalFleet(Fleet):
 
     ``server_ports``: one port per server (0: any free port, the default); ``router_port``
     likewise. ``on_event`` receives one line per supervision event (a server died, is back).
+    ``start_timeout``: seconds a server may take to become ready (``Fleet.start_timeout``).
     """
 
     def __init__(
@@ -93,8 +94,10 @@ class LocalFleet(Fleet):
         router_port: int = 0,
         on_event: Callable[[str], None] | None = None,
         restart_policy: RestartPolicy | None = None,
+        start_timeout: float = Fleet.start_timeout,
     ) -> None:
         self.num_servers = num_servers
+        self.start_timeout = start_timeout
         self.engine_args = engine_args or []
         self.router_args = router_args or []
         self.log_dir = log_dir
@@ -157,18 +160,22 @@ class LocalFleet(Fleet):
         ready = server.event("ready")
         if ready is None:
             failed = server.event("failed")
+            code = server.popen.poll()
+            if code is None and failed is None:  # loading still: out of time, not failed
+                raise FleetStartFailed(
+                    f"{server.name} was still starting when the start timeout ran out "
+                    "(raise it with --start-timeout for a large model or a busy machine)"
+                )
             why = f": {failed.get('error')}" if failed and failed.get("error") else ""
-            raise RuntimeError(
-                f"{server.name} did not become ready (exit code {server.popen.poll()}){why}"
-            )
+            raise FleetStartFailed(f"{server.name} did not become ready (exit code {code}){why}")
         return str(ready["address"])
 
-    def start(self, timeout: float = 600) -> FleetAddresses:
+    def start(self, timeout: float | None = None) -> FleetAddresses:
         self._servers = [self._spawn_server(i) for i in range(self.num_servers)]
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (self.start_timeout if timeout is None else timeout)
         try:
             addresses = [self._await_ready(s, deadline) for s in self._servers]
-        except RuntimeError:
+        except FleetStartFailed:
             self.close()
             raise
         # Restarts reuse each server's address, so a router keeps it as the same backend.
@@ -176,7 +183,7 @@ class LocalFleet(Fleet):
         self.addresses = FleetAddresses("", tuple(addresses))
         try:
             router = self._start_router(deadline)
-        except RuntimeError:
+        except FleetStartFailed:
             self.close()
             raise
         self.addresses = FleetAddresses(router, tuple(addresses))
@@ -201,7 +208,7 @@ class LocalFleet(Fleet):
         router.listening.wait(max(deadline - time.monotonic(), 0))
         listening = router.event("listening")
         if listening is None:
-            raise RuntimeError(f"the router did not start (exit code {router.popen.poll()})")
+            raise FleetStartFailed(f"the router did not start (exit code {router.popen.poll()})")
         address = str(listening["address"])
         self.router_port = int(address.rpartition(":")[2])
         self.metrics_port = listening.get("metrics_port")
@@ -226,7 +233,7 @@ class LocalFleet(Fleet):
                     pass
                 if time.monotonic() > deadline:
                     self.close()
-                    raise RuntimeError("the router never saw a healthy backend")
+                    raise FleetStartFailed("the router never saw a healthy backend")
                 time.sleep(0.1)
 
     # -- supervision --------------------------------------------------------------------------
@@ -317,11 +324,12 @@ class LocalFleet(Fleet):
             os.killpg(self._router.popen.pid, signal.SIGKILL)
         self._router.popen.wait()
 
-    def restart_server(self, index: int, timeout: float = 600) -> str:
+    def restart_server(self, index: int, timeout: float | None = None) -> str:
         """Starts engine server ``index`` again on its old port, caught up with the others'
         weights (``servers.engine.catch_up``); returns once it is ready."""
         self._servers[index] = self._spawn_server(index, catch_up=True)
-        return self._await_ready(self._servers[index], time.monotonic() + timeout)
+        bound = self.start_timeout if timeout is None else timeout
+        return self._await_ready(self._servers[index], time.monotonic() + bound)
 
     @property
     def pids(self) -> list[int]:

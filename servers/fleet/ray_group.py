@@ -59,6 +59,8 @@ class ServerGroupOptions:
     resources: dict[str, float] = field(default_factory=dict)
     # The Ray cluster to join when start() finds Ray not initialized (None: start one).
     ray_address: str | None = None
+    # Seconds a server may take to become ready: at start, restarted, added (Fleet's).
+    start_timeout: float = 600
 
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -99,6 +101,7 @@ class RayFleet(Fleet):
             )
         # Checked now, before Ray starts anything: the flags every server will take.
         self._server = server_options(self.options.server_args, self.options.engine, "")
+        self.start_timeout = self.options.start_timeout
         self._external_pg = placement_group
         self._bundle_offset = bundle_offset
         self._pg: Any = None
@@ -128,10 +131,11 @@ class RayFleet(Fleet):
     def bundles(self) -> list[dict[str, float]]:
         return [self.bundle()] * self.options.num_servers
 
-    def start(self, timeout: float = 600) -> FleetAddresses:
+    def start(self, timeout: float | None = None) -> FleetAddresses:
         import ray
         from ray.util.placement_group import placement_group
 
+        timeout = self.start_timeout if timeout is None else timeout
         if not ray.is_initialized():
             # Ray starts its workers at niceness 15, below anything else a node runs: engine
             # servers are a node's main work, not background jobs that yield to every other
@@ -283,7 +287,8 @@ class RayFleet(Fleet):
         except Exception:  # already gone with its node
             pass
         self._servers[index] = self._new_server(index, catch_up=True)
-        return self._advertised(ray.get(self._servers[index].start.remote(), timeout=600))
+        started = self._servers[index].start.remote()
+        return self._advertised(ray.get(started, timeout=self.start_timeout))
 
     def _moved(self, index: int, old: str, new: str) -> None:
         """The router forgets the old address and watches the new one."""
