@@ -5,7 +5,9 @@
 #   bash scripts/suite_under_load.sh [PASSES] [COMMIT] [WORKDIR]
 # Each pass's output, with every test's outcome as it ends and its duration (which tests a
 # loaded machine stretches), goes to WORKDIR/passK.log, one summary line per pass to
-# WORKDIR/summary, the load average once a minute to WORKDIR/loadlog. The clone uses this
+# WORKDIR/summary, the load average and CPU pressure once a minute to WORKDIR/loadlog, and every
+# process's session, niceness, state and CPU time so far once a minute to WORKDIR/pslog (which
+# process starved, when a test timed out waiting on one). The clone uses this
 # checkout's .venv (a link), so the passes measure the tests, not the install.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -23,7 +25,12 @@ for _ in 1 2; do
     python3 -c "while True: pass" &
     busy+=($!)
 done
-(while true; do echo "$(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)"; sleep 60; done) >> "$work/loadlog" &
+(while true; do
+    echo "$(date +%T) $(cut -d' ' -f1-3 /proc/loadavg) cpu-pressure $(head -1 /proc/pressure/cpu 2>/dev/null)"
+    echo "=== $(date +%T)" >> "$work/pslog"
+    ps -eo pid,ppid,sid,ni,stat,time,etime,args --sort=-time | cut -c1-180 >> "$work/pslog"
+    sleep 60
+done) >> "$work/loadlog" &
 loadlog_pid=$!
 echo "$(date +%T) commit $commit, $passes passes, busy pids ${busy[*]}" >> "$work/summary"
 for pass in $(seq 1 "$passes"); do
