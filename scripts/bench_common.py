@@ -208,7 +208,7 @@ def _wait_http(url: str, launched: Launched, what: str, timeout: float = 600) ->
 def _process(command: list[str], env: dict[str, str] | None, what: str) -> Iterator[Launched]:
     log = tempfile.NamedTemporaryFile("w+", prefix=f"{what}-", suffix=".log", delete=False)
     process = subprocess.Popen(
-        command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        command, env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0
     )
     launched = Launched("", process, log.name)
     try:

@@ -253,7 +253,7 @@ class InProcess:
             stdout=subprocess.PIPE,
             text=True,
             cwd=ROOT,
-            start_new_session=True,
+            process_group=0,  # a group to signal, in this session (see LocalFleet._spawn)
         )
         self._expect("ready")
 

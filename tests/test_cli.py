@@ -143,7 +143,7 @@ def test_the_demo_stops_on_sigint_even_started_with_it_ignored() -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        start_new_session=True,
+        process_group=0,  # a group to signal; this session, as LocalFleet's servers
     )
     try:
         assert demo.stdout is not None

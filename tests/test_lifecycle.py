@@ -257,7 +257,7 @@ class Up:
             stderr=subprocess.STDOUT,
             text=True,
             env=ENV,
-            start_new_session=True,
+            process_group=0,  # killpg reaches up alone; this session, as LocalFleet's servers
         )
         self.lines: list[str] = []
         self._closed = False  # up's stdout ended: it exited, no line will come
@@ -414,6 +414,11 @@ def test_a_killed_up_takes_its_router_and_servers_with_it(tmp_path: Path) -> Non
         assert any("servers.router" in c for c in commands), commands
         assert any("servers.engine" in c for c in commands), commands
         assert any("EngineCore" in p.name() for p in fleet), [p.name() for p in fleet]
+        # Each in a process group of its own but all in the launcher's session: a session of
+        # its own is a scheduler autogroup of its own, which a busy host starves.
+        assert {os.getsid(p.pid) for p in fleet} == {os.getsid(0)}, commands
+        servers = [p for p in fleet if p.cmdline()[1:3] == ["-m", "servers.engine"]]
+        assert servers and all(os.getpgid(p.pid) == p.pid for p in servers), commands
         os.kill(up.proc.pid, signal.SIGKILL)
         up.proc.wait()
         deadline = time.monotonic() + 120  # a drain each, then their reapers; generous

@@ -89,7 +89,9 @@ def reap_children_on_exit(
             ],
             stdin=read_end,
             stdout=subprocess.DEVNULL,
-            start_new_session=True,  # outside our group: it must outlive it
+            # Outside our group, which it must outlive; in our session (a new one would be a
+            # scheduler autogroup of its own: see servers.fleet.local's _spawn).
+            process_group=0,
         )
     finally:
         os.close(read_end)

@@ -73,7 +73,7 @@ def vllm_http_server(
     }
     log = tempfile.NamedTemporaryFile("w+", prefix="vllm-http-", suffix=".log", delete=False)
     process = subprocess.Popen(
-        command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        command, env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0
     )
     try:
         deadline = time.time() + 600
