@@ -49,6 +49,11 @@ class Fleet(abc.ABC):
         """Starts everything; returns once the router sees every server healthy (within
         ``timeout`` seconds; default ``start_timeout``)."""
 
+    def start_bound(self, timeout: float | None) -> float:
+        """Seconds a start may take: ``timeout`` where a caller gives one, else
+        ``start_timeout``."""
+        return self.start_timeout if timeout is None else timeout
+
     @abc.abstractmethod
     def supervise(self) -> None:
         """Restarts servers that die, until ``close()`` (``supervision.ServerSupervisor``)."""
@@ -59,7 +64,7 @@ class Fleet(abc.ABC):
         removed one (the newest first) is drained at the router, then stopped."""
         from .scaling import scale_fleet
 
-        bound = self.start_timeout if timeout is None else timeout
+        bound = self.start_bound(timeout)
 
         def resized(servers: list[str]) -> None:
             self.addresses = replace(self.addresses, servers=tuple(servers))

@@ -177,7 +177,7 @@ class LocalFleet(Fleet):
 
     def start(self, timeout: float | None = None) -> FleetAddresses:
         self._servers = [self._spawn_server(i) for i in range(self.num_servers)]
-        deadline = time.monotonic() + (self.start_timeout if timeout is None else timeout)
+        deadline = time.monotonic() + self.start_bound(timeout)
         try:
             addresses = [self._await_ready(s, deadline) for s in self._servers]
         except FleetStartFailed:
@@ -333,7 +333,7 @@ class LocalFleet(Fleet):
         """Starts engine server ``index`` again on its old port, caught up with the others'
         weights (``servers.engine.catch_up``); returns once it is ready."""
         self._servers[index] = self._spawn_server(index, catch_up=True)
-        bound = self.start_timeout if timeout is None else timeout
+        bound = self.start_bound(timeout)
         return self._await_ready(self._servers[index], time.monotonic() + bound)
 
     @property
