@@ -12,6 +12,7 @@ import grpc
 import psutil
 import pytest
 
+from servers.fleet import FleetStartFailed
 from servers.fleet.ray_group import RayFleet
 from skyrl_grpc.v1.data_plane_pb2 import GenerateRequest
 from skyrl_grpc.v1.data_plane_pb2_grpc import DataPlaneStub
@@ -114,6 +115,32 @@ def test_strict_spread_puts_one_server_on_each_named_node(ray_cluster: list[str]
         client.close()
     finally:
         fleet.close()
+
+
+def test_a_start_that_cannot_finish_in_time_fails_in_one_line_and_frees_the_cluster(
+    ray_cluster: list[str],
+) -> None:
+    """What `up --ray` prints (servers.cli turns FleetStartFailed into one line): the bundles
+    Ray cannot place, or a server still loading at --start-timeout; nothing left holding the
+    cluster's resources either way."""
+    import ray
+
+    total = ray.cluster_resources()
+    unplaceable = RayFleet(1, cpu_only=True, resources={"no-such-node": 1}, start_timeout=2)
+    with pytest.raises(FleetStartFailed, match=r"could not place 1 server bundles.*ray status"):
+        unplaceable.start()
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    placed = placement_group([{"CPU": 1}])  # placed first: the bound below is the server's
+    assert placed.wait(timeout_seconds=120)
+    loading = RayFleet(1, cpu_only=True, placement_group=placed, start_timeout=0.5)
+    with pytest.raises(FleetStartFailed, match=r"server-0 was still starting.*--start-timeout"):
+        loading.start()
+    remove_placement_group(placed)
+    deadline = time.monotonic() + 60  # Ray returns a removed group's bundles asynchronously
+    while (free := ray.available_resources()).get("CPU") != total.get("CPU"):
+        assert time.monotonic() < deadline, f"resources still held: {free} of {total}"
+        time.sleep(0.2)
 
 
 def test_an_unknown_strategy_or_flag_is_refused_before_ray_is_touched() -> None:

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import Fleet, FleetAddresses
+from . import Fleet, FleetAddresses, FleetStartFailed
 from .ray_actors import EngineServerActor, RouterActor, server_options
 from .supervision import RestartPolicy, ServerSupervisor
 
@@ -59,8 +59,6 @@ class ServerGroupOptions:
     resources: dict[str, float] = field(default_factory=dict)
     # The Ray cluster to join when start() finds Ray not initialized (None: start one).
     ray_address: str | None = None
-    # Seconds a server may take to become ready: at start, restarted, added (Fleet's).
-    start_timeout: float = 600
 
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -90,6 +88,7 @@ class RayFleet(Fleet):
         engine: dict[str, Any] | None = None,
         placement_group: Any = None,
         bundle_offset: int = 0,
+        start_timeout: float = Fleet.start_timeout,
         **options: Any,
     ) -> None:
         self.options = ServerGroupOptions(
@@ -101,7 +100,7 @@ class RayFleet(Fleet):
             )
         # Checked now, before Ray starts anything: the flags every server will take.
         self._server = server_options(self.options.server_args, self.options.engine, "")
-        self.start_timeout = self.options.start_timeout
+        self.start_timeout = start_timeout
         self._external_pg = placement_group
         self._bundle_offset = bundle_offset
         self._pg: Any = None
@@ -135,7 +134,7 @@ class RayFleet(Fleet):
         import ray
         from ray.util.placement_group import placement_group
 
-        timeout = self.start_timeout if timeout is None else timeout
+        timeout = self.start_bound(timeout)
         if not ray.is_initialized():
             # Ray starts its workers at niceness 15, below anything else a node runs: engine
             # servers are a node's main work, not background jobs that yield to every other
@@ -145,7 +144,13 @@ class RayFleet(Fleet):
             ray.init(address=self.options.ray_address, include_dashboard=False)
         if self._external_pg is None:
             self._pg = placement_group(self.bundles(), strategy=self.options.strategy)
-            ray.get(self._pg.ready(), timeout=timeout)
+            if not self._pg.wait(timeout_seconds=timeout):
+                self.close()
+                raise FleetStartFailed(
+                    f"Ray could not place {self.options.num_servers} server bundles "
+                    f"{self.bundle()} ({self.options.strategy}) within {timeout:g} s: the "
+                    "cluster lacks those resources (`ray status` shows what it has)"
+                )
         env = (
             {"VLLM_CPU_KVCACHE_SPACE": "1", **self.options.env}
             if self.options.cpu_only
@@ -154,10 +159,9 @@ class RayFleet(Fleet):
         self._env = env
         self._servers = [self._new_server(index) for index in range(self.options.num_servers)]
         try:
-            servers = [
-                self._advertised(a)
-                for a in ray.get([s.start.remote() for s in self._servers], timeout=timeout)
-            ]
+            started = [s.start.remote() for s in self._servers]
+            names = [f"server-{index}" for index in range(len(started))]
+            servers = [self._advertised(a) for a in self._started(started, names, timeout)]
             # The router stays on this (the driver's) node: a node that leaves takes servers
             # with it, never the router that moves their sessions.
             router = self._start_router(servers, 0, timeout)
@@ -178,7 +182,32 @@ class RayFleet(Fleet):
             .options(num_cpus=0, scheduling_strategy=here)
             .remote(servers, self.options.host, port)
         )
-        return self._advertised(ray.get(self._router.start.remote(), timeout=timeout))
+        return self._advertised(
+            self._started([self._router.start.remote()], ["the router"], timeout)[0]
+        )
+
+    @staticmethod
+    def _started(calls: list[Any], names: list[str], timeout: float) -> list[Any]:
+        """The answers of actors' ``start`` calls, or ``FleetStartFailed`` naming the first
+        actor that failed, or that was still starting when ``timeout`` seconds ran out."""
+        import ray
+
+        _, pending = ray.wait(calls, num_returns=len(calls), timeout=timeout)
+        for name, call in zip(names, calls, strict=True):
+            if call in pending:
+                raise FleetStartFailed(
+                    f"{name} was still starting when the start timeout ({timeout:g} s) ran out "
+                    "(raise it with --start-timeout for a large model or a busy machine)"
+                )
+            try:
+                ray.get(call)
+            except ray.exceptions.RayError as error:
+                # A task's error text is its remote traceback; the cause is its last line.
+                lines = [line for line in str(error).splitlines() if line.strip()]
+                raise FleetStartFailed(
+                    f"{name} did not start: {lines[-1] if lines else error!r}"
+                ) from error
+        return list(ray.get(calls))
 
     def _new_server(self, index: int, catch_up: bool = False) -> Any:
         """A server actor in its bundle (not started): the fleet's placement group for the
@@ -288,7 +317,9 @@ class RayFleet(Fleet):
             pass
         self._servers[index] = self._new_server(index, catch_up=True)
         started = self._servers[index].start.remote()
-        return self._advertised(ray.get(started, timeout=self.start_timeout))
+        return self._advertised(
+            self._started([started], [f"server-{index}"], self.start_timeout)[0]
+        )
 
     def _moved(self, index: int, old: str, new: str) -> None:
         """The router forgets the old address and watches the new one."""
