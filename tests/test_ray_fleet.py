@@ -124,13 +124,12 @@ def test_a_start_that_cannot_finish_in_time_fails_in_one_line_and_frees_the_clus
     Ray cannot place, or a server still loading at --start-timeout; nothing left holding the
     cluster's resources either way."""
     import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
 
     total = ray.cluster_resources()
     unplaceable = RayFleet(1, cpu_only=True, resources={"no-such-node": 1}, start_timeout=2)
     with pytest.raises(FleetStartFailed, match=r"could not place 1 server bundles.*ray status"):
         unplaceable.start()
-    from ray.util.placement_group import placement_group, remove_placement_group
-
     placed = placement_group([{"CPU": 1}])  # placed first: the bound below is the server's
     assert placed.wait(timeout_seconds=120)
     loading = RayFleet(1, cpu_only=True, placement_group=placed, start_timeout=0.5)

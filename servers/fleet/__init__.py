@@ -21,6 +21,15 @@ class FleetStartFailed(RuntimeError):
     """A server or the router of a starting fleet failed, or was still starting when the start
     timeout ran out; the fleet has stopped what it started."""
 
+    @classmethod
+    def still_starting(cls, name: str) -> FleetStartFailed:
+        """``name`` (a server, the router) was loading still when the start timeout ran out:
+        out of time, not failed; what to raise says how to give it more."""
+        return cls(
+            f"{name} was still starting when the start timeout ran out "
+            "(raise it with --start-timeout for a large model or a busy machine)"
+        )
+
 
 @dataclass(frozen=True)
 class FleetAddresses:

@@ -167,10 +167,7 @@ class LocalFleet(Fleet):
             failed = server.event("failed")
             code = server.popen.poll()
             if code is None and failed is None:  # loading still: out of time, not failed
-                raise FleetStartFailed(
-                    f"{server.name} was still starting when the start timeout ran out "
-                    "(raise it with --start-timeout for a large model or a busy machine)"
-                )
+                raise FleetStartFailed.still_starting(server.name)
             why = f": {failed.get('error')}" if failed and failed.get("error") else ""
             raise FleetStartFailed(f"{server.name} did not become ready (exit code {code}){why}")
         return str(ready["address"])

@@ -142,23 +142,22 @@ class RayFleet(Fleet):
             # takes it from that command's environment (see docs/fleet.md).
             os.environ.setdefault(RAY_WORKER_NICENESS, "0")
             ray.init(address=self.options.ray_address, include_dashboard=False)
-        if self._external_pg is None:
-            self._pg = placement_group(self.bundles(), strategy=self.options.strategy)
-            if not self._pg.wait(timeout_seconds=timeout):
-                self.close()
-                raise FleetStartFailed(
-                    f"Ray could not place {self.options.num_servers} server bundles "
-                    f"{self.bundle()} ({self.options.strategy}) within {timeout:g} s: the "
-                    "cluster lacks those resources (`ray status` shows what it has)"
-                )
         env = (
             {"VLLM_CPU_KVCACHE_SPACE": "1", **self.options.env}
             if self.options.cpu_only
             else dict(self.options.env)
         )
         self._env = env
-        self._servers = [self._new_server(index) for index in range(self.options.num_servers)]
         try:
+            if self._external_pg is None:
+                self._pg = placement_group(self.bundles(), strategy=self.options.strategy)
+                if not self._pg.wait(timeout_seconds=timeout):
+                    raise FleetStartFailed(
+                        f"Ray could not place {self.options.num_servers} server bundles "
+                        f"{self.bundle()} ({self.options.strategy}) within {timeout:g} s: the "
+                        "cluster lacks those resources (`ray status` shows what it has)"
+                    )
+            self._servers = [self._new_server(i) for i in range(self.options.num_servers)]
             started = [s.start.remote() for s in self._servers]
             names = [f"server-{index}" for index in range(len(started))]
             servers = [self._advertised(a) for a in self._started(started, names, timeout)]
@@ -193,21 +192,19 @@ class RayFleet(Fleet):
         import ray
 
         _, pending = ray.wait(calls, num_returns=len(calls), timeout=timeout)
+        answers = []
         for name, call in zip(names, calls, strict=True):
             if call in pending:
-                raise FleetStartFailed(
-                    f"{name} was still starting when the start timeout ({timeout:g} s) ran out "
-                    "(raise it with --start-timeout for a large model or a busy machine)"
-                )
+                raise FleetStartFailed.still_starting(name)
             try:
-                ray.get(call)
+                answers.append(ray.get(call))
             except ray.exceptions.RayError as error:
                 # A task's error text is its remote traceback; the cause is its last line.
                 lines = [line for line in str(error).splitlines() if line.strip()]
                 raise FleetStartFailed(
                     f"{name} did not start: {lines[-1] if lines else error!r}"
                 ) from error
-        return list(ray.get(calls))
+        return answers
 
     def _new_server(self, index: int, catch_up: bool = False) -> Any:
         """A server actor in its bundle (not started): the fleet's placement group for the
