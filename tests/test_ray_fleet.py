@@ -117,12 +117,12 @@ def test_strict_spread_puts_one_server_on_each_named_node(ray_cluster: list[str]
         fleet.close()
 
 
-def test_a_start_that_cannot_finish_in_time_fails_in_one_line_and_frees_the_cluster(
+def test_a_start_that_fails_or_cannot_finish_in_time_is_one_line_and_frees_the_cluster(
     ray_cluster: list[str],
 ) -> None:
     """What `up --ray` prints (servers.cli turns FleetStartFailed into one line): the bundles
-    Ray cannot place, or a server still loading at --start-timeout; nothing left holding the
-    cluster's resources either way."""
+    Ray cannot place, a server still loading at --start-timeout, or one whose start failed;
+    nothing left holding the cluster's resources in any case."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -136,6 +136,10 @@ def test_a_start_that_cannot_finish_in_time_fails_in_one_line_and_frees_the_clus
     with pytest.raises(FleetStartFailed, match=r"server-0 was still starting.*--start-timeout"):
         loading.start()
     remove_placement_group(placed)
+    # A server whose start fails (no model where it looks) is named with the cause.
+    broken = RayFleet(1, cpu_only=True, server_args=["--model", "/nonexistent/model"])
+    with pytest.raises(FleetStartFailed, match=r"server-0 did not start: .*/nonexistent/model"):
+        broken.start()
     deadline = time.monotonic() + 60  # Ray returns a removed group's bundles asynchronously
     while (free := ray.available_resources()).get("CPU") != total.get("CPU"):
         assert time.monotonic() < deadline, f"resources still held: {free} of {total}"

@@ -38,14 +38,10 @@ def cluster() -> Iterator[Any]:
     cluster.shutdown()
 
 
-async def wait_for(events: list[str], words: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [e for e in events if words in e]
-        if found:
-            return found[-1]
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"no event with {words!r} in {timeout} s: {events}")
+async def event_with(events: list[str], words: str, timeout: float) -> str:
+    """The latest of ``events`` (the fleet's, appended as they happen) holding ``words``."""
+    await until(lambda: any(words in e for e in events), timeout, f"an event with {words!r}")
+    return [e for e in events if words in e][-1]
 
 
 async def test_a_node_that_leaves_takes_its_server_and_the_fleet_heals(
@@ -74,7 +70,7 @@ async def test_a_node_that_leaves_takes_its_server_and_the_fleet_heals(
         cluster.remove_node(doomed)  # its raylet and every process on it
         results = await asyncio.wait_for(batch, 300)  # migrated: every one completes
         assert [len(r.token_ids) for r in results] == [48] * 32
-        back = await wait_for(events, "is back", ENGINE_START_SECONDS)
+        back = await event_with(events, "is back", ENGINE_START_SECONDS)
         whole = time.monotonic() - left
         assert f"server {victim}" in back
         assert any("died" in e and "actor died" in e for e in events), events
@@ -125,7 +121,7 @@ async def test_a_server_that_dies_at_every_start_is_reported_after_bounded_tries
         fleet.options.server_args = ["--model", "/nonexistent/model"]
         fleet.supervise(RestartPolicy(first_delay=0.1, max_failures=2), interval=0.2)
         fleet.kill_server(0)  # the actor dies
-        reported = await wait_for(events, "times in a row", 600)
+        reported = await event_with(events, "times in a row", 600)
         assert "failed 2 times in a row" in reported and "/nonexistent/model" in reported
         assert fleet.supervision is not None and fleet.supervision.restarts == [2]
     finally:
@@ -213,7 +209,7 @@ async def test_a_killed_router_actor_is_back_at_its_address_with_sessions_on_the
         homes = dict(zip(sessions, placed, strict=True))
         killed = time.monotonic()
         await asyncio.to_thread(fleet.kill_router)
-        back = await wait_for(events, "routes to the fleet again", ENGINE_START_SECONDS)
+        back = await event_with(events, "routes to the fleet again", ENGINE_START_SECONDS)
         async with grpc.aio.insecure_channel(router) as channel:
             admin = router_pb2_grpc.RouterAdminStub(channel)
             while True:  # both servers known, every session's place learned from them
