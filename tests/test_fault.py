@@ -15,7 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servers.fleet.local import LocalFleet
 from skyrl_grpc.placement import BoundedLoadPolicy
-from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import control_plane_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.helpers.sessions import routed_to
 from tests.helpers.waits import ENGINE_START_SECONDS, FLEET_TEST_TIMEOUT, running_on_engines, until
 from trainer_client import InferenceClient, PauseMode
@@ -184,13 +185,14 @@ def test_a_killed_router_is_restarted_at_its_address_and_sessions_keep_their_ser
 
 
 def test_a_restarted_server_catches_up_from_its_peer_before_it_serves(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """kill -9 of a server after three weight updates and a LoRA adapter load: restarted, it
     reads the fleet's weights (ReadWeights) and adapters (ReadLoraAdapter) from its peer before
     reporting SERVING, with no trainer call: version 3, weight checksums bit-identical to the
     peer's, the adapter at its version with the same SHA-256, the same greedy outputs with and
-    without it."""
+    without it. Killed again while a weight update is open on its peer, it waits that update
+    out and serves the version it commits, not the one before."""
     from safetensors.torch import load_file
 
     from tests.helpers.adapters import make_adapter
@@ -229,10 +231,34 @@ def test_a_restarted_server_catches_up_from_its_peer_before_it_serves(
         adapted = await greedy_per_server([victim, peer], lora="fleet-adapter")
         assert adapted[victim] == adapted[peer] != outputs[peer]
         print(f"server killed -> back, caught up on version 3 with its adapter: {back_after:.1f} s")
+        events.clear()
+        async with grpc.aio.insecure_channel(peer) as channel:
+            control = control_plane_pb2_grpc.ControlPlaneStub(channel)
+            opened = cp.StartWeightUpdateRequest(weight_version=4, owner="a trainer")
+            await control.StartWeightUpdate(opened)  # open on the peer, not yet committed
+            await asyncio.to_thread(stack.kill_server, 0)
+            log = tmp_path / "server-0.log"
+
+            def waiting() -> bool:
+                return "catch-up: waiting for" in log.read_text()
+
+            def back() -> bool:
+                return any("is back" in e for e in events)
+
+            await until(lambda: waiting() or back(), ENGINE_START_SECONDS, "the restart")
+            assert waiting() and not back(), events  # it waits, not serving meanwhile
+            committed = await control.FinishWeightUpdate(cp.FinishWeightUpdateRequest())
+            assert committed.weight_version == 4
+        await until(back, ENGINE_START_SECONDS, "the restart")
+        assert dict(await client.weight_versions()) == {victim: 4, peer: 4}
+        sums = await client.weight_checksums()
+        assert sums[victim] == sums[peer]
         await client.close()
 
     lora = ["--enable-lora", "--max-lora-rank", "8"]
-    with LocalFleet(2, engine_args=lora, log_dir=None, start_timeout=ENGINE_START_SECONDS) as stack:
+    with LocalFleet(
+        2, engine_args=lora, log_dir=tmp_path, start_timeout=ENGINE_START_SECONDS
+    ) as stack:
         asyncio.run(scenario(stack))
 
 

@@ -8,14 +8,18 @@ A restarted or added server is started with its peers' addresses (``--catch-up-f
 ``--peer-tls-*`` when they serve TLS); the engine server runs this after its warm-up and before
 it reports SERVING, so no router or client sends it anything while it is behind, and the
 trainer is not involved. The peer with the newest version is read (the next one on failure);
-with no peer ahead, or none reachable, the server serves what it has, and the log says so.
+with no peer ahead, or none reachable, the server serves what it has, and the log says so. A
+fleet update in flight on a peer is waited out before reading, and the peers are asked again
+after it: what this server serves is what the fleet committed last, not the version before.
 Adapters come from the peer read (or the newest one answering), when this server serves LoRA.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -39,6 +43,15 @@ log = logging.getLogger(__name__)
 PEER_INFO_SECONDS = 10.0
 # How long reading the whole weights (or one adapter) from a peer may take.
 READ_SECONDS = 600.0
+# How long a catch-up waits for a fleet update in flight on a peer to commit or be cancelled
+# (a full update takes seconds; a trainer that died holds one until its lease ends), and how
+# often it asks.
+SETTLE_SECONDS = 120.0
+SETTLE_POLL_SECONDS = 0.2
+# Times the peers are asked again after a read (a commit may land while this server reads).
+CATCH_UP_ROUNDS = 3
+# The owner a catch-up's own update names (on this server, read by the others).
+CATCH_UP_OWNER = "catch-up from"
 
 
 @dataclass(frozen=True)
@@ -59,20 +72,19 @@ class PeerAccess:
 
 async def catch_up(parts: EngineParts, peers: Sequence[str], access: PeerAccess) -> str:
     """Brings this server to the newest version its ``peers`` serve, with their adapters;
-    returns what happened."""
+    returns what happened. A fleet update in flight on a peer is waited out first (up to
+    ``SETTLE_SECONDS`` in all), and the peers are asked again once the weights are read: a
+    server that read version N while the fleet committed N + 1 would otherwise serve N beside
+    it until the trainer's next update."""
+    weights, source = "", None
     versions: list[tuple[int, str]] = []
-    for peer in peers:
-        async with access.channel(peer) as channel:
-            stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
-            try:
-                info = await stub.GetServerInfo(
-                    cp.GetServerInfoRequest(), metadata=access.metadata, timeout=PEER_INFO_SECONDS
-                )
-            except grpc.aio.AioRpcError as error:
-                log.info("catch-up: peer %s did not answer (%s)", peer, error.code().name)
-                continue
-        versions.append((info.weight_version, peer))
-    weights, source = await _catch_up_weights(parts, versions, len(peers), access)
+    settle = _PeerVersions(peers, access, asyncio.get_running_loop().time() + SETTLE_SECONDS)
+    for _ in range(CATCH_UP_ROUNDS):
+        versions = await settle.settled()
+        if weights and not any(v > parts.weights.version for v, _ in versions):
+            break  # current: nothing was committed while it read (or no peer was ahead)
+        weights, read = await _catch_up_weights(parts, versions, len(peers), access)
+        source = read or source
     if not parts.adapters.limits.enabled or not versions:
         return weights
     peer = source or max(versions)[1]
@@ -81,6 +93,83 @@ async def catch_up(parts: EngineParts, peers: Sequence[str], access: PeerAccess)
     except grpc.aio.AioRpcError as error:
         adapters = f"no adapters read from {peer} ({error.code().name}: {error.details()})"
     return f"{weights}; {adapters}"
+
+
+class _PeerVersions:
+    """The versions the peers serve, asked when no fleet update is open on any of them."""
+
+    def __init__(self, peers: Sequence[str], access: PeerAccess, deadline: float) -> None:
+        self._peers = peers
+        self._access = access
+        self._deadline = deadline  # the event loop's time when waiting stops
+        self._said: set[str] = set()  # what was logged already: once each
+
+    async def settled(self) -> list[tuple[int, str]]:
+        """The version each peer that answers serves, asked once none holds a fleet update
+        open (another server's catch-up is not one), or once the deadline passed (then the
+        log says so: this server may serve a version behind until the trainer's next
+        update)."""
+        loop = asyncio.get_running_loop()
+        async with contextlib.AsyncExitStack() as stack:  # one channel per peer while asking
+            stubs = {
+                peer: control_plane_pb2_grpc.ControlPlaneStub(
+                    await stack.enter_async_context(self._access.channel(peer))
+                )
+                for peer in self._peers
+            }
+            return await self._ask_until_settled(stubs, loop)
+
+    async def _ask_until_settled(
+        self,
+        stubs: Mapping[str, control_plane_pb2_grpc.ControlPlaneAsyncStub],
+        loop: asyncio.AbstractEventLoop,
+    ) -> list[tuple[int, str]]:
+        while True:
+            answers = [(peer, await self._info(peer, stub)) for peer, stub in stubs.items()]
+            versions = [(info.weight_version, peer) for peer, info in answers if info is not None]
+            updating = [
+                (peer, info.open_weight_update)
+                for peer, info in answers
+                if info is not None
+                and info.HasField("open_weight_update")
+                and not info.open_weight_update.owner.startswith(CATCH_UP_OWNER)
+            ]
+            if not updating:
+                return versions
+            if loop.time() > self._deadline:
+                log.warning(
+                    "catch-up: %s still updating after %.0f s: reading what they serve now",
+                    ", ".join(peer for peer, _ in updating),
+                    SETTLE_SECONDS,
+                )
+                return versions
+            for peer, update in updating:
+                self._say(
+                    f"waiting {peer}",
+                    f"catch-up: waiting for {peer}'s weight update (version "
+                    f"{update.weight_version}, by {update.owner}) to end",
+                )
+            await asyncio.sleep(SETTLE_POLL_SECONDS)
+
+    async def _info(
+        self, peer: str, stub: control_plane_pb2_grpc.ControlPlaneAsyncStub
+    ) -> cp.GetServerInfoResponse | None:
+        """``peer``'s GetServerInfo, or None where it does not answer."""
+        try:
+            info: cp.GetServerInfoResponse = await stub.GetServerInfo(
+                cp.GetServerInfoRequest(), metadata=self._access.metadata, timeout=PEER_INFO_SECONDS
+            )
+        except grpc.aio.AioRpcError as error:
+            self._say(
+                f"silent {peer}", f"catch-up: peer {peer} did not answer ({error.code().name})"
+            )
+            return None
+        return info
+
+    def _say(self, key: str, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.info("%s", message)
 
 
 async def _catch_up_weights(
@@ -124,7 +213,7 @@ async def _read_from(parts: EngineParts, peer: str, access: PeerAccess) -> int:
                 yield control_convert.read_item(message)
 
         updates = parts.weights.updates
-        await updates.start(version, owner=f"catch-up from {peer}")
+        await updates.start(version, owner=f"{CATCH_UP_OWNER} {peer}")
         try:
             await updates.push(items())
             await updates.finish(version)
