@@ -5,13 +5,16 @@ runs. One cluster for the module: starting Ray is the slow part."""
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import psutil
 import pytest
 
+from servers.engine.scratch import PREFIX as SCRATCH_PREFIX
 from servers.fleet import FleetStartFailed
 from servers.fleet.ray_group import RayFleet
 from skyrl_grpc.v1.data_plane_pb2 import GenerateRequest
@@ -65,7 +68,15 @@ def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(
     router, servers = addresses.router, list(addresses.servers)
     actor_pids = group.pids()
     tree = process_tree(actor_pids)
+    # Each server actor's temporary directory of its own (servers.engine.scratch), named by
+    # its process; none for the router's.
+    scratch = [
+        path
+        for pid in actor_pids
+        for path in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}{pid}-*")
+    ]
     try:
+        assert len(scratch) == 2 and all(path.is_dir() for path in scratch), scratch
         assert len(servers) == 2 and router not in servers
         client = BlockingInferenceClient(router, servers)
         result = client.generate([1, 2, 3], {"temperature": 0.0, "max_tokens": 6})
@@ -99,6 +110,9 @@ def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(
         if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
     ]:
         assert time.monotonic() < deadline, f"processes left behind: {alive}"
+        time.sleep(0.5)
+    while left := [path for path in scratch if path.exists()]:  # removed by their reapers
+        assert time.monotonic() < deadline, f"scratch directories left behind: {left}"
         time.sleep(0.5)
 
 

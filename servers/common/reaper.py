@@ -38,7 +38,9 @@ EXIT_WITH_SUPERVISOR = "SKYRL_GRPC_EXIT_WITH_SUPERVISOR"
 # The watchdog's whole program: wait for the pipe to close, then end the process group.
 _WATCHDOG = """
 import os, shutil, signal, sys, time
-group, grace, remove = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+group, grace, remove, detach = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
+if detach == "1" and os.fork():
+    os._exit(0)  # the rest runs in a child no longer the server's: see reap_children_on_exit
 sys.stdin.buffer.read()  # returns when the server's end of the pipe closes: it is gone
 def signal_group(sig):
     try:
@@ -60,11 +62,14 @@ if remove:
 
 
 def reap_children_on_exit(
-    grace_seconds: float = 2.0, remove: Path | None = None
+    grace_seconds: float = 2.0, remove: Path | None = None, detach: bool = False
 ) -> subprocess.Popen[bytes] | None:
     """Ends every process of this process's group once this process has died (see the module
     docstring), then removes the directory ``remove`` (the server's scratch directory, which
-    they wrote to); returns the watchdog, or None where process groups do not exist."""
+    they wrote to); returns the watchdog, or None where process groups do not exist.
+    ``detach``: the watchdog is not this process's child (it forks and its parent exits), for
+    a process whose children are killed with it (a Ray worker's are, by its raylet): the
+    watchdog must outlive it. Then the process returned is the one that exited."""
     if os.name != "posix":
         return None
     try:
@@ -78,7 +83,7 @@ def reap_children_on_exit(
     # os.pipe() descriptors are not inherited (O_CLOEXEC): only this process holds the end.
     read_end, _write_end = os.pipe()
     try:
-        return subprocess.Popen(
+        watchdog = subprocess.Popen(
             [
                 sys.executable,
                 "-c",
@@ -86,6 +91,7 @@ def reap_children_on_exit(
                 str(os.getpgrp()),
                 str(grace_seconds),
                 str(remove or ""),
+                "1" if detach else "0",
             ],
             stdin=read_end,
             stdout=subprocess.DEVNULL,
@@ -95,6 +101,9 @@ def reap_children_on_exit(
         )
     finally:
         os.close(read_end)
+    if detach:
+        watchdog.wait()  # it forked the watchdog and exited at once
+    return watchdog
 
 
 def exit_with_supervisor() -> None:

@@ -36,7 +36,8 @@ def use_scratch_directory() -> Path:
     """Creates this server's directory and makes it the temporary directory of this process and
     of the processes it starts from now on; returns it."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_default())
-    scratch = Path(tempfile.mkdtemp(prefix=PREFIX))
+    # Named by the process that owns it, for whoever looks at the temporary directory.
+    scratch = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
     os.environ["TMPDIR"] = str(scratch)
     tempfile.tempdir = str(scratch)  # gettempdir() caches its first answer
     return scratch

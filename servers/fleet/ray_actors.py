@@ -36,7 +36,16 @@ class EngineServerActor:
         self, server_args: list[str], engine: dict[str, Any], host: str, env: dict[str, str]
     ) -> None:
         os.environ.update(env)
+        from ..common.reaper import reap_children_on_exit
         from ..engine.engine_server import EngineServer
+        from ..engine.scratch import use_scratch_directory
+
+        # As a server process started by ``serve``: vLLM's files in a directory of the
+        # actor's own, and the engine's processes ended and that directory removed once the
+        # actor's process is gone, however Ray ended it (a node's /tmp would otherwise keep
+        # every killed server's sockets and files). Detached: Ray kills a dead worker's
+        # children, and the watchdog must outlive the actor to do its work.
+        reap_children_on_exit(remove=use_scratch_directory(), detach=True)
 
         self._server = EngineServer(server_options(server_args, engine, host))
 
