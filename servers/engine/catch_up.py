@@ -125,7 +125,8 @@ class _PeerVersions:
         loop: asyncio.AbstractEventLoop,
     ) -> list[tuple[int, str]]:
         while True:
-            answers = [(peer, await self._info(peer, stub)) for peer, stub in stubs.items()]
+            infos = await asyncio.gather(*(self._info(p, stub) for p, stub in stubs.items()))
+            answers = list(zip(stubs, infos, strict=True))
             versions = [(info.weight_version, peer) for peer, info in answers if info is not None]
             updating = [
                 (peer, info.open_weight_update)
