@@ -81,10 +81,13 @@ async def catch_up(parts: EngineParts, peers: Sequence[str], access: PeerAccess)
     settle = _PeerVersions(peers, access, asyncio.get_running_loop().time() + SETTLE_SECONDS)
     for _ in range(CATCH_UP_ROUNDS):
         versions = await settle.settled()
-        if weights and not any(v > parts.weights.version for v, _ in versions):
-            break  # current: nothing was committed while it read (or no peer was ahead)
+        ahead = any(v > parts.weights.version for v, _ in versions)
+        if weights and not ahead:
+            break  # current: nothing was committed while it read
         weights, read = await _catch_up_weights(parts, versions, len(peers), access)
         source = read or source
+        if not ahead:
+            break  # no peer ahead: nothing read, nothing to ask again
     if not parts.adapters.limits.enabled or not versions:
         return weights
     peer = source or max(versions)[1]
@@ -109,7 +112,6 @@ class _PeerVersions:
         open (another server's catch-up is not one), or once the deadline passed (then the
         log says so: this server may serve a version behind until the trainer's next
         update)."""
-        loop = asyncio.get_running_loop()
         async with contextlib.AsyncExitStack() as stack:  # one channel per peer while asking
             stubs = {
                 peer: control_plane_pb2_grpc.ControlPlaneStub(
@@ -117,13 +119,12 @@ class _PeerVersions:
                 )
                 for peer in self._peers
             }
-            return await self._ask_until_settled(stubs, loop)
+            return await self._ask_until_settled(stubs)
 
     async def _ask_until_settled(
-        self,
-        stubs: Mapping[str, control_plane_pb2_grpc.ControlPlaneAsyncStub],
-        loop: asyncio.AbstractEventLoop,
+        self, stubs: Mapping[str, control_plane_pb2_grpc.ControlPlaneAsyncStub]
     ) -> list[tuple[int, str]]:
+        loop = asyncio.get_running_loop()
         while True:
             infos = await asyncio.gather(*(self._info(p, stub) for p, stub in stubs.items()))
             answers = list(zip(stubs, infos, strict=True))
