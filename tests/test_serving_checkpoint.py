@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
 from servers.engine.weights.checkpoint import ServingCheckpoint, flat_bits
 from servers.engine.weights.shared_copy import SharedCopy, SharedCopyReader, copied, layout_of
+from skyrl_grpc import patch_format
 
 
 def weights() -> dict[str, torch.Tensor]:
@@ -31,10 +33,15 @@ def same(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> bool:
     )
 
 
+def named(indices: list[int]) -> np.ndarray:
+    """A patch's names for ``indices``: little-endian uint32s, as bytes."""
+    return np.array(indices, dtype="<u4").view(np.uint8)
+
+
 def patch(checkpoint: ServingCheckpoint, name: str, indices: list[int], value: float) -> None:
     tensor = checkpoint.tensors[name]
     new = torch.full((len(indices),), value, dtype=tensor.dtype)
-    checkpoint.patch(name, torch.tensor(indices), flat_bits(new))
+    checkpoint.patch(name, named(indices), False, flat_bits(new).numpy())
 
 
 def test_a_patch_writes_in_place_and_a_cancel_restores_every_bit() -> None:
@@ -137,15 +144,49 @@ def test_xor_values_give_the_new_bits_and_a_cancel_restores_them() -> None:
     indices = torch.tensor([1, 6, 30])
     old = flat_bits(before["a"])[indices]
     new = flat_bits(torch.tensor([0.5, -2.0, 3.0], dtype=torch.bfloat16))
-    checkpoint.patch("a", indices, old ^ new, xor=True)
+    checkpoint.patch("a", named([1, 6, 30]), False, (old ^ new).numpy(), xor=True)
     assert torch.equal(flat_bits(checkpoint.tensors["a"])[indices], new)
     checkpoint.discard()
     assert same(snapshot(checkpoint), before)
     # On a tensor staged whole in the same update: XORs with the staged value.
     staged = torch.zeros(4, 8, dtype=torch.bfloat16)
     checkpoint.stage_whole("a", staged)
-    checkpoint.patch("a", indices, new, xor=True)  # XOR with zero bits: the bits themselves
+    # XOR with zero bits: the bits themselves.
+    checkpoint.patch("a", named([1, 6, 30]), False, new.numpy(), xor=True)
     assert torch.equal(flat_bits(checkpoint.pending()["a"])[indices], new)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_a_bitmap_patch_writes_the_elements_it_names_and_a_cancel_restores_them(
+    dtype: torch.dtype,
+) -> None:
+    elements = 1000
+    tensors = {"w": torch.randn(elements, generator=torch.Generator().manual_seed(5)).to(dtype)}
+    checkpoint = ServingCheckpoint(lambda: {n: t.clone() for n, t in tensors.items()})
+    before = snapshot(checkpoint)
+    chosen = np.sort(np.random.default_rng(0).choice(elements, 300, replace=False))
+    chosen[-1] = elements - 1  # the last element too: the bitmap's last byte, part used
+    values = flat_bits(torch.linspace(-4, 4, len(chosen)).to(dtype)).numpy()
+    bitmap = patch_format.bitmap_of(chosen, elements)
+    _, indices = checkpoint.patch("w", bitmap, True, values)
+    assert indices.tolist() == chosen.tolist()
+    expected = flat_bits(before["w"]).clone()
+    expected[torch.from_numpy(chosen)] = torch.from_numpy(values)
+    assert torch.equal(flat_bits(checkpoint.tensors["w"]), expected)
+    checkpoint.discard()
+    assert same(snapshot(checkpoint), before)
+
+
+def test_a_patch_that_does_not_fit_its_parameter_is_refused_with_nothing_written() -> None:
+    checkpoint = ServingCheckpoint(weights)
+    before = snapshot(checkpoint)
+    new = flat_bits(torch.ones(3, dtype=torch.bfloat16)).numpy()
+    with pytest.raises(ValueError, match="past the tensor's 32"):  # "a" has 32 elements
+        checkpoint.patch("a", named([0, 5, 32]), False, new)
+    bitmap = patch_format.bitmap_of(np.array([1, 2, 3, 4]), 32)  # four named, three values
+    with pytest.raises(ValueError, match="not exactly as many as its 3 values"):
+        checkpoint.patch("a", bitmap, True, new)
+    assert same(snapshot(checkpoint), before) and checkpoint.staged_count == 0
 
 
 def test_freeing_a_commit_drops_what_a_rollback_would_restore() -> None:
@@ -154,8 +195,7 @@ def test_freeing_a_commit_drops_what_a_rollback_would_restore() -> None:
     buffer = checkpoint.buffer_for("b", [16], torch.float32)
     buffer.fill_(1.0)
     checkpoint.stage_whole("b", buffer)
-    indices = torch.tensor([0, 3], dtype=torch.int32)
-    checkpoint.patch("a", indices, torch.tensor([7, 7], dtype=torch.int16))
+    checkpoint.patch("a", named([0, 3]), False, np.array([7, 7], dtype=np.int16))
     checkpoint.commit()
     # The replaced "b" (16 float32) and the 2 bfloat16 elements the patch overwrote.
     assert checkpoint.free_commit() == 16 * 4 + 2 * 2

@@ -47,7 +47,8 @@ from skyrl_grpc.dtypes import num_elements, torch_name
 from skyrl_grpc.host_memory import freed_memory_trim
 from skyrl_grpc.tensor_bytes import sha256_of
 
-from .checkpoint import ServingCheckpoint
+from . import patch_kernels
+from .checkpoint import ServingCheckpoint, flat_bits
 from .handoff import HandoffReader
 from .heap import HeapKeeper
 from .protocol import (
@@ -291,6 +292,10 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             return 0
         names = set(self.serving.tensors) if self.holds_copy else set()
         self._reload(names)  # before the first update: its heap keeper counts from here
+        if self.holds_copy:  # the patch loops compiled for these weights: not in an update
+            patch_kernels.prepare(
+                {flat_bits(t).numpy().dtype for t in self.serving.tensors.values()}
+            )
         return len(names)
 
     # -- receiving --------------------------------------------------------------------------

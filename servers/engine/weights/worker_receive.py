@@ -48,14 +48,13 @@ def apply_patch(
     dtype = getattr(torch, param["dtype"])
     raw = np.frombuffer(payload, dtype=np.uint8)
     elements = num_elements(param["shape"])
-    # Indices as 32-bit integers where they fit (the undo record keeps them: half the memory).
-    indices = torch.from_numpy(patch_format.changed_indices(raw, elements, changed, bitmap))
     start = patch_format.names_bytes(elements, changed, bitmap)
-    values = torch.from_numpy(raw[start:].copy()).view(bits_of(dtype.itemsize))
-    tensor = serving.patch(param["name"], indices, values, xor=xor)
+    integers = dtypes.BITS_BY_ITEMSIZE[dtype.itemsize]
+    values = raw[start : start + changed * dtype.itemsize].view(integers)
+    tensor, indices = serving.patch(param["name"], raw[:start], bitmap, values, xor=xor)
     if not xor:
         return tensor, True
-    written = np.take(tensor.view(-1).view(bits_of(dtype.itemsize)).numpy(), indices.numpy())
+    written = np.take(tensor.view(-1).view(bits_of(dtype.itemsize)).numpy(), indices)
     return tensor, all_finite(written.data, param["dtype"])
 
 

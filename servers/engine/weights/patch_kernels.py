@@ -1,0 +1,123 @@
+"""Applying a weight patch to a flat tensor in one pass: each changed element named (by the
+patch's indices or its bitmap, ``skyrl_grpc.patch_format``), its previous bits recorded for a
+rollback, its new bits (or the XOR of old and new, for a compressed patch) written.
+
+Done with numpy's primitives this took four passes and the temporaries between them: a bitmap
+unpacked into one bool per element, those searched for the set ones, the previous bits gathered,
+the new ones scattered. A 294M-parameter bf16 model patched at 5% / 15% of its elements took
+0.75 s / 2.1 s a step that way on the benchmark VM, and ~0.5 s / ~0.9 s as one compiled loop.
+The loop is numba's (vLLM depends on it, so every server has it), compiled for the model's
+element types while the server starts (``prepare``) and cached on disk after that.
+
+Each loop checks what it is given (a patch naming an element past its parameter's end, or more
+elements than it carries values for, stops there instead of writing out of bounds, and what it
+wrote is put back), although the server refused such patches on arrival
+(``assembly.check_patch``): the compiled code has no bounds checks of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+# Element counts past this take 64-bit indices in the rollback record (32-bit below: half the
+# memory).
+INT32_ELEMENTS = 1 << 31
+
+
+def _by_bitmap(
+    flat: Any, bitmap: Any, values: Any, xor: bool, indices: Any, old: Any
+) -> tuple[int, bool]:
+    """A bitmap-named patch (compiled by ``compiled``): writes ``values`` at the set bits'
+    elements of ``flat``, filling ``indices`` and ``old``; returns how many it wrote and
+    whether the bitmap named exactly as many elements as there are values, all inside."""
+    count = 0
+    size = flat.size
+    for byte_index in range(bitmap.size):
+        bits = bitmap[byte_index]
+        if bits == 0:
+            continue
+        first = byte_index * 8
+        for bit in range(8):
+            if (bits >> bit) & 1:
+                element = first + bit
+                if element >= size or count >= values.size:
+                    return count, False
+                previous = flat[element]
+                indices[count] = element
+                old[count] = previous
+                flat[element] = previous ^ values[count] if xor else values[count]
+                count += 1
+    return count, count == values.size
+
+
+def _by_indices(
+    flat: Any, named: Any, values: Any, xor: bool, indices: Any, old: Any
+) -> tuple[int, bool]:
+    """An index-named patch (``named``: uint32 indices): as ``_by_bitmap``."""
+    size = flat.size
+    for count in range(values.size):
+        element = named[count]
+        if element >= size:
+            return count, False
+        previous = flat[element]
+        indices[count] = element
+        old[count] = previous
+        flat[element] = previous ^ values[count] if xor else values[count]
+    return values.size, True
+
+
+# The loops compiled so far, by name.
+_compiled: dict[str, Any] = {}
+
+
+def compiled(loop: Any) -> Any:
+    """``loop`` compiled by numba (on first use; from numba's cache on disk where it is there)."""
+    kernel = _compiled.get(loop.__name__)
+    if kernel is None:
+        # Imported here, not with this module: a vLLM tensor-parallel worker scans every
+        # loaded module while it starts and fails on llvmlite's (numba's) objects (vLLM 0.32,
+        # ``triton_utils.dispatcher``); patches are applied only after that.
+        import numba
+
+        kernel = _compiled[loop.__name__] = numba.njit(nogil=True, cache=True)(loop)
+    return kernel
+
+
+def apply_in_place(
+    flat: Any, names: Any, bitmap: bool, values: Any, xor: bool = False
+) -> tuple[Any, Any]:
+    """Writes ``values`` (numpy, ``flat``'s integer type) into ``flat`` (a numpy view of the
+    tensor's bits) at the elements ``names`` (the patch's name bytes, uint8) name; returns the
+    elements' indices (increasing) and the bits they held. ValueError where the names do not
+    fit the tensor or the values, with ``flat`` as it was."""
+    # Aligned and writable copies where they are not (bytes received are read-only, a patch's
+    # values may start at an odd offset): one compiled loop per element type then serves every
+    # patch, the one ``prepare`` made; each other kind of array would be compiled at first use.
+    names = np.require(names, requirements=["A", "W"])
+    values = np.require(values, requirements=["A", "W"])
+    index_type = np.int32 if flat.size < INT32_ELEMENTS else np.int64
+    indices = np.empty(values.size, dtype=index_type)
+    old = np.empty_like(values)
+    if bitmap:
+        written, fits = compiled(_by_bitmap)(flat, names, values, xor, indices, old)
+    else:
+        named = names[: values.size * 4].view("<u4")
+        written, fits = compiled(_by_indices)(flat, named, values, xor, indices, old)
+    if not fits:
+        np.put(flat, indices[:written], old[:written])
+        raise ValueError(
+            f"the patch does not fit: it names elements past the tensor's {flat.size}, or not "
+            f"exactly as many as its {values.size} values"
+        )
+    return indices, old
+
+
+def prepare(integer_types: set[Any]) -> None:
+    """Compiles (or loads from numba's cache) both loops for each of ``integer_types`` (numpy
+    dtypes of the weights' bits), so no update pays for it."""
+    for dtype in integer_types:
+        for bitmap in (True, False):
+            names = np.array([1, 0, 0, 0], dtype=np.uint8)  # element 0, by bitmap or index
+            apply_in_place(np.zeros(8, dtype=dtype), names, bitmap, np.ones(1, dtype=dtype))
