@@ -37,7 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -222,6 +222,13 @@ def raw_gloo(tensors: list[tuple[str, Any]], rounds: int) -> float:
     return best
 
 
+def timed_cpu(measure: Callable[[], float]) -> tuple[float, float]:
+    """What ``measure`` returns (seconds) and the CPU seconds this process spent in it."""
+    before = cpu_seconds(psutil.Process())
+    seconds = measure()
+    return seconds, cpu_seconds(psutil.Process()) - before
+
+
 # -- the update the trainer waits for -----------------------------------------------------------
 
 
@@ -271,9 +278,9 @@ async def updates(
     rounds: int,
     rl_lrs: list[float],
     compressions: list[bool],
-) -> tuple[list[dict[str, Any]], list[float]]:
-    """Every update measured (one row each), and the reload floors (seconds, one per full
-    update: ``reload_floor``)."""
+) -> tuple[list[dict[str, Any]], list[tuple[float, float]]]:
+    """Every update measured (one row each), and the reload floors (seconds and the servers'
+    CPU seconds, one per full update: ``reload_floor``)."""
     from trainer_client import InferenceClient
 
     addresses = [s.address for s in servers]  # type: ignore[attr-defined]
@@ -346,13 +353,17 @@ async def updates(
         server's own memory, timed as a rollback of the full update just committed (the
         previous weights are there; the rollback swaps them in and reloads every layer)."""
         nonlocal version
+        servers_cpu = ProcessTree(*pids)
+        cpu_before = servers_cpu.cpu_seconds()
         started = time.perf_counter()
         restored = await client.rollback_weights(version, timeout=1800)
-        floors.append(time.perf_counter() - started)
+        floors.append((time.perf_counter() - started, servers_cpu.cpu_seconds() - cpu_before))
         assert len(set(restored.values())) == 1 and min(restored.values()) < version, restored
-        print({"reload floor (rollback)": floors[-1], "transport": transport}, flush=True)
+        print(
+            {"reload floor (rollback), s and CPU s": floors[-1], "transport": transport}, flush=True
+        )
 
-    floors: list[float] = []
+    floors: list[tuple[float, float]] = []
     for transport in transports:
         if transport == "collective":
             await client.init_weight_transfer("gloo", timeout_seconds=600)
@@ -415,7 +426,8 @@ def main() -> None:
     model, tensors, total, parameters = load_model(args.dtype)
     print(f"model: {parameters / 1e6:.0f}M parameters, {total / GiB:.2f} GiB {args.dtype}")
     torch.set_num_threads(1)
-    tcp = min(raw_tcp(tensors) for _ in range(args.rounds))
+    # The fastest round, with the CPU it took (sender and receiver are both this process).
+    tcp, tcp_cpu = min(timed_cpu(lambda: raw_tcp(tensors)) for _ in range(args.rounds))
     gloo = raw_gloo(tensors, args.rounds)
     transports = [t for t in args.transports.split(",") if t]
     stream = raw_grpc(tensors, args.rounds) if "grpc" in transports else None
@@ -426,15 +438,18 @@ def main() -> None:
         rows, floors = asyncio.run(
             updates(servers, tensors, transports, args.rounds, rl_lrs, compressions)
         )
-    reload_floor = statistics.median(floors) if floors else 0.0
+    reload_floor = statistics.median(f for f, _ in floors) if floors else 0.0
+    reload_cpu = statistics.median(c for _, c in floors) if floors else 0.0
     lines = [
         f"\n#### {parameters / 1e6:.0f}M parameters ({total / GiB:.2f} GiB {args.dtype}), "
         f"{args.servers} server(s), TP={args.tp}\n",
-        f"Floors, same run: loopback TCP of the full bytes {tcp:.2f} s, gloo broadcast "
-        f"{gloo:.2f} s, vLLM's reload of the whole model from the server's memory (R, a "
-        f"rollback after each full update) {reload_floor:.2f} s (median of "
-        f"{', '.join(f'{f:.2f}' for f in floors)}). An update's floor: the link's time for the "
-        "bytes it sent, plus R.\n",
+        f"Floors, same run: loopback TCP of the full bytes {tcp:.2f} s ({tcp_cpu:.2f} s of CPU, "
+        f"sender and receiver), gloo broadcast {gloo:.2f} s, vLLM's reload of the whole model "
+        f"from the server's memory (R, a rollback after each full update) {reload_floor:.2f} s "
+        f"(median of {', '.join(f'{f:.2f}' for f, _ in floors)}; {reload_cpu:.2f} s of the "
+        f"servers' CPU, median). An update's floor: the link's time for the bytes it sent, plus "
+        f"R. On {os.cpu_count()} cores the in-band floor (TCP + R) already spends "
+        f"{tcp_cpu + reload_cpu:.2f} s of CPU in {tcp + reload_floor:.2f} s.\n",
         *(
             [
                 f"The same chunks as a bare gRPC stream (`scripts/grpc_floor.py`: nothing done "
