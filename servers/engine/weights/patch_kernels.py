@@ -28,6 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from skyrl_grpc.dtypes import BITS_BY_ITEMSIZE
+
+# Set bits of each byte value (numpy's ``bitwise_count`` needs numpy 2; the project takes 1.26).
+_SET_BITS = np.array([bin(value).count("1") for value in range(256)], dtype=np.uint8)
 # Element counts past this take 64-bit indices in the rollback record (32-bit below: half the
 # memory).
 INT32_ELEMENTS = 1 << 31
@@ -112,7 +116,7 @@ def apply_in_place(
     if bitmap:
         by_bitmap = compiled(_by_bitmap)
         spans = _spans(names.size, 8)
-        counts = [int(np.bitwise_count(names[a:b]).sum()) for a, b in spans]
+        counts = [int(_SET_BITS[names[a:b]].sum(dtype=np.int64)) for a, b in spans]
         if sum(counts) != values.size:
             raise _does_not_fit(flat.size, values.size)
         first = 0
@@ -153,7 +157,8 @@ _threads: ThreadPoolExecutor | None = None
 
 
 def _thread_count() -> int:
-    return max(1, min(MAX_THREADS, len(os.sched_getaffinity(0))))
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    return max(1, min(MAX_THREADS, len(usable) if usable is not None else os.cpu_count() or 1))
 
 
 def _spans(size: int, elements_each: int) -> list[tuple[int, int]]:
@@ -174,10 +179,12 @@ def _run(pieces: list[Callable[[], tuple[int, bool]]]) -> list[tuple[int, bool]]
     return list(_threads.map(lambda piece: piece(), pieces))
 
 
-def prepare(integer_types: set[Any]) -> None:
-    """Compiles (or loads from numba's cache) both loops for each of ``integer_types`` (numpy
-    dtypes of the weights' bits), so no update pays for it."""
-    for dtype in integer_types:
+def prepare(itemsizes: set[int]) -> None:
+    """Compiles (or loads from numba's cache) both loops for the weights' element sizes (the
+    integer types of ``dtypes.BITS_BY_ITEMSIZE``; other sizes are never patched), so no update
+    pays for it."""
+    for itemsize in itemsizes & BITS_BY_ITEMSIZE.keys():
+        dtype = np.dtype(BITS_BY_ITEMSIZE[itemsize])
         for bitmap in (True, False):
             names = np.array([1, 0, 0, 0], dtype=np.uint8)  # element 0, by bitmap or index
             apply_in_place(np.zeros(8, dtype=dtype), names, bitmap, np.ones(1, dtype=dtype))

@@ -48,7 +48,7 @@ from skyrl_grpc.host_memory import freed_memory_trim
 from skyrl_grpc.tensor_bytes import sha256_of
 
 from . import patch_kernels
-from .checkpoint import ServingCheckpoint, flat_bits
+from .checkpoint import ServingCheckpoint
 from .handoff import HandoffReader
 from .heap import HeapKeeper
 from .protocol import (
@@ -293,9 +293,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         names = set(self.serving.tensors) if self.holds_copy else set()
         self._reload(names)  # before the first update: its heap keeper counts from here
         if self.holds_copy:  # the patch loops compiled for these weights: not in an update
-            patch_kernels.prepare(
-                {flat_bits(t).numpy().dtype for t in self.serving.tensors.values()}
-            )
+            patch_kernels.prepare({t.element_size() for t in self.serving.tensors.values()})
         return len(names)
 
     # -- receiving --------------------------------------------------------------------------
