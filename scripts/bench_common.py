@@ -32,6 +32,7 @@ from pathlib import Path
 import psutil
 
 from scripts.process_memory import memory_of
+from servers.common.reaper import EXIT_WITH_SUPERVISOR
 from servers.engine.engine_args import cpu_layout
 from servers.engine.options import EngineOptions
 from skyrl_grpc.tiny_model import ensure_tiny_model
@@ -207,8 +208,15 @@ def _wait_http(url: str, launched: Launched, what: str, timeout: float = 600) ->
 @contextlib.contextmanager
 def _process(command: list[str], env: dict[str, str] | None, what: str) -> Iterator[Launched]:
     log = tempfile.NamedTemporaryFile("w+", prefix=f"{what}-", suffix=".log", delete=False)
+    # This project's servers die with the bench however it dies (their standard input: a pipe
+    # only it holds; ``servers.common.reaper.exit_with_supervisor``). Other servers ignore it.
     process = subprocess.Popen(
-        command, env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0
+        command,
+        env={**(os.environ if env is None else env), EXIT_WITH_SUPERVISOR: "1"},
+        stdin=subprocess.PIPE,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        process_group=0,
     )
     launched = Launched("", process, log.name)
     try:

@@ -129,8 +129,17 @@ def engine_servers(
     model: Path, count: int, tp: int, dtype: str, extra_args: Sequence[str] = ()
 ) -> Iterator[list[subprocess.Popen[str]]]:
     from servers.common.process import read_announcement
+    from servers.common.reaper import EXIT_WITH_SUPERVISOR
 
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+    # The servers die with this process however it dies (their standard input: a pipe only it
+    # holds; ``servers.common.reaper.exit_with_supervisor``): a bench killed mid-run must not
+    # leave GBs of engines behind.
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONPATH": str(ROOT),
+        EXIT_WITH_SUPERVISOR: "1",
+    }
     args = ["--model", str(model), "--dtype", dtype, "--kv-cache-gib", "1", "--port", "0"]
     if tp > 1:
         args += ["--tensor-parallel-size", str(tp), "--cpu-threads", "1"]
@@ -142,6 +151,7 @@ def engine_servers(
                 subprocess.Popen(
                     [sys.executable, "-m", "servers.engine", *args],
                     cwd=ROOT,
+                    stdin=subprocess.PIPE,
                     env=env,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,
