@@ -52,13 +52,20 @@ def bitmap_of(indices: Any, elements: int) -> Any:
 _POPCOUNT = bytes(bin(value).count("1") for value in range(256))
 
 
+def named_count(bits: Any) -> int:
+    """How many elements a bitmap, or a run of its bytes (a uint8 array), names: its set bits."""
+    import numpy as np
+
+    return int(np.frombuffer(_POPCOUNT, dtype=np.uint8)[bits].sum(dtype=np.int64))
+
+
 def bitmap_problem(bitmap: Any, elements: int, changed: int) -> str:
     """Why ``bitmap`` (bitmap_bytes(elements) bytes) does not name ``changed`` elements of a
     parameter of ``elements``: "" when it does."""
     import numpy as np
 
     bits = np.frombuffer(bitmap, dtype=np.uint8, count=bitmap_bytes(elements))
-    named = int(np.frombuffer(_POPCOUNT, dtype=np.uint8)[bits].sum(dtype=np.int64))
+    named = named_count(bits)
     if named != changed:
         return f"its bitmap names {named} elements, the manifest says {changed}"
     spare = bitmap_bytes(elements) * 8 - elements

@@ -19,6 +19,7 @@ wrote is put back), although the server refused such patches on arrival
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from collections.abc import Callable
@@ -29,9 +30,8 @@ from typing import Any
 import numpy as np
 
 from skyrl_grpc.dtypes import BITS_BY_ITEMSIZE
+from skyrl_grpc.patch_format import named_count
 
-# Set bits of each byte value (numpy's ``bitwise_count`` needs numpy 2; the project takes 1.26).
-_SET_BITS = np.array([bin(value).count("1") for value in range(256)], dtype=np.uint8)
 # Element counts past this take 64-bit indices in the rollback record (32-bit below: half the
 # memory).
 INT32_ELEMENTS = 1 << 31
@@ -80,21 +80,15 @@ def _by_indices(
     return values.size, True
 
 
-# The loops compiled so far, by name.
-_compiled: dict[str, Any] = {}
-
-
+@functools.cache
 def compiled(loop: Any) -> Any:
     """``loop`` compiled by numba (on first use; from numba's cache on disk where it is there)."""
-    kernel = _compiled.get(loop.__name__)
-    if kernel is None:
-        # Imported here, not with this module: a vLLM tensor-parallel worker scans every
-        # loaded module while it starts and fails on llvmlite's (numba's) objects (vLLM 0.32,
-        # ``triton_utils.dispatcher``); patches are applied only after that.
-        import numba
+    # Imported here, not with this module: a vLLM tensor-parallel worker scans every loaded
+    # module while it starts and fails on llvmlite's (numba's) objects (vLLM 0.32,
+    # ``triton_utils.dispatcher``); patches are applied only after that.
+    import numba
 
-        kernel = _compiled[loop.__name__] = numba.njit(nogil=True, cache=True)(loop)
-    return kernel
+    return numba.njit(nogil=True, cache=True)(loop)
 
 
 def apply_in_place(
@@ -116,7 +110,7 @@ def apply_in_place(
     if bitmap:
         by_bitmap = compiled(_by_bitmap)
         spans = _spans(names.size, 8)
-        counts = [int(_SET_BITS[names[a:b]].sum(dtype=np.int64)) for a, b in spans]
+        counts = [named_count(names[a:b]) for a, b in spans]
         if sum(counts) != values.size:
             raise _does_not_fit(flat.size, values.size)
         first = 0
