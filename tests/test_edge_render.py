@@ -64,3 +64,22 @@ def test_models_lists_the_base_then_its_adapters() -> None:
     listed = render.models(info, created=0)["data"]
     assert [(m["id"], m["parent"]) for m in listed] == [("base", None), ("policy", "base")]
     assert listed[1]["lora_version"] == 3 and listed[0]["max_model_len"] == 512
+
+
+def test_a_required_choice_answered_without_a_call_does_not_say_tool_calls() -> None:
+    """vLLM's server says "tool_calls" for any required answer that stopped by itself; the edge
+    says it only where the answer has calls (the engine hands back text when it found none)."""
+    from servers.router.http_edge import tool_calls
+    from skyrl_grpc.v1 import chat_tools_pb2 as tools_pb2
+
+    use = tools_pb2.ToolUse(
+        tools=[tools_pb2.Tool(name="f")],
+        tool_choice=tools_pb2.ToolChoice(mode=tools_pb2.TOOL_CHOICE_MODE_REQUIRED),
+    )
+    text_only = tools_pb2.ChatMessageOut(content="[{")
+    called = tools_pb2.ChatMessageOut(
+        tool_calls=[tools_pb2.ToolCall(id="c", name="f", arguments_json="{}")]
+    )
+    assert tool_calls.whole_finish_reason(use, text_only, "stop") == "stop"
+    assert tool_calls.whole_finish_reason(use, called, "stop") == "tool_calls"
+    assert tool_calls.whole_finish_reason(use, called, "length") == "length"

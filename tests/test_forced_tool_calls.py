@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2, data_plane_pb2_grpc, generation_pb2
+from tests.helpers.forced_calls import NAMED, SEEDS, broken_forced_answers, forced_request
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -190,3 +191,20 @@ async def test_auto_without_a_parser_is_refused_naming_the_flag(http_router: Any
         )
         assert served.samples[0].token_ids
     await client.close()
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+async def test_seeded_forced_calls_are_calls_or_keep_their_text(
+    http_router: Any, choice: Any
+) -> None:
+    """Seeded, with free string arguments a random model writes long: every answer is calls that
+    follow the schema, or (cut off) the generated text as content; never "tool_calls" with no
+    call, never a call whose arguments break the schema."""
+    edge = f"http://127.0.0.1:{http_router.http_port}/v1"
+    client = openai.AsyncOpenAI(base_url=edge, api_key="-")
+    answers = [
+        (await client.chat.completions.create(**forced_request(choice, seed))).model_dump()
+        for seed in SEEDS
+    ]
+    await client.close()
+    assert broken_forced_answers(choice, answers) == []

@@ -20,6 +20,7 @@ import pytest
 from skyrl_grpc.tiny_model import TinyModelSpec, ensure_tiny_model
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2, data_plane_pb2_grpc
 from tests.conftest import running_engine_server, running_router
+from tests.helpers.forced_calls import NAMED, SEEDS, broken_forced_answers, forced_request
 from tests.helpers.vllm_http import SERVED_NAME, vllm_http_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -658,3 +659,19 @@ def test_a_finish_that_comes_alone_folds_like_one_that_comes_with_the_last_piece
     assert deltas_of(apart)[-1] == (arguments('{"zone":"UTC"}'), "stop")
     assert deltas_of([*apart[:-1], event({}, "length")]) != deltas_of(together)
     assert deltas_of([*apart[:2], event(arguments('"UTZ"}'), "stop")]) != deltas_of(together)
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+async def test_seeded_forced_calls_under_a_parser_follow_the_schema(
+    tool_edge: str, choice: Any
+) -> None:
+    """With hermes (whose structural tag leaves a non-strict tool's arguments free on vLLM's
+    server: ``"arguments": Infinity``), a forced call's arguments still follow the schema; a
+    cut-off keeps its text; "tool_calls" always comes with calls."""
+    client = openai.AsyncOpenAI(base_url=f"{tool_edge}/v1", api_key="-")
+    answers = [
+        (await client.chat.completions.create(**forced_request(choice, seed))).model_dump()
+        for seed in SEEDS
+    ]
+    await client.close()
+    assert broken_forced_answers(choice, answers) == []

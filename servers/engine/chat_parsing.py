@@ -12,6 +12,16 @@ A ``required`` or named tool choice needs no ``--tool-call-parser``: its output 
 the tools' JSON schema, so vLLM's generic JSON reading of forced calls (``DelegatingParser`` with
 a tool parser that ``supports_required_and_named``) finds the calls whatever the model's own
 call format. Only ``auto``, where free text must be read for calls, needs the model's parser.
+
+Where this server is stricter than vLLM's, on forced choices (a caller who forces a call gets a
+call it can run, or the text):
+- every offered tool is treated as ``strict``, so a parser's structural tag pins the arguments to
+  the tool's JSON Schema too (vLLM's server with ``hermes`` leaves them free: ``"arguments":
+  Infinity``);
+- a whole answer's calls are returned only when each one's arguments are a JSON object that
+  follows its tool's schema; otherwise (a call cut off by ``max_tokens``, or none found) the
+  answer carries no calls and its generated text as ``content``, as vLLM's server does for a
+  cut-off under a parser.
 """
 
 from __future__ import annotations
@@ -174,6 +184,10 @@ class ChatParsers:
         body: dict[str, Any] = {"model": self.model_name, "messages": []}
         if use.tools:
             body["tools"] = tool_dicts(use.tools)
+            if choice == "required" or isinstance(choice, dict):
+                # A forced call's arguments follow its tool's schema, parser or not.
+                for tool in body["tools"]:
+                    tool["function"]["strict"] = True
         if choice is not None:
             body["tool_choice"] = choice
         if use.HasField("parallel_tool_calls"):
@@ -337,6 +351,11 @@ class ChatOutputParsing:
         choice = self._request.tool_choice
         # After validation a named choice is vLLM's ChatCompletionNamedToolChoiceParam.
         forced = choice == "required" or hasattr(choice, "function")
+        if forced and not (calls and all(self._follows_schema(c) for c in calls)):
+            # No call a caller can run (cut off, or none found): the text, not an empty answer.
+            calls = []
+            if not content:
+                content = _content_after_reasoning(parser, self._texts[i], self._request)
         if forced:
             out.content = content or ""  # vLLM's server: "" rather than null for forced calls
         elif content is not None:
@@ -347,6 +366,41 @@ class ChatOutputParsing:
                     id=call.id or make_tool_call_id(), name=call.name, arguments_json=call.arguments
                 )
         return out
+
+    def _follows_schema(self, call: Any) -> bool:
+        """Whether a forced call names an offered tool and its arguments are a JSON object that
+        its tool's parameters schema accepts."""
+        from jsonschema import ValidationError as SchemaMismatch
+        from jsonschema.validators import validator_for
+
+        tools = {tool.function.name: tool.function for tool in self._request.tools or []}
+        function = tools.get(call.name)
+        if function is None:
+            return False
+        try:
+            arguments = json.loads(call.arguments)
+        except (json.JSONDecodeError, TypeError):
+            return False
+        if not isinstance(arguments, dict):
+            return False
+        schema = function.parameters
+        if not schema:
+            return True
+        try:
+            validator_for(schema)(schema).validate(arguments)
+        except SchemaMismatch:
+            return False
+        return True
+
+
+def _content_after_reasoning(parser: Any, text: str, request: Any) -> str:
+    """The part of a sample's text that is not reasoning (all of it without a reasoning
+    parser)."""
+    extract = getattr(parser, "extract_reasoning", None)
+    if extract is None:
+        return text
+    _, content = extract(text, request)
+    return content or ""
 
 
 def _with_adjustments(

@@ -133,9 +133,11 @@ def whole_finish_reason(
     use: tools_pb2.ToolUse, message: tools_pb2.ChatMessageOut, finish: str | None
 ) -> str | None:
     """vLLM's rule for a whole answer: "tool_calls" when auto found calls, or a required choice
-    stopped by itself; a named choice keeps "stop"."""
+    stopped by itself; a named choice keeps "stop". Unlike vLLM's server, never "tool_calls"
+    for an answer with no calls (the engine returns a forced answer's text, not a call, when it
+    found no call that follows its tool's schema)."""
     choice = _choice(use)
-    if (choice == "auto" and message.tool_calls) or (choice == "required" and finish == "stop"):
+    if message.tool_calls and (choice == "auto" or (choice == "required" and finish == "stop")):
         return "tool_calls"
     return finish
 
