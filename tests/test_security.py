@@ -26,7 +26,7 @@ from skyrl_grpc.v1 import (
     router_pb2_grpc,
 )
 from tests.helpers.fake_backend import FakeBackend
-from trainer_client import FanOutError, InferenceClient
+from trainer_client import FanOutError, InferenceClient, ServerError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,3 +167,64 @@ def test_no_pickle_or_eval_on_any_wire_path() -> None:
                     offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert scanned > 20
     assert not offenders, "\n".join(offenders)
+
+
+async def test_a_client_takes_a_token_for_each_plane(
+    guarded_server: engine_server.EngineServer,
+) -> None:
+    """Servers started with --control-token and --data-token apart: one client generates and
+    pauses (a single ``token`` could only pass one of the two)."""
+    address = guarded_server.address
+    both = InferenceClient(
+        address,
+        [address],
+        data_token="data-s3cret",
+        control_token="control-s3cret",
+        control_timeout=5,
+        direct=False,
+    )
+    with pytest.raises(FanOutError) as raised:
+        await both.is_paused()
+    assert raised.value.failures[address].code == grpc.StatusCode.UNAVAILABLE  # past the token
+    with pytest.raises(ServerError) as failed:
+        await both.model_info(timeout=5)
+    assert failed.value.code == grpc.StatusCode.UNAVAILABLE  # past the token: still starting
+    one = InferenceClient(address, [address], token="control-s3cret", direct=False)
+    with pytest.raises(ServerError) as refused:
+        await one.model_info(timeout=5)
+    assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_the_skyrl_drop_in_sends_the_data_token_to_the_edge() -> None:
+    """Its OpenAI calls carry the data plane's token, as its gRPC calls do."""
+    from trainer_client.skyrl_engine import SkyRLInferenceEngine
+
+    seen: list[bytes] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        seen.append(head)
+        length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))  # type: ignore[union-attr]
+        await reader.readexactly(length)
+        body = b'{"choices": []}'
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        writer.close()
+
+    edge = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = edge.sockets[0].getsockname()[1]
+    engine = SkyRLInferenceEngine(
+        "127.0.0.1:1",
+        ["127.0.0.1:1"],
+        http_url=f"http://127.0.0.1:{port}",
+        data_token="data-s3cret",
+        control_token="control-s3cret",
+    )
+    await engine.chat_completion({"json": {"messages": []}})
+    await engine.client.close()
+    edge.close()
+    assert b"authorization: Bearer data-s3cret" in seen[0].lower().replace(b"bearer", b"Bearer")

@@ -131,7 +131,7 @@ class BatchGeneration:
             for _ in indices:
                 routes.begin(target)
         call = self._client._data(address).GenerateBatch(
-            request, timeout=self._timeout, metadata=self._client._metadata()
+            request, timeout=self._timeout, metadata=self._client._metadata("data")
         )
         try:
             async for message in call:

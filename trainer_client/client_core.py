@@ -17,7 +17,7 @@ from skyrl_grpc.metadata import SESSION_ID
 from skyrl_grpc.session_moves import finish_moved_session
 from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2_grpc
 
-from .config import ClientConfig
+from .config import ClientConfig, Plane
 from .connections import Connections
 from .exceptions import ServerError
 from .fanout import fan_out
@@ -70,15 +70,17 @@ class ClientCore:
         the loop ends under ``asyncio.run``."""
         await self._connections.close()
 
-    def _metadata(self, session_id: str | None = None) -> tuple[tuple[str, str], ...]:
-        metadata = self.config.metadata()
+    def _metadata(
+        self, plane: Plane, session_id: str | None = None
+    ) -> tuple[tuple[str, str], ...]:
+        metadata = self.config.metadata(plane)
         return (*metadata, (SESSION_ID, session_id)) if session_id else metadata
 
     def _session_moved(self, address: str, session_id: str) -> None:
         """Direct routing moved ``session_id`` away from ``address``: tell it (best effort)."""
         self._connections.spawn(
             finish_moved_session(
-                self.channel(address), session_id, timeout=5, metadata=self.config.metadata()
+                self.channel(address), session_id, timeout=5, metadata=self.config.metadata("data")
             )
         )
 
@@ -95,10 +97,12 @@ class ClientCore:
         request: Any,
         timeout: float | None,
         session_id: str | None = None,
+        *,
+        plane: Plane,
     ) -> T:
-        """One call; a failure raises ``ServerError`` (as its status's subclass)."""
+        """One call to ``plane``; a failure raises ``ServerError`` (as its status's subclass)."""
         try:
-            return await call(request, timeout=timeout, metadata=self._metadata(session_id))
+            return await call(request, timeout=timeout, metadata=self._metadata(plane, session_id))
         except grpc.aio.AioRpcError as error:
             raise ServerError.from_rpc_error(address, error) from error
 
@@ -117,7 +121,8 @@ class ClientCore:
         deadline = self.config.control_timeout if timeout is None else timeout
 
         async def call(address: str) -> T:
-            return read(await self._unary(address, rpc(self._control(address)), request, deadline))
+            stub_call = rpc(self._control(address))
+            return read(await self._unary(address, stub_call, request, deadline, plane="control"))
 
         operation = type(request).__name__.removesuffix("Request")
         servers = await self._control_servers()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Literal, TypedDict
 
 import grpc
 
@@ -11,7 +11,11 @@ from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, open_channel
 from skyrl_grpc.metadata import bearer
 from skyrl_grpc.tls import TlsConfig
 
-__all__ = ["ClientConfig", "ClientSettings", "TlsConfig"]
+__all__ = ["ClientConfig", "ClientSettings", "Plane", "TlsConfig"]
+
+#: Which of a server's services a call goes to: each may require its own bearer token
+#: (``serve --data-token`` / ``--control-token``).
+Plane = Literal["data", "control"]
 
 
 @dataclass(frozen=True)
@@ -28,8 +32,14 @@ class ClientConfig:
     control_timeout: float = 60.0
     # Deadline of each data-plane call (None: none; a generation may legitimately take long).
     data_timeout: float | None = None
-    # Bearer token sent on every call (servers started with a token require it).
+    # Bearer token sent on every call (servers started with a token require it): the same one
+    # for both planes. Servers started with --data-token and --control-token apart take
+    # ``data_token`` and ``control_token``, each of which overrides ``token`` for its plane.
     token: str | None = None
+    # Bearer token of DataPlane calls (generation, tokenizer, sessions; through the router).
+    data_token: str | None = None
+    # Bearer token of ControlPlane calls (pause, weights, adapters; to every server).
+    control_token: str | None = None
     tls: TlsConfig | None = None
     # How many times a generation aborted by a pause is resubmitted (None: until the budget of
     # tokens is used up; each retry makes progress only if tokens were generated). A sample
@@ -54,10 +64,12 @@ class ClientConfig:
     # gRPC. Never with ``tls``: the socket is not encrypted. False: always over gRPC.
     push_socket: bool = True
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
+    def metadata(self, plane: Plane) -> tuple[tuple[str, str], ...]:
+        """The metadata of a call to ``plane``: the extra pairs and that plane's token."""
         pairs = list(self.extra_metadata)
-        if self.token:
-            pairs.append(bearer(self.token))
+        token = (self.data_token if plane == "data" else self.control_token) or self.token
+        if token:
+            pairs.append(bearer(token))
         return tuple(pairs)
 
     def open_channel(self, address: str) -> grpc.aio.Channel:
@@ -71,6 +83,8 @@ class ClientSettings(TypedDict, total=False):
     control_timeout: float
     data_timeout: float | None
     token: str | None
+    data_token: str | None
+    control_token: str | None
     tls: TlsConfig | None
     max_abort_retries: int | None
     stream_interval: int

@@ -122,7 +122,7 @@ class Connections:
         if resources.routes is None:
             resources.routes = DirectRoutes(
                 self.channel(self._config.router),
-                self._config.metadata(),
+                self._config.metadata("data"),  # the router's view: its open methods
                 self._on_session_moved,
                 servers=self._config.servers,
                 server_channel=self.channel,

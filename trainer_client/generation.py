@@ -59,7 +59,7 @@ class Generation(ClientCore):
         call = self._data(address).GenerateStream(
             request,
             timeout=self.config.data_timeout if timeout is None else timeout,
-            metadata=self._metadata(session_id),
+            metadata=self._metadata("data", session_id),
         )
         routes = self._connections.routes() if target is not None else None
         if routes is not None and target is not None:
@@ -288,7 +288,12 @@ class Generation(ClientCore):
         request = data_plane_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
         router = self.config.router
         response = await self._unary(
-            router, self._data().Tokenize, request, self._data_timeout(timeout), session_id
+            router,
+            self._data().Tokenize,
+            request,
+            self._data_timeout(timeout),
+            session_id,
+            plane="data",
         )
         return list(response.token_ids)
 
@@ -310,6 +315,7 @@ class Generation(ClientCore):
             request,
             self._data_timeout(timeout),
             session_id,
+            plane="data",
         )
         return list(response.token_ids)
 
@@ -324,7 +330,11 @@ class Generation(ClientCore):
             token_ids=list(token_ids), skip_special_tokens=skip_special_tokens
         )
         response = await self._unary(
-            self.config.router, self._data().Detokenize, request, self._data_timeout(timeout)
+            self.config.router,
+            self._data().Detokenize,
+            request,
+            self._data_timeout(timeout),
+            plane="data",
         )
         return str(response.text)
 
@@ -332,7 +342,11 @@ class Generation(ClientCore):
         """The served model: vocabulary, special tokens, context length, LoRA adapters."""
         request = data_plane_pb2.GetModelInfoRequest()
         response = await self._unary(
-            self.config.router, self._data().GetModelInfo, request, self._data_timeout(timeout)
+            self.config.router,
+            self._data().GetModelInfo,
+            request,
+            self._data_timeout(timeout),
+            plane="data",
         )
         return ModelInfo.from_proto(response)
 
@@ -342,6 +356,10 @@ class Generation(ClientCore):
         never finished are released after the servers' ``--session-idle-seconds``."""
         request = data_plane_pb2.FinishSessionRequest(session_id=session_id)
         response = await self._unary(
-            self.config.router, self._data().FinishSession, request, self._data_timeout(timeout)
+            self.config.router,
+            self._data().FinishSession,
+            request,
+            self._data_timeout(timeout),
+            plane="data",
         )
         return bool(response.found)

@@ -51,7 +51,7 @@ class Adapters(ClientCore):
 
         async def load(address: str) -> LoraAdapter:
             call = self._control(address).LoadLoraAdapter
-            response = await self._unary(address, call, iter(messages), deadline)
+            response = await self._unary(address, call, iter(messages), deadline, plane="control")
             return LoraAdapter.from_proto(response.adapter)
 
         return await fan_out("LoadLoraAdapter", await self._control_servers(), load)

@@ -308,10 +308,16 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
         http = self.client.connections.loop_local(
             "skyrl-httpx", lambda: httpx.AsyncClient(timeout=None), lambda c: c.aclose()
         )
+        # The data plane's bearer token, as the gRPC calls carry it (the edge forwards it to
+        # the servers), unless the caller's headers bring one.
+        headers = {
+            **dict(self.client.config.metadata("data")),
+            **(request_payload.get("headers") or {}),
+        }
         response = await http.post(
             f"{self.http_url.rstrip('/')}{path}",
             json=request_payload.get("json", {}),
-            headers=request_payload.get("headers") or {},
+            headers=headers,
         )
         if response.status_code >= 400:
             raise HttpError(path, response.status_code, _error_message(response))

@@ -89,4 +89,6 @@ class TransactionCalls:
     ) -> Response:
         client = self._client
         stub_method = rpc(client._control(address))
-        return await client._unary(address, stub_method, request, client.config.control_timeout)
+        return await client._unary(
+            address, stub_method, request, client.config.control_timeout, plane="control"
+        )

@@ -126,7 +126,7 @@ class WeightDelivery(ClientCore):
 
         async def update(address: str) -> object:
             return await self._unary(
-                address, self._control(address).UpdateWeights, request, timeout
+                address, self._control(address).UpdateWeights, request, timeout, plane="control"
             )
 
         # Every server receives while rank 0 broadcasts; a server that rejects the layout still
@@ -203,7 +203,9 @@ class WeightDelivery(ClientCore):
                 if lane is not None:
                     await asyncio.to_thread(lane.send, sent)
                 else:
-                    await self._unary(address, method(address), iter(sent), sending.timeout)
+                    await self._unary(
+                        address, method(address), iter(sent), sending.timeout, plane="control"
+                    )
 
         async def push(address: str) -> None:
             lane = await open_push_socket(address, sockets.get(address), sending.timeout)

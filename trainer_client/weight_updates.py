@@ -103,7 +103,11 @@ class WeightUpdates(WeightDelivery):
             )
             try:
                 return await self._unary(
-                    address, self._control(address).InitWeightTransfer, request, timeout_seconds
+                    address,
+                    self._control(address).InitWeightTransfer,
+                    request,
+                    timeout_seconds,
+                    plane="control",
                 )
             except BaseException:
                 sender.cancel_join()  # the others stop waiting for this server at once
@@ -319,6 +323,7 @@ class WeightUpdates(WeightDelivery):
                     self._control(address).CancelWeightUpdate,
                     cp.CancelWeightUpdateRequest(),
                     deadline,
+                    plane="control",
                 )
             except FailedPrecondition:
                 return 0  # nothing open there
