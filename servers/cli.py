@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from .common.process import configure_logging
+from .common.process import configure_logging, exit_on_sigterm
 from .engine import options as engine_options
 from .fleet import Fleet, FleetStartFailed
 from .fleet.local import LocalFleet
@@ -72,13 +72,19 @@ def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -
 
         return RayFleet(
             args.servers,
-            cpu_only=args.cpu_only,
+            # Unset: as the installed engine runs (a CPU engine never waits for a GPU).
+            cpu_only=True if args.cpu_only else None,
             server_args=server_flags,
             strategy=args.placement_strategy,
             resources=json.loads(args.ray_resources) if args.ray_resources else {},
             host=args.host,
             ray_address=args.ray_address,
             start_timeout=args.start_timeout,
+            server_ports=_server_ports(args),
+            router_port=args.router_port,
+            http_port=args.http_port,
+            metrics_port=args.metrics_port,
+            log_dir=args.log_dir,
         )
     router_args = []
     if args.metrics_port is not None:
@@ -120,7 +126,11 @@ def _add_stack_arguments(
     parser.add_argument(
         "--ray-address", default=None, help="Ray cluster to join (default: start one)"
     )
-    parser.add_argument("--cpu-only", action="store_true", help="Ray placement without GPUs")
+    parser.add_argument(
+        "--cpu-only",
+        action="store_true",
+        help="Ray placement without GPUs (the default where vLLM's CPU build is installed)",
+    )
     parser.add_argument(
         "--placement-strategy",
         default="PACK",
@@ -133,11 +143,12 @@ def _add_stack_arguments(
         help="Ray: custom resources each server needs, as JSON (e.g. '{\"inference\": 1}' "
         "for nodes started with --resources '{\"inference\": N}')",
     )
-    ports = parser.add_argument_group("addresses and logs (local processes)")
+    ports = parser.add_argument_group("addresses and logs (local processes and Ray alike)")
     ports.add_argument(
         "--host",
         default="127.0.0.1",
-        help="address every process binds (Ray across nodes: 0.0.0.0, advertised as the node IP)",
+        help="address every process binds (Ray across nodes, or an edge reachable from outside "
+        "the cluster: 0.0.0.0, advertised as the node IP)",
     )
     ports.add_argument("--router-port", type=int, default=router_port, help="0: any free port")
     ports.add_argument(
@@ -155,7 +166,9 @@ def _add_stack_arguments(
         help="router's OpenAI-compatible HTTP port (/v1/...; 0: any free port)",
     )
     ports.add_argument(
-        "--log-dir", default=None, help="one log file per process here (default: none kept)"
+        "--log-dir",
+        default=None,
+        help="one log file per process here (default: none kept; on Ray, on each actor's node)",
     )
 
 
@@ -178,38 +191,51 @@ def _read_commands(fleet: Fleet) -> None:
             print(f"server {index}: {address}", flush=True)
 
 
+class Stopped(Exception):
+    """A signal asked ``up`` to stop before its fleet had started."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def _up(args: argparse.Namespace, server_args: list[str]) -> None:
+    started = threading.Event()
+    stopping = threading.Event()
+
+    def stop(signum: int, _: object) -> None:
+        if stopping.is_set():
+            return  # already on the way out: let the fleet close
+        stopping.set()
+        if not started.is_set():
+            raise Stopped(signum)  # unwinds the start: the fleet closes what it started
+
+    # Set before anything starts, not left to Python's KeyboardInterrupt (a process started in
+    # the background by a script, ``skyrl-grpc up &``, inherits SIGINT ignored) nor to Ray's
+    # SIGTERM handling (a native stack dump, nothing closed): a signal at any point stops the
+    # fleet and prints one line.
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     with make_fleet(args, server_args) as fleet:
+        started.set()
         print(f"router: {fleet.addresses.router}")
         for index, address in enumerate(fleet.addresses.servers):
             print(f"server {index}: {address}")
-        if isinstance(fleet, LocalFleet):
-            if fleet.metrics_port is not None:
-                print(f"router metrics: http://{args.host}:{fleet.metrics_port}/metrics")
-            if fleet.http_port is not None:
-                print(f"OpenAI API: http://{args.host}:{fleet.http_port}/v1")
-            if args.log_dir:
-                print(f"logs: {Path(args.log_dir).resolve()}")
+        host = fleet.addresses.router.rpartition(":")[0]
+        if fleet.metrics_port is not None:
+            print(f"router metrics: http://{host}:{fleet.metrics_port}/metrics")
+        if fleet.http_port is not None:
+            print(f"OpenAI API: http://{host}:{fleet.http_port}/v1")
+        if args.log_dir:
+            where = " (on each actor's node)" if args.ray else ""
+            print(f"logs: {Path(args.log_dir).resolve()}{where}")
         fleet.supervise()  # a server that dies is reported and started again
         threading.Thread(target=_read_commands, args=(fleet,), daemon=True).start()
         print("Ctrl-C to stop; type `scale N` to grow or shrink the fleet", flush=True)
-        stopping = False
-
-        def stop(*_: object) -> None:
-            nonlocal stopping
-            stopping = True
-
-        # Both set here, not left to Python's KeyboardInterrupt: a process started in the
-        # background by a script (``skyrl-grpc up &``, a CI step) inherits SIGINT ignored, and
-        # Python then never turns Ctrl-C / SIGINT into KeyboardInterrupt.
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
-        while not stopping:
-            time.sleep(0.5)
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+        while not stopping.wait(0.5):
+            pass
+        print("stopping ...", flush=True)
+    print("stopped", flush=True)
 
 
 def _demo(args: argparse.Namespace, trainer_args: list[str]) -> None:
@@ -222,7 +248,7 @@ def _demo(args: argparse.Namespace, trainer_args: list[str]) -> None:
     # SIGINT ignored (a script's background job), where Python would never raise
     # KeyboardInterrupt.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     started = time.perf_counter()
     print(f"starting {args.servers} engine servers and a router on the tiny model ...", flush=True)
     with make_fleet(args) as fleet:
@@ -320,6 +346,9 @@ def main(argv: list[str] | None = None) -> None:
         args.func(args, rest)
     except FleetStartFailed as error:  # one line, not a traceback: the logs (--log-dir) say more
         raise SystemExit(f"skyrl-grpc {args.command}: {error}") from None
+    except Stopped as stopped:
+        print(f"skyrl-grpc {args.command}: stopped by {stopped} while starting", file=sys.stderr)
+        raise SystemExit(128 + stopped.signum) from None
 
 
 if __name__ == "__main__":

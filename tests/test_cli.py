@@ -87,7 +87,9 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
 
     extra = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--data-token", "t",
              "--max-n", "4", "--dtype", "float32"]  # fmt: skip
-    up = ["up", "--enable-lora", "--start-timeout", "1200"]
+    up = ["up", "--enable-lora", "--start-timeout", "1200", "--http-port", "8001",
+          "--metrics-port", "9101", "--router-port", "7000", "--server-ports", "7001,7002",
+          "--log-dir", "logs"]  # fmt: skip
     args, rest = build_parser().parse_known_args([*up, *extra])
     assert rest == extra
     local = make_fleet(args, rest)
@@ -97,6 +99,11 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
     args.ray = True
     ray_fleet = make_fleet(args, rest)
     assert isinstance(ray_fleet, RayFleet) and ray_fleet.start_timeout == 1200
+    # The stack's own flags too: the edge, metrics, ports and logs (they were dropped on Ray).
+    given = ray_fleet.options
+    assert (given.http_port, given.metrics_port, given.router_port) == (8001, 9101, 7000)
+    assert (list(given.server_ports or []), given.log_dir) == ([7001, 7002], "logs")
+    assert given.cpu_only  # vLLM's CPU build is installed here: no GPU asked for
     import ray
 
     assert not ray.is_initialized()  # Ray is only touched by start()

@@ -5,6 +5,9 @@ runs. One cluster for the module: starting Ray is the slow part."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,6 +25,7 @@ from skyrl_grpc.v1.data_plane_pb2_grpc import DataPlaneStub
 from trainer_client import BlockingInferenceClient
 
 pytestmark = [pytest.mark.engine]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def process_tree(pids: list[int]) -> set[int]:
@@ -34,6 +38,9 @@ def process_tree(pids: list[int]) -> set[int]:
         except psutil.NoSuchProcess:
             pass
     return found
+
+
+CLUSTER_ADDRESS: list[str] = []  # the module cluster's, for commands that join it
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +59,43 @@ def ray_cluster() -> Iterator[list[str]]:
     ]
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
+    CLUSTER_ADDRESS[:] = [cluster.address]
     yield [w.node_id for w in workers]
     ray.shutdown()
     cluster.shutdown()
 
 
 def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(
-    ray_cluster: list[str],
+    ray_cluster: list[str], tmp_path: Path
 ) -> None:
+    import httpx
     import ray
 
-    # Server flags reach the servers on Ray as they do local processes.
-    group = RayFleet(2, cpu_only=True, server_args=["--enable-lora", "--max-n", "3"])
+    from skyrl_grpc.process_group import free_port
+
+    # Server flags reach the servers on Ray as they do local processes, and so do the stack's
+    # own: the servers' ports, the router's OpenAI edge and metrics, a log file per actor. No
+    # cpu_only: the installed engine is vLLM's CPU build, so its bundles ask for no GPU.
+    ports = [free_port("127.0.0.1") for _ in range(2)]
+    group = RayFleet(
+        2,
+        server_args=["--enable-lora", "--max-n", "3"],
+        server_ports=ports,
+        http_port=0,
+        metrics_port=0,
+        log_dir=str(tmp_path / "logs"),
+    )
+    assert group.bundle() == {"CPU": 1.0}
     addresses = group.start()
     router, servers = addresses.router, list(addresses.servers)
+    assert [int(s.rpartition(":")[2]) for s in servers] == ports
+    assert group.http_port and group.metrics_port
+    models = httpx.get(f"http://127.0.0.1:{group.http_port}/v1/models", timeout=30).json()
+    assert models["data"][0]["id"]
+    assert "skyrl_router" in httpx.get(f"http://127.0.0.1:{group.metrics_port}/metrics").text
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert logs == ["router.log", "server-0.log", "server-1.log"], logs
+    assert "Initializing a V1 LLM engine" in (tmp_path / "logs" / "server-0.log").read_text()
     actor_pids = group.pids()
     tree = process_tree(actor_pids)
     # Each server actor's temporary directory of its own (servers.engine.scratch), named by
@@ -165,3 +195,51 @@ def test_an_unknown_strategy_or_flag_is_refused_before_ray_is_touched() -> None:
         RayFleet(2, strategy="EVERYWHERE")
     with pytest.raises(ValueError, match="--no-such-flag"):  # the serve command's parser
         RayFleet(2, server_args=["--no-such-flag"])
+
+
+def test_a_gpu_engine_on_a_cluster_without_gpus_fails_at_once_naming_cpu_only(
+    ray_cluster: list[str],
+) -> None:
+    """Not after the start timeout, waiting for bundles Ray can never place."""
+    started = time.monotonic()
+    with pytest.raises(FleetStartFailed, match=r"0 GPUs.*--cpu-only"):
+        RayFleet(1, cpu_only=False, start_timeout=600).start()
+    assert time.monotonic() - started < 60
+
+
+def test_up_on_ray_stops_on_sigterm_while_ray_cannot_place_it(ray_cluster: list[str]) -> None:
+    """SIGTERM during the placement wait: one line and a clean exit, not Ray's native stack
+    dump; the placement group it asked for is gone with it."""
+    import ray
+
+    total = ray.cluster_resources()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "servers.cli", "up", "--servers", "1", "--ray",
+         "--ray-address", CLUSTER_ADDRESS[0], "--ray-resources", '{"nowhere": 1}',
+         "--router-port", "0", "--base-port", "0"],  # fmt: skip
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any(  # its placement group exists: it is waiting for Ray to place it
+            g["state"] == "PENDING" for g in ray.util.placement_group_table().values()
+        ):
+            assert up.poll() is None and time.monotonic() < deadline, up.communicate()
+            time.sleep(0.2)
+        up.send_signal(signal.SIGTERM)
+        _, stderr = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 128 + signal.SIGTERM, stderr
+    assert "stopped by SIGTERM while starting" in stderr
+    assert "SIGTERM received" not in stderr and "Traceback" not in stderr, stderr
+    deadline = time.monotonic() + 60
+    while any(g["state"] != "REMOVED" for g in ray.util.placement_group_table().values()):
+        assert time.monotonic() < deadline, ray.util.placement_group_table()
+        time.sleep(0.2)
+    assert ray.cluster_resources() == total

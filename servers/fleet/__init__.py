@@ -44,6 +44,9 @@ class Fleet(abc.ABC):
 
     #: Set by ``start()``; empty before.
     addresses: FleetAddresses = FleetAddresses("", ())
+    #: The router's OpenAI HTTP edge and Prometheus ports, once started (None: not served).
+    http_port: int | None = None
+    metrics_port: int | None = None
     #: Set by ``supervise()``.
     supervision: ServerSupervisor | None = None
     #: Receives one line per supervision or scaling event.

@@ -5,10 +5,29 @@ router (``RouterActor``), each on the actor's own event loop, and the rule that 
 from __future__ import annotations
 
 import os
+import sys
+import time
 from typing import Any
 
 
-def server_options(server_args: list[str], engine: dict[str, Any], host: str) -> Any:
+def write_output_to(log_file: str | None) -> None:
+    """The actor's output (stdout, stderr, its engine's processes, which inherit them) appended
+    to ``log_file`` on its node, as a local fleet's ``--log-dir`` keeps each process's."""
+    if log_file is None:
+        return
+    os.makedirs(os.path.dirname(log_file), exist_ok=True)
+    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.write(
+        fd, f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting (pid {os.getpid()})\n".encode()
+    )
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def server_options(server_args: list[str], engine: dict[str, Any], host: str, port: int = 0) -> Any:
     """One server's options: ``skyrl-grpc serve``'s flags (every one of them: LoRA, limits,
     tokens, TLS, dtype, ...), then ``engine`` (``EngineOptions`` fields) over them; the fleet
     picks the address. The rule ``LocalFleet`` follows too: servers take the serve command's
@@ -25,7 +44,7 @@ def server_options(server_args: list[str], engine: dict[str, Any], host: str) ->
         raise ValueError(f"not flags of `skyrl-grpc serve`: {' '.join(unknown)}")
     options = options_from_args(parsed)
     return dataclasses.replace(
-        options, host=host, port=0, engine=dataclasses.replace(options.engine, **engine)
+        options, host=host, port=port, engine=dataclasses.replace(options.engine, **engine)
     )
 
 
@@ -33,8 +52,15 @@ class EngineServerActor:
     """Runs one EngineServer inside a Ray actor (an async actor: the server shares its loop)."""
 
     def __init__(
-        self, server_args: list[str], engine: dict[str, Any], host: str, env: dict[str, str]
+        self,
+        server_args: list[str],
+        engine: dict[str, Any],
+        host: str,
+        env: dict[str, str],
+        port: int = 0,
+        log_file: str | None = None,
     ) -> None:
+        write_output_to(log_file)
         os.environ.update(env)
         from ..common.reaper import reap_children_on_exit
         from ..engine.engine_server import EngineServer
@@ -47,7 +73,7 @@ class EngineServerActor:
         # children, and the watchdog must outlive the actor to do its work.
         reap_children_on_exit(remove=use_scratch_directory(), detach=True)
 
-        self._server = EngineServer(server_options(server_args, engine, host))
+        self._server = EngineServer(server_options(server_args, engine, host, port))
 
     async def start(self) -> str:
         await self._server.start()
@@ -73,10 +99,28 @@ class EngineServerActor:
 class RouterActor:
     """Runs the router inside a Ray actor."""
 
-    def __init__(self, backends: list[str], host: str, port: int = 0) -> None:
+    def __init__(
+        self,
+        backends: list[str],
+        host: str,
+        port: int = 0,
+        *,
+        http_port: int | None = None,
+        metrics_port: int | None = None,
+        log_file: str | None = None,
+    ) -> None:
         from ..router.router_server import RouterOptions, RouterServer
 
-        self._router = RouterServer(RouterOptions(backends=backends, host=host, port=port))
+        write_output_to(log_file)
+        self._router = RouterServer(
+            RouterOptions(
+                backends=backends,
+                host=host,
+                port=port,
+                http_port=http_port,
+                metrics_port=metrics_port,
+            )
+        )
 
     async def start(self) -> str:
         await self._router.start()
@@ -85,6 +129,10 @@ class RouterActor:
 
     async def stop(self) -> None:
         await self._router.stop(grace=2)
+
+    def ports(self) -> dict[str, int | None]:
+        """The ports its OpenAI edge and metrics endpoint bound (None: not served)."""
+        return {"http_port": self._router.http_port, "metrics_port": self._router.metrics_port}
 
     def pid(self) -> int:
         return os.getpid()

