@@ -92,7 +92,19 @@ def call_status(error: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
     code, details = error.code(), error.details() or ""
     if code == grpc.StatusCode.INTERNAL and details == TRANSPORT_BROKE:
         return grpc.StatusCode.UNAVAILABLE, f"the connection broke mid-call ({details})"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and OVER_SIZE in details:
+        return code, f"{details}: {OVER_SIZE_HINT}"
     return code, details
+
+
+#: gRPC's own words for a message over a channel's or server's size limit ("Received message
+#: larger than max (N vs. M)", "Sent message larger than max ..."), which name no setting.
+OVER_SIZE = "message larger than max"
+OVER_SIZE_HINT = (
+    "a message over a size limit: the servers' and router's --max-message-mib (default 64) "
+    "and the client's max_message_bytes bound every message; raise them together, or send "
+    "smaller pieces"
+)
 
 
 def server_lost(error: grpc.aio.AioRpcError) -> bool:

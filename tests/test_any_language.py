@@ -24,8 +24,10 @@ BIN = Path(sys.executable).parent
 ENV = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
 
 
-def run(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=ENV)
+def run(
+    *args: str, cwd: Path = ROOT, timeout: float = 300, env: dict[str, str] = ENV
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,9 @@ def typescript_client() -> Path:
     installed = run("npm", "ci", "--no-audit", "--no-fund", cwd=TS_DIR, timeout=600)
     assert installed.returncode == 0, installed.stderr[-3000:]
     shutil.rmtree(TS_DIR / "gen", ignore_errors=True)
-    generated = run("npm", "run", "generate", cwd=TS_DIR)
+    # As a newcomer runs it: the venv's bin (where setup put buf) not on PATH.
+    outside = {**os.environ, "PATH": os.environ["PATH"].replace(f"{BIN}:", "")}
+    generated = run("npm", "run", "generate", cwd=TS_DIR, env=outside)
     assert generated.returncode == 0, generated.stderr[-3000:]
     assert (TS_DIR / "gen" / "skyrl" / "inference" / "v1" / "data_plane_pb.ts").exists()
     checked = run("npx", "tsc", "-p", ".", cwd=TS_DIR)

@@ -58,7 +58,8 @@ def test_the_slug_rule_matches_githubs_for_the_headings_linked_here() -> None:
     )
 
 
-COMMAND = re.compile(r"(?:\.venv/bin/)?skyrl-grpc ((?:serve|route|up|demo)\b[^`\n]*)")
+# A command, not a message quoting one ("skyrl-grpc up: stopped ...").
+COMMAND = re.compile(r"(?:\.venv/bin/)?skyrl-grpc ((?:serve|route|up|demo)(?![\w:])[^`\n]*)")
 
 
 def documented_commands() -> list[tuple[str, list[str]]]:

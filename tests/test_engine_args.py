@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from servers.engine import core_preload
-from servers.engine.engine_args import ModelNotFound, Platform, engine_arguments, resolved_model
+from servers.engine.engine_args import (
+    ContextTooLong,
+    ModelNotFound,
+    Platform,
+    engine_arguments,
+    resolved_model,
+)
 from servers.engine.options import TINY_MODEL_NAME, EngineOptions, RequestLimits
 
 CPU = Platform(is_cpu=True)
@@ -131,3 +137,17 @@ def test_a_forkserver_child_gets_the_environment_its_parent_had_when_it_started_
         assert child.exitcode == 0
     finally:
         del os.environ[variable]
+
+
+def test_a_max_model_len_over_the_models_context_fails_naming_the_flag(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve --max-model-len 4096` on the embedded model (512 tokens): at once, by name, not a
+    pydantic error after vLLM's imports."""
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    with pytest.raises(ContextTooLong, match=r"--max-model-len 4096: the embedded model has a "
+                       r"context of 512 tokens.*at most 512"):  # fmt: skip
+        resolved_model(EngineOptions(max_model_len=4096))
+    assert resolved_model(EngineOptions(max_model_len=512)) == str(tiny_model_dir)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own override
+    assert resolved_model(EngineOptions(max_model_len=4096)) == str(tiny_model_dir)

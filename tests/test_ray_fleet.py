@@ -213,10 +213,10 @@ def test_up_on_ray_stops_on_sigterm_while_ray_cannot_place_it(ray_cluster: list[
     import ray
 
     total = ray.cluster_resources()
+    command = ["up", "--servers", "1", "--ray", "--ray-address", CLUSTER_ADDRESS[0],
+               "--ray-resources", '{"nowhere": 1}', "--router-port", "0", "--base-port", "0"]  # fmt: skip
     up = subprocess.Popen(
-        [sys.executable, "-m", "servers.cli", "up", "--servers", "1", "--ray",
-         "--ray-address", CLUSTER_ADDRESS[0], "--ray-resources", '{"nowhere": 1}',
-         "--router-port", "0", "--base-port", "0"],  # fmt: skip
+        [sys.executable, "-m", "servers.cli", *command],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -228,3 +228,34 @@ async def test_the_skyrl_drop_in_sends_the_data_token_to_the_edge() -> None:
     await engine.client.close()
     edge.close()
     assert b"authorization: Bearer data-s3cret" in seen[0].lower().replace(b"bearer", b"Bearer")
+
+
+async def test_an_over_size_message_is_refused_naming_max_message_mib(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over --max-message-mib, the refusal names the flag: the server's own (up to twice the
+    limit, which gRPC still reads), and gRPC's generic one beyond, as the client reports it."""
+    from skyrl_grpc.channels import MiB
+    from skyrl_grpc.errors import call_status
+
+    async def never_ready(*_: object) -> None:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(engine_server.VllmEngine, "start", never_ready)
+    server = engine_server.EngineServer(engine_options.ServerOptions(max_message_bytes=MiB))
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(
+            server.address, options=[("grpc.max_send_message_length", 8 * MiB)]
+        ) as channel:
+            pause = channel.unary_unary(method_path(CONTROL_PLANE_SERVICE, "Pause"))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:  # within gRPC's headroom
+                await pause(bytes(3 * MiB // 2))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "the most --max-message-mib 1 allows" in (refused.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:  # past it: gRPC's refusal
+                await pause(bytes(3 * MiB))
+            code, details = call_status(refused.value)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-message-mib" in details
+    finally:
+        await server.drain(grace=0)

@@ -183,3 +183,24 @@ async def test_a_server_catches_up_from_a_mutual_tls_peer(
         for server in (late, peer):
             if server is not None:
                 await server.drain(grace=0)
+
+
+async def test_tls_takes_pem_bytes_or_paths_and_refuses_anything_else_when_made(
+    tls_server: engine_server.EngineServer, certs: Certificates, tmp_path: Path
+) -> None:
+    """gRPC's own convention (PEM bytes) works as paths do; what cannot work is refused when
+    the config is made, naming the field (PEM bytes were a TypeError at the first call)."""
+    pem = {name: Path(path).read_bytes() for name, path in [  # noqa: ASYNC240
+        ("root_certificates", certs.ca),
+        ("client_certificate", certs.client_cert),
+        ("client_key", certs.client_key),
+    ]}  # fmt: skip
+    as_bytes = TlsConfig(**pem)
+    async with with_cert_channel(tls_server.address, as_bytes) as channel:
+        assert await liveness(channel) == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(ValueError, match=r"root_certificates: bytes that are not PEM"):
+        TlsConfig(root_certificates=b"not a certificate")
+    with pytest.raises(ValueError, match=r"root_certificates: '.*no-such.pem' is not a file"):
+        TlsConfig(root_certificates=str(tmp_path / "no-such.pem"))
+    with pytest.raises(ValueError, match="client_certificate and client_key go together"):
+        TlsConfig(root_certificates=certs.ca, client_certificate=certs.client_cert)

@@ -57,7 +57,7 @@ RequestSizeLimit = Callable[[str], "tuple[int, str] | None"]
 
 
 def _lenient(deserializer: Any, method: str, size_limit: RequestSizeLimit | None) -> Any:
-    if deserializer is None:
+    if deserializer is None and size_limit is None:
         return None
 
     def decode(raw: bytes) -> Any:
@@ -66,6 +66,8 @@ def _lenient(deserializer: Any, method: str, size_limit: RequestSizeLimit | None
             # Refused before decoding: parsing a request no valid one can be as large as
             # costs seconds of the loop every other call shares.
             return _Malformed(f"the request is {len(raw)} bytes, more than {limit[1]}")
+        if deserializer is None:  # a handler of raw bytes (PushWeights)
+            return raw
         try:
             return deserializer(raw)
         except Exception as error:

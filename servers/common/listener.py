@@ -14,11 +14,23 @@ from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB
 ServerOption = tuple[str, int | str]
 
 
-def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[ServerOption]:
-    """Options of every gRPC server of the stack (engine servers and the router)."""
+#: How much larger than --max-message-mib a message gRPC itself still reads: the servers'
+#: interceptor refuses it then, naming the flag (gRPC's own refusal, for anything larger, does
+#: not).
+RECEIVE_HEADROOM = 2
+
+
+def server_options(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, receive_headroom: int = 1
+) -> list[ServerOption]:
+    """Options of every gRPC server of the stack (engine servers and the router).
+    ``receive_headroom``: gRPC reads messages up to this many times ``max_message_bytes``, for
+    a server whose interceptor refuses what is over it by name (``RECEIVE_HEADROOM``)."""
     return [
-        # Anything larger is refused with RESOURCE_EXHAUSTED before it is decoded.
-        ("grpc.max_receive_message_length", max_message_bytes),
+        # Up to the headroom a message is read and refused by the error interceptor with a
+        # message naming --max-message-mib; anything larger gRPC refuses with
+        # RESOURCE_EXHAUSTED before it is read whole.
+        ("grpc.max_receive_message_length", receive_headroom * max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         # A port already in use must fail loudly rather than be shared with another process.
         ("grpc.so_reuseport", 0),

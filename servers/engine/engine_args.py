@@ -3,6 +3,8 @@ options and the platform's facts, so every rule here is unit tested without star
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,11 +91,43 @@ class ModelNotFound(ValueError):
     """``--model`` names a local directory that is not there."""
 
 
+class ContextTooLong(ValueError):
+    """``--max-model-len`` asks for more than the model's context."""
+
+
 def resolved_model(options: EngineOptions) -> str:
-    """The model directory to serve (the embedded tiny model's, built on first use, by default).
-    A local path that does not exist fails here, at once and by name, instead of after seconds
-    of vLLM's imports with Hugging Face's complaint about repo ids. A local path is returned
-    with ``~`` expanded: vLLM does not expand it, and would take ``~/model`` for a repo id."""
+    """The model directory to serve (the embedded tiny model's, built on first use, by default),
+    checked against the options that depend on it (``check_context``)."""
+    path = _model_path(options)
+    check_context(options, path)
+    return path
+
+
+def check_context(options: EngineOptions, model_path: str) -> None:
+    """A ``--max-model-len`` over a local model's context (``max_position_embeddings`` in its
+    config.json) fails here, naming the flag and the limit, instead of after seconds of vLLM's
+    imports with a pydantic validation error (vLLM's own override, its environment variable
+    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``, is respected)."""
+    config = Path(model_path) / "config.json"
+    if options.max_model_len is None or not config.is_file():
+        return
+    if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") not in ("", "0"):
+        return
+    limit = json.loads(config.read_text()).get("max_position_embeddings")
+    if isinstance(limit, int) and options.max_model_len > limit:
+        which = "the embedded model" if options.model is None else f"--model {options.model}"
+        raise ContextTooLong(
+            f"--max-model-len {options.max_model_len}: {which} has a context of {limit} tokens "
+            f"(max_position_embeddings in {config}); use at most {limit}, or a model with a "
+            "longer context"
+        )
+
+
+def _model_path(options: EngineOptions) -> str:
+    """A local path that does not exist fails here, at once and by name, instead of after
+    seconds of vLLM's imports with Hugging Face's complaint about repo ids. A local path is
+    returned with ``~`` expanded: vLLM does not expand it, and would take ``~/model`` for a
+    repo id."""
     if not options.model:
         return str(ensure_tiny_model())
     if options.model.startswith(("/", "./", "../", "~")):
