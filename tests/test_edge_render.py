@@ -42,8 +42,8 @@ def test_chat_answers_and_chunks_have_openais_shapes() -> None:
         "annotations": None,
         "audio": None,
         "function_call": None,
-        "tool_calls": [],
-    }
+        "reasoning": None,
+    }  # as vLLM's server writes it: no calls, no tool_calls key
     # A choice opens with its role (as vLLM's server streams it), the prompt's ids on that event.
     opening = render.role_chunk(call, 0, [1])
     assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}

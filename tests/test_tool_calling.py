@@ -1,11 +1,11 @@
-"""Tool calling on real engines: this stack's OpenAI edge against vLLM's own OpenAI server, on
-the embedded model built with a Hermes-style tool template, both running vLLM's `hermes`
-parser. The same greedy requests give the same tool calls, content, finish reasons and streamed
-deltas; the openai SDK reads every answer; bad tool requests are refused, naming the problem."""
+"""Tool calling on real engines: this stack's OpenAI edge (an engine server with vLLM's `hermes`
+parser, on the embedded model built with a Hermes-style tool template) read by the OpenAI SDK
+and the trainer client, bad tool requests refused naming the problem, resumed and reasoning
+outputs parsed, and forced choices held to their tools' schemas. The edge's answers against
+vLLM's own server, request by request: tests/test_http_compat.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
@@ -17,51 +17,25 @@ import httpx
 import openai
 import pytest
 
-from skyrl_grpc.tiny_model import TinyModelSpec, ensure_tiny_model
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2, data_plane_pb2_grpc
 from tests.conftest import running_engine_server, running_router
 from tests.helpers.forced_calls import NAMED, SEEDS, broken_forced_answers, forced_request
-from tests.helpers.vllm_http import SERVED_NAME, vllm_http_server
+from tests.helpers.hermes_stack import (
+    MESSAGES,
+    MODEL_THREADS,
+    TIME,
+    TOOLS,
+    WEATHER,
+    hermes_model,
+    our_edge,
+)
+from tests.helpers.openai_compare import deltas_of
+from tests.helpers.openai_http import no_whitespace as whitespace_bias
+from tests.helpers.openai_http import streamed, whole
+from tests.helpers.vllm_http import SERVED_NAME
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-# The hermes model is tiny too: one model thread, as the embedded model gets. By default a
-# --model directory gets vLLM's per-core binding, whose OpenMP threads spin on both cores that
-# the other test worker needs.
-MODEL_THREADS = 1
-TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-WEATHER: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "strict": True,  # arguments held to the schema: short, so calls finish
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}},
-            "required": ["city"],
-        },
-    },
-}
-TIME: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "The time in a zone.",
-        "strict": True,
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-        },
-    },
-}
-TOOLS: list[dict[str, Any]] = [WEATHER, TIME]
-MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
-# A hermes call the model is held to (auto choice with a regex): the parser must find it.
-HERMES_CALL = (
-    r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)"\}\}\n</tool_call>'
-)
 # Enough for a whole call: the constraint allows whitespace, which a random model writes too.
 CALL_TOKENS = 160
 CALL_ID = re.compile(r"^chatcmpl-tool-[0-9a-f]{16,}$")
@@ -69,235 +43,26 @@ CALL_ID = re.compile(r"^chatcmpl-tool-[0-9a-f]{16,}$")
 
 @pytest.fixture(scope="module")
 def hermes_model_dir() -> Path:
-    # The tool prompt (template text and two schemas) is longer than the default 512 tokens.
-    return ensure_tiny_model(
-        spec=TinyModelSpec(chat_template="hermes", max_position_embeddings=2048)
-    )
+    return hermes_model()
 
 
 @pytest.fixture(scope="module")
 async def tool_router(hermes_model_dir: Path) -> AsyncIterator[Any]:
     """This stack: an engine server with vLLM's hermes parser, behind a router (gRPC and its
     HTTP edge)."""
-    async for engine in running_engine_server(
-        model=str(hermes_model_dir),
-        served_model_name=SERVED_NAME,
-        dtype="float32",
-        cpu_threads=MODEL_THREADS,
-        tool_call_parser="hermes",
-        enable_auto_tool_choice=True,
-    ):
-        async for router in running_router([engine.address], http_port=0):
-            yield router
+    async for router in our_edge(hermes_model_dir):
+        yield router
 
 
 @pytest.fixture(scope="module")
-def no_whitespace(hermes_model_dir: Path) -> dict[str, int]:
-    """A logit bias against whitespace-only tokens: JSON constraints allow any whitespace
-    between tokens, and a random model would write nothing else; with this, its calls end."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(hermes_model_dir)
-    return {
-        str(i): -100
-        for i in range(len(tokenizer))
-        if i not in tokenizer.all_special_ids and not tokenizer.decode([i]).strip()
-    }
+def no_whitespace(hermes_model_dir: Path) -> dict[str, float]:
+    """A logit bias against whitespace-only tokens, so a random model's calls end."""
+    return {str(k): v for k, v in whitespace_bias(hermes_model_dir).items()}
 
 
 @pytest.fixture(scope="module")
 def tool_edge(tool_router: Any) -> str:
     return f"http://127.0.0.1:{tool_router.http_port}"
-
-
-@pytest.fixture(scope="module")
-async def vllm_edge(hermes_model_dir: Path) -> AsyncIterator[str]:
-    """vLLM's own OpenAI server on the same model and template, with the same parser."""
-    server = vllm_http_server(model=hermes_model_dir, extra_args=TOOL_FLAGS)
-    base_url = await asyncio.to_thread(server.__enter__)
-    yield base_url
-    await asyncio.to_thread(server.__exit__, None, None, None)
-
-
-async def whole(client: httpx.AsyncClient, base: str, body: dict[str, Any]) -> dict[str, Any]:
-    response = await client.post(f"{base}/v1/chat/completions", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()  # type: ignore[no-any-return]
-
-
-async def streamed(
-    client: httpx.AsyncClient, base: str, body: dict[str, Any]
-) -> list[dict[str, Any]]:
-    async with client.stream(
-        "POST", f"{base}/v1/chat/completions", json={**body, "stream": True}
-    ) as response:
-        assert response.status_code == 200, await response.aread()
-        lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    return [json.loads(line[6:]) for line in lines[:-1]]
-
-
-def without_ids(value: Any) -> Any:
-    """``value`` with every tool-call id checked for vLLM's shape and blanked (ids are random)."""
-    if isinstance(value, dict):
-        out = {}
-        for key, item in value.items():
-            if key == "id" and isinstance(item, str) and item.startswith("chatcmpl-tool"):
-                assert CALL_ID.match(item), item
-                item = "<id>"
-            out[key] = without_ids(item)
-        return out
-    if isinstance(value, list | tuple):
-        return [without_ids(v) for v in value]
-    return value
-
-
-def message_of(answer: dict[str, Any]) -> dict[str, Any]:
-    choice = answer["choices"][0]
-    message = choice["message"]
-    return without_ids(
-        {
-            "content": message["content"],
-            "tool_calls": message.get("tool_calls") or [],
-            "finish_reason": choice["finish_reason"],
-        }
-    )
-
-
-def deltas_of(events: list[dict[str, Any]]) -> list[Any]:
-    """The sequence of (delta, finish_reason) a client folds, ids blanked. Consecutive pieces
-    of plain content are joined, and a finish reason that comes alone (an empty delta) goes
-    with the piece before it: how many tokens one event carries, and whether the last ones
-    come with the finish, depends on timing (vLLM's output handler merges what its consumer
-    has not taken yet; on a loaded machine a stream's last tokens and its end arrive apart),
-    what they say does not."""
-    folded: list[Any] = []
-    for event in events:
-        for choice in event["choices"]:
-            for delta, finish in _pieces(without_ids(choice["delta"]), choice["finish_reason"]):
-                _fold(folded, delta, finish)
-    return [(delta, finish) for delta, finish, _ in folded]
-
-
-def _pieces(delta: dict[str, Any], finish: str | None) -> list[tuple[dict[str, Any], Any]]:
-    """A delta as the deltas it may be made of: vLLM's server, given several tokens at once by
-    its output handler (a slow consumer), sends a call's header and its arguments as one delta
-    listing both; the finish reason goes with the last."""
-    calls = delta.get("tool_calls") or []
-    if len(calls) < 2:
-        return [(delta, finish)]
-    rest = {"content": None} if "content" in delta else {}
-    pieces = [{**delta, "tool_calls": calls[:1]}] + [{**rest, "tool_calls": [c]} for c in calls[1:]]
-    return [(piece, finish if i == len(pieces) - 1 else None) for i, piece in enumerate(pieces)]
-
-
-def _fold(folded: list[Any], delta: dict[str, Any], finish: str | None) -> None:
-    """Adds one delta to ``folded`` ([delta, finish, what it appends to]), joined with the one
-    before where it only appends to the same text."""
-    if not delta and finish is not None and folded and folded[-1][1] is None:
-        folded[-1][1], folded[-1][2] = finish, None
-        return
-    key = _appending(delta)
-    if key is not None and folded and folded[-1][2] == key:
-        _append(folded[-1][0], delta)
-        folded[-1][1] = finish
-    else:
-        folded.append([delta, finish, key])
-    if finish is not None:
-        folded[-1][2] = None
-
-
-def _appending(delta: dict[str, Any]) -> str | None:
-    """What a delta only appends to (content, or one call's arguments), else None."""
-    if set(delta) == {"content"} and isinstance(delta["content"], str):
-        return "content"
-    calls = delta.get("tool_calls") or []
-    if (
-        set(delta) <= {"content", "tool_calls"}
-        and delta.get("content") is None
-        and len(calls) == 1
-        and set(calls[0]) == {"index", "function"}
-        and set(calls[0]["function"]) == {"arguments"}
-    ):
-        return f"arguments {calls[0]['index']}"
-    return None
-
-
-def _append(into: dict[str, Any], delta: dict[str, Any]) -> None:
-    if "tool_calls" in delta:
-        into["tool_calls"][0]["function"]["arguments"] += delta["tool_calls"][0]["function"][
-            "arguments"
-        ]
-    else:
-        into["content"] += delta["content"]
-
-
-LOOSE_TOOLS = [{**t, "function": {k: v for k, v in t["function"].items() if k != "strict"}}
-               for t in TOOLS]  # fmt: skip
-CASES: dict[str, dict[str, Any]] = {
-    # One call: with parallel calls allowed the random model calls again and again.
-    "required": {"tool_choice": "required", "parallel_tool_calls": False},
-    "required, parallel allowed": {"tool_choice": "required", "max_tokens": 48},
-    "named": {"tool_choice": {"type": "function", "function": {"name": "get_time"}}},
-    "auto, no call": {"tool_choice": "auto"},
-    # Held to one hermes call by a regex (tools not strict: their grammar would replace it).
-    "auto, a call": {
-        "tool_choice": "auto",
-        "tools": LOOSE_TOOLS,
-        "logit_bias": None,
-        "structured_outputs": {"regex": HERMES_CALL},
-    },
-    "none": {"tool_choice": "none"},
-}
-
-
-@pytest.mark.parametrize("case", list(CASES))
-async def test_tool_calls_and_deltas_match_vllms_server(
-    tool_edge: str, vllm_edge: str, no_whitespace: dict[str, int], case: str
-) -> None:
-    body = {
-        "model": SERVED_NAME, "messages": MESSAGES, "tools": TOOLS, "max_tokens": CALL_TOKENS,
-        "temperature": 0.0, "logit_bias": no_whitespace, **CASES[case],
-    }  # fmt: skip
-    body = {k: v for k, v in body.items() if v is not None}
-    async with httpx.AsyncClient(timeout=120) as client:
-        ours, theirs = await whole(client, tool_edge, body), await whole(client, vllm_edge, body)
-        assert message_of(ours) == message_of(theirs)
-        ours_events = await streamed(client, tool_edge, body)
-        theirs_events = await streamed(client, vllm_edge, body)
-    assert deltas_of(ours_events) == deltas_of(theirs_events)
-    calls = message_of(ours)["tool_calls"]
-    if case in ("required", "named", "auto, a call"):
-        assert calls, ours  # the case is about calls: there must be some to compare
-        for call in calls:
-            json.loads(call["function"]["arguments"])
-    if case == "named":
-        assert {c["function"]["name"] for c in calls} == {"get_time"}
-    if case == "auto, a call":
-        assert ours["choices"][0]["finish_reason"] == "tool_calls"
-
-
-async def test_response_format_json_schema_matches_vllms_server(
-    tool_edge: str, vllm_edge: str
-) -> None:
-    schema = {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"enum": [1, 2, 3]}},
-        "required": ["city", "days"],
-        "additionalProperties": False,
-    }
-    body = {
-        "model": SERVED_NAME, "messages": MESSAGES, "max_tokens": CALL_TOKENS,
-        "temperature": 0.0, "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
-    }  # fmt: skip
-    async with httpx.AsyncClient(timeout=120) as client:
-        ours, theirs = await whole(client, tool_edge, body), await whole(client, vllm_edge, body)
-    content = ours["choices"][0]["message"]["content"]
-    assert content == theirs["choices"][0]["message"]["content"]
-    finish = ours["choices"][0]["finish_reason"]
-    assert finish == theirs["choices"][0]["finish_reason"]
-    if finish == "stop":  # (the schema allows any whitespace: a random model may not finish)
-        assert set(json.loads(content)) == {"city", "days"}
 
 
 SDK_MESSAGES: Any = MESSAGES
@@ -352,25 +117,6 @@ async def test_the_openai_sdk_reads_tool_calls_whole_and_streamed(
         for c in calls
     ]
     await client.close()
-
-
-async def test_a_tool_conversation_renders_as_vllms_server_renders_it(
-    tool_edge: str, vllm_edge: str
-) -> None:
-    """History with a call and its answer: the same prompt tokens on both servers."""
-    call = {"id": "call-1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
-    messages = [
-        *MESSAGES,
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call-1", "content": "rain"},
-    ]
-    body = {"model": SERVED_NAME, "messages": messages, "tools": TOOLS, "max_tokens": 4,
-            "temperature": 0.0, "return_token_ids": True}  # fmt: skip
-    async with httpx.AsyncClient(timeout=120) as client:
-        ours, theirs = await whole(client, tool_edge, body), await whole(client, vllm_edge, body)
-    assert ours["prompt_token_ids"] == theirs["prompt_token_ids"]
-    assert ours["choices"][0]["token_ids"] == theirs["choices"][0]["token_ids"]
 
 
 BROKEN = {"type": "object", "properties": {"x": {"type": 7}}}
@@ -448,7 +194,7 @@ async def test_the_trainer_client_gets_the_edges_tool_calls_typed(
             "temperature": 0.0, "logit_bias": no_whitespace, "tool_choice": "required",
             "parallel_tool_calls": False}  # fmt: skip
     async with httpx.AsyncClient(timeout=120) as http:
-        edge = message_of(await whole(http, tool_edge, body))
+        edge = (await whole(http, tool_edge, body))["choices"][0]["message"]
     assert [(c.name, c.parsed_arguments()) for c in result.message.tool_calls] == [
         (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in edge["tool_calls"]
     ]

@@ -11,8 +11,7 @@ the generation upstream.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -30,6 +29,7 @@ from ..proxy import Proxy
 from . import parse, render, token_generate, tool_calls
 from .asgi import AsgiApp, Request, Responder
 from .http_status import error_body
+from .token_texts import TokenTexts
 
 # Tokens per stream message for whole (non-streamed) answers: the server sends the first
 # token and the end, little in between.
@@ -45,7 +45,7 @@ class OpenAIEdge(AsgiApp):
         self.pool = pool
         self.stream_interval = stream_interval
         self._model: data_plane_pb2.GetModelInfoResponse | None = None
-        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs answers
+        self._token_texts = TokenTexts()  # for logprobs answers, as vLLM's server writes them
         super().__init__(
             {
                 ("POST", "/v1/completions"): self.completions,
@@ -75,20 +75,27 @@ class OpenAIEdge(AsgiApp):
             self._model = data_plane_pb2.GetModelInfoResponse.FromString(raw)
         return self._model
 
-    async def _texts(self, ids: set[int], request: Request) -> dict[int, str]:
-        """Texts of tokens for logprobs answers, detokenized once per id and kept."""
-        missing = [i for i in ids if i not in self._token_texts]
+    async def _texts(
+        self,
+        logprobs: gen.Logprobs | None,
+        sampled: Sequence[int],
+        request: Request,
+        before: Sequence[int] = (),
+    ) -> render.PositionTexts:
+        """The texts a logprobs answer names at each position of ``sampled`` (none without
+        logprobs), as vLLM's server writes them (``token_texts``)."""
+        if logprobs is None:
+            return []
 
-        async def one(token_id: int) -> None:
+        async def decode(token_ids: Sequence[int]) -> str:
             raw = await self._unary(
                 DETOKENIZE,
-                data_plane_pb2.DetokenizeRequest(token_ids=[token_id], skip_special_tokens=False),
+                data_plane_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=False),
                 request,
             )
-            self._token_texts[token_id] = data_plane_pb2.DetokenizeResponse.FromString(raw).text
+            return data_plane_pb2.DetokenizeResponse.FromString(raw).text
 
-        await asyncio.gather(*(one(i) for i in missing))
-        return self._token_texts
+        return await self._token_texts.at_positions(sampled, before, logprobs, decode)
 
     async def _prompt_ids(self, call: parse.GenerationCall, request: Request) -> list[list[int]]:
         async def ids(prompt: list[int] | str | None) -> list[int]:
@@ -168,13 +175,10 @@ class OpenAIEdge(AsgiApp):
             return samples, assembler.usage
 
         outcomes = await all_or_cancel(one(i * call.n, p) for i, p in enumerate(prompts))
-        needed: set[int] = set()
-        for samples, _ in outcomes:
-            for sample in samples:
-                needed |= render.logprob_token_ids(sample.logprobs, sample.token_ids)
-        texts = await self._texts(needed, request) if needed else {}
         choices = [
-            render.choice(call, sample, texts, prompt)
+            render.choice(
+                call, sample, await self._texts(sample.logprobs, sample.token_ids, request), prompt
+            )
             for (samples, _), prompt in zip(outcomes, prompts, strict=True)
             for sample in samples
         ]
@@ -191,6 +195,8 @@ class OpenAIEdge(AsgiApp):
         usages: dict[int, gen.Usage] = {}
         started: set[int] = set()
         tools_streamed: set[int] = set()
+        streamed_text: dict[int, int] = {}  # characters of each choice's text sent so far
+        streamed_ids: dict[int, list[int]] = {}  # each choice's tokens sent so far
 
         async def relay(offset: int, prompt: list[int]) -> None:
             async for raw in self._stream(prompt, call, request, self.stream_interval, offset):
@@ -202,13 +208,9 @@ class OpenAIEdge(AsgiApp):
                         message.finish_reason, message.stop, text, call
                     )
                 logprobs = message.logprobs if message.HasField("logprobs") else None
-                texts = (
-                    await self._texts(
-                        render.logprob_token_ids(logprobs, message.token_ids), request
-                    )
-                    if logprobs is not None
-                    else {}
-                )
+                sent = streamed_ids.setdefault(index, [])
+                texts = await self._texts(logprobs, message.token_ids, request, sent)
+                sent.extend(message.token_ids)
                 first = index not in started
                 started.add(index)
                 delta = None
@@ -231,7 +233,9 @@ class OpenAIEdge(AsgiApp):
                 choice = render.chunk_choice(
                     call, index, text, message.token_ids, finish, stop_reason, logprobs, texts,
                     first=first, prompt=prompt, delta=delta,
+                    text_offset=streamed_text.get(index, 0),
                 )  # fmt: skip
+                streamed_text[index] = streamed_text.get(index, 0) + len(text)
                 await responder.event(render.chunk(call, [choice]))
                 usages[offset] = message.usage
 

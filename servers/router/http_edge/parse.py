@@ -246,12 +246,15 @@ def read_generation(body: Json, chat: bool) -> GenerationCall:
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise InvalidArgument("'stream_options' must be an object")
+    stream = bool(_get(body, "stream", bool, False))
+    if body.get("stream_options") is not None and not stream:  # as vLLM's server refuses it
+        raise InvalidArgument("'stream_options' can only be given with 'stream': true")
     call = GenerationCall(
         chat=chat,
         model=str(body.get("model") or ""),
         sampling=read_sampling(body, chat),
         n=n,
-        stream=bool(_get(body, "stream", bool, False)),
+        stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)),
         return_token_ids=bool(_get(body, "return_token_ids", bool, False)),
         include_stop_str_in_output=bool(_get(body, "include_stop_str_in_output", bool, False)),

@@ -51,11 +51,17 @@ def finish_of(
     return finish, stop_reason, text
 
 
+# Per output position: the text of each token id the answer names there (``token_texts``).
+PositionTexts = Sequence[Mapping[int, str]]
+
+
 def _completion_logprobs(
-    logprobs: gen.Logprobs, token_ids: Sequence[int], texts: Mapping[int, str]
+    logprobs: gen.Logprobs, token_ids: Sequence[int], texts: PositionTexts, text_offset: int = 0
 ) -> Json:
-    tokens = [texts.get(t, "") for t in token_ids]
-    offsets, at = [], 0
+    """OpenAI's completion logprobs; ``text_offset``: where these tokens' text starts in the
+    sample's whole text (a streamed event's: the length of what was streamed before)."""
+    tokens = [texts[p].get(t, "") for p, t in enumerate(token_ids)]
+    offsets, at = [], text_offset
     for token in tokens:
         offsets.append(at)
         at += len(token)
@@ -64,7 +70,7 @@ def _completion_logprobs(
         top = []
         for position, alternatives in enumerate(logprobs.top_logprobs):
             entry = {
-                texts.get(t, ""): lp
+                texts[position].get(t, ""): lp
                 for t, lp in zip(alternatives.token_ids, alternatives.logprobs, strict=False)
             }
             entry.setdefault(tokens[position], logprobs.token_logprobs[position])
@@ -77,14 +83,13 @@ def _completion_logprobs(
     }
 
 
-def _chat_logprobs(
-    logprobs: gen.Logprobs, token_ids: Sequence[int], texts: Mapping[int, str]
-) -> Json:
+def _chat_logprobs(logprobs: gen.Logprobs, token_ids: Sequence[int], texts: PositionTexts) -> Json:
     content = []
     for position, (token_id, lp) in enumerate(
         zip(token_ids, logprobs.token_logprobs, strict=False)
     ):
-        token = texts.get(token_id, "")
+        here = texts[position]
+        token = here.get(token_id, "")
         alternatives = (
             logprobs.top_logprobs[position] if position < len(logprobs.top_logprobs) else None
         )
@@ -95,9 +100,9 @@ def _chat_logprobs(
                 "bytes": list(token.encode()),
                 "top_logprobs": [
                     {
-                        "token": texts.get(t, ""),
+                        "token": here.get(t, ""),
                         "logprob": a,
-                        "bytes": list(texts.get(t, "").encode()),
+                        "bytes": list(here.get(t, "").encode()),
                     }
                     for t, a in zip(alternatives.token_ids, alternatives.logprobs, strict=False)
                 ]
@@ -106,16 +111,6 @@ def _chat_logprobs(
             }
         )
     return {"content": content}
-
-
-def logprob_token_ids(logprobs: gen.Logprobs | None, token_ids: Iterable[int]) -> set[int]:
-    """Every token id whose text a logprobs answer needs."""
-    if logprobs is None:
-        return set()
-    needed = set(token_ids)
-    for alternatives in logprobs.top_logprobs:
-        needed.update(alternatives.token_ids)
-    return needed
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> Json:
@@ -139,43 +134,48 @@ def usage_of(usages: Iterable[gen.Usage]) -> Json:
 
 
 def choice(
-    call: GenerationCall, sample: SampleOut, texts: Mapping[int, str], prompt: Sequence[int]
+    call: GenerationCall, sample: SampleOut, texts: PositionTexts, prompt: Sequence[int]
 ) -> Json:
-    """One entry of a whole response's ``choices``."""
+    """One entry of a whole response's ``choices``, with every key vLLM's server writes (those
+    of features this edge does not serve as null, as vLLM writes them when unused)."""
+    token_ids = sample.token_ids if call.return_token_ids else None
     if call.chat:
-        out: Json = {
+        message: Json = {
+            "role": "assistant",
+            "content": sample.text,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": None,
+            **(tool_calls.message_fields(sample.message) if sample.message else {}),
+        }
+        if not message.get("tool_calls"):
+            message.pop("tool_calls", None)  # vLLM's server leaves an empty list out
+        return {
             "index": sample.index,
-            "message": {
-                "role": "assistant",
-                "content": sample.text,
-                "refusal": None,
-                "annotations": None,
-                "audio": None,
-                "function_call": None,
-                "tool_calls": [],
-                **(tool_calls.message_fields(sample.message) if sample.message else {}),
-            },
+            "message": message,
             "logprobs": _chat_logprobs(sample.logprobs, sample.token_ids, texts)
             if sample.logprobs is not None
             else None,
             "finish_reason": sample.finish_reason,
             "stop_reason": sample.stop_reason,
+            "token_ids": token_ids,
+            "routed_experts": None,
         }
-    else:
-        out = {
-            "index": sample.index,
-            "text": sample.text,
-            "logprobs": _completion_logprobs(sample.logprobs, sample.token_ids, texts)
-            if sample.logprobs is not None
-            else None,
-            "finish_reason": sample.finish_reason,
-            "stop_reason": sample.stop_reason,
-        }
-        if call.return_token_ids:
-            out["prompt_token_ids"] = list(prompt)
-    if call.return_token_ids:
-        out["token_ids"] = sample.token_ids
-    return out
+    return {
+        "index": sample.index,
+        "text": sample.text,
+        "logprobs": _completion_logprobs(sample.logprobs, sample.token_ids, texts)
+        if sample.logprobs is not None
+        else None,
+        "finish_reason": sample.finish_reason,
+        "stop_reason": sample.stop_reason,
+        "token_ids": token_ids,
+        "prompt_logprobs": None,
+        "prompt_token_ids": list(prompt) if call.return_token_ids else None,
+        "routed_experts": None,
+    }
 
 
 def response(
@@ -184,7 +184,7 @@ def response(
     usage_: Json,
     prompt: Sequence[int] | None = None,
 ) -> Json:
-    """A whole (non-streamed) response."""
+    """A whole (non-streamed) response, with every key vLLM's server writes."""
     out: Json = {
         "id": call.id,
         "object": "chat.completion" if call.chat else "text_completion",
@@ -195,23 +195,33 @@ def response(
         "system_fingerprint": None,
         "service_tier": None,
     }
-    if call.chat and call.return_token_ids and prompt is not None:
-        out["prompt_token_ids"] = list(prompt)
+    if call.chat:
+        asked = call.return_token_ids and prompt is not None
+        out["prompt_logprobs"] = None
+        out["prompt_token_ids"] = list(prompt) if asked and prompt is not None else None
+        out["prompt_text"] = None
+    out["kv_transfer_params"] = None
+    out["ec_transfer_params"] = None
+    out["metrics"] = None
     return out
 
 
 def chunk(call: GenerationCall, choices: list[Json], usage_: Json | None = None) -> Json:
-    """One server-sent event of a streamed response."""
+    """One server-sent event of a streamed response, with the keys vLLM's server writes: a
+    fingerprint on the terminal events only (a sample's finish, or the usage event that ends
+    the stream when the caller asked for usage)."""
     out: Json = {
         "id": call.id,
         "object": "chat.completion.chunk" if call.chat else "text_completion",
         "created": call.created,
         "model": call.model,
         "choices": choices,
-        "system_fingerprint": None,
     }
     if usage_ is not None:
         out["usage"] = usage_
+        out["system_fingerprint"] = None
+    elif not call.include_usage and any(c["finish_reason"] is not None for c in choices):
+        out["system_fingerprint"] = None
     return out
 
 
@@ -223,39 +233,43 @@ def chunk_choice(
     finish_reason: str | None,
     stop_reason: int | str | None,
     logprobs: gen.Logprobs | None,
-    texts: Mapping[int, str],
+    texts: PositionTexts,
     first: bool = False,
     prompt: Sequence[int] | None = None,
     delta: Json | None = None,
+    text_offset: int = 0,
 ) -> Json:
     """One choice of a streamed event: a delta of text (and token ids); for chat, ``delta``
-    is what the engine parsed (content, reasoning, tool-call pieces)."""
+    is what the engine parsed (content, reasoning, tool-call pieces). ``text_offset``: the
+    length of the sample's text streamed before (completions' logprobs count from there).
+    The keys are vLLM's server's (token ids null unless asked for)."""
+    ids = list(token_ids) if call.return_token_ids else None
     if call.chat:
-        delta = {"content": text} if delta is None else delta
         out: Json = {
             "index": index,
-            "delta": delta,
+            "delta": {"content": text} if delta is None else delta,
             "logprobs": _chat_logprobs(logprobs, token_ids, texts)
             if logprobs is not None
             else None,
             "finish_reason": finish_reason,
         }
-    else:
-        out = {
-            "index": index,
-            "text": text,
-            "logprobs": _completion_logprobs(logprobs, token_ids, texts)
-            if logprobs is not None
-            else None,
-            "finish_reason": finish_reason,
-        }
-    if finish_reason is not None:
-        out["stop_reason"] = stop_reason
-    if call.return_token_ids:
-        out["token_ids"] = list(token_ids)
-        if first and prompt is not None:
+        if finish_reason is not None:
+            out["stop_reason"] = stop_reason
+        out["token_ids"] = ids
+        if call.return_token_ids and first and prompt is not None:
             out["prompt_token_ids"] = list(prompt)
-    return out
+        return out
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": _completion_logprobs(logprobs, token_ids, texts, text_offset)
+        if logprobs is not None
+        else None,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+        "prompt_token_ids": list(prompt) if call.return_token_ids and first and prompt else None,
+        "token_ids": ids,
+    }
 
 
 def role_chunk(call: GenerationCall, index: int, prompt: Sequence[int]) -> Json:
@@ -268,8 +282,8 @@ def role_chunk(call: GenerationCall, index: int, prompt: Sequence[int]) -> Json:
         "finish_reason": None,
     }
     out = chunk(call, [choice])
-    if call.return_token_ids:
-        out["prompt_token_ids"] = list(prompt)
+    out["prompt_token_ids"] = list(prompt) if call.return_token_ids else None
+    out["prompt_text"] = None
     return out
 
 
