@@ -518,11 +518,11 @@ INVALID_GENERATE = [
         grpc.StatusCode.INVALID_ARGUMENT,
         "greedy",
     ),
-    # Larger than the server's 64 MiB message limit: refused before decoding.
+    # Larger than the server's 64 MiB message limit: refused before decoding, naming it.
     (
         data_plane_pb2.GenerateRequest(prompt_token_ids=[1], request_id="x" * (65 << 20)),
         grpc.StatusCode.RESOURCE_EXHAUSTED,
-        "larger than max",
+        "--max-message-mib 64 allows",
     ),
 ]
 

@@ -17,7 +17,7 @@ from typing import Any, NoReturn, TypeAlias
 
 import grpc
 
-from skyrl_grpc.errors import InvalidArgument, SkyrlError
+from skyrl_grpc.errors import InvalidArgument, ResourceExhausted, SkyrlError
 from skyrl_grpc.metadata import AUTHORIZATION
 
 from .early_answer import read_rest
@@ -47,8 +47,11 @@ async def abort_with_status(exc: BaseException, context: Context, method: str) -
 class _Malformed:
     """Stands in for a request that was not decoded, so the handler can answer for it."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(
+        self, reason: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+    ) -> None:
         self.reason = reason
+        self.code = code
 
 
 # The most bytes a request of a method may have, and what a caller can do about it; None: no
@@ -56,11 +59,25 @@ class _Malformed:
 RequestSizeLimit = Callable[[str], "tuple[int, str] | None"]
 
 
-def _lenient(deserializer: Any, method: str, size_limit: RequestSizeLimit | None) -> Any:
-    if deserializer is None and size_limit is None:
+def _lenient(
+    deserializer: Any,
+    method: str,
+    size_limit: RequestSizeLimit | None,
+    max_message_bytes: int | None,
+) -> Any:
+    if deserializer is None and size_limit is None and max_message_bytes is None:
         return None
 
     def decode(raw: bytes) -> Any:
+        if max_message_bytes is not None and len(raw) > max_message_bytes:
+            # gRPC read it (the server's receive limit has headroom) so that this refusal,
+            # not gRPC's own, reaches the caller: it names the setting.
+            return _Malformed(
+                f"the message is {len(raw)} bytes, more than the {max_message_bytes} "
+                f"--max-message-mib {max_message_bytes >> 20} allows: send smaller pieces, "
+                "or raise --max-message-mib (and the clients' max_message_bytes)",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            )
         limit = size_limit(method) if size_limit is not None else None
         if limit is not None and len(raw) > limit[0]:
             # Refused before decoding: parsing a request no valid one can be as large as
@@ -78,14 +95,16 @@ def _lenient(deserializer: Any, method: str, size_limit: RequestSizeLimit | None
 
 async def _reject_malformed(request: Any, context: Context, method: str) -> None:
     if isinstance(request, _Malformed):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        await context.abort(request.code, request.reason)
 
 
 async def _checked(requests: Any, method: str) -> AsyncIterator[Any]:
     # Raised, not aborted: the handler consuming the stream must see it to undo its work.
     async for request in requests:
         if isinstance(request, _Malformed):
-            raise InvalidArgument(f"a message of the stream: {request.reason}")
+            too_large = request.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            refusal = ResourceExhausted if too_large else InvalidArgument
+            raise refusal(f"a message of the stream: {request.reason}")
         yield request
 
 
@@ -152,9 +171,13 @@ async def _guarded(
 
 
 def _wrap(
-    handler: Handler, method: str, counter: CallCounter, size_limit: RequestSizeLimit | None
+    handler: Handler,
+    method: str,
+    counter: CallCounter,
+    size_limit: RequestSizeLimit | None,
+    max_message_bytes: int | None,
 ) -> Handler:
-    decode = _lenient(handler.request_deserializer, method, size_limit)
+    decode = _lenient(handler.request_deserializer, method, size_limit, max_message_bytes)
     serialize = handler.response_serializer
     # grpc's stubs type handler behaviours as synchronous; on an asyncio server they are
     # coroutine and async generator functions.
@@ -222,11 +245,14 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         counter: CallCounter | None = None,
         counted_services: tuple[str, ...] = (),
         size_limit: RequestSizeLimit | None = None,
+        max_message_bytes: int | None = None,
     ) -> None:
         self._prefixes = None if services is None else tuple(f"/{s}/" for s in services)
         self._counter = counter
         self._counted = tuple(f"/{s}/" for s in counted_services)
         self._size_limit = size_limit
+        # Refused by name above this (a server whose gRPC receive limit has headroom).
+        self._max_message_bytes = max_message_bytes
 
     async def intercept_service(
         self, continuation: NextHandler, handler_call_details: grpc.HandlerCallDetails
@@ -240,7 +266,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         counter = self._counter
         if counter is None or not method.startswith(self._counted):
             counter = _NOT_COUNTED
-        return _wrap(handler, method, counter, self._size_limit)
+        return _wrap(handler, method, counter, self._size_limit, self._max_message_bytes)
 
 
 def _rejecting_handler(handler: Handler, message: str) -> Handler:

@@ -34,7 +34,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from skyrl_grpc.channels import MiB
 from skyrl_grpc.host_memory import keep_freed_memory
 from skyrl_grpc.names import CONTROL_PLANE, DATA_PLANE, GENERATE_BATCH, SERVER_STATUS
 from skyrl_grpc.v1 import data_plane_pb2_grpc, status_pb2_grpc
@@ -103,6 +102,7 @@ class EngineServer:
                     counter=self.calls,
                     counted_services=(DATA_PLANE, CONTROL_PLANE),
                     size_limit=self._request_size_limit,
+                    max_message_bytes=options.max_message_bytes,
                 ),
             ],
             options=server_options(options.max_message_bytes, RECEIVE_HEADROOM),
@@ -122,14 +122,11 @@ class EngineServer:
     def _request_size_limit(self, method: str) -> tuple[int, str] | None:
         """No valid DataPlane request is larger than its longest prompt (5 bytes per token id,
         or the longest token's text) plus 1 MiB for everything else it may carry. A batch is
-        bounded by the message size and its count of requests (``validate.batch``). Every
-        other message is bounded by --max-message-mib, named in the refusal (gRPC reads up to
-        ``RECEIVE_HEADROOM`` times that itself, so it is this refusal a caller sees, not
-        gRPC's "Received message larger than max", which names no setting)."""
+        bounded by the message size and its count of requests (``validate.batch``); every
+        message by --max-message-mib, which the error interceptor checks first."""
         parts = self.state.started
         if parts is None or not method.startswith(DATA_PLANE_PREFIX) or method == GENERATE_BATCH:
-            size = self.options.max_message_bytes
-            return size, f"{size} bytes, the most --max-message-mib {size // MiB} allows"
+            return None
         tokens = parts.limits.max_prompt_tokens
         limit = tokens * max(5, parts.tokenizer.longest_token_bytes) + (1 << 20)
         return (
