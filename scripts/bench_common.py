@@ -33,18 +33,13 @@ import psutil
 
 from scripts.process_memory import memory_of
 from servers.common.reaper import EXIT_WITH_SUPERVISOR
-from servers.engine.engine_args import cpu_layout
 from servers.engine.options import EngineOptions
+from servers.engine.vllm_adapter.engine_args import cpu_layout
+from skyrl_grpc.process_group import free_port
 from skyrl_grpc.tiny_model import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVED_NAME = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def add_output_argument(parser: argparse.ArgumentParser, page: str) -> None:
@@ -232,11 +227,13 @@ def _process(command: list[str], env: dict[str, str] | None, what: str) -> Itera
             process.wait()
 
 
-def _engine_flags(options: EngineOptions) -> tuple[list[str], dict[str, str]]:
+def _engine_flags(
+    options: EngineOptions, model: Path | None = None
+) -> tuple[list[str], dict[str, str]]:
     """The command-line flags and environment giving vLLM's own servers the engine settings
-    this project's engine server uses on the embedded model."""
+    this project's engine server uses on ``model`` (default: the embedded model)."""
     flags = [
-        "--model", str(ensure_tiny_model()),
+        "--model", str(model or ensure_tiny_model()),
         "--served-model-name", SERVED_NAME,
         "--dtype", "float32",
         "--enforce-eager",
@@ -251,15 +248,19 @@ def _engine_flags(options: EngineOptions) -> tuple[list[str], dict[str, str]]:
 
 
 @contextlib.contextmanager
-def vllm_http_server(stream_interval: int = 1) -> Iterator[Launched]:
-    """vLLM's own OpenAI server on the embedded model, same engine settings."""
-    flags, env = _engine_flags(EngineOptions())
-    port = free_port()
+def vllm_http_server(
+    stream_interval: int = 1, model: Path | None = None, extra_args: Sequence[str] = ()
+) -> Iterator[Launched]:
+    """vLLM's own OpenAI server on ``model`` (default: the embedded model) with this
+    project's engine settings, ``extra_args`` on its command line: the benchmarks' contender
+    and the edge's reference in the tests."""
+    flags, env = _engine_flags(EngineOptions(), model)
+    port = free_port("127.0.0.1")
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags,
         "--stream-interval", str(stream_interval),
         "--host", "127.0.0.1", "--port", str(port),
-        "--uvicorn-log-level", "warning", "--disable-log-stats",
+        "--uvicorn-log-level", "warning", "--disable-log-stats", *extra_args,
     ]  # fmt: skip
     with _process(command, env, "vllm-http") as launched:
         launched.address = f"http://127.0.0.1:{port}"
@@ -271,7 +272,7 @@ def vllm_http_server(stream_interval: int = 1) -> Iterator[Launched]:
 def vllm_router(worker: str) -> Iterator[Launched]:
     """The Rust vllm-router (what SkyRL runs) in front of ``worker``."""
     binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-    port = free_port()
+    port = free_port("127.0.0.1")
     command = [
         binary,
         "--worker-urls", worker,
@@ -279,7 +280,7 @@ def vllm_router(worker: str) -> Iterator[Launched]:
         "--port", str(port),
         "--policy", "round_robin",
         "--log-level", "warning",
-        "--prometheus-port", str(free_port()),
+        "--prometheus-port", str(free_port("127.0.0.1")),
     ]  # fmt: skip
     with _process(command, None, "vllm-router") as launched:
         launched.address = f"http://127.0.0.1:{port}"
@@ -321,7 +322,7 @@ def vllm_grpc_server() -> Iterator[Launched]:
     """vLLM's own gRPC server (``vllm serve --grpc``: smg-grpc-servicer) on the embedded
     model, same engine settings."""
     flags, env = _engine_flags(EngineOptions())
-    port = free_port()
+    port = free_port("127.0.0.1")
     command = [
         sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server", *flags,
         "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats",
@@ -335,7 +336,7 @@ def vllm_grpc_server() -> Iterator[Launched]:
 @contextlib.contextmanager
 def skyrl_router(backends: list[str], *flags: str) -> Iterator[Launched]:
     """This project's router (``skyrl-grpc route``) in front of ``backends``, with ``flags``."""
-    port = free_port()
+    port = free_port("127.0.0.1")
     command = [
         sys.executable, "-m", "servers.router.router_server", "--host", "127.0.0.1",
         "--port", str(port), "--backends", ",".join(backends), *flags,

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from skyrl_grpc.socket_frames import send_frame
-from trainer_client.delta_patches import weight_patches
-from trainer_client.weight_sending import HostStaging, PushStream, tensor_entries
+from trainer_client.weights.delta_patches import weight_patches
+from trainer_client.weights.weight_sending import HostStaging, PushStream, tensor_entries
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.bench_common import add_output_argument, write_report
-from servers.engine.adapters import AdapterConfig, ModelShapes
+from servers.engine.domain.lora_adapters import AdapterConfig, ModelShapes
 from servers.fleet.local import LocalFleet
 from skyrl_grpc.tiny_model import ensure_tiny_model
 from trainer_client import InferenceClient
@@ -33,7 +33,7 @@ MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def adapter(rank: int = 8) -> tuple[dict[str, Any], dict[str, Any]]:
     """Random factors for every tensor the server expects of such an adapter (its own naming
-    and shapes, ``servers.engine.adapters``)."""
+    and shapes, ``servers.engine.domain.lora_adapters``)."""
     import torch
 
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(MODULES)}

@@ -284,8 +284,8 @@ class InProcess:
 
 
 def in_process_worker() -> None:
-    from servers.engine.engine_args import Platform, engine_arguments, resolved_model
     from servers.engine.options import EngineOptions, RequestLimits
+    from servers.engine.vllm_adapter.engine_args import Platform, engine_arguments, resolved_model
 
     options = EngineOptions()
     arguments = engine_arguments(

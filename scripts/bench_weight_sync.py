@@ -209,7 +209,7 @@ def raw_gloo(tensors: list[tuple[str, Any]], rounds: int) -> float:
     import torch
 
     from skyrl_grpc.process_group import free_port
-    from trainer_client.weight_sending import CollectiveSender
+    from trainer_client.weights.weight_sending import CollectiveSender
 
     port = free_port("127.0.0.1")
     sizes = [t.numel() * t.element_size() for _, t in tensors]

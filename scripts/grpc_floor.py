@@ -66,7 +66,7 @@ def _serve(ready: Any) -> None:
 def _messages(tensors: list[tuple[str, Any]]) -> Iterator[bytes]:
     """The stream the trainer client sends for a full in-band update (its manifest, then every
     tensor's CRC-checked chunks), made as the client makes it: checksums included in the time."""
-    from trainer_client.weight_sending import PushStream, tensor_entries
+    from trainer_client.weights.weight_sending import PushStream, tensor_entries
 
     yield from PushStream(tensor_entries(tensors, with_checksums=False), CHUNK_BYTES)
 

@@ -1,7 +1,7 @@
 """``skyrl-grpc``: one command line for the stack. Every command has ``--help``.
 
 - ``serve``: one engine server (the same as ``python -m servers.engine``: one entry point,
-  ``servers.engine.engine_server.run``, whichever command starts it).
+  ``servers.engine.process.engine_server.run``, whichever command starts it).
 - ``route``: the router (the same as ``python -m servers.router``).
 - ``up``: N engine servers and a router, as local processes or on Ray; runs until Ctrl-C.
 - ``demo``: the end-to-end RL loop on the embedded tiny model: starts a fleet, then runs the
@@ -22,15 +22,15 @@ import threading
 import time
 from pathlib import Path
 
-from .common.process import configure_logging, exit_on_sigterm
-from .engine import options as engine_options
-from .fleet import Fleet, FleetStartFailed
-from .fleet.local import LocalFleet
-from .router import router_server as router
+from servers.common.process import configure_logging, exit_on_sigterm
+from servers.engine import options as engine_options
+from servers.fleet import Fleet, FleetStartFailed
+from servers.fleet.local import LocalFleet
+from servers.router import router_server as router
 
 
 def _serve(args: argparse.Namespace, _: list[str]) -> None:
-    from .engine import engine_server as server
+    from servers.engine.process import engine_server as server
 
     server.run(engine_options.options_from_args(args))
 
@@ -68,7 +68,7 @@ def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -
     for every server (``up`` passes through whatever it does not know itself)."""
     server_flags = [*_engine_flags(args), *(server_args or [])]
     if args.ray:
-        from .fleet.ray_group import RayFleet
+        from servers.fleet.ray_group import RayFleet
 
         return RayFleet(
             args.servers,

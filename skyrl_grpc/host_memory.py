@@ -11,7 +11,7 @@ at ~9.5 GB/s (`scripts/bench_weight_sync.py` measures updates with it).
 there for the next update. The price: the process's resident memory stays at its peak. The engine
 server calls it at start-up (``--return-freed-memory`` opts out); a trainer may call it too.
 ``freed_memory_trim()`` is the bound on that price: it gives the freed heap back at once, which
-the engine's weight workers do when it piles up (``servers/engine/weights/heap.py``).
+the engine's weight workers do when it piles up (``servers/engine/worker/heap.py``).
 """
 
 from __future__ import annotations

@@ -88,8 +88,8 @@ def greedy_reference(
 async def running_engine_server(**engine: Any) -> AsyncIterator[Any]:
     """A real vLLM engine server on the tiny model (``engine``: EngineOptions fields), in this
     process, drained afterwards."""
-    from servers.engine.engine_server import EngineServer
     from servers.engine.options import EngineOptions, ServerOptions
+    from servers.engine.process.engine_server import EngineServer
 
     server = EngineServer(ServerOptions(engine=EngineOptions(**engine)))
     await server.start()

@@ -1,4 +1,4 @@
-"""The server's LoRA path on its own (``servers.engine.adapters``): checks, staging, versions,
+"""The server's LoRA path on its own (``servers.engine.domain.lora_adapters``): checks, staging, versions,
 and removal of versions no request uses, against a stand-in for vLLM's add/remove calls (the
 subject is the manager; ``test_lora.py`` runs the same path on real vLLM)."""
 
@@ -11,18 +11,18 @@ from typing import Any
 import pytest
 import torch
 
-from servers.engine.adapters import (
+from servers.engine.domain.lora_adapters import (
     AdapterLimits,
     AdapterManager,
     AdapterSpec,
     EngineAdapterCalls,
     ModelShapes,
 )
-from servers.engine.control_convert import adapter_item, adapter_spec
+from servers.engine.service.control_convert import adapter_item, adapter_spec
 from skyrl_grpc.errors import FailedPrecondition, InvalidArgument, NotFound
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from tests.helpers.waits import until
-from trainer_client.weight_sending import lora_push_messages
+from trainer_client.weights.weight_sending import lora_push_messages
 
 SHAPES = ModelShapes(layers=2, features={"q_proj": (8, 8), "v_proj": (8, 4), "lm_head": (8, 32)})
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}

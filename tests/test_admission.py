@@ -1,4 +1,4 @@
-"""Admission control (``servers.engine.admission``): samples run up to a limit, requests wait
+"""Admission control (``servers.engine.domain.admission``): samples run up to a limit, requests wait
 in order up to a bound, beyond it they are refused; cancelled waiters free their place."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from servers.engine.admission import Admission
+from servers.engine.domain.admission import Admission
 from skyrl_grpc.errors import ResourceExhausted
 
 

@@ -162,7 +162,7 @@ async def test_control_calls_fan_out_with_typed_results(
 def test_patches_carry_exactly_what_changed_and_a_dense_change_goes_whole() -> None:
     import torch
 
-    from trainer_client.delta_patches import weight_patches
+    from trainer_client.weights.delta_patches import weight_patches
 
     base = {n: torch.randn(64, 64, dtype=torch.bfloat16) for n in ("sparse", "dense", "same")}
     new = {n: t.clone() for n, t in base.items()}
@@ -184,7 +184,11 @@ def test_a_patch_names_many_changes_with_a_bitmap_and_applies_to_the_same_bits()
     import torch
 
     from skyrl_grpc import patch_format
-    from trainer_client.delta_patches import _device_patch_of, _host_patch_of, weight_patches
+    from trainer_client.weights.delta_patches import (
+        _device_patch_of,
+        _host_patch_of,
+        weight_patches,
+    )
 
     generator = torch.Generator().manual_seed(3)
     base = {"w": torch.randn(123, 45, generator=generator).to(torch.bfloat16)}
@@ -221,7 +225,7 @@ def test_a_compressed_patch_is_smaller_and_decompresses_to_the_same_bits(
 
     from skyrl_grpc import patch_format
     from skyrl_grpc.tensor_bytes import flat_bytes
-    from trainer_client.delta_patches import weight_patches
+    from trainer_client.weights.delta_patches import weight_patches
 
     generator = torch.Generator().manual_seed(11)
     torch_dtype = getattr(torch, dtype)
@@ -256,7 +260,7 @@ def test_a_compressed_patch_is_smaller_and_decompresses_to_the_same_bits(
 def test_patches_that_compress_badly_go_uncompressed() -> None:
     import torch
 
-    from trainer_client.delta_patches import weight_patches
+    from trainer_client.weights.delta_patches import weight_patches
 
     generator = torch.Generator().manual_seed(12)
     base = {"w": torch.randn(64, 64, generator=generator)}
@@ -271,7 +275,7 @@ def test_patches_that_compress_badly_go_uncompressed() -> None:
 def test_patches_found_on_the_host_and_on_a_device_are_the_same_bytes() -> None:
     import torch
 
-    from trainer_client.delta_patches import (
+    from trainer_client.weights.delta_patches import (
         HOST_BLOCK_ELEMENTS,
         _device_patch_of,
         _host_patch_of,

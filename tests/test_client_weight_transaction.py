@@ -1,4 +1,4 @@
-"""The fleet weight transaction's rules (``trainer_client.weight_transaction``) against
+"""The fleet weight transaction's rules (``trainer_client.weights.weight_transaction``) against
 stand-in servers: every failure, in every phase, on any server, leaves the whole fleet on its
 previous version with nothing open, and the next update succeeds."""
 
@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from trainer_client.exceptions import ServerError
-from trainer_client.weight_transaction import WeightUpdateError, run_weight_transaction
+from trainer_client.weights.weight_transaction import WeightUpdateError, run_weight_transaction
 
 SERVERS = ["s1:1", "s2:2", "s3:3"]
 PHASES = ["start", "transfer", "finish", "finish-after-commit"]

@@ -1,4 +1,4 @@
-"""Validation (``servers.engine.validate``) and conversion (``servers.engine.convert``) rules,
+"""Validation (``servers.engine.service.validate``) and conversion (``servers.engine.service.data_convert``) rules,
 without an engine."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from servers.engine import validate
-from servers.engine.convert import (
+from servers.engine.service import validate
+from servers.engine.service.data_convert import (
     ChunkCoalescer,
     build_sampling_params,
     finish_to_proto,
     logprobs_to_proto,
 )
-from servers.engine.validate import ModelLimits
+from servers.engine.service.validate import ModelLimits
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.sample_assembly import ResponseAssembler
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2

@@ -141,9 +141,9 @@ async def test_a_backend_added_to_the_router_gets_new_sessions_on_both_paths(
 async def test_the_client_keeps_serving_while_the_router_is_down_and_reconnects(
     engine_server: Any, second_engine_server: Any
 ) -> None:
-    from tests.helpers.vllm_http import free_port
+    from skyrl_grpc.process_group import free_port
 
-    port = free_port()
+    port = free_port("127.0.0.1")
     backends = [engine_server.address, second_engine_server.address]
     router = await fresh_router(backends, port)
     client = InferenceClient(router.address, backends)
@@ -180,11 +180,11 @@ async def test_a_client_started_while_the_router_is_down_routes_from_the_servers
     """No router ever reached: the client builds its view from the servers it was given (their
     ServerStatus), spreads new sessions over both, keeps each on its server, and hands over to
     the router's view once a router comes up at the address."""
-    from tests.helpers.vllm_http import free_port
+    from skyrl_grpc.process_group import free_port
 
     servers = [engine_server, second_engine_server]
     await end_every_session(servers)
-    port = free_port()
+    port = free_port("127.0.0.1")
     backends = [engine_server.address, second_engine_server.address]
     client = InferenceClient(f"127.0.0.1:{port}", backends)
     sessions = [f"no-router-{i}" for i in range(8)]

@@ -54,7 +54,9 @@ def examples() -> list[Example]:
             line = text[: match.start()].count("\n") + 1
             commands = [c for c in code.replace("\\\n", " ").splitlines() if c.strip()]
             runnable = language == "python" or (
-                language == "bash" and commands and all(c.startswith(RUN_IN_SHELL) for c in commands)
+                language == "bash"
+                and commands
+                and all(c.startswith(RUN_IN_SHELL) for c in commands)
             )
             if runnable:
                 found.append(Example(page.relative_to(ROOT).as_posix(), line, language, code))
@@ -103,9 +105,7 @@ def doc_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocFleet]:
 
 @pytest.mark.timeout(FLEET_TEST_TIMEOUT)
 @pytest.mark.parametrize("example", examples(), ids=lambda e: e.name)
-def test_the_example_runs_as_written(
-    doc_fleet: DocFleet, example: Example, tmp_path: Path
-) -> None:
+def test_the_example_runs_as_written(doc_fleet: DocFleet, example: Example, tmp_path: Path) -> None:
     code = doc_fleet.addressed(example.code)
     env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"}
     if example.language == "python":

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from servers.engine import core_preload
-from servers.engine.engine_args import (
+from servers.engine.options import TINY_MODEL_NAME, EngineOptions, RequestLimits
+from servers.engine.vllm_adapter import core_preload
+from servers.engine.vllm_adapter.engine_args import (
     ContextTooLong,
     ModelNotFound,
     Platform,
     engine_arguments,
     resolved_model,
 )
-from servers.engine.options import TINY_MODEL_NAME, EngineOptions, RequestLimits
 
 CPU = Platform(is_cpu=True)
 GPU = Platform(is_cpu=False, sleep_mode_available=True)

@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 import pytest
 
-from servers.engine.engine_server import EngineServer
 from servers.engine.options import EngineOptions, RequestLimits, ServerOptions
+from servers.engine.process.engine_server import EngineServer
 from servers.router.proxy import ProxyOptions
 from servers.router.router_server import RouterOptions, RouterServer
 from skyrl_grpc.v1 import control_plane_pb2 as cp

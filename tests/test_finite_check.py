@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from servers.engine.weights.finite import FiniteCheck, all_finite
+from servers.engine.transfer.finite import FiniteCheck, all_finite
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float8_e5m2", "float8_e4m3fn"])

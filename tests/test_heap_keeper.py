@@ -3,7 +3,7 @@ after every update (each trim costs the next update its page faults)."""
 
 from __future__ import annotations
 
-from servers.engine.weights.heap import HeapKeeper, resident_bytes
+from servers.engine.worker.heap import HeapKeeper, resident_bytes
 from skyrl_grpc.host_memory import freed_memory_trim
 
 

@@ -160,7 +160,7 @@ def test_a_killed_server_leaves_no_process_behind(server: ServerProcess) -> None
     started = server.descendants()
     assert any("EngineCore" in p.name() for p in started), [p.name() for p in started]
     # On CPU the engine core forks from a forkserver that imported vLLM beside the server
-    # (servers/engine/core_preload.py): it too must go.
+    # (servers/engine/vllm_adapter/core_preload.py): it too must go.
     core = next(p for p in started if "EngineCore" in p.name())
     forkserver = core.parent()
     assert forkserver is not None and forkserver.pid != server.proc.pid

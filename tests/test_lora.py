@@ -24,7 +24,7 @@ from tests.helpers.adapters import make_adapter
 from tests.helpers.waits import running_on_engines
 from trainer_client import FanOutError, InferenceClient
 from trainer_client.exceptions import ServerError
-from trainer_client.weight_sending import lora_push_messages
+from trainer_client.weights.weight_sending import lora_push_messages
 
 pytestmark = pytest.mark.engine
 PROMPTS = [[1, 17, 33, 95, 200, 311], [1, 5, 9, 13, 400, 77, 78]]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from servers.engine.weights import patch_kernels
+from servers.engine.worker import patch_kernels
 from skyrl_grpc import patch_format
 
 

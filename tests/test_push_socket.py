@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from servers.common.interceptors import CallCounter
-from servers.engine.frame_buffers import FrameBuffers
-from servers.engine.push_socket import PushSocketServer
+from servers.engine.service.frame_buffers import FrameBuffers
+from servers.engine.service.push_socket import PushSocketServer
 from skyrl_grpc.chunk_wire import chunk_head
 from skyrl_grpc.socket_frames import FRAME_HEADER, recv_frame, send_frame
 from skyrl_grpc.tensor_bytes import sha256_of
@@ -26,8 +26,8 @@ from tests.helpers.waits import until
 from tests.helpers.weights import next_version, perturbed
 from trainer_client import InferenceClient
 from trainer_client.exceptions import FailedPrecondition
-from trainer_client.push_socket import PushSocket, PushSocketOffer, host_of, open_push_socket
-from trainer_client.weight_sending import PushStream, tensor_entries
+from trainer_client.weights.push_lanes import PushSocket, PushSocketOffer, host_of, open_push_socket
+from trainer_client.weights.weight_sending import PushStream, tensor_entries
 
 OWNER = "push-socket-test"
 

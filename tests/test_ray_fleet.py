@@ -17,7 +17,7 @@ import grpc
 import psutil
 import pytest
 
-from servers.engine.scratch import PREFIX as SCRATCH_PREFIX
+from servers.engine.process.scratch import PREFIX as SCRATCH_PREFIX
 from servers.fleet import FleetStartFailed
 from servers.fleet.ray_group import RayFleet
 from skyrl_grpc.v1.data_plane_pb2 import GenerateRequest
@@ -98,7 +98,7 @@ def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(
     assert "Initializing a V1 LLM engine" in (tmp_path / "logs" / "server-0.log").read_text()
     actor_pids = group.pids()
     tree = process_tree(actor_pids)
-    # Each server actor's temporary directory of its own (servers.engine.scratch), named by
+    # Each server actor's temporary directory of its own (servers.engine.process.scratch), named by
     # its process; none for the router's.
     scratch = [
         path

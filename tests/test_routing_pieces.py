@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from servers.engine.status import StatusChanges
+from servers.engine.service.status import StatusChanges
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
 from trainer_client.direct import DirectRoutes
 from trainer_client.exceptions import FanOutError, NotFound, ServerError

@@ -12,8 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servers.engine import engine_server
 from servers.engine import options as engine_options
+from servers.engine.process import engine_server
 from servers.router.router_server import RouterOptions, RouterServer
 from skyrl_grpc.metadata import bearer
 from skyrl_grpc.names import CONTROL_PLANE_SERVICE, PUSH_WEIGHTS, method_path

@@ -11,18 +11,23 @@ from typing import Any
 import pytest
 import torch
 
-from servers.engine import validate
-from servers.engine.control_convert import bucket_spec, push_item, push_items
-from servers.engine.weights import protocol
-from servers.engine.weights.assembly import InBandAssembler, ParamLayout, bucket_layout
-from servers.engine.weights.handoff import HandoffBuffer, HandoffReader
-from servers.engine.weights.transaction import WeightTransferManager
-from servers.engine.weights.worker import WeightTransferWorker
+from servers.engine.domain.weights.transaction import WeightTransferManager
+from servers.engine.service import validate
+from servers.engine.service.control_convert import bucket_spec, push_item, push_items
+from servers.engine.transfer import protocol
+from servers.engine.transfer.assembly import InBandAssembler, ParamLayout, bucket_layout
+from servers.engine.transfer.handoff import HandoffBuffer, HandoffReader
+from servers.engine.worker.worker_extension import WeightTransferWorker
 from skyrl_grpc import dtypes
 from skyrl_grpc.errors import DataLoss, FailedPrecondition, InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.fleet_info import group_ranks
-from trainer_client.weight_sending import plan_buckets, push_messages, rank_offsets, tensor_entries
+from trainer_client.weights.weight_sending import (
+    plan_buckets,
+    push_messages,
+    rank_offsets,
+    tensor_entries,
+)
 
 LAYOUT = {
     "a.weight": ParamLayout(dtypes.BY_TORCH["float32"], (4, 3)),
@@ -323,8 +328,8 @@ def test_the_lifecycle_the_server_drives_is_vllms() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from servers.engine.weights.transfer_engine import SkyrlWeightTransferEngine
-    from servers.engine.weights.vllm_plugin import register
+    from servers.engine.worker.transfer_engine import SkyrlWeightTransferEngine
+    from servers.engine.worker.vllm_plugin import register
 
     for name in [n for n in vars(protocol.Lifecycle) if not n.startswith("_")]:
         assert inspect.iscoroutinefunction(getattr(AsyncLLM, name)), name
@@ -520,7 +525,7 @@ async def test_replacing_non_finite_weights_asks_the_engine_to_clear_their_trace
 
 
 def test_a_peft_models_own_state_dict_names_map_to_the_saved_adapter_names() -> None:
-    from trainer_client.weight_sending import lora_push_messages, peft_tensor_name
+    from trainer_client.weights.weight_sending import lora_push_messages, peft_tensor_name
 
     prefix = "base_model.model.model.layers.0.self_attn.q_proj"
     assert peft_tensor_name(f"{prefix}.lora_A.default.weight") == f"{prefix}.lora_A.weight"
@@ -616,7 +621,7 @@ async def test_a_session_an_engine_error_left_open_is_closed_before_the_next_upd
 def test_bitmap_patches_must_name_exactly_the_changed_elements_inside_the_parameter() -> None:
     import numpy as np
 
-    from servers.engine.weights.assembly import check_patch
+    from servers.engine.transfer.assembly import check_patch
     from skyrl_grpc import patch_format
     from skyrl_grpc.errors import InvalidArgument
 
@@ -736,7 +741,7 @@ def test_a_shared_buffer_is_made_at_first_use_and_one_a_dead_server_left_is_remo
     import subprocess
     import sys
 
-    from servers.engine.weights.handoff import PREFIX
+    from servers.engine.transfer.handoff import PREFIX
 
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from servers.engine.weights.checkpoint import ServingCheckpoint, flat_bits
-from servers.engine.weights.shared_copy import SharedCopy, SharedCopyReader, copied, layout_of
+from servers.engine.worker.checkpoint import ServingCheckpoint, flat_bits
+from servers.engine.worker.shared_copy import SharedCopy, SharedCopyReader, copied, layout_of
 from skyrl_grpc import patch_format
 
 

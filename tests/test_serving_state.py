@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from servers.engine.serving_state import ServingState
+from servers.engine.process.serving_state import ServingState
 from skyrl_grpc.errors import Unavailable
 
 

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from safetensors.torch import load_file, save_file
 
-from servers.engine.live_sessions import LiveSessions
+from servers.engine.domain.live_sessions import LiveSessions
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc, status_pb2, status_pb2_grpc
 from tests.conftest import offline_reference
 from tests.helpers.waits import running_on_engines, until

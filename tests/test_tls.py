@@ -11,8 +11,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servers.common.listener import ServerTls
-from servers.engine import engine_server
 from servers.engine import options as engine_options
+from servers.engine.process import engine_server
 from servers.router.router_server import RouterOptions, RouterServer
 from skyrl_grpc.tls import TlsConfig
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc

@@ -300,14 +300,13 @@ def test_a_reasoning_marker_streamed_with_later_tokens_stays_out_of_the_reasonin
     server hands it the marker alone first (a flaky failure of the streamed test below)."""
     from transformers import AutoTokenizer
 
-    from servers.engine.chat_parsing import ChatParsers
+    from servers.engine.domain.chat_parsing import ChatParsers, ChatRequestSpec
+    from servers.engine.service.chat_convert import annotate
     from skyrl_grpc.v1 import generation_pb2
 
     tokenizer = AutoTokenizer.from_pretrained(hermes_model_dir)
     parsers = ChatParsers(tokenizer, "m", reasoning_parser="deepseek_r1")
-    _, parsing = parsers.prepare(
-        chat_tools_pb2.ChatOutput(), generation_pb2.SamplingParams(), [1, 2, 3], 1
-    )
+    _, parsing = parsers.prepare(ChatRequestSpec(), [1, 2, 3], 1)
     start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
 
     def ids(text: str) -> list[int]:
@@ -323,7 +322,7 @@ def test_a_reasoning_marker_streamed_with_later_tokens_stays_out_of_the_reasonin
         message = data_plane_pb2.GenerateStreamResponse(text=text, token_ids=token_ids)
         if k == len(deltas) - 1:
             message.finish_reason = generation_pb2.FINISH_REASON_STOP
-        parsing.annotate(message)
+        annotate(parsing, message)
         parsed.append((message.chat_delta.reasoning, message.chat_delta.content))
     assert parsed == [("rain", ""), (" is likely", ""), ("", "Take")]
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks reloading together (``servers.engine.weights.tp_share``), over a real
+"""Tensor-parallel ranks reloading together (``servers.engine.worker.tp_share``), over a real
 gloo group of two processes, without vLLM: the other rank reads TP rank 0's copy in shared memory
 where it can (``shared_copy``), and is sent it where it cannot; a rank that fails mid-reload,
 wherever it fails, releases the other instead of leaving it waiting in a broadcast; both then
@@ -28,8 +28,8 @@ def _rank(rank: int, port: int, results: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from servers.engine.weights.shared_copy import SharedCopy, layout_of
-    from servers.engine.weights.tp_share import Row, StreamAborted, TensorParallelShare
+    from servers.engine.worker.shared_copy import SharedCopy, layout_of
+    from servers.engine.worker.tp_share import Row, StreamAborted, TensorParallelShare
 
     dist.init_process_group(
         "gloo",

@@ -23,9 +23,9 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
 from tests.helpers.weights import greedy_per_server, next_version, perturbed
 from trainer_client import InferenceClient, WeightUpdateError
-from trainer_client.delta_patches import weight_patches
 from trainer_client.exceptions import ServerError
-from trainer_client.weight_sending import parameter_spec
+from trainer_client.weights.delta_patches import weight_patches
+from trainer_client.weights.weight_sending import parameter_spec
 
 pytestmark = [pytest.mark.engine]
 
@@ -122,10 +122,12 @@ async def test_a_reserved_delta_base_is_the_first_records_memory_and_never_its_v
         misfit = sorted(first)[0]
         like = {**first, "not.pushed": torch.ones(3), misfit: torch.ones(2, 2)}
         await client.reserve_delta_base(like.items())
-        reserved = {name: tensor.data_ptr() for name, tensor in client._reserved_record.items()}
+        reserved = {
+            name: tensor.data_ptr() for name, tensor in client._local.reserved_record.items()
+        }
         version = await next_version(client)
         await client.update_weights(first.items(), version)  # no base yet: everything
-        record = client._last_pushed
+        record = client._local.last_pushed
         assert record is not None and set(record.tensors) == set(first)
         reused = {n for n, t in record.tensors.items() if t.data_ptr() == reserved[n]}
         assert reused == set(first) - {misfit}  # copied into; the misfit cloned
@@ -390,15 +392,15 @@ async def test_a_server_that_moved_since_the_client_looked_refuses_the_patch_and
     await other_version_moves(servers[1], version + 1)
     # The client looked before the second server moved: it broadcasts patches, which that
     # server refuses (FAILED_PRECONDITION, nothing staged); the whole weights follow to both.
-    from trainer_client import weight_calls
-    from trainer_client.update_plan import ServerState
+    from trainer_client.weights import weight_calls
+    from trainer_client.weights.update_plan import ServerState
 
-    asked = weight_calls.TransactionCalls.state
+    asked = weight_calls.ServerWeightCalls.state
 
     async def stale_view(self: Any, address: str) -> ServerState:
         return dataclasses.replace(await asked(self, address), version=version)
 
-    monkeypatch.setattr(weight_calls.TransactionCalls, "state", stale_view)
+    monkeypatch.setattr(weight_calls.ServerWeightCalls, "state", stale_view)
     stepped = a_training_step(base, seed=62)
     await client.update_weights(stepped.items(), version + 2, transport="collective")
     sent = client.last_push_bytes
@@ -410,7 +412,7 @@ async def test_a_server_that_moved_since_the_client_looked_refuses_the_patch_and
 def _patch_bucket(
     name: str, tensor: torch.Tensor, base_version: int, indices: list[int], values: list[float]
 ) -> list[Any]:
-    from trainer_client.weight_sending import plan_buckets
+    from trainer_client.weights.weight_sending import plan_buckets
 
     return plan_buckets([_patch(name, tensor, base_version, indices, values)])
 
@@ -432,7 +434,7 @@ async def refused_by_every_server(
     checks that each server refused them with ``code`` and a message holding ``words``; then
     cancels the update."""
     servers = list(client.config.servers)
-    sender = client._sender
+    sender = client._local.sender
     assert sender is not None
     for address in servers:
         await client._control(address).StartWeightUpdate(
@@ -527,7 +529,7 @@ def _compressed_patch(
 async def test_bad_compressed_patches_are_refused_and_the_weights_stay(
     delta_fleet: DeltaFleet, broadcasting_client: InferenceClient
 ) -> None:
-    from trainer_client.weight_sending import plan_buckets
+    from trainer_client.weights.weight_sending import plan_buckets
 
     client, servers = broadcasting_client, delta_fleet.servers
     before, serving = await on_the_original_weights(delta_fleet, client)
@@ -574,12 +576,12 @@ async def test_bad_compressed_patches_are_refused_and_the_weights_stay(
 async def test_a_server_that_does_not_take_compressed_patches_gets_them_plain(
     delta_fleet: DeltaFleet, broadcasting_client: InferenceClient, monkeypatch: Any
 ) -> None:
-    from trainer_client import weight_calls
-    from trainer_client.update_plan import ServerState
+    from trainer_client.weights import weight_calls
+    from trainer_client.weights.update_plan import ServerState
 
     client, servers = broadcasting_client, delta_fleet.servers
     newer, older = servers
-    asked = weight_calls.TransactionCalls.state
+    asked = weight_calls.ServerWeightCalls.state
 
     async def as_an_older_server(self: Any, address: str) -> ServerState:
         state = await asked(self, address)
@@ -587,7 +589,7 @@ async def test_a_server_that_does_not_take_compressed_patches_gets_them_plain(
             return dataclasses.replace(state, takes_compressed=False)
         return state
 
-    monkeypatch.setattr(weight_calls.TransactionCalls, "state", as_an_older_server)
+    monkeypatch.setattr(weight_calls.ServerWeightCalls, "state", as_an_older_server)
     weights = perturbed(delta_fleet.original, seed=95)
     version = await next_version(client)
     await client.update_weights(weights.items(), version, transport="grpc")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from servers.engine.weights.handoff import HandoffBuffer
+from servers.engine.transfer.handoff import HandoffBuffer
 from skyrl_grpc.tensor_bytes import sha256_of
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2, data_plane_pb2_grpc
@@ -25,7 +25,7 @@ from tests.conftest import REFERENCE_PROMPTS, offline_reference
 from tests.helpers.waits import running_on_engines, until
 from tests.helpers.weights import MAX_TOKENS, greedy_per_server, next_version, perturbed
 from trainer_client import FanOutError, InferenceClient, WeightUpdateError
-from trainer_client.weight_sending import push_messages
+from trainer_client.weights.weight_sending import push_messages
 
 pytestmark = [pytest.mark.engine]
 # Any version: the calls using it are refused before the version matters.
@@ -293,7 +293,7 @@ async def test_collective_gloo_updates_two_servers_with_their_own_rank_offsets(
     await assert_serving(pushed_fleet, pushed_fleet.original, original_greedy)
     # A corrupted bucket (checksums disagree with the bytes) is rejected everywhere.
     corrupt = dict(pushed_fleet.original)
-    from trainer_client import weight_sending as sender_module
+    from trainer_client.weights import weight_sending as sender_module
 
     real_spec = sender_module.parameter_spec
 

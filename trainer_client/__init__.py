@@ -6,10 +6,10 @@ Data-plane calls go to the server the router's policy picks; control calls fan o
 server. Results are plain dataclasses; errors are ``InferenceError`` subclasses.
 """
 
-from .blocking import BlockingInferenceClient
-from .client import InferenceClient
-from .config import ClientConfig, ClientSettings, TlsConfig
-from .exceptions import (
+from trainer_client.blocking import BlockingInferenceClient
+from trainer_client.client import InferenceClient
+from trainer_client.config import ClientConfig, ClientSettings, TlsConfig
+from trainer_client.exceptions import (
     Aborted,
     AlreadyExists,
     Cancelled,
@@ -26,7 +26,7 @@ from .exceptions import (
     Unauthenticated,
     Unavailable,
 )
-from .fleet_info import (
+from trainer_client.fleet_info import (
     Capabilities,
     LoraAdapter,
     LoraCapabilities,
@@ -37,10 +37,10 @@ from .fleet_info import (
     ServerLoad,
     WeightCommit,
 )
-from .results import FinishReason, GenerationResult, WeightSpan, WeightVersions
-from .sampling import sampling_params
-from .tool_use import AssistantMessage, CallFunction, Tool, ToolCall, ToolChoice
-from .weight_transaction import WeightUpdateError
+from trainer_client.results import FinishReason, GenerationResult, WeightSpan, WeightVersions
+from trainer_client.sampling import sampling_params
+from trainer_client.tool_use import AssistantMessage, CallFunction, Tool, ToolCall, ToolChoice
+from trainer_client.weights.weight_transaction import WeightUpdateError
 
 __all__ = [
     "Aborted",

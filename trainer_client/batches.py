@@ -18,22 +18,41 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from skyrl_grpc.errors import server_lost, status_of
-from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
-
-from .abort_retry import AbortRetry
-from .exceptions import ServerError
-from .results import GenerationResult
-
-if TYPE_CHECKING:
-    from .generation import Generation
+from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
+from trainer_client.abort_retry import AbortRetry
+from trainer_client.config import ClientConfig
+from trainer_client.direct import DirectRoutes
+from trainer_client.exceptions import ServerError
+from trainer_client.results import GenerationResult
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchCalls:
+    """What a batch uses of its client, as plain callables (the client's ``Generation`` builds
+    it): where a prompt goes, a stub and metadata for a call, the routing view, one sample's
+    generation (a server without GenerateBatch), detokenization."""
+
+    config: ClientConfig
+    # The server a prompt goes to directly (None: through the router), given those it failed on.
+    target: Callable[[str | None, set[str]], Awaitable[str | None]]
+    stub: Callable[[str], data_plane_pb2_grpc.DataPlaneAsyncStub]
+    metadata: Callable[[], tuple[tuple[str, str], ...]]
+    routes: Callable[[], DirectRoutes]
+    # One prompt as one stream: (prompt, params, session, include_text, lora, timeout).
+    generate_one: Callable[
+        [Sequence[int], generation_pb2.SamplingParams, str | None, bool, str, float | None],
+        Awaitable[GenerationResult],
+    ]
+    detokenize: Callable[[Sequence[int]], Awaitable[str]]
 
 
 class BatchGeneration:
@@ -41,7 +60,7 @@ class BatchGeneration:
 
     def __init__(
         self,
-        client: Generation,
+        calls: BatchCalls,
         prompts: Sequence[Sequence[int]],
         params: generation_pb2.SamplingParams,
         sessions: Sequence[str | None],
@@ -49,8 +68,8 @@ class BatchGeneration:
         lora: str,
         timeout: float | None,
     ) -> None:
-        self._client = client
-        config = client.config
+        self._uses = calls
+        config = calls.config
         self._prompts = [list(p) for p in prompts]
         self._sessions = list(sessions)
         self._params = params
@@ -100,7 +119,7 @@ class BatchGeneration:
             retried = [
                 r for i, r in enumerate(results) if i not in self._single and r.abort_retries
             ]
-            texts = await asyncio.gather(*(self._client.detokenize(r.token_ids) for r in retried))
+            texts = await asyncio.gather(*(self._uses.detokenize(r.token_ids) for r in retried))
             for result, text in zip(retried, texts, strict=True):
                 result.text = text
         return results
@@ -112,7 +131,7 @@ class BatchGeneration:
         """Sends these prompts (each from where it is) as one call per server."""
         parts: dict[str | None, list[int]] = defaultdict(list)
         for index in indices:
-            target = await self._client._target(self._sessions[index], self._tried[index])
+            target = await self._uses.target(self._sessions[index], self._tried[index])
             parts[target].append(index)
         for target, part in parts.items():
             self._spawn(self._call(target, part))
@@ -120,18 +139,18 @@ class BatchGeneration:
     async def _call(self, target: str | None, indices: list[int]) -> None:
         """One GenerateBatch call (to ``target`` directly, or to the router when None); then
         what it left to do is sent again."""
-        address = target or self._client.config.router
+        address = target or self._uses.config.router
         request = data_plane_pb2.GenerateBatchRequest(
             requests=[self._samples[i].request() for i in indices],
             session_ids=[self._sessions[i] or "" for i in indices],
             indices=indices,
         )
-        routes = self._client.connections.routes() if target is not None else None
+        routes = self._uses.routes() if target is not None else None
         if routes is not None and target is not None:
             for _ in indices:
                 routes.begin(target)
-        call = self._client._data(address).GenerateBatch(
-            request, timeout=self._timeout, metadata=self._client._metadata("data")
+        call = self._uses.stub(address).GenerateBatch(
+            request, timeout=self._timeout, metadata=self._uses.metadata()
         )
         try:
             async for message in call:
@@ -163,7 +182,7 @@ class BatchGeneration:
     ) -> None:
         """A server used directly is gone: its unfinished prompts go on elsewhere, each from
         its tokens so far (before its first token, that is a plain retry)."""
-        self._client.connections.routes().mark_unavailable(target)
+        self._uses.routes().mark_unavailable(target)
         moving = []
         for index in indices:
             finish = self._samples[index].sample().finish_reason
@@ -171,7 +190,7 @@ class BatchGeneration:
                 self._samples[index].should_resubmit()
             ):
                 self._tried[index].add(target)
-                if len(self._tried[index]) > self._client.config.max_direct_failovers:
+                if len(self._tried[index]) > self._uses.config.max_direct_failovers:
                     raise ServerError.from_rpc_error(target, error) from error
                 moving.append(index)
         log.warning(
@@ -183,7 +202,7 @@ class BatchGeneration:
         """A server without GenerateBatch (an older one): these prompts as single streams."""
         results = await asyncio.gather(
             *(
-                self._client._generate(
+                self._uses.generate_one(
                     self._prompts[i],
                     self._params,
                     self._sessions[i],

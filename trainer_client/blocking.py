@@ -15,15 +15,21 @@ from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar, Unpack
 
 from skyrl_grpc.v1 import data_plane_pb2
-
-from .client import InferenceClient
-from .config import ClientConfig, ClientSettings
-from .fleet_info import LoraAdapter, ModelInfo, PauseMode, ServerInfo, ServerLoad, WeightCommit
-from .results import GenerationResult, WeightVersions
-from .sampling import Message, Sampling
-from .tool_use import Tool, ToolChoice
-from .weight_sending import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES
-from .weight_updates import WeightTransport
+from trainer_client.client import InferenceClient
+from trainer_client.config import ClientConfig, ClientSettings
+from trainer_client.fleet_info import (
+    LoraAdapter,
+    ModelInfo,
+    PauseMode,
+    ServerInfo,
+    ServerLoad,
+    WeightCommit,
+)
+from trainer_client.results import GenerationResult, WeightVersions
+from trainer_client.sampling import Message, Sampling
+from trainer_client.tool_use import Tool, ToolChoice
+from trainer_client.weights.weight_sending import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES
+from trainer_client.weights.weight_updates import WeightTransport
 
 T = TypeVar("T")
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Unpack
 
-from .config import ClientConfig, ClientSettings
-from .fleet_control import FleetControl
-from .generation import Generation
-from .lora import Adapters
-from .weight_updates import WeightUpdates
+from trainer_client.config import ClientConfig, ClientSettings
+from trainer_client.fleet_control import FleetControl
+from trainer_client.generation import Generation
+from trainer_client.lora import Adapters
+from trainer_client.weights.weight_updates import WeightUpdates
 
 
 class InferenceClient(Generation, FleetControl, Adapters, WeightUpdates):

@@ -16,12 +16,11 @@ from google.protobuf.message import Message as ProtoMessage
 from skyrl_grpc.metadata import SESSION_ID
 from skyrl_grpc.session_moves import finish_moved_session
 from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2_grpc
-
-from .config import ClientConfig, Plane
-from .connections import Connections
-from .exceptions import ServerError
-from .fanout import fan_out
-from .readiness import wait_while_starting
+from trainer_client.config import ClientConfig, Plane
+from trainer_client.connections import Connections
+from trainer_client.exceptions import ServerError
+from trainer_client.fanout import fan_out
+from trainer_client.readiness import wait_while_starting
 
 T = TypeVar("T")
 Request = TypeVar("Request", bound=ProtoMessage)
@@ -44,10 +43,6 @@ class ClientCore:
         self.config = config
         # Channels, the routing view and background calls, per event loop (never pickled).
         self._connections = Connections(config, self._session_moved)
-        self._setup_weights()
-
-    def _setup_weights(self) -> None:
-        """Process-local weight-transfer state (``weight_updates``): none here."""
 
     # Pickle the config only: channels belong to one process and event loop.
     def __getstate__(self) -> dict[str, Any]:
@@ -70,9 +65,7 @@ class ClientCore:
         the loop ends under ``asyncio.run``."""
         await self._connections.close()
 
-    def _metadata(
-        self, plane: Plane, session_id: str | None = None
-    ) -> tuple[tuple[str, str], ...]:
+    def _metadata(self, plane: Plane, session_id: str | None = None) -> tuple[tuple[str, str], ...]:
         metadata = self.config.metadata(plane)
         return (*metadata, (SESSION_ID, session_id)) if session_id else metadata
 

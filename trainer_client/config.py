@@ -60,7 +60,7 @@ class ClientConfig:
     max_direct_failovers: int = 4
     extra_metadata: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     # In-band weight updates go over each server's push socket where it offers one (the same
-    # streams at the link's speed instead of gRPC's: trainer_client.push_socket), else over
+    # streams at the link's speed instead of gRPC's: trainer_client.weights.push_lanes), else over
     # gRPC. Never with ``tls``: the socket is not encrypted. False: always over gRPC.
     push_socket: bool = True
 

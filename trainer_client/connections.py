@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from .config import ClientConfig
-from .direct import DirectRoutes
+from trainer_client.config import ClientConfig
+from trainer_client.direct import DirectRoutes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

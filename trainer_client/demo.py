@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .client import InferenceClient
-from .results import GenerationResult
-from .weight_updates import WeightTransport
+from trainer_client.client import InferenceClient
+from trainer_client.results import GenerationResult
+from trainer_client.weights.weight_updates import WeightTransport
 
 TARGET_STRIDE = 16
 

@@ -8,8 +8,8 @@
   - ``FanOutError``: a control call to every server failed on some of them; ``failures`` maps
     each failed address to its ``ServerError``, ``results`` each succeeded address to its result.
     Never a silent partial success.
-  - ``WeightUpdateError`` (``trainer_client.weight_transaction``): a fleet weight update failed;
-    says what each server serves now.
+  - ``WeightUpdateError`` (``trainer_client.weights.weight_transaction``): a fleet weight
+    update failed; says what each server serves now.
 
 Arguments a call refuses before anything is sent raise ``ValueError``.
 """

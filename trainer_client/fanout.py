@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import grpc
 
-from .exceptions import FanOutError, ServerError
+from trainer_client.exceptions import FanOutError, ServerError
 
 T = TypeVar("T")
 

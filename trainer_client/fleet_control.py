@@ -7,9 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from skyrl_grpc.v1 import control_plane_pb2 as cp
-
-from .client_core import ClientCore
-from .fleet_info import PauseMode, ServerInfo, ServerLoad
+from trainer_client.client_core import ClientCore
+from trainer_client.fleet_info import PauseMode, ServerInfo, ServerLoad
 
 
 class FleetControl(ClientCore):

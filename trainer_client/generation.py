@@ -18,15 +18,14 @@ import grpc
 
 from skyrl_grpc.errors import server_lost
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2
-
-from .abort_retry import AbortRetry
-from .batches import BatchGeneration
-from .client_core import ClientCore
-from .exceptions import ServerError
-from .fleet_info import ModelInfo
-from .results import GenerationResult
-from .sampling import Message, Sampling, chat_messages, sampling_params
-from .tool_use import AssistantMessage, Tool, ToolChoice, tool_use
+from trainer_client.abort_retry import AbortRetry
+from trainer_client.batches import BatchCalls, BatchGeneration
+from trainer_client.client_core import ClientCore
+from trainer_client.exceptions import ServerError
+from trainer_client.fleet_info import ModelInfo
+from trainer_client.results import GenerationResult
+from trainer_client.sampling import Message, Sampling, chat_messages, sampling_params
+from trainer_client.tool_use import AssistantMessage, Tool, ToolChoice, tool_use
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +203,17 @@ class Generation(ClientCore):
         if not prompts:
             return []
         sessions = session_ids or [None] * len(prompts)
+        calls = BatchCalls(
+            config=self.config,
+            target=self._target,
+            stub=self._data,
+            metadata=lambda: self._metadata("data"),
+            routes=self._connections.routes,
+            generate_one=self._generate,
+            detokenize=self.detokenize,
+        )
         batch = BatchGeneration(
-            self, prompts, sampling_params(sampling), sessions, include_text, lora, timeout
+            calls, prompts, sampling_params(sampling), sessions, include_text, lora, timeout
         )
         return await batch.run()
 

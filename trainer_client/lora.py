@@ -7,11 +7,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from skyrl_grpc.v1 import control_plane_pb2 as cp
-
-from .client_core import ClientCore
-from .fanout import fan_out
-from .fleet_info import LoraAdapter
-from .weight_sending import DEFAULT_CHUNK_BYTES, lora_push_messages
+from trainer_client.client_core import ClientCore
+from trainer_client.fanout import fan_out
+from trainer_client.fleet_info import LoraAdapter
+from trainer_client.weights.weight_sending import DEFAULT_CHUNK_BYTES, lora_push_messages
 
 
 class Adapters(ClientCore):

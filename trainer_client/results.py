@@ -8,8 +8,7 @@ from enum import StrEnum
 
 from skyrl_grpc import finish_reasons
 from skyrl_grpc.v1 import generation_pb2
-
-from .tool_use import AssistantMessage
+from trainer_client.tool_use import AssistantMessage
 
 
 class FinishReason(StrEnum):

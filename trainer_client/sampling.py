@@ -8,8 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
-
-from .tool_use import chat_message
+from trainer_client.tool_use import chat_message
 
 # Sampling settings: the message itself, a mapping of its field names, or None (defaults).
 Sampling = generation_pb2.SamplingParams | Mapping[str, Any] | None

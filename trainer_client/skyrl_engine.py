@@ -56,10 +56,9 @@ except Exception as error:  # pydantic's PydanticUserError on an unpatched SkyRL
     ) from error
 
 from skyrl_grpc.concurrency import all_or_cancel
-
-from .client import InferenceClient
-from .exceptions import InferenceError
-from .weight_updates import WeightTransport
+from trainer_client.client import InferenceClient
+from trainer_client.exceptions import InferenceError
+from trainer_client.weights.weight_updates import WeightTransport
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Address checks shared by the engine server and the router: host:port and ports in requests.
 
-Request rules specific to the engine live in ``servers.engine.validate``.
+Request rules specific to the engine live in ``servers.engine.service.validate``.
 """
 
 from __future__ import annotations

@@ -17,11 +17,10 @@ from typing import Any, NoReturn, TypeAlias
 
 import grpc
 
+from servers.common.early_answer import read_rest
+from servers.common.grpc_types import Context, Handler
 from skyrl_grpc.errors import InvalidArgument, ResourceExhausted, SkyrlError
 from skyrl_grpc.metadata import AUTHORIZATION
-
-from .early_answer import read_rest
-from .grpc_types import Context, Handler
 
 log = logging.getLogger(__name__)
 

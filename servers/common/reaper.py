@@ -12,7 +12,7 @@ kernel closes the pipe; the watchdog sees end-of-file and ends the group: SIGTER
 processes clean up their shared memory on it), then SIGKILL to whatever is left after a grace.
 It costs one sleeping process of a few MB and no polling. Once the group is gone the watchdog
 also removes the directory it was given: an engine server's scratch directory
-(``servers.engine.scratch``), where vLLM's sockets and files of the dead processes would
+(``servers.engine.process.scratch``), where vLLM's sockets and files of the dead processes would
 otherwise stay.
 
 One level up, a fleet's processes (engine servers, the router) die with the fleet that started

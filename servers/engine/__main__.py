@@ -1,5 +1,5 @@
 """``python -m servers.engine``: one engine server (the same as ``skyrl-grpc serve``)."""
 
-from .engine_server import main
+from servers.engine.process.engine_server import main
 
 main()

@@ -11,14 +11,18 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from servers.common.listener import (
+    ServerTls,
+    add_message_size_argument,
+    add_tls_arguments,
+    tls_from_args,
+)
 from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB
 from skyrl_grpc.placement.session_directory import SESSION_IDLE_SECONDS
 from skyrl_grpc.tls import TlsConfig
 
-from ..common.listener import ServerTls, add_message_size_argument, add_tls_arguments, tls_from_args
-
 TINY_MODEL_NAME = "skyrl-tiny-llama"
-WORKER_EXTENSION = "servers.engine.weights.worker.WeightTransferWorker"
+WORKER_EXTENSION = "servers.engine.worker.worker_extension.WeightTransferWorker"
 DEFAULT_PORT = 50051  # the command line's; ServerOptions(port=0) picks a free port
 
 
@@ -49,7 +53,7 @@ class EngineOptions:
     # CPU, one worker: the engine core forks from a process that imported vLLM beside this one,
     # instead of importing it again after it (about 10 s of a 25 s start; core_preload.py).
     preload_engine_core: bool = True
-    # vLLM worker extension that receives weights (see servers/engine/weights/worker.py).
+    # vLLM worker extension that receives weights (see servers/engine/worker/worker_extension.py).
     worker_extension_cls: str = WORKER_EXTENSION
     # Seconds an open weight update lives without a call before it expires (a trainer that
     # died must not lock the next one out); StartWeightUpdate may ask for another lease.
@@ -58,7 +62,7 @@ class EngineOptions:
     # core hold of a push at a time.
     weight_stage_batch_bytes: int = 32 << 20
     # A weight worker gives freed heap back once grown past its start by this many times the
-    # weight bytes it holds (``servers/engine/weights/heap.py``); 0: after every update;
+    # weight bytes it holds (``servers/engine/worker/heap.py``); 0: after every update;
     # negative: never.
     weight_heap_slack: float = 1.0
     # The memory a full update stages into is allocated and touched at start (1x the model at

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Self
 
 if TYPE_CHECKING:
-    from .supervision import ServerSupervisor
+    from servers.fleet.supervision import ServerSupervisor
 
 
 class FleetStartFailed(RuntimeError):
@@ -74,7 +74,7 @@ class Fleet(abc.ABC):
         """Grows or shrinks the fleet to ``count`` servers by the one rule of ``scaling``: an
         added server joins the router (behind until the trainer's next update reaches it); a
         removed one (the newest first) is drained at the router, then stopped."""
-        from .scaling import scale_fleet
+        from servers.fleet.scaling import scale_fleet
 
         bound = self.start_bound(timeout)
 

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ..common.process import read_announcement
-from ..common.reaper import EXIT_WITH_SUPERVISOR
-from . import Fleet, FleetAddresses, FleetStartFailed
-from .supervision import RestartPolicy, ServerSupervisor
+from servers.common.process import read_announcement
+from servers.common.reaper import EXIT_WITH_SUPERVISOR
+from servers.fleet import Fleet, FleetAddresses, FleetStartFailed
+from servers.fleet.supervision import RestartPolicy, ServerSupervisor
 
 ENGINE_MODULE = "servers.engine"
 ROUTER_MODULE = "servers.router"
@@ -328,7 +328,7 @@ class LocalFleet(Fleet):
 
     def restart_server(self, index: int, timeout: float | None = None) -> str:
         """Starts engine server ``index`` again on its old port, caught up with the others'
-        weights (``servers.engine.catch_up``); returns once it is ready."""
+        weights (``servers.engine.peers.catch_up``); returns once it is ready."""
         self._servers[index] = self._spawn_server(index, catch_up=True)
         bound = self.start_bound(timeout)
         return self._await_ready(self._servers[index], time.monotonic() + bound)

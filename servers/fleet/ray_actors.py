@@ -34,7 +34,7 @@ def server_options(server_args: list[str], engine: dict[str, Any], host: str, po
     flags."""
     import dataclasses
 
-    from ..engine.options import build_parser, options_from_args
+    from servers.engine.options import build_parser, options_from_args
 
     for flag in ("--host", "--port"):
         if any(a == flag or a.startswith(f"{flag}=") for a in server_args):
@@ -62,9 +62,9 @@ class EngineServerActor:
     ) -> None:
         write_output_to(log_file)
         os.environ.update(env)
-        from ..common.reaper import reap_children_on_exit
-        from ..engine.engine_server import EngineServer
-        from ..engine.scratch import use_scratch_directory
+        from servers.common.reaper import reap_children_on_exit
+        from servers.engine.process.engine_server import EngineServer
+        from servers.engine.process.scratch import use_scratch_directory
 
         # As a server process started by ``serve``: vLLM's files in a directory of the
         # actor's own, and the engine's processes ended and that directory removed once the
@@ -109,7 +109,7 @@ class RouterActor:
         metrics_port: int | None = None,
         log_file: str | None = None,
     ) -> None:
-        from ..router.router_server import RouterOptions, RouterServer
+        from servers.router.router_server import RouterOptions, RouterServer
 
         write_output_to(log_file)
         self._router = RouterServer(

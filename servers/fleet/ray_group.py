@@ -42,17 +42,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from . import Fleet, FleetAddresses, FleetStartFailed
-from .ray_actors import EngineServerActor, RouterActor, server_options
-from .ray_options import STRATEGIES, ServerGroupOptions, engine_runs_on_cpu
-from .ray_waits import (
+from servers.fleet import Fleet, FleetAddresses, FleetStartFailed
+from servers.fleet.ray_actors import EngineServerActor, RouterActor, server_options
+from servers.fleet.ray_options import STRATEGIES, ServerGroupOptions, engine_runs_on_cpu
+from servers.fleet.ray_waits import (
     actors_started,
     callers_sigterm_kept,
     node_ip,
     not_dead_yet,
     sliced,
 )
-from .supervision import RestartPolicy, ServerSupervisor
+from servers.fleet.supervision import RestartPolicy, ServerSupervisor
 
 # The niceness Ray's raylet gives the workers it starts (Ray's default: 15).
 RAY_WORKER_NICENESS = "RAY_worker_niceness"

@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..common.process import exit_on_sigterm
-from . import FleetStartFailed
+from servers.common.process import exit_on_sigterm
+from servers.fleet import FleetStartFailed
 
 # The longest one native Ray wait may block before the caller's signal handlers get to run.
 WAIT_SLICE_SECONDS = 0.5

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from .supervision import ServerSupervisor
+from servers.fleet.supervision import ServerSupervisor
 
 
 def scale_fleet(

@@ -11,10 +11,11 @@ again. A server that fails
 bug to fix, not something to retry forever.
 
 A restarted server reads the fleet's current weights from a healthy peer before it serves
-(``servers.engine.catch_up``, where the fleet passes it its peers: local processes); where none
-can be read it serves the weights it started from until the trainer's next ``update_weights``,
-which sends it the whole weights in the same transaction as the others' deltas (a delta needs
-the version the fleet serves); ``client.weight_versions()`` shows it behind meanwhile.
+(``servers.engine.peers.catch_up``, where the fleet passes it its peers: local processes);
+where none can be read it serves the weights it started from until the trainer's next
+``update_weights``, which sends it the whole weights in the same transaction as the others'
+deltas (a delta needs the version the fleet serves); ``client.weight_versions()`` shows it
+behind meanwhile.
 
 Plain callables in, so ``LocalFleet`` and ``RayFleet`` share it and tests drive it without
 processes: ``death(index)`` says why a server is down (None: alive), ``restart(index)`` starts it

@@ -1,5 +1,5 @@
 """``python -m servers.router``: the router (the same as ``skyrl-grpc route``)."""
 
-from .router_server import main
+from servers.router.router_server import main
 
 main()

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from servers.common.addresses import host_port
+from servers.common.grpc_types import Context
+from servers.router.backends import BackendPool
+from servers.router.feed import RoutingFeed
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
-
-from ..common.addresses import host_port
-from ..common.grpc_types import Context
-from .backends import BackendPool
-from .feed import RoutingFeed
 
 
 class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):

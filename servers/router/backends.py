@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servers.common.tasks import BackgroundTasks
 from skyrl_grpc.channels import open_channel
 from skyrl_grpc.errors import AlreadyExists, NotFound
 from skyrl_grpc.names import DATA_PLANE
@@ -30,8 +31,6 @@ from skyrl_grpc.v1 import (
     status_pb2,
     status_pb2_grpc,
 )
-
-from ..common.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
 

@@ -29,16 +29,16 @@ from typing import cast
 
 import grpc
 
+from servers.common.grpc_types import Context
+from servers.common.interceptors import abort_with_status
+from servers.router.backends import Backend
+from servers.router.proxy import Metadata, Proxy, forwarded_metadata
+from skyrl_grpc.batch_shape import batch_shape
 from skyrl_grpc.continuation import continue_request, resumable
 from skyrl_grpc.errors import InvalidArgument, SkyrlError, call_status
 from skyrl_grpc.metadata import SESSION_ID
 from skyrl_grpc.names import GENERATE_BATCH
 from skyrl_grpc.v1 import data_plane_pb2
-
-from ..common.grpc_types import Context
-from ..common.interceptors import abort_with_status
-from .backends import Backend
-from .proxy import Metadata, Proxy, forwarded_metadata
 
 log = logging.getLogger(__name__)
 
@@ -117,21 +117,9 @@ class BatchRelay:
             batch = data_plane_pb2.GenerateBatchRequest.FromString(self._raw)
         except Exception as error:
             raise InvalidArgument(f"router: the batch does not decode: {error}") from error
-        count = len(batch.requests)
-        for name, values in (("indices", batch.indices), ("session_ids", batch.session_ids)):
-            if values and len(values) != count:
-                raise InvalidArgument(
-                    f"{name} has {len(values)} entries for {count} requests: give one per "
-                    "request, or none"
-                )
-        indices = list(batch.indices) or list(range(count))
-        if len(set(indices)) != count:
-            raise InvalidArgument("indices repeat: each request needs an index of its own")
-        sessions = list(batch.session_ids) or [""] * count
+        indices, sessions = batch_shape(batch)
         for index, request, session in zip(indices, batch.requests, sessions, strict=True):
             self._requests[index] = _Request(index, request, session)
-        if not self._requests:
-            raise InvalidArgument("requests is empty: send at least one request")
 
     # -- sending ------------------------------------------------------------------------------
 

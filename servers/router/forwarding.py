@@ -8,11 +8,10 @@ from functools import partial
 
 import grpc
 
+from servers.common.grpc_types import Handler
+from servers.router.batch_relay import relay_batch
+from servers.router.proxy import Proxy
 from skyrl_grpc.names import ABORT, DATA_PLANE, DATA_PLANE_SERVICE, FINISH_SESSION, GENERATE_BATCH
-
-from ..common.grpc_types import Handler
-from .batch_relay import relay_batch
-from .proxy import Proxy
 
 
 class ForwardingHandler(grpc.GenericRpcHandler):

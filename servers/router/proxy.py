@@ -26,18 +26,17 @@ from typing import Any, Protocol
 
 import grpc
 
+from servers.common.early_answer import read_rest
+from servers.common.grpc_types import Context
+from servers.common.interceptors import abort_with_status
+from servers.router.backends import Backend, BackendPool
+from servers.router.metrics import RouterMetrics
+from servers.router.migration import StreamMigration
+from servers.router.multiplex import Multiplexers, WithFallback
 from skyrl_grpc.errors import SkyrlError, Unavailable, call_status, server_lost
 from skyrl_grpc.metadata import ROUTED_TO, session_of
 from skyrl_grpc.names import ABORT, FINISH_SESSION, GENERATE_STREAM
 from skyrl_grpc.v1 import data_plane_pb2, router_pb2
-
-from ..common.early_answer import read_rest
-from ..common.grpc_types import Context
-from ..common.interceptors import abort_with_status
-from .backends import Backend, BackendPool
-from .metrics import RouterMetrics
-from .migration import StreamMigration
-from .multiplex import Multiplexers, WithFallback
 
 log = logging.getLogger(__name__)
 

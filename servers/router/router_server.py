@@ -22,14 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB, open_channel
-from skyrl_grpc.names import DATA_PLANE, ROUTER_ADMIN, WATCH_BACKENDS
-from skyrl_grpc.placement import POLICIES
-from skyrl_grpc.tls import TlsConfig
-from skyrl_grpc.v1 import router_pb2_grpc
-
-from ..common.interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
-from ..common.listener import (
+from servers.common.interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
+from servers.common.listener import (
     ServerTls,
     add_message_size_argument,
     add_tls_arguments,
@@ -37,16 +31,21 @@ from ..common.listener import (
     server_options,
     tls_from_args,
 )
-from ..common.process import configure_logging, serve_until_stopped
-from ..common.reaper import exit_with_supervisor
-from ..common.tasks import BackgroundTasks
-from .admin import RouterAdminServicer
-from .backends import Backend, BackendPool
-from .forwarding import ForwardingHandler
-from .http_edge.asgi import HttpEdgeServer
-from .http_edge.handlers import OpenAIEdge
-from .metrics import RouterMetrics
-from .proxy import Proxy, ProxyOptions
+from servers.common.process import configure_logging, serve_until_stopped
+from servers.common.reaper import exit_with_supervisor
+from servers.common.tasks import BackgroundTasks
+from servers.router.admin import RouterAdminServicer
+from servers.router.backends import Backend, BackendPool
+from servers.router.forwarding import ForwardingHandler
+from servers.router.http_edge.asgi import HttpEdgeServer
+from servers.router.http_edge.handlers import OpenAIEdge
+from servers.router.metrics import RouterMetrics
+from servers.router.proxy import Proxy, ProxyOptions
+from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB, open_channel
+from skyrl_grpc.names import DATA_PLANE, ROUTER_ADMIN, WATCH_BACKENDS
+from skyrl_grpc.placement import POLICIES
+from skyrl_grpc.tls import TlsConfig
+from skyrl_grpc.v1 import router_pb2_grpc
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 50050  # the command line's; RouterOptions(port=0) picks a free port

@@ -28,7 +28,7 @@ MESSAGE = "reload broke part-way (injected)"
 def install() -> None:
     if TRIGGER not in os.environ:
         return
-    from servers.engine.weights import transfer_engine
+    from servers.engine.worker import transfer_engine
 
     real = transfer_engine.reload_weights
 

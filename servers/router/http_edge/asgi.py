@@ -20,11 +20,10 @@ import grpc
 import orjson
 import uvicorn
 
+from servers.common.grpc_types import Context
+from servers.router.http_edge.http_status import error_body
 from skyrl_grpc.errors import InvalidArgument, SkyrlError
 from skyrl_grpc.metadata import AUTHORIZATION, ROUTED_TO, SESSION_ID
-
-from ...common.grpc_types import Context
-from .http_status import error_body
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,12 @@ from typing import Any
 
 import grpc
 
+from servers.router.backends import BackendPool
+from servers.router.http_edge import parse, render, token_generate, tool_calls
+from servers.router.http_edge.asgi import AsgiApp, Request, Responder
+from servers.router.http_edge.http_status import error_body
+from servers.router.http_edge.token_texts import TokenTexts
+from servers.router.proxy import Proxy
 from skyrl_grpc.concurrency import all_or_cancel
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.metadata import SESSION_ID
@@ -23,13 +29,6 @@ from skyrl_grpc.names import DETOKENIZE, GENERATE_STREAM, GET_MODEL_INFO, TOKENI
 from skyrl_grpc.sample_assembly import ResponseAssembler
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2
 from skyrl_grpc.v1 import generation_pb2 as gen
-
-from ..backends import BackendPool
-from ..proxy import Proxy
-from . import parse, render, token_generate, tool_calls
-from .asgi import AsgiApp, Request, Responder
-from .http_status import error_body
-from .token_texts import TokenTexts
 
 # Tokens per stream message for whole (non-streamed) answers: the server sends the first
 # token and the end, little in between.

@@ -14,11 +14,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from servers.router.http_edge.tool_calls import read_message_tools, read_tool_use
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2
 from skyrl_grpc.v1 import generation_pb2 as gen
-
-from .tool_calls import read_message_tools, read_tool_use
 
 Json = dict[str, Any]
 

@@ -10,12 +10,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from servers.router.http_edge import tool_calls
+from servers.router.http_edge.parse import GenerationCall
 from skyrl_grpc import finish_reasons
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2
 from skyrl_grpc.v1 import generation_pb2 as gen
-
-from . import tool_calls
-from .parse import GenerationCall
 
 Json = dict[str, Any]
 

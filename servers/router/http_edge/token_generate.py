@@ -17,10 +17,9 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
+from servers.router.http_edge.parse import GenerationCall, read_sampling, token_ids_of
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.v1 import generation_pb2 as gen
-
-from .parse import GenerationCall, read_sampling, token_ids_of
 
 Json = dict[str, Any]
 

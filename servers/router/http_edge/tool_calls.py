@@ -2,7 +2,7 @@
 read into the contract's ``ToolUse``; the engine's parsed messages and deltas written back in
 OpenAI's shapes, with ``finish_reason: "tool_calls"`` where vLLM's server gives it.
 
-The parsing itself is the engine's (``servers.engine.chat_parsing``, vLLM's parsers): this
+The parsing itself is the engine's (``servers.engine.domain.chat_parsing``, vLLM's parsers): this
 module only translates.
 """
 

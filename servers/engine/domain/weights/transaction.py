@@ -1,0 +1,444 @@
+"""The weight-update transaction of one engine server: ordering, staging, commit.
+
+``WeightTransferManager`` is the state machine behind the ControlPlane weight RPCs. It reaches
+vLLM's workers only through ``WorkerCalls`` (``protocol``), so its rules are tested without an
+engine. An update is one transaction: StartWeightUpdate, any number of UpdateWeights
+(collective) / PushWeights (in-band) calls, then FinishWeightUpdate. Everything received is
+validated against the model's checkpoint layout (``assembly``) before it reaches a worker,
+staged there, and applied only by Finish. Any failure rejects the whole update (staging is
+discarded, the serving weights never change) and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from servers.common.tasks import BackgroundTasks
+from servers.engine.domain.weights.staging import OpenUpdate, StagingPipeline, staging_batches
+from servers.engine.transfer.assembly import (
+    InBandAssembler,
+    ParamLayout,
+    PatchBaseMismatch,
+    bucket_layout,
+    bucket_patch_bases,
+    check_patch_bases,
+    model_layout,
+    non_finite_error,
+)
+from servers.engine.transfer.protocol import Bucket, Checksum, Group, StagedParameter, WorkerCalls
+from servers.engine.transfer.specs import BucketSpec, Manifest
+from skyrl_grpc.chunk_wire import WireChunk
+from skyrl_grpc.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    SkyrlError,
+    Unavailable,
+)
+
+log = logging.getLogger(__name__)
+
+
+class WeightTransferManager:
+    """The weight-update transaction of one server.
+
+    Every weight RPC runs under one lock, so calls of an update never interleave. An open
+    update holds a lease: when no call of it has come for ``lease_seconds``, it expires (its
+    staging is dropped) and another trainer may start one. A commit keeps the previous weights
+    until the next update starts, for ``rollback``.
+    """
+
+    def __init__(
+        self,
+        workers: WorkerCalls,
+        set_version: Callable[[int], None],
+        get_version: Callable[[], int],
+        on_weights_changed: Callable[[bool], Awaitable[None]] | None = None,
+        *,
+        default_lease_seconds: float = 600.0,
+        allow_non_finite: bool = False,
+        stage_batch_bytes: int = 32 << 20,
+    ) -> None:
+        self._workers = workers
+        self._set_version = set_version
+        self._get_version = get_version
+        self._on_weights_changed = on_weights_changed
+        self.default_lease_seconds = default_lease_seconds
+        self.allow_non_finite = allow_non_finite
+        # In-band bytes per worker call: large enough to amortise a call, small enough that the
+        # server and the engine core never hold much of a push.
+        self.stage_batch_bytes = stage_batch_bytes
+        self._layout: dict[str, ParamLayout] | None = None
+        self.group: Group | None = None
+        self.open: OpenUpdate | None = None
+        # The version a rollback returns to (None: nothing kept to roll back to).
+        self.rollback_version: int | None = None
+        # Whether the serving weights, and those a rollback returns to, hold NaN or infinity.
+        self._serving_non_finite = False
+        self._rollback_non_finite = False
+        self._lock = asyncio.Lock()
+        self._tasks = BackgroundTasks()
+
+    @property
+    def update_open(self) -> bool:
+        return self.open is not None
+
+    async def layout(self) -> dict[str, ParamLayout]:
+        if self._layout is None:
+            self._layout = model_layout(await self._workers.layout())
+        return self._layout
+
+    async def init(self, group: Group) -> None:
+        """Joins the trainer's group, leaving a previous group first."""
+        async with self._lock:
+            if self.group is not None:
+                await self._workers.leave_group()
+                self.group = None
+            started = time.monotonic()
+            try:
+                await self._workers.join_group(group)
+            except Exception as exc:
+                raise _transport_error(
+                    "joining the weight-transfer group", exc, started, group["timeout_seconds"]
+                ) from exc
+            self.group = group
+
+    def _check_version(self, version: int, allow_same: bool) -> None:
+        current = self._get_version()
+        if version > current or (allow_same and version == current):
+            return
+        rule = "newer than or equal to" if allow_same else "newer than"
+        raise InvalidArgument(
+            f"weight_version = {version} is not {rule} the serving version {current}: versions "
+            f"must increase (use {current + 1}, or allow_same_version to re-push {current})"
+        )
+
+    async def start(
+        self,
+        weight_version: int = 0,
+        *,
+        allow_same_version: bool = False,
+        owner: str = "",
+        lease_seconds: float = 0,
+    ) -> OpenUpdate:
+        """Opens an update for ``weight_version`` (0: named at finish), checked now."""
+        owner = owner or "unknown"
+        async with self._lock:
+            current = self.open
+            if current is not None:
+                if current.idle_seconds >= current.lease_seconds:
+                    log.warning(
+                        "the weight update of %s expired (idle %.0f s): discarded",
+                        current.owner,
+                        current.idle_seconds,
+                    )
+                elif owner == "unknown" or current.owner != owner:
+                    left = current.lease_seconds - current.idle_seconds
+                    raise FailedPrecondition(
+                        f"a weight update is already open (owner {current.owner}, open "
+                        f"{current.age_seconds:.0f} s): finish it (FinishWeightUpdate) or cancel "
+                        f"it (CancelWeightUpdate) first, or wait {left:.0f} s for its lease "
+                        "to expire"
+                    )
+                else:
+                    log.info("%s restarts its weight update", owner)
+                await self._close()
+            if weight_version:
+                self._check_version(weight_version, allow_same_version)
+            await self.layout()
+            await self._workers.recycle_rollback()
+            await self._workers.open()
+            self.rollback_version = None
+            update = OpenUpdate(
+                owner=owner,
+                target_version=weight_version,
+                allow_same_version=allow_same_version,
+                lease_seconds=lease_seconds or self.default_lease_seconds,
+            )
+            self.open = update
+            self._tasks.spawn(self._expire_when_idle(update), name="weight update lease")
+            return update
+
+    async def _expire_when_idle(self, update: OpenUpdate) -> None:
+        while self.open is update:
+            remaining = update.lease_seconds - update.idle_seconds
+            if remaining > 0:
+                await asyncio.sleep(remaining)
+                continue
+            async with self._lock:  # waits for a call in progress, which renews the lease
+                if self.open is update and update.idle_seconds >= update.lease_seconds:
+                    log.warning(
+                        "the weight update of %s expired after %.0f s without a call: discarded",
+                        update.owner,
+                        update.idle_seconds,
+                    )
+                    await self._close()
+
+    def _require_open(self, what: str, ticket: bytes | None = None) -> OpenUpdate:
+        if self.open is None:
+            raise FailedPrecondition(
+                f"{what} before StartWeightUpdate: open an update first (an update also "
+                "closes when it is rejected, cancelled or its lease expires)"
+            )
+        self.open.check_ticket(ticket)
+        self.open.touch()
+        return self.open
+
+    def check_ticket(self, ticket: bytes) -> None:
+        """Raises unless ``ticket`` is the open update's (a push socket's hello)."""
+        self._require_open("a push socket connection", ticket)
+
+    async def update(self, bucket_specs: list[BucketSpec]) -> tuple[int, int]:
+        async with self._lock:
+            group = self.group
+            if group is None:
+                raise FailedPrecondition(
+                    "UpdateWeights before InitWeightTransfer: join the trainer's process group "
+                    "first (or push in-band with PushWeights)"
+                )
+            update = self._require_open("UpdateWeights")
+            layout = await self.layout()
+            # The trainer broadcasts regardless of an answer: a refused call still receives
+            # (and drops) the bytes, so neither side hangs.
+            empty = [Bucket(size=b.size_bytes, params=[]) for b in bucket_specs]
+            try:
+                buckets = [bucket_layout(b, layout) for b in bucket_specs]
+            except SkyrlError:
+                await self._abandon(self._workers.receive_buckets(empty, False))
+                raise
+            try:
+                check_patch_bases(bucket_patch_bases(bucket_specs), self._get_version())
+            except PatchBaseMismatch:
+                await self._workers.receive_buckets(empty, False)
+                raise  # nothing staged: the update stays open for the whole weights
+            started = time.monotonic()
+            try:
+                results = await self._workers.receive_buckets(buckets, True)
+            except Exception as exc:
+                await self._abandon(None)
+                await self._leave_broken_group()
+                raise _transport_error(
+                    "receiving weight buckets", exc, started, group["timeout_seconds"]
+                ) from exc
+            finally:
+                update.touch()
+            mismatches = sorted({m for r in results for m in r["mismatches"]})
+            if mismatches:
+                await self._abandon(None)
+                raise DataLoss(
+                    f"checksum mismatch for {', '.join(mismatches)}: update rejected, the serving "
+                    "weights are unchanged; start a new update"
+                )
+            invalid = sorted({i for r in results for i in r["invalid"]})
+            if invalid:
+                await self._abandon(None)
+                raise InvalidArgument(
+                    f"{'; '.join(invalid[:3])}; update rejected, the serving weights are unchanged"
+                )
+            non_finite = [n for r in results for n in r["non_finite"]]
+            if non_finite and not self.allow_non_finite:
+                await self._abandon(None)
+                error = non_finite_error(non_finite[0])
+                raise InvalidArgument(
+                    f"{error}; update rejected, the serving weights are unchanged"
+                )
+            update.non_finite = update.non_finite or bool(non_finite)
+            update.parameters_staged += results[0]["params"]
+            update.bytes_received += results[0]["bytes"]
+            return results[0]["params"], results[0]["bytes"]
+
+    async def _leave_broken_group(self) -> None:
+        """A failed collective leaves the group unusable: leave it, so a new
+        InitWeightTransfer starts clean."""
+        self.group = None
+        try:
+            await self._workers.leave_group()
+        except Exception:
+            log.exception("leaving the broken weight-transfer group failed")
+
+    async def push(
+        self, items: AsyncIterator[Manifest | WireChunk], ticket: bytes | None = None
+    ) -> tuple[int, int]:
+        """Stages one in-band stream: its manifest, then its chunks (from a push socket: for the
+        update whose ``ticket`` it presented, and no other)."""
+        async with self._lock:
+            update = self._require_open("PushWeights", ticket)
+            assembler = InBandAssembler(await self.layout(), self.allow_non_finite)
+            # Bytes go on to the workers as they arrive, in batches, one batch in flight while
+            # the next is received and checked: the server holds at most two batches, never
+            # the whole stream nor a whole large parameter, and reading the stream overlaps
+            # the workers' copying instead of alternating with it.
+            staging = StagingPipeline(
+                functools.partial(self._stage, non_finite=assembler.non_finite)
+            )
+            try:
+                received_before = update.bytes_received
+                bases_checked = False
+                async for item in items:
+                    assembler.add(item)
+                    if not bases_checked:  # the manifest: patches must fit what this serves
+                        bases_checked = True
+                        check_patch_bases(assembler.patch_bases, self._get_version())
+                    update.bytes_received = received_before + assembler.bytes_received
+                    update.touch()
+                    if assembler.ready_bytes >= self.stage_batch_bytes:
+                        await staging.send(assembler.take_ready())
+                await staging.send(assembler.finish())
+                staged = await staging.drain()
+            except PatchBaseMismatch:
+                raise  # nothing staged: the update stays open for the whole weights
+            except SkyrlError as error:
+                await self._abandon(staging.settle())
+                raise type(error)(
+                    f"{error}; update rejected, the serving weights are unchanged"
+                ) from error
+            except BaseException:
+                # The sender went away mid-stream, or a worker failed.
+                await self._abandon(staging.settle())
+                raise
+            update.parameters_staged += staged
+            update.non_finite = update.non_finite or bool(assembler.non_finite)
+            update.touch()
+            return staged, assembler.bytes_received
+
+    async def _stage(self, params: list[StagedParameter], non_finite: list[str]) -> int:
+        """Stages ``params`` in batches; compressed patches whose values proved non-finite
+        once applied are refused, or added to ``non_finite`` where the server accepts them."""
+        for batch in staging_batches(params, self.stage_batch_bytes):
+            mismatches, applied_non_finite = await self._workers.stage(batch)
+            if mismatches:
+                raise DataLoss(
+                    f"checksum mismatch for {', '.join(mismatches[:3])} after applying the "
+                    "patch: the result differs from the sender's weights"
+                )
+            if applied_non_finite and not self.allow_non_finite:
+                raise non_finite_error(applied_non_finite[0])
+            non_finite.extend(applied_non_finite)
+        return sum(1 for param in params if param["last"])
+
+    async def finish(self, weight_version: int = 0) -> tuple[int, int]:
+        async with self._lock:
+            update = self._require_open("FinishWeightUpdate")
+            target = update.target_version
+            if target and weight_version and weight_version != target:
+                raise InvalidArgument(
+                    f"weight_version = {weight_version}, but StartWeightUpdate opened the update "
+                    f"for version {target}: send {target} or 0"
+                )
+            version = weight_version or target
+            if not version:
+                raise InvalidArgument(
+                    "weight_version = 0 and StartWeightUpdate named no version: name the version "
+                    "the new weights serve as"
+                )
+            self._check_version(version, update.allow_same_version)
+            previous = self._get_version()
+            try:
+                replaced = await self._workers.commit(version)
+            except Exception as exc:
+                await self._abandon(None)
+                raise Unavailable(
+                    f"applying the new weights failed (previous weights restored): {exc}"
+                ) from exc
+            await self._close(discard=False)
+            self.rollback_version = previous
+            self._set_version(version)
+            replaced_non_finite = self._serving_non_finite
+            self._rollback_non_finite = replaced_non_finite
+            self._serving_non_finite = update.non_finite
+            await self._weights_changed(replaced_non_finite)
+            return version, replaced
+
+    async def rollback(self, weight_version: int) -> int:
+        """Serves the weights from before the last commit again, if ``weight_version`` (what
+        that commit made serve) still serves; returns the version serving now."""
+        async with self._lock:
+            current = self._get_version()
+            if self.rollback_version is None:
+                raise FailedPrecondition(
+                    "nothing to roll back: no update was committed since the last "
+                    "StartWeightUpdate or ReleaseRollback (the trainer client releases the "
+                    "previous weights when told update_weights(..., release_memory=True))"
+                )
+            if weight_version != current:
+                raise FailedPrecondition(
+                    f"weight_version = {weight_version} is not the serving version {current}: "
+                    "only the last commit can be rolled back"
+                )
+            restored = self.rollback_version
+            try:
+                await self._workers.rollback(restored)
+            except Exception as exc:
+                raise Unavailable(f"restoring the previous weights failed: {exc}") from exc
+            self.rollback_version = None
+            self._set_version(restored)
+            replaced_non_finite = self._serving_non_finite
+            self._serving_non_finite = self._rollback_non_finite
+            await self._weights_changed(replaced_non_finite)
+            log.warning("weights rolled back from version %d to %d", current, restored)
+            return restored
+
+    async def release_rollback(self, weight_version: int) -> int:
+        """Ends the rollback window of ``weight_version``'s commit (the fleet committed it):
+        the previous weights' memory goes back to the system; returns the bytes freed."""
+        async with self._lock:
+            if weight_version != (current := self._get_version()):
+                raise FailedPrecondition(
+                    f"weight_version = {weight_version} is not the serving version {current}"
+                )
+            if self.open is not None:
+                return 0  # the open update holds what it staged; nothing kept to roll back
+            self.rollback_version = None
+            return await self._workers.free_rollback()
+
+    async def _weights_changed(self, replaced_non_finite: bool) -> None:
+        """Tells the engine the serving weights changed, and whether the ones they replaced
+        held non-finite values (whose traces in KV cache memory must be cleared)."""
+        if self._on_weights_changed is not None:
+            await self._on_weights_changed(replaced_non_finite)
+
+    async def cancel(self) -> int:
+        async with self._lock:
+            self._require_open("CancelWeightUpdate")
+            return await self._close()
+
+    async def _close(self, discard: bool = True) -> int:
+        """Closes the open update, dropping what it staged; returns how much that was."""
+        self.open = None
+        return await self._workers.discard() if discard else 0
+
+    async def checksums(self, names: list[str]) -> list[Checksum]:
+        layout = await self.layout()
+        unknown = [n for n in names if n not in layout]
+        if unknown:
+            raise InvalidArgument(f"unknown parameter(s): {', '.join(unknown)}")
+        return await self._workers.checksums(names)
+
+    async def _abandon(self, pending: Awaitable[object] | None) -> None:
+        """Rejects the open update: staging dropped, the update closed."""
+        try:
+            if pending is not None:
+                await pending
+        finally:
+            self.open = None
+            try:
+                await self._workers.discard()
+            except Exception:
+                log.exception("discarding staged weights failed")
+
+    async def close(self) -> None:
+        """Stops the lease timer (server shutdown)."""
+        await self._tasks.close()
+
+
+def _transport_error(what: str, exc: Exception, started: float, timeout: float) -> SkyrlError:
+    """DEADLINE_EXCEEDED when the collective gave up after its timeout, else UNAVAILABLE."""
+    elapsed = time.monotonic() - started
+    if elapsed >= timeout:
+        return DeadlineExceeded(f"{what} timed out after {elapsed:.0f} s: {exc}")
+    return Unavailable(f"{what} failed: {exc}")

@@ -1,0 +1,260 @@
+"""The control plane's converters: weight-update and adapter messages from the wire into the
+domain's plain values (``transfer.specs``, ``lora_adapters.AdapterSpec``), and checksums, the
+serving weights (ReadWeights), a loaded adapter (ReadLoraAdapter, ListLoraAdapters) and what
+the server says about itself (GetServerInfo) back.
+
+Only shape is checked here (which oneof a message carries, a dtype the contract knows); what
+the values must be for this model is ``transfer.assembly``'s and ``lora_adapters.checks``' to
+say.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Iterator
+
+from servers.engine.domain.descriptions import ServerDescription
+from servers.engine.domain.lora_adapters import AdapterCopy, AdapterSpec
+from servers.engine.transfer.assembly import ParamLayout
+from servers.engine.transfer.protocol import Checksum
+from servers.engine.transfer.specs import (
+    BucketSpec,
+    Manifest,
+    PackedParameter,
+    ParameterSpec,
+    PatchSpec,
+)
+from skyrl_grpc import dtypes
+from skyrl_grpc.chunk_wire import WireChunk
+from skyrl_grpc.crc import crc32
+from skyrl_grpc.errors import InvalidArgument
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import lora_pb2
+
+
+def parameter_spec(spec: cp.ParameterSpec) -> ParameterSpec:
+    patch = None
+    if spec.HasField("patch"):
+        patch = PatchSpec(
+            base_weight_version=spec.patch.base_weight_version,
+            changed=spec.patch.changed,
+            bitmap=spec.patch.bitmap,
+            zstd_bytes=spec.patch.zstd_bytes,
+        )
+    return ParameterSpec(
+        name=spec.name,
+        dtype=dtypes.from_proto(spec.dtype, f"dtype of {spec.name}"),
+        shape=tuple(spec.shape),
+        sha256=spec.sha256,
+        patch=patch,
+    )
+
+
+def manifest(message: cp.WeightManifest) -> Manifest:
+    return Manifest(tuple(parameter_spec(spec) for spec in message.parameters))
+
+
+def bucket_spec(bucket: cp.WeightBucket) -> BucketSpec:
+    return BucketSpec(
+        parameters=tuple(
+            PackedParameter(parameter_spec(packed.parameter), packed.offset_bytes)
+            for packed in bucket.parameters
+        ),
+        size_bytes=bucket.size_bytes,
+    )
+
+
+def bucket_specs(request: cp.UpdateWeightsRequest) -> list[BucketSpec]:
+    return [bucket_spec(bucket) for bucket in request.buckets]
+
+
+# The messages of an in-band stream: a manifest, then chunks, in a oneof named ``item``.
+StreamMessage = (
+    cp.PushWeightsRequest
+    | cp.LoadLoraAdapterRequest
+    | cp.ReadWeightsResponse
+    | cp.ReadLoraAdapterResponse
+)
+# An adapter's stream: LoadLoraAdapter's, or ReadLoraAdapter's (the same items, the same order).
+AdapterMessage = cp.LoadLoraAdapterRequest | cp.ReadLoraAdapterResponse
+
+
+def stream_item(message: StreamMessage | WireChunk, refusal: str) -> Manifest | WireChunk:
+    """An in-band stream's message (as protobuf parsed it, or a chunk ``decode_push_request``
+    read) as the assembler takes it; INVALID_ARGUMENT saying ``refusal`` if it carries
+    neither a manifest nor a chunk."""
+    if isinstance(message, WireChunk):
+        return message
+    kind = message.WhichOneof("item")
+    if kind == "manifest":
+        return manifest(message.manifest)
+    if kind == "chunk":
+        return WireChunk.from_proto(message.chunk)
+    raise InvalidArgument(refusal)
+
+
+def push_item(message: cp.PushWeightsRequest | WireChunk) -> Manifest | WireChunk:
+    """A PushWeights message as the assembler takes it."""
+    return stream_item(message, "a PushWeights message must carry a manifest or a chunk")
+
+
+async def push_items(
+    messages: AsyncIterator[cp.PushWeightsRequest | WireChunk],
+) -> AsyncIterator[Manifest | WireChunk]:
+    async for message in messages:
+        yield push_item(message)
+
+
+def adapter_spec(message: AdapterMessage) -> AdapterSpec:
+    """The spec an adapter's stream must open with."""
+    if message.WhichOneof("item") != "spec":
+        raise InvalidArgument("the first LoadLoraAdapter message must be the spec")
+    spec = message.spec
+    return AdapterSpec(
+        name=spec.name, path=spec.path, config_json=spec.config_json, version=spec.version
+    )
+
+
+def adapter_item(message: AdapterMessage | WireChunk) -> Manifest | WireChunk:
+    """An adapter's stream message after the spec: its manifest or one of its chunks."""
+    return stream_item(message, "after the spec, send a manifest, then chunks")
+
+
+def read_manifest(
+    version: int, parameters: list[tuple[str, ParamLayout, bytes]]
+) -> cp.ReadWeightsResponse:
+    """The first message of a ReadWeights stream."""
+    return cp.ReadWeightsResponse(
+        weight_version=version,
+        manifest=cp.WeightManifest(
+            parameters=[
+                cp.ParameterSpec(
+                    name=name, dtype=layout.dtype.proto, shape=list(layout.shape), sha256=sha256
+                )
+                for name, layout, sha256 in parameters
+            ]
+        ),
+    )
+
+
+def read_chunks(
+    version: int, name: str, data: bytes, chunk_bytes: int
+) -> Iterator[cp.ReadWeightsResponse]:
+    """One parameter's bytes as ReadWeights chunks, each with its crc32."""
+    for chunk in _chunks(name, data, chunk_bytes):
+        yield cp.ReadWeightsResponse(weight_version=version, chunk=chunk)
+
+
+def _chunks(name: str, data: bytes, chunk_bytes: int) -> Iterator[cp.WeightChunk]:
+    view = memoryview(data)
+    for offset in range(0, len(view), chunk_bytes):
+        piece = view[offset : offset + chunk_bytes]
+        yield cp.WeightChunk(name=name, offset_bytes=offset, data=bytes(piece), crc32=crc32(piece))
+
+
+def adapter_read(copy: AdapterCopy, chunk_bytes: int) -> Iterator[cp.ReadLoraAdapterResponse]:
+    """A loaded adapter as a ReadLoraAdapter stream: the spec, the manifest (SHA-256 per
+    tensor), then each tensor's chunks."""
+    spec = copy.spec
+    yield cp.ReadLoraAdapterResponse(
+        spec=cp.LoraAdapterSpec(name=spec.name, config_json=spec.config_json, version=spec.version)
+    )
+    yield cp.ReadLoraAdapterResponse(
+        manifest=cp.WeightManifest(
+            parameters=[
+                cp.ParameterSpec(
+                    name=name,
+                    dtype=dtypes.BY_TORCH[dtype].proto,
+                    shape=list(shape),
+                    sha256=hashlib.sha256(data).digest(),
+                )
+                for name, dtype, shape, data in copy.tensors
+            ]
+        )
+    )
+    for name, _, _, data in copy.tensors:
+        for chunk in _chunks(name, data, chunk_bytes):
+            yield cp.ReadLoraAdapterResponse(chunk=chunk)
+
+
+def read_item(message: cp.ReadWeightsResponse) -> Manifest | WireChunk:
+    """A ReadWeights message as the assembler of a PushWeights stream takes it (a server
+    catching up pushes what it reads into itself)."""
+    return stream_item(message, "a ReadWeights message must carry a manifest or a chunk")
+
+
+def checksum_to_proto(row: Checksum) -> cp.ParameterChecksum:
+    return cp.ParameterChecksum(
+        name=row["name"],
+        sha256=row["sha256"],
+        dtype=dtypes.BY_TORCH[row["dtype"]].proto,
+        shape=row["shape"],
+    )
+
+
+_BACKENDS = {
+    "nccl": cp.WEIGHT_TRANSFER_BACKEND_NCCL,
+    "gloo": cp.WEIGHT_TRANSFER_BACKEND_GLOO,
+    "grpc_stream": cp.WEIGHT_TRANSFER_BACKEND_GRPC_STREAM,
+}
+_PAUSE_MODES = {
+    "abort": cp.PAUSE_MODE_ABORT,
+    "wait": cp.PAUSE_MODE_WAIT,
+    "keep": cp.PAUSE_MODE_KEEP,
+}
+
+
+def server_info_to_proto(server: ServerDescription) -> cp.GetServerInfoResponse:
+    limits = server.lora
+    info = cp.GetServerInfoResponse(
+        world_size=server.world_size,
+        weight_group_ranks=server.weight_group_ranks,
+        tensor_parallel_size=server.tensor_parallel_size,
+        pipeline_parallel_size=server.pipeline_parallel_size,
+        data_parallel_size=server.data_parallel_size,
+        capabilities=cp.Capabilities(
+            sleep=server.sleep_supported,
+            weight_transfer_backends=[_BACKENDS[b] for b in server.weight_transfer_backends],
+            pause_modes=[_PAUSE_MODES[m] for m in server.pause_modes],
+            prefix_caching=server.prefix_caching,
+            compressed_weight_patches=True,
+            lora=lora_pb2.LoraCapabilities(
+                enabled=limits.enabled,
+                max_loras=limits.max_loras,
+                max_lora_rank=limits.max_lora_rank,
+                max_cpu_loras=limits.max_cpu_loras,
+            ),
+        ),
+        weight_version=server.weight_version,
+        engine=server.engine,
+        engine_version=server.engine_version,
+        server_version=server.server_version,
+        served_model_name=server.served_model_name,
+        device=server.device,
+    )
+    group, open_update = server.group, server.open_update
+    if group is not None:
+        info.weight_transfer_group.CopyFrom(
+            cp.WeightTransferGroup(
+                group_name=group["group_name"],
+                master_address=group["master_address"],
+                master_port=group["master_port"],
+                rank_offset=group["rank_offset"],
+                world_size=group["world_size"],
+            )
+        )
+    if open_update is not None:
+        info.open_weight_update.CopyFrom(
+            cp.OpenWeightUpdate(
+                owner=open_update.owner,
+                age_seconds=open_update.age_seconds,
+                idle_seconds=open_update.idle_seconds,
+                lease_seconds=round(open_update.lease_seconds),
+                weight_version=open_update.target_version,
+                parameters_staged=open_update.parameters_staged,
+                bytes_received=open_update.bytes_received,
+            )
+        )
+    if server.rollback_version is not None:
+        info.rollback_weight_version = server.rollback_version
+    return info

@@ -1,0 +1,95 @@
+"""The per-server control calls of a fleet weight update (start, finish, cancel, rollback,
+release, the serving version), over the client's channels, as ``weight_transaction`` runs them."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from trainer_client.client_core import ClientCore, ControlRpc, Request, Response
+from trainer_client.fleet_info import WeightCommit
+from trainer_client.weights.push_lanes import PushSocketOffer
+from trainer_client.weights.update_plan import ServerState
+
+
+def owner_name() -> str:
+    """How this process names itself to the servers (in weight-update leases)."""
+    return f"trainer@{socket.gethostname()}:{os.getpid()}"
+
+
+class ServerWeightCalls:
+    """The per-server calls of a fleet weight update, over the client's channels: what
+    ``weight_transaction.TransactionCalls`` asks for, and the state and push sockets the
+    update plan reads."""
+
+    def __init__(self, client: ClientCore, lease_seconds: int) -> None:
+        self._client = client
+        self._lease_seconds = lease_seconds
+        self._owner = owner_name()
+        # Each server's state as first asked in this update (``state``).
+        self._states: dict[str, ServerState] = {}
+        # The push sockets the servers offered for this update (``start``).
+        self.push_sockets: dict[str, PushSocketOffer] = {}
+
+    async def start(self, address: str, version: int) -> int:
+        request = cp.StartWeightUpdateRequest(
+            weight_version=version, owner=self._owner, lease_seconds=self._lease_seconds
+        )
+        response = await self._call(address, request, lambda s: s.StartWeightUpdate)
+        config = self._client.config
+        if response.push_socket_port and config.push_socket and config.tls is None:
+            self.push_sockets[address] = PushSocketOffer(
+                response.push_socket_port, response.push_ticket
+            )
+        return response.serving_weight_version
+
+    async def finish(self, address: str, version: int) -> WeightCommit:
+        request = cp.FinishWeightUpdateRequest(weight_version=version)
+        response = await self._call(address, request, lambda s: s.FinishWeightUpdate)
+        return WeightCommit.from_proto(response)
+
+    async def cancel(self, address: str) -> None:
+        await self._call(address, cp.CancelWeightUpdateRequest(), lambda s: s.CancelWeightUpdate)
+
+    async def rollback(self, address: str, version: int) -> int:
+        request = cp.RollbackWeightUpdateRequest(weight_version=version)
+        response = await self._call(address, request, lambda s: s.RollbackWeightUpdate)
+        return response.weight_version
+
+    async def release(self, address: str, version: int) -> None:
+        request = cp.ReleaseRollbackRequest(weight_version=version)
+        await self._call(address, request, lambda s: s.ReleaseRollback)
+
+    async def serving_version(self, address: str) -> int:
+        """The version ``address`` serves now (asked again: the transaction reports it)."""
+        return (await self._ask(address)).version
+
+    async def state(self, address: str) -> ServerState:
+        """What the update needs of a server before it starts (its version, whether it takes
+        compressed patches, its collective group), asked once per update: the group check and
+        the plan share the answer."""
+        known = self._states.get(address)
+        if known is None:
+            known = self._states[address] = await self._ask(address)
+        return known
+
+    async def _ask(self, address: str) -> ServerState:
+        info = await self._call(address, cp.GetServerInfoRequest(), lambda s: s.GetServerInfo)
+        group = info.weight_transfer_group
+        return ServerState(
+            info.weight_version,
+            info.capabilities.compressed_weight_patches,
+            (group.master_address, group.master_port)
+            if info.HasField("weight_transfer_group")
+            else None,
+        )
+
+    async def _call(
+        self, address: str, request: Request, rpc: ControlRpc[Request, Response]
+    ) -> Response:
+        client = self._client
+        stub_method = rpc(client._control(address))
+        return await client._unary(
+            address, stub_method, request, client.config.control_timeout, plane="control"
+        )

@@ -1,0 +1,353 @@
+"""Weights on every server of the fleet: the collective group, updates as fleet-wide
+transactions (``weight_transaction``), cancel, rollback, checksums and versions.
+
+How bytes move is ``trainer_client.weights.weight_sending`` (buckets over the collective group,
+or chunks over gRPC streams); this module makes the calls around them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, TypeVar
+
+from skyrl_grpc.process_group import free_port
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from trainer_client.exceptions import FailedPrecondition
+from trainer_client.fanout import fan_out
+from trainer_client.fleet_info import WeightCommit, group_ranks
+from trainer_client.readiness import wait_while_starting
+from trainer_client.results import WeightVersions
+from trainer_client.weights.update_plan import (
+    PushedWeights,
+    Sending,
+    ServerState,
+    make_plan,
+    reserve_record,
+)
+from trainer_client.weights.weight_calls import ServerWeightCalls
+from trainer_client.weights.weight_delivery import WeightDelivery
+from trainer_client.weights.weight_sending import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_CHUNK_BYTES,
+    CollectiveSender,
+    cuda_bytes,
+    rank_offsets,
+)
+from trainer_client.weights.weight_transaction import run_weight_transaction
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+WeightTransport = Literal["collective", "grpc"]
+
+
+class WeightUpdates(WeightDelivery):
+    """Weight calls (mixin of ``InferenceClient``)."""
+
+    @property
+    def has_weight_group(self) -> bool:
+        """True once ``init_weight_transfer`` formed the collective group."""
+        return self._local.sender is not None
+
+    async def init_weight_transfer(
+        self,
+        backend: str = "gloo",
+        *,
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        group_name: str = "skyrl",
+        timeout_seconds: float = 300.0,
+    ) -> dict[str, int]:
+        """Forms the collective group: this process is rank 0, each server joins with its own
+        rank offset (computed from the ranks each server takes: ``group_ranks``). Returns each
+        server's offset."""
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend {backend!r}: use 'gloo' or 'nccl' (in-band needs no group)")
+        request = cp.GetServerInfoRequest()
+        servers = await self._control_servers()
+        sizes = await self._fan_out(lambda s: s.GetServerInfo, request, None, group_ranks)
+        offsets, world_size = rank_offsets([sizes[a] for a in servers])
+        port = master_port or free_port(master_address)
+        sender = CollectiveSender(
+            backend, master_address, port, world_size, group_name, timeout_seconds
+        )
+        by_server = dict(zip(servers, offsets, strict=True))
+        self._group_servers = list(servers)
+        proto_backend = (
+            cp.WEIGHT_TRANSFER_BACKEND_GLOO
+            if backend == "gloo"
+            else cp.WEIGHT_TRANSFER_BACKEND_NCCL
+        )
+
+        async def init_or_give_up(address: str) -> cp.InitWeightTransferResponse:
+            request = cp.InitWeightTransferRequest(
+                backend=proto_backend,
+                master_address=master_address,
+                master_port=port,
+                rank_offset=by_server[address],
+                world_size=world_size,
+                group_name=group_name,
+                timeout_seconds=int(timeout_seconds),
+            )
+            try:
+                return await self._unary(
+                    address,
+                    self._control(address).InitWeightTransfer,
+                    request,
+                    timeout_seconds,
+                    plane="control",
+                )
+            except BaseException:
+                sender.cancel_join()  # the others stop waiting for this server at once
+                raise
+
+        # Both sides block until every rank joined: run the trainer's join beside the servers'.
+        join = asyncio.ensure_future(asyncio.to_thread(sender.join))
+        try:
+            await fan_out("InitWeightTransfer", servers, init_or_give_up)
+        except BaseException:
+            sender.cancel_join()
+            # The join thread ends promptly; its error (the rendezvous given up) says nothing
+            # the fan-out's does not. Every server's call has ended, so none still reads the
+            # store: close it, freeing the master port.
+            await asyncio.gather(join, return_exceptions=True)
+            sender.release()
+            raise
+        await join
+        self._local.sender = sender
+        return by_server
+
+    async def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        weight_version: int | None = None,
+        *,
+        transport: WeightTransport | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        checksums: bool = False,
+        timeout: float = 600.0,
+        lease_seconds: int = 0,
+        delta: bool = True,
+        compress_patches: bool = False,
+        wait_for_starting: float = 120.0,
+        release_memory: bool = False,
+    ) -> dict[str, WeightCommit]:
+        """Pushes new weights to every server and commits ``weight_version`` on all of them,
+        or on none: a fleet-wide transaction (``trainer_client.weights.weight_transaction``).
+
+        ``weight_version``: what the new weights serve as; must be newer than what every server
+        serves, and is checked before any weight is sent. None: one more than the newest
+        version any server serves. ``transport``: "collective" (the group from
+        ``init_weight_transfer``) or "grpc" (in-band streams, no group needed); None: the
+        group if one was formed, else "grpc". ``checksums``: also send every parameter's
+        SHA-256, which each server checks on what it assembled (after applying a patch): an
+        end-to-end proof that costs about a second per GB on each side. Without it in-band
+        chunks are still CRC-32-checked and patches apply only to the version they name;
+        ``weight_checksums()`` gives the same proof on demand. ``timeout``: seconds for the
+        transfer.
+        ``lease_seconds``: how long the servers keep the update open if this process dies
+        mid-way (0: their default). ``delta``: send only what changed since the version
+        this client pushed last (``delta_patches.weight_patches``), to each server serving
+        it; a server on another version gets the whole weights in the same transaction
+        (in-band: that server alone; over the collective, whose broadcasts reach every
+        server: all of them). The client then keeps a copy of the weights it pushed (on their
+        device: one model's bytes of GPU or host memory), the base of the next delta;
+        ``delta=False`` keeps none. ``compress_patches``: patches travel zstd-compressed
+        (indices as gaps, values as XORs with the base: an RL step's patch shrinks 3-5x), for
+        links slower than the CPUs: compressing costs the trainer CPU time once, decompressing
+        each server less (``patch_format``; measured in docs/weights.md). A server
+        that does not take them (older than this client) gets its patches uncompressed (over
+        the collective, whose broadcasts reach every server: all of them).
+        ``wait_for_starting``: seconds to wait first for servers that are up but not serving
+        yet (restarted or added, warming up or catching up with their peers), so the update
+        includes them instead of failing on them (0: do not wait).
+        ``release_memory``: once every server committed, each frees the weights this update
+        replaced and gives the freed memory back to the system (``ReleaseRollback``), so an
+        idle server holds one copy of the model, for a host shared with a trainer between
+        steps. The price: ``rollback_weights`` can no longer undo this update, and the next
+        update touches fresh memory instead of reusing it (2x its time on the benchmark VM,
+        docs/weights.md). By default servers keep them until the next update starts, which
+        reuses their memory.
+
+        On any failure (a server unreachable, a rejected chunk or version, a timeout) the update
+        is cancelled on every server and rolled back where it was already committed, then
+        ``WeightUpdateError`` names each server, what happened there and the version it serves
+        now. Returns each server's answer to the commit (the version, parameters replaced).
+        """
+        tensors = list(named_tensors)
+        sender = self._local.sender
+        if transport is None:
+            transport = "collective" if sender is not None else "grpc"
+        if transport not in ("collective", "grpc"):
+            raise ValueError(f"transport {transport!r}: use 'collective' or 'grpc'")
+        calls = ServerWeightCalls(self, lease_seconds)
+        if transport == "collective" and sender is not None:
+            sender = await self._current_group(sender, calls)
+        # In-band: the fleet as it is now; the collective: the servers that joined its group.
+        servers = (
+            list(self._group_servers)
+            if transport == "collective"
+            else await self._control_servers()
+        )
+        if transport == "collective" and sender is None:
+            raise ValueError(
+                "no collective group: call init_weight_transfer() or use transport='grpc'"
+            )
+        if not servers:
+            raise ValueError("update_weights: the client has no server addresses")
+        starting = await wait_while_starting(self.channel, servers, wait_for_starting)
+        if starting:
+            log.info("still starting after %.0f s, updated anyway: %s", wait_for_starting, starting)
+        if weight_version is not None and weight_version <= 0:
+            # 0 means "unset" on the wire and every server starts at 0: refused before a byte
+            # moves, instead of after the whole model was pushed.
+            raise ValueError(
+                f"weight_version={weight_version}: versions start at 1 and must increase "
+                "(None: one more than the newest version any server serves)"
+            )
+        collective = sender is not None and transport == "collective"
+        plan = await make_plan(
+            servers,
+            weight_version,
+            self._local.last_pushed if delta else None,
+            collective=collective,
+            compress=compress_patches,
+            sending=Sending(chunk_bytes, bucket_bytes, checksums, timeout),
+            state=calls.state,
+        )
+
+        async def transfer(addresses: Sequence[str]) -> dict[str, BaseException]:
+            if collective:
+                assert sender is not None
+                return await self._broadcast(plan, sender, addresses, tensors)
+            return await self._push(plan, addresses, tensors, calls.push_sockets)
+
+        # A first record (none to copy into) is all new memory: it is cloned in a thread beside
+        # the transfer instead of after the commit (faulting in the 0.3B benchmark model's
+        # 1.1 GB took 4.3 s on its VM, longer than the update itself). A later record copies
+        # into the previous one, which the transfer reads, so only after the commit.
+        # Memory reserved for it (``reserve_delta_base``) is written instead, and taken: a
+        # thread given up on below may still be writing into it.
+        fresh_record = None
+        if delta and plan.base is None:
+            reserved, self._local.reserved_record = self._local.reserved_record, None
+            fresh_record = asyncio.ensure_future(
+                asyncio.to_thread(PushedWeights.after, None, plan.version, tensors, reserved)
+            )
+        try:
+            commits = await run_weight_transaction(
+                plan.servers, plan.version, calls, transfer, release=release_memory
+            )
+        except BaseException:
+            if fresh_record is not None:
+                fresh_record.cancel()  # its thread ends on its own; the copy is dropped
+            raise
+        self._local.last_pushed = None
+        if fresh_record is not None:
+            self._local.last_pushed = await fresh_record
+        elif delta:
+            self._local.last_pushed = PushedWeights.after(plan.base, plan.version, tensors)
+        return commits
+
+    async def reserve_delta_base(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Allocates now, e.g. at the trainer's start, the copy of the pushed weights this
+        client keeps as the base of deltas (``update_weights(delta=True)``, the default): a
+        zeroed tensor like each of ``named_tensors`` (``model.state_dict().items()``), on its
+        device. The first update copies into it instead of cloning into fresh memory, which
+        it would fault in while it sends: ~1.7 s of the 0.3B benchmark model's first
+        update on its 2-core VM. Only shapes, types and devices are read, never values; a
+        tensor the first update pushes with another shape is cloned as before. For CUDA
+        tensors it also pins the host memory their in-band bytes go through
+        (``weight_sending.HostStaging``): pinning 1.17 GB took 0.95 s on an H200's host."""
+        tensors = list(named_tensors)
+        self._local.reserved_record = await asyncio.to_thread(reserve_record, tensors)
+        on_gpu = cuda_bytes(tensors)
+        if on_gpu:
+            await asyncio.to_thread(self._local.host_staging.reset, on_gpu)
+
+    async def _current_group(
+        self, sender: CollectiveSender, calls: ServerWeightCalls
+    ) -> CollectiveSender:
+        """The collective group, formed again first if the fleet moved since it formed (a
+        server restarted, so it is in no group or another one; one added or removed), with
+        the same backend and rendezvous address. A server that does not answer is left for
+        the update to report. The servers' answers (``calls.state``) serve the plan too."""
+        servers = await self._control_servers()
+        answers = await asyncio.gather(*(calls.state(a) for a in servers), return_exceptions=True)
+        states = [a for a in answers if isinstance(a, ServerState)]
+        if len(states) < len(servers):
+            return sender
+        rendezvous = (sender.master_address, sender.master_port)
+        left = [a for a, state in zip(servers, states, strict=True) if state.group != rendezvous]
+        if not left and set(servers) == set(self._group_servers):
+            return sender
+        log.info(
+            "the fleet moved since the %s group formed (not in it: %s; was %s, is %s): forming "
+            "it again",
+            sender.backend,
+            left,
+            self._group_servers,
+            servers,
+        )
+        await self.init_weight_transfer(
+            sender.backend,
+            master_address=sender.master_address,
+            group_name=sender.group_name,
+            timeout_seconds=sender.timeout_seconds,
+        )
+        assert self._local.sender is not None
+        return self._local.sender
+
+    async def cancel_weight_update(self, *, timeout: float | None = None) -> dict[str, int]:
+        """Cancels the weight update open on any server (e.g. one a crashed trainer left);
+        returns the parameters each server dropped (0 where none was open)."""
+        deadline = self.config.control_timeout if timeout is None else timeout
+
+        async def cancel(address: str) -> int:
+            try:
+                response = await self._unary(
+                    address,
+                    self._control(address).CancelWeightUpdate,
+                    cp.CancelWeightUpdateRequest(),
+                    deadline,
+                    plane="control",
+                )
+            except FailedPrecondition:
+                return 0  # nothing open there
+            return response.parameters_discarded
+
+        return await fan_out("CancelWeightUpdate", await self._control_servers(), cancel)
+
+    async def rollback_weights(
+        self, weight_version: int, *, timeout: float | None = None
+    ) -> dict[str, int]:
+        """On every server, undoes the commit of ``weight_version`` (possible until the next
+        update starts, unless it was made with ``release_memory=True``); returns the version each
+        server serves again."""
+        request = cp.RollbackWeightUpdateRequest(weight_version=weight_version)
+        return await self._fan_out(
+            lambda s: s.RollbackWeightUpdate, request, timeout, lambda r: r.weight_version
+        )
+
+    async def weight_checksums(
+        self, names: Sequence[str] = (), *, timeout: float | None = None
+    ) -> dict[str, dict[str, bytes]]:
+        """SHA-256 of every server's serving weights, per parameter (checkpoint names)."""
+        request = cp.GetWeightChecksumsRequest(names=list(names))
+        return await self._fan_out(
+            lambda s: s.GetWeightChecksums,
+            request,
+            timeout,
+            lambda r: {c.name: c.sha256 for c in r.checksums},
+        )
+
+    async def weight_versions(self, *, timeout: float | None = None) -> WeightVersions:
+        """The version each server serves; ``.consistent`` / ``.behind()`` show a mismatch
+        (e.g. a restarted server back on its initial weights)."""
+        request = cp.GetServerInfoRequest()
+        versions = await self._fan_out(
+            lambda s: s.GetServerInfo, request, timeout, lambda r: r.weight_version
+        )
+        return WeightVersions(versions)
