@@ -1,11 +1,12 @@
 """Where the per-step path spends its CPU: py-spy on the engine server and the router while 64
 streams (a message per engine step) run through the router.
 
-Starts a local fleet of one server and its router, keeps 64 GenerateStream calls of 128 tokens
-running for ``--seconds``, samples both processes with py-spy (``--nonblocking``, native frames
-off), and prints the functions with the most samples of their own (self time) and the share of
-samples under each top-level group: grpc's Cython callbacks, protobuf, vLLM's output
-processing, this project's code. ``--no-multiplex`` starts the router with plain forwarding.
+Starts a local fleet of one server and its router, keeps rounds of 64 GenerateStream calls of
+128 tokens (``bench_rollout``'s per-step router contender) running for ``--seconds``, samples
+both processes with py-spy (``--nonblocking``, native frames off), and prints the functions
+with the most samples of their own (self time) and the share of samples under each top-level
+group: grpc's Cython callbacks, protobuf, vLLM's output processing, this project's code.
+``--no-multiplex`` starts the router with plain forwarding.
 
 Run: .venv/bin/python -m scripts.profile_per_step [--seconds 20] [--no-multiplex]
 """
@@ -24,13 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
-
 from scripts.bench_common import ROOT
+from scripts.rollout_clients import grpc_streams
 from servers.fleet.local import LocalFleet
-from skyrl_grpc.metadata import SESSION_ID
-from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
-from skyrl_grpc.v1 import generation_pb2 as gen
 
 GROUPS = (
     ("grpc (Cython callbacks, channel, server)", ("grpc/_cython", "grpc/aio", "grpc/_")),
@@ -49,28 +46,14 @@ def py_spy() -> str:
 
 
 async def load(address: str, seconds: float) -> int:
-    """64 concurrent per-step streams of 128 tokens, started again as they end."""
+    """Rounds of 64 concurrent per-step streams of 128 tokens (``bench_rollout``'s router
+    contender: sessions, a message per engine step) until ``seconds`` have passed."""
+    run = grpc_streams(address, 0, sessions=True)
     deadline = time.monotonic() + seconds
-    tokens = 0
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = data_plane_pb2_grpc.DataPlaneStub(channel)
-
-        async def stream(slot: int) -> None:
-            nonlocal tokens
-            round_ = 0
-            while time.monotonic() < deadline:
-                request = data_plane_pb2.GenerateStreamRequest(
-                    prompt_token_ids=[1, 40 + slot, 9, 300 + round_ % 200],
-                    sampling_params=gen.SamplingParams(
-                        temperature=0.0, max_tokens=128, ignore_eos=True
-                    ),
-                )
-                metadata = ((SESSION_ID, f"profile-{slot}"),)
-                async for chunk in stub.GenerateStream(request, metadata=metadata):
-                    tokens += len(chunk.token_ids)
-                round_ += 1
-
-        await asyncio.gather(*(stream(s) for s in range(64)))
+    tokens, round_ = 0, 0
+    while time.monotonic() < deadline:
+        tokens += await run(64, 128, round_)
+        round_ += 1
     return tokens
 
 
