@@ -6,13 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.helpers.server_process import WITH_SIGINT_IGNORED, alive
+from tests.helpers.waits import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,23 +156,18 @@ def test_the_demo_stops_on_sigint_even_started_with_it_ignored() -> None:
         assert demo.stdout is not None
         first = demo.stdout.readline()
         assert first.startswith("starting 1 engine servers"), first
-        deadline = time.monotonic() + 60
-        while (
-            not (started := psutil.Process(demo.pid).children(recursive=True))
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.05)  # until its fleet's first process exists
-        assert started, "the demo started no process"
+        wait_until(
+            lambda: bool(psutil.Process(demo.pid).children(recursive=True)),
+            what="the demo's fleet's first process",
+        )
+        started = psutil.Process(demo.pid).children(recursive=True)
         os.kill(demo.pid, signal.SIGINT)
         try:
             demo.wait(timeout=60)
         except subprocess.TimeoutExpired:
             raise AssertionError("the demo ignored SIGINT (Ctrl-C)") from None
         assert demo.returncode != 0, "the demo ran to its end: it ignored SIGINT (Ctrl-C)"
-        deadline = time.monotonic() + 60
-        while alive(started) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not alive(started)
+        wait_until(lambda: not alive(started), what="the demo's processes gone")
     finally:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)

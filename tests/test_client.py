@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import pickle
-import socket
 from typing import Any
 
 import pytest
 
+from tests.helpers.streams import unused_address
 from tests.helpers.waits import failing_while_paused, running_on_engines
 from trainer_client import (
     BlockingInferenceClient,
@@ -96,16 +96,10 @@ async def test_pause_abort_mid_batch_then_resume_loses_and_duplicates_nothing(
         assert result.logprobs == pytest.approx(reference.logprobs, abs=1e-3)
 
 
-def _unused_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
 async def test_fan_out_to_three_servers_with_one_down_names_it(
     two_server_router: Any, engine_server: Any, second_engine_server: Any
 ) -> None:
-    dead = _unused_address()
+    dead = unused_address()
     live = [engine_server.address, second_engine_server.address]
     client = InferenceClient(two_server_router.address, [*live, dead], control_timeout=3)
     with pytest.raises(FanOutError) as raised:

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
 from tests.helpers.server_process import ServerProcess, alive
+from tests.helpers.waits import wait_until
 
 pytestmark = [pytest.mark.engine]
 GRPCURL = str(Path(sys.executable).with_name("grpcurl"))
@@ -192,12 +192,7 @@ def test_sigkill_of_skyrl_grpc_serve_leaves_no_process_of_its_tree() -> None:
         assert tree, "the server started no process of its own (engine core, watchdog)"
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait()
-        deadline = time.monotonic() + 15
-        left = tree
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = alive(left)
-        assert not left, [(p.pid, p.name()) for p in left]
+        wait_until(lambda: not alive(tree), 15, f"the server's processes gone: {tree}")
     finally:
         server.kill()
 

@@ -17,6 +17,8 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
 from tests.conftest import REFERENCE_MAX_TOKENS, REFERENCE_PROMPTS, offline_reference
+from tests.helpers.streams import stream_request
+from tests.helpers.waits import engine_idle, until
 
 pytestmark = [pytest.mark.engine]
 SP = gen.SamplingParams
@@ -38,27 +40,7 @@ async def leave_engine_resumed_and_idle(engine_channel: grpc.aio.Channel) -> Any
     yield
     control = control_plane_pb2_grpc.ControlPlaneStub(engine_channel)
     await control.Resume(cp.ResumeRequest())
-    await wait_idle(control)
-
-
-async def wait_idle(
-    control: control_plane_pb2_grpc.ControlPlaneStub, timeout: float = 60
-) -> cp.GetLoadResponse:
-    deadline = time.monotonic() + timeout
-    while True:
-        load = await control.GetLoad(cp.GetLoadRequest())
-        if load.running_requests == 0 and load.waiting_requests == 0:
-            return load
-        assert time.monotonic() < deadline, f"engine still busy: {load}"
-        await asyncio.sleep(0.05)
-
-
-def stream_request(
-    prompt: list[int], params: gen.SamplingParams = LONG, **kw: Any
-) -> data_plane_pb2.GenerateStreamRequest:
-    return data_plane_pb2.GenerateStreamRequest(
-        prompt_token_ids=prompt, sampling_params=params, **kw
-    )
+    await engine_idle(control)
 
 
 async def greedy(
@@ -95,12 +77,9 @@ class StreamWatcher:
     def finish_reason(self) -> int:
         return self.chunks[-1].finish_reason if self.chunks else 0
 
-    async def until_tokens(self, count: int, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.tokens) < count:
-            assert not self.task.done(), "stream ended early"
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+    async def until_tokens(self, count: int) -> None:
+        await until(lambda: len(self.tokens) >= count or self.task.done(), what=f"{count} tokens")
+        assert len(self.tokens) >= count, "stream ended early"
 
 
 # -- generation ---------------------------------------------------------------------------------
@@ -310,20 +289,20 @@ async def test_model_info(
 async def test_abort_by_request_id_ends_stream_with_aborted(
     data: data_plane_pb2_grpc.DataPlaneStub, control: control_plane_pb2_grpc.ControlPlaneStub
 ) -> None:
-    watcher = StreamWatcher(data, stream_request(REFERENCE_PROMPTS[0], request_id="to-abort"))
+    watcher = StreamWatcher(data, stream_request(REFERENCE_PROMPTS[0], LONG, request_id="to-abort"))
     await watcher.until_tokens(3)
     aborted = await data.Abort(data_plane_pb2.AbortRequest(request_ids=["to-abort", "unknown"]))
     assert list(aborted.aborted_request_ids) == ["to-abort"]
     await asyncio.wait_for(watcher.task, 60)
     assert watcher.finish_reason == gen.FINISH_REASON_ABORTED
     assert 3 <= len(watcher.tokens) < 400
-    await wait_idle(control)
+    await engine_idle(control)
 
 
 async def test_duplicate_in_flight_request_id_is_already_exists(
     data: data_plane_pb2_grpc.DataPlaneStub,
 ) -> None:
-    watcher = StreamWatcher(data, stream_request(REFERENCE_PROMPTS[0], request_id="dup"))
+    watcher = StreamWatcher(data, stream_request(REFERENCE_PROMPTS[0], LONG, request_id="dup"))
     await watcher.until_tokens(1)
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await data.Generate(
@@ -336,12 +315,12 @@ async def test_duplicate_in_flight_request_id_is_already_exists(
 async def test_client_cancel_aborts_request_in_engine(
     data: data_plane_pb2_grpc.DataPlaneStub, control: control_plane_pb2_grpc.ControlPlaneStub
 ) -> None:
-    watcher = StreamWatcher(data, stream_request(REFERENCE_PROMPTS[0]))
+    watcher = StreamWatcher(data, stream_request(REFERENCE_PROMPTS[0], LONG))
     await watcher.until_tokens(2)
     busy = await control.GetLoad(cp.GetLoadRequest())
     assert busy.running_requests + busy.waiting_requests == 1
     watcher.call.cancel()
-    load = await wait_idle(control, timeout=60)
+    load = await engine_idle(control)
     assert load.running_requests == 0
 
 
@@ -357,7 +336,7 @@ async def test_deadline_ends_with_deadline_exceeded_and_engine_idle(
             timeout=0.3,
         )
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    await wait_idle(control, timeout=60)
+    await engine_idle(control)
 
 
 # -- pause modes --------------------------------------------------------------------------------
@@ -372,7 +351,7 @@ def prompts_for(count: int) -> list[list[int]]:
 async def test_pause_abort_ends_streams_with_tokens_so_far(
     data: data_plane_pb2_grpc.DataPlaneStub, control: control_plane_pb2_grpc.ControlPlaneStub
 ) -> None:
-    watchers = [StreamWatcher(data, stream_request(p)) for p in prompts_for(CONCURRENT)]
+    watchers = [StreamWatcher(data, stream_request(p, LONG)) for p in prompts_for(CONCURRENT)]
     for w in watchers:
         await w.until_tokens(2)
     await control.Pause(cp.PauseRequest(mode=cp.PAUSE_MODE_ABORT))

@@ -25,8 +25,14 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
 from tests.conftest import running_engine_server
 from tests.helpers.faulty_proxy import Fault, FaultyProxy
-from tests.helpers.waits import running_on_engines, until
-from tests.helpers.weights import greedy_per_server, next_version, perturbed
+from tests.helpers.waits import until
+from tests.helpers.weights import (
+    SHARED_PREFIX,
+    greedy_per_server,
+    next_version,
+    perturbed,
+    update_while_a_prefix_is_held,
+)
 from trainer_client import InferenceClient, WeightUpdateError
 
 pytestmark = [pytest.mark.engine]
@@ -229,24 +235,13 @@ async def test_no_stale_prefix_blocks_after_pushing_the_original_weights_back(
     update must still never reuse blocks computed under the weights it replaced."""
     address = guarded_fleet.servers[0]
     client = InferenceClient(address, [address])
-    prefix = [1, *range(100, 400)]  # several full cache blocks (128 tokens each on CPU)
-    prompts = [[*prefix, 500 + i] for i in range(32)]
+    prompts = [[*SHARED_PREFIX, 500 + i] for i in range(32)]
     greedy = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
     reference = [r.token_ids for r in await client.generate_batch(prompts, greedy)]
     await client.update_weights(perturbed(guarded_fleet.original, 30).items(), transport="grpc")
     changed = [r.token_ids for r in await client.generate_batch(prompts, greedy)]
     assert changed != reference
-    # Requests sharing the prefix hold its blocks while paused in KEEP mode.
-    holding = asyncio.ensure_future(
-        client.generate_batch(
-            [[*prefix, 900 + i] for i in range(4)],
-            {"temperature": 0.0, "max_tokens": 150, "ignore_eos": True},
-        )
-    )
-    await running_on_engines(client, 4, holding)
-    await client.pause("keep")
-    await client.update_weights(guarded_fleet.original.items(), transport="grpc")
-    await client.resume()
+    holding = await update_while_a_prefix_is_held(client, guarded_fleet.original)
     restored = [r.token_ids for r in await client.generate_batch(prompts, greedy)]
     await holding
     assert sum(r == e for r, e in zip(restored, reference, strict=True)) == 32

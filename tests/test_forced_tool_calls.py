@@ -17,6 +17,7 @@ import pytest
 
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2, data_plane_pb2_grpc, generation_pb2
 from tests.helpers.forced_calls import NAMED, SEEDS, broken_forced_answers, forced_request
+from tests.helpers.openai_http import no_whitespace as whitespace_bias
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -50,14 +51,7 @@ CALL_TOKENS = 96
 def no_whitespace(tiny_model_dir: Path) -> dict[int, float]:
     """A bias against whitespace-only tokens: a JSON constraint allows any whitespace between
     tokens, and a random model writes little else; with this its calls end."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    return {
-        i: -100.0
-        for i in range(len(tokenizer))
-        if i not in tokenizer.all_special_ids and not tokenizer.decode([i]).strip()
-    }
+    return whitespace_bias(tiny_model_dir)
 
 
 def check_calls(choice: str, calls: list[tuple[str, str]]) -> None:

@@ -19,6 +19,7 @@ from skyrl_grpc.names import GENERATE_BATCH, GENERATE_STREAM
 from skyrl_grpc.placement import BoundedLoadPolicy
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
+from tests.helpers.streams import stream_request, tokens_of
 from tests.helpers.waits import ENGINE_START_SECONDS, engines_idle, until
 from trainer_client import InferenceClient
 
@@ -27,12 +28,9 @@ GREEDY = gen.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, log
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
-def stream_request(
-    i: int, sampling: gen.SamplingParams = GREEDY
-) -> data_plane_pb2.GenerateStreamRequest:
-    return data_plane_pb2.GenerateStreamRequest(
-        prompt_token_ids=[1, 40 + 7 * i % 1900, 9, 300 + i], sampling_params=sampling
-    )
+def indexed(i: int, sampling: gen.SamplingParams = GREEDY) -> data_plane_pb2.GenerateStreamRequest:
+    """Request ``i``: a prompt of its own."""
+    return stream_request([1, 40 + 7 * i % 1900, 9, 300 + i], sampling)
 
 
 async def read_batch(
@@ -52,10 +50,6 @@ async def read_batch(
     return chunks, errors, messages
 
 
-def tokens_of(chunks: list[data_plane_pb2.GenerateStreamResponse]) -> list[int]:
-    return [t for c in chunks for t in c.token_ids]
-
-
 def logprobs_of(chunks: list[data_plane_pb2.GenerateStreamResponse]) -> list[float]:
     return [lp for c in chunks for lp in c.logprobs.token_logprobs]
 
@@ -64,7 +58,7 @@ async def test_a_batch_through_the_router_is_its_single_streams_and_keeps_sessio
     two_server_router: Any, engine_server: Any, second_engine_server: Any
 ) -> None:
     sessions = [f"batch-episode-{i}" for i in range(64)]
-    requests = [stream_request(i) for i in range(64)]
+    requests = [indexed(i) for i in range(64)]
     servers = (engine_server, second_engine_server)
     # Sessions earlier tests left on the shared servers count in the router's balance too
     # (read here to say, if the bound below fails, what the batch found there).
@@ -119,7 +113,7 @@ async def test_a_batch_through_the_router_is_its_single_streams_and_keeps_sessio
 async def test_one_bad_prompt_among_16_fails_alone(
     two_server_router: Any, engine_server: Any, path: str
 ) -> None:
-    requests = [stream_request(i) for i in range(16)]
+    requests = [indexed(i) for i in range(16)]
     requests[5].prompt_token_ids.append(999_999)  # outside the vocabulary
     address = two_server_router.address if path == "router" else engine_server.address
     async with grpc.aio.insecure_channel(address) as channel:
@@ -140,13 +134,13 @@ async def test_a_malformed_batch_is_refused_whole(engine_server: Any) -> None:
             (data_plane_pb2.GenerateBatchRequest(), "requests is empty"),
             (
                 data_plane_pb2.GenerateBatchRequest(
-                    requests=[stream_request(0), stream_request(1)], session_ids=["only-one"]
+                    requests=[indexed(0), indexed(1)], session_ids=["only-one"]
                 ),
                 "session_ids has 1 entries for 2 requests",
             ),
             (
                 data_plane_pb2.GenerateBatchRequest(
-                    requests=[stream_request(0), stream_request(1)], indices=[4, 4]
+                    requests=[indexed(0), indexed(1)], indices=[4, 4]
                 ),
                 "indices repeat",
             ),
@@ -160,6 +154,9 @@ async def test_a_malformed_batch_is_refused_whole(engine_server: Any) -> None:
 async def test_cancelling_a_batch_leaves_nothing_running(
     two_server_router: Any, engine_server: Any, second_engine_server: Any
 ) -> None:
+    """The servers are paused (KEEP) once the batch runs: its requests stay on them, frozen,
+    until something aborts them, so only the cancel reaching every server makes them idle
+    (left to finish, the batch would end within the wait on its own)."""
     client = InferenceClient(
         two_server_router.address, [engine_server.address, second_engine_server.address]
     )
@@ -167,19 +164,22 @@ async def test_cancelling_a_batch_leaves_nothing_running(
     async with grpc.aio.insecure_channel(two_server_router.address) as channel:
         stub = data_plane_pb2_grpc.DataPlaneStub(channel)
         call = stub.GenerateBatch(
-            data_plane_pb2.GenerateBatchRequest(
-                requests=[stream_request(i, long) for i in range(16)]
-            )
+            data_plane_pb2.GenerateBatchRequest(requests=[indexed(i, long) for i in range(16)])
         )
         await call.read()  # running
-        call.cancel()
-        await until(lambda: engines_idle(client), 60, "the batch's requests aborted")
+        await client.pause("keep")
+        try:
+            assert not await engines_idle(client)
+            call.cancel()
+            await until(lambda: engines_idle(client), 60, "the batch's requests aborted")
+        finally:
+            await client.resume()
     await client.close()
 
 
 async def test_abort_by_id_ends_one_request_of_a_batch(two_server_router: Any) -> None:
     long = gen.SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
-    requests = [stream_request(i, long) for i in range(4)]
+    requests = [indexed(i, long) for i in range(4)]
     for i, request in enumerate(requests):
         request.request_id = f"abort-one-{i}"
     async with grpc.aio.insecure_channel(two_server_router.address) as channel:
@@ -203,7 +203,7 @@ def test_a_server_killed_mid_batch_through_the_router_loses_nothing() -> None:
     from their tokens so far; every request's greedy output equals an undisturbed run's."""
     max_tokens = 320
     sampling = gen.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    requests = [stream_request(i, sampling) for i in range(16)]
+    requests = [indexed(i, sampling) for i in range(16)]
     sessions = [f"batch-fault-{i}" for i in range(16)]
 
     async def scenario(fleet: LocalFleet) -> None:
@@ -269,7 +269,7 @@ async def test_the_trainer_client_sends_a_batch_as_batched_calls(
     monkeypatch.setattr("trainer_client.config.ClientConfig.open_channel", recording_channel)
     servers = [engine_server.address, second_engine_server.address]
     client = InferenceClient(two_server_router.address, servers, direct=direct)
-    prompts = [list(stream_request(i).prompt_token_ids) for i in range(64)]
+    prompts = [list(indexed(i).prompt_token_ids) for i in range(64)]
     sampling = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
     results = await client.generate_batch(
         prompts, sampling, session_ids=[f"client-batch-{i % 8}" for i in range(64)]

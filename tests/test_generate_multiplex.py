@@ -15,6 +15,7 @@ import pytest
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
 from tests.conftest import running_router
+from tests.helpers.streams import stream_request, tokens_of
 from tests.helpers.waits import engines_idle, until
 from trainer_client import InferenceClient
 
@@ -24,22 +25,15 @@ GREEDY = gen.SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True,
 LONG = gen.SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)  # model: 512
 
 
-def stream_request(
-    i: int, sampling: gen.SamplingParams = GREEDY
-) -> data_plane_pb2.GenerateStreamRequest:
-    return data_plane_pb2.GenerateStreamRequest(
-        prompt_token_ids=[1, 60 + 11 * i, 9, 400 + i], sampling_params=sampling
-    )
+def indexed(i: int, sampling: gen.SamplingParams = GREEDY) -> data_plane_pb2.GenerateStreamRequest:
+    """Request ``i``: a prompt of its own."""
+    return stream_request([1, 60 + 11 * i, 9, 400 + i], sampling)
 
 
 def add(indices: list[int], requests: list[Any]) -> data_plane_pb2.GenerateMultiplexRequest:
     return data_plane_pb2.GenerateMultiplexRequest(
         add=data_plane_pb2.GenerateBatchRequest(requests=requests, indices=indices)
     )
-
-
-def tokens_of(chunks: list[data_plane_pb2.GenerateStreamResponse]) -> list[int]:
-    return [t for c in chunks for t in c.token_ids]
 
 
 async def single_stream(stub: Any, request: Any) -> list[int]:
@@ -60,9 +54,7 @@ async def test_requests_join_and_leave_one_call(engine_server: Any) -> None:
     async with grpc.aio.insecure_channel(engine_server.address) as channel:
         stub = data_plane_pb2_grpc.DataPlaneStub(channel)
         call = stub.GenerateMultiplex(requests())
-        outbox.put_nowait(
-            add([0, 1, 2], [stream_request(0), stream_request(1, LONG), stream_request(2)])
-        )
+        outbox.put_nowait(add([0, 1, 2], [indexed(0), indexed(1, LONG), indexed(2)]))
         chunks: dict[int, list[Any]] = collections.defaultdict(list)
         messages = 0
         errors: list[Any] = []
@@ -78,7 +70,7 @@ async def test_requests_join_and_leave_one_call(engine_server: Any) -> None:
                     chunks[chunk.batch_index].append(chunk)
 
         await read_until(lambda: len(tokens_of(chunks[1])) >= 4)
-        outbox.put_nowait(add([7], [stream_request(7)]))  # joins while the others run
+        outbox.put_nowait(add([7], [indexed(7)]))  # joins while the others run
         outbox.put_nowait(data_plane_pb2.GenerateMultiplexRequest(cancel=[1]))
         await read_until(lambda: len(tokens_of(chunks[7])) >= TOKENS)
         cancelled_at = len(tokens_of(chunks[1]))
@@ -90,7 +82,7 @@ async def test_requests_join_and_leave_one_call(engine_server: Any) -> None:
                 chunks[chunk.batch_index].append(chunk)
         assert await call.code() == grpc.StatusCode.OK
         for index in (0, 2, 7):
-            assert tokens_of(chunks[index]) == await single_stream(stub, stream_request(index))
+            assert tokens_of(chunks[index]) == await single_stream(stub, indexed(index))
             assert chunks[index][0].request_id
             assert chunks[index][-1].finish_reason == gen.FINISH_REASON_LENGTH
         # Cancelled: nothing more after the cancel took effect, not even a finish reason.
@@ -107,7 +99,7 @@ async def test_bad_requests_fail_alone_and_a_reused_index_ends_the_call(
 ) -> None:
     async with grpc.aio.insecure_channel(engine_server.address) as channel:
         stub = data_plane_pb2_grpc.DataPlaneStub(channel)
-        bad = stream_request(1)
+        bad = indexed(1)
         bad.prompt_token_ids.append(999_999)  # outside the vocabulary
         outbox: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -116,7 +108,7 @@ async def test_bad_requests_fail_alone_and_a_reused_index_ends_the_call(
                 yield message
 
         call = stub.GenerateMultiplex(requests())
-        outbox.put_nowait(add([0, 1], [stream_request(0, LONG), bad]))
+        outbox.put_nowait(add([0, 1], [indexed(0, LONG), bad]))
         first_error = None
         while first_error is None:
             message = await asyncio.wait_for(call.read(), 120)
@@ -127,7 +119,7 @@ async def test_bad_requests_fail_alone_and_a_reused_index_ends_the_call(
         assert "vocabulary" in first_error.message
         # Index 0 still runs: adding another request under it would mix two requests'
         # reports, so the call ends, saying which index and why.
-        outbox.put_nowait(add([0], [stream_request(5)]))
+        outbox.put_nowait(add([0], [indexed(5)]))
         with pytest.raises(grpc.aio.AioRpcError) as ended:
             while await call.read() is not grpc.aio.EOF:
                 pass
@@ -135,7 +127,7 @@ async def test_bad_requests_fail_alone_and_a_reused_index_ends_the_call(
         assert "indices [0] are in use" in str(ended.value.details())
         outbox.put_nowait(None)
         # The server goes on serving.
-        assert len(await single_stream(stub, stream_request(3))) == TOKENS
+        assert len(await single_stream(stub, indexed(3))) == TOKENS
 
 
 async def read_to_end(call: Any, chunks: list[data_plane_pb2.GenerateStreamResponse]) -> None:
@@ -154,9 +146,9 @@ async def test_the_first_stream_on_a_call_outlives_those_that_end_before_it(
     async for router in running_router([engine_server.address]):
         async with grpc.aio.insecure_channel(router.address) as channel:
             routed = data_plane_pb2_grpc.DataPlaneStub(channel)
-            first = routed.GenerateStream(stream_request(0, longer))
+            first = routed.GenerateStream(indexed(0, longer))
             chunks = [await first.read()]  # on the call (a new one: the router is new)
-            later = await single_stream(routed, stream_request(1))
+            later = await single_stream(routed, indexed(1))
             assert len(later) == TOKENS
             await asyncio.wait_for(read_to_end(first, chunks), 120)
             assert len(tokens_of(chunks)) == 3 * TOKENS
@@ -176,16 +168,14 @@ async def test_the_router_multiplexes_streams_to_a_server(engine_server: Any) ->
         ):
             routed = data_plane_pb2_grpc.DataPlaneStub(via_router)
             server = data_plane_pb2_grpc.DataPlaneStub(direct)
-            long_call = routed.GenerateStream(stream_request(99, LONG))
+            long_call = routed.GenerateStream(indexed(99, LONG))
             await long_call.read()
             assert router.proxy.multiplexers.addresses() == [engine_server.address]
-            results = await asyncio.gather(
-                *(single_stream(routed, stream_request(i)) for i in range(32))
-            )
+            results = await asyncio.gather(*(single_stream(routed, indexed(i)) for i in range(32)))
             for i, tokens in enumerate(results):
-                assert tokens == await single_stream(server, stream_request(i))
+                assert tokens == await single_stream(server, indexed(i))
             # A request the server refuses fails its caller's call with the server's status.
-            bad = stream_request(50)
+            bad = indexed(50)
             bad.prompt_token_ids.append(999_999)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await single_stream(routed, bad)

@@ -29,7 +29,13 @@ from tests.helpers.server_process import (
     ServerProcess,
     alive,
 )
-from tests.helpers.waits import ENGINE_START_SECONDS, FLEET_TEST_TIMEOUT, running_on_engines
+from tests.helpers.waits import (
+    ENGINE_START_SECONDS,
+    FLEET_TEST_TIMEOUT,
+    running_on_engines,
+    until,
+    wait_until,
+)
 from trainer_client import InferenceClient
 
 pytestmark = [pytest.mark.engine]
@@ -173,12 +179,11 @@ def test_a_killed_server_leaves_no_process_behind(server: ServerProcess) -> None
     assert any(p.is_socket() for p in scratch.iterdir()), list(scratch.iterdir())
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait()
-    deadline = time.monotonic() + 60  # the kernel reaps them at once; a busy box takes longer
-    while alive(started) or scratch.exists():
-        assert time.monotonic() < deadline, (
-            f"60 s later: alive {alive(started)}, scratch left: {scratch.exists()}"
-        )
-        time.sleep(0.05)
+    # The kernel reaps them at once; a busy box takes longer.
+    wait_until(
+        lambda: not alive(started) and not scratch.exists(),
+        what=f"the engine's processes and {scratch} gone",
+    )
 
 
 def test_sigterm_of_an_idle_server_with_a_router_attached_exits_promptly(
@@ -200,13 +205,13 @@ def test_sigterm_of_an_idle_server_with_a_router_attached_exits_promptly(
         router_address = json.loads(router.stdout.readline())["address"]
         with grpc.insecure_channel(router_address) as channel:  # its health watch is on
             admin = router_pb2_grpc.RouterAdminStub(channel)
-            deadline = time.monotonic() + 30
-            while (
-                admin.ListBackends(router_pb2.ListBackendsRequest()).backends[0].state
-                != router_pb2.BACKEND_STATE_HEALTHY
-            ):
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_until(
+                lambda: (
+                    admin.ListBackends(router_pb2.ListBackendsRequest()).backends[0].state
+                    == router_pb2.BACKEND_STATE_HEALTHY
+                ),
+                what="the router to see the server healthy",
+            )
         signalled = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=150) == 0
@@ -356,14 +361,13 @@ async def test_up_survives_an_engine_death_under_load_and_restarts_the_server(
         assert victim in back
         async with grpc.aio.insecure_channel(router) as channel:
             admin = router_pb2_grpc.RouterAdminStub(channel)
-            deadline = time.monotonic() + 30
-            while True:
+
+            async def rejoined() -> bool:
                 listed = await admin.ListBackends(router_pb2.ListBackendsRequest())
                 states = {b.address: b.state for b in listed.backends}
-                if states[victim] == router_pb2.BACKEND_STATE_HEALTHY:
-                    break
-                assert time.monotonic() < deadline, states
-                await asyncio.sleep(0.1)
+                return states[victim] == router_pb2.BACKEND_STATE_HEALTHY
+
+            await until(rejoined, what=f"the router to see {victim} healthy again")
         versions = await client.weight_versions()
         # No peer serves newer weights (none were pushed): it serves its initial ones.
         assert versions[victim] == 0
@@ -421,9 +425,7 @@ def test_a_killed_up_takes_its_router_and_servers_with_it(tmp_path: Path) -> Non
         assert servers and all(os.getpgid(p.pid) == p.pid for p in servers), commands
         os.kill(up.proc.pid, signal.SIGKILL)
         up.proc.wait()
-        deadline = time.monotonic() + 120  # a drain each, then their reapers; generous
-        while alive(fleet):
-            assert time.monotonic() < deadline, f"still alive 120 s later: {alive(fleet)}"
-            time.sleep(0.1)
+        # A drain each, then their reapers: generous.
+        wait_until(lambda: not alive(fleet), 120, f"up's processes gone: {fleet}")
     finally:
         up.stop()

@@ -7,7 +7,6 @@ engine processes)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from safetensors.torch import load_file
 
 from servers.fleet.local import LocalFleet
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
-from tests.helpers.waits import ENGINE_START_SECONDS, FLEET_TEST_TIMEOUT
+from tests.helpers.waits import ENGINE_START_SECONDS, FLEET_TEST_TIMEOUT, until
 from trainer_client import InferenceClient
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(FLEET_TEST_TIMEOUT)]
@@ -51,19 +50,23 @@ async def test_a_fleet_scales_up_caught_up_from_a_peer_and_scales_down_by_draini
         await first.update_weights(weights.items(), 1)
         await asyncio.to_thread(fleet.scale, 2)
         old, new = fleet.addresses.servers
+
         # A client built before the fleet grew reaches the new server too (it follows the
         # router's membership), without being rebuilt.
-        deadline = time.monotonic() + 60
-        while set(await first.weight_versions()) != {old, new}:
-            assert time.monotonic() < deadline, await first.weight_versions()
-            await asyncio.sleep(0.1)
+        async def both_reached() -> bool:
+            return set(await first.weight_versions()) == {old, new}
+
+        await until(both_reached, what="the client built before the fleet grew to reach both")
         await first.close()
         client = InferenceClient(fleet.addresses.router, [old, new], direct=False)
         sampling = {"temperature": 0.0, "max_tokens": 4}
         prompts = [[1, 60 + i] for i in range(6)]
-        while (await listed(fleet.addresses.router))[new].state != router_pb2.BACKEND_STATE_HEALTHY:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.1)
+
+        async def new_healthy() -> bool:
+            members = await listed(fleet.addresses.router)
+            return members[new].state == router_pb2.BACKEND_STATE_HEALTHY
+
+        await until(new_healthy, what=f"the router to see {new} healthy")
         assert dict(await client.weight_versions()) == {old: 1, new: 1}  # caught up
         sums = await client.weight_checksums()
         assert sums[new] == sums[old]

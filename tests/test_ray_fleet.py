@@ -22,10 +22,19 @@ from servers.fleet import FleetStartFailed
 from servers.fleet.ray_group import RayFleet
 from skyrl_grpc.v1.data_plane_pb2 import GenerateRequest
 from skyrl_grpc.v1.data_plane_pb2_grpc import DataPlaneStub
+from tests.helpers.waits import wait_until
 from trainer_client import BlockingInferenceClient
 
 pytestmark = [pytest.mark.engine]
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def process_tree(pids: list[int]) -> set[int]:
@@ -133,17 +142,9 @@ def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(
         assert tokens == result.token_ids and paused and not still_paused
     finally:
         group.close()
-    deadline = time.monotonic() + 30
-    while alive := [
-        p
-        for p in tree
-        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-    ]:
-        assert time.monotonic() < deadline, f"processes left behind: {alive}"
-        time.sleep(0.5)
-    while left := [path for path in scratch if path.exists()]:  # removed by their reapers
-        assert time.monotonic() < deadline, f"scratch directories left behind: {left}"
-        time.sleep(0.5)
+    wait_until(lambda: not any(map(running, tree)), 30, f"the fleet's processes gone: {tree}")
+    # Removed by their reapers.
+    wait_until(lambda: not any(p.exists() for p in scratch), 30, f"{scratch} removed")
 
 
 def test_strict_spread_puts_one_server_on_each_named_node(ray_cluster: list[str]) -> None:
@@ -184,10 +185,11 @@ def test_a_start_that_fails_or_cannot_finish_in_time_is_one_line_and_frees_the_c
     broken = RayFleet(1, cpu_only=True, server_args=["--model", "/nonexistent/model"])
     with pytest.raises(FleetStartFailed, match=r"server-0 did not start: .*/nonexistent/model"):
         broken.start()
-    deadline = time.monotonic() + 60  # Ray returns a removed group's bundles asynchronously
-    while (free := ray.available_resources()).get("CPU") != total.get("CPU"):
-        assert time.monotonic() < deadline, f"resources still held: {free} of {total}"
-        time.sleep(0.2)
+    # Ray returns a removed group's bundles asynchronously.
+    wait_until(
+        lambda: ray.available_resources().get("CPU") == total.get("CPU"),
+        what=f"every CPU of {total} free again",
+    )
 
 
 def test_an_unknown_strategy_or_flag_is_refused_before_ray_is_touched() -> None:
@@ -223,12 +225,16 @@ def test_up_on_ray_stops_on_sigterm_while_ray_cannot_place_it(ray_cluster: list[
         text=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        while not any(  # its placement group exists: it is waiting for Ray to place it
-            g["state"] == "PENDING" for g in ray.util.placement_group_table().values()
-        ):
-            assert up.poll() is None and time.monotonic() < deadline, up.communicate()
-            time.sleep(0.2)
+        # Its placement group exists: it is waiting for Ray to place it (or it exited: failed).
+        wait_until(
+            lambda: (
+                up.poll() is not None
+                or any(g["state"] == "PENDING" for g in ray.util.placement_group_table().values())
+            ),
+            120,
+            "up's placement group, pending",
+        )
+        assert up.poll() is None, up.communicate()
         up.send_signal(signal.SIGTERM)
         _, stderr = up.communicate(timeout=60)
     finally:
@@ -238,8 +244,8 @@ def test_up_on_ray_stops_on_sigterm_while_ray_cannot_place_it(ray_cluster: list[
     assert up.returncode == 128 + signal.SIGTERM, stderr
     assert "stopped by SIGTERM while starting" in stderr
     assert "SIGTERM received" not in stderr and "Traceback" not in stderr, stderr
-    deadline = time.monotonic() + 60
-    while any(g["state"] != "REMOVED" for g in ray.util.placement_group_table().values()):
-        assert time.monotonic() < deadline, ray.util.placement_group_table()
-        time.sleep(0.2)
+    wait_until(
+        lambda: all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values()),
+        what="every placement group removed",
+    )
     assert ray.cluster_resources() == total

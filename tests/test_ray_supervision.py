@@ -79,14 +79,15 @@ async def test_a_node_that_leaves_takes_its_server_and_the_fleet_heals(
         assert (await asyncio.to_thread(fleet.node_ids))[victim] == survivor.node_id
         async with grpc.aio.insecure_channel(fleet.addresses.router) as channel:
             admin = router_pb2_grpc.RouterAdminStub(channel)
-            deadline = time.monotonic() + 120
-            while True:
+            states: dict[str, int] = {}
+
+            async def new_healthy() -> bool:
                 listed = await admin.ListBackends(router_pb2.ListBackendsRequest())
-                states = {b.address: b.state for b in listed.backends}
-                if states.get(new_address) == router_pb2.BACKEND_STATE_HEALTHY:
-                    break
-                assert time.monotonic() < deadline, states
-                await asyncio.sleep(0.2)
+                states.clear()
+                states.update({b.address: b.state for b in listed.backends})
+                return states.get(new_address) == router_pb2.BACKEND_STATE_HEALTHY
+
+            await until(new_healthy, 120, f"the router to see {new_address} healthy")
             assert old_address not in states
         # A training step across the new fleet with the client built before the server moved
         # (it follows the router's membership): pause, a fleet-wide update, resume.

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +12,7 @@ from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
+from tests.helpers.waits import engine_idle
 
 pytestmark = [pytest.mark.engine]
 
@@ -27,16 +26,6 @@ async def routed(
         grpc.aio.insecure_channel(engine_server.address) as direct,
     ):
         yield channel, control_plane_pb2_grpc.ControlPlaneStub(direct)
-
-
-async def engine_idle(control: control_plane_pb2_grpc.ControlPlaneStub, timeout: float = 5) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        load = await control.GetLoad(cp.GetLoadRequest())
-        if load.running_requests == 0 and load.waiting_requests == 0:
-            return
-        assert time.monotonic() < deadline, f"engine still busy: {load}"
-        await asyncio.sleep(0.05)
 
 
 LONG = gen.SamplingParams(temperature=0.0, max_tokens=450, ignore_eos=True)
@@ -60,24 +49,39 @@ async def test_greedy_through_router_equals_direct(
 
 
 async def test_cancel_through_router_aborts_on_engine(routed: Any) -> None:
+    """The engine is paused (KEEP) once the stream runs: the request stays on it, frozen, until
+    something aborts it, so only the cancel reaching the engine through the router makes it
+    idle (left to finish, a 450-token stream would end within the wait on its own)."""
     channel, control = routed
     call = data_plane_pb2_grpc.DataPlaneStub(channel).GenerateStream(
         data_plane_pb2.GenerateStreamRequest(prompt_token_ids=[1, 2, 3], sampling_params=LONG)
     )
     await call.read()
-    load = await control.GetLoad(cp.GetLoadRequest())
-    assert load.running_requests + load.waiting_requests == 1
-    call.cancel()
-    await engine_idle(control)
+    await control.Pause(cp.PauseRequest(mode=cp.PAUSE_MODE_KEEP))
+    try:
+        load = await control.GetLoad(cp.GetLoadRequest())
+        assert load.running_requests + load.waiting_requests == 1
+        call.cancel()
+        await engine_idle(control)
+    finally:
+        await control.Resume(cp.ResumeRequest())
 
 
 async def test_deadline_through_router_is_deadline_exceeded_and_engine_idle(routed: Any) -> None:
+    """As above: the request is frozen on the paused engine when its deadline passes, so only
+    the deadline reaching the engine through the router ends it."""
     channel, control = routed
-    with pytest.raises(grpc.aio.AioRpcError) as raised:
-        async for _ in data_plane_pb2_grpc.DataPlaneStub(channel).GenerateStream(
-            data_plane_pb2.GenerateStreamRequest(prompt_token_ids=[1, 2, 3], sampling_params=LONG),
-            timeout=0.3,
-        ):
-            pass
-    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    await engine_idle(control)
+    stream = data_plane_pb2_grpc.DataPlaneStub(channel).GenerateStream(
+        data_plane_pb2.GenerateStreamRequest(prompt_token_ids=[1, 2, 3], sampling_params=LONG),
+        timeout=2,
+    )
+    await stream.read()
+    await control.Pause(cp.PauseRequest(mode=cp.PAUSE_MODE_KEEP))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for _ in stream:
+                pass
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await engine_idle(control)
+    finally:
+        await control.Resume(cp.ResumeRequest())

@@ -4,7 +4,6 @@ of the router's feed (``DirectRoutes.apply``), status announcements, and fan-out
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 
 import grpc
@@ -12,6 +11,7 @@ import pytest
 
 from servers.engine.service.status import StatusChanges
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from tests.helpers.streams import unused_address
 from trainer_client.direct import DirectRoutes
 from trainer_client.exceptions import FanOutError, NotFound, ServerError
 from trainer_client.fanout import failures_of, fan_out
@@ -19,17 +19,11 @@ from trainer_client.fanout import failures_of, fan_out
 HEALTHY, UNHEALTHY = router_pb2.BACKEND_STATE_HEALTHY, router_pb2.BACKEND_STATE_UNHEALTHY
 
 
-def _unused_address() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{probe.getsockname()[1]}"
-
-
 @pytest.fixture
 async def routes_and_moves() -> AsyncIterator[tuple[DirectRoutes, list[tuple[str, str]]]]:
     """A routing view fed by hand (its router is unreachable); the moves it reports."""
     moves: list[tuple[str, str]] = []
-    channel = grpc.aio.insecure_channel(_unused_address())
+    channel = grpc.aio.insecure_channel(unused_address())
     routes = DirectRoutes(channel, (), lambda address, session: moves.append((address, session)))
     yield routes, moves
     await routes.close()
@@ -136,14 +130,17 @@ async def test_a_server_that_failed_is_skipped_for_a_while_and_tried_ones_are_no
 
 
 async def test_status_watchers_wake_at_an_announcement_or_their_timeout() -> None:
+    """A watcher sleeps through its whole timeout unless a change is announced; one is woken
+    by the announcement at once (its 30 s timeout never in play); one with nothing announced
+    returns at its own short timeout."""
     changes = StatusChanges()
     waiting = asyncio.ensure_future(changes.wait(timeout=30))
-    await asyncio.sleep(0)
+    done, _ = await asyncio.wait([waiting], timeout=0.2)
+    assert not done, "a watcher woke with nothing announced"
     changes.announce()
-    await asyncio.wait_for(waiting, 30)
-    started = asyncio.get_running_loop().time()
-    await changes.wait(timeout=0.05)  # nothing announced: the timeout
-    assert asyncio.get_running_loop().time() - started >= 0.04
+    await asyncio.wait_for(waiting, 10)  # woken: far inside its own 30 s
+    quiet = asyncio.ensure_future(changes.wait(timeout=0.05))  # nothing announced
+    await asyncio.wait_for(quiet, 10)
 
 
 async def test_fan_out_keeps_each_servers_outcome() -> None:

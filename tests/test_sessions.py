@@ -10,7 +10,6 @@ started on the new weights.
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,8 @@ from safetensors.torch import load_file, save_file
 from servers.engine.domain.live_sessions import LiveSessions
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc, status_pb2, status_pb2_grpc
 from tests.conftest import offline_reference
-from tests.helpers.waits import running_on_engines, until
-from tests.helpers.weights import perturbed
+from tests.helpers.waits import until
+from tests.helpers.weights import SHARED_PREFIX, perturbed, update_while_a_prefix_is_held
 from trainer_client import InferenceClient
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
@@ -161,8 +160,7 @@ async def test_after_a_keep_pause_update_a_shared_prefix_answers_as_the_new_weig
     fresh_dir = tmp_path / "new-weights"
     shutil.copytree(tiny_model_dir, fresh_dir)
     save_file(new_weights, str(fresh_dir / "model.safetensors"))
-    prefix = [1, *range(100, 400)]  # several full cache blocks (128 tokens each on CPU)
-    probe = [*prefix, 777]
+    probe = [*SHARED_PREFIX, 777]
     sampling = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
     (fresh,) = offline_reference(fresh_dir, [probe], sampling, tmp_path)
 
@@ -171,18 +169,9 @@ async def test_after_a_keep_pause_update_a_shared_prefix_answers_as_the_new_weig
     try:
         before = await client.generate(probe, sampling)
         assert before.token_ids != fresh["token_ids"], "the new weights change nothing"
-        holding = asyncio.ensure_future(
-            client.generate_batch(
-                [[*prefix, 900 + i] for i in range(4)],
-                {"temperature": 0.0, "max_tokens": 150, "ignore_eos": True},
-            )
-        )
-        await running_on_engines(client, 4, holding)
-        await client.pause("keep")
-        await client.update_weights(new_weights.items(), transport="grpc")
-        await client.resume()
+        holding = await update_while_a_prefix_is_held(client, new_weights)
         after = await client.generate(probe, sampling)
-        again = await client.generate([*prefix, 778], sampling)
+        again = await client.generate([*SHARED_PREFIX, 778], sampling)
         await holding
         assert after.token_ids == fresh["token_ids"]
         assert after.cached_prompt_tokens == 0  # the old blocks are not reused...

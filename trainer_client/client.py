@@ -2,7 +2,7 @@
 
 Data-plane calls (``generation``) go to the server the router's policy picks, directly or
 through the router (``x-session-id`` keeps a conversation on one server); control calls
-(``fleet_control``, ``adapters``, ``weight_updates``) fan out to every server directly and
+(``fleet_control``, ``lora``, ``weights.weight_updates``) fan out to every server directly and
 concurrently. What a client pickles is its ``ClientConfig`` alone; what it holds besides is
 process-local and rebuilt on the other side: channels and the routing view, opened lazily per
 event loop (``connections``), and the weight-transfer state (the collective group's rank 0,

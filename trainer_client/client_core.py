@@ -1,7 +1,7 @@
 """What every part of the client stands on: its config, its connections, and one way to make
 a call (``_unary``) and to make it on every server (``_fan_out``, typed by the stub method).
 
-The parts (``generation``, ``fleet_control``, ``adapters``, ``weight_updates``) are mixins of
+The parts (``generation``, ``fleet_control``, ``lora``, ``weights.weight_updates``) are mixins of
 ``ClientCore``; ``trainer_client.client.InferenceClient`` joins them.
 """
 

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+
 if TYPE_CHECKING:  # conftest imports this module: the client's imports stay out of its start
+    from skyrl_grpc.v1 import control_plane_pb2_grpc
     from trainer_client import InferenceClient
 
 # The most an engine server's start may take (vLLM's imports, the model, the warm-up) before a
@@ -57,6 +61,28 @@ async def until(
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
         await asyncio.sleep(0.01)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
+    """``until`` for code outside an event loop (a test driving processes, Ray): checks
+    ``condition()`` every 50 ms; fails after ``timeout`` seconds naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
+        time.sleep(0.05)
+
+
+async def engine_idle(control: control_plane_pb2_grpc.ControlPlaneStub) -> cp.GetLoadResponse:
+    """Waits until no request runs or waits on the engine behind ``control``; its load then."""
+    loads: list[cp.GetLoadResponse] = []
+
+    async def idle() -> bool:
+        loads.append(await control.GetLoad(cp.GetLoadRequest()))
+        return loads[-1].running_requests == 0 and loads[-1].waiting_requests == 0
+
+    await until(idle, what="the engine idle (no request running or waiting)")
+    return loads[-1]
 
 
 async def engines_idle(client: InferenceClient) -> bool:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import torch
 
 from tests.conftest import REFERENCE_PROMPTS
+from tests.helpers.waits import running_on_engines
 from trainer_client import InferenceClient
 
 MAX_TOKENS = 16
@@ -43,3 +47,27 @@ async def on_one_version(client: InferenceClient, weights: dict[str, torch.Tenso
     keeps calls off a server behind the others, so a test of spreading needs none behind."""
     if not (await client.weight_versions()).consistent:
         await client.update_weights(weights.items(), await next_version(client), delta=False)
+
+
+# A prompt prefix of several full prefix-cache blocks (128 tokens each on CPU).
+SHARED_PREFIX = [1, *range(100, 400)]
+
+
+async def update_while_a_prefix_is_held(
+    client: InferenceClient, weights: dict[str, torch.Tensor], prefix: list[int] = SHARED_PREFIX
+) -> asyncio.Future[Any]:
+    """Pushes ``weights`` while requests sharing ``prefix`` hold its cache blocks, paused in
+    KEEP mode (so the prefix-cache reset after the update cannot free them), then resumes;
+    returns those requests' batch, to await. Requests after it must not reuse the blocks
+    computed under the weights it replaced."""
+    holding = asyncio.ensure_future(
+        client.generate_batch(
+            [[*prefix, 900 + i] for i in range(4)],
+            {"temperature": 0.0, "max_tokens": 150, "ignore_eos": True},
+        )
+    )
+    await running_on_engines(client, 4, holding)
+    await client.pause("keep")
+    await client.update_weights(weights.items(), transport="grpc")
+    await client.resume()
+    return holding

@@ -33,7 +33,7 @@ class ServerDescription:
     pipeline_parallel_size: int
     data_parallel_size: int
     # Ranks the server takes in a weight-transfer group: one per tensor-parallel group (the
-    # worker keeping the checkpoint copy; ``weights.transfer_engine``).
+    # worker keeping the checkpoint copy; ``worker.transfer_engine``).
     weight_group_ranks: int
     sleep_supported: bool
     # How weights can arrive, best first: "nccl", "gloo", "grpc_stream".

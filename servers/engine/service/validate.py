@@ -2,7 +2,7 @@
 
 Pure functions of plain values and protobuf messages (no engine, no gRPC context), each raising
 ``InvalidArgument`` with a message that names the field, the value and what would be accepted.
-Servicers call these; ``convert`` then builds engine types from requests that passed, and the
+Servicers call these; ``data_convert`` then builds engine types from requests that passed, and the
 vLLM adapter (``vllm_engine``) knows no request rules. Checks shared with the router (addresses,
 ports) are in ``servers.common.addresses``.
 """

@@ -9,7 +9,7 @@ from typing import Any
 
 
 class AsyncLLMLifecycle:
-    """vLLM's weight-transfer lifecycle on ``AsyncLLM`` (``weights.protocol.Lifecycle``), each
+    """vLLM's weight-transfer lifecycle on ``AsyncLLM`` (``transfer.protocol.Lifecycle``), each
     call run by ``run`` (``VllmEngine``'s runner: on the engine loop, the engine's death named)."""
 
     def __init__(self, llm: Any, run: Callable[[Coroutine[Any, Any, Any]], Awaitable[Any]]):

@@ -3,9 +3,10 @@
 ``VllmEngine`` starts the engine, names why it died, runs generations (request ids unique
 while in flight, prompt-cache hits counted), aborts, pauses, sleeps, resets the prefix cache,
 reports the scheduler's load, gives tokenizer access, and offers vLLM's primitives to the
-domain: the weight-transfer lifecycle and ``collective_rpc`` (``weights.serving``), LoRA
-adds and removes (``adapters``). It speaks vLLM and plain Python values: no protobuf, no gRPC,
-no weight versions or adapter registries; ``engine_parts`` builds the domain around it.
+domain: the weight-transfer lifecycle and ``collective_rpc`` (``domain.weights.serving``),
+LoRA adds and removes (``domain.lora_adapters``). It speaks vLLM and plain Python values: no
+protobuf, no gRPC, no weight versions or adapter registries; ``engine_parts`` builds the
+domain around it.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class VllmEngine:
         self.device = current_platform.device_type
         self.sleep_supported = bool(current_platform.is_sleep_mode_available())
         self.prefix_caching = bool(llm.vllm_config.cache_config.enable_prefix_caching)
-        # vLLM's weight-transfer lifecycle, for ``weights.protocol.WorkerCalls``.
+        # vLLM's weight-transfer lifecycle, for ``transfer.protocol.WorkerCalls``.
         self.weight_lifecycle = AsyncLLMLifecycle(self.llm, self._call)
         # CPU only: the zero adapter base-model requests run on while LoRA is enabled.
         self._base_adapter: Any = None
@@ -183,7 +184,7 @@ class VllmEngine:
         """Resets the prefix cache; False where requests hold cached blocks."""
         return bool(await self._call(self.llm.reset_prefix_cache()))
 
-    # -- LoRA adapters (vLLM's primitives; the path around them is adapters.AdapterManager's) --
+    # -- LoRA adapters (vLLM's primitives; the path around them is AdapterManager's) ----------
 
     async def add_lora(self, name: str, engine_id: int, directory: Path) -> bool:
         from vllm.lora.request import LoRARequest
