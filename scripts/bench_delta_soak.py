@@ -1,9 +1,9 @@
 """Memory over a run of delta steps, as an RL trainer makes them (issue 44: "a run of 20 delta
 steps leaves RSS flat, within 0.1x the model").
 
-The 0.3B benchmark model (``bench_weight_sync.load_model``) is served by one engine server
+The 0.3B benchmark model (``bench_models.load_model``) is served by one engine server
 started as a process; this process keeps fp32 master weights, takes Adam steps on random
-gradients (``bench_weight_sync.AdamMaster``), and pushes the serving-dtype weights after each
+gradients (``bench_models.AdamMaster``), and pushes the serving-dtype weights after each
 step with ``InferenceClient.update_weights`` (deltas: only what changed since the last push),
 as a trainer does. After every step it reads the servers' process-tree memory
 (``bench_common.tree_memory``: anonymous memory, shared memory counted once) and this process's
@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from scripts.bench_common import add_output_argument, tree_memory, tree_processes, write_report
-from scripts.bench_weight_sync import AdamMaster, GiB, engine_servers, load_model, own_memory
+from scripts.bench_models import AdamMaster, GiB, engine_servers, load_model, own_memory
 
 # The issue's bound on the drift over the run, in multiples of the model's bytes.
 FLAT_WITHIN = 0.1

@@ -21,7 +21,7 @@ import asyncio
 import threading
 import time
 
-from scripts.bench_weight_sync import engine_servers, load_model, perturbed
+from scripts.bench_models import engine_servers, load_model, perturbed
 
 MiB = 1 << 20
 
