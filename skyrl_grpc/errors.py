@@ -28,6 +28,13 @@ class FailedPrecondition(SkyrlError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class PermissionDenied(SkyrlError):
+    """The caller is known but not allowed this (e.g. a relayed stream from a peer the update's
+    relay plan does not name)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class NotFound(SkyrlError):
     """A named thing (backend, parameter, request) does not exist."""
 
@@ -78,6 +85,13 @@ def status_of(number: int) -> grpc.StatusCode:
     """The status a numeric code names (as ``BatchError.code`` carries it); UNKNOWN for a
     number gRPC does not define."""
     return _STATUS_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
+def error_with(code: grpc.StatusCode, message: str) -> SkyrlError:
+    """An error reported as ``code`` with ``message`` (a status relayed from another server)."""
+    error = SkyrlError(message)
+    error.code = code
+    return error
 
 
 # What grpc's own client core reports when the connection broke under a call in flight (a

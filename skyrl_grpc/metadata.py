@@ -10,6 +10,13 @@ SESSION_ID = "x-session-id"
 AUTHORIZATION = "authorization"
 #: Set by the router on calls it forwards: the backend the call went to (for logs and tests).
 ROUTED_TO = "x-skyrl-backend"
+#: On a PushWeights call a server relays to the next: the update's ticket at the receiver
+#: (StartWeightUpdateRequest.push_ticket), and who forwards (its name in the relay plan).
+PUSH_TICKET = "x-skyrl-push-ticket-bin"
+RELAYED_FROM = "x-skyrl-relayed-from"
+#: Trailing metadata of a relayed PushWeights call that failed somewhere below: a serialized
+#: ``RelayFailures`` naming every server of the subtree that did not stage the stream.
+RELAY_FAILURES = "x-skyrl-relay-failures-bin"
 
 
 def session_of(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:

@@ -15,9 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from servers.common.interceptors import CallCounter
+from servers.engine.peers.peer_streams import StreamOutcome
 from servers.engine.service.frame_buffers import FrameBuffers
 from servers.engine.service.push_socket import PushSocketServer
 from skyrl_grpc.chunk_wire import chunk_head
+from skyrl_grpc.push_socket_client import host_of
 from skyrl_grpc.socket_frames import FRAME_HEADER, recv_frame, send_frame
 from skyrl_grpc.tensor_bytes import sha256_of
 from skyrl_grpc.v1 import control_plane_pb2 as cp
@@ -26,7 +28,7 @@ from tests.helpers.waits import until
 from tests.helpers.weights import next_version, perturbed
 from trainer_client import InferenceClient
 from trainer_client.exceptions import FailedPrecondition
-from trainer_client.weights.push_lanes import PushSocket, PushSocketOffer, host_of, open_push_socket
+from trainer_client.weights.push_lanes import PushSocket, PushSocketOffer, open_push_socket
 from trainer_client.weights.weight_sending import PushStream, tensor_entries
 
 OWNER = "push-socket-test"
@@ -334,13 +336,19 @@ async def test_a_stream_in_progress_is_a_call_a_drain_waits_for() -> None:
     calls = CallCounter()
     pushing, release = asyncio.Event(), asyncio.Event()
 
-    async def push(ticket: bytes, items: AsyncIterator[Any]) -> tuple[int, int]:
-        received = [item async for item in items]
-        pushing.set()
-        await release.wait()
-        return len(received), 0
+    class Streams:
+        def check_sender(self, ticket: bytes | None, relayed_from: str) -> None:
+            pass
 
-    server = PushSocketServer("127.0.0.1", 0, push, lambda ticket: None, 1 << 20, calls)
+        async def stage(
+            self, ticket: bytes | None, relayed_from: str, messages: AsyncIterator[Any]
+        ) -> tuple[StreamOutcome, str]:
+            received = [item async for item in messages]
+            pushing.set()
+            await release.wait()
+            return StreamOutcome(staged=len(received)), ""
+
+    server = PushSocketServer("127.0.0.1", 0, Streams(), 1 << 20, calls)
     server.start()
     lane = await asyncio.to_thread(connected, server.port, b"ticket")
     stream = PushStream(tensor_entries([("w", torch.ones(8))]))

@@ -13,7 +13,7 @@ import torch
 
 from servers.engine.domain.weights.transaction import WeightTransferManager
 from servers.engine.service import validate
-from servers.engine.service.control_convert import bucket_spec, push_item, push_items
+from servers.engine.service.control_convert import bucket_spec, push_item
 from servers.engine.transfer import protocol
 from servers.engine.transfer.assembly import InBandAssembler, ParamLayout, bucket_layout
 from servers.engine.transfer.handoff import HandoffBuffer, HandoffReader
@@ -21,6 +21,7 @@ from servers.engine.worker.worker_extension import WeightTransferWorker
 from skyrl_grpc import dtypes
 from skyrl_grpc.errors import DataLoss, FailedPrecondition, InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
+from tests.helpers.waits import until
 from trainer_client.fleet_info import group_ranks
 from trainer_client.weights.weight_sending import (
     plan_buckets,
@@ -37,6 +38,12 @@ TENSORS = [
     ("a.weight", torch.arange(12, dtype=torch.float32).reshape(4, 3)),
     ("b.bias", torch.ones(5)),
 ]
+
+
+async def push_items(messages: Any) -> Any:
+    """PushWeights' messages as the update's ``push`` takes them."""
+    async for message in messages:
+        yield push_item(message)
 
 
 def messages(chunk_bytes: int = 16) -> list[cp.PushWeightsRequest]:
@@ -394,10 +401,7 @@ async def test_an_open_update_locks_out_other_owners_until_its_lease_expires() -
     assert manager.open is restarted
     # Nobody calls: the lease expires on its own and the staging is dropped.
     discards = workers.calls.count(DISCARD)
-    deadline = asyncio.get_running_loop().time() + 3
-    while manager.update_open:
-        assert asyncio.get_running_loop().time() < deadline, "the lease never expired"
-        await asyncio.sleep(0.02)
+    await until(lambda: not manager.update_open, 3, "the lease to expire")
     assert workers.calls.count(DISCARD) == discards + 1
     taken = await manager.start(1, owner="trainer-b")
     assert taken.owner == "trainer-b"

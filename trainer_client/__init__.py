@@ -36,6 +36,7 @@ from trainer_client.fleet_info import (
     ServerInfo,
     ServerLoad,
     WeightCommit,
+    WeightUpdateResult,
 )
 from trainer_client.results import FinishReason, GenerationResult, WeightSpan, WeightVersions
 from trainer_client.sampling import sampling_params
@@ -81,6 +82,7 @@ __all__ = [
     "WeightCommit",
     "WeightSpan",
     "WeightUpdateError",
+    "WeightUpdateResult",
     "WeightVersions",
     "sampling_params",
 ]

@@ -23,7 +23,7 @@ from trainer_client.fleet_info import (
     PauseMode,
     ServerInfo,
     ServerLoad,
-    WeightCommit,
+    WeightUpdateResult,
 )
 from trainer_client.results import GenerationResult, WeightVersions
 from trainer_client.sampling import Message, Sampling
@@ -392,7 +392,7 @@ class BlockingInferenceClient:
         compress_patches: bool = False,
         wait_for_starting: float = 120.0,
         release_memory: bool = False,
-    ) -> dict[str, WeightCommit]:
+    ) -> WeightUpdateResult:
         return self._run(
             self._client.update_weights(
                 named_tensors,

@@ -63,6 +63,13 @@ class ClientConfig:
     # streams at the link's speed instead of gRPC's: trainer_client.weights.push_lanes), else over
     # gRPC. Never with ``tls``: the socket is not encrypted. False: always over gRPC.
     push_socket: bool = True
+    # In-band weight updates are relayed: the trainer streams each update once, to the first
+    # server of a relay tree, and the servers forward it to each other (on a host in a chain,
+    # between hosts ``weight_relay_fanout`` children each: trainer_client.weights.relay_plan),
+    # so what the trainer sends does not grow with the fleet. 0: the trainer streams to every
+    # server itself. 1 (a chain of hosts) is what scripts/simulate_relay.py finds fastest for
+    # full updates at any fleet size (docs/weights.md).
+    weight_relay_fanout: int = 1
 
     def metadata(self, plane: Plane) -> tuple[tuple[str, str], ...]:
         """The metadata of a call to ``plane``: the extra pairs and that plane's token."""
@@ -93,3 +100,4 @@ class ClientSettings(TypedDict, total=False):
     max_direct_failovers: int
     extra_metadata: tuple[tuple[str, str], ...]
     push_socket: bool
+    weight_relay_fanout: int

@@ -3,6 +3,7 @@ answers, so a trainer needs no protobuf (the conversions are the ``from_proto`` 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -209,6 +210,27 @@ class WeightCommit:
     @classmethod
     def from_proto(cls, response: cp.FinishWeightUpdateResponse) -> WeightCommit:
         return cls(response.weight_version, response.parameters_updated)
+
+
+class WeightUpdateResult(dict[str, WeightCommit]):
+    """Each server's answer to the commit of a weight update (by address), and what the update
+    moved: ``bytes_sent``, every byte this client itself sent (in-band: each stream once when
+    relayed, whatever the fleet's size; over the collective: what rank 0 broadcast);
+    ``bytes_received``, each server's parameter data; ``relayed``, whether the servers relayed
+    the update to each other."""
+
+    def __init__(
+        self,
+        commits: Mapping[str, WeightCommit],
+        *,
+        bytes_sent: int,
+        bytes_received: Mapping[str, int],
+        relayed: bool,
+    ) -> None:
+        super().__init__(commits)
+        self.bytes_sent = bytes_sent
+        self.bytes_received = dict(bytes_received)
+        self.relayed = relayed
 
 
 def group_ranks(info: cp.GetServerInfoResponse) -> int:

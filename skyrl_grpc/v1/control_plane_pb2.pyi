@@ -148,16 +148,56 @@ class InitWeightTransferResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class StartWeightUpdateRequest(_message.Message):
-    __slots__ = ("weight_version", "allow_same_version", "owner", "lease_seconds")
+    __slots__ = ("weight_version", "allow_same_version", "owner", "lease_seconds", "push_ticket", "relay")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     ALLOW_SAME_VERSION_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TICKET_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     allow_same_version: bool
     owner: str
     lease_seconds: int
-    def __init__(self, weight_version: _Optional[int] = ..., allow_same_version: _Optional[bool] = ..., owner: _Optional[str] = ..., lease_seconds: _Optional[int] = ...) -> None: ...
+    push_ticket: bytes
+    relay: WeightRelayRole
+    def __init__(self, weight_version: _Optional[int] = ..., allow_same_version: _Optional[bool] = ..., owner: _Optional[str] = ..., lease_seconds: _Optional[int] = ..., push_ticket: _Optional[bytes] = ..., relay: _Optional[_Union[WeightRelayRole, _Mapping]] = ...) -> None: ...
+
+class WeightRelayRole(_message.Message):
+    __slots__ = ("address", "parent", "children")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    parent: str
+    children: _containers.RepeatedCompositeFieldContainer[WeightRelayTarget]
+    def __init__(self, address: _Optional[str] = ..., parent: _Optional[str] = ..., children: _Optional[_Iterable[_Union[WeightRelayTarget, _Mapping]]] = ...) -> None: ...
+
+class WeightRelayTarget(_message.Message):
+    __slots__ = ("address", "push_socket_port", "push_ticket")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_SOCKET_PORT_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TICKET_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    push_socket_port: int
+    push_ticket: bytes
+    def __init__(self, address: _Optional[str] = ..., push_socket_port: _Optional[int] = ..., push_ticket: _Optional[bytes] = ...) -> None: ...
+
+class RelayFailure(_message.Message):
+    __slots__ = ("address", "code", "message")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    code: int
+    message: str
+    def __init__(self, address: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RelayFailures(_message.Message):
+    __slots__ = ("failures",)
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    failures: _containers.RepeatedCompositeFieldContainer[RelayFailure]
+    def __init__(self, failures: _Optional[_Iterable[_Union[RelayFailure, _Mapping]]] = ...) -> None: ...
 
 class StartWeightUpdateResponse(_message.Message):
     __slots__ = ("serving_weight_version", "lease_seconds", "push_socket_port", "push_ticket")
@@ -264,20 +304,24 @@ class PushWeightsResponse(_message.Message):
     def __init__(self, parameters_staged: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class PushSocketHello(_message.Message):
-    __slots__ = ("ticket",)
+    __slots__ = ("ticket", "relayed_from")
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FROM_FIELD_NUMBER: _ClassVar[int]
     ticket: bytes
-    def __init__(self, ticket: _Optional[bytes] = ...) -> None: ...
+    relayed_from: str
+    def __init__(self, ticket: _Optional[bytes] = ..., relayed_from: _Optional[str] = ...) -> None: ...
 
 class PushSocketReply(_message.Message):
-    __slots__ = ("response", "code", "message")
+    __slots__ = ("response", "code", "message", "relay_failures")
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FAILURES_FIELD_NUMBER: _ClassVar[int]
     response: PushWeightsResponse
     code: int
     message: str
-    def __init__(self, response: _Optional[_Union[PushWeightsResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    relay_failures: _containers.RepeatedCompositeFieldContainer[RelayFailure]
+    def __init__(self, response: _Optional[_Union[PushWeightsResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., relay_failures: _Optional[_Iterable[_Union[RelayFailure, _Mapping]]] = ...) -> None: ...
 
 class FinishWeightUpdateRequest(_message.Message):
     __slots__ = ("weight_version",)
@@ -374,23 +418,25 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("sleep", "weight_transfer_backends", "pause_modes", "prefix_caching", "lora", "compressed_weight_patches")
+    __slots__ = ("sleep", "weight_transfer_backends", "pause_modes", "prefix_caching", "lora", "compressed_weight_patches", "weight_relay")
     SLEEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSFER_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     PAUSE_MODES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     COMPRESSED_WEIGHT_PATCHES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_RELAY_FIELD_NUMBER: _ClassVar[int]
     sleep: bool
     weight_transfer_backends: _containers.RepeatedScalarFieldContainer[WeightTransferBackend]
     pause_modes: _containers.RepeatedScalarFieldContainer[PauseMode]
     prefix_caching: bool
     lora: _lora_pb2.LoraCapabilities
     compressed_weight_patches: bool
-    def __init__(self, sleep: _Optional[bool] = ..., weight_transfer_backends: _Optional[_Iterable[_Union[WeightTransferBackend, str]]] = ..., pause_modes: _Optional[_Iterable[_Union[PauseMode, str]]] = ..., prefix_caching: _Optional[bool] = ..., lora: _Optional[_Union[_lora_pb2.LoraCapabilities, _Mapping]] = ..., compressed_weight_patches: _Optional[bool] = ...) -> None: ...
+    weight_relay: bool
+    def __init__(self, sleep: _Optional[bool] = ..., weight_transfer_backends: _Optional[_Iterable[_Union[WeightTransferBackend, str]]] = ..., pause_modes: _Optional[_Iterable[_Union[PauseMode, str]]] = ..., prefix_caching: _Optional[bool] = ..., lora: _Optional[_Union[_lora_pb2.LoraCapabilities, _Mapping]] = ..., compressed_weight_patches: _Optional[bool] = ..., weight_relay: _Optional[bool] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "capabilities", "weight_version", "engine", "engine_version", "server_version", "served_model_name", "device", "open_weight_update", "rollback_weight_version", "weight_transfer_group", "weight_group_ranks")
+    __slots__ = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "capabilities", "weight_version", "engine", "engine_version", "server_version", "served_model_name", "device", "open_weight_update", "rollback_weight_version", "weight_transfer_group", "weight_group_ranks", "push_socket_port")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -406,6 +452,7 @@ class GetServerInfoResponse(_message.Message):
     ROLLBACK_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSFER_GROUP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_GROUP_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_SOCKET_PORT_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     tensor_parallel_size: int
     pipeline_parallel_size: int
@@ -421,7 +468,8 @@ class GetServerInfoResponse(_message.Message):
     rollback_weight_version: int
     weight_transfer_group: WeightTransferGroup
     weight_group_ranks: int
-    def __init__(self, world_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., weight_version: _Optional[int] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., server_version: _Optional[str] = ..., served_model_name: _Optional[str] = ..., device: _Optional[str] = ..., open_weight_update: _Optional[_Union[OpenWeightUpdate, _Mapping]] = ..., rollback_weight_version: _Optional[int] = ..., weight_transfer_group: _Optional[_Union[WeightTransferGroup, _Mapping]] = ..., weight_group_ranks: _Optional[int] = ...) -> None: ...
+    push_socket_port: int
+    def __init__(self, world_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., weight_version: _Optional[int] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., server_version: _Optional[str] = ..., served_model_name: _Optional[str] = ..., device: _Optional[str] = ..., open_weight_update: _Optional[_Union[OpenWeightUpdate, _Mapping]] = ..., rollback_weight_version: _Optional[int] = ..., weight_transfer_group: _Optional[_Union[WeightTransferGroup, _Mapping]] = ..., weight_group_ranks: _Optional[int] = ..., push_socket_port: _Optional[int] = ...) -> None: ...
 
 class WeightTransferGroup(_message.Message):
     __slots__ = ("group_name", "master_address", "master_port", "rank_offset", "world_size")

@@ -4,33 +4,28 @@ StartWeightUpdate tells the trainer, per server, the socket's port and the updat
 (``PushSocketOffer``). ``open_push_socket`` connects and presents the ticket; ``PushSocket.send``
 then writes a ``PushStream``'s messages as frames straight from the tensors' memory (a
 scatter write per chunk, no serialized copy) and returns what PushWeights would have
-returned, or raises what it would have raised. The wire is ``PushSocketHello`` in
-control_plane.proto; ``skyrl_grpc.socket_frames`` frames it.
+returned, or raises what it would have raised (for a relayed stream, the first server of the
+subtree that failed, ``RelayFailed`` naming every one). The connection itself is
+``skyrl_grpc.push_socket_client``'s, which a relaying server uses too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import socket
 from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from skyrl_grpc.socket_frames import recv_frame, send_frame
+from skyrl_grpc.errors import status_of
+from skyrl_grpc.metadata import RELAY_FAILURES
+from skyrl_grpc.push_socket_client import PushSocketConnection, host_of
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.exceptions import ServerError
 from trainer_client.weights.weight_sending import PushStream
 
 log = logging.getLogger(__name__)
-
-# Seconds to connect: the socket is on the host the gRPC call just reached.
-CONNECT_SECONDS = 10.0
-# A reply is a status and its message: anything longer is not one.
-REPLY_LIMIT = 1 << 20
-_STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 
 
 @dataclass(frozen=True)
@@ -41,57 +36,87 @@ class PushSocketOffer:
     ticket: bytes
 
 
+class RelayFailed(ServerError):
+    """A relayed stream was not staged everywhere it reached: ``failures`` maps each server
+    that failed (as the relay plan names it: the first server, or any below it) to its
+    error."""
+
+    def __init__(self, address: str, failures: dict[str, ServerError]) -> None:
+        first = next(iter(failures.values()))
+        super().__init__(address, first.code, f"relayed stream: {first}")
+        self.failures = failures
+
+
+def relay_failures(error: ServerError) -> dict[str, ServerError]:
+    """Each server that failed a stream, by address: a relayed stream's subtree (over the push
+    socket, ``RelayFailed``; over gRPC, the call's trailing metadata), else ``error``'s own."""
+    if isinstance(error, RelayFailed):
+        return dict(error.failures)
+    cause = error.__cause__
+    if isinstance(cause, grpc.aio.AioRpcError):
+        for key, value in cause.trailing_metadata() or ():
+            if key == RELAY_FAILURES and isinstance(value, bytes):
+                failures = cp.RelayFailures.FromString(value).failures
+                return {f.address: status_error(f.address, f.code, f.message) for f in failures}
+    return {error.address: error}
+
+
+def status_error(address: str, code: int, message: str) -> ServerError:
+    """The error a status (as a reply carries it) stands for."""
+    return ServerError.of(address, status_of(code), message)
+
+
+def reply_error(address: str, reply: cp.PushSocketReply) -> ServerError | None:
+    """What a stream's reply says went wrong (None: nothing), a relayed subtree's failures
+    each named."""
+    if reply.relay_failures:
+        return RelayFailed(
+            address,
+            {f.address: status_error(f.address, f.code, f.message) for f in reply.relay_failures},
+        )
+    if reply.code:
+        return status_error(address, reply.code, reply.message)
+    return None
+
+
 class PushSocket:
     """One connection to one server's push socket, for one update. Blocking: the client runs
     its calls in a thread (the writes and reads release the GIL)."""
 
-    def __init__(self, address: str, sock: socket.socket) -> None:
+    def __init__(self, address: str, connection: PushSocketConnection) -> None:
         self.address = address
-        self._sock = sock
+        self._connection = connection
 
     def send(self, stream: PushStream) -> cp.PushWeightsResponse:
         """Sends one stream (as one PushWeights call would) and waits for the server's answer."""
-        for head, data in stream.frames():
-            send_frame(self._sock, head, data)
-        send_frame(self._sock)  # the stream's end
-        return self._reply().response
-
-    def _reply(self) -> cp.PushSocketReply:
-        raw = recv_frame(self._sock, REPLY_LIMIT)
-        if raw is None:
+        try:
+            for head, data in stream.frames():
+                self._connection.send(head, data)
+            reply = self._connection.end_stream()
+        except ConnectionError as closed:
             raise ServerError.of(
-                self.address,
-                grpc.StatusCode.UNAVAILABLE,
-                "the push socket closed before answering",
-            )
-        reply = cp.PushSocketReply.FromString(bytes(raw))
-        if reply.code:
-            status = _STATUS_BY_CODE.get(reply.code, grpc.StatusCode.UNKNOWN)
-            raise ServerError.of(self.address, status, reply.message)
-        return reply
+                self.address, grpc.StatusCode.UNAVAILABLE, f"the push socket closed: {closed}"
+            ) from closed
+        refused = reply_error(self.address, reply)
+        if refused is not None:
+            raise refused
+        return reply.response
 
     def close(self) -> None:
         """Closes the connection; a send blocked in another thread fails at once."""
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+        self._connection.close()
 
     @classmethod
     def connect(cls, address: str, host: str, offer: PushSocketOffer, timeout: float) -> PushSocket:
         """Connects and presents the ticket; raises ``ServerError`` if the server refuses it,
-        ``OSError`` if the socket cannot be reached or does not answer the hello in
-        ``CONNECT_SECONDS``, ``ValueError`` if what answers is not a push socket."""
-        sock = socket.create_connection((host, offer.port), timeout=CONNECT_SECONDS)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        connection = cls(address, sock)
-        try:
-            send_frame(sock, cp.PushSocketHello(ticket=offer.ticket).SerializeToString())
-            connection._reply()
-        except BaseException:
+        ``OSError`` if the socket cannot be reached or does not answer the hello in time,
+        ``ValueError`` if what answers is not a push socket."""
+        connection, reply = PushSocketConnection.connect(host, offer.port, offer.ticket, timeout)
+        error = reply_error(address, reply)
+        if error is not None:
             connection.close()
-            raise
-        sock.settimeout(timeout)
-        return connection
+            raise error
+        return cls(address, connection)
 
 
 async def open_push_socket(
@@ -114,16 +139,3 @@ async def open_push_socket(
             error,
         )
         return None
-
-
-def host_of(address: str) -> str | None:
-    """The host of a ``host:port`` address (``[v6]:port`` too); None for other targets (a
-    unix socket, a name resolver's scheme)."""
-    if "://" in address or address.startswith("unix:"):
-        return None
-    host, separator, port = address.rpartition(":")
-    if not separator or not port.isdigit() or not host:
-        return None
-    if host.startswith("[") and host.endswith("]"):
-        return host[1:-1]
-    return None if ":" in host else host

@@ -18,12 +18,23 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ServerState:
     """What one server said before the update: the version it serves, whether it takes
-    compressed patches (an older server does not), and the rendezvous (address, port) of the
-    collective group it is in (None: none, as after a restart)."""
+    compressed patches (an older server does not), the rendezvous (address, port) of the
+    collective group it is in (None: none, as after a restart), whether it relays updates
+    (``relay_plan``; an older server does not) and its push socket's port (0: none)."""
 
     version: int
     takes_compressed: bool
     group: tuple[str, int] | None = None
+    relays: bool = False
+    push_socket_port: int = 0
+
+
+# What a server gets of an update: (patches, compressed) — patches against the plan's base
+# (compressed or not), or the whole values.
+Variant = tuple[bool, bool]
+PATCHES: Variant = (True, False)
+COMPRESSED: Variant = (True, True)
+WHOLE: Variant = (False, False)
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,12 @@ class UpdatePlan:
     def all_patched(self, addresses: Sequence[str]) -> bool:
         return all(self.patched(a) for a in addresses)
 
+    def variant(self, address: str) -> Variant:
+        """What ``address`` gets: patches (compressed where the plan says), or whole values."""
+        if not self.patched(address):
+            return WHOLE
+        return COMPRESSED if address in self.compressing else PATCHES
+
 
 async def make_plan(
     servers: Sequence[str],
@@ -69,14 +86,11 @@ async def make_plan(
     sending: Sending,
     state: Callable[[str], Awaitable[ServerState]],
 ) -> UpdatePlan:
-    """The plan, asking each server's ``state`` once when the version is to be chosen or a
-    delta's base matched. A server that does not answer is left out of ``serving`` (it gets
-    the whole weights, or fails the update at its start, where the error reports every
-    server)."""
-    states: dict[str, ServerState] = {}
-    if weight_version is None or base is not None:
-        answers = await asyncio.gather(*(state(a) for a in servers), return_exceptions=True)
-        states = {a: s for a, s in zip(servers, answers, strict=True) if isinstance(s, ServerState)}
+    """The plan, asking each server's ``state`` once. A server that does not answer is left
+    out of ``serving`` (it gets the whole weights, or fails the update at its start, where the
+    error reports every server)."""
+    answers = await asyncio.gather(*(state(a) for a in servers), return_exceptions=True)
+    states = {a: s for a, s in zip(servers, answers, strict=True) if isinstance(s, ServerState)}
     serving = {a: s.version for a, s in states.items()}
     compressing: frozenset[str] = frozenset()
     if compress and base is not None:

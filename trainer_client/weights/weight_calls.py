@@ -3,13 +3,16 @@ release, the serving version), over the client's channels, as ``weight_transacti
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
+from collections.abc import Sequence
 
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.client_core import ClientCore, ControlRpc, Request, Response
 from trainer_client.fleet_info import WeightCommit
 from trainer_client.weights.push_lanes import PushSocketOffer
+from trainer_client.weights.relay_plan import RelayPlan
 from trainer_client.weights.update_plan import ServerState
 
 
@@ -31,18 +34,48 @@ class ServerWeightCalls:
         self._states: dict[str, ServerState] = {}
         # The push sockets the servers offered for this update (``start``).
         self.push_sockets: dict[str, PushSocketOffer] = {}
+        # Who relays the update to whom (None: the trainer streams to every server).
+        self.relay: RelayPlan | None = None
 
     async def start(self, address: str, version: int) -> int:
         request = cp.StartWeightUpdateRequest(
             weight_version=version, owner=self._owner, lease_seconds=self._lease_seconds
         )
+        relay = self.relay
+        if relay is not None and relay.relays(address):
+            request.push_ticket = relay.tickets[address]
+            request.relay.CopyFrom(self._role(relay, address))
         response = await self._call(address, request, lambda s: s.StartWeightUpdate)
-        config = self._client.config
-        if response.push_socket_port and config.push_socket and config.tls is None:
+        if response.push_socket_port and self._sockets_allowed:
             self.push_sockets[address] = PushSocketOffer(
                 response.push_socket_port, response.push_ticket
             )
         return response.serving_weight_version
+
+    @property
+    def _sockets_allowed(self) -> bool:
+        config = self._client.config
+        return config.push_socket and config.tls is None
+
+    def _role(self, relay: RelayPlan, address: str) -> cp.WeightRelayRole:
+        """``address``'s place in the relay plan: its parent, and each child with its ticket
+        and the push socket the relay reaches it on (none with TLS, or where this client
+        pushes over gRPC: the servers relay as the trainer would send)."""
+
+        def port(child: str) -> int:
+            known = self._states.get(child)
+            return known.push_socket_port if known is not None and self._sockets_allowed else 0
+
+        return cp.WeightRelayRole(
+            address=address,
+            parent=relay.parents[address],
+            children=[
+                cp.WeightRelayTarget(
+                    address=child, push_socket_port=port(child), push_ticket=relay.tickets[child]
+                )
+                for child in relay.children.get(address, ())
+            ],
+        )
 
     async def finish(self, address: str, version: int) -> WeightCommit:
         request = cp.FinishWeightUpdateRequest(weight_version=version)
@@ -74,6 +107,11 @@ class ServerWeightCalls:
             known = self._states[address] = await self._ask(address)
         return known
 
+    async def known_states(self, addresses: Sequence[str]) -> dict[str, ServerState]:
+        """The state of each of ``addresses`` that answers (``state``)."""
+        answers = await asyncio.gather(*(self.state(a) for a in addresses), return_exceptions=True)
+        return {a: s for a, s in zip(addresses, answers, strict=True) if isinstance(s, ServerState)}
+
     async def _ask(self, address: str) -> ServerState:
         info = await self._call(address, cp.GetServerInfoRequest(), lambda s: s.GetServerInfo)
         group = info.weight_transfer_group
@@ -83,6 +121,8 @@ class ServerWeightCalls:
             (group.master_address, group.master_port)
             if info.HasField("weight_transfer_group")
             else None,
+            relays=info.capabilities.weight_relay,
+            push_socket_port=info.push_socket_port,
         )
 
     async def _call(

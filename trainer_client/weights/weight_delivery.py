@@ -18,11 +18,24 @@ import grpc
 from skyrl_grpc.names import PUSH_WEIGHTS
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.client_core import ClientCore
-from trainer_client.exceptions import FailedPrecondition
+from trainer_client.exceptions import FailedPrecondition, ServerError
 from trainer_client.fanout import failures_of
 from trainer_client.weights.delta_patches import weight_patches
-from trainer_client.weights.push_lanes import PushSocket, PushSocketOffer, open_push_socket
-from trainer_client.weights.update_plan import PushedWeights, UpdatePlan
+from trainer_client.weights.push_lanes import (
+    PushSocketOffer,
+    RelayFailed,
+    open_push_socket,
+    relay_failures,
+)
+from trainer_client.weights.relay_plan import RelayPlan
+from trainer_client.weights.update_plan import (
+    COMPRESSED,
+    PATCHES,
+    WHOLE,
+    PushedWeights,
+    UpdatePlan,
+    Variant,
+)
 from trainer_client.weights.weight_sending import (
     CollectiveSender,
     HostStaging,
@@ -51,15 +64,20 @@ class LocalWeights:
     """The weight path's process-local state: made on first use, never pickled (a client
     pickles its config alone), so a client handed to another process starts without it."""
 
-    # Rank 0 of the collective weight-transfer group.
+    # Rank 0 of the collective weight-transfer group, and the servers that joined it.
     sender: CollectiveSender | None = None
+    group_servers: list[str] = field(default_factory=list)
     # The weights last committed in-band, the base of the next update's patches: one copy
     # of each pushed tensor, on its device.
     last_pushed: PushedWeights | None = None
     # Memory reserved for the first such record (``reserve_delta_base``).
     reserved_record: dict[str, Any] | None = None
-    # Bytes of parameter data the last update sent to each server.
+    # Bytes of parameter data each server received in the last update (from the trainer or
+    # relayed).
     last_push_bytes: dict[str, int] = field(default_factory=dict)
+    # Bytes the trainer itself sent in the last in-band update (every message, framing
+    # included): one copy of each stream however many servers it reached, when relayed.
+    last_sent_bytes: int = 0
     # Page-locked host memory CUDA tensors' in-band bytes are copied into, kept between
     # updates.
     host_staging: HostStaging = field(default_factory=HostStaging)
@@ -77,8 +95,14 @@ class WeightDelivery(ClientCore):
 
     @property
     def last_push_bytes(self) -> dict[str, int]:
-        """Bytes of parameter data the last update sent to each server."""
+        """Bytes of parameter data each server received in the last update."""
         return self._local.last_push_bytes
+
+    @property
+    def last_sent_bytes(self) -> int:
+        """Bytes this client itself sent in the last in-band update (relayed: each stream
+        once, whatever the fleet's size)."""
+        return self._local.last_sent_bytes
 
     async def _broadcast(
         self,
@@ -93,6 +117,7 @@ class WeightDelivery(ClientCore):
         stage the whole values over their patches). Patches are computed a group at a time,
         one group ahead of the broadcast (as ``_push`` does); whole weights go as one call."""
         self._local.last_push_bytes = dict.fromkeys(addresses, 0)
+        self._local.last_sent_bytes = 0
         if plan.base is not None and plan.all_patched(addresses):
             compress = plan.compressing.issuperset(addresses)
             failures = await self._broadcast_groups(
@@ -147,8 +172,10 @@ class WeightDelivery(ClientCore):
         timeout: float,
     ) -> dict[str, BaseException]:
         request = cp.UpdateWeightsRequest(buckets=[b.layout for b in buckets])
+        size = sum(b.layout.size_bytes for b in buckets)
+        self._local.last_sent_bytes += size  # what rank 0 hands the collective
         for address in addresses:  # what each server receives (every one gets every bucket)
-            self._local.last_push_bytes[address] += sum(b.layout.size_bytes for b in buckets)
+            self._local.last_push_bytes[address] += size
 
         async def update(address: str) -> object:
             return await self._unary(
@@ -171,6 +198,7 @@ class WeightDelivery(ClientCore):
         addresses: Sequence[str],
         tensors: list[tuple[str, Any]],
         sockets: Mapping[str, PushSocketOffer],
+        relay: RelayPlan | None = None,
     ) -> dict[str, BaseException]:
         """Pushes to every server: a patch against the plan's base where the server serves its
         version (compressed where the plan says), the whole weights elsewhere, and to a
@@ -180,7 +208,12 @@ class WeightDelivery(ClientCore):
         is sent, so the trainer's work overlaps the transfer and the servers' instead of
         preceding them. Each group is prepared once for all servers; a group with nothing
         changed sends nothing. A server that offered a push socket for this update
-        (``sockets``) gets the same streams over it, else over gRPC."""
+        (``sockets``) gets the same streams over it, else over gRPC.
+
+        With a ``relay`` plan the streams go to each relay tree's root alone, which forwards
+        them down its tree; a server in it that refuses the patches gets the whole weights
+        from the trainer afterwards, directly. Any other failure in a tree is that server's
+        (the transaction cancels the update everywhere, naming it)."""
         base, sending = plan.base, plan.sending
         groups = push_groups(tensors, PUSH_GROUP_BYTES)
         # CUDA tensors' bytes reach the host through page-locked memory kept for them.
@@ -188,10 +221,6 @@ class WeightDelivery(ClientCore):
         staging = self._local.host_staging if on_gpu else None
         if staging is not None:
             await asyncio.to_thread(staging.reset, on_gpu)
-
-        # What a server gets: patches (compressed or not), or whole values.
-        Variant = tuple[bool, bool]
-        patches, compressed, whole = (True, False), (True, True), (False, False)
 
         def make(variant: Variant, index: int) -> PushStream:
             patched, compress = variant
@@ -207,57 +236,95 @@ class WeightDelivery(ClientCore):
         # Each variant prepared once for every server that takes it (none before one asks).
         prepared = {
             variant: OneAhead(functools.partial(make, variant), len(groups))
-            for variant in (patches, compressed, whole)
+            for variant in (PATCHES, COMPRESSED, WHOLE)
         }
+        local = self._local
+        local.last_push_bytes = dict.fromkeys(addresses, 0)
+        local.last_sent_bytes = 0
+        failures: dict[str, BaseException] = {}
 
-        def method(
-            address: str,
-        ) -> grpc.aio.StreamUnaryMultiCallable[bytes, cp.PushWeightsResponse]:
-            return self.channel(address).stream_unary(
-                PUSH_WEIGHTS,
-                request_serializer=None,
-                response_deserializer=cp.PushWeightsResponse.FromString,
-            )
-
-        async def send_all(address: str, variant: Variant, lane: PushSocket | None) -> None:
-            self._local.last_push_bytes[address] = 0
-            for index in range(len(groups)):
-                sent = await prepared[variant].get(index)
-                if sent.empty:
-                    continue
-                self._local.last_push_bytes[address] += sent.total_bytes
-                if lane is not None:
-                    await asyncio.to_thread(lane.send, sent)
-                else:
-                    await self._unary(
-                        address, method(address), iter(sent), sending.timeout, plane="control"
-                    )
-
-        async def push(address: str) -> None:
+        async def send_all(address: str, variant: Variant, reached: Sequence[str]) -> None:
+            """Every group's stream to ``address`` (relayed to ``reached`` below it); the
+            servers below that refused the patches are left in ``refused``."""
             lane = await open_push_socket(address, sockets.get(address), sending.timeout)
             try:
-                if plan.patched(address):
-                    variant = compressed if address in plan.compressing else patches
+                for index in range(len(groups)):
+                    sent = await prepared[variant].get(index)
+                    if sent.empty:
+                        continue
+                    local.last_sent_bytes += sent.wire_bytes
+                    for member in reached:
+                        local.last_push_bytes[member] += sent.total_bytes
                     try:
-                        await send_all(address, variant, lane)
-                        return
-                    except FailedPrecondition:
-                        # Refused before anything of that stream was staged; whole tensors
-                        # staged by earlier streams are staged again, whole.
-                        log.info(
-                            "%s refused the patch (its version moved): sending it all", address
-                        )
-                await send_all(address, whole, lane)
+                        if lane is not None:
+                            await asyncio.to_thread(lane.send, sent)
+                        else:
+                            await self._unary(
+                                address,
+                                self._push_method(address),
+                                iter(sent),
+                                sending.timeout,
+                                plane="control",
+                            )
+                    except ServerError as error:
+                        below = relay_failures(error)
+                        if variant is WHOLE or not _only_refused_patches(below):
+                            raise RelayFailed(address, below) from error
+                        # Refused before anything of that stream was staged there: each gets
+                        # the whole weights next (whole tensors staged by earlier streams
+                        # are staged again, whole).
+                        refused.update(below)
+                        if refused.keys() >= set(reached):
+                            return  # every server it reaches refused: no more patches
             finally:
                 if lane is not None:
                     lane.close()  # a send still running in its thread fails at once
 
-        self._local.last_push_bytes = {}
+        async def push(address: str) -> None:
+            reached = relay.subtree(address) if relay is not None else [address]
+            try:
+                await send_all(address, plan.variant(address), reached)
+            except RelayFailed as failed:
+                failures.update(failed.failures)
+
+        refused: dict[str, ServerError] = {}
+        roots = [a for a in addresses if relay is None or relay.parents.get(a, "") == ""]
         try:
-            return await failures_of(addresses, push)
+            failures.update(await failures_of(roots, push))
+            if refused:
+                log.info(
+                    "%s refused the patch (their version moved): sending them it all",
+                    ", ".join(sorted(refused)),
+                )
+                moved = [a for a in refused if a not in failures]
+                for address in moved:
+                    local.last_push_bytes[address] = 0
+
+                async def whole(address: str) -> None:
+                    try:
+                        await send_all(address, WHOLE, [address])
+                    except RelayFailed as failed:
+                        failures.update(failed.failures)
+
+                failures.update(await failures_of(moved, whole))
+            return failures
         finally:
             for variant in prepared.values():
                 variant.cancel()
+
+    def _push_method(
+        self, address: str
+    ) -> grpc.aio.StreamUnaryMultiCallable[bytes, cp.PushWeightsResponse]:
+        return self.channel(address).stream_unary(
+            PUSH_WEIGHTS,
+            request_serializer=None,
+            response_deserializer=cp.PushWeightsResponse.FromString,
+        )
+
+
+def _only_refused_patches(failures: Mapping[str, ServerError]) -> bool:
+    """Whether every failure is a server refusing the patches (its version moved)."""
+    return all(isinstance(error, FailedPrecondition) for error in failures.values())
 
 
 class OneAhead(Generic[T]):

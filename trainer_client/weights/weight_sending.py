@@ -225,6 +225,8 @@ class PushStream:
         ]
         # Bytes of parameter data this stream carries (what a server receives).
         self.total_bytes = sum(len(data) for _, data in self._entries)
+        # Bytes of every message (what one send of the stream carries).
+        self.wire_bytes = sum(len(head) + len(data) for head, data in self.frames())
         # No parameter at all (a group where nothing changed): not worth a stream.
         self.empty = not self._entries
 

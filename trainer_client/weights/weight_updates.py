@@ -16,9 +16,10 @@ from skyrl_grpc.process_group import free_port
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.exceptions import FailedPrecondition
 from trainer_client.fanout import fan_out
-from trainer_client.fleet_info import WeightCommit, group_ranks
+from trainer_client.fleet_info import WeightUpdateResult, group_ranks
 from trainer_client.readiness import wait_while_starting
 from trainer_client.results import WeightVersions
+from trainer_client.weights.relay_plan import relay_for
 from trainer_client.weights.update_plan import (
     PushedWeights,
     Sending,
@@ -73,7 +74,7 @@ class WeightUpdates(WeightDelivery):
             backend, master_address, port, world_size, group_name, timeout_seconds
         )
         by_server = dict(zip(servers, offsets, strict=True))
-        self._group_servers = list(servers)
+        self._local.group_servers = list(servers)
         proto_backend = (
             cp.WEIGHT_TRANSFER_BACKEND_GLOO
             if backend == "gloo"
@@ -133,7 +134,7 @@ class WeightUpdates(WeightDelivery):
         compress_patches: bool = False,
         wait_for_starting: float = 120.0,
         release_memory: bool = False,
-    ) -> dict[str, WeightCommit]:
+    ) -> WeightUpdateResult:
         """Pushes new weights to every server and commits ``weight_version`` on all of them,
         or on none: a fleet-wide transaction (``trainer_client.weights.weight_transaction``).
 
@@ -187,7 +188,7 @@ class WeightUpdates(WeightDelivery):
             sender = await self._current_group(sender, calls)
         # In-band: the fleet as it is now; the collective: the servers that joined its group.
         servers = (
-            list(self._group_servers)
+            list(self._local.group_servers)
             if transport == "collective"
             else await self._control_servers()
         )
@@ -218,11 +219,16 @@ class WeightUpdates(WeightDelivery):
             state=calls.state,
         )
 
+        if not collective:
+            calls.relay = relay_for(
+                plan, await calls.known_states(servers), self.config.weight_relay_fanout
+            )
+
         async def transfer(addresses: Sequence[str]) -> dict[str, BaseException]:
             if collective:
                 assert sender is not None
                 return await self._broadcast(plan, sender, addresses, tensors)
-            return await self._push(plan, addresses, tensors, calls.push_sockets)
+            return await self._push(plan, addresses, tensors, calls.push_sockets, calls.relay)
 
         # A first record (none to copy into) is all new memory: it is cloned in a thread beside
         # the transfer instead of after the commit (faulting in the 0.3B benchmark model's
@@ -249,7 +255,12 @@ class WeightUpdates(WeightDelivery):
             self._local.last_pushed = await fresh_record
         elif delta:
             self._local.last_pushed = PushedWeights.after(plan.base, plan.version, tensors)
-        return commits
+        return WeightUpdateResult(
+            commits,
+            bytes_sent=self._local.last_sent_bytes,
+            bytes_received=dict(self._local.last_push_bytes),
+            relayed=calls.relay is not None,
+        )
 
     async def reserve_delta_base(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Allocates now, e.g. at the trainer's start, the copy of the pushed weights this
@@ -281,14 +292,14 @@ class WeightUpdates(WeightDelivery):
             return sender
         rendezvous = (sender.master_address, sender.master_port)
         left = [a for a, state in zip(servers, states, strict=True) if state.group != rendezvous]
-        if not left and set(servers) == set(self._group_servers):
+        if not left and set(servers) == set(self._local.group_servers):
             return sender
         log.info(
             "the fleet moved since the %s group formed (not in it: %s; was %s, is %s): forming "
             "it again",
             sender.backend,
             left,
-            self._group_servers,
+            self._local.group_servers,
             servers,
         )
         await self.init_weight_transfer(

@@ -26,13 +26,11 @@ import grpc
 
 from servers.engine.domain.lora_adapters import AdapterManager, AdapterUpload
 from servers.engine.domain.weights.serving import ServingWeights
+from servers.engine.peers.peer_streams import PeerAccess, stage_stream
 from servers.engine.service import control_convert
 from servers.engine.transfer.specs import Manifest
-from skyrl_grpc.channels import open_channel
 from skyrl_grpc.chunk_wire import WireChunk
 from skyrl_grpc.errors import SkyrlError
-from skyrl_grpc.metadata import bearer
-from skyrl_grpc.tls import TlsConfig
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
 
@@ -60,22 +58,6 @@ class CatchUpParts:
 
     weights: ServingWeights
     adapters: AdapterManager
-
-
-@dataclass(frozen=True)
-class PeerAccess:
-    """How this server calls its peers: their control token, TLS, message size."""
-
-    token: str | None
-    max_message_bytes: int
-    tls: TlsConfig | None = None
-
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (bearer(self.token),) if self.token else ()
-
-    def channel(self, peer: str) -> grpc.aio.Channel:
-        return open_channel(peer, tls=self.tls, max_message_bytes=self.max_message_bytes)
 
 
 async def catch_up(parts: CatchUpParts, peers: Sequence[str], access: PeerAccess) -> str:
@@ -217,15 +199,18 @@ async def _read_from(parts: CatchUpParts, peer: str, access: PeerAccess) -> int:
         first = await messages.__anext__()
         version = first.weight_version
 
-        async def items() -> AsyncIterator[Manifest | WireChunk]:
-            yield control_convert.read_item(first)
+        async def items() -> AsyncIterator[tuple[None, Manifest | WireChunk]]:
+            yield None, control_convert.read_item(first)
             async for message in messages:
-                yield control_convert.read_item(message)
+                yield None, control_convert.read_item(message)
 
         updates = parts.weights.updates
         await updates.start(version, owner=f"{CATCH_UP_OWNER} {peer}")
         try:
-            await updates.push(items())
+            # The path every weight stream takes (here nothing is forwarded).
+            outcome = await stage_stream(items(), updates.push)
+            if outcome.error is not None:
+                raise outcome.error
             await updates.finish(version)
         except BaseException:
             if updates.open is not None:

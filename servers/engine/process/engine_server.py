@@ -49,9 +49,10 @@ from servers.engine.domain.admission import Admission
 from servers.engine.domain.descriptions import ServingStatus
 from servers.engine.domain.live_sessions import LiveSessions
 from servers.engine.domain.weights.serving import WeightsCannotReload
-from servers.engine.domain.weights.transaction import WeightTransferManager
 from servers.engine.options import ServerOptions, build_parser, options_from_args
-from servers.engine.peers.catch_up import PeerAccess, catch_up
+from servers.engine.peers.catch_up import catch_up
+from servers.engine.peers.peer_streams import PeerAccess
+from servers.engine.peers.relay import Relays
 from servers.engine.process.engine_parts import EngineParts
 from servers.engine.process.scratch import use_scratch_directory
 from servers.engine.process.serving_state import ServingState
@@ -59,6 +60,7 @@ from servers.engine.service.control_plane import ControlPlaneServicer, add_contr
 from servers.engine.service.data_plane import DataPlaneServicer
 from servers.engine.service.push_socket import PushSocketServer
 from servers.engine.service.status import ServerStatusServicer, StatusChanges
+from servers.engine.service.weight_streams import WeightStreams
 from servers.engine.vllm_adapter.engine_logs import root_cause, route_vllm_logs
 from servers.engine.vllm_adapter.vllm_engine import EngineCannotRun, VllmEngine
 from skyrl_grpc.host_memory import keep_freed_memory
@@ -108,6 +110,15 @@ class EngineServer:
             options=server_options(options.max_message_bytes, RECEIVE_HEADROOM),
         )
         self.status_changes = StatusChanges()
+        # How this server calls its peers: to catch up, and to relay weight updates.
+        self.peer_access = PeerAccess(
+            options.control_token, options.max_message_bytes, options.peer_tls
+        )
+        # Weight streams in, by PushWeights or the push socket, relayed down the update's
+        # relay plan.
+        self.weight_streams = WeightStreams(
+            lambda: self.state.parts().weights.updates, Relays(self.peer_access)
+        )
         self.push_socket: PushSocketServer | None = None
         self.port = 0
         self.failure: str | None = None
@@ -139,15 +150,10 @@ class EngineServer:
         options = self.options
         if options.weight_push_port < 0 or options.tls is not None:
             return None
-
-        def updates() -> WeightTransferManager:
-            return self.state.parts().weights.updates
-
         return PushSocketServer(
             options.host,
             options.weight_push_port,
-            push=lambda ticket, items: updates().push(items, ticket),
-            check_ticket=lambda ticket: updates().check_ticket(ticket),
+            self.weight_streams,
             max_frame_bytes=options.max_message_bytes,
             calls=self.calls,
         )
@@ -160,7 +166,9 @@ class EngineServer:
         data_plane_pb2_grpc.add_DataPlaneServicer_to_server(data_plane, self.server)
         self.push_socket = self._open_push_socket()
         push_port = self.push_socket.port if self.push_socket is not None else 0
-        control = ControlPlaneServicer(lambda: state.parts().control_plane, push_port)
+        control = ControlPlaneServicer(
+            lambda: state.parts().control_plane, self.weight_streams, push_port
+        )
         add_control_plane(control, self.server)
 
         def serving() -> ServingStatus | None:
@@ -203,12 +211,8 @@ class EngineServer:
                 await parts.weights.warm_reload()  # the warm-up below generates with its result
             await parts.engine.warm_up()
             if self.options.catch_up_from:  # before anything is served: nobody sees it behind
-                access = PeerAccess(
-                    self.options.control_token,
-                    self.options.max_message_bytes,
-                    self.options.peer_tls,
-                )
-                outcome = await catch_up(parts.catch_up, self.options.catch_up_from, access)
+                peers = self.options.catch_up_from
+                outcome = await catch_up(parts.catch_up, peers, self.peer_access)
                 log.info("catch-up: %s", outcome)
         except Exception as error:
             self.failure = (

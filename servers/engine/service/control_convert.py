@@ -11,10 +11,11 @@ say.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 
 from servers.engine.domain.descriptions import ServerDescription
 from servers.engine.domain.lora_adapters import AdapterCopy, AdapterSpec
+from servers.engine.domain.weights.relay_role import MIN_TICKET_BYTES, RelayRole, RelayTarget
 from servers.engine.transfer.assembly import ParamLayout
 from servers.engine.transfer.protocol import Checksum
 from servers.engine.transfer.specs import (
@@ -27,7 +28,8 @@ from servers.engine.transfer.specs import (
 from skyrl_grpc import dtypes
 from skyrl_grpc.chunk_wire import WireChunk
 from skyrl_grpc.crc import crc32
-from skyrl_grpc.errors import InvalidArgument
+from skyrl_grpc.errors import InvalidArgument, PermissionDenied
+from skyrl_grpc.metadata import PUSH_TICKET, RELAYED_FROM
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import lora_pb2
 
@@ -93,16 +95,62 @@ def stream_item(message: StreamMessage | WireChunk, refusal: str) -> Manifest | 
     raise InvalidArgument(refusal)
 
 
+def relay_role(request: cp.StartWeightUpdateRequest) -> RelayRole | None:
+    """The server's place in the update's relay plan (None: the trainer streams to it)."""
+    if not request.HasField("relay"):
+        return None
+    role = request.relay
+    children = tuple(
+        RelayTarget(child.address, child.push_socket_port, child.push_ticket)
+        for child in role.children
+    )
+    for child in children:
+        if not child.address or len(child.ticket) < MIN_TICKET_BYTES:
+            raise InvalidArgument(
+                f"relay.children: {child.address or 'a child with no address'} needs its "
+                f"address and its push_ticket ({MIN_TICKET_BYTES} bytes or more)"
+            )
+    if children and not role.address:
+        raise InvalidArgument(
+            "relay.address is empty: a server that forwards names itself to its children"
+        )
+    if children and not request.push_ticket:
+        raise InvalidArgument(
+            "relay without push_ticket: a relay plan names every server's ticket beforehand, "
+            "so the trainer chooses them"
+        )
+    return RelayRole(role.address, role.parent, children)
+
+
 def push_item(message: cp.PushWeightsRequest | WireChunk) -> Manifest | WireChunk:
     """A PushWeights message as the assembler takes it."""
     return stream_item(message, "a PushWeights message must carry a manifest or a chunk")
 
 
-async def push_items(
-    messages: AsyncIterator[cp.PushWeightsRequest | WireChunk],
-) -> AsyncIterator[Manifest | WireChunk]:
-    async for message in messages:
-        yield push_item(message)
+async def push_messages(
+    messages: AsyncIterator[tuple[bytes, cp.PushWeightsRequest | WireChunk]],
+) -> AsyncIterator[tuple[bytes, Manifest | WireChunk]]:
+    """PushWeights' messages, each with its bytes as received (what a relay forwards)."""
+    async for raw, message in messages:
+        yield raw, push_item(message)
+
+
+def stream_sender(metadata: Iterable[tuple[str, str | bytes]] | None) -> tuple[bytes | None, str]:
+    """A PushWeights call's ticket (None: the trainer's call, authorised by its channel) and
+    the peer relaying it ("": none), from its metadata."""
+    ticket: bytes | None = None
+    relayed_from = ""
+    for key, value in metadata or ():
+        if key == PUSH_TICKET and isinstance(value, bytes):
+            ticket = value
+        elif key == RELAYED_FROM and isinstance(value, str):
+            relayed_from = value
+    if relayed_from and ticket is None:
+        raise PermissionDenied(
+            f"a stream relayed from {relayed_from} without the update's ticket "
+            f"({PUSH_TICKET}): refused, nothing staged"
+        )
+    return ticket, relayed_from
 
 
 def adapter_spec(message: AdapterMessage) -> AdapterSpec:
@@ -218,6 +266,7 @@ def server_info_to_proto(server: ServerDescription) -> cp.GetServerInfoResponse:
             pause_modes=[_PAUSE_MODES[m] for m in server.pause_modes],
             prefix_caching=server.prefix_caching,
             compressed_weight_patches=True,
+            weight_relay=True,
             lora=lora_pb2.LoraCapabilities(
                 enabled=limits.enabled,
                 max_loras=limits.max_loras,

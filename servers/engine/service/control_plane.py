@@ -18,6 +18,7 @@ from servers.engine.domain.lora_adapters import AdapterManager, AdapterUpload
 from servers.engine.domain.pausing import Pausing
 from servers.engine.domain.weights.serving import ServingWeights
 from servers.engine.service import control_convert, data_convert, validate
+from servers.engine.service.weight_streams import WeightStreams, push_response
 from servers.engine.vllm_adapter.vllm_engine import VllmEngine
 from skyrl_grpc.chunk_wire import WireChunk, decode_push_request
 from skyrl_grpc.errors import InvalidArgument
@@ -35,7 +36,8 @@ def add_control_plane(
 ) -> None:
     """Registers the ControlPlane as the generated code does, except that PushWeights reads
     its chunks with ``decode_push_request``: their data stays a view of the received bytes
-    instead of being copied twice by protobuf (see ``skyrl_grpc.chunk_wire``)."""
+    instead of being copied twice by protobuf (see ``skyrl_grpc.chunk_wire``), and the bytes
+    themselves come along, for a relay to forward as they are."""
 
     class Capture:
         def __init__(self) -> None:
@@ -55,13 +57,17 @@ def add_control_plane(
     handlers = capture.handlers
     handlers["PushWeights"] = grpc.stream_unary_rpc_method_handler(
         servicer.PushWeights,
-        request_deserializer=decode_push_request,
+        request_deserializer=raw_and_decoded,
         response_serializer=handlers["PushWeights"].response_serializer,
     )
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(CONTROL_PLANE, handlers),)
     )
     server.add_registered_method_handlers(CONTROL_PLANE, handlers)
+
+
+def raw_and_decoded(raw: bytes) -> tuple[bytes, cp.PushWeightsRequest | WireChunk]:
+    return raw, decode_push_request(raw)
 
 
 @dataclass(frozen=True)
@@ -77,10 +83,17 @@ class ControlPlaneParts:
 
 class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     """Serves control calls for one vLLM engine. ``parts`` gives the parts once the engine
-    serves (UNAVAILABLE before); ``push_socket_port``: offered with every update (0: none)."""
+    serves (UNAVAILABLE before); ``streams`` takes PushWeights' streams (as it takes the push
+    socket's); ``push_socket_port``: offered with every update (0: none)."""
 
-    def __init__(self, parts: Callable[[], ControlPlaneParts], push_socket_port: int = 0) -> None:
+    def __init__(
+        self,
+        parts: Callable[[], ControlPlaneParts],
+        streams: WeightStreams,
+        push_socket_port: int = 0,
+    ) -> None:
         self._parts = parts
+        self._streams = streams
         self._push_socket_port = push_socket_port
 
     async def Pause(self, request: cp.PauseRequest, context: Context) -> cp.PauseResponse:
@@ -130,6 +143,8 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             allow_same_version=request.allow_same_version,
             owner=request.owner,
             lease_seconds=request.lease_seconds,
+            ticket=request.push_ticket,
+            relay=control_convert.relay_role(request),
         )
         return cp.StartWeightUpdateResponse(
             serving_weight_version=parts.weights.version,
@@ -145,16 +160,19 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         staged, received = await self._parts().weights.updates.update(buckets)
         return cp.UpdateWeightsResponse(parameters_staged=staged, bytes_received=received)
 
-    async def PushWeights(
+    # Its messages come as ``add_control_plane``'s deserializer makes them, not as generated.
+    async def PushWeights(  # type: ignore[override]
         self,
-        request_iterator: AsyncIterator[cp.PushWeightsRequest | WireChunk],
+        request_iterator: AsyncIterator[tuple[bytes, cp.PushWeightsRequest | WireChunk]],
         context: Context,
     ) -> cp.PushWeightsResponse:
         # Refused mid-stream, the rest of the stream is read before the status is sent: the
         # error interceptor does that for every client-streaming call.
-        weights = self._parts().weights.updates
-        staged, received = await weights.push(control_convert.push_items(request_iterator))
-        return cp.PushWeightsResponse(parameters_staged=staged, bytes_received=received)
+        ticket, relayed_from = control_convert.stream_sender(context.invocation_metadata())
+        outcome, address = await self._streams.stage(
+            ticket, relayed_from, control_convert.push_messages(request_iterator)
+        )
+        return push_response(outcome, address, context)
 
     async def FinishWeightUpdate(
         self, request: cp.FinishWeightUpdateRequest, context: Context
@@ -243,7 +261,9 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     async def GetServerInfo(
         self, request: cp.GetServerInfoRequest, context: Context
     ) -> cp.GetServerInfoResponse:
-        return control_convert.server_info_to_proto(self._parts().describe_server())
+        info = control_convert.server_info_to_proto(self._parts().describe_server())
+        info.push_socket_port = self._push_socket_port
+        return info
 
     async def GetLoad(self, request: cp.GetLoadRequest, context: Context) -> cp.GetLoadResponse:
         parts = self._parts()

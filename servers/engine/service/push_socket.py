@@ -5,13 +5,15 @@ framing, a message object per chunk, on both ends); on this socket the same seri
 ``PushWeightsRequest`` messages travel as length-prefixed frames (``skyrl_grpc.socket_frames``),
 each read whole, in one system call, by a thread of the connection's own while the event loop
 checks and stages the frame before it. What the frames carry goes the way a PushWeights
-call's messages go (``push``): the same checks, the same staging, the same errors, answered
-per stream as the status PushWeights would have ended with (``PushSocketReply``).
+call's messages go (``weight_streams``): the same checks, the same relaying, the same staging,
+the same errors, answered per stream as the status PushWeights would have ended with
+(``PushSocketReply``).
 
-A connection first presents the ticket its trainer got from StartWeightUpdate (over the
-authenticated control channel): it may push into that update and no other. The socket is not
-encrypted; a server serving TLS does not open it. The wire is ``PushSocketHello`` in
-control_plane.proto.
+A connection first presents the ticket of the update it streams into (the trainer got it from
+StartWeightUpdate over the authenticated control channel, or chose it; a relaying server got
+it in its relay role) and, relayed, the peer it comes from: it may push into that update and
+no other. The socket is not encrypted; a server serving TLS does not open it (its peers relay
+to it over gRPC). The wire is ``PushSocketHello`` in control_plane.proto.
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from google.protobuf.message import DecodeError
 
 from servers.common.interceptors import CallCounter, status_of
+from servers.engine.peers.peer_streams import StreamOutcome
 from servers.engine.service.control_convert import push_item
 from servers.engine.service.frame_buffers import FrameBuffers
+from servers.engine.service.weight_streams import Messages, socket_reply
 from servers.engine.transfer.specs import Manifest
 from skyrl_grpc.chunk_wire import WireChunk, decode_push_request
 from skyrl_grpc.errors import InvalidArgument, SkyrlError
@@ -36,10 +41,17 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 
 log = logging.getLogger(__name__)
 
-# Stages one stream's items into the update ``ticket`` opened; returns (staged, bytes).
-Push = Callable[[bytes, AsyncIterator[Manifest | WireChunk]], Awaitable[tuple[int, int]]]
-# Raises (a ``SkyrlError``) unless ``ticket`` is the open update's.
-CheckTicket = Callable[[bytes], None]
+
+class Streams(Protocol):
+    """Where a connection's streams go (``weight_streams.WeightStreams``)."""
+
+    def check_sender(self, ticket: bytes | None, relayed_from: str) -> None: ...
+
+    async def stage(
+        self, ticket: bytes | None, relayed_from: str, messages: Messages
+    ) -> tuple[StreamOutcome, str]: ...
+
+
 # A hello is a ticket: anything longer is not one.
 HELLO_LIMIT = 1024
 # A connection silent this long is closed (its trainer's machine died without closing it).
@@ -53,16 +65,14 @@ class PushSocketServer:
         self,
         host: str,
         port: int,
-        push: Push,
-        check_ticket: CheckTicket,
+        streams: Streams,
         max_frame_bytes: int,
         calls: CallCounter | None = None,
     ) -> None:
-        self._push = push
+        self._streams = streams
         # Counts each stream as a call in progress: a draining server lets it finish, as it
         # does a PushWeights call.
         self._calls = calls or CallCounter()
-        self._check_ticket = check_ticket
         self._max_frame_bytes = max_frame_bytes
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
@@ -106,13 +116,13 @@ class PushSocketServer:
         executor = ThreadPoolExecutor(1, thread_name_prefix="push-socket")
         frames = _Frames(connection, executor, self._max_frame_bytes, self.buffers.take)
         try:
-            ticket = await self._hello(frames)
-            if ticket is None:
+            sender = await self._hello(frames)
+            if sender is None:
                 return
             while await frames.stream_begins():
                 self._calls.begin()
                 try:
-                    await frames.send(await self._stream(ticket, frames))
+                    await frames.send(await self._stream(*sender, frames))
                 finally:
                     self._calls.end()
         except FrameTooLarge as error:  # the rest of the connection cannot be framed: closed
@@ -125,38 +135,46 @@ class PushSocketServer:
             frames.close()
             executor.shutdown(wait=False)
 
-    async def _hello(self, frames: _Frames) -> bytes | None:
-        """The connection's ticket, or None when it is refused (the reply says why)."""
+    async def _hello(self, frames: _Frames) -> tuple[bytes, str] | None:
+        """The connection's ticket and who relays it ("": the trainer), or None when it is
+        refused (the reply says why)."""
         frame = await frames.next(HELLO_LIMIT)
         if frame is None:
             return None
         try:
-            ticket = cp.PushSocketHello.FromString(bytes(frame)).ticket
-            self._check_ticket(ticket)
+            hello = cp.PushSocketHello.FromString(bytes(frame))
+            self._streams.check_sender(hello.ticket, hello.relayed_from)
         except (DecodeError, SkyrlError) as error:
             refusal = error if isinstance(error, SkyrlError) else _not_a_hello(error)
             await frames.send(_error_reply(refusal))
             return None
         await frames.send(cp.PushSocketReply())
-        return ticket
+        return hello.ticket, hello.relayed_from
 
-    async def _stream(self, ticket: bytes, frames: _Frames) -> cp.PushSocketReply:
-        """One stream staged, or refused (its remaining frames read and dropped first, so the
-        connection is ready for the next stream): the reply either way."""
+    async def _stream(
+        self, ticket: bytes, relayed_from: str, frames: _Frames
+    ) -> cp.PushSocketReply:
+        """One stream staged (and relayed), or refused (its remaining frames read and dropped
+        first, so the connection is ready for the next stream): the reply either way."""
         try:
-            staged, received = await self._push(ticket, _items(frames))
+            outcome, address = await self._streams.stage(ticket, relayed_from, _messages(frames))
         except (OSError, FrameTooLarge):
             raise  # the peer went away, or the connection cannot be framed: ``_serve`` ends it
         except Exception as error:
             await frames.skip_stream()
             return _error_reply(error)
-        self.streams_staged += 1
-        response = cp.PushWeightsResponse(parameters_staged=staged, bytes_received=received)
-        return cp.PushSocketReply(response=response)
+        if outcome.error is not None:
+            await frames.skip_stream()  # read already where it was relayed
+        else:
+            self.streams_staged += 1
+        return socket_reply(outcome, address)
 
 
-async def _items(frames: _Frames) -> AsyncIterator[Manifest | WireChunk]:
-    """A stream's messages as the assembler takes them, until its empty end frame."""
+async def _messages(
+    frames: _Frames,
+) -> AsyncIterator[tuple[memoryview, Manifest | WireChunk]]:
+    """A stream's frames, each with its message as the assembler takes it, until its empty end
+    frame."""
     while (frame := await frames.next()) is not None and len(frame):
         try:
             message = decode_push_request(frame)
@@ -164,7 +182,7 @@ async def _items(frames: _Frames) -> AsyncIterator[Manifest | WireChunk]:
             raise InvalidArgument(
                 f"a push socket frame is not a serialized PushWeightsRequest: {error}"
             ) from None
-        yield push_item(message)
+        yield frame, push_item(message)
     if frame is None:
         raise ConnectionError("the push socket closed in the middle of a stream")
 

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from servers.engine.domain.weights.relay_role import RelayRole, check_sender
 from servers.engine.transfer.protocol import StagedParameter
-from skyrl_grpc.errors import FailedPrecondition
+from skyrl_grpc.errors import FailedPrecondition, PermissionDenied
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,8 +33,14 @@ class OpenUpdate:
     bytes_received: int = 0
     # Whether anything staged holds a NaN or infinity (only possible when they are allowed).
     non_finite: bool = False
-    # What a push socket connection presents to stream into this update, and no other.
+    # What a push socket connection (or a relayed stream) presents to stream into this
+    # update, and no other: the trainer's choice, or the server's.
     ticket: bytes = field(default_factory=lambda: secrets.token_bytes(16))
+    # This server's place in the update's relay plan (None: the trainer streams to it).
+    relay: RelayRole | None = None
+    # Called once when the update closes (committed, cancelled, expired, replaced): what the
+    # update held open beside it (a relay's connections to the next servers) is let go.
+    on_close: list[Callable[[], None]] = field(default_factory=list)
 
     def check_ticket(self, ticket: bytes | None) -> None:
         """Raises unless ``ticket`` is this update's (None: a gRPC call, which its channel's
@@ -40,6 +50,26 @@ class OpenUpdate:
                 "this push socket's ticket is not the open update's: the update it was given "
                 "for ended (finished, cancelled, expired or replaced); start another"
             )
+
+    def check_sender(self, ticket: bytes | None, relayed_from: str) -> None:
+        """Raises unless a stream presenting ``ticket`` and forwarded by ``relayed_from`` ("":
+        the trainer) may stream into this update (``relay_role.check_sender``)."""
+        if relayed_from and (ticket is None or not hmac.compare_digest(ticket, self.ticket)):
+            raise PermissionDenied(
+                f"a stream relayed from {relayed_from} without the open update's ticket: "
+                "refused, nothing staged"
+            )
+        self.check_ticket(ticket)
+        check_sender(self.relay, relayed_from)
+
+    def closed(self) -> None:
+        """The update closed: runs ``on_close`` (each once; a failing one is logged)."""
+        callbacks, self.on_close = self.on_close, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                log.exception("closing what a weight update held failed")
 
     def touch(self) -> None:
         self.last_call = time.monotonic()

@@ -14,27 +14,25 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from servers.common.tasks import BackgroundTasks
+from servers.engine.domain.weights.collective_receive import CollectiveReceive
+from servers.engine.domain.weights.relay_role import MIN_TICKET_BYTES, RelayRole
 from servers.engine.domain.weights.staging import OpenUpdate, StagingPipeline, staging_batches
 from servers.engine.transfer.assembly import (
     InBandAssembler,
     ParamLayout,
     PatchBaseMismatch,
-    bucket_layout,
-    bucket_patch_bases,
     check_patch_bases,
     model_layout,
     non_finite_error,
 )
-from servers.engine.transfer.protocol import Bucket, Checksum, Group, StagedParameter, WorkerCalls
-from servers.engine.transfer.specs import BucketSpec, Manifest
+from servers.engine.transfer.protocol import Checksum, Group, StagedParameter, WorkerCalls
+from servers.engine.transfer.specs import Manifest
 from skyrl_grpc.chunk_wire import WireChunk
 from skyrl_grpc.errors import (
     DataLoss,
-    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     SkyrlError,
@@ -44,7 +42,7 @@ from skyrl_grpc.errors import (
 log = logging.getLogger(__name__)
 
 
-class WeightTransferManager:
+class WeightTransferManager(CollectiveReceive):
     """The weight-update transaction of one server.
 
     Every weight RPC runs under one lock, so calls of an update never interleave. An open
@@ -93,21 +91,6 @@ class WeightTransferManager:
             self._layout = model_layout(await self._workers.layout())
         return self._layout
 
-    async def init(self, group: Group) -> None:
-        """Joins the trainer's group, leaving a previous group first."""
-        async with self._lock:
-            if self.group is not None:
-                await self._workers.leave_group()
-                self.group = None
-            started = time.monotonic()
-            try:
-                await self._workers.join_group(group)
-            except Exception as exc:
-                raise _transport_error(
-                    "joining the weight-transfer group", exc, started, group["timeout_seconds"]
-                ) from exc
-            self.group = group
-
     def _check_version(self, version: int, allow_same: bool) -> None:
         current = self._get_version()
         if version > current or (allow_same and version == current):
@@ -125,9 +108,18 @@ class WeightTransferManager:
         allow_same_version: bool = False,
         owner: str = "",
         lease_seconds: float = 0,
+        ticket: bytes = b"",
+        relay: RelayRole | None = None,
     ) -> OpenUpdate:
-        """Opens an update for ``weight_version`` (0: named at finish), checked now."""
+        """Opens an update for ``weight_version`` (0: named at finish), checked now; with
+        ``ticket`` (the trainer's choice: a relay plan names every server's beforehand) as its
+        ticket, and ``relay`` as this server's place in the update's relay plan."""
         owner = owner or "unknown"
+        if ticket and len(ticket) < MIN_TICKET_BYTES:
+            raise InvalidArgument(
+                f"push_ticket is {len(ticket)} bytes: give {MIN_TICKET_BYTES} or more random "
+                "bytes, or none (the server then chooses one)"
+            )
         async with self._lock:
             current = self.open
             if current is not None:
@@ -159,7 +151,10 @@ class WeightTransferManager:
                 target_version=weight_version,
                 allow_same_version=allow_same_version,
                 lease_seconds=lease_seconds or self.default_lease_seconds,
+                relay=relay,
             )
+            if ticket:
+                update.ticket = ticket
             self.open = update
             self._tasks.spawn(self._expire_when_idle(update), name="weight update lease")
             return update
@@ -193,73 +188,13 @@ class WeightTransferManager:
         """Raises unless ``ticket`` is the open update's (a push socket's hello)."""
         self._require_open("a push socket connection", ticket)
 
-    async def update(self, bucket_specs: list[BucketSpec]) -> tuple[int, int]:
-        async with self._lock:
-            group = self.group
-            if group is None:
-                raise FailedPrecondition(
-                    "UpdateWeights before InitWeightTransfer: join the trainer's process group "
-                    "first (or push in-band with PushWeights)"
-                )
-            update = self._require_open("UpdateWeights")
-            layout = await self.layout()
-            # The trainer broadcasts regardless of an answer: a refused call still receives
-            # (and drops) the bytes, so neither side hangs.
-            empty = [Bucket(size=b.size_bytes, params=[]) for b in bucket_specs]
-            try:
-                buckets = [bucket_layout(b, layout) for b in bucket_specs]
-            except SkyrlError:
-                await self._abandon(self._workers.receive_buckets(empty, False))
-                raise
-            try:
-                check_patch_bases(bucket_patch_bases(bucket_specs), self._get_version())
-            except PatchBaseMismatch:
-                await self._workers.receive_buckets(empty, False)
-                raise  # nothing staged: the update stays open for the whole weights
-            started = time.monotonic()
-            try:
-                results = await self._workers.receive_buckets(buckets, True)
-            except Exception as exc:
-                await self._abandon(None)
-                await self._leave_broken_group()
-                raise _transport_error(
-                    "receiving weight buckets", exc, started, group["timeout_seconds"]
-                ) from exc
-            finally:
-                update.touch()
-            mismatches = sorted({m for r in results for m in r["mismatches"]})
-            if mismatches:
-                await self._abandon(None)
-                raise DataLoss(
-                    f"checksum mismatch for {', '.join(mismatches)}: update rejected, the serving "
-                    "weights are unchanged; start a new update"
-                )
-            invalid = sorted({i for r in results for i in r["invalid"]})
-            if invalid:
-                await self._abandon(None)
-                raise InvalidArgument(
-                    f"{'; '.join(invalid[:3])}; update rejected, the serving weights are unchanged"
-                )
-            non_finite = [n for r in results for n in r["non_finite"]]
-            if non_finite and not self.allow_non_finite:
-                await self._abandon(None)
-                error = non_finite_error(non_finite[0])
-                raise InvalidArgument(
-                    f"{error}; update rejected, the serving weights are unchanged"
-                )
-            update.non_finite = update.non_finite or bool(non_finite)
-            update.parameters_staged += results[0]["params"]
-            update.bytes_received += results[0]["bytes"]
-            return results[0]["params"], results[0]["bytes"]
-
-    async def _leave_broken_group(self) -> None:
-        """A failed collective leaves the group unusable: leave it, so a new
-        InitWeightTransfer starts clean."""
-        self.group = None
-        try:
-            await self._workers.leave_group()
-        except Exception:
-            log.exception("leaving the broken weight-transfer group failed")
+    def check_sender(self, ticket: bytes | None, relayed_from: str) -> OpenUpdate:
+        """The open update, if a stream presenting ``ticket`` (None: a gRPC call, authorised by
+        its channel) and forwarded by ``relayed_from`` ("": the trainer) may stream into it;
+        raises otherwise, before anything is staged."""
+        update = self._require_open("a weight stream")
+        update.check_sender(ticket, relayed_from)
+        return update
 
     async def push(
         self, items: AsyncIterator[Manifest | WireChunk], ticket: bytes | None = None
@@ -409,7 +344,9 @@ class WeightTransferManager:
 
     async def _close(self, discard: bool = True) -> int:
         """Closes the open update, dropping what it staged; returns how much that was."""
-        self.open = None
+        update, self.open = self.open, None
+        if update is not None:
+            update.closed()
         return await self._workers.discard() if discard else 0
 
     async def checksums(self, names: list[str]) -> list[Checksum]:
@@ -425,7 +362,9 @@ class WeightTransferManager:
             if pending is not None:
                 await pending
         finally:
-            self.open = None
+            update, self.open = self.open, None
+            if update is not None:
+                update.closed()
             try:
                 await self._workers.discard()
             except Exception:
@@ -434,11 +373,3 @@ class WeightTransferManager:
     async def close(self) -> None:
         """Stops the lease timer (server shutdown)."""
         await self._tasks.close()
-
-
-def _transport_error(what: str, exc: Exception, started: float, timeout: float) -> SkyrlError:
-    """DEADLINE_EXCEEDED when the collective gave up after its timeout, else UNAVAILABLE."""
-    elapsed = time.monotonic() - started
-    if elapsed >= timeout:
-        return DeadlineExceeded(f"{what} timed out after {elapsed:.0f} s: {exc}")
-    return Unavailable(f"{what} failed: {exc}")
