@@ -42,10 +42,12 @@ from servers.fleet.local import LocalFleet
 from trainer_client import InferenceClient
 
 MODES = ("relay", "direct", "gloo")
-# Memory one server of a model needs at most, as a multiple of its bytes plus a fixed part
-# (vLLM's CPU engine, the server): a fleet that would not fit is skipped, and said so.
-SERVER_FIXED_GIB = 3.0
-SERVER_MODEL_COPIES = 3.0
+IDLE_SECONDS = 3.0
+# Memory one server of a model needs at most while updating, as a multiple of its bytes plus
+# a fixed part (vLLM's CPU engine, the server; docs/weights.md measures them): a fleet that
+# would not fit is skipped, and said so.
+SERVER_FIXED_GIB = 2.5
+SERVER_MODEL_COPIES = 4.5
 
 
 def nudged(tensors: list[tuple[str, Any]], step: int) -> list[tuple[str, Any]]:
@@ -94,7 +96,12 @@ async def measure_fleet(
 ) -> dict[str, dict[str, Any]]:
     servers = list(stack.addresses.servers)
     trees = ProcessTree(*stack.pids[: len(servers)])
-    rows: dict[str, dict[str, Any]] = {}
+    # What an idle engine spends spinning, per second (vLLM's CPU engine polls): what each server
+    # not busy with its own part of an update costs the others on shared cores.
+    before = trees.cpu_seconds()
+    await asyncio.sleep(IDLE_SECONDS)
+    idle = (trees.cpu_seconds() - before) / IDLE_SECONDS / len(servers)
+    rows: dict[str, dict[str, Any]] = {"idle": {"server_cpu_per_second": idle}}
     for mode in MODES:
         fanout = 0 if mode == "direct" else 1
         client = InferenceClient(stack.addresses.router, servers, weight_relay_fanout=fanout)
@@ -124,8 +131,15 @@ async def measure_fleet(
 
 
 def fits(model: BenchModel, servers: int) -> bool:
+    """Whether ``servers`` servers and the trainer fit in memory (once the last fleet's
+    memory is back)."""
     need = servers * (SERVER_FIXED_GIB * GiB + SERVER_MODEL_COPIES * model.total_bytes)
-    return need + 2 * model.total_bytes < psutil.virtual_memory().available
+    need += 2 * model.total_bytes  # the trainer's weights and its delta base
+    for _ in range(30):
+        if need < psutil.virtual_memory().available:
+            return True
+        time.sleep(1)
+    return False
 
 
 def run(sizes: list[str], counts: list[int], rounds: int) -> dict[str, Any]:
@@ -175,10 +189,22 @@ def main() -> None:
     parser.add_argument("--servers", default="1,2,4")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default="/tmp/weight_fleet.json")
+    parser.add_argument(
+        "--merge", default="", help="earlier runs' JSON files (comma-separated) to report beside"
+    )
     add_output_argument(parser, "weights.md")
     args = parser.parse_args()
     counts = [int(n) for n in args.servers.split(",")]
-    results = run(args.sizes.split(","), counts, args.rounds)
+    results: dict[str, Any] = {}
+    # Earlier runs first, each fleet of a later one replacing the same fleet of an earlier one.
+    for earlier in filter(None, args.merge.split(",")):
+        for size, measured in json.loads(Path(earlier).read_text()).items():
+            known = results.setdefault(size, {**measured, "fleets": {}})
+            known["fleets"].update({int(n): rows for n, rows in measured["fleets"].items()})
+    if args.sizes:
+        for size, measured in run(args.sizes.split(","), counts, args.rounds).items():
+            known = results.setdefault(size, {**measured, "fleets": {}})
+            known["fleets"].update(measured["fleets"])
     Path(args.json).write_text(json.dumps(results, indent=1))
     lines = [
         f"Measured by `scripts/bench_weight_fleet.py` on {psutil.cpu_count()} cores: medians of "

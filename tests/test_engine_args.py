@@ -33,7 +33,7 @@ def test_the_tiny_model_on_cpu_runs_in_one_process_on_one_thread() -> None:
     assert "gpu_memory_utilization" not in args and "enable_lora" not in args
     assert env == {
         "SKYRL_WEIGHT_HEAP_SLACK": "1",
-        "SKYRL_WEIGHT_STAGING_AT_START": "1",
+        "SKYRL_WEIGHT_SPARES_AT_START": "1",
         "VLLM_CPU_KVCACHE_SPACE": "2",
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -84,7 +84,7 @@ def test_gpu_arguments_and_extra_arguments_win() -> None:
     assert made.args["max_num_seqs"] == 7
     assert made.environment == {  # nothing of CPU serving
         "SKYRL_WEIGHT_HEAP_SLACK": "1",
-        "SKYRL_WEIGHT_STAGING_AT_START": "1",
+        "SKYRL_WEIGHT_SPARES_AT_START": "1",
     }
 
 
@@ -97,10 +97,10 @@ def test_the_weight_heap_slack_reaches_the_workers_environment() -> None:
         assert made.environment["SKYRL_WEIGHT_HEAP_SLACK"] == "-1"
     half = engine_arguments(EngineOptions(weight_heap_slack=0.5), RequestLimits(), CPU, "/m")
     assert half.environment["SKYRL_WEIGHT_HEAP_SLACK"] == "0.5"
-    lazy = engine_arguments(
-        EngineOptions(weight_staging_at_start=False), RequestLimits(), CPU, "/m"
+    lean = engine_arguments(
+        EngineOptions(weight_spares_at_start=False), RequestLimits(), CPU, "/m"
     )
-    assert lazy.environment["SKYRL_WEIGHT_STAGING_AT_START"] == "0"
+    assert lean.environment["SKYRL_WEIGHT_SPARES_AT_START"] == "0"
 
 
 def test_the_engine_core_forks_from_a_preloaded_process_only_where_that_is_safe() -> None:

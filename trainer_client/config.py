@@ -67,9 +67,10 @@ class ClientConfig:
     # server of a relay tree, and the servers forward it to each other (on a host in a chain,
     # between hosts ``weight_relay_fanout`` children each: trainer_client.weights.relay_plan),
     # so what the trainer sends does not grow with the fleet. 0: the trainer streams to every
-    # server itself. 1 (a chain of hosts) is what scripts/simulate_relay.py finds fastest for
-    # full updates at any fleet size (docs/weights.md).
-    weight_relay_fanout: int = 1
+    # server itself. 2: what scripts/simulate_relay.py finds fastest for an RL step's deltas
+    # at any size and for full updates on links of 100 Gbit/s and more; 1 (a chain of hosts)
+    # is faster for full updates on slower links (docs/weights.md).
+    weight_relay_fanout: int = 2
 
     def metadata(self, plane: Plane) -> tuple[tuple[str, str], ...]:
         """The metadata of a call to ``plane``: the extra pairs and that plane's token."""

@@ -65,10 +65,13 @@ class EngineOptions:
     # weight bytes it holds (``servers/engine/worker/heap.py``); 0: after every update;
     # negative: never.
     weight_heap_slack: float = 1.0
-    # The memory a full update stages into is allocated and touched at start (1x the model at
-    # TP rank 0, counted in idle), and every layer is reloaded once (what vLLM's first reload
-    # pays once), so the first update does not pay either.
+    # Every layer is reloaded once at start (what vLLM's first reload pays once), so the first
+    # update does not pay it.
     weight_staging_at_start: bool = True
+    # The memory a full update stages into is allocated and touched at start (1x the model at
+    # TP rank 0, held while idle), so the first full update does not fault it in: without it
+    # the 294M benchmark model's first update took 1.28x a later one (docs/weights.md).
+    weight_spares_at_start: bool = True
     # Accept weights holding NaN or infinity (refused by default: they poison generation).
     allow_non_finite_weights: bool = False
     # A session without a request for this long ends (its place is free for placement).
@@ -189,9 +192,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--no-weight-staging-at-start",
         action="store_true",
-        help="do not prepare for weight updates at start (allocate the memory a full update "
-        "stages into, 1x the model in host memory at TP rank 0, and reload every layer once): "
-        "an idle server holds less and starts sooner, and its first update pays both",
+        help="do not reload every layer once at start: the server starts sooner and its first "
+        "weight update pays vLLM's first reload",
+    )
+    group.add_argument(
+        "--no-weight-spares-at-start",
+        action="store_true",
+        help="do not allocate at start the memory a full weight update stages into (1x the "
+        "model in host memory at TP rank 0): an idle server holds one copy of the model less, "
+        "and its first full update faults that memory in",
     )
     group.add_argument(
         "--session-idle-seconds",
@@ -263,6 +272,7 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
         weight_stage_batch_bytes=args.weight_stage_batch_bytes,
         weight_heap_slack=args.weight_heap_slack,
         weight_staging_at_start=not args.no_weight_staging_at_start,
+        weight_spares_at_start=not args.no_weight_spares_at_start,
         allow_non_finite_weights=args.allow_non_finite_weights,
         session_idle_seconds=args.session_idle_seconds,
         enable_lora=args.enable_lora,

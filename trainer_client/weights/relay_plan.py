@@ -6,10 +6,11 @@ fleet.
 The servers that get the same bytes (patches against the update's base, the same patches
 compressed, or the whole weights: ``UpdatePlan``) form one tree each. In a tree, the servers
 on one host (one Ray node) relay to each other in a chain before anything crosses hosts; the
-hosts form a tree of ``fanout`` children per host (1: a chain of hosts, each link carrying
-the update once, which ``scripts/simulate_relay.py`` finds fastest unless the update is small
-and the fleet large: docs/weights.md). Each relayed server gets a ticket the trainer chooses,
-so one round of StartWeightUpdate hands every server its place and its children's tickets.
+hosts form a tree of ``fanout`` children per host (``ClientConfig.weight_relay_fanout``: 2 by
+default, what ``scripts/simulate_relay.py`` finds fastest for deltas; 1, a chain of hosts,
+for full updates on slow links: docs/weights.md). Each relayed server gets a ticket the
+trainer chooses, so one round of StartWeightUpdate hands every server its place and its
+children's tickets.
 """
 
 from __future__ import annotations

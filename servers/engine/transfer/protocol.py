@@ -159,8 +159,8 @@ Rpc = Callable[[str, tuple[Any, ...]], Awaitable[list[Any]]]
 
 # The server's --weight-heap-slack, as its engine's workers inherit it (``heap.HeapKeeper``).
 HEAP_SLACK_ENVIRONMENT = "SKYRL_WEIGHT_HEAP_SLACK"
-# The server's --no-weight-staging-at-start, as its engine's workers inherit it ("0").
-STAGING_AT_START_ENVIRONMENT = "SKYRL_WEIGHT_STAGING_AT_START"
+# The server's --no-weight-spares-at-start, as its engine's workers inherit it ("0").
+SPARES_AT_START_ENVIRONMENT = "SKYRL_WEIGHT_SPARES_AT_START"
 
 # What vLLM's worker says when ``start_weight_update`` finds a session still open.
 STALE_SESSION = "weight update is already active"

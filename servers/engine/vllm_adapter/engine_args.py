@@ -11,7 +11,7 @@ from typing import Any
 
 from servers.engine.options import TINY_MODEL_NAME, EngineOptions, RequestLimits
 from servers.engine.transfer.protocol import BACKEND as WEIGHT_TRANSFER_BACKEND
-from servers.engine.transfer.protocol import HEAP_SLACK_ENVIRONMENT, STAGING_AT_START_ENVIRONMENT
+from servers.engine.transfer.protocol import HEAP_SLACK_ENVIRONMENT, SPARES_AT_START_ENVIRONMENT
 from skyrl_grpc.tiny_model import ensure_tiny_model
 
 
@@ -39,7 +39,7 @@ def engine_arguments(
     # Read by the weight-transfer engine in each worker (vLLM's config has no place for it).
     environment: dict[str, str] = {
         HEAP_SLACK_ENVIRONMENT: f"{options.weight_heap_slack:g}",
-        STAGING_AT_START_ENVIRONMENT: "1" if options.weight_staging_at_start else "0",
+        SPARES_AT_START_ENVIRONMENT: "1" if options.weight_spares_at_start else "0",
     }
     if platform.is_cpu:
         environment["VLLM_CPU_KVCACHE_SPACE"] = f"{options.kv_cache_gib:g}"

@@ -46,7 +46,7 @@ from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise
 from servers.engine.transfer.handoff import HandoffReader
 from servers.engine.transfer.protocol import (
     HEAP_SLACK_ENVIRONMENT,
-    STAGING_AT_START_ENVIRONMENT,
+    SPARES_AT_START_ENVIRONMENT,
     Bucket,
     Group,
     Report,
@@ -123,7 +123,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
                 log.warning("no checkpoint copy to update: weight updates will fail", exc_info=True)
                 self._checkpoint = None
             else:
-                if os.environ.get(STAGING_AT_START_ENVIRONMENT, "1") != "0":
+                if os.environ.get(SPARES_AT_START_ENVIRONMENT, "1") != "0":
                     self.serving.prepare_spares()
 
     @property

@@ -1,0 +1,189 @@
+"""What an engine server holds, per process, against vLLM's own server on the same model (issue:
+servers relay the stream to each other, item 7).
+
+The ~294M float32 benchmark model (``bench_models``) is served by vLLM's own OpenAI server and
+by this project's engine server (with the same engine settings: KV cache, eager mode), each
+started as a process; every process's unique memory (USS: what would be freed if it exited)
+is read once the server is idle, and for this project's server again after a full update
+(the previous weights kept for a rollback), after one with ``release_memory=True``, and while
+updating (the peak, sampled). The server runs with its defaults, then with
+``--no-weight-spares-at-start``. The target: vLLM's own plus 1.1x the model's bytes (the
+checkpoint copy exact deltas need).
+
+Run: .venv/bin/python -m scripts.bench_server_memory [--size 294m] [--output docs/weights.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import psutil
+import torch
+
+from scripts.bench_common import add_output_argument, vllm_http_server, write_report
+from scripts.bench_models import BenchModel, engine_servers, load_model
+
+GB = 1e9
+
+
+def role(process: psutil.Process) -> str:
+    command = " ".join(process.cmdline())
+    if "EngineCore" in command or process.name().startswith("VLLM"):
+        return "engine core"
+    if "forkserver" in command:
+        return "forkserver"
+    if "resource_tracker" in command:
+        return "resource tracker"
+    if "servers.engine" in command:
+        return "server (gRPC)"
+    if "api_server" in command:
+        return "server (HTTP)"
+    return process.name()
+
+
+def unique_memory(pid: int) -> dict[str, int]:
+    """USS of every process in ``pid``'s tree, by role."""
+    out: dict[str, int] = {}
+    root = psutil.Process(pid)
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            out[role(process)] = out.get(role(process), 0) + process.memory_full_info().uss
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def settle(pid: int) -> dict[str, int]:
+    """The tree's USS once it stops changing (an idle engine's last allocations land)."""
+    previous: dict[str, int] = {}
+    for _ in range(20):
+        now = unique_memory(pid)
+        if previous and abs(sum(now.values()) - sum(previous.values())) < 20e6:
+            return now
+        previous = now
+        time.sleep(0.5)
+    return previous
+
+
+class Peak:
+    """The tree's largest total USS while it runs (sampled every 100 ms)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self._done = pid, 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.1):
+            self.peak = max(self.peak, sum(unique_memory(self.pid).values()))
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return self.peak
+
+
+def nudged(tensors: list[tuple[str, torch.Tensor]], seed: int) -> list[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(n, t + 1e-3 * torch.randn(t.shape, generator=generator)) for n, t in tensors]
+
+
+async def ours(
+    model: BenchModel, flags: Sequence[str]
+) -> tuple[dict[str, dict[str, int]], list[float]]:
+    """Each state's memory, and the seconds of a new trainer's first two full updates (no
+    ``reserve_delta_base``)."""
+    from trainer_client import InferenceClient
+
+    states: dict[str, dict[str, int]] = {}
+    seconds: list[float] = []
+    with engine_servers(model.path, 1, 1, "float32", flags) as (server,):
+        address: str = server.address  # type: ignore[attr-defined]
+        states["idle after start"] = settle(server.pid)
+        client = InferenceClient(address, [address], direct=False)
+        # A new trainer's first two full updates with the client's defaults (every element
+        # changed), timed (nothing sampled meanwhile).
+        for step in range(2):
+            weights = nudged(model.tensors, step)
+            started = time.perf_counter()
+            await client.update_weights(weights)
+            seconds.append(time.perf_counter() - started)
+            if not step:
+                states["after a full update"] = settle(server.pid)
+        peak = Peak(server.pid)
+        await client.update_weights(nudged(model.tensors, 2), delta=False, release_memory=True)
+        states["peak while updating"] = {"total": peak.stop()}
+        states["after one with release_memory=True"] = settle(server.pid)
+        await client.close()
+    return states, seconds
+
+
+def theirs(model: BenchModel) -> dict[str, int]:
+    with vllm_http_server(model=model.path) as launched:
+        return settle(launched.process.pid)
+
+
+def report(
+    model: BenchModel, vllm: dict[str, int], runs: dict[str, Any], updates: dict[str, list[float]]
+) -> list[str]:
+    target = sum(vllm.values()) + 1.1 * model.total_bytes
+    roles = ["server (HTTP)", "server (gRPC)", "forkserver", "engine core", "resource tracker"]
+    lines = [
+        f"Model: {model.parameters / 1e6:.0f}M parameters, float32, {model.total_bytes / GB:.2f} "
+        f"GB. Target: vLLM's own + 1.1x the model = {target / GB:.2f} GB.",
+        "",
+        "| server | state | " + " | ".join(roles) + " | total GB | vs target |",
+        "|---|---|" + "---|" * len(roles) + "---|---|",
+    ]
+
+    def row(name: str, state: str, memory: dict[str, int]) -> str:
+        total = memory.get("total", sum(memory.values()))
+        cells = " | ".join(f"{memory[r] / GB:.2f}" if r in memory else "" for r in roles)
+        return f"| {name} | {state} | {cells} | {total / GB:.2f} | {total / target:.2f}x |"
+
+    lines.append(row("vLLM's own", "idle after start", vllm))
+    for name, states in runs.items():
+        for state, memory in states.items():
+            lines.append(row(name, state, memory))
+    lines += [
+        "",
+        "| server | first full update s | second s | first / second |",
+        "|---|---|---|---|",
+    ]
+    for name, seconds in updates.items():
+        lines.append(
+            f"| {name} | {seconds[0]:.2f} | {seconds[1]:.2f} | {seconds[0] / seconds[1]:.2f}x |"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="294m")
+    add_output_argument(parser, "weights.md")
+    args = parser.parse_args()
+    model = load_model("float32", args.size)
+    vllm = theirs(model)
+    runs: dict[str, Any] = {}
+    updates: dict[str, list[float]] = {}
+    for name, flags in (
+        ("this project's", []),
+        ("--no-weight-spares-at-start", ["--no-weight-spares-at-start"]),
+    ):
+        runs[name], updates[name] = asyncio.run(ours(model, flags))
+    lines = [
+        "Measured by `scripts/bench_server_memory.py`: unique memory (USS) per process, GB; "
+        "then a new trainer's first and second full updates (client defaults).",
+        "",
+        *report(model, vllm, runs, updates),
+    ]
+    write_report(args.output, lines, "server-memory")
+
+
+if __name__ == "__main__":
+    main()
