@@ -85,8 +85,9 @@ def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -
             http_port=args.http_port,
             metrics_port=args.metrics_port,
             log_dir=args.log_dir,
+            router_replicas=args.router_replicas,
         )
-    router_args = []
+    router_args = ["--replicas", str(args.router_replicas)] if args.router_replicas > 1 else []
     if args.metrics_port is not None:
         router_args += ["--metrics-port", str(args.metrics_port)]
     if args.http_port is not None:
@@ -151,6 +152,14 @@ def _add_stack_arguments(
         "the cluster: 0.0.0.0, advertised as the node IP)",
     )
     ports.add_argument("--router-port", type=int, default=router_port, help="0: any free port")
+    parser.add_argument(
+        "--router-replicas",
+        type=int,
+        default=1,
+        help="router processes sharing the router's gRPC and HTTP ports (the kernel spreads "
+        "connections among them), each restarted if it dies; they agree on every session's "
+        "server",
+    )
     ports.add_argument(
         "--base-port",
         type=int,

@@ -89,13 +89,14 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
              "--max-n", "4", "--dtype", "float32"]  # fmt: skip
     up = ["up", "--enable-lora", "--start-timeout", "1200", "--http-port", "8001",
           "--metrics-port", "9101", "--router-port", "7000", "--server-ports", "7001,7002",
-          "--log-dir", "logs"]  # fmt: skip
+          "--log-dir", "logs", "--router-replicas", "3"]  # fmt: skip
     args, rest = build_parser().parse_known_args([*up, *extra])
     assert rest == extra
     local = make_fleet(args, rest)
     assert isinstance(local, LocalFleet) and local.engine_args[-len(extra) :] == extra
     assert "--enable-lora" in local.engine_args
     assert local.start_timeout == 1200
+    assert local.router_args[:2] == ["--replicas", "3"]
     args.ray = True
     ray_fleet = make_fleet(args, rest)
     assert isinstance(ray_fleet, RayFleet) and ray_fleet.start_timeout == 1200
@@ -103,6 +104,7 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
     given = ray_fleet.options
     assert (given.http_port, given.metrics_port, given.router_port) == (8001, 9101, 7000)
     assert (list(given.server_ports or []), given.log_dir) == ([7001, 7002], "logs")
+    assert given.router_replicas == 3
     assert given.cpu_only  # vLLM's CPU build is installed here: no GPU asked for
     import ray
 

@@ -83,8 +83,9 @@ def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(
     from skyrl_grpc.process_group import free_port
 
     # Server flags reach the servers on Ray as they do local processes, and so do the stack's
-    # own: the servers' ports, the router's OpenAI edge and metrics, a log file per actor. No
-    # cpu_only: the installed engine is vLLM's CPU build, so its bundles ask for no GPU.
+    # own: the servers' ports, the router's OpenAI edge and metrics (two router replicas on its
+    # ports), a log file per actor. No cpu_only: the installed engine is vLLM's CPU build, so
+    # its bundles ask for no GPU.
     ports = [free_port("127.0.0.1") for _ in range(2)]
     group = RayFleet(
         2,
@@ -93,6 +94,7 @@ def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(
         http_port=0,
         metrics_port=0,
         log_dir=str(tmp_path / "logs"),
+        router_replicas=2,
     )
     assert group.bundle() == {"CPU": 1.0}
     addresses = group.start()
@@ -128,6 +130,8 @@ def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
         assert "--max-n" in refused.value.details()  # type: ignore[attr-defined]
         assert len(tree) > len(actor_pids)  # the engines run in processes of their own
+        replicas = [pid for pid in tree if "--replica-id" in " ".join(psutil.Process(pid).cmdline())]
+        assert len(replicas) == 2, tree
 
         @ray.remote(num_cpus=0)
         class Rollouts:

@@ -14,8 +14,8 @@ import grpc
 import pytest
 from safetensors.torch import load_file
 
+from servers.common.supervision import RestartPolicy
 from servers.fleet.ray_group import RayFleet
-from servers.fleet.supervision import RestartPolicy
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
 from tests.helpers.sessions import routed_to
 from tests.helpers.waits import ENGINE_START_SECONDS, FLEET_TEST_TIMEOUT, running_on_engines, until

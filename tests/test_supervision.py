@@ -1,4 +1,4 @@
-"""The fleets' one supervision rule (``servers.fleet.supervision``) on plain callables: restarts
+"""The fleets' one supervision rule (``servers.common.supervision``) on plain callables: restarts
 with doubling backoff, the backoff reset after a server stayed up, a crash loop reported with its
 cause and left down, and a server that comes back elsewhere reported as moved."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from servers.fleet.supervision import RestartPolicy, ServerSupervisor
+from servers.common.supervision import RestartPolicy, ServerSupervisor
 
 
 class World:

@@ -21,19 +21,24 @@ RECEIVE_HEADROOM = 2
 
 
 def server_options(
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, receive_headroom: int = 1
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    receive_headroom: int = 1,
+    reuse_port: bool = False,
 ) -> list[ServerOption]:
     """Options of every gRPC server of the stack (engine servers and the router).
     ``receive_headroom``: gRPC reads messages up to this many times ``max_message_bytes``, for
-    a server whose interceptor refuses what is over it by name (``RECEIVE_HEADROOM``)."""
+    a server whose interceptor refuses what is over it by name (``RECEIVE_HEADROOM``).
+    ``reuse_port``: the port is shared with other processes that ask for it too (router
+    replicas: the kernel spreads connections among them)."""
     return [
         # Up to the headroom a message is read and refused by the error interceptor with a
         # message naming --max-message-mib; anything larger gRPC refuses with
         # RESOURCE_EXHAUSTED before it is read whole.
         ("grpc.max_receive_message_length", receive_headroom * max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        # A port already in use must fail loudly rather than be shared with another process.
-        ("grpc.so_reuseport", 0),
+        # A port already in use must fail loudly rather than be shared with another process,
+        # unless sharing it is the point.
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
         # A paused server can hold streams for minutes: ping so dead peers are noticed and
         # proxies keep the connection.
         ("grpc.keepalive_time_ms", 30_000),

@@ -144,3 +144,14 @@ def exit_now(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def with_flag(args: list[str], flag: str, value: str) -> list[str]:
+    """``args`` with ``flag`` set to ``value`` (replaced where given, else added)."""
+    if flag in args:
+        position = args.index(flag)
+        return [*args[:position], flag, value, *args[position + 2 :]]
+    prefixed = [a for a in args if a.startswith(f"{flag}=")]
+    if prefixed:
+        return [f"{flag}={value}" if a in prefixed else a for a in args]
+    return [*args, flag, value]

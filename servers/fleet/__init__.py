@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Self
 
 if TYPE_CHECKING:
-    from servers.fleet.supervision import ServerSupervisor
+    from servers.common.supervision import ServerSupervisor
 
 
 class FleetStartFailed(RuntimeError):

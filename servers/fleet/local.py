@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from servers.common.process import read_announcement
+from servers.common.process import read_announcement, with_flag
 from servers.common.reaper import EXIT_WITH_SUPERVISOR
+from servers.common.supervision import RestartPolicy, ServerSupervisor
 from servers.fleet import Fleet, FleetAddresses, FleetStartFailed
-from servers.fleet.supervision import RestartPolicy, ServerSupervisor
 
 ENGINE_MODULE = "servers.engine"
 ROUTER_MODULE = "servers.router"
@@ -197,9 +197,9 @@ class LocalFleet(Fleet):
         ports it listened on, so a restarted router is found where it was."""
         args = list(self.router_args)
         if self.http_port:
-            args = _with_flag(args, "--http-port", str(self.http_port))
+            args = with_flag(args, "--http-port", str(self.http_port))
         if self.metrics_port:
-            args = _with_flag(args, "--metrics-port", str(self.metrics_port))
+            args = with_flag(args, "--metrics-port", str(self.metrics_port))
         servers = ",".join(self.addresses.servers)
         return ["--host", self.host, "--port", str(self.router_port), "--backends", servers, *args]
 
@@ -364,14 +364,3 @@ class LocalFleet(Fleet):
         self._stop([*([self._router] if self._router else []), *self._servers], grace)
         self._servers.clear()
         self._router = None
-
-
-def _with_flag(args: list[str], flag: str, value: str) -> list[str]:
-    """``args`` with ``flag`` set to ``value`` (replaced where given, else added)."""
-    if flag in args:
-        position = args.index(flag)
-        return [*args[:position], flag, value, *args[position + 2 :]]
-    prefixed = [a for a in args if a.startswith(f"{flag}=")]
-    if prefixed:
-        return [f"{flag}={value}" if a in prefixed else a for a in args]
-    return [*args, flag, value]

@@ -108,30 +108,53 @@ class RouterActor:
         http_port: int | None = None,
         metrics_port: int | None = None,
         log_file: str | None = None,
+        replicas: int = 1,
     ) -> None:
+        from servers.router.replicas import RouterReplicas
         from servers.router.router_server import RouterOptions, RouterServer
 
         write_output_to(log_file)
-        self._router = RouterServer(
-            RouterOptions(
-                backends=backends,
-                host=host,
-                port=port,
-                http_port=http_port,
-                metrics_port=metrics_port,
+        self._backends = backends
+        self._router: RouterServer | None = None
+        self._replicas: RouterReplicas | None = None
+        if replicas > 1:  # processes of this actor's node, sharing its ports
+            argv = ["--backends", ",".join(backends), "--host", host, "--port", str(port)]
+            argv += ["--http-port", str(http_port)] if http_port is not None else []
+            argv += ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
+            self._replicas = RouterReplicas(argv, replicas, host, port, http_port, metrics_port)
+        else:
+            self._router = RouterServer(
+                RouterOptions(
+                    backends=backends,
+                    host=host,
+                    port=port,
+                    http_port=http_port,
+                    metrics_port=metrics_port,
+                )
             )
-        )
 
     async def start(self) -> str:
+        if self._replicas is not None:
+            await self._replicas.start()
+            await self._replicas.wait_healthy(len(self._backends), timeout=120)
+            return self._replicas.address
+        assert self._router is not None
         await self._router.start()
         await self._router.wait_healthy(len(self._router.options.backends), timeout=120)
         return self._router.address
 
     async def stop(self) -> None:
-        await self._router.stop(grace=2)
+        if self._replicas is not None:
+            await self._replicas.stop()
+        elif self._router is not None:
+            await self._router.stop(grace=2)
 
-    def ports(self) -> dict[str, int | None]:
+    def ports(self) -> dict[str, Any]:
         """The ports its OpenAI edge and metrics endpoint bound (None: not served)."""
+        if self._replicas is not None:
+            described = self._replicas.describe()
+            return {"http_port": described["http_port"], "metrics_port": described["metrics_port"]}
+        assert self._router is not None
         return {"http_port": self._router.http_port, "metrics_port": self._router.metrics_port}
 
     def pid(self) -> int:

@@ -42,6 +42,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from servers.common.supervision import RestartPolicy, ServerSupervisor
 from servers.fleet import Fleet, FleetAddresses, FleetStartFailed
 from servers.fleet.ray_actors import EngineServerActor, RouterActor, server_options
 from servers.fleet.ray_options import STRATEGIES, ServerGroupOptions, engine_runs_on_cpu
@@ -52,7 +53,6 @@ from servers.fleet.ray_waits import (
     not_dead_yet,
     sliced,
 )
-from servers.fleet.supervision import RestartPolicy, ServerSupervisor
 
 # The niceness Ray's raylet gives the workers it starts (Ray's default: 15).
 RAY_WORKER_NICENESS = "RAY_worker_niceness"
@@ -205,6 +205,7 @@ class RayFleet(Fleet):
                 http_port=http_port,
                 metrics_port=metrics,
                 log_file=self._log_file("router"),
+                replicas=self.options.router_replicas,
             )
         )
         address = self._advertised(

@@ -44,6 +44,8 @@ class ServerGroupOptions:
     router_port: int = 0
     http_port: int | None = None
     metrics_port: int | None = None
+    # Router processes sharing its ports on the router's node (``servers.router.replicas``).
+    router_replicas: int = 1
     # Each actor's output in a file here (server-<i>.log, router.log), on its own node.
     log_dir: str | None = None
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from servers.fleet.supervision import ServerSupervisor
+from servers.common.supervision import ServerSupervisor
 
 
 def scale_fleet(

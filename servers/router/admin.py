@@ -3,19 +3,29 @@ view clients follow to route data-plane calls themselves (WatchBackends)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from servers.common.addresses import host_port
 from servers.common.grpc_types import Context
 from servers.router.backends import BackendPool
 from servers.router.feed import RoutingFeed
+from servers.router.siblings import Siblings, passed_on
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
 
 
 class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
-    def __init__(self, pool: BackendPool) -> None:
+    """``siblings``: the router's other replicas, told every membership change this one is
+    (None: the only router on its port)."""
+
+    def __init__(self, pool: BackendPool, siblings: Siblings | None = None) -> None:
         self._pool = pool
+        self._siblings = siblings
         self._feed = RoutingFeed(pool.describe, pool.placement)
+
+    async def _pass_on(self, call: str, request: object, context: Context) -> None:
+        if self._siblings is not None and not passed_on(context.invocation_metadata()):
+            await self._siblings.tell(call, request)
 
     async def ListBackends(
         self,
@@ -30,6 +40,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         context: Context,
     ) -> router_pb2.AddBackendResponse:
         backend = self._pool.add(host_port(request.address))
+        await self._pass_on("AddBackend", request, context)
         return router_pb2.AddBackendResponse(backend=self._pool.describe([backend])[0])
 
     async def RemoveBackend(
@@ -38,6 +49,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         context: Context,
     ) -> router_pb2.RemoveBackendResponse:
         await self._pool.remove(request.address)
+        await self._pass_on("RemoveBackend", request, context)
         return router_pb2.RemoveBackendResponse()
 
     async def DrainBackend(
@@ -45,7 +57,9 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         request: router_pb2.DrainBackendRequest,
         context: Context,
     ) -> router_pb2.DrainBackendResponse:
+        passing_on = asyncio.ensure_future(self._pass_on("DrainBackend", request, context))
         remaining = await self._pool.drain(request.address, context.time_remaining())
+        await passing_on
         return router_pb2.DrainBackendResponse(remaining_in_flight=remaining)
 
     async def WatchBackends(

@@ -121,8 +121,10 @@ class BackendPool:
 
     # -- membership ---------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        for address in self._initial:
+    async def start(self, members: list[str] | None = None) -> None:
+        """Starts watching the initial backends (``members``, where given: the membership
+        another replica has now)."""
+        for address in self._initial if members is None else members:
             self.add(address)
 
     def add(self, address: str) -> Backend:

@@ -25,10 +25,19 @@ LATENCY_BUCKETS = (
 
 
 class RouterMetrics:
-    """Requests, errors by code, latency, in-flight per backend, backend health."""
+    """Requests, errors by code, latency, in-flight per backend, backend health; with
+    ``replica``, which of the router's replicas this is (``skyrl_router_replica_info``: each
+    replica serves its own /metrics, on its own port)."""
 
-    def __init__(self) -> None:
+    def __init__(self, replica: int | None = None) -> None:
         self.registry = CollectorRegistry()
+        if replica is not None:
+            Gauge(
+                "skyrl_router_replica_info",
+                "This router is one of several replicas sharing its ports: which one",
+                ["replica"],
+                registry=self.registry,
+            ).labels(str(replica)).set(1)
         self.requests = Counter(
             "skyrl_router_requests",
             "Calls forwarded",

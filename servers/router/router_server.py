@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -41,6 +42,7 @@ from servers.router.http_edge.asgi import HttpEdgeServer
 from servers.router.http_edge.handlers import OpenAIEdge
 from servers.router.metrics import RouterMetrics
 from servers.router.proxy import Proxy, ProxyOptions
+from servers.router.siblings import Siblings
 from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB, open_channel
 from skyrl_grpc.names import DATA_PLANE, ROUTER_ADMIN, WATCH_BACKENDS
 from skyrl_grpc.placement import POLICIES
@@ -75,6 +77,11 @@ class RouterOptions:
     http_port: int | None = None
     # Tokens per upstream message for streamed HTTP answers (1: an event per engine step).
     http_stream_interval: int = 1
+    # One of several replicas sharing the gRPC and HTTP ports (``replicas``): its number, in its
+    # metrics and logs; None: the only router on its ports. ``replica_ports``: each replica's
+    # own port (on ``host``), where its siblings pass membership changes on (``siblings``).
+    replica: int | None = None
+    replica_ports: list[int] = field(default_factory=list)
 
 
 class RouterServer:
@@ -82,7 +89,7 @@ class RouterServer:
 
     def __init__(self, options: RouterOptions) -> None:
         self.options = options
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(options.replica)
         self.health = health.aio.HealthServicer()
         self.pool = BackendPool(
             options.backends,
@@ -103,7 +110,9 @@ class RouterServer:
                 ),
                 ErrorMappingInterceptor(services=[ROUTER_ADMIN]),
             ],
-            options=server_options(options.max_message_bytes),
+            options=server_options(
+                options.max_message_bytes, reuse_port=options.replica is not None
+            ),
         )
         self.port = 0
         self.metrics_port: int | None = None
@@ -142,8 +151,20 @@ class RouterServer:
 
     async def start(self) -> None:
         self.server.add_generic_rpc_handlers((ForwardingHandler(self.proxy),))
+        siblings = None
+        options = self.options
+        if options.replica is not None and options.replica_ports:
+            # Where its siblings call it: replicas share a host, so its loopback (the admin
+            # token, if any, still applies).
+            own = options.replica_ports[options.replica]
+            bind(self.server, f"127.0.0.1:{own}", None)
+            siblings = Siblings(
+                options.replica,
+                [f"127.0.0.1:{port}" for port in options.replica_ports],
+                options.admin_token,
+            )
         router_pb2_grpc.add_RouterAdminServicer_to_server(
-            RouterAdminServicer(self.pool), self.server
+            RouterAdminServicer(self.pool, siblings), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         for service in ("", DATA_PLANE):
@@ -154,15 +175,28 @@ class RouterServer:
         )
         self.port = bind(self.server, f"{self.options.host}:{self.options.port}", self.options.tls)
         await self.server.start()
-        await self.pool.start()
+        # A replica that starts while its siblings run routes to the fleet they route to now.
+        current = await siblings.membership() if siblings is not None else None
+        await self.pool.start(current)
         if self.options.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.options.metrics_port, self.options.host)
         if self.options.http_port is not None:
             edge = OpenAIEdge(self.proxy, self.pool, self.options.http_stream_interval)
-            self.http = HttpEdgeServer(edge, self.options.host, self.options.http_port)
+            self.http = HttpEdgeServer(
+                edge,
+                self.options.host,
+                self.options.http_port,
+                reuse_port=self.options.replica is not None,
+            )
             await self.http.start()
             log.info("OpenAI HTTP edge on http://%s:%d/v1", self.options.host, self.http.port)
-        log.info("router listening on %s for %s", self.address, ", ".join(self.options.backends))
+        replica = "" if self.options.replica is None else f" (replica {self.options.replica})"
+        log.info(
+            "router%s listening on %s for %s",
+            replica,
+            self.address,
+            ", ".join(self.options.backends),
+        )
 
     async def wait_ready(self) -> None:
         """The router is ready once it listens: until a backend is healthy its health says
@@ -265,6 +299,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="when every healthy backend is paused, answer UNAVAILABLE at once (default: "
         "calls wait for Resume, up to their deadline)",
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="run this many router processes on the same gRPC and HTTP ports (the kernel "
+        "spreads connections among them), each supervised and restarted; they agree on "
+        "every session's server (docs/fleet.md)",
+    )
+    parser.add_argument("--replica-id", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--replica-ports", default="", help=argparse.SUPPRESS)
     add_tls_arguments(parser)
     parser.add_argument("--backend-tls-ca", default=None, help="PEM CA to verify TLS backends")
     parser.add_argument(
@@ -297,6 +341,8 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         admin_token=args.admin_token,
         http_port=args.http_port,
         http_stream_interval=args.http_stream_interval,
+        replica=args.replica_id,
+        replica_ports=[int(p) for p in args.replica_ports.split(",") if p],
         max_message_bytes=args.max_message_mib * MiB,
         tls=tls_from_args(args),
         backend_tls=(
@@ -320,6 +366,11 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure_logging()
     exit_with_supervisor()
+    if args.replicas > 1:
+        from servers.router.replicas import serve_replicas
+
+        asyncio.run(serve_replicas(args, sys.argv[1:] if argv is None else argv))
+        return
     if args.event_loop == "uvloop":
         import uvloop
 

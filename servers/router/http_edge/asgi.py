@@ -202,9 +202,11 @@ class _QuietServer(uvicorn.Server):
 class HttpEdgeServer:
     """Serves an ASGI app on ``host:port`` (0: any free port) in the running loop."""
 
-    def __init__(self, app: AsgiApp, host: str, port: int) -> None:
+    def __init__(self, app: AsgiApp, host: str, port: int, reuse_port: bool = False) -> None:
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:  # router replicas share the port: the kernel spreads connections
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         # Accepted connections inherit it: an event must not wait for the ACK of the one
         # before it (Nagle + delayed ACK cost ~40 ms before the first token).
         self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
