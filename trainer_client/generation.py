@@ -52,7 +52,8 @@ class Generation(ClientCore):
     ) -> AsyncGenerator[data_plane_pb2.GenerateStreamResponse, None]:
         """One stream of one generation, directly to a server or through the router. A server
         used directly that turns out gone is marked unavailable and added to ``tried`` before
-        its ``Unavailable`` is raised, so the caller may move on elsewhere."""
+        its ``Unavailable`` is raised, so the caller may move on elsewhere; a router whose
+        connection broke is added too (the caller goes on through the same address)."""
         target = await self._target(session_id, tried)
         address = target or self.config.router
         call = self._data(address).GenerateStream(
@@ -67,10 +68,14 @@ class Generation(ClientCore):
             async for chunk in call:
                 yield chunk
         except grpc.aio.AioRpcError as error:
-            if routes is not None and target is not None:
-                if server_lost(error):
+            if server_lost(error):
+                if routes is not None and target is not None:
                     routes.mark_unavailable(target)
                     tried.add(target)
+                else:
+                    # The router's connection broke (a replica died, or the router restarted):
+                    # the same address reaches a router that lives, so the caller goes on there.
+                    tried.add(f"{address} (connection lost, {len(tried) + 1})")
             raise ServerError.from_rpc_error(address, error) from error
         finally:
             call.cancel()

@@ -78,6 +78,8 @@ class _Link:
         self._thread: ThreadPoolExecutor | None = None
         self._channel: grpc.aio.Channel | None = None
         self._broken: Failure | None = None
+        # The update closed while a stream still went through: closed once that stream ends.
+        self._retired = False
 
     def begin(self) -> None:
         self._queue = asyncio.Queue(LINK_QUEUE_FRAMES)
@@ -115,6 +117,8 @@ class _Link:
             # Done with this stream, sent or not: what waits is dropped, which frees a forward
             # blocked on a full queue (later ones see the stream done and skip this link).
             self._drop_queue()
+            if self._retired:
+                self.close()
 
     async def _over_socket(self) -> list[Failure]:
         loop = asyncio.get_running_loop()
@@ -188,6 +192,15 @@ class _Link:
             f"relay from {self._source} to {self.target.address}: the stream was lost upstream",
         )
 
+    def retire(self) -> None:
+        """The update closed (committed, cancelled, rejected here): closed now, or once the
+        stream going through ends (this server refused a stream whose rest it still relays,
+        so each server below answers for itself)."""
+        if self._sending is not None and not self._sending.done():
+            self._retired = True
+        else:
+            self.close()
+
     def close(self) -> None:
         if self._socket is not None:
             self._socket.close()  # a send blocked in the thread fails at once
@@ -251,4 +264,4 @@ class Relays:
 
     def _close(self, key: int) -> None:
         for link in self._links.pop(key, []):
-            link.close()
+            link.retire()
