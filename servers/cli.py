@@ -96,6 +96,9 @@ def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -
         args.servers,
         engine_args=server_flags,
         router_args=router_args,
+        # Each server's vLLM metrics and its own on a port of its own (printed, with a
+        # Prometheus scrape configuration, by ``up``).
+        server_metrics=True,
         log_dir=Path(args.log_dir) if args.log_dir else None,
         host=args.host,
         server_ports=_server_ports(args),
@@ -233,6 +236,8 @@ def _up(args: argparse.Namespace, server_args: list[str]) -> None:
         host = fleet.addresses.router.rpartition(":")[0]
         if fleet.metrics_port is not None:
             print(f"router metrics: http://{host}:{fleet.metrics_port}/metrics")
+        if isinstance(fleet, LocalFleet):
+            _print_scrape_config(fleet, host)
         if fleet.http_port is not None:
             print(f"OpenAI API: http://{host}:{fleet.http_port}/v1")
         if args.log_dir:
@@ -245,6 +250,30 @@ def _up(args: argparse.Namespace, server_args: list[str]) -> None:
             pass
         print("stopping ...", flush=True)
     print("stopped", flush=True)
+
+
+def _print_scrape_config(fleet: LocalFleet, host: str) -> None:
+    """Each server's /metrics, and a Prometheus scrape configuration for the fleet."""
+    servers = [
+        f"{host}:{port}"
+        for port in wait_for_metrics_ports(fleet.server_metrics_ports)
+        if port is not None
+    ]
+    for index, target in enumerate(servers):
+        print(f"server {index} metrics: http://{target}/metrics")
+    router = [f"{host}:{fleet.metrics_port}"] if fleet.metrics_port else []
+    print("prometheus scrape_configs:")
+    for job, targets in (("skyrl-servers", servers), ("skyrl-router", router)):
+        if targets:
+            print(f"  - job_name: {job}\n    static_configs:\n      - targets: {targets}")
+
+
+def wait_for_metrics_ports(ports: list[int | None], seconds: float = 10.0) -> list[int | None]:
+    """The servers' metrics ports once each has said it (they listen before they serve)."""
+    deadline = time.monotonic() + seconds
+    while any(port == 0 for port in ports) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return list(ports)
 
 
 def _demo(args: argparse.Namespace, trainer_args: list[str]) -> None:

@@ -12,8 +12,9 @@ import contextlib
 import hmac
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, NoReturn, TypeAlias
+from typing import Any, NoReturn, Protocol, TypeAlias
 
 import grpc
 
@@ -145,28 +146,56 @@ class _NoCounter(CallCounter):
 _NOT_COUNTED = _NoCounter()
 
 
+class CallObserver(Protocol):
+    """What watches every call a server handles (``grpc_metrics.GrpcServerMetrics``): each
+    call's start, and its end with its status and duration. ``kind``: unary, server_stream,
+    client_stream or bidi_stream."""
+
+    def started(self, method: str, kind: str) -> None: ...
+
+    def handled(self, method: str, kind: str, code: grpc.StatusCode, seconds: float) -> None: ...
+
+
+def _aborted_code(context: Context) -> grpc.StatusCode:
+    code = context.code() if hasattr(context, "code") else None
+    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+
+
 @contextlib.asynccontextmanager
 async def _guarded(
     context: Context,
     method: str,
     counter: CallCounter,
     upload: AsyncIterator[Any] | None = None,
+    observer: CallObserver | None = None,
+    kind: str = "unary",
 ) -> AsyncIterator[None]:
     """A handler's call, counted while it runs, its errors ended as their statuses: the one
     rule of every method shape. ``upload``: a client-streaming call's requests, read to their
     end before an error is answered (``early_answer``: a caller still sending would otherwise
-    see a broken connection instead of the status)."""
+    see a broken connection instead of the status). ``observer`` sees it start and end."""
     counter.begin()
+    started = time.perf_counter()
+    code = grpc.StatusCode.OK
+    if observer is not None:
+        observer.started(method, kind)
     try:
         yield
     except grpc.aio.AbortError:
+        code = _aborted_code(context)
+        raise
+    except asyncio.CancelledError:
+        code = grpc.StatusCode.CANCELLED
         raise
     except Exception as exc:
+        code = exc.code if isinstance(exc, SkyrlError) else grpc.StatusCode.INTERNAL
         if upload is not None:
             await read_rest(upload)
         await abort_with_status(exc, context, method)
     finally:
         counter.end()
+        if observer is not None:
+            observer.handled(method, kind, code, time.perf_counter() - started)
 
 
 def _wrap(
@@ -175,6 +204,7 @@ def _wrap(
     counter: CallCounter,
     size_limit: RequestSizeLimit | None,
     max_message_bytes: int | None,
+    observer: CallObserver | None = None,
 ) -> Handler:
     decode = _lenient(handler.request_deserializer, method, size_limit, max_message_bytes)
     serialize = handler.response_serializer
@@ -186,7 +216,7 @@ def _wrap(
 
         async def unary_unary(request: Any, context: Context) -> Any:
             await _reject_malformed(request, context, method)
-            async with _guarded(context, method, counter):
+            async with _guarded(context, method, counter, None, observer, "unary"):
                 return await inner_uu(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, decode, serialize)
@@ -196,7 +226,7 @@ def _wrap(
 
         async def unary_write(request: Any, context: Context) -> None:
             await _reject_malformed(request, context, method)
-            async with _guarded(context, method, counter):
+            async with _guarded(context, method, counter, None, observer, "server_stream"):
                 await inner_uw(request, context)
 
         return grpc.unary_stream_rpc_method_handler(unary_write, decode, serialize)
@@ -205,7 +235,7 @@ def _wrap(
 
         async def unary_stream(request: Any, context: Context) -> AsyncIterator[Any]:
             await _reject_malformed(request, context, method)
-            async with _guarded(context, method, counter):
+            async with _guarded(context, method, counter, None, observer, "server_stream"):
                 async for item in inner_us(request, context):
                     yield item
 
@@ -214,7 +244,7 @@ def _wrap(
         inner_su = behaviours.stream_unary
 
         async def stream_unary(requests: Any, context: Context) -> Any:
-            async with _guarded(context, method, counter, upload=requests):
+            async with _guarded(context, method, counter, requests, observer, "client_stream"):
                 return await inner_su(_checked(requests, method), context)
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, decode, serialize)
@@ -222,7 +252,7 @@ def _wrap(
         inner_ss = behaviours.stream_stream
 
         async def stream_stream(requests: Any, context: Context) -> AsyncIterator[Any]:
-            async with _guarded(context, method, counter):
+            async with _guarded(context, method, counter, None, observer, "bidi_stream"):
                 async for item in inner_ss(_checked(requests, method), context):
                     yield item
 
@@ -234,7 +264,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Maps ``SkyrlError`` to its status code and anything unexpected to INTERNAL.
 
     ``services`` limits it to those services' methods (all methods when None). Calls of
-    ``counted_services`` are counted in ``counter`` while they run.
+    ``counted_services`` are counted in ``counter`` while they run; ``observer`` sees every
+    call it handles start and end (the server's gRPC metrics).
     """
 
     def __init__(
@@ -245,7 +276,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         counted_services: tuple[str, ...] = (),
         size_limit: RequestSizeLimit | None = None,
         max_message_bytes: int | None = None,
+        observer: CallObserver | None = None,
     ) -> None:
+        self._observer = observer
         self._prefixes = None if services is None else tuple(f"/{s}/" for s in services)
         self._counter = counter
         self._counted = tuple(f"/{s}/" for s in counted_services)
@@ -265,7 +298,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         counter = self._counter
         if counter is None or not method.startswith(self._counted):
             counter = _NOT_COUNTED
-        return _wrap(handler, method, counter, self._size_limit, self._max_message_bytes)
+        return _wrap(
+            handler, method, counter, self._size_limit, self._max_message_bytes, self._observer
+        )
 
 
 def _rejecting_handler(handler: Handler, message: str) -> Handler:

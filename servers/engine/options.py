@@ -134,6 +134,9 @@ class ServerOptions:
     catch_up_from: list[str] = field(default_factory=list)
     # TLS of the channels to those peers (None: plain), as the router's to its backends.
     peer_tls: TlsConfig | None = None
+    # Prometheus /metrics (vLLM's own metrics and this server's) on ``host``: 0 any free
+    # port, None none.
+    metrics_port: int | None = None
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -300,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="TCP port of the push socket, which takes in-band weight updates without gRPC's "
         "cost (unencrypted: not offered with TLS): 0 any free port (default), -1 none",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=defaults.metrics_port,
+        help="serve Prometheus /metrics on this port (vLLM's own vllm:* metrics, the weight "
+        "version, weight update phases, gRPC calls; 0 picks a free one); default: none",
+    )
     parser.add_argument("--drain-grace-seconds", type=float, default=defaults.drain_grace_seconds)
     add_message_size_argument(parser)
     parser.add_argument(
@@ -380,6 +390,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         host=args.host,
         port=args.port,
         weight_push_port=args.weight_push_port,
+        metrics_port=args.metrics_port,
         engine=engine_options_from_args(args),
         drain_grace_seconds=args.drain_grace_seconds,
         max_message_bytes=args.max_message_mib * MiB,

@@ -95,6 +95,7 @@ class LocalFleet(Fleet):
         on_event: Callable[[str], None] | None = None,
         restart_policy: RestartPolicy | None = None,
         start_timeout: float = Fleet.start_timeout,
+        server_metrics: bool = False,
     ) -> None:
         self.num_servers = num_servers
         self.start_timeout = start_timeout
@@ -120,6 +121,11 @@ class LocalFleet(Fleet):
         self.router_supervision: ServerSupervisor | None = None
         self.restart_policy = restart_policy or RestartPolicy()
         self.metrics_port: int | None = None
+        # Each server's /metrics port (None: not asked for; 0 until it first listens): a
+        # restarted server serves them where it did.
+        self.server_metrics_ports: list[int | None] = [
+            0 if server_metrics else None for _ in range(num_servers)
+        ]
         self.http_port: int | None = None  # the router's OpenAI HTTP edge, if it has one
 
     def _spawn(self, name: str, module: str, args: list[str]) -> _Process:
@@ -155,10 +161,29 @@ class LocalFleet(Fleet):
         """Server ``index``; with ``catch_up``, it reads the fleet's current weights from the
         other servers before it serves (a restarted or added server)."""
         args = ["--host", self.host, "--port", str(self.server_ports[index]), *self.engine_args]
+        metrics = self._metrics_port_of(index)
+        if metrics is not None:
+            args = with_flag(args, "--metrics-port", str(metrics))
         peers = [a for i, a in enumerate(self.addresses.servers) if i != index]
         if catch_up and peers:
             args += ["--catch-up-from", ",".join(peers)]
-        return self._spawn(f"server-{index}", ENGINE_MODULE, args)
+        server = self._spawn(f"server-{index}", ENGINE_MODULE, args)
+        if metrics == 0:  # learnt once it listens (``_remember_metrics_port``)
+            threading.Thread(
+                target=self._remember_metrics_port, args=(index, server), daemon=True
+            ).start()
+        return server
+
+    def _metrics_port_of(self, index: int) -> int | None:
+        ports = self.server_metrics_ports
+        return ports[index] if index < len(ports) else None
+
+    def _remember_metrics_port(self, index: int, server: _Process) -> None:
+        server.listening.wait()
+        listening = server.event("listening")
+        port = listening.get("metrics_port") if listening else None
+        if port and index < len(self.server_metrics_ports):
+            self.server_metrics_ports[index] = int(port)
 
     def _await_ready(self, server: _Process, deadline: float) -> str:
         server.ready.wait(max(deadline - time.monotonic(), 0))
@@ -301,6 +326,8 @@ class LocalFleet(Fleet):
     def _add_server(self, index: int, timeout: float) -> str:
         """A server on a free port (``scale``)."""
         self.server_ports.append(0)
+        if any(port is not None for port in self.server_metrics_ports):
+            self.server_metrics_ports.append(0)
         self._servers.append(self._spawn_server(index, catch_up=True))
         address = self._await_ready(self._servers[index], time.monotonic() + timeout)
         self.server_ports[index] = int(address.rpartition(":")[2])
@@ -308,6 +335,8 @@ class LocalFleet(Fleet):
 
     def _remove_server(self, index: int) -> None:
         self.server_ports.pop()
+        if len(self.server_metrics_ports) > len(self.server_ports):
+            self.server_metrics_ports.pop()
         self._stop([self._servers.pop()], grace=15)
 
     # -- for tests and tools ------------------------------------------------------------------

@@ -29,6 +29,7 @@ from servers.engine.domain.lora_adapters import (
 )
 from servers.engine.domain.pausing import Pausing
 from servers.engine.domain.weights.serving import ServingWeights
+from servers.engine.domain.weights.transaction import PhaseObserver
 from servers.engine.options import EngineOptions, RequestLimits
 from servers.engine.peers.catch_up import CatchUpParts
 from servers.engine.service.control_plane import ControlPlaneParts
@@ -84,11 +85,13 @@ class EngineParts:
         limits: RequestLimits,
         status_changed: Callable[[], None],
         errors: Path | None = None,
+        on_phase: PhaseObserver | None = None,
     ) -> EngineParts:
-        """Starts vLLM (``VllmEngine.start``) and builds the parts around it."""
+        """Starts vLLM (``VllmEngine.start``) and builds the parts around it; ``on_phase``
+        hears each weight update phase end (the server's metrics)."""
         engine = await VllmEngine.start(options, limits, errors)
         try:
-            return await cls._around(engine, options, limits, status_changed)
+            return await cls._around(engine, options, limits, status_changed, on_phase)
         except BaseException:
             await engine.shutdown()
             raise
@@ -100,6 +103,7 @@ class EngineParts:
         options: EngineOptions,
         limits: RequestLimits,
         status_changed: Callable[[], None],
+        on_phase: PhaseObserver | None = None,
     ) -> EngineParts:
         shapes = None
         if options.enable_lora:
@@ -123,7 +127,7 @@ class EngineParts:
             await asyncio.to_thread(write_zero_adapter, directory, adapters.shapes)
             await engine.pin_base_adapter(ZERO_ADAPTER_ID, directory)
         sessions = LiveSessions(options.session_idle_seconds, on_change=status_changed)
-        weights = ServingWeights(engine, options, status_changed)
+        weights = ServingWeights(engine, options, status_changed, on_phase)
         parsers = ChatParsers(
             engine.tokenizer,
             engine.served_model_name,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -55,6 +56,7 @@ from servers.engine.peers.peer_streams import PeerAccess
 from servers.engine.peers.relay import Relays
 from servers.engine.process.engine_parts import EngineParts
 from servers.engine.process.scratch import use_scratch_directory
+from servers.engine.process.server_metrics import ServerMetrics
 from servers.engine.process.serving_state import ServingState
 from servers.engine.service.control_plane import ControlPlaneServicer, add_control_plane
 from servers.engine.service.data_plane import DataPlaneServicer
@@ -97,6 +99,11 @@ class EngineServer:
         limits = options.limits
         self.admission = Admission(limits.max_concurrent_samples, limits.max_queued_requests)
         tokens = {CONTROL_PLANE: options.control_token or "", DATA_PLANE: options.data_token or ""}
+        # Prometheus metrics, when asked for (``--metrics-port``).
+        self.metrics = (
+            ServerMetrics(self._serving_status) if options.metrics_port is not None else None
+        )
+        self.metrics_port: int | None = None
         self.server = grpc.aio.server(
             interceptors=[
                 BearerTokenInterceptor(tokens),
@@ -105,6 +112,7 @@ class EngineServer:
                     counted_services=(DATA_PLANE, CONTROL_PLANE),
                     size_limit=self._request_size_limit,
                     max_message_bytes=options.max_message_bytes,
+                    observer=self.metrics.grpc if self.metrics is not None else None,
                 ),
             ],
             options=server_options(options.max_message_bytes, RECEIVE_HEADROOM),
@@ -125,6 +133,11 @@ class EngineServer:
         self._engine_task: asyncio.Task[None] | None = None
         self._tasks = BackgroundTasks()
         self._stopped = asyncio.Event()
+
+    def _serving_status(self) -> ServingStatus | None:
+        """What ServerStatus streams now (None before the engine serves)."""
+        parts = self.state.started
+        return None if parts is None else parts.serving_status()
 
     @property
     def address(self) -> str:
@@ -171,10 +184,9 @@ class EngineServer:
         )
         add_control_plane(control, self.server)
 
-        def serving() -> ServingStatus | None:
-            return None if state.started is None else state.started.serving_status()
-
-        status = ServerStatusServicer(serving, lambda: state.draining, self.status_changes)
+        status = ServerStatusServicer(
+            self._serving_status, lambda: state.draining, self.status_changes
+        )
         status_pb2_grpc.add_ServerStatusServicer_to_server(status, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -194,6 +206,8 @@ class EngineServer:
         await self.server.start()
         if self.push_socket is not None:
             self.push_socket.start()
+        if self.metrics is not None and self.options.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.options.metrics_port, self.options.host)
         log.info("listening on %s; starting the engine", self.address)
         self._engine_task = asyncio.create_task(self._start_engine())
 
@@ -202,7 +216,11 @@ class EngineServer:
             keep_freed_memory()
         try:
             parts = await EngineParts.start(
-                self.options.engine, self.options.limits, self.status_changes.announce, self.errors
+                self.options.engine,
+                self.options.limits,
+                self.status_changes.announce,
+                self.errors,
+                self.metrics.phase if self.metrics is not None else None,
             )
             # A drain shuts it down from now on; calls wait until it is warm and caught up
             # (a pause from a trainer would otherwise stall the warm-up or the catch-up).
@@ -212,7 +230,10 @@ class EngineServer:
             await parts.engine.warm_up()
             if self.options.catch_up_from:  # before anything is served: nobody sees it behind
                 peers = self.options.catch_up_from
+                started = time.monotonic()
                 outcome = await catch_up(parts.catch_up, peers, self.peer_access)
+                if self.metrics is not None:
+                    self.metrics.caught_up(time.monotonic() - started, outcome)
                 log.info("catch-up: %s", outcome)
         except Exception as error:
             self.failure = (
@@ -286,6 +307,8 @@ class EngineServer:
         await self.server.stop(0)
         if self.push_socket is not None:
             await self.push_socket.close()
+        if self.metrics is not None:
+            self.metrics.close()
         task = self._engine_task
         if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()
@@ -305,7 +328,9 @@ async def serve(options: ServerOptions, errors: Path | None = None) -> None:
     line, if its engine failed to start, failed its warm-up or died."""
     server = EngineServer(options, errors)
     try:
-        await serve_until_stopped(server, server.drain)
+        await serve_until_stopped(
+            server, server.drain, lambda: {"metrics_port": server.metrics_port}
+        )
     except Exception:
         if server.failure is None:
             raise

@@ -53,6 +53,9 @@ class CollectiveReceive(ABC):
     @abstractmethod
     async def _abandon(self, pending: Awaitable[object] | None) -> None: ...
 
+    @abstractmethod
+    def _observed(self, phase: str, started: float, nbytes: int = 0) -> None: ...
+
     async def init(self, group: Group) -> None:
         """Joins the trainer's group, leaving a previous group first."""
         async with self._lock:
@@ -125,6 +128,7 @@ class CollectiveReceive(ABC):
             update.non_finite = update.non_finite or bool(non_finite)
             update.parameters_staged += results[0]["params"]
             update.bytes_received += results[0]["bytes"]
+            self._observed("transfer", started, results[0]["bytes"])
             return results[0]["params"], results[0]["bytes"]
 
     async def _leave_broken_group(self) -> None:

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from servers.engine.domain.weights.transaction import WeightTransferManager
+from servers.engine.domain.weights.transaction import PhaseObserver, WeightTransferManager
 from servers.engine.options import EngineOptions
 from servers.engine.transfer.assembly import ParamLayout
 from servers.engine.transfer.handoff import HandoffBuffer, buffer_bytes_for
@@ -45,7 +45,11 @@ class ServingWeights:
     """The serving version, its prefix-cache namespace, and ``updates`` (the update path)."""
 
     def __init__(
-        self, engine: WeightEngine, options: EngineOptions, status_changed: Callable[[], None]
+        self,
+        engine: WeightEngine,
+        options: EngineOptions,
+        status_changed: Callable[[], None],
+        on_phase: PhaseObserver | None = None,
     ) -> None:
         self._engine = engine
         self._status_changed = status_changed
@@ -66,6 +70,7 @@ class ServingWeights:
             default_lease_seconds=options.weight_update_lease_seconds,
             stage_batch_bytes=options.weight_stage_batch_bytes,
             allow_non_finite=options.allow_non_finite_weights,
+            on_phase=on_phase,
         )
 
     async def warm_reload(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from servers.common.tasks import BackgroundTasks
@@ -40,6 +41,9 @@ from skyrl_grpc.errors import (
 )
 
 log = logging.getLogger(__name__)
+# Told when a phase of an update ended well (start, transfer: each stream or broadcast,
+# commit, rollback): its name, its seconds, the bytes it received (the server's metrics).
+PhaseObserver = Callable[[str, float, int], None]
 
 
 class WeightTransferManager(CollectiveReceive):
@@ -61,8 +65,10 @@ class WeightTransferManager(CollectiveReceive):
         default_lease_seconds: float = 600.0,
         allow_non_finite: bool = False,
         stage_batch_bytes: int = 32 << 20,
+        on_phase: PhaseObserver | None = None,
     ) -> None:
         self._workers = workers
+        self._on_phase = on_phase
         self._set_version = set_version
         self._get_version = get_version
         self._on_weights_changed = on_weights_changed
@@ -81,6 +87,11 @@ class WeightTransferManager(CollectiveReceive):
         self._rollback_non_finite = False
         self._lock = asyncio.Lock()
         self._tasks = BackgroundTasks()
+
+    def _observed(self, phase: str, started: float, nbytes: int = 0) -> None:
+        """Tells ``on_phase`` a phase of an update ended well: its seconds, its bytes."""
+        if self._on_phase is not None:
+            self._on_phase(phase, time.monotonic() - started, nbytes)
 
     @property
     def update_open(self) -> bool:
@@ -114,6 +125,7 @@ class WeightTransferManager(CollectiveReceive):
         """Opens an update for ``weight_version`` (0: named at finish), checked now; with
         ``ticket`` (the trainer's choice: a relay plan names every server's beforehand) as its
         ticket, and ``relay`` as this server's place in the update's relay plan."""
+        started = time.monotonic()
         owner = owner or "unknown"
         if ticket and len(ticket) < MIN_TICKET_BYTES:
             raise InvalidArgument(
@@ -157,6 +169,7 @@ class WeightTransferManager(CollectiveReceive):
                 update.ticket = ticket
             self.open = update
             self._tasks.spawn(self._expire_when_idle(update), name="weight update lease")
+            self._observed("start", started)
             return update
 
     async def _expire_when_idle(self, update: OpenUpdate) -> None:
@@ -201,6 +214,7 @@ class WeightTransferManager(CollectiveReceive):
     ) -> tuple[int, int]:
         """Stages one in-band stream: its manifest, then its chunks (from a push socket: for the
         update whose ``ticket`` it presented, and no other)."""
+        started = time.monotonic()
         async with self._lock:
             update = self._require_open("PushWeights", ticket)
             assembler = InBandAssembler(await self.layout(), self.allow_non_finite)
@@ -239,6 +253,7 @@ class WeightTransferManager(CollectiveReceive):
             update.parameters_staged += staged
             update.non_finite = update.non_finite or bool(assembler.non_finite)
             update.touch()
+            self._observed("transfer", started, assembler.bytes_received)
             return staged, assembler.bytes_received
 
     async def _stage(self, params: list[StagedParameter], non_finite: list[str]) -> int:
@@ -257,6 +272,7 @@ class WeightTransferManager(CollectiveReceive):
         return sum(1 for param in params if param["last"])
 
     async def finish(self, weight_version: int = 0) -> tuple[int, int]:
+        started = time.monotonic()
         async with self._lock:
             update = self._require_open("FinishWeightUpdate")
             target = update.target_version
@@ -287,11 +303,13 @@ class WeightTransferManager(CollectiveReceive):
             self._rollback_non_finite = replaced_non_finite
             self._serving_non_finite = update.non_finite
             await self._weights_changed(replaced_non_finite)
+            self._observed("commit", started)
             return version, replaced
 
     async def rollback(self, weight_version: int) -> int:
         """Serves the weights from before the last commit again, if ``weight_version`` (what
         that commit made serve) still serves; returns the version serving now."""
+        started = time.monotonic()
         async with self._lock:
             current = self._get_version()
             if self.rollback_version is None:
@@ -316,6 +334,7 @@ class WeightTransferManager(CollectiveReceive):
             self._serving_non_finite = self._rollback_non_finite
             await self._weights_changed(replaced_non_finite)
             log.warning("weights rolled back from version %d to %d", current, restored)
+            self._observed("rollback", started)
             return restored
 
     async def release_rollback(self, weight_version: int) -> int:
