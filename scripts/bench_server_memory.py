@@ -10,7 +10,11 @@ updating (the peak, sampled). The server runs with its defaults, then with
 ``--no-weight-spares-at-start``. The target: vLLM's own plus 1.1x the model's bytes (the
 checkpoint copy exact deltas need).
 
+With ``--delta-steps N`` it measures memory over a run of N delta steps instead
+(``scripts/memory_soak.py``: does a long run leave the servers' memory flat?).
+
 Run: .venv/bin/python -m scripts.bench_server_memory [--size 294m] [--output docs/weights.md]
+     .venv/bin/python -m scripts.bench_server_memory --delta-steps 20 [--lr 1e-6] [--dtype ...]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 
 from scripts.bench_common import add_output_argument, vllm_http_server, write_report
 from scripts.bench_models import BenchModel, engine_servers, load_model
+from scripts.memory_soak import add_soak_arguments, run_soak
 
 GB = 1e9
 
@@ -166,7 +171,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="294m")
     add_output_argument(parser, "weights.md")
+    add_soak_arguments(parser)
     args = parser.parse_args()
+    if args.delta_steps:
+        run_soak(args)
+        return
     model = load_model("float32", args.size)
     vllm = theirs(model)
     runs: dict[str, Any] = {}

@@ -12,8 +12,8 @@ bytes. The verdict compares every step with the first delta step's: a leak grows
 what the first delta step allocates for good (the delta base, patch buffers) is the level the
 rest must hold.
 
-Run: .venv/bin/python -m scripts.bench_delta_soak [--steps 20] [--lr 1e-6]
-     [--dtype bfloat16] [--transport socket] [--tp 1] [--output docs/weights.md]
+Run through the one memory benchmark: .venv/bin/python -m scripts.bench_server_memory
+     --delta-steps 20 [--lr 1e-6] [--dtype bfloat16] [--transport socket] [--tp 1]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 import time
 from typing import Any
 
-from scripts.bench_common import add_output_argument, tree_memory, tree_processes, write_report
+from scripts.bench_common import tree_memory, tree_processes, write_report
 from scripts.bench_models import AdamMaster, GiB, engine_servers, load_model, own_memory
 
 # The issue's bound on the drift over the run, in multiples of the model's bytes.
@@ -83,16 +83,18 @@ async def soak(
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
+def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
+    """The soak's flags (``--delta-steps`` picks it over the idle comparison)."""
+    parser.add_argument("--delta-steps", type=int, default=0, help="run N delta steps instead")
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--transport", default="socket", choices=["socket", "grpc", "collective"])
     parser.add_argument("--tp", type=int, default=1)
-    add_output_argument(parser, "weights.md")
-    args = parser.parse_args()
 
+
+def run_soak(args: argparse.Namespace) -> None:
+    """The soak with the parsed flags; its table goes to ``args.output``."""
+    steps = args.delta_steps
     import torch
 
     model, tensors, total, parameters = load_model(args.dtype)
@@ -100,7 +102,7 @@ def main() -> None:
     with engine_servers(model, 1, args.tp, args.dtype) as servers:
         address = servers[0].address  # type: ignore[attr-defined]
         rows = asyncio.run(
-            soak(address, [s.pid for s in servers], tensors, args.steps, args.lr, args.transport)
+            soak(address, [s.pid for s in servers], tensors, steps, args.lr, args.transport)
         )
     first = rows[1]  # the first delta step: what stays allocated from then on is the level
     later = rows[1:]
@@ -109,7 +111,7 @@ def main() -> None:
     drift_trainer = max(r["trainer"] - first["trainer"] for r in later) / total
     flat = drift_servers <= FLAT_WITHIN  # the issue's bound is on the servers' memory
     lines = [
-        f"\n#### {args.steps} delta steps at lr {args.lr:g}: {parameters / 1e6:.0f}M parameters "
+        f"\n#### {steps} delta steps at lr {args.lr:g}: {parameters / 1e6:.0f}M parameters "
         f"({total / GiB:.2f} GiB {args.dtype}), one server, TP={args.tp}, {args.transport}\n",
         "Memory above each side's level before the base was pushed, in multiples of the model's "
         "bytes, after each push (step 0: the base, whole; steps 1-5, then every fifth, shown).\n",
@@ -120,10 +122,10 @@ def main() -> None:
             f"| {r['step']:.0f} | {r['seconds']:.2f} | {r['sent'] / total:.3f} | "
             f"{r['servers'] / total:.3f} | {r['trainer'] / total:.3f} |"
             for r in rows
-            if r["step"] <= 5 or r["step"] % 5 == 0 or r["step"] == args.steps
+            if r["step"] <= 5 or r["step"] % 5 == 0 or r["step"] == steps
         ),
         "",
-        f"Largest growth over step 1's level, steps 1-{args.steps}: servers {drift_servers:.3f}x, "
+        f"Largest growth over step 1's level, steps 1-{steps}: servers {drift_servers:.3f}x, "
         f"trainer {drift_trainer:.3f}x the model: "
         + (
             f"the servers' memory is flat (within {FLAT_WITHIN}x)."
@@ -131,9 +133,5 @@ def main() -> None:
             else f"the servers' memory is NOT flat (bound {FLAT_WITHIN}x)."
         ),
     ]
-    block = f"bench_delta_soak {args.dtype} tp={args.tp} {args.transport}"
+    block = f"delta-soak {args.dtype} tp={args.tp} {args.transport}"
     write_report(args.output, lines, block)
-
-
-if __name__ == "__main__":
-    main()
