@@ -1,6 +1,7 @@
 """The HTTP edge under vLLM's own load generator (``vllm bench serve``: random prompts of 128
 tokens, 128 out, 256 prompts at concurrency 64) against vLLM's HTTP server and vllm-router,
-rounds interleaved (``bench_rollout`` runs it after its rollouts)."""
+rounds interleaved (``bench_rollout`` runs it after its rollouts), with one router process and
+with two replicas on the same ports; each routing tier's CPU seconds per 1000 output tokens."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import subprocess
 import sys
 import tempfile
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.bench_common import ROOT, SERVED_NAME, ProcessTree, median_range
-from servers.engine.options import TINY_MODEL_NAME
+from scripts.bench_common import ROOT, ProcessTree, median_range
 from skyrl_grpc.tiny_model import ensure_tiny_model
 
 
@@ -39,6 +40,7 @@ def bench_serve(base_url: str, model: str, rounds_dir: Path, tag: str) -> dict[s
     subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
     data = json.loads(result.read_text())
     return {
+        "tokens": data["total_output_tokens"],
         "output_tok_s": data["output_throughput"],
         "mean_itl_ms": data["mean_itl_ms"],
         "p99_itl_ms": data["p99_itl_ms"],
@@ -46,48 +48,68 @@ def bench_serve(base_url: str, model: str, rounds_dir: Path, tag: str) -> dict[s
     }
 
 
-def edge_section(
-    rounds: int,
-    edge: tuple[ProcessTree, str],
-    http: tuple[ProcessTree, str],
-    router: tuple[ProcessTree, str],
-) -> list[str]:
-    """Each target (its server processes, frozen while the others run; its base URL) under
-    ``vllm bench serve``, ``rounds`` times interleaved: the table and the ratios to
-    vllm-router."""
-    targets = {"edge (this router)": edge, "vllm-http": http, "vllm-router": router}
+@dataclass
+class EdgeTarget:
+    """One HTTP target: the processes thawed while it runs (``tree``), its base URL, the model
+    name it serves, and its routing processes (``routing``: None where there are none), whose
+    CPU seconds per 1000 output tokens are measured."""
+
+    tree: ProcessTree
+    url: str
+    model: str
+    routing: ProcessTree | None = None
+
+
+def edge_section(rounds: int, targets: dict[str, EdgeTarget]) -> list[str]:
+    """Each target under ``vllm bench serve``, ``rounds`` times interleaved (the others frozen
+    meanwhile): the table, and the ratios to vllm-router."""
     results: dict[str, list[dict[str, float]]] = defaultdict(list)
     with tempfile.TemporaryDirectory() as directory:
         for round_index in range(rounds):
             order = list(targets.items())
             shift = round_index % len(order)
-            for name, (tree, url) in order[shift:] + order[:shift]:
-                tree.thaw()
+            for name, target in order[shift:] + order[:shift]:
+                target.tree.thaw()
                 try:
-                    model = SERVED_NAME if name != "edge (this router)" else TINY_MODEL_NAME
-                    tag = f"{round_index}-{name.split()[0]}"
-                    results[name].append(bench_serve(url, model, Path(directory), tag))
+                    tag = f"{round_index}-{name.replace(' ', '_').replace(',', '')}"
+                    before = target.routing.cpu_seconds() if target.routing else 0.0
+                    figures = bench_serve(target.url, target.model, Path(directory), tag)
+                    if target.routing is not None:
+                        spent = target.routing.cpu_seconds() - before
+                        figures["routing_cpu_per_1k"] = 1000 * spent / figures.pop("tokens")
+                    else:
+                        figures.pop("tokens")
+                    results[name].append(figures)
                 finally:
-                    tree.freeze()
+                    target.tree.freeze()
                 print(f"edge round {round_index + 1} {name}: {results[name][-1]}", flush=True)
     lines = [
-        "| target | output tok/s | mean ITL (ms) | p99 ITL (ms) | p99 TTFT (ms) |",
-        "| --- | --- | --- | --- | --- |",
+        "| target | output tok/s | mean ITL (ms) | p99 ITL (ms) | p99 TTFT (ms) "
+        "| routing CPU s / 1k tokens |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
+    keys = ["output_tok_s", "mean_itl_ms", "p99_itl_ms", "p99_ttft_ms", "routing_cpu_per_1k"]
     for name, figures in results.items():
-        cells = [median_range([f[k] for f in figures], 1) for k in figures[0]]
+        cells = [
+            median_range([f[k] for f in figures], 3 if k == "routing_cpu_per_1k" else 1)
+            if k in figures[0]
+            else "—"
+            for k in keys
+        ]
         lines.append(f"| {name} | {' | '.join(cells)} |")
-    edge_runs, rust_runs = results["edge (this router)"], results["vllm-router"]
-    speed = statistics.median(
-        e["output_tok_s"] / r["output_tok_s"] for e, r in zip(edge_runs, rust_runs, strict=True)
-    )
-    p99 = statistics.median(
-        e["p99_itl_ms"] / r["p99_itl_ms"] for e, r in zip(edge_runs, rust_runs, strict=True)
-    )
-    lines += [
-        "",
-        f"Edge / vllm-router (median of per-round ratios): output tokens/s {speed:.2f} "
-        f"(target >= 1.0: {'met' if speed >= 1.0 else 'missed'}), p99 ITL {p99:.2f} "
-        f"(target <= 1.0: {'met' if p99 <= 1.0 else 'missed'}).",
-    ]
+    rust = results["vllm-router"]
+
+    def ratio(name: str, key: str) -> float:
+        return statistics.median(e[key] / r[key] for e, r in zip(results[name], rust, strict=True))
+
+    lines += ["", "Against vllm-router (median of per-round ratios):", ""]
+    for name in results:
+        if not name.startswith("edge"):
+            continue
+        lines.append(
+            f"- {name}: output tokens/s {ratio(name, 'output_tok_s'):.2f} (target >= 1.0), "
+            f"p99 TTFT {ratio(name, 'p99_ttft_ms'):.2f}, p99 ITL {ratio(name, 'p99_itl_ms'):.2f} "
+            f"(targets <= 1.0), routing CPU per token "
+            f"{ratio(name, 'routing_cpu_per_1k'):.2f} (target <= 1.0, one replica)"
+        )
     return lines

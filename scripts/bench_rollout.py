@@ -56,7 +56,7 @@ from scripts.bench_common import (
     vllm_router,
     write_report,
 )
-from scripts.bench_edge import edge_section
+from scripts.bench_edge import EdgeTarget, edge_section
 from scripts.rollout_clients import (
     InProcess,
     RunBatch,
@@ -66,7 +66,9 @@ from scripts.rollout_clients import (
     trainer_client,
     vllm_grpc_streams,
 )
+from servers.engine.options import TINY_MODEL_NAME
 from servers.fleet.local import LocalFleet
+from skyrl_grpc.process_group import free_port
 
 
 @dataclass
@@ -219,11 +221,11 @@ def targets_table(runs: dict[int, dict[str, list[Run]]]) -> list[str]:
 @contextlib.contextmanager
 def contenders(
     args: argparse.Namespace,
-) -> Iterator[tuple[list[Group], dict[str, tuple[Group, str]]]]:
+) -> Iterator[tuple[list[Group], dict[str, EdgeTarget]]]:
     """Every contender's servers, started once; yields the groups and the edge targets."""
     with contextlib.ExitStack() as stack:
         groups: list[Group] = []
-        edge_targets: dict[str, tuple[Group, str]] = {}
+        edge_targets: dict[str, EdgeTarget] = {}
 
         in_process = InProcess()
         stack.callback(in_process.close)
@@ -238,8 +240,10 @@ def contenders(
         group.add("vllm-http", http_streams(http.address, SERVED_NAME))
         group.add("vllm-router", http_streams(rust.address, SERVED_NAME))
         groups.append(group)
-        edge_targets["http"] = (group, http.address)
-        edge_targets["router"] = (group, rust.address)
+        edge_targets["vllm-http"] = EdgeTarget(group.tree, http.address, SERVED_NAME)
+        edge_targets["vllm-router"] = EdgeTarget(
+            group.tree, rust.address, SERVED_NAME, ProcessTree(rust.process.pid)
+        )
         group.tree.freeze()
 
         if vllm_grpc_available() and not args.no_vllm_grpc:
@@ -265,8 +269,25 @@ def contenders(
         group.add("router per step, no multiplex", grpc_streams(plain.address, 0, sessions=True))
         group.add("client batched, direct", trainer_client(router, [server], direct=True))
         group.add("client batched, via router", trainer_client(router, [server], direct=False))
+        # The same edge as two router replicas on one port (``route --replicas 2``).
+        replicas_http = free_port("127.0.0.1")
+        replicated = stack.enter_context(
+            skyrl_router([server], "--replicas", "2", "--http-port", str(replicas_http))
+        )
+        group.tree.add(replicated.process.pid)
         groups.append(group)
-        edge_targets["edge"] = (group, f"http://127.0.0.1:{fleet.http_port}")
+        edge_targets["edge (this router)"] = EdgeTarget(
+            group.tree,
+            f"http://127.0.0.1:{fleet.http_port}",
+            TINY_MODEL_NAME,
+            ProcessTree(fleet.pids[-1]),
+        )
+        edge_targets["edge, 2 replicas"] = EdgeTarget(
+            group.tree,
+            f"http://127.0.0.1:{replicas_http}",
+            TINY_MODEL_NAME,
+            ProcessTree(replicated.process.pid),
+        )
         group.tree.freeze()
         yield groups, edge_targets
 
@@ -287,8 +308,7 @@ async def main(args: argparse.Namespace) -> None:
             lines += ["#### Targets", "", *targets_table(runs), ""]
         if not args.no_edge:
             lines += ["### The HTTP edge under `vllm bench serve`", ""]
-            trees = {key: (group.tree, url) for key, (group, url) in edge.items()}
-            lines += edge_section(args.edge_rounds, trees["edge"], trees["http"], trees["router"])
+            lines += edge_section(args.edge_rounds, edge)
     write_report(args.output, lines, "bench_rollout")
 
 
