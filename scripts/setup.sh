@@ -70,16 +70,20 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     "skyrl-gym==$SKYRL_GYM_VERSION"
   touch "$stamp"
 fi
-# A real Prometheus for the metrics tests (tests/test_metrics.py scrapes the stack with it):
-# Debian's package, its service left stopped (the tests run their own).
-if ! command -v prometheus >/dev/null 2>&1; then
+# A real Prometheus for the metrics tests (tests/test_metrics.py scrapes the stack with it) and
+# a real browser for the fleet page's test (driven by Playwright): Debian's packages, the
+# Prometheus service left stopped (the tests run their own).
+missing=()
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    log "installing prometheus (Debian)"
+    log "installing ${missing[*]} (Debian)"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -q >/dev/null
-    apt-get install -y -q --no-install-recommends prometheus >/dev/null
+    apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
   else
-    log "prometheus is not installed and cannot be here (needs root and apt-get): the metrics tests that run it will fail"
+    log "${missing[*]} not installed and cannot be here (needs root and apt-get): the metrics tests that run them will fail"
   fi
 fi
 # SkyRL on Python 3.11: its TypedDict imports from typing_extensions (idempotent; see the script).

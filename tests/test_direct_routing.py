@@ -40,7 +40,8 @@ async def placed_by(router: str, session: str) -> str:
 def forwarded(router: RouterServer) -> float:
     return sum(
         router.metrics.registry.get_sample_value(
-            "skyrl_router_requests_total", {"method": GENERATE_STREAM, "backend": b.address}
+            "skyrl_router_processed_requests_total",
+            {"method": GENERATE_STREAM, "worker": b.address},
         )
         or 0.0
         for b in router.pool.backends

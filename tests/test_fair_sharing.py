@@ -220,7 +220,7 @@ async def test_a_paused_fleet_is_visible_and_requests_behave_as_documented(
             assert "--fail-when-paused" in (raised.value.details() or "")
             assert time.monotonic() - began < 30.0
         metrics = fail_fast.metrics.registry.get_sample_value(
-            "skyrl_router_backend_paused", {"backend": servers[0]}
+            "skyrl_router_worker_paused", {"worker": servers[0]}
         )
         assert metrics == 1.0
     finally:

@@ -99,7 +99,8 @@ async def test_a_five_turn_session_stays_on_one_server_and_its_tokens_round_trip
     def served() -> dict[str, float]:
         return {
             b.address: http_router.metrics.registry.get_sample_value(
-                "skyrl_router_requests_total", {"method": GENERATE_STREAM, "backend": b.address}
+                "skyrl_router_processed_requests_total",
+                {"method": GENERATE_STREAM, "worker": b.address},
             )
             or 0.0
             for b in http_router.pool.backends
@@ -140,11 +141,13 @@ async def test_bad_requests_get_openai_errors_and_a_disconnect_frees_the_engine(
     client = InferenceClient(http_router.address, [b.address for b in http_router.pool.backends])
 
     def cancelled() -> float:
-        return (
-            http_router.metrics.registry.get_sample_value(
-                "skyrl_router_errors_total", {"method": GENERATE_STREAM, "code": "CANCELLED"}
-            )
-            or 0.0
+        return sum(  # on whichever worker the stream ran
+            sample.value
+            for metric in http_router.metrics.registry.collect()
+            for sample in metric.samples
+            if sample.name == "skyrl_router_request_errors_total"
+            and sample.labels["method"] == GENERATE_STREAM
+            and sample.labels["code"] == "CANCELLED"
         )
 
     before = cancelled()

@@ -1,7 +1,9 @@
 """What operators watch, on a real fleet (`up`'s LocalFleet: two engine servers and a router
 as processes): every server exports vLLM's own metrics and its own on a port of its own, a
-real Prometheus (Debian's package) scrapes them and sees generation and weight updates, and
-every panel of the dashboard in docs/ asks for a metric the stack exports."""
+real Prometheus (Debian's package) scrapes them and sees generation and weight updates,
+every panel of the dashboard in docs/ asks for a metric the stack exports, and the router's
+live fleet page, in a real headless browser (Debian's chromium, driven by Playwright), shows
+both servers, a new weight version and a killed server going and coming back."""
 
 from __future__ import annotations
 
@@ -203,6 +205,42 @@ async def test_a_real_prometheus_sees_generation_and_the_weight_version_change(
     )
 
 
+async def test_the_router_exports_each_workers_tokens_ttft_placements_and_http_requests(
+    stack: Stack,
+) -> None:
+    """A streamed completion through the HTTP edge shows on the router's page: the worker it
+    ran on got a placement, its first tokens (TTFT) and every token, and the edge one 200."""
+    before = await asyncio.to_thread(scrape, stack.router)
+    host = stack.fleet.addresses.router.rpartition(":")[0]
+    body = json.dumps(
+        {"model": "", "prompt": [1, 4, 5], "max_tokens": 12, "stream": True, "ignore_eos": True}
+    ).encode()
+    request = urllib.request.Request(
+        f"http://{host}:{stack.fleet.http_port}/v1/completions",
+        body,
+        {"Content-Type": "application/json", "X-Session-ID": "metrics-session"},
+    )
+    answer = await asyncio.to_thread(lambda: urllib.request.urlopen(request, timeout=60).read())
+    assert b"[DONE]" in answer
+    after = await asyncio.to_thread(scrape, stack.router)
+
+    def grew(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert grew("skyrl_router_http_requests_total", route="/v1/completions", status="200") == 1
+    assert grew("skyrl_router_http_request_duration_seconds_count", route="/v1/completions") == 1
+    workers = [
+        worker
+        for worker in stack.fleet.addresses.servers
+        if grew("skyrl_router_ttft_seconds_count", worker=worker) > 0
+    ]
+    assert len(workers) == 1, "the stream's first tokens are counted once, on its worker"
+    assert grew("skyrl_router_tokens_total", worker=workers[0], token_type="output") == 12
+    assert grew("skyrl_router_inter_token_latency_seconds_count", worker=workers[0]) >= 1
+    assert grew("skyrl_router_policy_decisions_total", worker=workers[0]) >= 1
+    assert grew("skyrl_router_processed_requests_total", worker=workers[0]) >= 1
+
+
 def metric_names(expression: str) -> set[str]:
     """The metric names a PromQL expression reads (identifiers followed by a selector, a
     range or the end, not functions or labels)."""
@@ -227,3 +265,62 @@ async def test_every_dashboard_panel_asks_for_a_metric_the_stack_exports(stack: 
     assert asked, "the dashboard reads no metric"
     missing = sorted(asked - exported)
     assert not missing, f"panels read metrics nothing exports: {missing}"
+
+
+async def test_the_fleet_page_shows_the_servers_an_update_and_a_server_lost_and_back(
+    stack: Stack, tiny_model_dir: Path
+) -> None:
+    from playwright.async_api import async_playwright
+
+    browser_binary = shutil.which("chromium")
+    assert browser_binary, "chromium is not installed: scripts/setup.sh installs Debian's package"
+    fleet = stack.fleet
+    host = fleet.addresses.router.rpartition(":")[0]
+    servers = list(fleet.addresses.servers)
+
+    def row(table: str, server: str, extra: str = "") -> str:
+        return f'#{table} tr[data-server="{server}"]{extra}'
+
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=browser_binary)
+        try:
+            page = await browser.new_page()
+            await page.goto(f"http://{host}:{fleet.http_port}/fleet")
+            for server in servers:  # both, healthy
+                await page.wait_for_selector(row("servers", server, " td.state.healthy"))
+
+            client = InferenceClient(fleet.addresses.router, servers)
+            version = max((await client.weight_versions()).values()) + 1
+            weights = perturbed(load_file(str(tiny_model_dir / "model.safetensors")), seed=73)
+            await client.update_weights(weights.items(), version)
+            await client.close()
+            for server in servers:  # the new version, and the update with its phases
+                await page.wait_for_function(
+                    "([selector, version]) => document.querySelector(selector)?.textContent"
+                    " === version",
+                    arg=[row("servers", server, " td.version"), str(version)],
+                )
+                update = row("updates", server, f'[data-version="{version}"]')
+                assert await page.text_content(f"{update} td.outcome") == "committed"
+                phases = await page.text_content(f"{update} td.phases") or ""
+                assert "transfer" in phases and "commit" in phases, phases
+
+            lost = servers[1]
+            await asyncio.to_thread(fleet.kill_server, 1)
+            await page.wait_for_selector(
+                row("servers", lost, " td.state:not(.healthy)"), timeout=60_000
+            )
+            await page.wait_for_selector(f'#events tr[data-kind="lost"][data-server="{lost}"]')
+            await asyncio.to_thread(fleet.restart_server, 1, ENGINE_START_SECONDS)
+            await page.wait_for_selector(
+                row("servers", lost, " td.state.healthy"), timeout=60_000
+            )
+            await page.wait_for_selector(f'#events tr[data-kind="back"][data-server="{lost}"]')
+            # Caught up from its peer: the page shows it on the fleet's version again.
+            await page.wait_for_function(
+                "([selector, version]) => document.querySelector(selector)?.textContent"
+                " === version",
+                arg=[row("servers", lost, " td.version"), str(version)],
+            )
+        finally:
+            await browser.close()

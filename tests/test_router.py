@@ -357,14 +357,16 @@ async def test_metrics_endpoint(router_on_stand_ins) -> None:  # type: ignore[no
         )
     )
     for name in (
-        "skyrl_router_requests_total",
-        "skyrl_router_request_seconds_bucket",
-        "skyrl_router_in_flight",
-        "skyrl_router_backend_healthy",
-        "skyrl_router_errors_total",
+        "skyrl_router_processed_requests_total",
+        "skyrl_router_request_duration_seconds_bucket",
+        "skyrl_router_running_requests",
+        "skyrl_router_worker_health",
+        "skyrl_router_request_errors_total",
+        "skyrl_router_ttft_seconds_bucket",
+        "skyrl_router_policy_decisions_total",
     ):
         assert name in body
-    assert f'skyrl_router_backend_healthy{{backend="{backends[0].address}"}} 1.0' in body
+    assert f'skyrl_router_worker_health{{worker="{backends[0].address}"}} 1.0' in body
 
 
 async def test_methods_unknown_to_the_router_are_relayed_as_raw_streams(

@@ -67,7 +67,7 @@ class Replicas:
                 sum(
                     float(line.rsplit(" ", 1)[1])
                     for line in text.decode().splitlines()
-                    if line.startswith("skyrl_router_requests_total{")
+                    if line.startswith("skyrl_router_processed_requests_total{")
                 )
             )
         return counts

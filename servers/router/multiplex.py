@@ -63,6 +63,7 @@ class MuxStream:
         self._ready = asyncio.Event()
         self._done = False
         self.request_id = ""
+        self.tokens_read = 0  # the tokens of the message ``read`` returned last (metrics)
 
     @property
     def call_answered(self) -> bool:
@@ -107,8 +108,11 @@ class MuxStream:
             self._chunks.clear()
             merged = merge_backlog(waiting)
             self._chunks.extend(merged[1:])
-            return merged[0].SerializeToString()
-        return self._chunks.popleft().SerializeToString()
+            chunk = merged[0]
+        else:
+            chunk = self._chunks.popleft()
+        self.tokens_read = len(chunk.token_ids)
+        return chunk.SerializeToString()
 
     def cancel(self) -> bool:
         if self._done:
@@ -301,6 +305,11 @@ class WithFallback:
             message = await self._upstream.read()
         self._started = True
         return message
+
+    @property
+    def tokens_read(self) -> int | None:
+        """The tokens of the message ``read`` returned last (None: a plain call's, uncounted)."""
+        return getattr(self._upstream, "tokens_read", None)
 
     def cancel(self) -> bool:
         return bool(self._upstream.cancel())

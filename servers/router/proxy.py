@@ -30,6 +30,7 @@ from servers.common.early_answer import read_rest
 from servers.common.grpc_types import Context
 from servers.common.interceptors import abort_with_status
 from servers.router.backends import Backend, BackendPool
+from servers.router.fleet_view import FleetEvents
 from servers.router.metrics import RouterMetrics
 from servers.router.migration import StreamMigration
 from servers.router.multiplex import Multiplexers, WithFallback
@@ -128,6 +129,8 @@ class Proxy:
     options: ProxyOptions = field(default_factory=ProxyOptions)
     # GenerateStream calls travel over one multiplexed call per server (``multiplex``).
     multiplexers: Multiplexers = field(default_factory=Multiplexers)
+    # What happened to the fleet lately (migrations here; the router adds health changes).
+    events: FleetEvents = field(default_factory=FleetEvents)
 
     def _start_generation(
         self, backend: Backend, request: bytes, metadata: Metadata, timeout: float | None
@@ -149,8 +152,17 @@ class Proxy:
 
     def pick(self, session: str | None, tried: set[str]) -> Backend:
         """The backend for a call (UNAVAILABLE, saying why, when there is none)."""
+        home = self.pool.placement.sessions.home(session) if session else None
         backend = self.pool.choose(session, frozenset(tried))
         if backend is not None:
+            decision = (
+                "load"
+                if not session
+                else "session_home"
+                if home == backend.address
+                else "session_placed"
+            )
+            self.metrics.decisions.labels(backend.address, decision).inc()
             if (
                 backend.paused
                 and self.options.fail_when_paused
@@ -201,9 +213,12 @@ class Proxy:
         headers_sent = False
         started = time.perf_counter()
         code = grpc.StatusCode.OK
+        worker = ""
+        meter = _StreamMeter(self.metrics, started) if method == GENERATE_STREAM else None
         try:
             while True:
                 backend = self.pick(session, tried)
+                worker = backend.address
                 tried.add(backend.address)
                 self.begin(backend, method)
                 failed = True
@@ -225,6 +240,8 @@ class Proxy:
                         headers_sent = True
                     try:
                         while message is not grpc.aio.EOF:
+                            if meter is not None:
+                                meter.observe(worker, upstream, message)
                             yield message if migration is None else migration.observe(message)
                             message = await upstream.read()
                     except grpc.aio.AioRpcError as error:
@@ -239,6 +256,7 @@ class Proxy:
                             ) from error
                         request = migration.continuation(backend.address)
                         self.metrics.migrations.labels(method).inc()
+                        self.events.record("migration", backend.address, "a stream moved")
                         log.warning("migrating a stream from lost backend %s", backend.address)
                         continue
                     failed = False
@@ -261,7 +279,7 @@ class Proxy:
             code = grpc.StatusCode.CANCELLED
             raise
         finally:
-            self._finish(method, code, started)
+            self._finish(method, code, started, worker)
 
     async def everywhere(self, method: str, request: bytes, context: Context) -> list[bytes]:
         """Sends a unary call to every backend at once; returns the answers of those that
@@ -383,7 +401,34 @@ class Proxy:
         self.pool.end(backend, failed)
         self.metrics.in_flight.labels(backend.address).set(backend.in_flight)
 
-    def _finish(self, method: str, code: grpc.StatusCode, started: float) -> None:
+    def _finish(self, method: str, code: grpc.StatusCode, started: float, worker: str = "") -> None:
         self.metrics.latency.labels(method).observe(time.perf_counter() - started)
         if code != grpc.StatusCode.OK:
-            self.metrics.errors.labels(method, code.name).inc()
+            self.metrics.errors.labels(method, code.name, worker).inc()
+
+
+class _StreamMeter:
+    """A generation stream's time to first tokens, gaps between messages (per token) and
+    tokens, per worker. A message's tokens come from the upstream when it counted them
+    (``tokens_read``: the multiplexed path parses its chunks anyway), else from the message."""
+
+    def __init__(self, metrics: RouterMetrics, started: float) -> None:
+        self._metrics = metrics
+        self._started = started
+        self._last: float | None = None
+
+    def observe(self, worker: str, upstream: Upstream, message: bytes) -> None:
+        now = time.perf_counter()
+        tokens = getattr(upstream, "tokens_read", None)
+        if tokens is None:
+            try:
+                tokens = len(data_plane_pb2.GenerateStreamResponse.FromString(message).token_ids)
+            except Exception:
+                tokens = 0
+        if tokens:
+            self._metrics.tokens.labels(worker, "output").inc(tokens)
+        if self._last is None:
+            self._metrics.ttft.labels(worker).observe(now - self._started)
+        elif tokens:
+            self._metrics.itl.labels(worker).observe((now - self._last) / tokens)
+        self._last = now

@@ -47,7 +47,7 @@ from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB, open_channel
 from skyrl_grpc.names import DATA_PLANE, ROUTER_ADMIN, WATCH_BACKENDS
 from skyrl_grpc.placement import POLICIES
 from skyrl_grpc.tls import TlsConfig
-from skyrl_grpc.v1 import router_pb2_grpc
+from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 50050  # the command line's; RouterOptions(port=0) picks a free port
@@ -127,6 +127,11 @@ class RouterServer:
 
     def _backend_changed(self, backend: Backend) -> None:
         address = backend.address
+        if any(member is backend for member in self.pool.backends):
+            state = router_pb2.BackendState.Name(backend.state).removeprefix("BACKEND_STATE_")
+            self.proxy.events.health(address, backend.eligible, state)
+        else:
+            self.proxy.events.removed(address)
         if not backend.eligible:
             # Draining, lost or removed: its multiplexed calls take nothing new and end with
             # their requests, so a draining server finishes them and is not held open.
@@ -135,6 +140,7 @@ class RouterServer:
         self.metrics.paused.labels(address).set(1 if backend.paused else 0)
         self.metrics.prompt_tokens.labels(address).set(backend.status.prompt_tokens)
         self.metrics.cached_prompt_tokens.labels(address).set(backend.status.cached_prompt_tokens)
+        self.metrics.weight_version.labels(address).set(backend.weight_version)
         sessions = self.pool.placement.sessions.live_sessions()
         for member in self.pool.backends:  # zero too: a gauge keeps its last value otherwise
             self.metrics.live_sessions.labels(member.address).set(sessions[member.address])
@@ -181,7 +187,9 @@ class RouterServer:
         if self.options.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.options.metrics_port, self.options.host)
         if self.options.http_port is not None:
-            edge = OpenAIEdge(self.proxy, self.pool, self.options.http_stream_interval)
+            edge = OpenAIEdge(
+                self.proxy, self.pool, self.options.http_stream_interval, self.options.replica
+            )
             self.http = HttpEdgeServer(
                 edge,
                 self.options.host,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from servers.engine.domain.lora_adapters import AdapterLimits, LoadedAdapter
 from servers.engine.domain.weights.staging import OpenUpdate
+from servers.engine.domain.weights.update_log import UpdateRecord
 from servers.engine.transfer.protocol import Group
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -67,3 +68,5 @@ class ServingStatus:
     prompt_tokens: int
     cached_prompt_tokens: int
     sessions: frozenset[str]
+    adapters: tuple[str, ...] = ()
+    recent_updates: tuple[UpdateRecord, ...] = ()

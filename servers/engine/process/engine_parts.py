@@ -204,6 +204,8 @@ class EngineParts:
             prompt_tokens=engine.prompt_tokens,
             cached_prompt_tokens=engine.cached_prompt_tokens,
             sessions=self.sessions.snapshot(),
+            adapters=tuple(sorted(a.name for a in self.adapters.serving())),
+            recent_updates=self.weights.recent.records(),
         )
 
     async def shutdown(self) -> None:

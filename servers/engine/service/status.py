@@ -69,6 +69,15 @@ class ServerStatusServicer(status_pb2_grpc.ServerStatusServicer):
         status.kv_cache_usage = now.kv_cache_usage
         status.prompt_tokens = now.prompt_tokens
         status.cached_prompt_tokens = now.cached_prompt_tokens
+        status.adapters.extend(now.adapters)
+        for record in now.recent_updates:
+            status.recent_updates.add(
+                weight_version=record.weight_version,
+                outcome=record.outcome,
+                phase_seconds=record.phase_seconds,
+                bytes=record.bytes,
+                ended_at_unix_seconds=record.ended_at,
+            )
         live = now.sessions
         status.live_sessions = len(live)
         if reported is None:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, MutableMapping
 from typing import Any, NoReturn, cast
 
@@ -85,17 +86,29 @@ class Responder:
         self._send = send
         self.started = False
         self.finished = False
+        self.status = 0  # the answer's status code, once started (metrics)
 
     async def json(self, status: int, body: Any) -> None:
         self.started = True
+        self.status = status
         payload = orjson.dumps(body)
         await self._send({"type": "http.response.start", "status": status, "headers": _JSON})
         self.finished = True
         await self._send({"type": "http.response.body", "body": payload})
 
+    async def page(self, body: bytes, content_type: bytes) -> None:
+        """A whole body of its own type (the fleet page's HTML)."""
+        self.started = True
+        self.status = 200
+        headers = [(b"content-type", content_type), (b"cache-control", b"no-store")]
+        await self._send({"type": "http.response.start", "status": 200, "headers": headers})
+        self.finished = True
+        await self._send({"type": "http.response.body", "body": body})
+
     async def event(self, body: Any) -> None:
         if not self.started:
             self.started = True
+            self.status = 200
             await self._send({"type": "http.response.start", "status": 200, "headers": _SSE})
         data = b"data: " + orjson.dumps(body) + b"\n\n"
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
@@ -103,25 +116,44 @@ class Responder:
     async def done(self) -> None:
         if not self.started:
             self.started = True
+            self.status = 200
             await self._send({"type": "http.response.start", "status": 200, "headers": _SSE})
         self.finished = True
         await self._send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
 
 Handler = Callable[[Request, Responder], Awaitable[None]]
+# Called once per request with its route ('unmatched' for none), status code and seconds.
+Observer = Callable[[str, int, float], None]
 
 
 class AsgiApp:
     """Routes ``(method, path)`` to a handler; see the module docstring."""
 
-    def __init__(self, routes: Mapping[tuple[str, str], Handler]) -> None:
+    def __init__(
+        self, routes: Mapping[tuple[str, str], Handler], observe: Observer | None = None
+    ) -> None:
         self._routes = dict(routes)
+        self._observe = observe
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         responder = Responder(send)
+        started = time.perf_counter()
         handler = self._routes.get((scope["method"], scope["path"]))
+        route = scope["path"] if handler is not None else "unmatched"
+        try:
+            await self._serve(scope, receive, responder, handler)
+        finally:
+            if self._observe is not None:
+                # 499 (nginx's): the client went away before an answer began.
+                status = responder.status or 499
+                self._observe(route, status, time.perf_counter() - started)
+
+    async def _serve(
+        self, scope: Scope, receive: Receive, responder: Responder, handler: Handler | None
+    ) -> None:
         if handler is None:
             known = any(path == scope["path"] for _, path in self._routes)
             status = 405 if known else 404

@@ -17,8 +17,10 @@ from typing import Any
 import grpc
 
 from servers.router.backends import BackendPool
+from servers.router.fleet_view import fleet_view
 from servers.router.http_edge import parse, render, token_generate, tool_calls
 from servers.router.http_edge.asgi import AsgiApp, Request, Responder
+from servers.router.http_edge.fleet_page import FLEET_HTML
 from servers.router.http_edge.http_status import error_body
 from servers.router.http_edge.token_texts import TokenTexts
 from servers.router.proxy import Proxy
@@ -39,10 +41,17 @@ class OpenAIEdge(AsgiApp):
     """The OpenAI API as an ASGI app. ``stream_interval``: tokens per upstream message for
     streamed answers (1: an event per engine step, as vLLM's server sends them)."""
 
-    def __init__(self, proxy: Proxy, pool: BackendPool, stream_interval: int = 1) -> None:
+    def __init__(
+        self,
+        proxy: Proxy,
+        pool: BackendPool,
+        stream_interval: int = 1,
+        replica: int | None = None,
+    ) -> None:
         self.proxy = proxy
         self.pool = pool
         self.stream_interval = stream_interval
+        self.replica = replica
         self._model: data_plane_pb2.GetModelInfoResponse | None = None
         self._token_texts = TokenTexts()  # for logprobs answers, as vLLM's server writes them
         super().__init__(
@@ -53,11 +62,14 @@ class OpenAIEdge(AsgiApp):
                 ("POST", "/inference/v1/generate"): self.generate_tokens,
                 ("GET", "/v1/models"): self.models,
                 ("GET", "/health"): self.health,
+                ("GET", "/fleet"): self.fleet_page,
+                ("GET", "/fleet.json"): self.fleet,
                 ("POST", "/tokenize"): self.tokenize,
                 ("POST", "/detokenize"): self.detokenize,
                 ("POST", "/finish_session"): self.finish_session,
                 ("POST", "/v1/finish_session"): self.finish_session,  # for SDKs rooted at /v1
-            }
+            },
+            observe=proxy.metrics.http_request,
         )
 
     # -- calls on the forwarding path --------------------------------------------------------
@@ -320,6 +332,12 @@ class OpenAIEdge(AsgiApp):
         else:
             status, body = error_body(grpc.StatusCode.UNAVAILABLE, "router: no healthy backend")
             await responder.json(status, body)
+
+    async def fleet_page(self, request: Request, responder: Responder) -> None:
+        await responder.page(FLEET_HTML, b"text/html; charset=utf-8")
+
+    async def fleet(self, request: Request, responder: Responder) -> None:
+        await responder.json(200, fleet_view(self.pool, self.proxy.events, self.replica))
 
     async def tokenize(self, request: Request, responder: Responder) -> None:
         raw = await self._unary(TOKENIZE, parse.read_tokenize(request.body), request)

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from servers.engine.domain.weights.transaction import PhaseObserver, WeightTransferManager
+from servers.engine.domain.weights.update_log import UpdateLog
 from servers.engine.options import EngineOptions
 from servers.engine.transfer.assembly import ParamLayout
 from servers.engine.transfer.handoff import HandoffBuffer, buffer_bytes_for
@@ -62,6 +63,8 @@ class ServingWeights:
             engine.weight_lifecycle,
             HandoffBuffer(buffer_bytes_for(options.weight_stage_batch_bytes)),
         )
+        # The last updates with their phases (what the status stream shows watchers).
+        self.recent = UpdateLog(lambda: self.version, status_changed, on_phase)
         self.updates = WeightTransferManager(
             self.workers,
             self._set_version,
@@ -70,7 +73,7 @@ class ServingWeights:
             default_lease_seconds=options.weight_update_lease_seconds,
             stage_batch_bytes=options.weight_stage_batch_bytes,
             allow_non_finite=options.allow_non_finite_weights,
-            on_phase=on_phase,
+            on_phase=self.recent.phase,
         )
 
     async def warm_reload(self) -> None:
