@@ -67,6 +67,8 @@ def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -
     """The fleet the stack flags describe (not started); ``server_args``: more `serve` flags
     for every server (``up`` passes through whatever it does not know itself)."""
     server_flags = [*_engine_flags(args), *(server_args or [])]
+    if args.otlp_traces_endpoint:
+        server_flags += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     if args.ray:
         from servers.fleet.ray_group import RayFleet
 
@@ -86,12 +88,15 @@ def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -
             metrics_port=args.metrics_port,
             log_dir=args.log_dir,
             router_replicas=args.router_replicas,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
         )
     router_args = ["--replicas", str(args.router_replicas)] if args.router_replicas > 1 else []
     if args.metrics_port is not None:
         router_args += ["--metrics-port", str(args.metrics_port)]
     if args.http_port is not None:
         router_args += ["--http-port", str(args.http_port)]
+    if args.otlp_traces_endpoint:
+        router_args += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     return LocalFleet(
         args.servers,
         engine_args=server_flags,
@@ -125,6 +130,12 @@ def _add_stack_arguments(
         default=Fleet.start_timeout,
         help="seconds each server may take to become ready, at start and when restarted or "
         "added (a large model, or a busy machine, may need more)",
+    )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="OpenTelemetry traces of the servers and the router over OTLP/gRPC to this "
+        "host:port (default: none)",
     )
     parser.add_argument("--ray", action="store_true", help="place the servers on Ray (RayFleet)")
     parser.add_argument(

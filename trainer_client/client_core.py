@@ -13,6 +13,7 @@ from typing import Any, TypeAlias, TypeVar
 import grpc
 from google.protobuf.message import Message as ProtoMessage
 
+from skyrl_grpc import tracing
 from skyrl_grpc.metadata import SESSION_ID
 from skyrl_grpc.session_moves import finish_moved_session
 from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2_grpc
@@ -41,6 +42,8 @@ class ClientCore:
     def _setup(self, config: ClientConfig) -> None:
         """The one place a client's fields are set (constructor, from_config, unpickling)."""
         self.config = config
+        if config.otlp_traces_endpoint and not tracing.enabled():
+            tracing.configure("skyrl-trainer-client", config.otlp_traces_endpoint)
         # Channels, the routing view and background calls, per event loop (never pickled).
         self._connections = Connections(config, self._session_moved)
 

@@ -7,6 +7,7 @@ from typing import Literal, TypedDict
 
 import grpc
 
+from skyrl_grpc import tracing
 from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, open_channel
 from skyrl_grpc.metadata import bearer
 from skyrl_grpc.tls import TlsConfig
@@ -71,13 +72,21 @@ class ClientConfig:
     # at any size and for full updates on links of 100 Gbit/s and more; 1 (a chain of hosts)
     # is faster for full updates on slower links (docs/weights.md).
     weight_relay_fanout: int = 2
+    # OpenTelemetry traces over OTLP/gRPC to this host:port (vLLM's flag's name): a span per
+    # update_weights and generate_batch, and the W3C trace context on every call, so the
+    # servers' spans (each weight update phase, each generation) join the trainer's trace.
+    # None: off, at no cost.
+    otlp_traces_endpoint: str | None = None
 
     def metadata(self, plane: Plane) -> tuple[tuple[str, str], ...]:
-        """The metadata of a call to ``plane``: the extra pairs and that plane's token."""
+        """The metadata of a call to ``plane``: the extra pairs, that plane's token and the
+        current trace context (tracing on)."""
         pairs = list(self.extra_metadata)
         token = (self.data_token if plane == "data" else self.control_token) or self.token
         if token:
             pairs.append(bearer(token))
+        if tracing.enabled():
+            pairs.extend(tracing.headers().items())
         return tuple(pairs)
 
     def open_channel(self, address: str) -> grpc.aio.Channel:
@@ -102,3 +111,4 @@ class ClientSettings(TypedDict, total=False):
     extra_metadata: tuple[tuple[str, str], ...]
     push_socket: bool
     weight_relay_fanout: int
+    otlp_traces_endpoint: str | None

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from skyrl_grpc import tracing
 from skyrl_grpc.errors import server_lost
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2
 from trainer_client.abort_retry import AbortRetry
@@ -188,6 +189,7 @@ class Generation(ClientCore):
             result.text = await self.detokenize(result.token_ids)
         return result
 
+    @tracing.traced("generate_batch")
     async def generate_batch(
         self,
         prompts: Sequence[Sequence[int]],

@@ -20,8 +20,10 @@ import grpc
 
 from servers.common.early_answer import read_rest
 from servers.common.grpc_types import Context, Handler
+from skyrl_grpc import tracing
 from skyrl_grpc.errors import InvalidArgument, ResourceExhausted, SkyrlError
 from skyrl_grpc.metadata import AUTHORIZATION
+from skyrl_grpc.names import GENERATE_MULTIPLEX
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +181,17 @@ async def _guarded(
     code = grpc.StatusCode.OK
     if observer is not None:
         observer.started(method, kind)
+    # Tracing on: the call's span, current while its handler runs (off: nothing at all).
+    # Spans for the planes' calls only (not health or status watches, open for hours, nor a
+    # router's multiplexed call: its requests carry their own trace context).
+    traced = (
+        tracing.server_span(method, context.invocation_metadata())
+        if tracing.enabled() and counter is not _NOT_COUNTED and method != GENERATE_MULTIPLEX
+        else contextlib.nullcontext()
+    )
     try:
-        yield
+        with traced:
+            yield
     except grpc.aio.AbortError:
         code = _aborted_code(context)
         raise

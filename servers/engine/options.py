@@ -86,6 +86,9 @@ class EngineOptions:
     tool_call_parser: str = ""
     reasoning_parser: str = ""
     enable_auto_tool_choice: bool = False
+    # OpenTelemetry traces (vLLM's flag): this server's spans and vLLM's own llm_request span
+    # per request go over OTLP/gRPC to this endpoint. None: no tracing, at no cost.
+    otlp_traces_endpoint: str | None = None
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -163,6 +166,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    group.add_argument(
+        "--otlp-traces-endpoint",
+        default=d.otlp_traces_endpoint,
+        help="send OpenTelemetry traces over OTLP/gRPC here (host:port): a span per call, "
+        "vLLM's own per request (queue, prefill, decode), each weight update phase, the "
+        "catch-up; default: none",
+    )
     group.add_argument("--seed", type=int, default=d.seed)
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument(
@@ -285,6 +295,7 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 

@@ -109,9 +109,11 @@ class RouterActor:
         metrics_port: int | None = None,
         log_file: str | None = None,
         replicas: int = 1,
+        otlp_traces_endpoint: str | None = None,
     ) -> None:
         from servers.router.replicas import RouterReplicas
         from servers.router.router_server import RouterOptions, RouterServer
+        from skyrl_grpc import tracing
 
         write_output_to(log_file)
         self._backends = backends
@@ -121,8 +123,11 @@ class RouterActor:
             argv = ["--backends", ",".join(backends), "--host", host, "--port", str(port)]
             argv += ["--http-port", str(http_port)] if http_port is not None else []
             argv += ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
+            if otlp_traces_endpoint:
+                argv += ["--otlp-traces-endpoint", otlp_traces_endpoint]
             self._replicas = RouterReplicas(argv, replicas, host, port, http_port, metrics_port)
         else:
+            tracing.configure("skyrl-router", otlp_traces_endpoint)
             self._router = RouterServer(
                 RouterOptions(
                     backends=backends,
@@ -130,6 +135,7 @@ class RouterActor:
                     port=port,
                     http_port=http_port,
                     metrics_port=metrics_port,
+                    otlp_traces_endpoint=otlp_traces_endpoint,
                 )
             )
 

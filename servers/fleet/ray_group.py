@@ -206,6 +206,7 @@ class RayFleet(Fleet):
                 metrics_port=metrics,
                 log_file=self._log_file("router"),
                 replicas=self.options.router_replicas,
+                otlp_traces_endpoint=self.options.otlp_traces_endpoint,
             )
         )
         address = self._advertised(

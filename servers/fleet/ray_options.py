@@ -46,6 +46,8 @@ class ServerGroupOptions:
     metrics_port: int | None = None
     # Router processes sharing its ports on the router's node (``servers.router.replicas``).
     router_replicas: int = 1
+    # The router's OpenTelemetry endpoint (the servers take theirs in server_args).
+    otlp_traces_endpoint: str | None = None
     # Each actor's output in a file here (server-<i>.log, router.log), on its own node.
     log_dir: str | None = None
 

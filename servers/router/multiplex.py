@@ -35,6 +35,7 @@ from typing import Any
 
 import grpc
 
+from skyrl_grpc import tracing
 from skyrl_grpc.errors import TRANSPORT_BROKE, status_of
 from skyrl_grpc.metadata import AUTHORIZATION, session_of
 from skyrl_grpc.names import GENERATE_MULTIPLEX
@@ -161,9 +162,10 @@ class Multiplexer:
         add = data_plane_pb2.GenerateBatchRequest(
             requests=[request], session_ids=[session], indices=[index]
         )
-        self._outbox.put_nowait(
-            data_plane_pb2.GenerateMultiplexRequest(add=add).SerializeToString()
-        )
+        message = data_plane_pb2.GenerateMultiplexRequest(add=add)
+        if tracing.enabled():  # the router's span of the request (current here)
+            message.trace_context.update(tracing.headers())
+        self._outbox.put_nowait(message.SerializeToString())
         return stream
 
     def cancel(self, index: int) -> None:

@@ -16,6 +16,7 @@ a backend's status is passed through as it is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -34,6 +35,7 @@ from servers.router.fleet_view import FleetEvents
 from servers.router.metrics import RouterMetrics
 from servers.router.migration import StreamMigration
 from servers.router.multiplex import Multiplexers, WithFallback
+from skyrl_grpc import tracing
 from skyrl_grpc.errors import SkyrlError, Unavailable, call_status, server_lost
 from skyrl_grpc.metadata import ROUTED_TO, session_of
 from skyrl_grpc.names import ABORT, FINISH_SESSION, GENERATE_STREAM
@@ -208,6 +210,12 @@ class Proxy:
         """
         metadata = forwarded_metadata(context)
         session = session_of(metadata)
+        # Tracing on: this call's span (its caller's child), passed on to the backend.
+        traced = contextlib.ExitStack()
+        span = None
+        if tracing.enabled():
+            span = traced.enter_context(tracing.server_span(method, metadata))
+            metadata = tracing.with_context(metadata)
         tried: set[str] = set()
         retries = 0
         headers_sent = False
@@ -280,6 +288,9 @@ class Proxy:
             raise
         finally:
             self._finish(method, code, started, worker)
+            if code != grpc.StatusCode.OK:
+                tracing.failed(span, code.name, f"ended {code.name} on {worker or 'no backend'}")
+            traced.close()
 
     async def everywhere(self, method: str, request: bytes, context: Context) -> list[bytes]:
         """Sends a unary call to every backend at once; returns the answers of those that

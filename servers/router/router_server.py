@@ -43,6 +43,7 @@ from servers.router.http_edge.handlers import OpenAIEdge
 from servers.router.metrics import RouterMetrics
 from servers.router.proxy import Proxy, ProxyOptions
 from servers.router.siblings import Siblings
+from skyrl_grpc import tracing
 from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB, open_channel
 from skyrl_grpc.names import DATA_PLANE, ROUTER_ADMIN, WATCH_BACKENDS
 from skyrl_grpc.placement import POLICIES
@@ -82,6 +83,9 @@ class RouterOptions:
     # own port (on ``host``), where its siblings pass membership changes on (``siblings``).
     replica: int | None = None
     replica_ports: list[int] = field(default_factory=list)
+    # OpenTelemetry traces over OTLP/gRPC (vLLM's flag): a span per forwarded call and per
+    # HTTP request, its context passed on to the server. None: off, at no cost.
+    otlp_traces_endpoint: str | None = None
 
 
 class RouterServer:
@@ -255,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--health-check-interval", type=float, default=defaults.health_check_interval
     )
     parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=defaults.otlp_traces_endpoint,
+        help="send OpenTelemetry traces over OTLP/gRPC here (host:port): a span per call and "
+        "HTTP request, its context passed on to the engine servers; default: none",
+    )
+    parser.add_argument(
         "--balancing",
         choices=["least-outstanding", "round-robin"],
         default=defaults.balancing,
@@ -351,6 +361,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         http_stream_interval=args.http_stream_interval,
         replica=args.replica_id,
         replica_ports=[int(p) for p in args.replica_ports.split(",") if p],
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         max_message_bytes=args.max_message_mib * MiB,
         tls=tls_from_args(args),
         backend_tls=(
@@ -362,6 +373,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
 
 
 async def serve(options: RouterOptions) -> None:
+    tracing.configure("skyrl-router", options.otlp_traces_endpoint)
     router = RouterServer(options)
     await serve_until_stopped(
         router,

@@ -108,12 +108,21 @@ class GenerateBatchResponse(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[GenerateStreamResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[BatchError, _Mapping]]] = ...) -> None: ...
 
 class GenerateMultiplexRequest(_message.Message):
-    __slots__ = ("add", "cancel")
+    __slots__ = ("add", "cancel", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ADD_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     add: GenerateBatchRequest
     cancel: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, add: _Optional[_Union[GenerateBatchRequest, _Mapping]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, add: _Optional[_Union[GenerateBatchRequest, _Mapping]] = ..., cancel: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class GenerateMultiplexResponse(_message.Message):
     __slots__ = ("chunks", "errors")

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
+from skyrl_grpc import tracing
 from skyrl_grpc.process_group import free_port
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.exceptions import FailedPrecondition
@@ -119,6 +120,7 @@ class WeightUpdates(WeightDelivery):
         self._local.sender = sender
         return by_server
 
+    @tracing.traced("update_weights")
     async def update_weights(
         self,
         named_tensors: Iterable[tuple[str, Any]],

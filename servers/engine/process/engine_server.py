@@ -65,6 +65,7 @@ from servers.engine.service.status import ServerStatusServicer, StatusChanges
 from servers.engine.service.weight_streams import WeightStreams
 from servers.engine.vllm_adapter.engine_logs import root_cause, route_vllm_logs
 from servers.engine.vllm_adapter.vllm_engine import EngineCannotRun, VllmEngine
+from skyrl_grpc import tracing
 from skyrl_grpc.host_memory import keep_freed_memory
 from skyrl_grpc.names import CONTROL_PLANE, DATA_PLANE, GENERATE_BATCH, SERVER_STATUS
 from skyrl_grpc.v1 import data_plane_pb2_grpc, status_pb2_grpc
@@ -231,7 +232,10 @@ class EngineServer:
             if self.options.catch_up_from:  # before anything is served: nobody sees it behind
                 peers = self.options.catch_up_from
                 started = time.monotonic()
-                outcome = await catch_up(parts.catch_up, peers, self.peer_access)
+                with tracing.span("catch_up", {"skyrl.peers": ",".join(peers)}) as span:
+                    outcome = await catch_up(parts.catch_up, peers, self.peer_access)
+                    if span is not None:
+                        span.set_attribute("skyrl.catch_up.outcome", outcome)
                 if self.metrics is not None:
                     self.metrics.caught_up(time.monotonic() - started, outcome)
                 log.info("catch-up: %s", outcome)
@@ -359,6 +363,7 @@ def run(options: ServerOptions) -> NoReturn:
     stderr (before vLLM is imported), ties the engine's processes to this one (they die with it,
     however it dies), serves until stopped, and exits without the interpreter's teardown."""
     configure_logging()
+    tracing.configure("skyrl-engine-server", options.engine.otlp_traces_endpoint)
     scratch = use_scratch_directory()
     errors = route_vllm_logs(scratch)
     reap_children_on_exit(remove=scratch)

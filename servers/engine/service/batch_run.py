@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from servers.engine.domain.admission import Admission
@@ -46,6 +46,8 @@ class PreparedRequest:
     n: int
     messages: Messages
     adapter: LoadedAdapter | None
+    # The W3C trace context of the call (or multiplexed request) it came in (tracing on).
+    trace_headers: dict[str, str] = field(default_factory=dict)
 
 
 def batch_error(index: int, error: BaseException) -> data_plane_pb2.BatchError:
@@ -136,6 +138,7 @@ class BatchRun:
                     prepared.messages,
                     prepared.adapter,
                     self._weights.cache_salt,
+                    prepared.trace_headers,
                 )
             except SkyrlError as error:
                 self._group.fail(index, error)

@@ -30,8 +30,10 @@ from servers.engine.service.stream_steps import RequestMessages
 from servers.engine.service.validate import ModelLimits
 from servers.engine.vllm_adapter.tokenizer_calls import TokenizerCalls
 from servers.engine.vllm_adapter.vllm_engine import VllmEngine
+from skyrl_grpc import tracing
 from skyrl_grpc.errors import SkyrlError
 from skyrl_grpc.metadata import session_of
+from skyrl_grpc.names import GENERATE_STREAM
 from skyrl_grpc.sample_assembly import ResponseAssembler
 from skyrl_grpc.stream_chunks import merge_backlog
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2, data_plane_pb2_grpc, generation_pb2
@@ -113,7 +115,9 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             adapter.version if adapter is not None else 0,
             parsing,
         )
-        return PreparedRequest(request_id, prompt_token_ids, params, n, messages, adapter)
+        return PreparedRequest(
+            request_id, prompt_token_ids, params, n, messages, adapter, tracing.headers()
+        )
 
     async def _stream(
         self, parts: DataPlaneParts, prepared: PreparedRequest
@@ -127,6 +131,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
                     prepared.messages,
                     prepared.adapter,
                     parts.weights.cache_salt,
+                    prepared.trace_headers,
                 )
                 async for messages in outputs:
                     # More than one when this reader fell behind: it gets them merged.
@@ -204,7 +209,14 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             try:
                 async for message in request_iterator:
                     if message.HasField("add"):
-                        self._add_batch(parts, batch, message.add)
+                        if message.trace_context and tracing.enabled():
+                            # The router's span of the request, passed in the message: the
+                            # call's metadata is shared by every request on it.
+                            name = f"{GENERATE_STREAM} (multiplexed)"
+                            with tracing.server_span(name, message.trace_context):
+                                self._add_batch(parts, batch, message.add)
+                        else:
+                            self._add_batch(parts, batch, message.add)
                     for index in message.cancel:
                         batch.cancel(index)
             except Exception as error:  # a malformed message: the call ends with its status

@@ -65,6 +65,8 @@ def engine_arguments(
         disable_log_stats=False,
         max_logprobs=limits.max_logprobs,
     )
+    if options.otlp_traces_endpoint:  # vLLM's own per-request span (llm_request)
+        args["otlp_traces_endpoint"] = options.otlp_traces_endpoint
     if options.enable_lora:
         # On CPU one more slot: base-model requests run on a zero adapter (see
         # VllmEngine._install_base_adapter).

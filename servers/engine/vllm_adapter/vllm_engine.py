@@ -19,6 +19,7 @@ from collections.abc import (
     Coroutine,
     Hashable,
     Iterable,
+    Mapping,
     Sequence,
 )
 from pathlib import Path
@@ -274,11 +275,13 @@ class VllmEngine:
         transform: Callable[[Any], Iterable[U]],
         adapter: AdapterRef | None = None,
         cache_salt: str = "",
+        trace_headers: Mapping[str, str] | None = None,
     ) -> tuple[Callable[[], AsyncIterator[Any]], Callable[[Any], Iterable[U]]]:
         """One request taken in (ALREADY_EXISTS if its id is in flight here; ``finished``
         forgets it): vLLM's generation of it, to iterate on the engine loop, and ``transform``
         that also counts its prompt's cache hits. ``cache_salt``: the prefix-cache namespace
-        it runs in (blocks are only reused within one)."""
+        it runs in (blocks are only reused within one). ``trace_headers``: the W3C trace
+        context vLLM's own span of the request (``llm_request``) joins."""
         if request_id in self._in_flight:
             raise AlreadyExists(
                 f"request_id {request_id!r} is already in flight: use a unique id, or leave it "
@@ -308,10 +311,10 @@ class VllmEngine:
         if salt:
             prompt["cache_salt"] = salt
 
+        extra = {"lora_request": lora_request, "trace_headers": trace_headers or None}
+
         def outputs() -> AsyncIterator[Any]:
-            return self.llm.generate(  # type: ignore[no-any-return]
-                prompt, sampling_params, request_id, lora_request=lora_request
-            )
+            return self.llm.generate(prompt, sampling_params, request_id, **extra)  # type: ignore[no-any-return]
 
         return outputs, count_then
 
@@ -340,13 +343,13 @@ class VllmEngine:
         transform: Callable[[Any], Iterable[U]],
         adapter: AdapterRef | None = None,
         cache_salt: str = "",
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[list[U]]:
         """Streams what ``transform`` makes of each vLLM ``RequestOutput`` delta (run on the
         engine's loop, beside vLLM's own output processing), a list of what arrived since the
         caller last asked at a time. Cancelling the iteration aborts the request."""
-        outputs, counted = self.submission(
-            request_id, prompt_token_ids, sampling_params, transform, adapter, cache_salt
-        )
+        taken = (request_id, prompt_token_ids, sampling_params, transform, adapter, cache_salt)
+        outputs, counted = self.submission(*taken, trace_headers)
         started = False
         try:
             async for items in self._engine_loop.stream_batches(outputs, counted):

@@ -23,6 +23,7 @@ import uvicorn
 
 from servers.common.grpc_types import Context
 from servers.router.http_edge.http_status import error_body
+from skyrl_grpc import tracing
 from skyrl_grpc.errors import InvalidArgument, SkyrlError
 from skyrl_grpc.metadata import AUTHORIZATION, ROUTED_TO, SESSION_ID
 
@@ -123,6 +124,7 @@ class Responder:
 
 
 Handler = Callable[[Request, Responder], Awaitable[None]]
+TRACE_CONTEXT = (tracing.TRACEPARENT, tracing.TRACESTATE)
 # Called once per request with its route ('unmatched' for none), status code and seconds.
 Observer = Callable[[str, int, float], None]
 
@@ -144,7 +146,14 @@ class AsgiApp:
         handler = self._routes.get((scope["method"], scope["path"]))
         route = scope["path"] if handler is not None else "unmatched"
         try:
-            await self._serve(scope, receive, responder, handler)
+            if tracing.enabled() and handler is not None:
+                headers = [(k.decode("latin-1").lower(), v) for k, v in scope["headers"]]
+                name = f"{scope['method']} {route}"
+                with tracing.server_span(name, headers, {"http.route": route}) as span:
+                    await self._serve(scope, receive, responder, handler)
+                    span.set_attribute("http.response.status_code", responder.status)
+            else:
+                await self._serve(scope, receive, responder, handler)
         finally:
             if self._observe is not None:
                 # 499 (nginx's): the client went away before an answer began.
@@ -220,7 +229,9 @@ def request_metadata(scope: Scope, body: Any) -> Metadata:
         session = session or (str(from_body) if from_body is not None else None)
     if session:
         metadata.append((SESSION_ID, session))
-    return tuple(metadata)
+    # The caller's W3C trace context, passed on; with tracing on, the edge's own span's.
+    metadata.extend((key, headers[key]) for key in TRACE_CONTEXT if key in headers)
+    return tracing.with_context(tuple(metadata))
 
 
 class _QuietServer(uvicorn.Server):

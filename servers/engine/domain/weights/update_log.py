@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from servers.engine.domain.weights.transaction import PhaseObserver
+from skyrl_grpc import tracing
 
 # Records kept: enough for a page to show what the last updates looked like.
 KEPT = 5
@@ -49,6 +50,8 @@ class UpdateLog:
         self._records: deque[UpdateRecord] = deque(maxlen=KEPT)
 
     def phase(self, name: str, seconds: float, nbytes: int) -> None:
+        # A span of the phase, inside the call that ran it (when tracing is on).
+        tracing.record(f"weight_update.{name}", seconds, {"skyrl.bytes": nbytes})
         if name == "start":
             self._current = UpdateRecord(0, "")
         current = self._current
