@@ -66,9 +66,10 @@ def _server_ports(args: argparse.Namespace) -> list[int]:
 def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -> Fleet:
     """The fleet the stack flags describe (not started); ``server_args``: more `serve` flags
     for every server (``up`` passes through whatever it does not know itself)."""
-    server_flags = [*_engine_flags(args), *(server_args or [])]
-    if args.otlp_traces_endpoint:
-        server_flags += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    traced = (
+        ["--otlp-traces-endpoint", args.otlp_traces_endpoint] if args.otlp_traces_endpoint else []
+    )
+    server_flags = [*_engine_flags(args), *traced, *(server_args or [])]
     if args.ray:
         from servers.fleet.ray_group import RayFleet
 

@@ -89,7 +89,8 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
              "--max-n", "4", "--dtype", "float32"]  # fmt: skip
     up = ["up", "--enable-lora", "--start-timeout", "1200", "--http-port", "8001",
           "--metrics-port", "9101", "--router-port", "7000", "--server-ports", "7001,7002",
-          "--log-dir", "logs", "--router-replicas", "3"]  # fmt: skip
+          "--log-dir", "logs", "--router-replicas", "3",
+          "--otlp-traces-endpoint", "127.0.0.1:4317"]  # fmt: skip
     args, rest = build_parser().parse_known_args([*up, *extra])
     assert rest == extra
     local = make_fleet(args, rest)
@@ -97,6 +98,8 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
     assert "--enable-lora" in local.engine_args
     assert local.start_timeout == 1200
     assert local.router_args[:2] == ["--replicas", "3"]
+    traced = ["--otlp-traces-endpoint", "127.0.0.1:4317"]
+    assert local.router_args[-2:] == traced and traced[1] in local.engine_args
     args.ray = True
     ray_fleet = make_fleet(args, rest)
     assert isinstance(ray_fleet, RayFleet) and ray_fleet.start_timeout == 1200
@@ -105,6 +108,7 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
     assert (given.http_port, given.metrics_port, given.router_port) == (8001, 9101, 7000)
     assert (list(given.server_ports or []), given.log_dir) == ([7001, 7002], "logs")
     assert given.router_replicas == 3
+    assert given.otlp_traces_endpoint == "127.0.0.1:4317"
     assert given.cpu_only  # vLLM's CPU build is installed here: no GPU asked for
     import ray
 
@@ -114,6 +118,7 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
     assert engine.enable_lora and engine.tool_call_parser == "hermes"
     assert engine.enable_auto_tool_choice and engine.dtype == "float32" and engine.seed == 7
     assert options.data_token == "t" and options.limits.max_n == 4
+    assert engine.otlp_traces_endpoint == "127.0.0.1:4317"
     assert (options.host, options.port) == ("0.0.0.0", 0)
     with pytest.raises(ValueError, match="--port"):
         server_options(["--port", "5"], {}, "127.0.0.1")
