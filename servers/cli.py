@@ -25,7 +25,7 @@ from pathlib import Path
 from servers.common.process import configure_logging, exit_on_sigterm
 from servers.engine import options as engine_options
 from servers.fleet import Fleet, FleetStartFailed
-from servers.fleet.local import LocalFleet
+from servers.fleet.local import LocalFleet, served_model_directory
 from servers.router import router_server as router
 
 
@@ -70,6 +70,9 @@ def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -
         ["--otlp-traces-endpoint", args.otlp_traces_endpoint] if args.otlp_traces_endpoint else []
     )
     server_flags = [*_engine_flags(args), *traced, *(server_args or [])]
+    # The router's edge tokenizes text prompts with the served model's own tokenizer files
+    # (checked against the servers' first; a router on a node without them asks the servers).
+    tokenizer = served_model_directory(server_flags)
     if args.ray:
         from servers.fleet.ray_group import RayFleet
 
@@ -90,6 +93,7 @@ def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -
             log_dir=args.log_dir,
             router_replicas=args.router_replicas,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
+            tokenizer=tokenizer,
         )
     router_args = ["--replicas", str(args.router_replicas)] if args.router_replicas > 1 else []
     if args.metrics_port is not None:

@@ -160,11 +160,16 @@ def build_tiny_model(out_dir: Path, spec: TinyModelSpec = TinyModelSpec()) -> Pa
     return out_dir
 
 
+def tiny_model_path(cache_dir: Path | None = None, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Where the build of ``spec`` is (or will be: ``ensure_tiny_model`` builds it)."""
+    return (cache_dir or default_cache_dir()) / f"tiny-llama-{_cache_key(spec)}"
+
+
 def ensure_tiny_model(cache_dir: Path | None = None, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Returns the cached build of ``spec``, building it first if needed (atomic: concurrent
     callers never see a half-written directory)."""
     root = cache_dir or default_cache_dir()
-    target = root / f"tiny-llama-{_cache_key(spec)}"
+    target = tiny_model_path(root, spec)
     if (target / "model.safetensors").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)

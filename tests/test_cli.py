@@ -84,6 +84,7 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
     from servers.cli import build_parser, make_fleet
     from servers.fleet.local import LocalFleet
     from servers.fleet.ray_group import RayFleet, server_options
+    from skyrl_grpc.tiny_model import tiny_model_path
 
     extra = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--data-token", "t",
              "--max-n", "4", "--dtype", "float32"]  # fmt: skip
@@ -98,8 +99,11 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
     assert "--enable-lora" in local.engine_args
     assert local.start_timeout == 1200
     assert local.router_args[:2] == ["--replicas", "3"]
+    # The edge tokenizes text prompts with the served model's files (the embedded model's).
+    tokenizer = local.router_args[local.router_args.index("--tokenizer") + 1]
+    assert tokenizer.endswith(str(tiny_model_path().name))
     traced = ["--otlp-traces-endpoint", "127.0.0.1:4317"]
-    assert local.router_args[-2:] == traced and traced[1] in local.engine_args
+    assert " ".join(traced) in " ".join(local.router_args) and traced[1] in local.engine_args
     args.ray = True
     ray_fleet = make_fleet(args, rest)
     assert isinstance(ray_fleet, RayFleet) and ray_fleet.start_timeout == 1200
@@ -109,6 +113,7 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
     assert (list(given.server_ports or []), given.log_dir) == ([7001, 7002], "logs")
     assert given.router_replicas == 3
     assert given.otlp_traces_endpoint == "127.0.0.1:4317"
+    assert given.tokenizer == tokenizer
     assert given.cpu_only  # vLLM's CPU build is installed here: no GPU asked for
     import ray
 

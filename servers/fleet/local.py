@@ -37,6 +37,7 @@ from servers.common.process import read_announcement, with_flag
 from servers.common.reaper import EXIT_WITH_SUPERVISOR
 from servers.common.supervision import RestartPolicy, ServerSupervisor
 from servers.fleet import Fleet, FleetAddresses, FleetStartFailed
+from skyrl_grpc.tiny_model import tiny_model_path
 
 ENGINE_MODULE = "servers.engine"
 ROUTER_MODULE = "servers.router"
@@ -73,6 +74,15 @@ class _Process:
         return next((e for e in self.events if e.get("event") == name), None)
 
 
+def served_model_directory(engine_args: Sequence[str]) -> str:
+    """The model directory servers started with ``engine_args`` serve (``--model``, else the
+    embedded tiny model's)."""
+    args = list(engine_args)
+    if "--model" in args[:-1]:
+        return args[args.index("--model") + 1]
+    return str(tiny_model_path())
+
+
 class LocalFleet(Fleet):
     """N engine servers + a router as local processes. Use as a context manager.
 
@@ -101,6 +111,10 @@ class LocalFleet(Fleet):
         self.start_timeout = start_timeout
         self.engine_args = engine_args or []
         self.router_args = router_args or []
+        if "--tokenizer" not in self.router_args:
+            # The router's edge tokenizes text prompts with the served model's own files (on
+            # this host: the servers read them from there too).
+            self.router_args += ["--tokenizer", served_model_directory(self.engine_args)]
         self.log_dir = log_dir
         self.host = host
         self.server_ports = list(server_ports or [0] * num_servers)

@@ -110,6 +110,7 @@ class RouterActor:
         log_file: str | None = None,
         replicas: int = 1,
         otlp_traces_endpoint: str | None = None,
+        tokenizer: str | None = None,
     ) -> None:
         from servers.router.replicas import RouterReplicas
         from servers.router.router_server import RouterOptions, RouterServer
@@ -125,6 +126,7 @@ class RouterActor:
             argv += ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
             if otlp_traces_endpoint:
                 argv += ["--otlp-traces-endpoint", otlp_traces_endpoint]
+            argv += ["--tokenizer", tokenizer] if tokenizer else []
             self._replicas = RouterReplicas(argv, replicas, host, port, http_port, metrics_port)
         else:
             tracing.configure("skyrl-router", otlp_traces_endpoint)
@@ -136,6 +138,7 @@ class RouterActor:
                     http_port=http_port,
                     metrics_port=metrics_port,
                     otlp_traces_endpoint=otlp_traces_endpoint,
+                    tokenizer=tokenizer,
                 )
             )
 

@@ -207,6 +207,7 @@ class RayFleet(Fleet):
                 log_file=self._log_file("router"),
                 replicas=self.options.router_replicas,
                 otlp_traces_endpoint=self.options.otlp_traces_endpoint,
+                tokenizer=self.options.tokenizer,
             )
         )
         address = self._advertised(

@@ -48,6 +48,8 @@ class ServerGroupOptions:
     router_replicas: int = 1
     # The router's OpenTelemetry endpoint (the servers take theirs in server_args).
     otlp_traces_endpoint: str | None = None
+    # The served model's directory, for the router's edge to tokenize text prompts with.
+    tokenizer: str | None = None
     # Each actor's output in a file here (server-<i>.log, router.log), on its own node.
     log_dir: str | None = None
 

@@ -40,6 +40,7 @@ from servers.router.backends import Backend, BackendPool
 from servers.router.forwarding import ForwardingHandler
 from servers.router.http_edge.asgi import HttpEdgeServer
 from servers.router.http_edge.handlers import OpenAIEdge
+from servers.router.http_edge.local_tokenizer import LocalTokenizer
 from servers.router.metrics import RouterMetrics
 from servers.router.proxy import Proxy, ProxyOptions
 from servers.router.siblings import Siblings
@@ -83,6 +84,9 @@ class RouterOptions:
     # own port (on ``host``), where its siblings pass membership changes on (``siblings``).
     replica: int | None = None
     replica_ports: list[int] = field(default_factory=list)
+    # The served model's directory: the HTTP edge tokenizes text prompts with its tokenizer
+    # files (checked against the servers' first) instead of a Tokenize call each. None: calls.
+    tokenizer: str | None = None
     # OpenTelemetry traces over OTLP/gRPC (vLLM's flag): a span per forwarded call and per
     # HTTP request, its context passed on to the server. None: off, at no cost.
     otlp_traces_endpoint: str | None = None
@@ -192,7 +196,11 @@ class RouterServer:
             self.metrics_port = self.metrics.serve(self.options.metrics_port, self.options.host)
         if self.options.http_port is not None:
             edge = OpenAIEdge(
-                self.proxy, self.pool, self.options.http_stream_interval, self.options.replica
+                self.proxy,
+                self.pool,
+                self.options.http_stream_interval,
+                self.options.replica,
+                LocalTokenizer.load(self.options.tokenizer),
             )
             self.http = HttpEdgeServer(
                 edge,
@@ -257,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--health-check-interval", type=float, default=defaults.health_check_interval
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=defaults.tokenizer,
+        help="the served model's directory: the HTTP edge tokenizes text prompts with its "
+        "tokenizer.json (checked against the servers' on first use) instead of asking a server",
     )
     parser.add_argument(
         "--otlp-traces-endpoint",
@@ -362,6 +376,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         replica=args.replica_id,
         replica_ports=[int(p) for p in args.replica_ports.split(",") if p],
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        tokenizer=args.tokenizer,
         max_message_bytes=args.max_message_mib * MiB,
         tls=tls_from_args(args),
         backend_tls=(

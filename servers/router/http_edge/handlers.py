@@ -22,6 +22,7 @@ from servers.router.http_edge import parse, render, token_generate, tool_calls
 from servers.router.http_edge.asgi import AsgiApp, Request, Responder
 from servers.router.http_edge.fleet_page import FLEET_HTML
 from servers.router.http_edge.http_status import error_body
+from servers.router.http_edge.local_tokenizer import LocalTokenizer
 from servers.router.http_edge.token_texts import TokenTexts
 from servers.router.proxy import Proxy
 from skyrl_grpc.concurrency import all_or_cancel
@@ -47,11 +48,14 @@ class OpenAIEdge(AsgiApp):
         pool: BackendPool,
         stream_interval: int = 1,
         replica: int | None = None,
+        tokenizer: LocalTokenizer | None = None,
     ) -> None:
         self.proxy = proxy
         self.pool = pool
         self.stream_interval = stream_interval
         self.replica = replica
+        # Text prompts tokenized here (the model's tokenizer files), else by a Tokenize call.
+        self.tokenizer = tokenizer
         self._model: data_plane_pb2.GetModelInfoResponse | None = None
         self._token_texts = TokenTexts()  # for logprobs answers, as vLLM's server writes them
         super().__init__(
@@ -109,11 +113,21 @@ class OpenAIEdge(AsgiApp):
         return await self._token_texts.at_positions(sampled, before, logprobs, decode)
 
     async def _prompt_ids(self, call: parse.GenerationCall, request: Request) -> list[list[int]]:
+        async def remote(text: str | None, special: bool = True) -> list[int]:
+            tokenize = call.tokenize_request(text)
+            if text is not None and not call.chat:
+                tokenize.add_special_tokens = special
+            raw = await self._unary(TOKENIZE, tokenize, request)
+            return list(data_plane_pb2.TokenizeResponse.FromString(raw).token_ids)
+
         async def ids(prompt: list[int] | str | None) -> list[int]:
             if isinstance(prompt, list):
                 return prompt
-            raw = await self._unary(TOKENIZE, call.tokenize_request(prompt), request)
-            return list(data_plane_pb2.TokenizeResponse.FromString(raw).token_ids)
+            if isinstance(prompt, str) and self.tokenizer is not None and not call.lora:
+                local = await self.tokenizer.encode(prompt, call.add_special_tokens, remote)
+                if local is not None:
+                    return local
+            return await remote(prompt, call.add_special_tokens)
 
         if call.chat:
             return [await ids(None)]

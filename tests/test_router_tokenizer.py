@@ -1,0 +1,92 @@
+"""Text prompts tokenized in the router (``route --tokenizer DIR``), on a real engine server:
+the same ids as the server's tokenizer (the reference, checked once by the router itself), no
+Tokenize call per request, and a tokenizer that is not the served model's is never used."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from skyrl_grpc.names import TOKENIZE
+from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
+from tests.conftest import running_router
+
+pytestmark = [pytest.mark.engine]
+TEXTS = [
+    "Hello world",
+    "  leading spaces and trailing  ",
+    "naïve café, 1234 résumé",
+    "emoji 🙂 and 中文 text",
+    "line\nbreaks\tand tabs",
+]
+
+
+def tokenize_calls(router: Any) -> float:
+    return sum(
+        sample.value
+        for metric in router.metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name == "skyrl_router_processed_requests_total"
+        and sample.labels["method"] == TOKENIZE
+    )
+
+
+async def prompt_ids(router: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    body = {
+        "model": "",
+        "prompt": text,
+        "max_tokens": 1,
+        "return_token_ids": True,
+        "add_special_tokens": add_special_tokens,
+    }
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{router.http_port}") as client:
+        answer = await client.post("/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return list(json.loads(answer.text)["choices"][0]["prompt_token_ids"])
+
+
+async def server_ids(engine_server: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    import grpc
+
+    async with grpc.aio.insecure_channel(engine_server.address) as channel:
+        answer = await data_plane_pb2_grpc.DataPlaneStub(channel).Tokenize(
+            data_plane_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        )
+    return list(answer.token_ids)
+
+
+async def test_text_prompts_are_tokenized_in_the_router_as_the_server_does(
+    engine_server: Any, tiny_model_dir: Path
+) -> None:
+    async for router in running_router(
+        [engine_server.address], http_port=0, tokenizer=str(tiny_model_dir)
+    ):
+        for text in TEXTS:
+            for special in (True, False):
+                ours = await prompt_ids(router, text, special)
+                assert ours == await server_ids(engine_server, text, special), text
+        # Only the router's one check (with and without special tokens) asked a server.
+        assert tokenize_calls(router) == 2
+
+
+async def test_a_tokenizer_that_is_not_the_served_models_is_not_used(
+    engine_server: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    other = json.loads((tiny_model_dir / "tokenizer.json").read_text())
+    vocab = other["model"]["vocab"]
+    vocab[","], vocab["!"] = vocab["!"], vocab[","]  # two ids swapped (the check's text has both)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(other))
+    shutil.copy(tiny_model_dir / "config.json", tmp_path / "config.json")
+    async for router in running_router(
+        [engine_server.address], http_port=0, tokenizer=str(tmp_path)
+    ):
+        for text in TEXTS[:2]:
+            assert await prompt_ids(router, text) == await server_ids(engine_server, text)
+        # The check stopped at the difference (its first probe): every prompt was tokenized
+        # by the server.
+        assert tokenize_calls(router) == 1 + 2
