@@ -1,6 +1,6 @@
 """What the fleet page (``/fleet`` on the router's HTTP port) shows: every server as the router
 sees it (health, weight version, load, sessions, adapters, its last weight updates with their
-phases) and what happened to the fleet lately (servers lost and back, added and removed,
+phases) and what happened to the fleet lately (servers lost and back, joined and removed,
 streams migrated), as one JSON-ready dict.
 
 ``FleetEvents`` is the router's short memory of those happenings: the router records a
@@ -31,15 +31,14 @@ class FleetEvents:
         self._events.append({"at": time.time(), "kind": kind, "server": server, "detail": detail})
 
     def health(self, server: str, healthy: bool, state: str) -> None:
-        """A server's health as the router sees it now: an event when it changed (a first
-        sighting only when it came up healthy)."""
-        before = self._healthy.get(server)
-        if before == healthy:
-            return
-        self._healthy[server] = healthy
-        if healthy:
-            self.record("back" if before is False else "up", server)
-        elif before:
+        """A server's health as the router sees it now: an event when it changed (``joined``
+        the first time it is seen healthy; a server still starting is not lost)."""
+        before = self._healthy.get(server)  # None: never seen healthy yet
+        if healthy and before is not True:
+            self._healthy[server] = True
+            self.record("back" if before is False else "joined", server)
+        elif not healthy and before is True:
+            self._healthy[server] = False
             self.record("lost", server, state.lower())
 
     def removed(self, server: str) -> None:
