@@ -11,6 +11,8 @@ Names follow vllm-router's (``vllm_router_processed_requests_total{worker}``,
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (
@@ -208,6 +210,19 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self._stream_series: dict[str, tuple[Any, Any, Any]] = {}
+
+    def stream_series(self, worker: str) -> tuple[Any, Any, Any]:
+        """A worker's output-token counter, TTFT and ITL histograms, looked up once: a stream
+        observes them per message, and ``labels()`` costs more than the observation."""
+        series = self._stream_series.get(worker)
+        if series is None:
+            series = self._stream_series[worker] = (
+                self.tokens.labels(worker, "output"),
+                self.ttft.labels(worker),
+                self.itl.labels(worker),
+            )
+        return series
 
     def http_request(self, route: str, status: int, seconds: float) -> None:
         """One HTTP edge request answered (``asgi.Observer``)."""

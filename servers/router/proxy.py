@@ -436,10 +436,11 @@ class _StreamMeter:
                 tokens = len(data_plane_pb2.GenerateStreamResponse.FromString(message).token_ids)
             except Exception:
                 tokens = 0
+        counted, ttft, itl = self._metrics.stream_series(worker)
         if tokens:
-            self._metrics.tokens.labels(worker, "output").inc(tokens)
+            counted.inc(tokens)
         if self._last is None:
-            self._metrics.ttft.labels(worker).observe(now - self._started)
+            ttft.observe(now - self._started)
         elif tokens:
-            self._metrics.itl.labels(worker).observe((now - self._last) / tokens)
+            itl.observe((now - self._last) / tokens)
         self._last = now
