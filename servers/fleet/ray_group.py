@@ -210,9 +210,8 @@ class RayFleet(Fleet):
                 tokenizer=self.options.tokenizer,
             )
         )
-        address = self._advertised(
-            actors_started([self._router.start.remote()], ["the router"], timeout)[0]
-        )
+        started = actors_started([self._router.start.remote()], ["the router"], timeout)
+        address = self._advertised(started[0])
         ports = ray.get(self._router.ports.remote(), timeout=60)
         self.http_port, self.metrics_port = ports["http_port"], ports["metrics_port"]
         return address
