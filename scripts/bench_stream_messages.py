@@ -40,9 +40,12 @@ Counted = Callable[[int, int], Awaitable[tuple[int, int]]]
 
 
 def grpc_streams(address: str) -> Counted:
-    stub = data_plane_pb2_grpc.DataPlaneStub(grpc.aio.insecure_channel(address))
+    stubs: list[Any] = []  # made on the loop that runs the rounds
 
     async def run(streams: int, batch: int) -> tuple[int, int]:
+        if not stubs:
+            stubs.append(data_plane_pb2_grpc.DataPlaneStub(grpc.aio.insecure_channel(address)))
+        stub = stubs[0]
         async def one(sample: int) -> tuple[int, int]:
             request = greedy(TOKENS)
             request.prompt_token_ids.extend(prompt_for(sample, batch))
@@ -58,11 +61,15 @@ def grpc_streams(address: str) -> Counted:
     return run
 
 
+# The HTTP client's sessions, closed once the rounds end (on their loop).
+SESSIONS: list[Any] = []
+
+
 def http_streams(base_url: str) -> Counted:
     import aiohttp
     import orjson
 
-    sessions: list[Any] = []
+    sessions = SESSIONS
 
     async def run(streams: int, batch: int) -> tuple[int, int]:
         if not sessions:
@@ -134,6 +141,8 @@ def main() -> None:
                     tree.freeze()
             for _, tree in contenders.values():
                 tree.thaw()
+            for session in SESSIONS:
+                await session.close()
 
         asyncio.run(rounds())
 
