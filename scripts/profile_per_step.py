@@ -6,7 +6,8 @@ Starts a local fleet of one server and its router, keeps rounds of 64 GenerateSt
 both processes with py-spy (``--nonblocking``, native frames off), and prints the functions
 with the most samples of their own (self time) and the share of samples under each top-level
 group: grpc's Cython callbacks, protobuf, vLLM's output processing, this project's code.
-``--no-multiplex`` starts the router with plain forwarding.
+``--no-multiplex`` starts the router with plain forwarding; ``--edge`` profiles the OpenAI edge
+under ``vllm bench serve`` instead (what ``bench_edge`` measures).
 
 Run: .venv/bin/python -m scripts.profile_per_step [--seconds 20] [--no-multiplex]
 """
@@ -26,7 +27,9 @@ import time
 from pathlib import Path
 
 from scripts.bench_common import ROOT
+from scripts.bench_edge import bench_serve
 from scripts.rollout_clients import grpc_streams
+from servers.engine.options import TINY_MODEL_NAME
 from servers.fleet.local import LocalFleet
 
 GROUPS = (
@@ -43,6 +46,19 @@ def py_spy() -> str:
     if not os.path.exists(found):
         raise SystemExit("py-spy is not installed: pip install py-spy (the dev extra has it)")
     return found
+
+
+def edge_load(base_url: str, seconds: float) -> int:
+    """``vllm bench serve`` against the HTTP edge (``bench_edge``'s load: 256 prompts of 128
+    random tokens, 128 out, concurrency 64), run after run until ``seconds`` have passed."""
+    deadline = time.monotonic() + seconds
+    tokens, round_ = 0, 0
+    with tempfile.TemporaryDirectory() as directory:
+        while time.monotonic() < deadline:
+            figures = bench_serve(base_url, TINY_MODEL_NAME, Path(directory), f"profile-{round_}")
+            tokens += int(figures["tokens"])
+            round_ += 1
+    return tokens
 
 
 async def load(address: str, seconds: float) -> int:
@@ -91,12 +107,23 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--no-multiplex", action="store_true")
+    parser.add_argument(
+        "--edge", action="store_true", help="the OpenAI edge under vllm bench serve instead"
+    )
     args = parser.parse_args()
     spy = py_spy()
     router_args = ["--no-multiplex"] if args.no_multiplex else []
+    router_args += ["--http-port", "0"] if args.edge else []
     with LocalFleet(1, router_args=router_args) as fleet, tempfile.TemporaryDirectory() as tmp:
         router, server = fleet.addresses.router, fleet.addresses.servers[0]
-        asyncio.run(load(router, 5))  # warm: compiled paths, the prefix cache, the mux call
+        edge = f"http://{router.rpartition(':')[0]}:{fleet.http_port}"
+
+        def run_load(seconds: float) -> int:
+            if args.edge:
+                return edge_load(edge, seconds)
+            return asyncio.run(load(router, seconds))
+
+        run_load(5)  # warm: compiled paths, the prefix cache, the mux call
         pids = dict(zip(("router", "server"), fleet.pids[-1:] + fleet.pids[:1], strict=True))
         recorders = {}
         for name, pid in pids.items():
@@ -110,13 +137,16 @@ def main() -> None:
                 ),
             )  # fmt: skip
         began = time.monotonic()
-        tokens = asyncio.run(load(router, args.seconds))
+        tokens = run_load(args.seconds)
         elapsed = time.monotonic() - began
         for _, recorder in recorders.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 recorder.wait(timeout=60)
         mode = "plain forwarding" if args.no_multiplex else "multiplexed"
-        print(f"# per-step path, 64 streams x 128 tokens through the router ({mode})")
+        if args.edge:
+            print(f"# the OpenAI edge under vllm bench serve (concurrency 64; {mode})")
+        else:
+            print(f"# per-step path, 64 streams x 128 tokens through the router ({mode})")
         print(f"\n{tokens / elapsed:.0f} tokens/s while profiled (py-spy slows what it samples)")
         for name, (out, _) in recorders.items():
             print(f"\n## {name} ({server if name == 'server' else router})\n")
