@@ -133,6 +133,9 @@ def main() -> None:
                 ]
             )
         trees = {name: ProcessTree(*fleet.pids) for name, fleet in fleets.items()}
+        # Thawed before the fleets stop, however the rounds end (a frozen process never sees
+        # its parent go).
+        stack.callback(lambda: [tree.thaw() for tree in trees.values()])
         for tree in trees.values():
             tree.freeze()
         for round_index in range(args.rounds):

@@ -289,6 +289,9 @@ def contenders(
             ProcessTree(replicated.process.pid),
         )
         group.tree.freeze()
+        # Thawed before anything is stopped (this runs first): a process stopped while its
+        # parent is killed never sees the parent go (a router replica left frozen for good).
+        stack.callback(lambda: [g.tree.thaw() for g in groups])
         yield groups, edge_targets
 
 

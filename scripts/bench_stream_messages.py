@@ -46,6 +46,7 @@ def grpc_streams(address: str) -> Counted:
         if not stubs:
             stubs.append(data_plane_pb2_grpc.DataPlaneStub(grpc.aio.insecure_channel(address)))
         stub = stubs[0]
+
         async def one(sample: int) -> tuple[int, int]:
             request = greedy(TOKENS)
             request.prompt_token_ids.extend(prompt_for(sample, batch))
@@ -144,7 +145,11 @@ def main() -> None:
             for session in SESSIONS:
                 await session.close()
 
-        asyncio.run(rounds())
+        try:
+            asyncio.run(rounds())
+        finally:  # before the servers stop: a frozen process never sees its parent go
+            for _, tree in contenders.values():
+                tree.thaw()
 
     lines = [
         f"`python -m scripts.bench_stream_messages --rounds {args.rounds}` (streams of "
