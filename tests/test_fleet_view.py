@@ -12,13 +12,13 @@ def kinds(events: FleetEvents) -> list[tuple[str, str]]:
 
 def test_health_changes_are_events_once_each() -> None:
     events = FleetEvents()
-    events.health("a:1", False, "UNKNOWN")  # not seen healthy yet: nothing happened
-    events.health("a:1", True, "HEALTHY")
-    events.health("a:1", True, "HEALTHY")  # a status update, no change
-    events.health("b:2", True, "HEALTHY")
-    events.health("a:1", False, "UNHEALTHY")
-    events.health("a:1", False, "UNHEALTHY")
-    events.health("a:1", True, "HEALTHY")
+    events.health("a:1", False, "unspecified")  # not seen healthy yet: nothing happened
+    events.health("a:1", True, "healthy")
+    events.health("a:1", True, "healthy")  # a status update, no change
+    events.health("b:2", True, "healthy")
+    events.health("a:1", False, "unhealthy")
+    events.health("a:1", False, "unhealthy")
+    events.health("a:1", True, "healthy")
     events.record("migration", "a:1", "a stream moved")
     events.removed("b:2")
     assert kinds(events) == [

@@ -66,6 +66,11 @@ class Backend:
         return self.state == HEALTHY
 
     @property
+    def state_name(self) -> str:
+        """The state as people read it: healthy, unhealthy, draining, unspecified."""
+        return router_pb2.BackendState.Name(self.state).removeprefix("BACKEND_STATE_").lower()
+
+    @property
     def paused(self) -> bool:
         return self.status.paused
 

@@ -14,7 +14,6 @@ from collections import deque
 from typing import Any
 
 from servers.router.backends import HEALTHY, BackendPool
-from skyrl_grpc.v1 import router_pb2
 
 # Events kept for the page: enough to see the last restarts and migrations.
 EVENTS_KEPT = 50
@@ -39,7 +38,7 @@ class FleetEvents:
             self.record("back" if before is False else "joined", server)
         elif not healthy and before is True:
             self._healthy[server] = False
-            self.record("lost", server, state.lower())
+            self.record("lost", server, state)
 
     def removed(self, server: str) -> None:
         self._healthy.pop(server, None)
@@ -58,9 +57,7 @@ def fleet_view(pool: BackendPool, events: FleetEvents, replica: int | None) -> d
         servers.append(
             {
                 "address": backend.address,
-                "state": router_pb2.BackendState.Name(backend.state)
-                .removeprefix("BACKEND_STATE_")
-                .lower(),
+                "state": backend.state_name,
                 "healthy": backend.state == HEALTHY,
                 "paused": status.paused,
                 "draining": status.draining,

@@ -49,7 +49,7 @@ from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB, open_channel
 from skyrl_grpc.names import DATA_PLANE, ROUTER_ADMIN, WATCH_BACKENDS
 from skyrl_grpc.placement import POLICIES
 from skyrl_grpc.tls import TlsConfig
-from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from skyrl_grpc.v1 import router_pb2_grpc
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 50050  # the command line's; RouterOptions(port=0) picks a free port
@@ -136,8 +136,7 @@ class RouterServer:
     def _backend_changed(self, backend: Backend) -> None:
         address = backend.address
         if any(member is backend for member in self.pool.backends):
-            state = router_pb2.BackendState.Name(backend.state).removeprefix("BACKEND_STATE_")
-            self.proxy.events.health(address, backend.eligible, state)
+            self.proxy.events.health(address, backend.eligible, backend.state_name)
         else:
             self.proxy.events.removed(address)
         if not backend.eligible:
