@@ -17,10 +17,7 @@ import argparse
 import asyncio
 import statistics
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
-
-import grpc
 
 from scripts.bench_common import (
     SERVED_NAME,
@@ -30,80 +27,21 @@ from scripts.bench_common import (
     vllm_http_server,
     write_report,
 )
-from scripts.rollout_clients import greedy, prompt_for
+from scripts.rollout_clients import MessageCount, RunBatch, grpc_streams, http_streams
 from servers.fleet.local import LocalFleet
-from skyrl_grpc.v1 import data_plane_pb2_grpc
 
 TOKENS = 128
-# (tokens, messages) of one round of ``streams`` concurrent streams.
-Counted = Callable[[int, int], Awaitable[tuple[int, int]]]
 
 
-def grpc_streams(address: str) -> Counted:
-    stubs: list[Any] = []  # made on the loop that runs the rounds
-
-    async def run(streams: int, batch: int) -> tuple[int, int]:
-        if not stubs:
-            stubs.append(data_plane_pb2_grpc.DataPlaneStub(grpc.aio.insecure_channel(address)))
-        stub = stubs[0]
-
-        async def one(sample: int) -> tuple[int, int]:
-            request = greedy(TOKENS)
-            request.prompt_token_ids.extend(prompt_for(sample, batch))
-            tokens = messages = 0
-            async for chunk in stub.GenerateStream(request):
-                tokens += len(chunk.token_ids)
-                messages += 1
-            return tokens, messages
-
-        counts = await asyncio.gather(*(one(s) for s in range(streams)))
-        return sum(c[0] for c in counts), sum(c[1] for c in counts)
-
-    return run
-
-
-# The HTTP client's sessions, closed once the rounds end (on their loop).
-SESSIONS: list[Any] = []
-
-
-def http_streams(base_url: str) -> Counted:
-    import aiohttp
-    import orjson
-
-    sessions = SESSIONS
-
-    async def run(streams: int, batch: int) -> tuple[int, int]:
-        if not sessions:
-            connector = aiohttp.TCPConnector(limit=0)
-            timeout = aiohttp.ClientTimeout(total=None)
-            sessions.append(aiohttp.ClientSession(connector=connector, timeout=timeout))
-
-        async def one(sample: int) -> tuple[int, int]:
-            body = {
-                "model": SERVED_NAME, "prompt": prompt_for(sample, batch), "max_tokens": TOKENS,
-                "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True,
-            }  # fmt: skip
-            tokens = events = 0
-            async with sessions[0].post(f"{base_url}/v1/completions", json=body) as response:
-                response.raise_for_status()
-                async for line in response.content:
-                    if line.startswith(b"data: {"):
-                        event = orjson.loads(line[6:])
-                        tokens += len(event["choices"][0].get("token_ids") or ())
-                        events += 1
-            return tokens, events
-
-        counts = await asyncio.gather(*(one(s) for s in range(streams)))
-        return sum(c[0] for c in counts), sum(c[1] for c in counts)
-
-    return run
-
-
-async def measure(run: Counted, streams: int, batch: int) -> dict[str, float]:
+async def measure(
+    run: RunBatch, counted: MessageCount, streams: int, batch: int
+) -> dict[str, float]:
+    """One round of ``streams`` concurrent streams: tokens/s and tokens per message."""
+    before = counted.messages
     started = time.perf_counter()
-    tokens, messages = await run(streams, batch)
+    tokens = await run(streams, TOKENS, batch)
     seconds = time.perf_counter() - started
-    return {"tok_s": tokens / seconds, "per_message": tokens / messages}
+    return {"tok_s": tokens / seconds, "per_message": tokens / (counted.messages - before)}
 
 
 def main() -> None:
@@ -118,37 +56,37 @@ def main() -> None:
         (n, s): [] for n in names for s in sizes
     }
     with LocalFleet(1) as fleet, vllm_http_server() as http:
-        contenders = {
-            names[0]: (grpc_streams(fleet.addresses.servers[0]), ProcessTree(*fleet.pids)),
-            names[1]: (http_streams(http.address), ProcessTree(http.process.pid)),
-        }
-        for _, tree in contenders.values():
+        trees = {names[0]: ProcessTree(*fleet.pids), names[1]: ProcessTree(http.process.pid)}
+        for tree in trees.values():
             tree.freeze()
 
         async def rounds() -> None:
-            for run, tree in contenders.values():  # first generations are slow
-                tree.thaw()
-                await run(16, 0)
-                tree.freeze()
+            # The clients' channels and sessions belong to this loop: made here.
+            counted = {name: MessageCount() for name in names}
+            runs = {
+                names[0]: grpc_streams(
+                    fleet.addresses.servers[0], 0, sessions=False, counted=counted[names[0]]
+                ),
+                names[1]: http_streams(http.address, SERVED_NAME, counted[names[1]]),
+            }
+            for name, run in runs.items():  # first generations are slow
+                trees[name].thaw()
+                await run(16, TOKENS, 0)
+                trees[name].freeze()
             for round_index in range(args.rounds):
                 order = names if round_index % 2 == 0 else names[::-1]
                 for name in order:
-                    run, tree = contenders[name]
-                    tree.thaw()
+                    trees[name].thaw()
                     for streams in sizes:
-                        figures = await measure(run, streams, round_index + 1)
+                        figures = await measure(runs[name], counted[name], streams, round_index + 1)
                         results[(name, streams)].append(figures)
                         print(f"round {round_index + 1} {name} {streams}: {figures}", flush=True)
-                    tree.freeze()
-            for _, tree in contenders.values():
-                tree.thaw()
-            for session in SESSIONS:
-                await session.close()
+                    trees[name].freeze()
 
         try:
             asyncio.run(rounds())
         finally:  # before the servers stop: a frozen process never sees its parent go
-            for _, tree in contenders.values():
+            for tree in trees.values():
                 tree.thaw()
 
     lines = [

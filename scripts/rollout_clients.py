@@ -38,6 +38,14 @@ def prompt_for(sample: int, batch: int) -> list[int]:
 RunBatch = Callable[[int, int, int], Awaitable[int]]
 
 
+class MessageCount:
+    """Messages (or server-sent events) a stream client received, for those that count them
+    (``bench_stream_messages``: tokens per message)."""
+
+    def __init__(self) -> None:
+        self.messages = 0
+
+
 # -- the clients ----------------------------------------------------------------------------
 
 
@@ -48,8 +56,10 @@ def greedy(tokens: int, interval: int = 0) -> data_plane_pb2.GenerateStreamReque
     )
 
 
-def grpc_streams(address: str, interval: int, sessions: bool) -> RunBatch:
-    """A GenerateStream per prompt, all at once."""
+def grpc_streams(
+    address: str, interval: int, sessions: bool, counted: MessageCount | None = None
+) -> RunBatch:
+    """A GenerateStream per prompt, all at once (``counted``: each message counted there)."""
     channel = grpc.aio.insecure_channel(address)
     stub = data_plane_pb2_grpc.DataPlaneStub(channel)
 
@@ -61,6 +71,8 @@ def grpc_streams(address: str, interval: int, sessions: bool) -> RunBatch:
             count = 0
             async for chunk in stub.GenerateStream(request, metadata=metadata):
                 count += len(chunk.token_ids)
+                if counted is not None:
+                    counted.messages += 1
             return count
 
         return sum(await asyncio.gather(*(one(s) for s in range(samples))))
@@ -110,8 +122,9 @@ def trainer_client(router: str, servers: list[str], direct: bool) -> RunBatch:
     return run
 
 
-def http_streams(base_url: str, model: str) -> RunBatch:
-    """vLLM's OpenAI API: a streamed ``/v1/completions`` per prompt (token ids), all at once."""
+def http_streams(base_url: str, model: str, counted: MessageCount | None = None) -> RunBatch:
+    """vLLM's OpenAI API: a streamed ``/v1/completions`` per prompt (token ids), all at once
+    (``counted``: each event counted there)."""
     import aiohttp
     import orjson
 
@@ -136,6 +149,8 @@ def http_streams(base_url: str, model: str) -> RunBatch:
                     if line.startswith(b"data: {"):
                         event = orjson.loads(line[6:])
                         count += len(event["choices"][0].get("token_ids") or ())
+                        if counted is not None:
+                            counted.messages += 1
             return count
 
         return sum(await asyncio.gather(*(one(s) for s in range(samples))))
