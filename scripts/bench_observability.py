@@ -24,31 +24,16 @@ import tempfile
 import threading
 import time
 import urllib.request
-from concurrent import futures
 from pathlib import Path
-from typing import Any
-
-import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from scripts.bench_common import ProcessTree, add_output_argument, median_range, write_report
 from scripts.bench_edge import bench_serve
+from scripts.otlp_sink import OtlpSink
 from scripts.rollout_clients import trainer_client
 from servers.engine.options import TINY_MODEL_NAME
 from servers.fleet.local import LocalFleet
 
 SAMPLES, TOKENS, BATCHES = 64, 128, 4
-
-
-class SpanCounter(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC receiver that counts the spans it is sent."""
-
-    def __init__(self) -> None:
-        self.spans = 0
-
-    def Export(self, request: Any, context: Any) -> Any:
-        self.spans += sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
 
 
 class Scraper:
@@ -96,12 +81,8 @@ def main() -> None:
     add_output_argument(parser, "observability.md")
     args = parser.parse_args()
 
-    receiver = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    counter = SpanCounter()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(counter, receiver)
-    endpoint = f"127.0.0.1:{receiver.add_insecure_port('127.0.0.1:0')}"
-    receiver.start()
-    traced = ["--otlp-traces-endpoint", endpoint]
+    sink = OtlpSink()
+    traced = ["--otlp-traces-endpoint", sink.endpoint]
     names = ["off", "metrics", "metrics + traces"]
     results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     with contextlib.ExitStack() as stack:
@@ -168,7 +149,7 @@ def main() -> None:
             tree.thaw()
         for scraper in scrapers.values():
             scraper.close()
-    receiver.stop(0)
+    sink.stop()
 
     keys = ["rollout_tok_s", "output_tok_s", "p99_ttft_ms", "p99_itl_ms"]
     lines = [
@@ -199,7 +180,7 @@ def main() -> None:
             f"tokens/s {ratio(name, 'output_tok_s'):.3f}; {len(scrapes)} scrapes under load, "
             f"p99 {1000 * p99:.1f} ms, max {1000 * scrapes[-1]:.1f} ms (target < 100 ms)"
         )
-    lines.append(f"\nSpans received: {counter.spans}.")
+    lines.append(f"\nSpans received: {sink.counter.spans}.")
     write_report(args.output, lines, "observability-overhead")
 
 

@@ -7,9 +7,13 @@ both processes with py-spy (``--nonblocking``, native frames off), and prints th
 with the most samples of their own (self time) and the share of samples under each top-level
 group: grpc's Cython callbacks, protobuf, vLLM's output processing, this project's code.
 ``--no-multiplex`` starts the router with plain forwarding; ``--edge`` profiles the OpenAI edge
-under ``vllm bench serve`` instead (what ``bench_edge`` measures).
+under ``vllm bench serve`` instead (what ``bench_edge`` measures); ``--rollouts`` the trainer
+client's ``generate_batch`` through the router (what ``bench_observability`` measures);
+``--traces`` turns on OpenTelemetry on both processes (spans to a receiver in this process) and
+adds the share of samples spent under tracing (any frame of opentelemetry or
+``skyrl_grpc/tracing.py`` on the stack).
 
-Run: .venv/bin/python -m scripts.profile_per_step [--seconds 20] [--no-multiplex]
+Run: .venv/bin/python -m scripts.profile_per_step [--seconds 20] [--no-multiplex] [--traces]
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from pathlib import Path
 
 from scripts.bench_common import ROOT
 from scripts.bench_edge import bench_serve
-from scripts.rollout_clients import grpc_streams
+from scripts.otlp_sink import OtlpSink
+from scripts.rollout_clients import grpc_streams, trainer_client
 from servers.engine.options import TINY_MODEL_NAME
 from servers.fleet.local import LocalFleet
 
 GROUPS = (
+    ("opentelemetry", ("opentelemetry/",)),
     ("grpc (Cython callbacks, channel, server)", ("grpc/_cython", "grpc/aio", "grpc/_")),
     ("protobuf", ("google/protobuf",)),
     ("vLLM", ("vllm/",)),
@@ -73,11 +79,27 @@ async def load(address: str, seconds: float) -> int:
     return tokens
 
 
+async def rollouts(router: str, server: str, seconds: float) -> int:
+    """Trainer-client batches of 64 samples of 128 tokens via the router (``bench_observability``'s
+    rollouts) until ``seconds`` have passed."""
+    run = trainer_client(router, [server], direct=False)
+    deadline = time.monotonic() + seconds
+    tokens, batch = 0, 0
+    while time.monotonic() < deadline:
+        tokens += await run(64, 128, batch)
+        batch += 1
+    return tokens
+
+
+TRACING_FRAMES = ("opentelemetry/", "skyrl_grpc/tracing.py")
+
+
 def summarize(raw: Path, top: int) -> list[str]:
     """py-spy's raw (collapsed) stacks: the top functions by self samples, and the groups."""
     own: collections.Counter[str] = collections.Counter()
     groups: collections.Counter[str] = collections.Counter()
-    total = 0
+    entered: collections.Counter[str] = collections.Counter()  # by the first tracing frame
+    total = under_tracing = 0
     for line in raw.read_text().splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not stack:
@@ -85,6 +107,10 @@ def summarize(raw: Path, top: int) -> list[str]:
         count = int(count_text)
         frames = stack.split(";")
         total += count
+        traced = [i for i, frame in enumerate(frames) if any(m in frame for m in TRACING_FRAMES)]
+        if traced:
+            under_tracing += count
+            entered[frames[traced[0]]] += count
         own[frames[-1]] += count
         leaf = frames[-1]
         group = next(
@@ -99,6 +125,9 @@ def summarize(raw: Path, top: int) -> list[str]:
     lines += ["", "| group (by the innermost Python frame) | share |", "| --- | --- |"]
     for name, count in groups.most_common():
         lines.append(f"| {name} | {100 * count / total:.1f}% |")
+    lines.append(f"\nUnder tracing (inclusive): {100 * under_tracing / total:.1f}% of samples.")
+    for frame, count in entered.most_common(6):
+        lines.append(f"- {100 * count / total:.1f}% entering at `{frame}`")
     return lines
 
 
@@ -110,17 +139,29 @@ def main() -> None:
     parser.add_argument(
         "--edge", action="store_true", help="the OpenAI edge under vllm bench serve instead"
     )
+    parser.add_argument(
+        "--rollouts", action="store_true", help="trainer-client batches via the router instead"
+    )
+    parser.add_argument("--traces", action="store_true", help="OpenTelemetry on, spans kept here")
     args = parser.parse_args()
     spy = py_spy()
     router_args = ["--no-multiplex"] if args.no_multiplex else []
     router_args += ["--http-port", "0"] if args.edge else []
-    with LocalFleet(1, router_args=router_args) as fleet, tempfile.TemporaryDirectory() as tmp:
+    engine_args: list[str] = []
+    sink = OtlpSink() if args.traces else None
+    if sink is not None:
+        engine_args = ["--otlp-traces-endpoint", sink.endpoint]
+        router_args += engine_args
+    fleet = LocalFleet(1, engine_args=engine_args, router_args=router_args)
+    with fleet, tempfile.TemporaryDirectory() as tmp:
         router, server = fleet.addresses.router, fleet.addresses.servers[0]
         edge = f"http://{router.rpartition(':')[0]}:{fleet.http_port}"
 
         def run_load(seconds: float) -> int:
             if args.edge:
                 return edge_load(edge, seconds)
+            if args.rollouts:
+                return asyncio.run(rollouts(router, server, seconds))
             return asyncio.run(load(router, seconds))
 
         run_load(5)  # warm: compiled paths, the prefix cache, the mux call
@@ -143,14 +184,20 @@ def main() -> None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 recorder.wait(timeout=60)
         mode = "plain forwarding" if args.no_multiplex else "multiplexed"
+        traced = ", traces on" if sink is not None else ""
         if args.edge:
-            print(f"# the OpenAI edge under vllm bench serve (concurrency 64; {mode})")
+            print(f"# the OpenAI edge under vllm bench serve (concurrency 64; {mode}{traced})")
+        elif args.rollouts:
+            print(f"# trainer-client batches of 64 x 128 tokens via the router ({mode}{traced})")
         else:
-            print(f"# per-step path, 64 streams x 128 tokens through the router ({mode})")
+            print(f"# per-step path, 64 streams x 128 tokens through the router ({mode}{traced})")
         print(f"\n{tokens / elapsed:.0f} tokens/s while profiled (py-spy slows what it samples)")
         for name, (out, _) in recorders.items():
             print(f"\n## {name} ({server if name == 'server' else router})\n")
             print("\n".join(summarize(out, args.top)))
+    if sink is not None:
+        print(f"\nSpans received: {sink.counter.spans}.")
+        sink.stop()
 
 
 if __name__ == "__main__":
