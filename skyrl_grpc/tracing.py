@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import time
+import types
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from typing import Any, ParamSpec, TypeVar
 
@@ -33,9 +35,15 @@ P = ParamSpec("P")
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 _CONTEXT_KEYS = (TRACEPARENT, TRACESTATE)
+# W3C Trace Context's traceparent, as OpenTelemetry's propagator matches it: version, trace id,
+# parent span id, flags, and what a later version may add.
+_TRACEPARENT = re.compile(
+    r"^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$"
+)
 
 _tracer: Any = None  # an opentelemetry Tracer once configured; None: tracing is off
 _provider: Any = None
+_otel: Any = None  # the opentelemetry names used per call, imported once by configure
 
 
 def enabled() -> bool:
@@ -46,10 +54,10 @@ def configure(service: str, endpoint: str | None) -> None:
     """Exports this process's spans to the OTLP/gRPC ``endpoint`` (``host:port`` or a URL)
     as ``service``; None or '' leaves tracing off. Spans leave in batches, off the caller's
     path; the provider flushes at exit."""
-    global _tracer, _provider
+    global _tracer, _provider, _otel
     if not endpoint:
         return
-    from opentelemetry import trace
+    from opentelemetry import context, trace
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -63,6 +71,16 @@ def configure(service: str, endpoint: str | None) -> None:
     # through this one too. vLLM's own attempt to set another is refused with a warning.
     trace.set_tracer_provider(provider)
     _provider = provider
+    _otel = types.SimpleNamespace(
+        Context=context.Context,
+        NonRecordingSpan=trace.NonRecordingSpan,
+        SpanContext=trace.SpanContext,
+        SpanKind=trace.SpanKind,
+        TraceFlags=trace.TraceFlags,
+        TraceState=trace.TraceState,
+        get_current_span=trace.get_current_span,
+        set_span_in_context=trace.set_span_in_context,
+    )
     _tracer = provider.get_tracer("skyrl_grpc")
 
 
@@ -75,16 +93,49 @@ def shutdown() -> None:
         provider.shutdown()
 
 
-def _parent(metadata: Iterable[tuple[str, Any]] | Mapping[str, Any] | None) -> Any:
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+def parse_traceparent(header: str) -> tuple[int, int, int] | None:
+    """A W3C ``traceparent``'s (trace id, parent span id, flags); None where OpenTelemetry's
+    propagator would refuse it (malformed, too long, version ff, zero ids, extra fields on
+    version 00)."""
+    match = _TRACEPARENT.match(header) if len(header) <= 512 else None
+    if match is None:
+        return None
+    version, trace_hex, span_hex, flags_hex, rest = match.groups()
+    if version == "ff" or (version == "00" and rest):
+        return None
+    if trace_hex == "0" * 32 or span_hex == "0" * 16:
+        return None
+    return int(trace_hex, 16), int(span_hex, 16), int(flags_hex, 16)
 
-    items = metadata.items() if isinstance(metadata, Mapping) else (metadata or ())
-    carrier = {
-        key: value.decode() if isinstance(value, bytes) else str(value)
-        for key, value in items
-        if key in _CONTEXT_KEYS
-    }
-    return TraceContextTextMapPropagator().extract(carrier) if carrier else None
+
+def format_traceparent(trace_id: int, span_id: int, flags: int) -> str:
+    """The version-00 ``traceparent`` of a span context (as the propagator injects it)."""
+    return f"00-{trace_id:032x}-{span_id:016x}-{flags:02x}"
+
+
+def _parent(metadata: Iterable[tuple[str, Any]] | Mapping[str, Any] | None) -> Any:
+    """The caller's context from its ``traceparent`` / ``tracestate``, parsed as W3C Trace
+    Context says (what OpenTelemetry's TraceContextTextMapPropagator does, without its regular
+    carrier getters and per-call objects: this runs for every call). None when the metadata
+    carries none (the span is then a child of the current one); a root context for an invalid
+    one (the span starts a trace of its own, as after the propagator's extract)."""
+    traceparent = tracestate = None
+    for key, value in metadata.items() if isinstance(metadata, Mapping) else (metadata or ()):
+        if key == TRACEPARENT:
+            traceparent = value.decode() if isinstance(value, bytes) else str(value)
+        elif key == TRACESTATE:
+            tracestate = value.decode() if isinstance(value, bytes) else str(value)
+    if traceparent is None:
+        return None
+    parsed = parse_traceparent(traceparent)
+    if parsed is None:
+        return _otel.Context()
+    trace_id, span_id, flags = parsed
+    state = _otel.TraceState.from_header([tracestate]) if tracestate else None
+    context = _otel.SpanContext(
+        trace_id, span_id, is_remote=True, trace_flags=_otel.TraceFlags(flags), trace_state=state
+    )
+    return _otel.set_span_in_context(_otel.NonRecordingSpan(context))
 
 
 @contextlib.contextmanager
@@ -97,10 +148,8 @@ def server_span(
     if _tracer is None:
         yield None
         return
-    from opentelemetry.trace import SpanKind
-
     with _tracer.start_as_current_span(
-        name, context=_parent(metadata), kind=SpanKind.SERVER, attributes=attributes
+        name, context=_parent(metadata), kind=_otel.SpanKind.SERVER, attributes=attributes
     ) as current:
         yield current
 
@@ -155,14 +204,19 @@ def failed(current: Any, code: str, message: str) -> None:
 
 
 def headers() -> dict[str, str]:
-    """The current trace context as W3C headers ({} when tracing is off or no span is on)."""
+    """The current trace context as W3C headers ({} when tracing is off or no span is on):
+    what OpenTelemetry's propagator injects, formatted here (this runs for every call)."""
     if _tracer is None:
         return {}
-    from opentelemetry.propagate import inject
-
-    carrier: dict[str, str] = {}
-    inject(carrier)
-    return carrier
+    context = _otel.get_current_span().get_span_context()
+    if not context.is_valid:
+        return {}
+    carried = {
+        TRACEPARENT: format_traceparent(context.trace_id, context.span_id, context.trace_flags)
+    }
+    if context.trace_state:
+        carried[TRACESTATE] = context.trace_state.to_header()
+    return carried
 
 
 def with_context(metadata: tuple[tuple[str, V], ...]) -> tuple[tuple[str, V | str], ...]:
