@@ -53,12 +53,10 @@ def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 class MuxStream:
     """One request's chunks on a multiplexed call (``proxy.Upstream``)."""
 
-    def __init__(self, mux: Multiplexer, index: int, samples: int, mergeable: bool) -> None:
+    def __init__(self, mux: Multiplexer, index: int, samples: int) -> None:
         self._mux = mux
         self.index = index
         self._open_samples = samples
-        # Text and parsed chat deltas are per-message pieces: those chunks go as they are.
-        self._mergeable = mergeable
         self._chunks: deque[data_plane_pb2.GenerateStreamResponse] = deque()
         self._error: grpc.aio.AioRpcError | None = None
         self._ready = asyncio.Event()
@@ -104,7 +102,7 @@ class MuxStream:
                 return grpc.aio.EOF
             self._ready.clear()
             await self._ready.wait()
-        if self._mergeable and len(self._chunks) > 1:
+        if len(self._chunks) > 1:  # a slow reader: what waited leaves as one message per sample
             waiting = list(self._chunks)
             self._chunks.clear()
             merged = merge_backlog(waiting)
@@ -156,8 +154,7 @@ class Multiplexer:
             raise self.failed
         index = self._next_index
         self._next_index += 1
-        mergeable = not request.include_text and not request.HasField("chat_output")
-        stream = MuxStream(self, index, max(request.n, 1), mergeable)
+        stream = MuxStream(self, index, max(request.n, 1))
         self._streams[index] = stream
         add = data_plane_pb2.GenerateBatchRequest(
             requests=[request], session_ids=[session], indices=[index]
