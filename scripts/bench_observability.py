@@ -8,8 +8,10 @@ second as Prometheus would, each scrape timed) and "metrics + traces" (the same,
 --otlp-traces-endpoint on the servers and the router, the spans received by an OTLP receiver
 in this process). Each round runs,
 on each fleet, rollouts through the trainer client (``generate_batch`` via the router: 64
-samples of 128 tokens, 4 batches) and ``vllm bench serve`` against the HTTP edge
-(``bench_edge``).
+samples of 128 tokens, 8 batches) and ``vllm bench serve`` against the HTTP edge
+(``bench_edge``). Besides throughput (which this shared 2-core machine moves by +-10% round to
+round) it reports what the work costs: CPU seconds per 1000 output tokens of the whole stack
+(server, vLLM's engine core, router) and of the router alone, which move far less.
 
 Run: .venv/bin/python -m scripts.bench_observability [--rounds 3] [--output docs/observability.md]
 """
@@ -33,7 +35,7 @@ from scripts.rollout_clients import trainer_client
 from servers.engine.options import TINY_MODEL_NAME
 from servers.fleet.local import LocalFleet
 
-SAMPLES, TOKENS, BATCHES = 64, 128, 4
+SAMPLES, TOKENS, BATCHES = 64, 128, 8
 
 
 class Scraper:
@@ -65,14 +67,14 @@ class Scraper:
         self._thread.join(15)
 
 
-async def rollout(router: str, server: str) -> float:
-    """Tokens/s of ``BATCHES`` trainer-client batches via the router."""
+async def rollout(router: str, server: str) -> tuple[int, float]:
+    """Tokens and seconds of ``BATCHES`` trainer-client batches via the router."""
     run = trainer_client(router, [server], direct=False)
     started = time.perf_counter()
     tokens = 0
     for batch in range(BATCHES):
         tokens += await run(SAMPLES, TOKENS, batch)
-    return tokens / (time.perf_counter() - started)
+    return tokens, time.perf_counter() - started
 
 
 def main() -> None:
@@ -114,6 +116,7 @@ def main() -> None:
                 ]
             )
         trees = {name: ProcessTree(*fleet.pids) for name, fleet in fleets.items()}
+        routers = {name: ProcessTree(fleet.pids[-1]) for name, fleet in fleets.items()}
         # Thawed before the fleets stop, however the rounds end (a frozen process never sees
         # its parent go).
         stack.callback(lambda: [tree.thaw() for tree in trees.values()])
@@ -131,19 +134,31 @@ def main() -> None:
                     router, server = fleet.addresses.router, fleet.addresses.servers[0]
                     if round_index == 0:  # first generations are slow everywhere
                         asyncio.run(rollout(router, server))
-                    tokens_s = asyncio.run(rollout(router, server))
+                    stack_cpu, router_cpu = trees[name].cpu_seconds(), routers[name].cpu_seconds()
+                    tokens, seconds = asyncio.run(rollout(router, server))
+                    figures = {
+                        "rollout_tok_s": tokens / seconds,
+                        "rollout_cpu_1k": 1000 * (trees[name].cpu_seconds() - stack_cpu) / tokens,
+                    }
+                    stack_cpu, router_cpu = trees[name].cpu_seconds(), routers[name].cpu_seconds()
                     edge = bench_serve(
                         f"http://{host}:{fleet.http_port}",
                         TINY_MODEL_NAME,
                         Path(directory),
                         f"{round_index}-{name.replace(' ', '')}",
                     )
+                    edge_tokens = edge.pop("tokens")
+                    figures["edge_cpu_1k"] = (
+                        1000 * (trees[name].cpu_seconds() - stack_cpu) / edge_tokens
+                    )
+                    figures["edge_router_cpu_1k"] = (
+                        1000 * (routers[name].cpu_seconds() - router_cpu) / edge_tokens
+                    )
                 finally:
                     if scraper is not None:
                         scraper.running(False)
                     trees[name].freeze()
-                edge.pop("tokens")
-                results[name].append({"rollout_tok_s": tokens_s, **edge})
+                results[name].append({**figures, **edge})
                 print(f"round {round_index + 1} {name}: {results[name][-1]}", flush=True)
         for tree in trees.values():
             tree.thaw()
@@ -165,6 +180,18 @@ def main() -> None:
     for name, runs in results.items():
         cells = [median_range([r[k] for r in runs], 1) for k in keys]
         lines.append(f"| {name} | {' | '.join(cells)} |")
+    cpu_keys = ["rollout_cpu_1k", "edge_cpu_1k", "edge_router_cpu_1k"]
+    lines += [
+        "",
+        "CPU seconds per 1000 output tokens (user + system, every process of the stack: the "
+        "server, vLLM's engine core, the router; and the router alone at the edge):",
+        "",
+        "| observability | rollouts, stack | edge, stack | edge, router |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, runs in results.items():
+        cells = [median_range([r[k] for r in runs], 3) for k in cpu_keys]
+        lines.append(f"| {name} | {' | '.join(cells)} |")
 
     def ratio(name: str, key: str) -> float:
         return statistics.median(
@@ -177,8 +204,10 @@ def main() -> None:
         p99 = scrapes[min(len(scrapes) - 1, int(0.99 * len(scrapes)))]
         lines.append(
             f"- {name}: rollout tokens/s {ratio(name, 'rollout_tok_s'):.3f}, edge output "
-            f"tokens/s {ratio(name, 'output_tok_s'):.3f}; {len(scrapes)} scrapes under load, "
-            f"p99 {1000 * p99:.1f} ms, max {1000 * scrapes[-1]:.1f} ms (target < 100 ms)"
+            f"tokens/s {ratio(name, 'output_tok_s'):.3f}; CPU per token: rollouts "
+            f"{ratio(name, 'rollout_cpu_1k'):.3f}, edge {ratio(name, 'edge_cpu_1k'):.3f} "
+            f"(router {ratio(name, 'edge_router_cpu_1k'):.3f}); {len(scrapes)} scrapes under "
+            f"load, p99 {1000 * p99:.1f} ms, max {1000 * scrapes[-1]:.1f} ms (target < 100 ms)"
         )
     lines.append(f"\nSpans received: {sink.counter.spans}.")
     write_report(args.output, lines, "observability-overhead")

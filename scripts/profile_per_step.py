@@ -9,11 +9,13 @@ group: grpc's Cython callbacks, protobuf, vLLM's output processing, this project
 ``--no-multiplex`` starts the router with plain forwarding; ``--edge`` profiles the OpenAI edge
 under ``vllm bench serve`` instead (what ``bench_edge`` measures); ``--rollouts`` the trainer
 client's ``generate_batch`` through the router (what ``bench_observability`` measures);
-``--traces`` turns on OpenTelemetry on both processes (spans to a receiver in this process) and
-adds the share of samples spent under tracing (any frame of opentelemetry or
-``skyrl_grpc/tracing.py`` on the stack).
+``--traces`` turns on OpenTelemetry on both processes (spans to a receiver in this process),
+``--metrics`` serves every /metrics page and scrapes them each second; either way the report
+gives the share of samples spent under tracing and under metrics code (any of its frames on
+the stack) and where each is entered.
 
-Run: .venv/bin/python -m scripts.profile_per_step [--seconds 20] [--no-multiplex] [--traces]
+Run: .venv/bin/python -m scripts.profile_per_step [--seconds 20] [--no-multiplex | --edge |
+--rollouts] [--traces] [--metrics]
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from scripts.bench_common import ROOT
 from scripts.bench_edge import bench_serve
+from scripts.bench_observability import Scraper
 from scripts.otlp_sink import OtlpSink
 from scripts.rollout_clients import grpc_streams, trainer_client
 from servers.engine.options import TINY_MODEL_NAME
@@ -91,15 +94,29 @@ async def rollouts(router: str, server: str, seconds: float) -> int:
     return tokens
 
 
-TRACING_FRAMES = ("opentelemetry/", "skyrl_grpc/tracing.py")
+# Inclusive shares: the samples with any frame of these on the stack, and where they are entered.
+SHARES = (
+    ("tracing", ("opentelemetry/", "skyrl_grpc/tracing.py")),
+    (
+        "metrics",
+        (
+            "prometheus_client/",
+            "vllm/v1/metrics/",
+            "servers/common/grpc_metrics.py",
+            "servers/engine/process/server_metrics.py",
+            "servers/router/metrics.py",
+        ),
+    ),
+)
 
 
 def summarize(raw: Path, top: int) -> list[str]:
     """py-spy's raw (collapsed) stacks: the top functions by self samples, and the groups."""
     own: collections.Counter[str] = collections.Counter()
     groups: collections.Counter[str] = collections.Counter()
-    entered: collections.Counter[str] = collections.Counter()  # by the first tracing frame
-    total = under_tracing = 0
+    # Per share: its samples, and them by the share's first frame on the stack.
+    under: dict[str, collections.Counter[str]] = {name: collections.Counter() for name, _ in SHARES}
+    total = 0
     for line in raw.read_text().splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not stack:
@@ -107,10 +124,10 @@ def summarize(raw: Path, top: int) -> list[str]:
         count = int(count_text)
         frames = stack.split(";")
         total += count
-        traced = [i for i, frame in enumerate(frames) if any(m in frame for m in TRACING_FRAMES)]
-        if traced:
-            under_tracing += count
-            entered[frames[traced[0]]] += count
+        for name, marks in SHARES:
+            first = next((frame for frame in frames if any(m in frame for m in marks)), None)
+            if first is not None:
+                under[name][first] += count
         own[frames[-1]] += count
         leaf = frames[-1]
         group = next(
@@ -125,9 +142,11 @@ def summarize(raw: Path, top: int) -> list[str]:
     lines += ["", "| group (by the innermost Python frame) | share |", "| --- | --- |"]
     for name, count in groups.most_common():
         lines.append(f"| {name} | {100 * count / total:.1f}% |")
-    lines.append(f"\nUnder tracing (inclusive): {100 * under_tracing / total:.1f}% of samples.")
-    for frame, count in entered.most_common(6):
-        lines.append(f"- {100 * count / total:.1f}% entering at `{frame}`")
+    for name, entered in under.items():
+        share = 100 * sum(entered.values()) / total
+        lines.append(f"\nUnder {name} (inclusive): {share:.1f}% of samples.")
+        for frame, count in entered.most_common(5):
+            lines.append(f"- {100 * count / total:.1f}% entering at `{frame}`")
     return lines
 
 
@@ -143,6 +162,9 @@ def main() -> None:
         "--rollouts", action="store_true", help="trainer-client batches via the router instead"
     )
     parser.add_argument("--traces", action="store_true", help="OpenTelemetry on, spans kept here")
+    parser.add_argument(
+        "--metrics", action="store_true", help="every /metrics port served and scraped each second"
+    )
     args = parser.parse_args()
     spy = py_spy()
     router_args = ["--no-multiplex"] if args.no_multiplex else []
@@ -152,7 +174,10 @@ def main() -> None:
     if sink is not None:
         engine_args = ["--otlp-traces-endpoint", sink.endpoint]
         router_args += engine_args
-    fleet = LocalFleet(1, engine_args=engine_args, router_args=router_args)
+    router_args += ["--metrics-port", "0"] if args.metrics else []
+    fleet = LocalFleet(
+        1, engine_args=engine_args, router_args=router_args, server_metrics=args.metrics
+    )
     with fleet, tempfile.TemporaryDirectory() as tmp:
         router, server = fleet.addresses.router, fleet.addresses.servers[0]
         edge = f"http://{router.rpartition(':')[0]}:{fleet.http_port}"
@@ -164,6 +189,18 @@ def main() -> None:
                 return asyncio.run(rollouts(router, server, seconds))
             return asyncio.run(load(router, seconds))
 
+        scraper = None
+        if args.metrics:  # as Prometheus would: both pages every second
+            while not all(fleet.server_metrics_ports):
+                time.sleep(0.1)
+            host = router.rpartition(":")[0]
+            scraper = Scraper(
+                [
+                    f"http://{host}:{fleet.server_metrics_ports[0]}/metrics",
+                    f"http://{host}:{fleet.metrics_port}/metrics",
+                ]
+            )
+            scraper.running(True)
         run_load(5)  # warm: compiled paths, the prefix cache, the mux call
         pids = dict(zip(("router", "server"), fleet.pids[-1:] + fleet.pids[:1], strict=True))
         recorders = {}
@@ -183,8 +220,12 @@ def main() -> None:
         for _, recorder in recorders.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 recorder.wait(timeout=60)
+        if scraper is not None:
+            scraper.close()
         mode = "plain forwarding" if args.no_multiplex else "multiplexed"
-        traced = ", traces on" if sink is not None else ""
+        traced = (", traces on" if sink is not None else "") + (
+            ", metrics served and scraped" if scraper is not None else ""
+        )
         if args.edge:
             print(f"# the OpenAI edge under vllm bench serve (concurrency 64; {mode}{traced})")
         elif args.rollouts:
