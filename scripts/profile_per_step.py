@@ -105,6 +105,7 @@ SHARES = (
             "servers/common/grpc_metrics.py",
             "servers/engine/process/server_metrics.py",
             "servers/router/metrics.py",
+            "servers/router/loop_series.py",
         ),
     ),
 )

@@ -11,9 +11,14 @@ Names follow vllm-router's (``vllm_router_processed_requests_total{worker}``,
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from servers.router.loop_series import (
+    LoopCounter,
+    LoopCounterFamily,
+    LoopHistogram,
+    LoopHistogramFamily,
+)
 
 LATENCY_BUCKETS = (
     0.001,
@@ -125,7 +130,8 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        self.ttft = Histogram(
+        # Recorded per relayed message: series the event loop writes without locks.
+        self.ttft = LoopHistogramFamily(
             "skyrl_router_ttft_seconds",
             "Generation streams: time from the call's start to its first tokens, by the worker "
             "that sent them",
@@ -133,7 +139,7 @@ class RouterMetrics:
             buckets=TTFT_BUCKETS,
             registry=registry,
         )
-        self.itl = Histogram(
+        self.itl = LoopHistogramFamily(
             "skyrl_router_inter_token_latency_seconds",
             "Generation streams: time between two messages divided by the tokens of the later "
             "(one observation per message)",
@@ -141,7 +147,7 @@ class RouterMetrics:
             buckets=ITL_BUCKETS,
             registry=registry,
         )
-        self.tokens = Counter(
+        self.tokens = LoopCounterFamily(
             "skyrl_router_tokens",
             "Tokens relayed by generation streams, by worker (token_type 'output')",
             ["worker", "token_type"],
@@ -210,11 +216,11 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        self._stream_series: dict[str, tuple[Any, Any, Any]] = {}
+        self._stream_series: dict[str, tuple[LoopCounter, LoopHistogram, LoopHistogram]] = {}
 
-    def stream_series(self, worker: str) -> tuple[Any, Any, Any]:
+    def stream_series(self, worker: str) -> tuple[LoopCounter, LoopHistogram, LoopHistogram]:
         """A worker's output-token counter, TTFT and ITL histograms, looked up once: a stream
-        observes them per message, and ``labels()`` costs more than the observation."""
+        observes them per message (from the event loop only)."""
         series = self._stream_series.get(worker)
         if series is None:
             series = self._stream_series[worker] = (
