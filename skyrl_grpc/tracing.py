@@ -17,6 +17,9 @@ nothing, and opentelemetry is not even imported.
   client's ``update_weights``: every server's phases of one update in one trace).
 - ``record(name, seconds)``: a span that has just ended, of ``seconds`` (a weight update's
   phase, timed by its own code).
+- ``parse_traceparent`` / ``format_traceparent``: the W3C header read and written here, as
+  OpenTelemetry's propagator reads and writes it, without its per-call machinery (every traced
+  call carries the context twice or three times through the router).
 """
 
 from __future__ import annotations
@@ -115,8 +118,8 @@ def format_traceparent(trace_id: int, span_id: int, flags: int) -> str:
 
 def _parent(metadata: Iterable[tuple[str, Any]] | Mapping[str, Any] | None) -> Any:
     """The caller's context from its ``traceparent`` / ``tracestate``, parsed as W3C Trace
-    Context says (what OpenTelemetry's TraceContextTextMapPropagator does, without its regular
-    carrier getters and per-call objects: this runs for every call). None when the metadata
+    Context says (what OpenTelemetry's TraceContextTextMapPropagator does, without its carrier
+    getters and per-call objects: this runs for every call). None when the metadata
     carries none (the span is then a child of the current one); a root context for an invalid
     one (the span starts a trace of its own, as after the propagator's extract)."""
     traceparent = tracestate = None
@@ -131,7 +134,12 @@ def _parent(metadata: Iterable[tuple[str, Any]] | Mapping[str, Any] | None) -> A
     if parsed is None:
         return _otel.Context()
     trace_id, span_id, flags = parsed
-    state = _otel.TraceState.from_header([tracestate]) if tracestate else None
+    # The propagator drops a tracestate over 512 characters, and so does this.
+    state = (
+        _otel.TraceState.from_header([tracestate])
+        if tracestate and len(tracestate) <= 512
+        else None
+    )
     context = _otel.SpanContext(
         trace_id, span_id, is_remote=True, trace_flags=_otel.TraceFlags(flags), trace_state=state
     )
