@@ -97,9 +97,7 @@ def test_the_weight_heap_slack_reaches_the_workers_environment() -> None:
         assert made.environment["SKYRL_WEIGHT_HEAP_SLACK"] == "-1"
     half = engine_arguments(EngineOptions(weight_heap_slack=0.5), RequestLimits(), CPU, "/m")
     assert half.environment["SKYRL_WEIGHT_HEAP_SLACK"] == "0.5"
-    lean = engine_arguments(
-        EngineOptions(weight_spares_at_start=False), RequestLimits(), CPU, "/m"
-    )
+    lean = engine_arguments(EngineOptions(weight_spares_at_start=False), RequestLimits(), CPU, "/m")
     assert lean.environment["SKYRL_WEIGHT_SPARES_AT_START"] == "0"
 
 

@@ -312,9 +312,7 @@ async def test_the_fleet_page_shows_the_servers_an_update_and_a_server_lost_and_
             )
             await page.wait_for_selector(f'#events tr[data-kind="lost"][data-server="{lost}"]')
             await asyncio.to_thread(fleet.restart_server, 1, ENGINE_START_SECONDS)
-            await page.wait_for_selector(
-                row("servers", lost, " td.state.healthy"), timeout=60_000
-            )
+            await page.wait_for_selector(row("servers", lost, " td.state.healthy"), timeout=60_000)
             await page.wait_for_selector(f'#events tr[data-kind="back"][data-server="{lost}"]')
             # Caught up from its peer: the page shows it on the fleet's version again.
             await page.wait_for_function(

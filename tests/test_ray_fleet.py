@@ -130,7 +130,9 @@ def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
         assert "--max-n" in refused.value.details()  # type: ignore[attr-defined]
         assert len(tree) > len(actor_pids)  # the engines run in processes of their own
-        replicas = [pid for pid in tree if "--replica-id" in " ".join(psutil.Process(pid).cmdline())]
+        replicas = [
+            pid for pid in tree if "--replica-id" in " ".join(psutil.Process(pid).cmdline())
+        ]
         assert len(replicas) == 2, tree
 
         @ray.remote(num_cpus=0)
