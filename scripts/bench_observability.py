@@ -134,7 +134,7 @@ def main() -> None:
                     router, server = fleet.addresses.router, fleet.addresses.servers[0]
                     if round_index == 0:  # first generations are slow everywhere
                         asyncio.run(rollout(router, server))
-                    stack_cpu, router_cpu = trees[name].cpu_seconds(), routers[name].cpu_seconds()
+                    stack_cpu = trees[name].cpu_seconds()
                     tokens, seconds = asyncio.run(rollout(router, server))
                     figures = {
                         "rollout_tok_s": tokens / seconds,

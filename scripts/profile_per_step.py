@@ -30,13 +30,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from scripts.bench_common import ROOT
 from scripts.bench_edge import bench_serve
 from scripts.bench_observability import Scraper
 from scripts.otlp_sink import OtlpSink
-from scripts.rollout_clients import grpc_streams, trainer_client
+from scripts.rollout_clients import RunBatch, grpc_streams, trainer_client
 from servers.engine.options import TINY_MODEL_NAME
 from servers.fleet.local import LocalFleet
 
@@ -70,27 +71,15 @@ def edge_load(base_url: str, seconds: float) -> int:
     return tokens
 
 
-async def load(address: str, seconds: float) -> int:
-    """Rounds of 64 concurrent per-step streams of 128 tokens (``bench_rollout``'s router
-    contender: sessions, a message per engine step) until ``seconds`` have passed."""
-    run = grpc_streams(address, 0, sessions=True)
+async def until(make_run: Callable[[], RunBatch], seconds: float) -> int:
+    """Rounds of 64 samples of 128 tokens through the client ``make_run`` makes (in this event
+    loop, where its channels live) until ``seconds`` have passed; the tokens generated."""
+    run = make_run()
     deadline = time.monotonic() + seconds
     tokens, round_ = 0, 0
     while time.monotonic() < deadline:
         tokens += await run(64, 128, round_)
         round_ += 1
-    return tokens
-
-
-async def rollouts(router: str, server: str, seconds: float) -> int:
-    """Trainer-client batches of 64 samples of 128 tokens via the router (``bench_observability``'s
-    rollouts) until ``seconds`` have passed."""
-    run = trainer_client(router, [server], direct=False)
-    deadline = time.monotonic() + seconds
-    tokens, batch = 0, 0
-    while time.monotonic() < deadline:
-        tokens += await run(64, 128, batch)
-        batch += 1
     return tokens
 
 
@@ -186,9 +175,13 @@ def main() -> None:
         def run_load(seconds: float) -> int:
             if args.edge:
                 return edge_load(edge, seconds)
-            if args.rollouts:
-                return asyncio.run(rollouts(router, server, seconds))
-            return asyncio.run(load(router, seconds))
+            if args.rollouts:  # trainer-client batches via the router (bench_observability's)
+                return asyncio.run(
+                    until(lambda: trainer_client(router, [server], direct=False), seconds)
+                )
+            # 64 concurrent per-step streams (bench_rollout's router contender: sessions, a
+            # message per engine step)
+            return asyncio.run(until(lambda: grpc_streams(router, 0, sessions=True), seconds))
 
         scraper = None
         if args.metrics:  # as Prometheus would: both pages every second
