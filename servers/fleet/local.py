@@ -75,12 +75,12 @@ class _Process:
 
 
 def served_model_directory(engine_args: Sequence[str]) -> str:
-    """The model directory servers started with ``engine_args`` serve (``--model``, else the
-    embedded tiny model's)."""
-    args = list(engine_args)
-    if "--model" in args[:-1]:
-        return args[args.index("--model") + 1]
-    return str(tiny_model_path())
+    """The model directory servers started with ``engine_args`` serve (``--model``, read by
+    the serve command's own parser, else the embedded tiny model's)."""
+    from servers.engine.options import build_parser
+
+    parsed, _ = build_parser().parse_known_args(list(engine_args))
+    return str(parsed.model or tiny_model_path())
 
 
 class LocalFleet(Fleet):
