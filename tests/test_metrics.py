@@ -222,12 +222,24 @@ async def test_the_router_exports_each_workers_tokens_ttft_placements_and_http_r
     )
     answer = await asyncio.to_thread(lambda: urllib.request.urlopen(request, timeout=60).read())
     assert b"[DONE]" in answer
-    after = await asyncio.to_thread(scrape, stack.router)
+    # The edge counts a request once its answer has ended, which the client may see first
+    # (its last bytes are written before the edge's handler returns): wait for that count.
+    pages: list[dict[str, float]] = []
+    http_200 = {"route": "/v1/completions", "status": "200"}
+
+    def counted() -> bool:
+        pages.append(scrape(stack.router))
+        return total(pages[-1], "skyrl_router_http_requests_total", **http_200) > total(
+            before, "skyrl_router_http_requests_total", **http_200
+        )
+
+    await asyncio.to_thread(wait_until, counted, 30, "the edge to count the request")
+    after = pages[-1]
 
     def grew(name: str, **labels: str) -> float:
         return total(after, name, **labels) - total(before, name, **labels)
 
-    assert grew("skyrl_router_http_requests_total", route="/v1/completions", status="200") == 1
+    assert grew("skyrl_router_http_requests_total", **http_200) == 1
     assert grew("skyrl_router_http_request_duration_seconds_count", route="/v1/completions") == 1
     workers = [
         worker
