@@ -227,10 +227,13 @@ async def test_the_router_exports_each_workers_tokens_ttft_placements_and_http_r
     pages: list[dict[str, float]] = []
     http_200 = {"route": "/v1/completions", "status": "200"}
 
-    def counted() -> bool:
+    def counted() -> bool:  # its count and its duration, recorded one after the other
         pages.append(scrape(stack.router))
+        duration = "skyrl_router_http_request_duration_seconds_count"
         return total(pages[-1], "skyrl_router_http_requests_total", **http_200) > total(
             before, "skyrl_router_http_requests_total", **http_200
+        ) and total(pages[-1], duration, route=http_200["route"]) > total(
+            before, duration, route=http_200["route"]
         )
 
     await asyncio.to_thread(wait_until, counted, 30, "the edge to count the request")
