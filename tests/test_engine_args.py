@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -86,6 +87,31 @@ def test_gpu_arguments_and_extra_arguments_win() -> None:
         "SKYRL_WEIGHT_HEAP_SLACK": "1",
         "SKYRL_WEIGHT_SPARES_AT_START": "1",
     }
+
+
+def test_structured_outputs_settings_reach_vllm_or_are_refused_naming_the_flag() -> None:
+    """``--structured-outputs-config`` as vLLM's own flag takes it: compact JSON on xgrammar
+    reaches the engine; what vLLM refuses (free whitespace off on its "auto" backend, a
+    setting it does not have) fails when the arguments are made, naming the flag."""
+    from servers.engine.options import add_engine_arguments, engine_options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    compact = '{"backend": "xgrammar", "disable_any_whitespace": true}'
+    options = engine_options_from_args(parser.parse_args(["--structured-outputs-config", compact]))
+    config = engine_arguments(options, RequestLimits(), CPU, "/m").args["structured_outputs_config"]
+    assert config.backend == "xgrammar" and config.disable_any_whitespace is True
+    assert (
+        "structured_outputs_config"
+        not in engine_arguments(EngineOptions(), RequestLimits(), CPU, "/m").args
+    )
+    for refused in ({"disable_any_whitespace": True}, {"no_such_setting": 1}):
+        with pytest.raises(ValueError, match="--structured-outputs-config"):
+            engine_arguments(
+                EngineOptions(structured_outputs_config=refused), RequestLimits(), CPU, "/m"
+            )
+    with pytest.raises(SystemExit):  # not JSON: argparse names the flag
+        parser.parse_args(["--structured-outputs-config", "{disable"])
 
 
 def test_the_weight_heap_slack_reaches_the_workers_environment() -> None:

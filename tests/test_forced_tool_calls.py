@@ -202,3 +202,134 @@ async def test_seeded_forced_calls_are_calls_or_keep_their_text(
     ]
     await client.close()
     assert broken_forced_answers(choice, answers) == []
+
+
+# The issue's tools: short string arguments, so a required answer of 120 tokens holds a complete
+# call before it is cut in the middle of the next one.
+SHORT_SCHEMAS: dict[str, Any] = {
+    "get_weather": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+    },
+    "search": {
+        "type": "object",
+        "properties": {"q": {"type": "string", "maxLength": 12}},
+        "required": ["q"],
+    },
+}
+SHORT_TOOLS: Any = [
+    {"type": "function", "function": {"name": name, "description": name, "parameters": schema}}
+    for name, schema in SHORT_SCHEMAS.items()
+]
+CUT_SEEDS = range(8)
+
+
+def complete_calls_in(text: str, choice: Any) -> list[tuple[str, Any]]:
+    """The calls a forced answer's text holds whole (name, arguments), read with the standard
+    library's JSON decoder: for ``required`` the array's elements up to the first one cut, for
+    a named choice its one object if it is closed."""
+    decoder = json.JSONDecoder()
+    if isinstance(choice, dict):
+        try:
+            arguments, _ = decoder.raw_decode(text.lstrip())
+        except json.JSONDecodeError:
+            return []
+        return [(choice["function"]["name"], arguments)]
+    calls: list[tuple[str, Any]] = []
+    at = len(text) - len(text.lstrip())
+    if not text.startswith("[", at):
+        return calls
+    at += 1
+    while True:
+        at += len(text[at:]) - len(text[at:].lstrip())
+        try:
+            element, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return calls
+        calls.append((element["name"], element["parameters"]))
+        at += len(text[at:]) - len(text[at:].lstrip())
+        if not text.startswith(",", at):
+            return calls
+        at += 1
+
+
+# What the seeds must show, per choice: a required answer cut after a complete call (the issue's
+# case); a named choice's one object ends its output (its grammar's end), so its cut-offs have no
+# complete call and keep their text, at a max_tokens that cuts some of them.
+CUT_CASES = {
+    "required": ("required", 120, {"cut after calls"}),
+    "named": (NAMED, 40, {"cut, no call", "called"}),
+}
+
+
+@pytest.mark.parametrize("case", list(CUT_CASES))
+async def test_a_cut_off_forced_answer_returns_the_calls_it_completed(
+    http_router: Any, tiny_model_dir: Path, case: str
+) -> None:
+    """The issue's requests (seeded): an answer cut off by max_tokens returns every call its
+    text completed, in tool_calls with finish_reason "length", and nothing of the cut
+    remainder; with none complete, its text as content. Streamed, each call comes whole in one
+    delta, the same calls, content and finish as the whole answer."""
+    choice, max_tokens, must_see = CUT_CASES[case]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{http_router.http_port}/v1", api_key="-"
+    )
+    seen = set()
+    for seed in CUT_SEEDS:
+        request: Any = {
+            "model": "",
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": SHORT_TOOLS,
+            "tool_choice": choice,
+            "max_tokens": max_tokens,
+            "temperature": 0.7,
+            "seed": seed,
+        }
+        answer = await client.chat.completions.create(
+            **request, extra_body={"return_token_ids": True}
+        )
+        (first,) = answer.choices
+        text = tokenizer.decode(first.token_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+        expected = complete_calls_in(text, choice)
+        calls = [
+            (c.function.name, json.loads(c.function.arguments))
+            for c in first.message.tool_calls or []
+        ]  # type: ignore[union-attr]
+        where = f"seed {seed} ({first.finish_reason}): {text!r}"
+        assert calls == expected, where
+        for name, arguments in calls:
+            jsonschema.validate(arguments, SHORT_SCHEMAS[name])
+        if expected:
+            assert first.message.content == "", where  # the cut remainder nowhere
+        else:
+            assert first.message.content == text, where  # no call: the generated text
+        cut = first.finish_reason == "length"
+        seen.add(
+            ("cut after calls" if cut else "called")
+            if expected
+            else "cut, no call"
+            if cut
+            else "no call"
+        )
+
+        pieces: dict[int, list[Any]] = {}
+        content, finish = "", None
+        async for chunk in await client.chat.completions.create(**request, stream=True):
+            for streamed_choice in chunk.choices:
+                content += streamed_choice.delta.content or ""
+                for piece in streamed_choice.delta.tool_calls or []:
+                    pieces.setdefault(piece.index, []).append(piece)
+                finish = streamed_choice.finish_reason or finish
+        assert all(len(deltas) == 1 for deltas in pieces.values()), where  # each call whole
+        streamed = [
+            (deltas[0].function.name, json.loads(deltas[0].function.arguments))
+            for _, deltas in sorted(pieces.items())
+        ]
+        assert all(deltas[0].id and deltas[0].type == "function" for deltas in pieces.values())
+        assert (streamed, content, finish) == (calls, first.message.content, first.finish_reason)
+    await client.close()
+    assert must_see <= seen, seen  # the seeds hold the cases this choice is about

@@ -11,6 +11,7 @@ docs/serving.md, each with why."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -129,13 +130,6 @@ CHAT: dict[str, dict[str, Any]] = {
         "temperature": 0.0,
         "no_whitespace": True,
     },
-    "tools, required, parallel allowed": {
-        "tools": TOOLS,
-        "tool_choice": "required",
-        "max_tokens": 48,
-        "temperature": 0.0,
-        "no_whitespace": True,
-    },
     "tools, named": {
         "tools": TOOLS,
         "tool_choice": {"type": "function", "function": {"name": "get_time"}},
@@ -214,6 +208,59 @@ async def test_chat_answers_match_vllms_server_field_by_field(
         assert set(json.loads(message["content"])) == {"city", "days"}
     if case == "n samples, seeded":
         assert len({c["message"]["content"] for c in ours["choices"]}) > 1  # really sampled
+
+
+# Parallel calls allowed: the model writes calls until max_tokens cuts one.
+CUT_OFF_CALLS = {
+    "tools": TOOLS,
+    "tool_choice": "required",
+    "max_tokens": CALL_TOKENS,
+    "temperature": 0.0,
+    "no_whitespace": True,
+}
+HERMES_CALLS = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+async def test_a_cut_off_required_answer_returns_the_calls_in_vllms_text(
+    edge: str, vllm_edge: str, bias: dict[str, float]
+) -> None:
+    """Where the edge is better than vLLM's server on purpose: cut off by max_tokens after
+    complete calls, vLLM's server answers with the whole text as content (streamed: the cut
+    call's pieces); the edge answers with every call that text completed, and nothing of the
+    cut one, whole and streamed."""
+    body = request(CUT_OFF_CALLS, True, bias)
+    async with httpx.AsyncClient(timeout=120) as client:
+        ours, theirs = await whole(client, edge, body), await whole(client, vllm_edge, body)
+        ours_events = await streamed(client, edge, body)
+    (answer,), (their_answer,) = ours["choices"], theirs["choices"]
+    assert answer["finish_reason"] == their_answer["finish_reason"] == "length"
+    assert ours["usage"]["completion_tokens"] == theirs["usage"]["completion_tokens"]
+    text = their_answer["message"]["content"]
+    completed = [json.loads(found) for found in HERMES_CALLS.findall(text)]
+    assert completed and not text.endswith("</tool_call>"), text  # calls, then one cut
+    calls = [
+        {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+        for c in answer["message"]["tool_calls"]
+    ]
+    assert calls == completed
+    assert answer["message"]["content"] == ""
+    folded = compare_streams_folded(ours_events)
+    assert [(name, json.loads(arguments)) for name, arguments in folded] == [
+        (c["name"], c["arguments"]) for c in completed
+    ]
+
+
+def compare_streams_folded(events: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """A stream's calls, each folded from its deltas (the edge sends each whole)."""
+    calls: dict[int, list[str]] = {}
+    for event in events:
+        for choice in event["choices"]:
+            assert not choice["delta"].get("content"), choice  # the cut call: nowhere
+            for piece in choice["delta"].get("tool_calls") or []:
+                entry = calls.setdefault(piece["index"], ["", ""])
+                entry[0] += piece.get("function", {}).get("name") or ""
+                entry[1] += piece.get("function", {}).get("arguments") or ""
+    return [(name, arguments) for _, (name, arguments) in sorted(calls.items())]
 
 
 @pytest.mark.parametrize("case", [*SAMPLING, *COMPLETIONS])

@@ -7,6 +7,7 @@ paying for the engine's imports.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +90,10 @@ class EngineOptions:
     # OpenTelemetry traces (vLLM's flag): this server's spans and vLLM's own llm_request span
     # per request go over OTLP/gRPC to this endpoint. None: no tracing, at no cost.
     otlp_traces_endpoint: str | None = None
+    # vLLM's structured-outputs settings (``--structured-outputs-config``, vLLM's flag, its
+    # ``StructuredOutputsConfig`` fields), e.g. ``{"disable_any_whitespace": true}``: JSON
+    # outputs (forced tool calls among them) without the whitespace a grammar otherwise allows.
+    structured_outputs_config: dict[str, Any] = field(default_factory=dict)
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -250,14 +255,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tool-call-parser",
         default=d.tool_call_parser,
-        help="vLLM tool-call parser for chat outputs (e.g. hermes); needed for tool_choice "
-        "required or a named function",
+        help="vLLM tool-call parser for chat outputs (e.g. hermes): calls in the model's own "
+        "format; needed for tool_choice auto (required and a named function need none)",
     )
     group.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='let the model decide when to call tools (tool_choice "auto"); needs '
         "--tool-call-parser",
+    )
+    group.add_argument(
+        "--structured-outputs-config",
+        type=json_object,
+        default={},
+        help="vLLM's structured-outputs settings as JSON, e.g. "
+        "'{\"disable_any_whitespace\": true}' (JSON outputs and forced tool calls without the "
+        "free whitespace a JSON grammar allows: docs/serving.md)",
     )
     group.add_argument(
         "--reasoning-parser",
@@ -296,7 +309,19 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        structured_outputs_config=args.structured_outputs_config,
     )
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's value as a JSON object (argparse names the flag when this raises)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

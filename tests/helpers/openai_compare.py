@@ -146,7 +146,9 @@ def deltas_of(events: list[Json]) -> list[Any]:
     with the piece before it: how many tokens one event carries, and whether the last ones
     come with the finish, depends on timing (vLLM's output handler merges what its consumer
     has not taken yet; on a loaded machine a stream's last tokens and its end arrive apart),
-    what they say does not."""
+    what they say does not. A call's header and the argument pieces after it are folded into
+    one call, as a client folds them (the edge sends a forced call whole, vLLM's server in
+    pieces)."""
     joined: list[Any] = []
     for event in events:
         for choice in event["choices"]:
@@ -178,7 +180,7 @@ def _fold(joined: list[Any], delta: Json, finish: str | None) -> None:
         _append(joined[-1][0], delta)
         joined[-1][1] = finish
     else:
-        joined.append([delta, finish, key])
+        joined.append([delta, finish, key or _opened_call(delta)])
     if finish is not None:
         joined[-1][2] = None
 
@@ -200,11 +202,22 @@ def _appending(delta: Json) -> str | None:
     return None
 
 
+def _opened_call(delta: Json) -> str | None:
+    """The arguments a delta that opens one call (its name) is followed by: what a client folds
+    into that call. vLLM's server streams a call's header and then its arguments in pieces;
+    the edge sends a forced call whole, in one delta, once it is complete."""
+    calls = delta.get("tool_calls") or []
+    if len(calls) == 1 and (calls[0].get("function") or {}).get("name"):
+        return f"arguments {calls[0]['index']}"
+    return None
+
+
 def _append(into: Json, delta: Json) -> None:
     if "tool_calls" in delta:
-        into["tool_calls"][0]["function"]["arguments"] += delta["tool_calls"][0]["function"][
-            "arguments"
-        ]
+        function = into["tool_calls"][0]["function"]
+        function["arguments"] = (
+            function.get("arguments", "") + delta["tool_calls"][0]["function"]["arguments"]
+        )
     else:
         (key,) = delta
         into[key] += delta[key]

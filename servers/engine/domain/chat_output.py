@@ -2,6 +2,13 @@
 ``ChatParsers.prepare``): each streamed message's delta, or each sample's whole message at its
 end, as plain values: content, reasoning and tool calls (with the rule for forced choices:
 calls that follow their tools' schemas, or the text).
+
+A forced choice's calls are given out whole, each as soon as it is complete (its arguments a
+JSON object its tool's schema accepts: ``CompleteCalls``), streamed or not: a sample cut off by
+``max_tokens`` after some complete calls returns those (its finish reason says more was cut),
+the cut remainder nowhere; one with no complete call returns its generated text as content.
+vLLM's server streams a forced call's arguments as they are generated and, at a cut-off,
+returns none of the calls, only the text.
 """
 
 from __future__ import annotations
@@ -41,6 +48,45 @@ class ParsedCall:
     arguments: str  # JSON text
 
 
+class CompleteCalls:
+    """One sample's forced calls as they complete: the parser's pieces folded per call, a call
+    given out (once, whole) when its arguments are a JSON object that ``follows(name,
+    arguments)`` accepts and every call before it was given out (calls are generated in
+    order: one not complete is the one being generated, or cut)."""
+
+    def __init__(self, follows: Callable[[str, str], bool]) -> None:
+        self._follows = follows
+        self._folded: dict[int, ToolCallPiece] = {}
+        self.given: list[ToolCallPiece] = []
+
+    def fold(self, pieces: list[ToolCallPiece]) -> list[ToolCallPiece]:
+        """Adds the parser's pieces; the calls they completed, each as one whole piece."""
+        for piece in pieces:
+            into = self._folded.setdefault(piece.index, ToolCallPiece(piece.index, arguments=""))
+            into.id = into.id or piece.id
+            into.type = into.type or piece.type
+            into.name = (into.name or "") + (piece.name or "") or None
+            into.arguments = (into.arguments or "") + (piece.arguments or "")
+        completed = []
+        for index in sorted(self._folded)[len(self.given) :]:
+            call = self._folded[index]
+            if call.name is None or not self._follows(call.name, call.arguments or ""):
+                break
+            whole = ToolCallPiece(
+                index, call.id, call.type or "function", call.name, call.arguments
+            )
+            self.given.append(whole)
+            completed.append(whole)
+        return completed
+
+    def calls(self, new_id: Callable[[], str]) -> tuple[ParsedCall, ...]:
+        """The calls given out, as a whole message's."""
+        return tuple(
+            ParsedCall(call.id or new_id(), call.name or "", call.arguments or "")
+            for call in self.given
+        )
+
+
 @dataclass(frozen=True)
 class ParsedMessage:
     """A sample's whole assistant message."""
@@ -62,6 +108,7 @@ class ChatOutputParsing:
         resumed: int,
         whole_messages: bool,
         enable_auto_tools: bool,
+        new_parser: Callable[[], Any] | None = None,
     ) -> None:
         # None for each sample where no parser is configured: its text is all content.
         self._parsers = parsers
@@ -73,6 +120,20 @@ class ChatOutputParsing:
         self._texts = [""] * len(parsers)
         self._token_ids: list[list[int]] = [[] for _ in parsers]
         self._resumed = prompt_token_ids[len(prompt_token_ids) - resumed :] if resumed else []
+        choice = request.tool_choice if request is not None else None
+        # After validation a named choice is vLLM's ChatCompletionNamedToolChoiceParam.
+        self._forced = parsers[0] is not None and (
+            choice == "required" or hasattr(choice, "function")
+        )
+        # A forced choice's calls as they complete, per sample; with whole messages, each
+        # sample's steps (text, token ids) too, replayed through ``new_parser()``'s streaming
+        # parse when the whole parse finds no calls a caller can run (a cut-off).
+        self._complete = [CompleteCalls(self._follows_schema) for _ in parsers]
+        self._new_parser = new_parser
+        self._steps: list[list[tuple[str, list[int]]]] = [[] for _ in parsers]
+        # Content streamed so far, per sample (a forced sample without a complete call ends
+        # with the rest of its text as content).
+        self._content_sent = [""] * len(parsers)
 
     def resume(self, decode: Callable[[list[int]], str]) -> None:
         """Reads the sample's output so far (``resumed_tokens``) into its parser; what it
@@ -82,19 +143,48 @@ class ChatOutputParsing:
         text = decode(self._resumed)
         if self.whole_messages or self._parsers[0] is None:
             self._texts[0], self._token_ids[0] = text, list(self._resumed)
+            if self._forced:
+                self._steps[0].append((text, list(self._resumed)))
             return
-        self._feed(self._parsers[0], text, list(self._resumed), finished=False)
+        said = _plain_delta(self._feed(self._parsers[0], text, list(self._resumed), False))
+        self._texts[0] = text
+        if said is not None:
+            self._content_sent[0] += said.content or ""
+            self._complete[0].fold(said.tool_calls)  # given out by the server before
 
     def add(self, i: int, text: str, token_ids: list[int]) -> None:
         """More of sample ``i``'s output, for ``whole`` at its end."""
         self._texts[i] += text
         self._token_ids[i] += token_ids
+        if self._forced:
+            self._steps[i].append((text, token_ids))
 
     def delta(self, i: int, text: str, token_ids: list[int], finished: bool) -> ParsedDelta | None:
-        """Sample ``i``'s next delta (None: the parser holds these tokens back). vLLM's
-        thinking-model reasoning parsers keep the start marker's text in the reasoning when it
-        arrives with later tokens (a delta holds several tokens when the engine's outputs pile
-        up under load), so a marker that opens a delta goes to the parser on its own first."""
+        """Sample ``i``'s next delta (None: the parser holds these tokens back). A forced
+        choice's calls go out whole as each completes (``CompleteCalls``); at the end of a
+        sample with none, the rest of its text goes out as content."""
+        parsed = self._parsed_delta(i, text, token_ids, finished)
+        if not self._forced:
+            return parsed
+        self._texts[i] += text
+        if parsed is not None:
+            self._content_sent[i] += parsed.content or ""
+            parsed.tool_calls = self._complete[i].fold(parsed.tool_calls)
+        if finished and not self._complete[i].given:
+            rest = self._uncalled_content(i).removeprefix(self._content_sent[i])
+            parsed = parsed or ParsedDelta()
+            parsed.content = (parsed.content or "") + rest
+        if parsed is not None and not (parsed.tool_calls or parsed.content or parsed.reasoning):
+            return None  # what it said was a call's piece, held back until the call completes
+        return parsed
+
+    def _parsed_delta(
+        self, i: int, text: str, token_ids: list[int], finished: bool
+    ) -> ParsedDelta | None:
+        """Sample ``i``'s next delta as its parser reads it. vLLM's thinking-model reasoning
+        parsers keep the start marker's text in the reasoning when it arrives with later
+        tokens (a delta holds several tokens when the engine's outputs pile up under load), so
+        a marker that opens a delta goes to the parser on its own first."""
         parser = self._parsers[i]
         if parser is None:
             return ParsedDelta(content=text)
@@ -112,6 +202,11 @@ class ChatOutputParsing:
             first.content = (first.content or "") + (delta.content or "") or None
             first.tool_calls = [*first.tool_calls, *delta.tool_calls]
         return _plain_delta(first)
+
+    def _uncalled_content(self, i: int) -> str:
+        """A forced sample's text that is not reasoning: its content when no call completed."""
+        parser = self._parsers[i]
+        return _content_after_reasoning(parser, self._texts[i], self._request)
 
     def _feed(self, parser: Any, text: str, token_ids: list[int], finished: bool) -> Any:
         """One delta of a sample's output through its parser (vLLM's ``parse_delta``)."""
@@ -138,35 +233,49 @@ class ChatOutputParsing:
             model_output_token_ids=self._token_ids[i],
         )
         choice = self._request.tool_choice
-        # After validation a named choice is vLLM's ChatCompletionNamedToolChoiceParam.
-        forced = choice == "required" or hasattr(choice, "function")
-        if forced and not (calls and all(self._follows_schema(c) for c in calls)):
-            # No call a caller can run (cut off, or none found): the text, not an empty answer.
-            calls = []
-            if not content:
-                content = _content_after_reasoning(parser, self._texts[i], self._request)
-        if forced:
-            content = content or ""  # vLLM's server: "" rather than null for forced calls
         found: tuple[ParsedCall, ...] = ()
-        if forced or (self._enable_auto_tools and self._request.tools and choice == "auto"):
+        if self._forced:
+            if calls and all(self._follows_schema(c.name, c.arguments) for c in calls):
+                found = tuple(
+                    ParsedCall(call.id or make_tool_call_id(), call.name, call.arguments)
+                    for call in calls
+                )
+            else:  # cut off (or none found): the calls that were complete, else the text
+                found = self._replayed(i).calls(make_tool_call_id)
+                content = "" if found else content or self._uncalled_content(i)
+            content = content or ""  # vLLM's server: "" rather than null for forced calls
+        elif self._enable_auto_tools and self._request.tools and choice == "auto":
             found = tuple(
                 ParsedCall(call.id or make_tool_call_id(), call.name, call.arguments)
                 for call in calls or []
             )
         return ParsedMessage(content=content, reasoning=reasoning, tool_calls=found)
 
-    def _follows_schema(self, call: Any) -> bool:
+    def _replayed(self, i: int) -> CompleteCalls:
+        """Sample ``i``'s steps through a fresh parser's streaming parse, as a stream of it
+        would have gone: the forced calls it completed."""
+        complete = CompleteCalls(self._follows_schema)
+        if self._new_parser is None:
+            return complete
+        parser, steps = self._new_parser(), self._steps[i]
+        for step, (text, token_ids) in enumerate(steps):
+            said = _plain_delta(self._feed(parser, text, token_ids, step == len(steps) - 1))
+            if said is not None:
+                complete.fold(said.tool_calls)
+        return complete
+
+    def _follows_schema(self, name: str, arguments_json: str) -> bool:
         """Whether a forced call names an offered tool and its arguments are a JSON object that
         its tool's parameters schema accepts."""
         from jsonschema import ValidationError as SchemaMismatch
         from jsonschema.validators import validator_for
 
         tools = {tool.function.name: tool.function for tool in self._request.tools or []}
-        function = tools.get(call.name)
+        function = tools.get(name)
         if function is None:
             return False
         try:
-            arguments = json.loads(call.arguments)
+            arguments = json.loads(arguments_json)
         except (json.JSONDecodeError, TypeError):
             return False
         if not isinstance(arguments, dict):

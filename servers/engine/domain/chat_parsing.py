@@ -20,10 +20,11 @@ call it can run, or the text):
 - every offered tool is treated as ``strict``, so a parser's structural tag pins the arguments to
   the tool's JSON Schema too (vLLM's server with ``hermes`` leaves them free: ``"arguments":
   Infinity``);
-- a whole answer's calls are returned only when each one's arguments are a JSON object that
-  follows its tool's schema; otherwise (a call cut off by ``max_tokens``, or none found) the
-  answer carries no calls and its generated text as ``content``, as vLLM's server does for a
-  cut-off under a parser.
+- a call is returned only when its arguments are a JSON object that follows its tool's schema,
+  each as soon as it is complete (streamed: whole, in one delta): an answer cut off by
+  ``max_tokens`` carries the calls it completed (``finish_reason`` ``length``) and drops the
+  cut one; an answer with no complete call carries its generated text as ``content``, as
+  vLLM's server does for every cut-off (``chat_output.CompleteCalls``).
 """
 
 from __future__ import annotations
@@ -138,12 +139,21 @@ class ChatParsers:
             return unchanged, ChatOutputParsing(
                 [None] * n, request, prompt_token_ids, *spec.output_form, False
             )
-        parsers = [parser_cls(self.tokenizer, request.tools) for _ in range(n)]
+
+        def new_parser() -> Any:
+            return parser_cls(self.tokenizer, request.tools)
+
+        parsers = [new_parser() for _ in range(n)]
         # vLLM's rule: the parser adjusts the request (a JSON schema for required / named
         # choices, special tokens kept for markers that are special tokens).
         adjusted = parsers[0].adjust_request(request.model_copy(deep=True))
         parsing = ChatOutputParsing(
-            parsers, adjusted, prompt_token_ids, *spec.output_form, self.enable_auto_tool_choice
+            parsers,
+            adjusted,
+            prompt_token_ids,
+            *spec.output_form,
+            self.enable_auto_tool_choice,
+            new_parser=new_parser,
         )
         return _adjustments(request, adjusted), parsing
 

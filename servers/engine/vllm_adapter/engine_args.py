@@ -84,8 +84,24 @@ def engine_arguments(
     else:
         args["gpu_memory_utilization"] = options.gpu_memory_utilization
         args["enable_sleep_mode"] = platform.sleep_mode_available
+    if options.structured_outputs_config:
+        args["structured_outputs_config"] = structured_outputs_config(
+            options.structured_outputs_config
+        )
     args.update(options.extra_engine_args)
     return EngineArguments(args, environment)
+
+
+def structured_outputs_config(settings: dict[str, Any]) -> Any:
+    """vLLM's ``StructuredOutputsConfig`` of ``--structured-outputs-config``'s settings,
+    refused (naming the flag) when vLLM does not take them."""
+    from pydantic import ValidationError
+    from vllm.config import StructuredOutputsConfig
+
+    try:
+        return StructuredOutputsConfig(**settings)
+    except (TypeError, ValueError, ValidationError) as error:
+        raise ValueError(f"--structured-outputs-config {json.dumps(settings)}: {error}") from None
 
 
 class ModelNotFound(ValueError):
