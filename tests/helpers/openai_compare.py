@@ -96,12 +96,12 @@ def folded(events: list[Json]) -> Json:
     shapes: set[tuple[str, tuple[str, ...]]] = set()
     usage = prompt = None
     for event in events:
-        ending = any(c.get("finish_reason") for c in event.get("choices", ()))
-        shapes.add(("final event" if ending else "event", tuple(sorted(event))))
+        kind = _kind(event)
+        shapes.add((f"{kind} event", tuple(sorted(event))))
         usage = event.get("usage", usage)
         prompt = event.get("prompt_token_ids") or prompt
         for choice in event["choices"]:
-            shapes.add(("choice", tuple(sorted(choice))))
+            shapes.add((f"{kind} choice", tuple(sorted(choice))))
             into = choices.setdefault(choice["index"], {"events": []})
             into["events"].append({**event, "choices": [choice]})
             for key in ("finish_reason", "stop_reason", "prompt_token_ids"):
@@ -125,19 +125,30 @@ def folded(events: list[Json]) -> Json:
     return out
 
 
+def _kind(event: Json) -> str:
+    """Where an event stands in its stream: the ``final`` one (a finish reason), a chat
+    stream's ``opening`` one (the assistant's role, before any token), or a ``middle`` one."""
+    choices = event.get("choices", ())
+    if any(c.get("finish_reason") for c in choices):
+        return "final"
+    if any("role" in (c.get("delta") or {}) for c in choices):
+        return "opening"
+    return "middle"
+
+
 def compare_streams(ours: list[Json], theirs: list[Json]) -> list[str]:
     mine, other = folded(ours), folded(theirs)
-    # Whether a stream has events before its final one depends on timing (a short answer's
-    # tokens and its end can all arrive merged in one event): their shapes are compared only
-    # when both streams have some.
+    # Whether a stream has events between its opening and its final one depends on timing (a
+    # short answer's tokens and its end can all arrive merged in one event): their shapes, and
+    # their choices', are compared only when both streams have some.
     if not _has_middle(mine) or not _has_middle(other):
         for side in (mine, other):
-            side["shapes"] = frozenset(s for s in side["shapes"] if s[0] != "event")
+            side["shapes"] = frozenset(s for s in side["shapes"] if not s[0].startswith("middle"))
     return differences(normalized(mine), normalized(other))
 
 
 def _has_middle(folded_stream: Json) -> bool:
-    return any(kind == "event" for kind, _ in folded_stream["shapes"])
+    return any(kind == "middle event" for kind, _ in folded_stream["shapes"])
 
 
 def deltas_of(events: list[Json]) -> list[Any]:
