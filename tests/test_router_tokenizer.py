@@ -1,6 +1,7 @@
-"""Text prompts tokenized in the router (``route --tokenizer DIR``), on a real engine server:
-the same ids as the server's tokenizer (the reference, checked once by the router itself), no
-Tokenize call per request, and a tokenizer that is not the served model's is never used."""
+"""Text prompts tokenized in the router (``route --tokenizer DIR``, or the tokenizer a server
+hands over), on a real engine server: the same ids as the server's tokenizer (the reference,
+checked once by the router itself), no Tokenize call per request, and a tokenizer that is not
+the served model's is never used."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from skyrl_grpc.names import TOKENIZE
+from skyrl_grpc.names import GET_TOKENIZER, TOKENIZE
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 from tests.conftest import running_router
 
@@ -90,3 +91,30 @@ async def test_a_tokenizer_that_is_not_the_served_models_is_not_used(
         # The check stopped at the difference (its first probe): every prompt was tokenized
         # by the server.
         assert tokenize_calls(router) == 1 + 2
+
+
+def get_tokenizer_calls(router: Any) -> float:
+    return sum(
+        sample.value
+        for metric in router.metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name == "skyrl_router_processed_requests_total"
+        and sample.labels["method"] == GET_TOKENIZER
+    )
+
+
+@pytest.mark.parametrize("given", ["none", "a directory this host lacks"])
+async def test_a_router_without_the_models_files_tokenizes_with_the_servers_tokenizer(
+    engine_server: Any, tmp_path: Path, given: str
+) -> None:
+    """No --tokenizer, or one naming files this host does not have: the router reads the
+    tokenizer from a server once (GetTokenizer), checks it as it checks its own, and
+    tokenizes text prompts itself, with the servers' ids."""
+    tokenizer = None if given == "none" else str(tmp_path / "not-here")
+    async for router in running_router([engine_server.address], http_port=0, tokenizer=tokenizer):
+        for text in TEXTS:
+            for special in (True, False):
+                ours = await prompt_ids(router, text, special)
+                assert ours == await server_ids(engine_server, text, special), text
+        assert get_tokenizer_calls(router) == 1
+        assert tokenize_calls(router) == 2  # the check, nothing per prompt

@@ -269,7 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer",
         default=defaults.tokenizer,
         help="the served model's directory: the HTTP edge tokenizes text prompts with its "
-        "tokenizer.json (checked against the servers' on first use) instead of asking a server",
+        "tokenizer.json (checked against the servers' on first use) instead of asking a server; "
+        "without it (or on a host without the model's files) with the tokenizer a server hands "
+        "over (GetTokenizer)",
     )
     parser.add_argument(
         "--otlp-traces-endpoint",

@@ -256,6 +256,16 @@ class DetokenizeResponse(_message.Message):
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetTokenizerResponse(_message.Message):
+    __slots__ = ("tokenizer_json",)
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    tokenizer_json: str
+    def __init__(self, tokenizer_json: _Optional[str] = ...) -> None: ...
+
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -97,6 +97,11 @@ class DataPlaneStub:
                 request_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_unary(
+                '/skyrl.inference.v1.DataPlane/GetTokenizer',
+                request_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GetTokenizerResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/skyrl.inference.v1.DataPlane/Abort',
                 request_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.AbortRequest.SerializeToString,
@@ -211,6 +216,14 @@ class DataPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """The served model's tokenizer, as Hugging Face tokenizers' JSON (a tokenizer.json), so a
+        router or client on a host without the model's files tokenizes as the server does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Aborts in-flight requests by id; their streams end with FINISH_REASON_ABORTED.
         """
@@ -274,6 +287,11 @@ def add_DataPlaneServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GetModelInfoRequest.FromString,
                     response_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GetTokenizerResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -547,6 +565,33 @@ class DataPlane:
             '/skyrl.inference.v1.DataPlane/GetModelInfo',
             skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GetModelInfoRequest.SerializeToString,
             skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skyrl.inference.v1.DataPlane/GetTokenizer',
+            skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GetTokenizerRequest.SerializeToString,
+            skyrl_dot_inference_dot_v1_dot_data__plane__pb2.GetTokenizerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -92,6 +92,10 @@ class DataPlaneStub:
     """Turns token ids into text."""
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_data_plane_pb2.GetModelInfoRequest, _data_plane_pb2.GetModelInfoResponse]
     """Facts about the served model a client needs to build prompts."""
+    GetTokenizer: _grpc.UnaryUnaryMultiCallable[_data_plane_pb2.GetTokenizerRequest, _data_plane_pb2.GetTokenizerResponse]
+    """The served model's tokenizer, as Hugging Face tokenizers' JSON (a tokenizer.json), so a
+    router or client on a host without the model's files tokenizes as the server does.
+    """
     Abort: _grpc.UnaryUnaryMultiCallable[_data_plane_pb2.AbortRequest, _data_plane_pb2.AbortResponse]
     """Aborts in-flight requests by id; their streams end with FINISH_REASON_ABORTED."""
     FinishSession: _grpc.UnaryUnaryMultiCallable[_data_plane_pb2.FinishSessionRequest, _data_plane_pb2.FinishSessionResponse]
@@ -162,6 +166,10 @@ class DataPlaneAsyncStub(DataPlaneStub):
     """Turns token ids into text."""
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_data_plane_pb2.GetModelInfoRequest, _data_plane_pb2.GetModelInfoResponse]  # type: ignore[assignment]
     """Facts about the served model a client needs to build prompts."""
+    GetTokenizer: _aio.UnaryUnaryMultiCallable[_data_plane_pb2.GetTokenizerRequest, _data_plane_pb2.GetTokenizerResponse]  # type: ignore[assignment]
+    """The served model's tokenizer, as Hugging Face tokenizers' JSON (a tokenizer.json), so a
+    router or client on a host without the model's files tokenizes as the server does.
+    """
     Abort: _aio.UnaryUnaryMultiCallable[_data_plane_pb2.AbortRequest, _data_plane_pb2.AbortResponse]  # type: ignore[assignment]
     """Aborts in-flight requests by id; their streams end with FINISH_REASON_ABORTED."""
     FinishSession: _aio.UnaryUnaryMultiCallable[_data_plane_pb2.FinishSessionRequest, _data_plane_pb2.FinishSessionResponse]  # type: ignore[assignment]
@@ -283,6 +291,16 @@ class DataPlaneServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_data_plane_pb2.GetModelInfoResponse, _abc.Awaitable[_data_plane_pb2.GetModelInfoResponse]]:
         """Facts about the served model a client needs to build prompts."""
+
+    @_abc_1.abstractmethod
+    def GetTokenizer(
+        self,
+        request: _data_plane_pb2.GetTokenizerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_data_plane_pb2.GetTokenizerResponse, _abc.Awaitable[_data_plane_pb2.GetTokenizerResponse]]:
+        """The served model's tokenizer, as Hugging Face tokenizers' JSON (a tokenizer.json), so a
+        router or client on a host without the model's files tokenizes as the server does.
+        """
 
     @_abc_1.abstractmethod
     def Abort(

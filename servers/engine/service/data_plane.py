@@ -375,6 +375,13 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
             text=parts.tokenizer.decode(request.token_ids, skip)
         )
 
+    async def GetTokenizer(
+        self, request: data_plane_pb2.GetTokenizerRequest, context: Context
+    ) -> data_plane_pb2.GetTokenizerResponse:
+        return data_plane_pb2.GetTokenizerResponse(
+            tokenizer_json=self._parts().tokenizer.serialized()
+        )
+
     async def GetModelInfo(
         self, request: data_plane_pb2.GetModelInfoRequest, context: Context
     ) -> data_plane_pb2.GetModelInfoResponse:

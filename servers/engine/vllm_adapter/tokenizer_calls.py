@@ -48,6 +48,17 @@ class TokenizerCalls:
         # The template writes the special tokens (BOS, role markers) itself.
         return self.encode(str(text), add_special_tokens=False)
 
+    def serialized(self) -> str:
+        """The tokenizer as Hugging Face tokenizers' JSON (a tokenizer.json): a fast tokenizer's
+        Rust backend, which tokenizes text as ``encode`` does."""
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise FailedPrecondition(
+                f"model {self._served_model_name!r} has no fast tokenizer (tokenizer.json): its "
+                "tokenizer cannot be handed to a router or client; tokenize with Tokenize"
+            )
+        return str(backend.to_str())
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 

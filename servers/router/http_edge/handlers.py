@@ -12,6 +12,7 @@ the generation upstream.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 from typing import Any
 
 import grpc
@@ -28,7 +29,13 @@ from servers.router.proxy import Proxy
 from skyrl_grpc.concurrency import all_or_cancel
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.metadata import SESSION_ID
-from skyrl_grpc.names import DETOKENIZE, GENERATE_STREAM, GET_MODEL_INFO, TOKENIZE
+from skyrl_grpc.names import (
+    DETOKENIZE,
+    GENERATE_STREAM,
+    GET_MODEL_INFO,
+    GET_TOKENIZER,
+    TOKENIZE,
+)
 from skyrl_grpc.sample_assembly import ResponseAssembler
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2
 from skyrl_grpc.v1 import generation_pb2 as gen
@@ -81,6 +88,11 @@ class OpenAIEdge(AsgiApp):
     async def _unary(self, method: str, message: Any, request: Request) -> bytes:
         return await self.proxy.unary_unary(method, message.SerializeToString(), request.call())
 
+    async def _tokenizer_json(self, request: Request) -> str:
+        """The servers' tokenizer as tokenizers' JSON (GetTokenizer on one of them)."""
+        raw = await self._unary(GET_TOKENIZER, data_plane_pb2.GetTokenizerRequest(), request)
+        return data_plane_pb2.GetTokenizerResponse.FromString(raw).tokenizer_json
+
     async def _model_info(
         self, request: Request, fresh: bool = False
     ) -> data_plane_pb2.GetModelInfoResponse:
@@ -124,7 +136,9 @@ class OpenAIEdge(AsgiApp):
             if isinstance(prompt, list):
                 return prompt
             if isinstance(prompt, str) and self.tokenizer is not None and not call.lora:
-                local = await self.tokenizer.encode(prompt, call.add_special_tokens, remote)
+                local = await self.tokenizer.encode(
+                    prompt, call.add_special_tokens, remote, partial(self._tokenizer_json, request)
+                )
                 if local is not None:
                     return local
             return await remote(prompt, call.add_special_tokens)
