@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
-PACKAGES = ("servers", "trainer_client", "skyrl_grpc")
+PACKAGES = ("servers", "trainer_client", "skyrl_grpc", "testbed")
 
 
 def _copy_tree(target: Path) -> Path:

@@ -1,0 +1,210 @@
+"""Workloads that run on a testbed host, as a trainer or a client on a machine of its own runs
+them: ``python -m testbed.jobs JOB '<JSON arguments>'`` inside the host's namespace
+(``testbed.stack.run_job``). Each prints lines as it goes (``PROGRESS <what>``) and ends with
+one ``JOB-RESULT <JSON>`` line.
+
+- ``update``: weight updates from the trainer's host, each step timed from the call until every
+  server committed (``steps``: ``{"edit": k, "delta": bool}``: the model's checkpoint with the
+  ``k``-th edit, an RL step's worth of changed elements each; ``{"edit": 0}`` is the checkpoint
+  itself), after each, each server's weight checksums beside the pushed tensors' (unless
+  ``checksums`` is false); with ``save``, the last weights written as a model directory a
+  fresh server can start from.
+- ``checksums``: each server's weight checksums and versions.
+- ``info``: each server's weight version, or the error a call to it met (``tls``: a CA to
+  verify the servers with).
+- ``prompt_ids``: text prompts' ids as an OpenAI edge (``edge``: its base URL) tokenizes them
+  (``prompt_token_ids`` of a completion) beside a server's Tokenize (``server``).
+
+A job's ``client`` settings are ``InferenceClient``'s (``ClientConfig``), ``tls`` given as
+``{"ca": ..., "cert": ..., "key": ...}`` paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+JOB_RESULT = "JOB-RESULT "
+# The share of each tensor's elements an edit changes: an RL step's patch.
+EDIT_SHARE = 0.01
+
+
+def edited(original: dict[str, Any], edit: int) -> dict[str, Any]:
+    """The checkpoint after ``edit`` edits (0: itself), each changing a seeded 1% of every
+    tensor's elements by a small amount: deterministic, so any host makes the same weights."""
+    import torch
+
+    weights = dict(original)
+    for step in range(1, edit + 1):
+        generator = torch.Generator().manual_seed(step)
+        for name, tensor in weights.items():
+            changed = torch.rand(tensor.shape, generator=generator) < EDIT_SHARE
+            weights[name] = torch.where(changed, tensor + 1e-3 * step, tensor)
+    return weights
+
+
+def progress(what: str) -> None:
+    print(f"PROGRESS {what}", flush=True)
+
+
+def _hex(sums: dict[str, dict[str, bytes]]) -> dict[str, dict[str, str]]:
+    return {s: {n: v.hex() for n, v in by.items()} for s, by in sums.items()}
+
+
+async def _commit_seconds(servers: list[str]) -> dict[str, float]:
+    """Each server's last update's commit (its reload into vLLM), as its status stream says."""
+    import grpc
+
+    from skyrl_grpc.v1 import status_pb2, status_pb2_grpc
+
+    seconds = {}
+    for address in servers:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stream = status_pb2_grpc.ServerStatusStub(channel).Watch(status_pb2.WatchRequest())
+            first = await anext(aiter(stream))
+            stream.cancel()
+        if first.recent_updates:
+            seconds[address] = first.recent_updates[-1].phase_seconds.get("commit", 0.0)
+    return seconds
+
+
+async def _versions(client: Any) -> dict[str, int | None]:
+    """Each server's weight version; None for one that does not answer (dead, cut off)."""
+    from trainer_client import FanOutError
+
+    try:
+        return dict(await client.weight_versions())
+    except FanOutError as partly:
+        return {**dict.fromkeys(partly.failures), **partly.results}
+
+
+def client_settings(arguments: dict[str, Any]) -> dict[str, Any]:
+    """``InferenceClient`` keyword arguments of a job's ``client`` (its ``tls`` made a
+    ``TlsConfig``)."""
+    from skyrl_grpc.tls import TlsConfig
+
+    settings = dict(arguments.get("client", {}))
+    if "tls" in settings:
+        settings["tls"] = TlsConfig(**settings["tls"])
+    return settings
+
+
+async def update(arguments: dict[str, Any]) -> dict[str, Any]:
+    from safetensors.torch import load_file, save_file
+
+    from skyrl_grpc.tensor_bytes import sha256_of
+    from trainer_client import InferenceClient, WeightUpdateError
+
+    servers: list[str] = arguments["servers"]
+    model = Path(arguments["model"])
+    original = load_file(str(model / "model.safetensors"))
+    client = InferenceClient(servers[0], servers, direct=False, **client_settings(arguments))
+    versions = await _versions(client)
+    version = max(v for v in versions.values() if v is not None) + 1
+    steps: list[dict[str, Any]] = []
+    weights = original
+    try:
+        for step in arguments["steps"]:
+            weights = edited(original, step.get("edit", 0))
+            progress(f"step {len(steps)} begins")
+            began = time.monotonic()
+            try:
+                result = await client.update_weights(
+                    weights.items(), version, delta=step.get("delta", True),
+                    **arguments.get("update", {}),
+                )  # fmt: skip
+            except WeightUpdateError as error:
+                steps.append({"error": str(error), "seconds": time.monotonic() - began})
+                break
+            record: dict[str, Any] = {
+                "seconds": time.monotonic() - began,
+                "bytes_sent": result.bytes_sent,
+                "bytes_received": result.bytes_received,
+                "relayed": result.relayed,
+                "versions": {a: c.weight_version for a, c in result.items()},
+            }
+            record["commit_seconds"] = await _commit_seconds(servers)
+            if arguments.get("checksums", True):
+                record["served"] = _hex(await client.weight_checksums())
+                record["pushed"] = {n: sha256_of(t).hex() for n, t in weights.items()}
+            steps.append(record)
+            version += 1
+        out: dict[str, Any] = {"steps": steps, "versions": await _versions(client)}
+        if arguments.get("save"):
+            saved = Path(arguments["save"])
+            shutil.copytree(model, saved, dirs_exist_ok=True)
+            save_file(
+                {n: t.contiguous() for n, t in weights.items()}, str(saved / "model.safetensors")
+            )
+        return out
+    finally:
+        await client.close()
+
+
+async def checksums(arguments: dict[str, Any]) -> dict[str, Any]:
+    from trainer_client import InferenceClient
+
+    servers: list[str] = arguments["servers"]
+    client = InferenceClient(servers[0], servers, direct=False)
+    try:
+        return {
+            "versions": dict(await client.weight_versions()),
+            "checksums": _hex(await client.weight_checksums()),
+        }
+    finally:
+        await client.close()
+
+
+async def info(arguments: dict[str, Any]) -> dict[str, Any]:
+    from trainer_client import InferenceClient, InferenceError
+
+    found: dict[str, Any] = {}
+    for address in arguments["servers"]:
+        client = InferenceClient(address, [address], direct=False, **client_settings(arguments))
+        try:
+            found[address] = {"version": (await client.weight_versions())[address]}
+        except InferenceError as error:
+            found[address] = {"error": str(error)}
+        finally:
+            await client.close()
+    return found
+
+
+async def prompt_ids(arguments: dict[str, Any]) -> dict[str, Any]:
+    import httpx
+
+    from trainer_client import InferenceClient
+
+    server = InferenceClient(arguments["server"])
+    edge, served = [], []
+    async with httpx.AsyncClient(base_url=arguments["edge"], timeout=120) as http:
+        for text in arguments["texts"]:
+            body = {"model": "", "prompt": text, "max_tokens": 1, "return_token_ids": True}
+            answer = (await http.post("/v1/completions", json=body)).json()
+            edge.append(answer["choices"][0]["prompt_token_ids"])
+            served.append(await server.tokenize(text))
+    await server.close()
+    return {"edge": edge, "server": served}
+
+
+JOBS = {
+    "update": update,
+    "checksums": checksums,
+    "info": info,
+    "prompt_ids": prompt_ids,
+}
+
+
+def main() -> None:
+    job, arguments = sys.argv[1], json.loads(sys.argv[2])
+    result = asyncio.run(JOBS[job](arguments))
+    print(JOB_RESULT + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""This stack's processes on testbed hosts, as an operator starts them on machines of their own:
+``python -m servers.engine --host <the host's address>`` and ``python -m servers.router``, each
+inside its host's namespace, their lifecycle lines (``servers.common.process.announce``) read
+for the address they listen on and their readiness; and the jobs a workload runs on a host
+(``python -m testbed.jobs``), their one JSON result line read back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from servers.common.process import read_announcement
+from testbed import Host
+
+ROOT = Path(__file__).resolve().parents[1]
+# Each engine on the testbed keeps a small KV cache: many share this machine.
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+START_SECONDS = 300.0
+JOB_RESULT = "JOB-RESULT "
+
+
+@dataclass
+class Process:
+    """A stack process on a host, its lifecycle events read in a thread of their own."""
+
+    host: Host
+    popen: subprocess.Popen[str]
+    events: list[dict[str, Any]] = field(default_factory=list)
+    _changed: threading.Condition = field(default_factory=threading.Condition)
+
+    def __post_init__(self) -> None:
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            event = read_announcement(line)
+            if event is not None:
+                with self._changed:
+                    self.events.append(event)
+                    self._changed.notify_all()
+        with self._changed:
+            self.events.append({"event": "exited"})
+            self._changed.notify_all()
+
+    def until(self, name: str, timeout: float = START_SECONDS) -> dict[str, Any]:
+        """The first event named ``name`` (raises if the process fails or exits first)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for event in self.events:
+                    if event["event"] == name:
+                        return event
+                    if event["event"] in ("failed", "exited"):
+                        raise RuntimeError(f"{self.host.name}: {event} before {name!r}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self.host.name}: no {name!r} in {timeout:.0f} s")
+                self._changed.wait(left)
+
+    @property
+    def address(self) -> str:
+        return str(self.until("listening")["address"])
+
+
+def _log(log_dir: Path | None, name: str) -> IO[str] | None:
+    if log_dir is None:
+        return None
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return open(log_dir / f"{name}.log", "a")
+
+
+def start_server(
+    host: Host, *flags: str, port: int = 50051, log_dir: Path | None = None
+) -> Process:
+    """An engine server on ``host``, listening on its address (not yet ready: ``until``)."""
+    argv = [sys.executable, "-m", "servers.engine", "--host", host.address, "--port", str(port)]
+    popen = host.popen([*argv, *flags], ENGINE_ENV, _log(log_dir, host.name), ROOT)
+    return Process(host, popen)
+
+
+def start_router(
+    host: Host,
+    backends: Sequence[str],
+    *flags: str,
+    port: int = 50050,
+    log_dir: Path | None = None,
+) -> Process:
+    """A router on ``host`` in front of ``backends`` (host:port each)."""
+    argv = [sys.executable, "-m", "servers.router", "--host", host.address, "--port", str(port)]
+    argv += ["--backends", ",".join(backends)]
+    popen = host.popen([*argv, *flags], ENGINE_ENV, _log(log_dir, f"{host.name}-router"), ROOT)
+    return Process(host, popen)
+
+
+def run_job(host: Host, job: str, arguments: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """``python -m testbed.jobs JOB`` on ``host`` with ``arguments``: its result."""
+    done = host.run(
+        [sys.executable, "-m", "testbed.jobs", job, json.dumps(arguments)],
+        timeout=timeout,
+        env={"PYTHONPATH": str(ROOT)},
+    )
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(JOB_RESULT):
+            result: dict[str, Any] = json.loads(line[len(JOB_RESULT) :])
+            return result
+    raise RuntimeError(
+        f"job {job} on {host.name} gave no result (exit {done.returncode}): {done.stderr[-3000:]}"
+    )
+
+
+def start_job(
+    host: Host, job: str, arguments: dict[str, Any], log_dir: Path | None = None
+) -> subprocess.Popen[str]:
+    """``run_job`` started, not waited for: the process, whose stdout ends with the result
+    (``job_result``); its stderr goes to ``log_dir``'s ``<host>-<job>.log``."""
+    argv = [sys.executable, "-m", "testbed.jobs", job, json.dumps(arguments)]
+    return host.popen(argv, {"PYTHONPATH": str(ROOT)}, _log(log_dir, f"{host.name}-{job}"), ROOT)
+
+
+def job_result(process: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    """What a started job came to (its stderr went to the log ``start_job`` was given)."""
+    out, _ = process.communicate(timeout=timeout)
+    for line in reversed(out.splitlines()):
+        if line.startswith(JOB_RESULT):
+            result: dict[str, Any] = json.loads(line[len(JOB_RESULT) :])
+            return result
+    raise RuntimeError(f"a job gave no result (exit {process.returncode}): {out[-2000:]}")
