@@ -1,21 +1,26 @@
 """How long an in-band weight update takes to reach every server, and what the trainer sends,
-at N = 1 ... 1024 servers: streamed by the trainer to each server (direct), relayed down a chain,
-or down a tree of fan-out 2 or 4 (issue: servers relay the stream to each other, item 6).
+at N = 1 ... 1024 server hosts, each host with a link of its own (issue: off one host):
+streamed by the trainer to each server (direct), down one relay tree of fan-out 2 (what the
+servers did before), down a chain, and down ``k`` relay trees each carrying 1/k of the update
+with every host forwarding in one of them (``trainer_client.weights.relay_plan``: k = 2, the
+client's default).
 
-The model, per frame of ``FRAME_BYTES`` (a chunk: what a server reads whole before forwarding
-it): a server forwards each frame as it arrives, so the hops pipeline. A server sending ``k``
-copies shares its link (``bandwidth / k``); each stream is moved by a thread of its own at
-what one core does (sending or receiving over TCP, measured here on loopback). The stream's
-pace is the slowest of those along the tree, and each level adds one frame's
-store-and-forward time and the network's hop latency. Direct: the trainer's link carries N
-copies. The servers' own staging and commit come after the last frame and cost the same in
-every topology (excluded from the fleet figures; included, as measured, in the check below).
+The model, per host link of ``R`` bytes/s each way (the trainer's ``R_t``): a link carries
+what crosses it at the rate TCP leaves of it (``efficiency``: IP, TCP and Ethernet headers);
+a server sending a share to ``f`` children sends each at 1/f of its uplink; a host receiving
+``k`` shares at once gives each 1/k of its downlink; one relay stream moves at most what one
+core moves (``core``, measured here over loopback TCP). A stream's pace is the slowest of
+those on its path, and each hop adds the time of one chunk at that pace (a server forwards a
+chunk once it has it whole). Direct: the trainer's uplink carries N copies. After the last
+byte, every server commits (vLLM reloads the layers the update touched): ``commit``.
 
-The check: on this machine the servers and the trainer share its cores, so the model there is
-CPU (``check``), from the N = 1 measurements of ``bench_weight_fleet`` (its ``--json``): the
-predictions for N = 2 and 4 are printed beside what it measured, with the error.
+Calibrated on the testbed (``scripts/bench_multihost --json``): ``efficiency`` is the TCP
+goodput over tc's rate measured on it (0.957 at MTU 1500), ``commit`` and ``start`` the N = 1
+figures; where the testbed's hosts share this machine's two cores (the servers' commits run
+N at a time on them), the check adds that, ``commit x N / cores``, a term no fleet of real
+hosts has. Its predictions are printed beside every measured row, with the error.
 
-Run: .venv/bin/python -m scripts.simulate_relay [--measured /tmp/weight_fleet.json]
+Run: .venv/bin/python -m scripts.simulate_relay [--measured /tmp/multihost.json]
      [--plot docs/images/relay_simulation.png] [--output docs/weights.md]
 """
 
@@ -33,28 +38,34 @@ import psutil
 
 from scripts.bench_common import ROOT, add_output_argument, write_report
 
-FRAME_BYTES = 4 << 20
+# TCP's goodput over the link's rate at MTU 1500 (1448 payload bytes per 1514 on the wire),
+# as measured on the testbed: 191.4 Mbit/s through a 200 Mbit/s tbf.
+EFFICIENCY = 0.957
+MAX_CHUNK = 4 << 20
+MIN_CHUNK = 256 << 10
+CHUNKS_PER_SHARE = 512  # weight_delivery.RELAY_CHUNKS_PER_SHARE
 # One hop's network latency in a datacenter (switch, NIC, kernel), seconds.
 HOP_SECONDS = 50e-6
+# The servers' commit after the last byte, a 7B bf16 model on a GPU host (vLLM's reload).
+FLEET_COMMIT_SECONDS = 1.0
 MODELS = {"7B": 7e9 * 2, "70B": 70e9 * 2}  # bfloat16 bytes
 LINKS_GBIT = (25, 100, 400)
 FLEETS = [2**i for i in range(11)]  # 1 ... 1024
-TOPOLOGIES = {"direct": 0, "chain": 1, "tree 2": 2, "tree 4": 4}
+TOPOLOGIES = {"direct": 0, "one tree of 2": -2, "chain": 1, "2 trees": 2}
 # An RL step's patch: ~1% of elements changed, each an index and a value (docs/weights.md).
 DELTA_FRACTION = 0.03
 
 
-def loopback_cost(total: int = 1 << 30) -> float:
-    """CPU seconds per byte to send frames over loopback TCP and receive them (both ends, this
-    process): what one relay hop costs a server per byte it forwards."""
+def loopback_rate(total: int = 1 << 30) -> float:
+    """Bytes per CPU second one relay stream moves (a frame sent and received over loopback
+    TCP, both ends in this process: a hop's send is the one server's, its receive the next's)."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    frame = bytes(FRAME_BYTES)
+    frame = bytes(MAX_CHUNK)
 
     def receive() -> None:
         connection, _ = listener.accept()
-        buffer = bytearray(FRAME_BYTES)
-        view, left = memoryview(buffer), total
+        view, left = memoryview(bytearray(MAX_CHUNK)), total
         while left:
             got = connection.recv_into(view, min(len(view), left))
             if not got:
@@ -66,101 +77,123 @@ def loopback_cost(total: int = 1 << 30) -> float:
     receiver.start()
     sender = socket.create_connection(("127.0.0.1", port))
     before = psutil.Process().cpu_times()
-    for _ in range(total // FRAME_BYTES):
+    for _ in range(total // MAX_CHUNK):
         sender.sendall(frame)
     sender.close()
     receiver.join()
     after = psutil.Process().cpu_times()
     listener.close()
-    return (after.user + after.system - before.user - before.system) / total
+    return 2 * total / (after.user + after.system - before.user - before.system)
 
 
-def depth(servers: int, fanout: int) -> int:
-    """Levels of servers below the first one: a chain's N - 1, a tree's ~log_k N."""
-    if servers <= 1:
-        return 0
+def depth(hosts: int, fanout: int) -> int:
+    """Links from the trainer to the farthest host: a chain's N, a k-ary tree's ~log_k N."""
     if fanout == 1:
-        return servers - 1
-    levels, reached, width = 0, 1, 1
-    while reached < servers:
+        return hosts
+    levels, reached, width = 1, 1, 1
+    while reached < hosts:
         width *= fanout
         reached += width
         levels += 1
     return levels
 
 
-def transfer_seconds(update: float, servers: int, fanout: int, link: float, rate: float) -> float:
-    """Seconds until the last server has the last frame. ``link``: each host's link, bytes/s
-    each way; ``rate``: what one stream's receiving (or sending) thread moves, bytes/s of CPU
-    (a stream per thread: a server sending k copies sends them in parallel)."""
-    if fanout == 0:  # direct: the trainer's link carries one copy per server
-        return update / min(link / servers, rate) + HOP_SECONDS
-    copies = min(fanout, max(servers - 1, 1))  # the most copies one server sends
-    pace = min(link / copies, rate)
-    frame = FRAME_BYTES / pace + FRAME_BYTES / rate + HOP_SECONDS  # sent on once received
-    return update / pace + depth(servers, fanout) * frame + HOP_SECONDS
+def transfer_seconds(
+    update: float, hosts: int, topology: int, link: float, trainer: float, core: float
+) -> float:
+    """Seconds until the last host has the last byte. ``link``, ``trainer``: the servers' and
+    the trainer's links, bytes/s each way (TCP's efficiency applied); ``core``: one stream's
+    most; ``topology``: 0 direct, 1 a chain, k > 1 k trees, -k one tree of fan-out k."""
+    if topology == 0:
+        pace = min(trainer / hosts, link, core)
+        return update / pace + HOP_SECONDS
+    if topology < 0:  # one tree: an interior host sends the whole update k times
+        fanout = -topology
+        copies = min(fanout, max(hosts - 1, 1))
+        pace = min(trainer, link / copies, core)
+        chunk = MAX_CHUNK
+        return update / pace + depth(hosts, fanout) * (chunk / pace + HOP_SECONDS)
+    trees = min(topology, hosts)
+    share = update / trees
+    # Each share takes 1/trees of the trainer's uplink and of each host's downlink; a host
+    # sends its one share to ``trees`` children over its uplink.
+    pace = min(trainer / trees, link / trees, core)
+    chunk = min(MAX_CHUNK, max(MIN_CHUNK, share / CHUNKS_PER_SHARE))
+    return share / pace + depth(hosts, max(topology, 1)) * (chunk / pace + HOP_SECONDS)
 
 
-def fleet_table(rate: float) -> tuple[list[str], dict[str, Any]]:
+def fleet_table(core: float) -> tuple[list[str], dict[str, Any]]:
     lines = [
-        "| model | update | link | N | direct s | chain s | tree 2 s | tree 4 s | fastest |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | update | link | N | floor s | "
+        + " | ".join(f"{name} s" for name in TOPOLOGIES)
+        + " | 2 trees x floor |",
+        "|---|---|---|---|---|" + "---|" * len(TOPOLOGIES) + "---|",
     ]
     curves: dict[str, Any] = {}
     for model, size in MODELS.items():
         for kind, update in (("full", size), ("delta", size * DELTA_FRACTION)):
             for gbit in LINKS_GBIT:
-                link = gbit * 1e9 / 8
+                link = gbit * 1e9 / 8 * EFFICIENCY
                 rows = {
-                    name: [transfer_seconds(update, n, k, link, rate) for n in FLEETS]
+                    name: [
+                        transfer_seconds(update, n, k, link, link, core) + FLEET_COMMIT_SECONDS
+                        for n in FLEETS
+                    ]
                     for name, k in TOPOLOGIES.items()
                 }
                 curves[f"{model} {kind} {gbit}"] = rows
+                floor = update / (gbit * 1e9 / 8)
                 for index, count in enumerate(FLEETS):
                     if count not in (1, 16, 1024):
                         continue
-                    times = {name: rows[name][index] for name in TOPOLOGIES}
-                    best = min(times, key=lambda name: times[name])
                     lines.append(
-                        f"| {model} | {kind} | {gbit} Gbit/s | {count} | "
-                        + " | ".join(f"{times[name]:.2f}" for name in TOPOLOGIES)
-                        + f" | {best} |"
+                        f"| {model} | {kind} | {gbit} Gbit/s | {count} | {floor:.2f} | "
+                        + " | ".join(f"{rows[name][index]:.2f}" for name in TOPOLOGIES)
+                        + f" | {rows['2 trees'][index] / floor:.2f} |"
                     )
     return lines, curves
 
 
-def check(measured: dict[str, Any], send_cost: float, cores: int) -> list[str]:
-    """This machine's model against ``bench_weight_fleet``'s measurements: the trainer and N
-    servers share ``cores``. At N = 1 an update keeps ``busy`` of them busy (its CPU seconds
-    over its wall); at N, the work is the trainer's (plus one send per extra server, direct),
-    N servers' own as at N = 1, and a send per relay hop; every engine not working spins at
-    the measured idle rate, taking that much from the rest."""
+def check(rows: list[dict[str, Any]], core: float, cores: int) -> list[str]:
+    """The model against ``bench_multihost``'s rows, its start and commit taken from N = 1."""
     lines = [
-        "| model | update | N | measured s | predicted s | error |",
-        "|---|---|---|---|---|---|",
+        "| hosts | links (trainer : servers) | update | mode | measured s | predicted s | error |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for size, results in measured.items():
-        fleets = {int(n): rows for n, rows in results["fleets"].items()}
-        if 1 not in fleets:
+    alone = {
+        (r["mode"], r["kind"], r["model"]): r
+        for r in rows
+        if r["hosts"] == 1 and r["trainer_ratio"] == 1
+    }
+    for row in rows:
+        one = alone.get((row["mode"], row["kind"], row["model"]))
+        if one is None:
             continue
-        spin = fleets[1].get("idle", {}).get("server_cpu_per_second", 0.0)
-        for row in ("relay full", "direct full", "relay delta", "direct delta"):
-            one = fleets[1].get(row)
-            if one is None:
-                continue
-            busy = (one["trainer_cpu"] + one["server_cpu"]) / one["wall"]
-            sends = one["update_bytes"] * send_cost
-            for count, rows in sorted(fleets.items()):
-                if count == 1 or row not in rows:
-                    continue
-                work = one["trainer_cpu"] + count * one["server_cpu"] + (count - 1) * sends
-                predicted = work / (busy - (count - 1) * spin)
-                actual = rows[row]["wall"]
-                lines.append(
-                    f"| {size} | {row} | {count} | {actual:.2f} | {predicted:.2f} "
-                    f"| {100 * (predicted - actual) / actual:+.0f}% |"
-                )
+        link = row["rate_mbit"] * 1e6 / 8 * EFFICIENCY
+        trainer = link * row["trainer_ratio"]
+        topology = 2 if row["mode"] == "relay" else 0
+        fixed = _median(one["seconds"]) - transfer_seconds(
+            one["update_bytes"], 1, topology, link, link, core
+        )
+        commit = one["commit"]
+        # This machine's cores: the servers' commits run side by side on them.
+        contention = commit * max(row["hosts"] / cores - 1, 0)
+        moved = transfer_seconds(row["update_bytes"], row["hosts"], topology, link, trainer, core)
+        predicted = moved + fixed + contention
+        measured = _median(row["seconds"])
+        ratio = row["trainer_ratio"]
+        lines.append(
+            f"| {row['hosts']} | {row['rate_mbit'] * ratio:g} : {row['rate_mbit']:g} Mbit/s | "
+            f"{row['kind']} | {row['mode']} | {measured:.2f} | {predicted:.2f} | "
+            f"{100 * (predicted - measured) / measured:+.0f}% |"
+        )
     return lines
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def plot(curves: dict[str, Any], path: Path) -> None:
@@ -175,11 +208,13 @@ def plot(curves: dict[str, Any], path: Path) -> None:
             axis = axes[row][column]
             for name in TOPOLOGIES:
                 axis.plot(FLEETS, curves[f"{model} full {gbit}"][name], label=name, marker=".")
+            floor = MODELS[model] / (gbit * 1e9 / 8)
+            axis.axhline(floor, color="grey", linestyle=":", label="floor")
             axis.set_xscale("log", base=2)
             axis.set_yscale("log")
-            axis.set_title(f"{model} bf16 full update, {gbit} Gbit/s")
-            axis.set_xlabel("servers")
-            axis.set_ylabel("seconds until every server has it")
+            axis.set_title(f"{model} bf16 full update, {gbit} Gbit/s per host")
+            axis.set_xlabel("server hosts")
+            axis.set_ylabel("seconds until every server serves it")
             axis.grid(True, which="both", alpha=0.3)
     axes[0][0].legend()
     figure.tight_layout()
@@ -189,34 +224,33 @@ def plot(curves: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--measured", default="/tmp/weight_fleet.json")
+    parser.add_argument("--measured", default="/tmp/multihost.json")
     parser.add_argument("--plot", default=str(ROOT / "docs" / "images" / "relay_simulation.png"))
     add_output_argument(parser, "weights.md")
     args = parser.parse_args()
     started = time.perf_counter()
-    per_byte = loopback_cost()
-    send_cost = per_byte / 2  # a hop's send (its receive is the next server's own work)
-    rate = 1 / send_cost  # one thread's stream, sending or receiving
-    table, curves = fleet_table(rate)
+    core = loopback_rate()
+    table, curves = fleet_table(core)
     plot(curves, Path(args.plot))
     cores = psutil.cpu_count() or 1
     lines = [
-        f"Measured here: a frame sent and received over loopback TCP costs {per_byte * 1e9:.2f}"
-        f" CPU s per GB, both ends (one thread moves a stream at {rate / 1e9:.1f} GB/s). Fleet "
-        f"figures: {FRAME_BYTES >> 20} MiB frames, {HOP_SECONDS * 1e6:.0f} us per hop, "
-        f"one server per host, a delta {DELTA_FRACTION:.0%} of the model's bytes.",
+        f"One relay stream moves {core / 1e9:.1f} GB/s of a core here (loopback TCP, both "
+        f"ends). Fleet figures: one server per host, TCP at {EFFICIENCY:.3f} of each link, "
+        f"{HOP_SECONDS * 1e6:.0f} us per hop, a commit of {FLEET_COMMIT_SECONDS:g} s, a delta "
+        f"{DELTA_FRACTION:.0%} of the model's bytes; floor: the update's bytes over one link. "
+        f"At 1024 hosts the 2 trees are {depth(1024, 2)} links deep.",
         "",
         *table,
     ]
     measured_path = Path(args.measured)
     if measured_path.exists():
-        measured = json.loads(measured_path.read_text())
+        rows = json.loads(measured_path.read_text())
         lines += [
             "",
-            f"The model against `bench_weight_fleet` on this machine ({cores} cores shared by the "
-            "trainer and every server), predicted from N = 1:",
+            f"The model against the testbed (`bench_multihost`, hosts on this machine's {cores}"
+            " cores; start and commit from its N = 1 rows):",
             "",
-            *check(measured, send_cost, cores),
+            *check(rows, core, cores),
         ]
     write_report(args.output, lines, "relay-simulation")
     print(f"({time.perf_counter() - started:.0f} s; the plot: {args.plot})")

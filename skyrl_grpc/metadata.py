@@ -14,6 +14,8 @@ ROUTED_TO = "x-skyrl-backend"
 #: (StartWeightUpdateRequest.push_ticket), and who forwards (its name in the relay plan).
 PUSH_TICKET = "x-skyrl-push-ticket-bin"
 RELAYED_FROM = "x-skyrl-relayed-from"
+#: ... and the relay tree the stream travels down (``WeightRelayRole.trees``' index, decimal).
+RELAY_TREE = "x-skyrl-relay-tree"
 #: Trailing metadata of a relayed PushWeights call that failed somewhere below: a serialized
 #: ``RelayFailures`` naming every server of the subtree that did not stage the stream.
 RELAY_FAILURES = "x-skyrl-relay-failures-bin"

@@ -31,17 +31,26 @@ class PushSocketConnection:
 
     @classmethod
     def connect(
-        cls, host: str, port: int, ticket: bytes, timeout: float, relayed_from: str = ""
+        cls,
+        host: str,
+        port: int,
+        ticket: bytes,
+        timeout: float,
+        relayed_from: str = "",
+        relay_tree: int | None = None,
     ) -> tuple[PushSocketConnection, cp.PushSocketReply]:
-        """Connects and presents ``ticket``; returns the connection and the server's answer to
-        the hello (code 0: accepted). Raises ``OSError`` if the socket cannot be reached or
-        does not answer in ``CONNECT_SECONDS``, ``ValueError`` if what answers is not a push
-        socket. ``timeout``: seconds any later send or reply may take."""
+        """Connects and presents ``ticket`` (and, relayed, who forwards and down which relay
+        tree); returns the connection and the server's answer to the hello (code 0:
+        accepted). Raises ``OSError`` if the socket cannot be reached or does not answer in
+        ``CONNECT_SECONDS``, ``ValueError`` if what answers is not a push socket.
+        ``timeout``: seconds any later send or reply may take."""
         sock = socket.create_connection((host, port), timeout=CONNECT_SECONDS)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         connection = cls(sock)
         try:
-            hello = cp.PushSocketHello(ticket=ticket, relayed_from=relayed_from)
+            hello = cp.PushSocketHello(
+                ticket=ticket, relayed_from=relayed_from, relay_tree=relay_tree
+            )
             send_frame(sock, hello.SerializeToString())
             reply = connection.read_reply()
         except BaseException:

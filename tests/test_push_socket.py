@@ -337,11 +337,15 @@ async def test_a_stream_in_progress_is_a_call_a_drain_waits_for() -> None:
     pushing, release = asyncio.Event(), asyncio.Event()
 
     class Streams:
-        def check_sender(self, ticket: bytes | None, relayed_from: str) -> None:
+        def check_sender(self, ticket: bytes | None, relayed_from: str, tree: int | None) -> None:
             pass
 
         async def stage(
-            self, ticket: bytes | None, relayed_from: str, messages: AsyncIterator[Any]
+            self,
+            ticket: bytes | None,
+            relayed_from: str,
+            tree: int | None,
+            messages: AsyncIterator[Any],
         ) -> tuple[StreamOutcome, str]:
             received = [item async for item in messages]
             pushing.set()

@@ -785,3 +785,107 @@ async def test_a_worker_failing_while_the_next_batch_arrives_rejects_the_push() 
     assert COMMIT not in workers.calls and not manager.update_open
     with pytest.raises(FailedPrecondition):
         await manager.finish(1)
+
+
+def one_tensor_messages(index: int, chunk_bytes: int = 16) -> list[cp.PushWeightsRequest]:
+    raw = push_messages(TENSORS[index : index + 1], chunk_bytes)
+    return [cp.PushWeightsRequest.FromString(m) for m in raw]
+
+
+async def test_streams_of_one_update_are_staged_side_by_side() -> None:
+    """A server in two relay trees takes a stream from each parent at once: neither waits for
+    the other to end (here each stream waits, mid-way, for the other to have begun: staged
+    one after the other they would never end), and both land."""
+    workers = FakeWorkers()
+    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0, stage_batch_bytes=8)
+    await manager.start()
+    begun = [asyncio.Event(), asyncio.Event()]
+
+    async def stream(index: int) -> Any:
+        sent = one_tensor_messages(index)
+        for position, message in enumerate(sent):
+            if position == 1:
+                begun[index].set()
+                await begun[1 - index].wait()
+            yield message
+
+    both = asyncio.gather(*(manager.push(push_items(stream(i))) for i in (0, 1)))
+    assert await asyncio.wait_for(both, timeout=30) == [(1, 48), (1, 20)]
+    assert workers.values == {n: t.numpy().tobytes() for n, t in TENSORS}
+    assert await manager.finish(1) == (1, 2)
+
+
+async def test_a_stream_may_carry_several_manifests_each_after_the_last_ones_chunks() -> None:
+    workers = FakeWorkers()
+    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0)
+    await manager.start()
+
+    async def groups() -> Any:
+        for message in [*one_tensor_messages(0), *one_tensor_messages(1)]:
+            yield message
+
+    assert await manager.push(push_items(groups())) == (2, 68)
+    assert workers.values == {n: t.numpy().tobytes() for n, t in TENSORS}
+
+    async def early() -> Any:  # the second manifest before the first one's last chunk
+        first, second = one_tensor_messages(0), one_tensor_messages(1)
+        for message in [*first[:-1], *second]:
+            yield message
+
+    with pytest.raises(InvalidArgument, match=r"before a\.weight was complete"):
+        await manager.push(push_items(early()))
+    assert not manager.update_open  # rejected whole: nothing of it commits
+
+
+async def test_one_parameter_in_two_streams_at_once_and_a_commit_mid_stream_are_refused() -> None:
+    workers = FakeWorkers()
+    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0)
+    await manager.start()
+    arrived, release = asyncio.Event(), asyncio.Event()
+
+    async def held() -> Any:
+        sent = one_tensor_messages(0)
+        yield sent[0]
+        arrived.set()
+        await release.wait()
+        for message in sent[1:]:
+            yield message
+
+    first = asyncio.ensure_future(manager.push(push_items(held())))
+    await arrived.wait()
+    with pytest.raises(FailedPrecondition, match="still arriving"):
+        await manager.finish(1)
+
+    async def again() -> Any:
+        for message in one_tensor_messages(0):
+            yield message
+
+    with pytest.raises(InvalidArgument, match="already arriving in another stream"):
+        await manager.push(push_items(again()))
+    release.set()
+    with pytest.raises(FailedPrecondition):  # the refusal rejected the update it belonged to
+        await first
+    assert not manager.update_open and COMMIT not in workers.calls
+
+
+async def test_a_stream_of_an_update_cancelled_under_it_stages_nothing_after_the_discard() -> None:
+    workers = FakeWorkers()
+    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0, stage_batch_bytes=8)
+    await manager.start()
+    arrived, release = asyncio.Event(), asyncio.Event()
+
+    async def slow() -> Any:
+        sent = messages()
+        for position, message in enumerate(sent):
+            if position == 2:
+                arrived.set()
+                await release.wait()
+            yield message
+
+    pushing = asyncio.ensure_future(manager.push(push_items(slow())))
+    await arrived.wait()
+    await manager.cancel()
+    release.set()
+    with pytest.raises(FailedPrecondition, match="closed while this stream was staging"):
+        await pushing
+    assert STAGE not in workers.calls[workers.calls.index(DISCARD) :]

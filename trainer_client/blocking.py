@@ -384,7 +384,7 @@ class BlockingInferenceClient:
         *,
         transport: WeightTransport | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         checksums: bool = False,
         timeout: float = 600.0,
         lease_seconds: int = 0,

@@ -7,7 +7,7 @@ The parts (``generation``, ``fleet_control``, ``lora``, ``weights.weight_updates
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
@@ -95,10 +95,15 @@ class ClientCore:
         session_id: str | None = None,
         *,
         plane: Plane,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> T:
-        """One call to ``plane``; a failure raises ``ServerError`` (as its status's subclass)."""
+        """One call to ``plane`` (with ``metadata`` beside the client's own); a failure raises
+        ``ServerError`` (as its status's subclass)."""
+        sent = self._metadata(plane, session_id)
+        if metadata:
+            sent = (*sent, *metadata)
         try:
-            return await call(request, timeout=timeout, metadata=self._metadata(plane, session_id))
+            return await call(request, timeout=timeout, metadata=sent)
         except grpc.aio.AioRpcError as error:
             raise ServerError.from_rpc_error(address, error) from error
 

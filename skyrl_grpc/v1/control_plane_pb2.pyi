@@ -164,14 +164,24 @@ class StartWeightUpdateRequest(_message.Message):
     def __init__(self, weight_version: _Optional[int] = ..., allow_same_version: _Optional[bool] = ..., owner: _Optional[str] = ..., lease_seconds: _Optional[int] = ..., push_ticket: _Optional[bytes] = ..., relay: _Optional[_Union[WeightRelayRole, _Mapping]] = ...) -> None: ...
 
 class WeightRelayRole(_message.Message):
-    __slots__ = ("address", "parent", "children")
+    __slots__ = ("address", "parent", "children", "trees")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    TREES_FIELD_NUMBER: _ClassVar[int]
     address: str
     parent: str
     children: _containers.RepeatedCompositeFieldContainer[WeightRelayTarget]
-    def __init__(self, address: _Optional[str] = ..., parent: _Optional[str] = ..., children: _Optional[_Iterable[_Union[WeightRelayTarget, _Mapping]]] = ...) -> None: ...
+    trees: _containers.RepeatedCompositeFieldContainer[WeightRelayTree]
+    def __init__(self, address: _Optional[str] = ..., parent: _Optional[str] = ..., children: _Optional[_Iterable[_Union[WeightRelayTarget, _Mapping]]] = ..., trees: _Optional[_Iterable[_Union[WeightRelayTree, _Mapping]]] = ...) -> None: ...
+
+class WeightRelayTree(_message.Message):
+    __slots__ = ("parent", "children")
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    parent: str
+    children: _containers.RepeatedCompositeFieldContainer[WeightRelayTarget]
+    def __init__(self, parent: _Optional[str] = ..., children: _Optional[_Iterable[_Union[WeightRelayTarget, _Mapping]]] = ...) -> None: ...
 
 class WeightRelayTarget(_message.Message):
     __slots__ = ("address", "push_socket_port", "push_ticket")
@@ -304,12 +314,14 @@ class PushWeightsResponse(_message.Message):
     def __init__(self, parameters_staged: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class PushSocketHello(_message.Message):
-    __slots__ = ("ticket", "relayed_from")
+    __slots__ = ("ticket", "relayed_from", "relay_tree")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FROM_FIELD_NUMBER: _ClassVar[int]
+    RELAY_TREE_FIELD_NUMBER: _ClassVar[int]
     ticket: bytes
     relayed_from: str
-    def __init__(self, ticket: _Optional[bytes] = ..., relayed_from: _Optional[str] = ...) -> None: ...
+    relay_tree: int
+    def __init__(self, ticket: _Optional[bytes] = ..., relayed_from: _Optional[str] = ..., relay_tree: _Optional[int] = ...) -> None: ...
 
 class PushSocketReply(_message.Message):
     __slots__ = ("response", "code", "message", "relay_failures")
@@ -418,7 +430,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("sleep", "weight_transfer_backends", "pause_modes", "prefix_caching", "lora", "compressed_weight_patches", "weight_relay")
+    __slots__ = ("sleep", "weight_transfer_backends", "pause_modes", "prefix_caching", "lora", "compressed_weight_patches", "weight_relay", "weight_relay_trees")
     SLEEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSFER_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     PAUSE_MODES_FIELD_NUMBER: _ClassVar[int]
@@ -426,6 +438,7 @@ class Capabilities(_message.Message):
     LORA_FIELD_NUMBER: _ClassVar[int]
     COMPRESSED_WEIGHT_PATCHES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_RELAY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_RELAY_TREES_FIELD_NUMBER: _ClassVar[int]
     sleep: bool
     weight_transfer_backends: _containers.RepeatedScalarFieldContainer[WeightTransferBackend]
     pause_modes: _containers.RepeatedScalarFieldContainer[PauseMode]
@@ -433,7 +446,8 @@ class Capabilities(_message.Message):
     lora: _lora_pb2.LoraCapabilities
     compressed_weight_patches: bool
     weight_relay: bool
-    def __init__(self, sleep: _Optional[bool] = ..., weight_transfer_backends: _Optional[_Iterable[_Union[WeightTransferBackend, str]]] = ..., pause_modes: _Optional[_Iterable[_Union[PauseMode, str]]] = ..., prefix_caching: _Optional[bool] = ..., lora: _Optional[_Union[_lora_pb2.LoraCapabilities, _Mapping]] = ..., compressed_weight_patches: _Optional[bool] = ..., weight_relay: _Optional[bool] = ...) -> None: ...
+    weight_relay_trees: bool
+    def __init__(self, sleep: _Optional[bool] = ..., weight_transfer_backends: _Optional[_Iterable[_Union[WeightTransferBackend, str]]] = ..., pause_modes: _Optional[_Iterable[_Union[PauseMode, str]]] = ..., prefix_caching: _Optional[bool] = ..., lora: _Optional[_Union[_lora_pb2.LoraCapabilities, _Mapping]] = ..., compressed_weight_patches: _Optional[bool] = ..., weight_relay: _Optional[bool] = ..., weight_relay_trees: _Optional[bool] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
     __slots__ = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "capabilities", "weight_version", "engine", "engine_version", "server_version", "served_model_name", "device", "open_weight_update", "rollback_weight_version", "weight_transfer_group", "weight_group_ranks", "push_socket_port")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -89,9 +90,22 @@ class PushSocket:
 
     def send(self, stream: PushStream) -> cp.PushWeightsResponse:
         """Sends one stream (as one PushWeights call would) and waits for the server's answer."""
+        answer = self.send_chain([stream])
+        assert answer is not None
+        return answer
+
+    def send_chain(self, streams: Iterable[PushStream]) -> cp.PushWeightsResponse | None:
+        """Sends ``streams`` back to back as one stream of several manifests (a server that
+        takes them: ``Capabilities.weight_relay_trees``) and waits for the server's answer;
+        None when ``streams`` held nothing to send."""
+        sent = False
         try:
-            for head, data in stream.frames():
-                self._connection.send(head, data)
+            for stream in streams:
+                for head, data in stream.frames():
+                    self._connection.send(head, data)
+                sent = True
+            if not sent:
+                return None
             reply = self._connection.end_stream()
         except ConnectionError as closed:
             raise ServerError.of(
@@ -107,11 +121,21 @@ class PushSocket:
         self._connection.close()
 
     @classmethod
-    def connect(cls, address: str, host: str, offer: PushSocketOffer, timeout: float) -> PushSocket:
-        """Connects and presents the ticket; raises ``ServerError`` if the server refuses it,
-        ``OSError`` if the socket cannot be reached or does not answer the hello in time,
-        ``ValueError`` if what answers is not a push socket."""
-        connection, reply = PushSocketConnection.connect(host, offer.port, offer.ticket, timeout)
+    def connect(
+        cls,
+        address: str,
+        host: str,
+        offer: PushSocketOffer,
+        timeout: float,
+        relay_tree: int | None = None,
+    ) -> PushSocket:
+        """Connects and presents the ticket (and the relay tree its streams go down); raises
+        ``ServerError`` if the server refuses it, ``OSError`` if the socket cannot be reached or
+        does not answer the hello in time, ``ValueError`` if what answers is not a push
+        socket."""
+        connection, reply = PushSocketConnection.connect(
+            host, offer.port, offer.ticket, timeout, relay_tree=relay_tree
+        )
         error = reply_error(address, reply)
         if error is not None:
             connection.close()
@@ -120,7 +144,7 @@ class PushSocket:
 
 
 async def open_push_socket(
-    address: str, offer: PushSocketOffer | None, timeout: float
+    address: str, offer: PushSocketOffer | None, timeout: float, relay_tree: int | None = None
 ) -> PushSocket | None:
     """A connection to ``address``'s push socket, or None where there is none to use: not
     offered, an address that is not host:port, or a socket that cannot be reached or does
@@ -130,7 +154,9 @@ async def open_push_socket(
     if offer is None or host is None:
         return None
     try:
-        return await asyncio.to_thread(PushSocket.connect, address, host, offer, timeout)
+        return await asyncio.to_thread(
+            PushSocket.connect, address, host, offer, timeout, relay_tree
+        )
     except (OSError, ValueError, DecodeError) as error:  # FrameTooLarge is a ValueError
         log.warning(
             "%s: its push socket (port %d) cannot be reached (%s): pushing over gRPC",

@@ -1,16 +1,24 @@
-"""Who relays an in-band update to whom: the trainer sends each of the update's streams once,
-to the root of a relay tree, and every server forwards each frame to its children as it
-arrives (``servers.engine.peers.relay``), so what the trainer sends does not grow with the
-fleet.
+"""Who relays an in-band update to whom: the trainer sends each byte of an update once, and the
+servers forward what they receive to each other as it arrives
+(``servers.engine.peers.relay``), so what the trainer sends does not grow with the fleet; and
+every host's link carries each byte at most once each way, so neither does the time: a full
+update takes about the model's bytes over the slowest link it must cross (the floor), at
+any fleet size.
 
 The servers that get the same bytes (patches against the update's base, the same patches
-compressed, or the whole weights: ``UpdatePlan``) form one tree each. In a tree, the servers
-on one host (one Ray node) relay to each other in a chain before anything crosses hosts; the
-hosts form a tree of ``fanout`` children per host (``ClientConfig.weight_relay_fanout``: 2 by
-default, what ``scripts/simulate_relay.py`` finds fastest for deltas; 1, a chain of hosts,
-for full updates on slow links: docs/weights.md). Each relayed server gets a ticket the
-trainer chooses, so one round of StartWeightUpdate hands every server its place and its
-children's tickets.
+compressed, or the whole weights: ``UpdatePlan``) form one group. A group's update is split
+into ``fanout`` shares (``ClientConfig.weight_relay_fanout``, 2 by default), each sent down a
+relay tree of its own in which every forwarding server has ``fanout`` children; the servers
+that forward in tree ``i`` are the hosts ``i``, ``i + fanout``, ... and every other host is a
+leaf of it, so a host forwards in one tree only and its uplink carries one share ``fanout``
+times: the update once (the trees NCCL's double binary tree broadcast uses, generalised). A
+tree's depth is ``log_fanout`` of the hosts, so the time the pipeline takes to fill is a few
+frames at 1000 hosts. ``fanout`` 1 is a chain: one share, every host forwarding it once.
+
+Servers on one host (one Ray node) relay in a chain from the host's first server, in every
+tree, before anything crosses hosts: loopback carries the copies. Each relayed server gets a
+ticket the trainer chooses, so one round of StartWeightUpdate hands every server its place
+and its children's tickets.
 """
 
 from __future__ import annotations
@@ -28,79 +36,97 @@ TICKET_BYTES = 16
 
 
 @dataclass(frozen=True)
-class RelayPlan:
-    """Each relayed server's parent ("": the trainer streams to it) and children, and its
-    ticket for the update."""
+class RelayTree:
+    """One relay tree: each member's parent ("": the root, which the trainer streams to) and
+    its children, in the order it forwards to them."""
 
     parents: Mapping[str, str]
     children: Mapping[str, tuple[str, ...]]
-    tickets: Mapping[str, bytes] = field(default_factory=dict)
 
     @property
-    def roots(self) -> list[str]:
-        return [address for address, parent in self.parents.items() if not parent]
+    def root(self) -> str:
+        return next(address for address, parent in self.parents.items() if not parent)
 
-    def subtree(self, root: str) -> list[str]:
-        """``root`` and every server below it, in the order the relay reaches them."""
-        found, pending = [], [root]
+    def subtree(self, address: str) -> list[str]:
+        """``address`` and every server below it, in the order the relay reaches them."""
+        found, pending = [], [address]
         while pending:
-            address = pending.pop(0)
-            found.append(address)
-            pending.extend(self.children.get(address, ()))
+            member = pending.pop(0)
+            found.append(member)
+            pending.extend(self.children.get(member, ()))
         return found
 
+
+@dataclass(frozen=True)
+class RelayPlan:
+    """Each group's relay trees (one per share of the update: a group's ``i``-th tree carries
+    its ``i``-th share) and every relayed server's ticket."""
+
+    groups: tuple[tuple[RelayTree, ...], ...]
+    tickets: Mapping[str, bytes] = field(default_factory=dict)
+
     def relays(self, address: str) -> bool:
-        return address in self.parents
+        return address in self.tickets
+
+    def trees_of(self, address: str) -> tuple[RelayTree, ...]:
+        """The trees of ``address``'s group (none: it is not relayed)."""
+        for trees in self.groups:
+            if address in trees[0].parents:
+                return trees
+        return ()
 
 
-def relay_plan(trees: Iterable[Sequence[str]], fanout: int) -> RelayPlan:
-    """One relay tree over each group of servers in ``trees`` (each group gets the same
-    bytes); a group of one server is a tree too (its root streams alone)."""
+def relay_plan(groups: Iterable[Sequence[str]], fanout: int) -> RelayPlan:
+    """``fanout`` relay trees over each group of servers in ``groups`` (each group gets the same
+    bytes), or as many as the group has hosts; a group of one server is one tree of one."""
     if fanout < 1:
         raise ValueError(f"relay fan-out {fanout}: give 1 or more (0 turns relaying off)")
-    parents: dict[str, str] = {}
-    for servers in trees:
-        parents.update(_tree(servers, fanout))
-    children: dict[str, list[str]] = {}
-    for address, parent in parents.items():
-        if parent:
-            children.setdefault(parent, []).append(address)
-    return RelayPlan(
-        parents=parents,
-        children={parent: tuple(below) for parent, below in children.items()},
-        tickets={address: secrets.token_bytes(TICKET_BYTES) for address in parents},
-    )
+    planned = tuple(_trees(servers, fanout) for servers in groups)
+    tickets = {
+        address: secrets.token_bytes(TICKET_BYTES)
+        for trees in planned
+        for address in trees[0].parents
+    }
+    return RelayPlan(planned, tickets)
 
 
-def _tree(servers: Sequence[str], fanout: int) -> dict[str, str]:
-    """Each server's parent: a chain on each host, its first server the host's head; the heads
-    in a tree of ``fanout`` children each, in the order the hosts first appear. Each head's
-    local child comes first among its children (the parent map keeps insertion order)."""
+def _trees(servers: Sequence[str], fanout: int) -> tuple[RelayTree, ...]:
+    """The trees of one group: per tree, the hosts' first servers (heads) in a ``fanout``-ary
+    tree whose forwarding heads are those of that tree's hosts (``i``, ``i + fanout``, ...)
+    first, the other heads leaves; each head's own servers in a chain below it, first among
+    its children."""
     by_host: dict[str, list[str]] = {}
     for address in servers:
         by_host.setdefault(host_of(address) or address, []).append(address)
-    parents: dict[str, str] = {}
     heads = [members[0] for members in by_host.values()]
+    local: dict[str, str] = {}
     for members in by_host.values():
-        parents[members[0]] = ""  # placed below
         for previous, member in itertools.pairwise(members):
-            parents[member] = previous
-    for index, head in enumerate(heads):
-        parents[head] = heads[(index - 1) // fanout] if index else ""
-    # Children in the order a parent forwards: its local one before the other hosts'.
-    ordered = {a: p for a, p in parents.items() if p and host_of(a) == host_of(p)}
-    ordered.update({a: p for a, p in parents.items() if a not in ordered})
-    return ordered
+            local[member] = previous
+    trees = []
+    for tree in range(min(fanout, len(heads))):
+        forwarding = heads[tree::fanout]
+        order = forwarding + [head for head in heads if head not in forwarding]
+        across = {head: order[(i - 1) // fanout] if i else "" for i, head in enumerate(order)}
+        parents = {**across, **local}
+        children: dict[str, list[str]] = {}
+        # A head's local server first: loopback, which the next host's stream does not share.
+        for address, parent in sorted(parents.items(), key=lambda item: item[0] in across):
+            if parent:
+                children.setdefault(parent, []).append(address)
+        trees.append(RelayTree(parents, {p: tuple(c) for p, c in children.items()}))
+    return tuple(trees)
 
 
 def relay_for(plan: UpdatePlan, states: Mapping[str, ServerState], fanout: int) -> RelayPlan | None:
-    """The relay plan of ``plan``'s servers that relay (``states``: what each said before the
-    update; one that did not answer, or an older server, is streamed to directly), one tree
-    per variant of the update; None when fewer than two relay or ``fanout`` is 0."""
+    """The relay plan of ``plan``'s servers that relay down trees (``states``: what each said
+    before the update; one that did not answer, or an older server, is streamed to
+    directly), one group per variant of the update; None when fewer than two relay or
+    ``fanout`` is 0."""
     relaying = [a for a in plan.servers if (s := states.get(a)) is not None and s.relays]
     if fanout <= 0 or len(relaying) < 2:
         return None
-    trees: dict[Variant, list[str]] = {}
+    groups: dict[Variant, list[str]] = {}
     for address in relaying:
-        trees.setdefault(plan.variant(address), []).append(address)
-    return relay_plan(trees.values(), fanout)
+        groups.setdefault(plan.variant(address), []).append(address)
+    return relay_plan(groups.values(), fanout)

@@ -19,8 +19,9 @@ log = logging.getLogger(__name__)
 class ServerState:
     """What one server said before the update: the version it serves, whether it takes
     compressed patches (an older server does not), the rendezvous (address, port) of the
-    collective group it is in (None: none, as after a restart), whether it relays updates
-    (``relay_plan``; an older server does not) and its push socket's port (0: none)."""
+    collective group it is in (None: none, as after a restart), whether it relays updates down
+    relay trees and takes streams of several manifests (``relay_plan``; an older server does
+    not) and its push socket's port (0: none)."""
 
     version: int
     takes_compressed: bool
@@ -42,7 +43,7 @@ class Sending:
     """How the bytes travel: chunk (in-band) and bucket (collective) sizes, whether every
     parameter's SHA-256 goes along, the transfer's deadline."""
 
-    chunk_bytes: int
+    chunk_bytes: int | None  # None: the client's choice (``weight_delivery.chunk_bytes_for``)
     bucket_bytes: int
     checksums: bool
     timeout: float

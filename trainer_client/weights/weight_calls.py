@@ -58,9 +58,9 @@ class ServerWeightCalls:
         return config.push_socket and config.tls is None
 
     def _role(self, relay: RelayPlan, address: str) -> cp.WeightRelayRole:
-        """``address``'s place in the relay plan: its parent, and each child with its ticket
-        and the push socket the relay reaches it on (none with TLS, or where this client
-        pushes over gRPC: the servers relay as the trainer would send)."""
+        """``address``'s place in each relay tree of its group: its parent, and each child with
+        its ticket and the push socket the relay reaches it on (none with TLS, or where this
+        client pushes over gRPC: the servers relay as the trainer would send)."""
 
         def port(child: str) -> int:
             known = self._states.get(child)
@@ -68,12 +68,19 @@ class ServerWeightCalls:
 
         return cp.WeightRelayRole(
             address=address,
-            parent=relay.parents[address],
-            children=[
-                cp.WeightRelayTarget(
-                    address=child, push_socket_port=port(child), push_ticket=relay.tickets[child]
+            trees=[
+                cp.WeightRelayTree(
+                    parent=tree.parents[address],
+                    children=[
+                        cp.WeightRelayTarget(
+                            address=child,
+                            push_socket_port=port(child),
+                            push_ticket=relay.tickets[child],
+                        )
+                        for child in tree.children.get(address, ())
+                    ],
                 )
-                for child in relay.children.get(address, ())
+                for tree in relay.trees_of(address)
             ],
         )
 
@@ -107,6 +114,12 @@ class ServerWeightCalls:
             known = self._states[address] = await self._ask(address)
         return known
 
+    def one_stream(self, address: str) -> bool:
+        """Whether ``address`` takes an update's groups as one stream of several manifests (it
+        said so before the update: ``Capabilities.weight_relay_trees``)."""
+        known = self._states.get(address)
+        return known is not None and known.relays
+
     async def known_states(self, addresses: Sequence[str]) -> dict[str, ServerState]:
         """The state of each of ``addresses`` that answers (``state``)."""
         answers = await asyncio.gather(*(self.state(a) for a in addresses), return_exceptions=True)
@@ -121,7 +134,7 @@ class ServerWeightCalls:
             (group.master_address, group.master_port)
             if info.HasField("weight_transfer_group")
             else None,
-            relays=info.capabilities.weight_relay,
+            relays=info.capabilities.weight_relay_trees,
             push_socket_port=info.push_socket_port,
         )
 

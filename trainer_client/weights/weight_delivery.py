@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import grpc
 
+from skyrl_grpc.metadata import RELAY_TREE
 from skyrl_grpc.names import PUSH_WEIGHTS
+from skyrl_grpc.push_socket_client import host_of
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.client_core import ClientCore
 from trainer_client.exceptions import FailedPrecondition, ServerError
@@ -29,13 +31,12 @@ from trainer_client.weights.push_lanes import (
 )
 from trainer_client.weights.relay_plan import RelayPlan
 from trainer_client.weights.update_plan import (
-    COMPRESSED,
-    PATCHES,
     WHOLE,
     PushedWeights,
     UpdatePlan,
     Variant,
 )
+from trainer_client.weights.update_shares import OneAhead, Shares, chunk_bytes_for
 from trainer_client.weights.weight_sending import (
     CollectiveSender,
     HostStaging,
@@ -47,16 +48,11 @@ from trainer_client.weights.weight_sending import (
     tensor_entries,
 )
 
-# Source bytes of the tensors in one PushWeights stream (see ``_push``): big enough that a
-# stream's own cost (a manifest, a round trip) is negligible, small enough that preparing the
-# next group overlaps sending this one.
-PUSH_GROUP_BYTES = 64 << 20
 # Source bytes whose patches one UpdateWeights call broadcasts (see ``_broadcast``): a call and
 # its broadcasts cost milliseconds, and the next group's patches are computed meanwhile.
 BROADCAST_GROUP_BYTES = 256 << 20
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass
@@ -199,98 +195,173 @@ class WeightDelivery(ClientCore):
         tensors: list[tuple[str, Any]],
         sockets: Mapping[str, PushSocketOffer],
         relay: RelayPlan | None = None,
+        one_stream: Callable[[str], bool] = lambda address: False,
     ) -> dict[str, BaseException]:
         """Pushes to every server: a patch against the plan's base where the server serves its
         version (compressed where the plan says), the whole weights elsewhere, and to a
         server that refuses the patch (its version moved). The tensors go in groups of
-        ``PUSH_GROUP_BYTES``, one PushWeights stream each (an update takes any number): a worker
-        thread prepares the next group's stream (its patches, checksums) while the current one
-        is sent, so the trainer's work overlaps the transfer and the servers' instead of
-        preceding them. Each group is prepared once for all servers; a group with nothing
-        changed sends nothing. A server that offered a push socket for this update
-        (``sockets``) gets the same streams over it, else over gRPC.
+        ``PUSH_GROUP_BYTES``: a worker thread prepares the next group (its patches, checksums)
+        while the current one is sent, so the trainer's work overlaps the transfer and the
+        servers' instead of preceding them. Each group is prepared once for all servers; a group
+        with nothing changed sends nothing. A server that takes streams of several manifests
+        (``one_stream``) gets its groups back to back in one stream, so no group waits for the
+        one before it to be answered; an older server gets a stream per group. A server that
+        offered a push socket for this update (``sockets``) gets the streams over it, else over
+        gRPC.
 
-        With a ``relay`` plan the streams go to each relay tree's root alone, which forwards
-        them down its tree; a server in it that refuses the patches gets the whole weights
-        from the trainer afterwards, directly. Any other failure in a tree is that server's
-        (the transaction cancels the update everywhere, naming it)."""
+        With a ``relay`` plan each group of servers' update is split into one share per relay
+        tree (``relay_plan``): each share goes to its tree's root alone, as one stream naming
+        its tree, all shares at once, and the servers forward them down their trees. A server
+        in a tree that refuses the patches gets the whole weights from the trainer afterwards,
+        directly. Any other failure in a tree is that server's (the transaction cancels the
+        update everywhere, naming it)."""
         base, sending = plan.base, plan.sending
-        groups = push_groups(tensors, PUSH_GROUP_BYTES)
         # CUDA tensors' bytes reach the host through page-locked memory kept for them.
         on_gpu = cuda_bytes(tensors)
         staging = self._local.host_staging if on_gpu else None
         if staging is not None:
             await asyncio.to_thread(staging.reset, on_gpu)
+        shares = Shares(tensors)
 
-        def make(variant: Variant, index: int) -> PushStream:
+        def make(variant: Variant, share: tuple[int, int], across: bool, index: int) -> PushStream:
             patched, compress = variant
+            group = shares.groups(*share)[index]
+            chunk = chunk_bytes_for(sending.chunk_bytes, shares.bytes(*share), across)
             if patched:
                 assert base is not None
                 entries = weight_patches(
-                    groups[index], base.tensors, base.version, sending.checksums, compress
+                    group, base.tensors, base.version, sending.checksums, compress
                 )
             else:
-                entries = tensor_entries(groups[index], sending.checksums)
-            return PushStream(entries, sending.chunk_bytes, staging)
+                entries = tensor_entries(group, sending.checksums)
+            return PushStream(entries, chunk, staging)
 
-        # Each variant prepared once for every server that takes it (none before one asks).
-        prepared = {
-            variant: OneAhead(functools.partial(make, variant), len(groups))
-            for variant in (PATCHES, COMPRESSED, WHOLE)
-        }
+        # Each (variant, share, across hosts or not) prepared once for every server that takes it,
+        # when one asks.
+        prepared: dict[tuple[Variant, tuple[int, int], bool], OneAhead[PushStream]] = {}
+
+        def source(variant: Variant, share: tuple[int, int], across: bool) -> OneAhead[PushStream]:
+            key = (variant, share, across)
+            if key not in prepared:
+                count = len(shares.groups(*share))
+                prepared[key] = OneAhead(functools.partial(make, *key), count)
+            return prepared[key]
+
         local = self._local
         local.last_push_bytes = dict.fromkeys(addresses, 0)
         local.last_sent_bytes = 0
         failures: dict[str, BaseException] = {}
+        refused: dict[str, ServerError] = {}
+        loop = asyncio.get_running_loop()
 
-        async def send_all(address: str, variant: Variant, reached: Sequence[str]) -> None:
-            """Every group's stream to ``address`` (relayed to ``reached`` below it); the
-            servers below that refused the patches are left in ``refused``."""
-            lane = await open_push_socket(address, sockets.get(address), sending.timeout)
+        async def send_all(
+            address: str,
+            variant: Variant,
+            share: tuple[int, int],
+            tree: int | None,
+            reached: Sequence[str],
+        ) -> None:
+            """A share's groups to ``address`` (relayed to ``reached`` below it, down relay
+            tree ``tree``); the servers below that refused the patches are left in
+            ``refused``."""
+            across = len({host_of(member) or member for member in reached}) > 1
+            groups = source(variant, share, across)
+            count = len(shares.groups(*share))
+
+            async def group(index: int) -> PushStream | None:
+                sent = await groups.get(index)
+                if sent.empty:
+                    return None
+                local.last_sent_bytes += sent.wire_bytes
+                for member in reached:
+                    local.last_push_bytes[member] += sent.total_bytes
+                return sent
+
+            first, after = None, count
+            for index in range(count):
+                if (first := await group(index)) is not None:
+                    after = index + 1
+                    break
+            if first is None:
+                return  # nothing of this share changed: nothing to send
+
+            def each_group() -> Iterator[PushStream]:  # in the sending thread
+                yield first
+                for index in range(after, count):
+                    sent = asyncio.run_coroutine_threadsafe(group(index), loop).result()
+                    if sent is not None:
+                        yield sent
+
+            async def streams() -> AsyncIterator[PushStream]:
+                yield first
+                for index in range(after, count):
+                    if (sent := await group(index)) is not None:
+                        yield sent
+
+            async def messages() -> AsyncIterator[bytes]:
+                async for sent in streams():
+                    for message in sent:
+                        yield message
+
+            lane = await open_push_socket(address, sockets.get(address), sending.timeout, tree)
+            metadata = ((RELAY_TREE, str(tree)),) if tree is not None else ()
             try:
-                for index in range(len(groups)):
-                    sent = await prepared[variant].get(index)
-                    if sent.empty:
-                        continue
-                    local.last_sent_bytes += sent.wire_bytes
-                    for member in reached:
-                        local.last_push_bytes[member] += sent.total_bytes
-                    try:
-                        if lane is not None:
-                            await asyncio.to_thread(lane.send, sent)
-                        else:
-                            await self._unary(
-                                address,
-                                self._push_method(address),
-                                iter(sent),
-                                sending.timeout,
-                                plane="control",
-                            )
-                    except ServerError as error:
-                        below = relay_failures(error)
-                        if variant is WHOLE or not _only_refused_patches(below):
-                            raise RelayFailed(address, below) from error
-                        # Refused before anything of that stream was staged there: each gets
-                        # the whole weights next (whole tensors staged by earlier streams
-                        # are staged again, whole).
-                        refused.update(below)
-                        if refused.keys() >= set(reached):
-                            return  # every server it reaches refused: no more patches
+                if one_stream(address):
+                    if lane is not None:
+                        await asyncio.to_thread(lane.send_chain, each_group())
+                    else:
+                        await self._unary(
+                            address,
+                            self._push_method(address),
+                            messages(),
+                            sending.timeout,
+                            plane="control",
+                            metadata=metadata,
+                        )
+                    return
+                async for sent in streams():  # an older server: a stream per group
+                    if lane is not None:
+                        await asyncio.to_thread(lane.send, sent)
+                    else:
+                        await self._unary(
+                            address,
+                            self._push_method(address),
+                            iter(sent),
+                            sending.timeout,
+                            plane="control",
+                        )
+            except ServerError as error:
+                below = relay_failures(error)
+                if variant is WHOLE or not _only_refused_patches(below):
+                    raise RelayFailed(address, below) from error
+                # Refused before anything of that stream was staged there: each gets the whole
+                # weights next (whole tensors staged by earlier streams are staged again).
+                refused.update(below)
             finally:
                 if lane is not None:
                     lane.close()  # a send still running in its thread fails at once
 
-        async def push(address: str) -> None:
-            reached = relay.subtree(address) if relay is not None else [address]
+        async def push(target: tuple[str, Variant, tuple[int, int], int | None, list[str]]) -> None:
+            address, variant, share, tree, reached = target
             try:
-                await send_all(address, plan.variant(address), reached)
+                await send_all(address, variant, share, tree, reached)
             except RelayFailed as failed:
                 failures.update(failed.failures)
 
-        refused: dict[str, ServerError] = {}
-        roots = [a for a in addresses if relay is None or relay.parents.get(a, "") == ""]
+        targets: list[tuple[str, Variant, tuple[int, int], int | None, list[str]]] = []
+        for trees in relay.groups if relay is not None else ():
+            for index, tree in enumerate(trees):
+                root = tree.root
+                shared = (index, len(trees))
+                targets.append((root, plan.variant(root), shared, index, tree.subtree(root)))
+        for address in addresses:
+            if relay is None or not relay.relays(address):
+                targets.append((address, plan.variant(address), (0, 1), None, [address]))
         try:
-            failures.update(await failures_of(roots, push))
+            outcomes = await asyncio.gather(*(push(t) for t in targets), return_exceptions=True)
+            for target, outcome in zip(targets, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    failures.update({member: outcome for member in target[4]})
             if refused:
                 log.info(
                     "%s refused the patch (their version moved): sending them it all",
@@ -302,15 +373,15 @@ class WeightDelivery(ClientCore):
 
                 async def whole(address: str) -> None:
                     try:
-                        await send_all(address, WHOLE, [address])
+                        await send_all(address, WHOLE, (0, 1), None, [address])
                     except RelayFailed as failed:
                         failures.update(failed.failures)
 
                 failures.update(await failures_of(moved, whole))
             return failures
         finally:
-            for variant in prepared.values():
-                variant.cancel()
+            for ahead in prepared.values():
+                ahead.cancel()
 
     def _push_method(
         self, address: str
@@ -325,26 +396,3 @@ class WeightDelivery(ClientCore):
 def _only_refused_patches(failures: Mapping[str, ServerError]) -> bool:
     """Whether every failure is a server refusing the patches (its version moved)."""
     return all(isinstance(error, FailedPrecondition) for error in failures.values())
-
-
-class OneAhead(Generic[T]):
-    """Items ``make(index)`` prepared in a worker thread, each once, the next one started when
-    one is asked for: the trainer's work on group k+1 (patches, checksums, buckets) overlaps
-    the transfer of group k instead of preceding it."""
-
-    def __init__(self, make: Callable[[int], T], count: int) -> None:
-        self._make = make
-        self._count = count
-        self._started: dict[int, asyncio.Future[T]] = {}
-
-    async def get(self, index: int) -> T:
-        for k in (index, index + 1):
-            if k < self._count and k not in self._started:
-                self._started[k] = asyncio.ensure_future(asyncio.to_thread(self._make, k))
-        return await self._started[index]
-
-    def cancel(self) -> None:
-        """Drops what was prepared (a failed or finished update); a preparation already running
-        in its thread (at most one ahead) finishes there and is discarded."""
-        for pending in self._started.values():
-            pending.cancel()

@@ -32,7 +32,6 @@ from trainer_client.weights.weight_calls import ServerWeightCalls
 from trainer_client.weights.weight_delivery import WeightDelivery
 from trainer_client.weights.weight_sending import (
     DEFAULT_BUCKET_BYTES,
-    DEFAULT_CHUNK_BYTES,
     CollectiveSender,
     cuda_bytes,
     rank_offsets,
@@ -128,7 +127,7 @@ class WeightUpdates(WeightDelivery):
         *,
         transport: WeightTransport | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         checksums: bool = False,
         timeout: float = 600.0,
         lease_seconds: int = 0,
@@ -149,7 +148,10 @@ class WeightUpdates(WeightDelivery):
         end-to-end proof that costs about a second per GB on each side. Without it in-band
         chunks are still CRC-32-checked and patches apply only to the version they name;
         ``weight_checksums()`` gives the same proof on demand. ``timeout``: seconds for the
-        transfer.
+        transfer. ``chunk_bytes``: bytes of parameter data per in-band chunk; None: 4 MiB to a
+        server streamed to directly, less down a relay tree (1/128 of the tree's share, 256
+        KiB to 4 MiB: every hop forwards a chunk once it has it whole, so smaller chunks fill
+        and drain the relay's pipeline sooner).
         ``lease_seconds``: how long the servers keep the update open if this process dies
         mid-way (0: their default). ``delta``: send only what changed since the version
         this client pushed last (``delta_patches.weight_patches``), to each server serving
@@ -230,7 +232,9 @@ class WeightUpdates(WeightDelivery):
             if collective:
                 assert sender is not None
                 return await self._broadcast(plan, sender, addresses, tensors)
-            return await self._push(plan, addresses, tensors, calls.push_sockets, calls.relay)
+            return await self._push(
+                plan, addresses, tensors, calls.push_sockets, calls.relay, calls.one_stream
+            )
 
         # A first record (none to copy into) is all new memory: it is cloned in a thread beside
         # the transfer instead of after the commit (faulting in the 0.3B benchmark model's

@@ -1,15 +1,16 @@
 """A server relaying a weight update down its relay plan: every frame of every stream it takes
-goes on to each server below it (``WeightRelayRole.children``) as it arrives, over that
-server's push socket or, where it has none (TLS), its PushWeights, presenting that server's
-ticket for the update and this server's name in the plan.
+from its parent in a relay tree goes on to each server below it in that tree
+(``WeightRelayTree.children``) as it arrives, over that server's push socket or, where it has
+none (TLS), its PushWeights, presenting that server's ticket for the update, this server's
+name in the plan and the tree.
 
-``Relays.stream(update)`` forwards one stream (``RelayStream``, the ``Forwarding`` of
-``peer_streams.stage_stream``); the connections to the servers below are opened at the
-update's first stream and closed with the update. A server below that cannot be reached, or
-goes away mid-stream, is a failure of that stream (UNAVAILABLE, naming it); one that answers
-reports its own subtree. Each link sends from a bounded queue of its own, so a slow server
-below slows the stream it relays (TCP's own pace), never the others' or this server's staging
-beyond the queue.
+``Relays.stream(update, tree)`` forwards one stream (``RelayStream``, the ``Forwarding`` of
+``peer_streams.stage_stream``); the connections to the servers below, one per tree a server
+is below this one in, are opened at the tree's first stream and closed with the update. A
+server below that cannot be reached, or goes away mid-stream, is a failure of that stream
+(UNAVAILABLE, naming it); one that answers reports its own subtree. Each link sends from a
+bounded queue of its own, so a slow server below slows the stream it relays (TCP's own pace),
+never the others' or this server's staging beyond the queue.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from servers.engine.domain.weights.relay_role import RelayRole, RelayTarget
 from servers.engine.domain.weights.staging import OpenUpdate
 from servers.engine.peers.peer_streams import Failure, PeerAccess
 from skyrl_grpc.errors import call_status, status_of
-from skyrl_grpc.metadata import PUSH_TICKET, RELAY_FAILURES, RELAYED_FROM
+from skyrl_grpc.metadata import PUSH_TICKET, RELAY_FAILURES, RELAY_TREE, RELAYED_FROM
 from skyrl_grpc.names import PUSH_WEIGHTS
 from skyrl_grpc.push_socket_client import PushSocketConnection, host_of
 from skyrl_grpc.v1 import control_plane_pb2 as cp
@@ -67,9 +68,13 @@ def failures_to_proto(failures: list[Failure]) -> list[cp.RelayFailure]:
 class _Link:
     """The connection to one server below, for one update: a stream at a time."""
 
-    def __init__(self, source: str, target: RelayTarget, access: PeerAccess) -> None:
+    def __init__(
+        self, source: str, target: RelayTarget, access: PeerAccess, tree: int | None
+    ) -> None:
         self.target = target
         self._source = source
+        # The relay tree its streams travel down (None: the plan's one tree, unnamed).
+        self._tree = tree
         self._access = access
         self._queue: asyncio.Queue[Any] = asyncio.Queue(LINK_QUEUE_FRAMES)
         self._sending: asyncio.Task[list[Failure]] | None = None
@@ -144,7 +149,7 @@ class _Link:
             raise ValueError(f"{self.target.address} is not host:port")
         port, ticket = self.target.push_socket_port, self.target.ticket
         return PushSocketConnection.connect(
-            host, port, ticket, RELAY_SEND_SECONDS, relayed_from=self._source
+            host, port, ticket, RELAY_SEND_SECONDS, self._source, self._tree
         )
 
     async def _over_grpc(self) -> list[Failure]:
@@ -157,6 +162,7 @@ class _Link:
             *self._access.metadata,
             (PUSH_TICKET, self.target.ticket),
             (RELAYED_FROM, self._source),
+            *([(RELAY_TREE, str(self._tree))] if self._tree is not None else []),
         ]
 
         async def messages() -> Any:
@@ -215,9 +221,9 @@ class _Link:
 
 
 class RelayStream:
-    """One stream forwarded to every server below (``peer_streams.Forwarding``). Its links
-    begin sending at its first message, which the update's staging reads under its lock: two
-    streams into one update never share the links at once."""
+    """One stream forwarded to every server below in its tree (``peer_streams.Forwarding``).
+    Its links begin sending at its first message. A tree's streams come from one parent, one
+    after another, so two streams never share a tree's links at once."""
 
     def __init__(self, links: list[_Link]) -> None:
         self._links = links
@@ -243,25 +249,33 @@ class RelayStream:
 
 
 class Relays:
-    """The relay links of this server's open update, if its relay role names servers below."""
+    """The relay links of this server's open update, per relay tree it forwards in."""
 
     def __init__(self, access: PeerAccess) -> None:
         self._access = access
-        self._links: dict[int, list[_Link]] = {}
+        self._links: dict[int, dict[int, list[_Link]]] = {}
 
-    def stream(self, update: OpenUpdate) -> RelayStream | None:
-        """A stream of ``update`` forwarded down its relay plan (None: this server forwards to
-        nobody)."""
+    def stream(self, update: OpenUpdate, tree: int) -> RelayStream | None:
+        """A stream of ``update`` forwarded down relay tree ``tree`` (None: this server
+        forwards to nobody there)."""
         role: RelayRole | None = update.relay
-        if role is None or not role.children:
+        if role is None or not 0 <= tree < len(role.trees) or not role.trees[tree].children:
             return None
         key = id(update)
-        links = self._links.get(key)
-        if links is None:
-            links = self._links[key] = [_Link(role.address, t, self._access) for t in role.children]
+        trees = self._links.get(key)
+        if trees is None:
+            trees = self._links[key] = {}
             update.on_close.append(lambda: self._close(key))
+        links = trees.get(tree)
+        if links is None:
+            named = tree if role.named else None
+            links = trees[tree] = [
+                _Link(role.address, target, self._access, named)
+                for target in role.trees[tree].children
+            ]
         return RelayStream(links)
 
     def _close(self, key: int) -> None:
-        for link in self._links.pop(key, []):
-            link.retire()
+        for links in self._links.pop(key, {}).values():
+            for link in links:
+                link.retire()

@@ -15,7 +15,12 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 
 from servers.engine.domain.descriptions import ServerDescription
 from servers.engine.domain.lora_adapters import AdapterCopy, AdapterSpec
-from servers.engine.domain.weights.relay_role import MIN_TICKET_BYTES, RelayRole, RelayTarget
+from servers.engine.domain.weights.relay_role import (
+    MIN_TICKET_BYTES,
+    RelayRole,
+    RelayTarget,
+    RelayTree,
+)
 from servers.engine.transfer.assembly import ParamLayout
 from servers.engine.transfer.protocol import Checksum
 from servers.engine.transfer.specs import (
@@ -29,7 +34,7 @@ from skyrl_grpc import dtypes
 from skyrl_grpc.chunk_wire import WireChunk
 from skyrl_grpc.crc import crc32
 from skyrl_grpc.errors import InvalidArgument, PermissionDenied
-from skyrl_grpc.metadata import PUSH_TICKET, RELAYED_FROM
+from skyrl_grpc.metadata import PUSH_TICKET, RELAY_TREE, RELAYED_FROM
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import lora_pb2
 
@@ -96,30 +101,44 @@ def stream_item(message: StreamMessage | WireChunk, refusal: str) -> Manifest | 
 
 
 def relay_role(request: cp.StartWeightUpdateRequest) -> RelayRole | None:
-    """The server's place in the update's relay plan (None: the trainer streams to it)."""
+    """The server's place in the update's relay plan (None: the trainer streams to it): one
+    tree (``parent``, ``children``) or several (``trees``)."""
     if not request.HasField("relay"):
         return None
     role = request.relay
-    children = tuple(
-        RelayTarget(child.address, child.push_socket_port, child.push_ticket)
-        for child in role.children
-    )
-    for child in children:
-        if not child.address or len(child.ticket) < MIN_TICKET_BYTES:
-            raise InvalidArgument(
-                f"relay.children: {child.address or 'a child with no address'} needs its "
-                f"address and its push_ticket ({MIN_TICKET_BYTES} bytes or more)"
-            )
-    if children and not role.address:
+    if role.trees:
+        trees = tuple(
+            RelayTree(tree.parent, _relay_targets(tree.children, f"relay.trees[{i}]"))
+            for i, tree in enumerate(role.trees)
+        )
+        named = True
+    else:
+        trees = (RelayTree(role.parent, _relay_targets(role.children, "relay")),)
+        named = False
+    forwards = any(tree.children for tree in trees)
+    if forwards and not role.address:
         raise InvalidArgument(
             "relay.address is empty: a server that forwards names itself to its children"
         )
-    if children and not request.push_ticket:
+    if forwards and not request.push_ticket:
         raise InvalidArgument(
             "relay without push_ticket: a relay plan names every server's ticket beforehand, "
             "so the trainer chooses them"
         )
-    return RelayRole(role.address, role.parent, children)
+    return RelayRole(role.address, trees, named)
+
+
+def _relay_targets(children: Iterable[cp.WeightRelayTarget], where: str) -> tuple[RelayTarget, ...]:
+    targets = tuple(
+        RelayTarget(child.address, child.push_socket_port, child.push_ticket) for child in children
+    )
+    for child in targets:
+        if not child.address or len(child.ticket) < MIN_TICKET_BYTES:
+            raise InvalidArgument(
+                f"{where}.children: {child.address or 'a child with no address'} needs its "
+                f"address and its push_ticket ({MIN_TICKET_BYTES} bytes or more)"
+            )
+    return targets
 
 
 def push_item(message: cp.PushWeightsRequest | WireChunk) -> Manifest | WireChunk:
@@ -135,22 +154,29 @@ async def push_messages(
         yield raw, push_item(message)
 
 
-def stream_sender(metadata: Iterable[tuple[str, str | bytes]] | None) -> tuple[bytes | None, str]:
-    """A PushWeights call's ticket (None: the trainer's call, authorised by its channel) and
-    the peer relaying it ("": none), from its metadata."""
+def stream_sender(
+    metadata: Iterable[tuple[str, str | bytes]] | None,
+) -> tuple[bytes | None, str, int | None]:
+    """A PushWeights call's ticket (None: the trainer's call, authorised by its channel), the
+    peer relaying it ("": none) and the relay tree it names (None: none), from its metadata."""
     ticket: bytes | None = None
     relayed_from = ""
+    tree: int | None = None
     for key, value in metadata or ():
         if key == PUSH_TICKET and isinstance(value, bytes):
             ticket = value
         elif key == RELAYED_FROM and isinstance(value, str):
             relayed_from = value
+        elif key == RELAY_TREE and isinstance(value, str):
+            if not value.isdigit():
+                raise InvalidArgument(f"{RELAY_TREE} {value!r}: a relay tree's index (0, 1, ...)")
+            tree = int(value)
     if relayed_from and ticket is None:
         raise PermissionDenied(
             f"a stream relayed from {relayed_from} without the update's ticket "
             f"({PUSH_TICKET}): refused, nothing staged"
         )
-    return ticket, relayed_from
+    return ticket, relayed_from, tree
 
 
 def adapter_spec(message: AdapterMessage) -> AdapterSpec:
@@ -267,6 +293,7 @@ def server_info_to_proto(server: ServerDescription) -> cp.GetServerInfoResponse:
             prefix_caching=server.prefix_caching,
             compressed_weight_patches=True,
             weight_relay=True,
+            weight_relay_trees=True,
             lora=lora_pb2.LoraCapabilities(
                 enabled=limits.enabled,
                 max_loras=limits.max_loras,

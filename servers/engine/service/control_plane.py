@@ -168,9 +168,9 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     ) -> cp.PushWeightsResponse:
         # Refused mid-stream, the rest of the stream is read before the status is sent: the
         # error interceptor does that for every client-streaming call.
-        ticket, relayed_from = control_convert.stream_sender(context.invocation_metadata())
+        ticket, relayed_from, tree = control_convert.stream_sender(context.invocation_metadata())
         outcome, address = await self._streams.stage(
-            ticket, relayed_from, control_convert.push_messages(request_iterator)
+            ticket, relayed_from, tree, control_convert.push_messages(request_iterator)
         )
         return push_response(outcome, address, context)
 

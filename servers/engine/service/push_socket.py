@@ -45,10 +45,10 @@ log = logging.getLogger(__name__)
 class Streams(Protocol):
     """Where a connection's streams go (``weight_streams.WeightStreams``)."""
 
-    def check_sender(self, ticket: bytes | None, relayed_from: str) -> None: ...
+    def check_sender(self, ticket: bytes | None, relayed_from: str, tree: int | None) -> None: ...
 
     async def stage(
-        self, ticket: bytes | None, relayed_from: str, messages: Messages
+        self, ticket: bytes | None, relayed_from: str, tree: int | None, messages: Messages
     ) -> tuple[StreamOutcome, str]: ...
 
 
@@ -135,29 +135,32 @@ class PushSocketServer:
             frames.close()
             executor.shutdown(wait=False)
 
-    async def _hello(self, frames: _Frames) -> tuple[bytes, str] | None:
-        """The connection's ticket and who relays it ("": the trainer), or None when it is
-        refused (the reply says why)."""
+    async def _hello(self, frames: _Frames) -> tuple[bytes, str, int | None] | None:
+        """The connection's ticket, who relays it ("": the trainer) and down which relay tree
+        (None: none named), or None when it is refused (the reply says why)."""
         frame = await frames.next(HELLO_LIMIT)
         if frame is None:
             return None
         try:
             hello = cp.PushSocketHello.FromString(bytes(frame))
-            self._streams.check_sender(hello.ticket, hello.relayed_from)
+            tree = hello.relay_tree if hello.HasField("relay_tree") else None
+            self._streams.check_sender(hello.ticket, hello.relayed_from, tree)
         except (DecodeError, SkyrlError) as error:
             refusal = error if isinstance(error, SkyrlError) else _not_a_hello(error)
             await frames.send(_error_reply(refusal))
             return None
         await frames.send(cp.PushSocketReply())
-        return hello.ticket, hello.relayed_from
+        return hello.ticket, hello.relayed_from, tree
 
     async def _stream(
-        self, ticket: bytes, relayed_from: str, frames: _Frames
+        self, ticket: bytes, relayed_from: str, tree: int | None, frames: _Frames
     ) -> cp.PushSocketReply:
         """One stream staged (and relayed), or refused (its remaining frames read and dropped
         first, so the connection is ready for the next stream): the reply either way."""
         try:
-            outcome, address = await self._streams.stage(ticket, relayed_from, _messages(frames))
+            outcome, address = await self._streams.stage(
+                ticket, relayed_from, tree, _messages(frames)
+            )
         except (OSError, FrameTooLarge):
             raise  # the peer went away, or the connection cannot be framed: ``_serve`` ends it
         except Exception as error:

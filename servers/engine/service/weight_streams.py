@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 
 from servers.common.grpc_types import Context
 from servers.common.interceptors import status_of
-from servers.engine.domain.weights.relay_role import forwards
+from servers.engine.domain.weights.relay_role import forwarded_tree
 from servers.engine.domain.weights.transaction import WeightTransferManager
 from servers.engine.peers.peer_streams import Failure, Item, StreamOutcome, stage_stream
 from servers.engine.peers.relay import Relays, failures_to_proto
@@ -32,20 +32,22 @@ class WeightStreams:
         self._updates = updates
         self._relays = relays
 
-    def check_sender(self, ticket: bytes | None, relayed_from: str) -> None:
+    def check_sender(self, ticket: bytes | None, relayed_from: str, tree: int | None) -> None:
         """Raises unless a stream presenting ``ticket`` (None: a gRPC call, authorised by its
-        channel) from ``relayed_from`` ("": the trainer) may stream into the open update."""
-        self._updates().check_sender(ticket, relayed_from)
+        channel) from ``relayed_from`` ("": the trainer) down relay tree ``tree`` (None: none
+        named) may stream into the open update."""
+        self._updates().check_sender(ticket, relayed_from, tree)
 
     async def stage(
-        self, ticket: bytes | None, relayed_from: str, messages: Messages
+        self, ticket: bytes | None, relayed_from: str, tree: int | None, messages: Messages
     ) -> tuple[StreamOutcome, str]:
         """Checks, forwards and stages one stream; what it came to, and how the relay plan
         names this server ("" without one)."""
         updates = self._updates()
-        update = updates.check_sender(ticket, relayed_from)
+        update = updates.check_sender(ticket, relayed_from, tree)
         role = update.relay
-        forwarding = self._relays.stream(update) if forwards(role, relayed_from) else None
+        below = forwarded_tree(role, relayed_from, tree)
+        forwarding = self._relays.stream(update, below) if below is not None else None
         outcome = await stage_stream(
             messages, lambda items: updates.push(items, ticket), forwarding
         )

@@ -409,3 +409,15 @@ def check_patch_bases(bases: dict[str, int], serving: int) -> None:
             f"but this server serves version {serving}: send the whole parameters (the "
             "update stays open, nothing was staged)"
         )
+
+
+def check_stream_bases(bases: dict[str, int], serving: int, first: bool) -> None:
+    """A manifest's patches must fit the ``serving`` version: the first manifest of a stream
+    is refused with nothing staged (``PatchBaseMismatch``: the update stays open for the whole
+    weights); a later one rejects the update (what the stream staged before it goes with it)."""
+    try:
+        check_patch_bases(bases, serving)
+    except PatchBaseMismatch as error:
+        if first:
+            raise
+        raise FailedPrecondition(str(error)) from None

@@ -9,12 +9,12 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from servers.engine.domain.weights.relay_role import RelayRole, check_sender
 from servers.engine.transfer.protocol import StagedParameter
-from skyrl_grpc.errors import FailedPrecondition, PermissionDenied
+from skyrl_grpc.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,25 @@ class OpenUpdate:
     # Called once when the update closes (committed, cancelled, expired, replaced): what the
     # update held open beside it (a relay's connections to the next servers) is let go.
     on_close: list[Callable[[], None]] = field(default_factory=list)
+    # In-band streams being staged into it now, and the parameters their current manifests
+    # list (a parameter is staged by one stream at a time).
+    streams: int = 0
+    arriving: set[str] = field(default_factory=set)
+
+    def claim(self, names: Iterable[str]) -> set[str]:
+        """Marks a manifest's parameters as arriving; refuses one another stream is staging."""
+        claimed = set(names)
+        taken = sorted(claimed & self.arriving)
+        if taken:
+            raise InvalidArgument(
+                f"{taken[0]} is already arriving in another stream of this update: send each "
+                "parameter in one stream at a time"
+            )
+        self.arriving |= claimed
+        return claimed
+
+    def release(self, names: set[str]) -> None:
+        self.arriving -= names
 
     def check_ticket(self, ticket: bytes | None) -> None:
         """Raises unless ``ticket`` is this update's (None: a gRPC call, which its channel's
@@ -51,16 +70,19 @@ class OpenUpdate:
                 "for ended (finished, cancelled, expired or replaced); start another"
             )
 
-    def check_sender(self, ticket: bytes | None, relayed_from: str) -> None:
-        """Raises unless a stream presenting ``ticket`` and forwarded by ``relayed_from`` ("":
-        the trainer) may stream into this update (``relay_role.check_sender``)."""
+    def check_sender(
+        self, ticket: bytes | None, relayed_from: str, tree: int | None = None
+    ) -> None:
+        """Raises unless a stream presenting ``ticket``, forwarded by ``relayed_from`` ("":
+        the trainer) down relay tree ``tree`` (None: none named), may stream into this update
+        (``relay_role.check_sender``)."""
         if relayed_from and (ticket is None or not hmac.compare_digest(ticket, self.ticket)):
             raise PermissionDenied(
                 f"a stream relayed from {relayed_from} without the open update's ticket: "
                 "refused, nothing staged"
             )
         self.check_ticket(ticket)
-        check_sender(self.relay, relayed_from)
+        check_sender(self.relay, relayed_from, tree)
 
     def closed(self) -> None:
         """The update closed: runs ``on_close`` (each once; a failing one is logged)."""

@@ -25,7 +25,7 @@ from servers.engine.transfer.assembly import (
     InBandAssembler,
     ParamLayout,
     PatchBaseMismatch,
-    check_patch_bases,
+    check_stream_bases,
     model_layout,
     non_finite_error,
 )
@@ -49,7 +49,9 @@ PhaseObserver = Callable[[str, float, int], None]
 class WeightTransferManager(CollectiveReceive):
     """The weight-update transaction of one server.
 
-    Every weight RPC runs under one lock, so calls of an update never interleave. An open
+    Every weight RPC runs under one lock, so calls of an update never interleave, but for its
+    in-band streams, which are staged side by side, checked against the update at each
+    worker call and awaited by its commit. An open
     update holds a lease: when no call of it has come for ``lease_seconds``, it expires (its
     staging is dropped) and another trainer may start one. A commit keeps the previous weights
     until the next update starts, for ``rollback``.
@@ -86,6 +88,9 @@ class WeightTransferManager(CollectiveReceive):
         self._serving_non_finite = False
         self._rollback_non_finite = False
         self._lock = asyncio.Lock()
+        # Held by each worker call that stages a stream's bytes, and by a discard: the calls
+        # of an update's streams go one at a time, and none lands after its update closed.
+        self._staging = asyncio.Lock()
         self._tasks = BackgroundTasks()
 
     def _observed(self, phase: str, started: float, nbytes: int = 0) -> None:
@@ -201,66 +206,96 @@ class WeightTransferManager(CollectiveReceive):
         """Raises unless ``ticket`` is the open update's (a push socket's hello)."""
         self._require_open("a push socket connection", ticket)
 
-    def check_sender(self, ticket: bytes | None, relayed_from: str) -> OpenUpdate:
+    def check_sender(
+        self, ticket: bytes | None, relayed_from: str, tree: int | None = None
+    ) -> OpenUpdate:
         """The open update, if a stream presenting ``ticket`` (None: a gRPC call, authorised by
         its channel) and forwarded by ``relayed_from`` ("": the trainer) may stream into it;
         raises otherwise, before anything is staged."""
         update = self._require_open("a weight stream")
-        update.check_sender(ticket, relayed_from)
+        update.check_sender(ticket, relayed_from, tree)
         return update
 
     async def push(
         self, items: AsyncIterator[Manifest | WireChunk], ticket: bytes | None = None
     ) -> tuple[int, int]:
-        """Stages one in-band stream: its manifest, then its chunks (from a push socket: for the
-        update whose ``ticket`` it presented, and no other)."""
+        """Stages one in-band stream (from a push socket: for the update whose ``ticket`` it
+        presented, and no other): a manifest, then its chunks, then any further manifest with
+        its chunks. Streams of one update are staged side by side (a server in several relay
+        trees takes one from each parent at once), their worker calls one at a time; a
+        parameter is staged by one stream at a time."""
         started = time.monotonic()
         async with self._lock:
             update = self._require_open("PushWeights", ticket)
-            assembler = InBandAssembler(await self.layout(), self.allow_non_finite)
-            # Bytes go on to the workers as they arrive, in batches, one batch in flight while
-            # the next is received and checked: the server holds at most two batches, never
-            # the whole stream nor a whole large parameter, and reading the stream overlaps
-            # the workers' copying instead of alternating with it.
-            staging = StagingPipeline(
-                functools.partial(self._stage, non_finite=assembler.non_finite)
-            )
-            try:
-                received_before = update.bytes_received
-                bases_checked = False
-                async for item in items:
+            layout = await self.layout()
+        update.streams += 1
+        # Bytes go on to the workers as they arrive, in batches, one batch in flight while the
+        # next is received and checked: the server holds at most two batches per stream, never
+        # the whole stream nor a whole large parameter, and reading the stream overlaps the
+        # workers' copying instead of alternating with it.
+        staging = StagingPipeline(functools.partial(self._stage, update))
+        assembler: InBandAssembler | None = None
+        arriving: set[str] = set()
+        received = manifests = 0
+        try:
+            async for item in items:
+                if isinstance(item, Manifest):
+                    if assembler is not None:  # the next group: the one before is complete
+                        await staging.send(assembler.finish())
+                        received += assembler.bytes_received
+                        update.non_finite = update.non_finite or bool(assembler.non_finite)
+                    assembler = InBandAssembler(layout, self.allow_non_finite)
                     assembler.add(item)
-                    if not bases_checked:  # the manifest: patches must fit what this serves
-                        bases_checked = True
-                        check_patch_bases(assembler.patch_bases, self._get_version())
-                    update.bytes_received = received_before + assembler.bytes_received
-                    update.touch()
+                    check_stream_bases(assembler.patch_bases, self._get_version(), not manifests)
+                    update.release(arriving)
+                    arriving = update.claim(spec.name for spec in item.parameters)
+                    manifests += 1
+                elif assembler is None:
+                    raise InvalidArgument("the first PushWeights message must be the manifest")
+                else:
+                    assembler.add(item)
                     if assembler.ready_bytes >= self.stage_batch_bytes:
                         await staging.send(assembler.take_ready())
-                await staging.send(assembler.finish())
-                staged = await staging.drain()
-            except PatchBaseMismatch:
-                raise  # nothing staged: the update stays open for the whole weights
-            except SkyrlError as error:
-                await self._abandon(staging.settle())
-                raise type(error)(
-                    f"{error}; update rejected, the serving weights are unchanged"
-                ) from error
-            except BaseException:
-                # The sender went away mid-stream, or a worker failed.
-                await self._abandon(staging.settle())
-                raise
-            update.parameters_staged += staged
-            update.non_finite = update.non_finite or bool(assembler.non_finite)
-            update.touch()
-            self._observed("transfer", started, assembler.bytes_received)
-            return staged, assembler.bytes_received
+                update.bytes_received += len(item.data) if isinstance(item, WireChunk) else 0
+                update.touch()
+            if assembler is None:
+                raise InvalidArgument("the PushWeights stream was empty (no manifest)")
+            await staging.send(assembler.finish())
+            received += assembler.bytes_received
+            staged = await staging.drain()
+        except PatchBaseMismatch:
+            raise  # nothing staged: the update stays open for the whole weights
+        except SkyrlError as error:
+            await self._abandon(staging.settle(), update)
+            raise type(error)(
+                f"{error}; update rejected, the serving weights are unchanged"
+            ) from error
+        except BaseException:
+            # The sender went away mid-stream, or a worker failed.
+            await self._abandon(staging.settle(), update)
+            raise
+        finally:
+            update.release(arriving)
+            update.streams -= 1
+        update.parameters_staged += staged
+        update.non_finite = update.non_finite or bool(assembler.non_finite)
+        update.touch()
+        self._observed("transfer", started, received)
+        return staged, received
 
-    async def _stage(self, params: list[StagedParameter], non_finite: list[str]) -> int:
-        """Stages ``params`` in batches; compressed patches whose values proved non-finite
-        once applied are refused, or added to ``non_finite`` where the server accepts them."""
+    async def _stage(self, update: OpenUpdate, params: list[StagedParameter]) -> int:
+        """Stages ``params`` into ``update`` in batches, one worker call at a time across its
+        streams (the workers read every batch from one shared buffer); compressed patches
+        whose values proved non-finite once applied are refused, or recorded where the server
+        accepts them."""
         for batch in staging_batches(params, self.stage_batch_bytes):
-            mismatches, applied_non_finite = await self._workers.stage(batch)
+            async with self._staging:
+                if self.open is not update:
+                    raise FailedPrecondition(
+                        "the weight update closed while this stream was staging (cancelled, "
+                        "expired, or rejected by another of its streams)"
+                    )
+                mismatches, applied_non_finite = await self._workers.stage(batch)
             if mismatches:
                 raise DataLoss(
                     f"checksum mismatch for {', '.join(mismatches[:3])} after applying the "
@@ -268,13 +303,18 @@ class WeightTransferManager(CollectiveReceive):
                 )
             if applied_non_finite and not self.allow_non_finite:
                 raise non_finite_error(applied_non_finite[0])
-            non_finite.extend(applied_non_finite)
+            update.non_finite = update.non_finite or bool(applied_non_finite)
         return sum(1 for param in params if param["last"])
 
     async def finish(self, weight_version: int = 0) -> tuple[int, int]:
         started = time.monotonic()
         async with self._lock:
             update = self._require_open("FinishWeightUpdate")
+            if update.streams:
+                raise FailedPrecondition(
+                    f"FinishWeightUpdate while {update.streams} weight stream(s) of the update "
+                    "are still arriving: finish once every stream was answered"
+                )
             target = update.target_version
             if target and weight_version and weight_version != target:
                 raise InvalidArgument(
@@ -362,11 +402,16 @@ class WeightTransferManager(CollectiveReceive):
             return await self._close()
 
     async def _close(self, discard: bool = True) -> int:
-        """Closes the open update, dropping what it staged; returns how much that was."""
+        """Closes the open update, dropping what it staged; returns how much that was. A worker
+        call of one of its streams still running finishes first: nothing staged for it can
+        land after the discard."""
         update, self.open = self.open, None
         if update is not None:
             update.closed()
-        return await self._workers.discard() if discard else 0
+        if not discard:
+            return 0
+        async with self._staging:
+            return await self._workers.discard()
 
     async def checksums(self, names: list[str]) -> list[Checksum]:
         layout = await self.layout()
@@ -375,19 +420,24 @@ class WeightTransferManager(CollectiveReceive):
             raise InvalidArgument(f"unknown parameter(s): {', '.join(unknown)}")
         return await self._workers.checksums(names)
 
-    async def _abandon(self, pending: Awaitable[object] | None) -> None:
-        """Rejects the open update: staging dropped, the update closed."""
+    async def _abandon(
+        self, pending: Awaitable[object] | None, update: OpenUpdate | None = None
+    ) -> None:
+        """Rejects the open update (``update``, if it is still the open one): staging dropped,
+        the update closed."""
         try:
             if pending is not None:
                 await pending
         finally:
-            update, self.open = self.open, None
-            if update is not None:
-                update.closed()
-            try:
-                await self._workers.discard()
-            except Exception:
-                log.exception("discarding staged weights failed")
+            if update is None or self.open is update:
+                update, self.open = self.open, None
+                if update is not None:
+                    update.closed()
+                try:
+                    async with self._staging:
+                        await self._workers.discard()
+                except Exception:
+                    log.exception("discarding staged weights failed")
 
     async def close(self) -> None:
         """Stops the lease timer (server shutdown)."""
