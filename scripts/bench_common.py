@@ -14,32 +14,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import shutil
-import signal
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from scripts.process_memory import memory_of
-from servers.common.reaper import EXIT_WITH_SUPERVISOR
 from servers.engine.options import EngineOptions
-from servers.engine.vllm_adapter.engine_args import cpu_layout
 from skyrl_grpc.process_group import free_port
-from skyrl_grpc.tiny_model import ensure_tiny_model
+from testbed.peers import (
+    Launched,
+    launched_process,
+    vllm_engine_flags,
+    wait_http,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVED_NAME = "tiny"
 
 
 def add_output_argument(parser: argparse.ArgumentParser, page: str) -> None:
@@ -178,96 +174,6 @@ class ProcessTree:
                 process.resume()
 
 
-@dataclass
-class Launched:
-    """A peer's process, where it listens, and its log."""
-
-    address: str
-    process: subprocess.Popen[bytes]
-    log: str
-
-
-def _wait_http(url: str, launched: Launched, what: str, timeout: float = 600) -> None:
-    deadline = time.time() + timeout
-    while True:
-        if launched.process.poll() is not None:
-            raise RuntimeError(f"{what} exited; see {launched.log}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        if time.time() > deadline:
-            raise TimeoutError(f"{what} did not start; see {launched.log}")
-        time.sleep(0.5)
-
-
-@contextlib.contextmanager
-def _process(command: list[str], env: dict[str, str] | None, what: str) -> Iterator[Launched]:
-    log = tempfile.NamedTemporaryFile("w+", prefix=f"{what}-", suffix=".log", delete=False)
-    # This project's servers die with the bench however it dies (their standard input: a pipe
-    # only it holds; ``servers.common.reaper.exit_with_supervisor``). Other servers ignore it.
-    process = subprocess.Popen(
-        command,
-        env={**(os.environ if env is None else env), EXIT_WITH_SUPERVISOR: "1"},
-        stdin=subprocess.PIPE,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        process_group=0,
-    )
-    launched = Launched("", process, log.name)
-    try:
-        yield launched
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGCONT)  # a frozen process cannot stop
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
-def _engine_flags(
-    options: EngineOptions, model: Path | None = None
-) -> tuple[list[str], dict[str, str]]:
-    """The command-line flags and environment giving vLLM's own servers the engine settings
-    this project's engine server uses on ``model`` (default: the embedded model)."""
-    flags = [
-        "--model", str(model or ensure_tiny_model()),
-        "--served-model-name", SERVED_NAME,
-        "--dtype", "float32",
-        "--enforce-eager",
-        "--max-num-seqs", str(options.max_num_seqs),
-        "--seed", str(options.seed),
-    ]  # fmt: skip
-    layout_args, layout_env = cpu_layout(options)
-    for name, value in layout_args.items():
-        flags += [f"--{name.replace('_', '-')}", str(value)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{options.kv_cache_gib:g}", **layout_env}
-    return flags, env
-
-
-@contextlib.contextmanager
-def vllm_http_server(
-    stream_interval: int = 1, model: Path | None = None, extra_args: Sequence[str] = ()
-) -> Iterator[Launched]:
-    """vLLM's own OpenAI server on ``model`` (default: the embedded model) with this
-    project's engine settings, ``extra_args`` on its command line: the benchmarks' contender
-    and the edge's reference in the tests."""
-    flags, env = _engine_flags(EngineOptions(), model)
-    port = free_port("127.0.0.1")
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags,
-        "--stream-interval", str(stream_interval),
-        "--host", "127.0.0.1", "--port", str(port),
-        "--uvicorn-log-level", "warning", "--disable-log-stats", *extra_args,
-    ]  # fmt: skip
-    with _process(command, env, "vllm-http") as launched:
-        launched.address = f"http://127.0.0.1:{port}"
-        _wait_http(f"{launched.address}/health", launched, "vLLM's HTTP server")
-        yield launched
-
-
 @contextlib.contextmanager
 def vllm_router(worker: str) -> Iterator[Launched]:
     """The Rust vllm-router (what SkyRL runs) in front of ``worker``."""
@@ -282,9 +188,9 @@ def vllm_router(worker: str) -> Iterator[Launched]:
         "--log-level", "warning",
         "--prometheus-port", str(free_port("127.0.0.1")),
     ]  # fmt: skip
-    with _process(command, None, "vllm-router") as launched:
+    with launched_process(command, None, "vllm-router") as launched:
         launched.address = f"http://127.0.0.1:{port}"
-        _wait_http(f"{launched.address}/health", launched, "vllm-router", timeout=120)
+        wait_http(f"{launched.address}/health", launched, "vllm-router", timeout=120)
         yield launched
 
 
@@ -321,13 +227,13 @@ def _wait_grpc(launched: Launched, what: str, timeout: float = 600) -> None:
 def vllm_grpc_server() -> Iterator[Launched]:
     """vLLM's own gRPC server (``vllm serve --grpc``: smg-grpc-servicer) on the embedded
     model, same engine settings."""
-    flags, env = _engine_flags(EngineOptions())
+    flags, env = vllm_engine_flags(EngineOptions())
     port = free_port("127.0.0.1")
     command = [
         sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server", *flags,
         "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats",
     ]  # fmt: skip
-    with _process(command, env, "vllm-grpc") as launched:
+    with launched_process(command, env, "vllm-grpc") as launched:
         launched.address = f"127.0.0.1:{port}"
         _wait_grpc(launched, "vLLM's gRPC server")
         yield launched
@@ -341,7 +247,7 @@ def skyrl_router(backends: list[str], *flags: str) -> Iterator[Launched]:
         sys.executable, "-m", "servers.router.router_server", "--host", "127.0.0.1",
         "--port", str(port), "--backends", ",".join(backends), *flags,
     ]  # fmt: skip
-    with _process(command, None, "skyrl-router") as launched:
+    with launched_process(command, None, "skyrl-router") as launched:
         launched.address = f"127.0.0.1:{port}"
         _wait_grpc(launched, "the router", timeout=120)
         yield launched

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 GiB = 1 << 30
 # The weight benchmarks' models: hidden 2048, 8 layers, 16 heads / 4 KV heads (~294M
-# parameters), at hidden 1024, intermediate 2816 (~94M), and at hidden 768 (~53M).
+# parameters), at hidden 1024, intermediate 2816 (~94M), and at hidden 512 (~27M).
 MODELS = {
     "294m": dict(
         hidden_size=2048,
@@ -35,13 +35,13 @@ MODELS = {
         num_attention_heads=16,
         num_key_value_heads=4,
     ),
-    # ~53M: where eight servers of the 94M one do not fit in one machine's memory (the
+    # ~27M: where eight servers of the 94M one do not fit in one machine's memory (the
     # multi-host testbed's 8 hosts).
-    "53m": dict(
-        hidden_size=768,
-        intermediate_size=2048,
+    "27m": dict(
+        hidden_size=512,
+        intermediate_size=1536,
         num_hidden_layers=8,
-        num_attention_heads=12,
+        num_attention_heads=8,
         num_key_value_heads=4,
     ),
 }

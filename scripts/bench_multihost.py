@@ -3,9 +3,9 @@
 A testbed (``testbed``): a trainer host and N server hosts, network namespaces on one bridge,
 each host's link shaped by tc to ``--rate`` Mbit/s both ways (the trainer's to ``--rate`` times
 each ``--trainer-ratios`` factor), one engine server per server host (``--cpu-threads 1``: the
-hosts share this machine's cores) serving a model built by the project's builder (~94M
-parameters float32; ~53M at 8 hosts, where eight 94M servers do not fit in this machine's
-memory). The trainer host pushes as a trainer on a machine of its own (``testbed.jobs``),
+hosts share this machine's cores) serving a model built by the project's builder in float32
+(~94M parameters; ~27M at 8 hosts, with a smaller KV cache and no staging memory allocated
+at start, where eight 94M servers do not fit in this machine's 24 GiB). The trainer host pushes as a trainer on a machine of its own (``testbed.jobs``),
 each update timed from ``update_weights`` until every server committed:
 
 - **full**: every parameter, after a warm-up update;
@@ -18,9 +18,19 @@ downlink (every server receives them once). Printed per row: floor, measured (me
 range over rounds), x floor, and the trainer's bytes sent over one server's update. The
 table goes to docs/weights.md; ``--json`` keeps the rows for ``scripts/simulate_relay.py``.
 
+``--distance``: per-step streams across a link with a round trip of ``--rtts`` ms instead (a
+client host and a server host, each delaying what it sends by half of it: ``testbed.delay``),
+64 concurrent greedy streams of 128 tokens on the embedded model from the client host
+(``scripts/remote_rollouts``): this server's ``GenerateStream`` per request and its
+``GenerateBatch`` for the whole batch, against vLLM's HTTP server's streamed completions on the
+same host and engine settings, the idle contender frozen, rounds interleaved; the table goes
+to docs/performance.md.
+
 Run (root, on a machine of this kind): .venv/bin/python -m scripts.bench_multihost
      [--hosts 1,2,4,8] [--rate 200] [--trainer-ratios 1] [--rounds 2] [--json PATH]
      [--output docs/weights.md]
+     .venv/bin/python -m scripts.bench_multihost --distance [--rtts 0,40] [--rate 1000]
+     [--output docs/performance.md]
 """
 
 from __future__ import annotations
@@ -33,27 +43,35 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.bench_common import add_output_argument, write_report
+from scripts.bench_common import ProcessTree, add_output_argument, median_range, write_report
 from scripts.bench_models import build_model
-from testbed import Testbed
-from testbed.stack import run_job, start_server
+from testbed import Host, Testbed
+from testbed.peers import vllm_http_command
+from testbed.stack import ROOT, run_job, start_server
 
 MODES = {"relay": 2, "direct": 0}
-# Per update: the warm-up and full update, then a whole push that keeps a base, then a delta.
-STEPS = [{"edit": 1}, {"edit": 2, "delta": False}, {"edit": 3}, {"edit": 4}]
-FULL, DELTA = 1, 3
-SERVER_FLAGS = ("--kv-cache-gib", "0.5", "--cpu-threads", "1")
+# A job's updates: a warm-up (whole: the client has no base yet, and keeps one), a delta
+# against it, a full update (every parameter).
+STEPS = [{"edit": 1}, {"edit": 2}, {"edit": 3, "delta": False}]
+FULL, DELTA = 2, 1
+SERVER_FLAGS = ("--dtype", "float32", "--cpu-threads", "1")
+# Where eight servers must share this machine's memory.
+SMALL_FLAGS = ("--kv-cache-gib", "0.25", "--no-weight-spares-at-start")
 JOB_SECONDS = 3600
 
 
 def model_for(hosts: int) -> str:
-    return "53m" if hosts > 4 else "94m"
+    return "27m" if hosts > 4 else "94m"
+
+
+def server_flags(hosts: int) -> tuple[str, ...]:
+    return (*SERVER_FLAGS, *(SMALL_FLAGS if hosts > 4 else ("--kv-cache-gib", "0.5")))
 
 
 def measure(
-    hosts: int, rate: float, trainer_ratio: float, rounds: int, logs: Path
+    hosts: int, rate: float, trainer_ratio: float, rounds: int, modes: list[str], logs: Path
 ) -> list[dict[str, Any]]:
-    """Each mode's full and delta updates at ``hosts`` server hosts."""
+    """Each of ``modes``' full and delta updates at ``hosts`` server hosts."""
     size = model_for(hosts)
     model = str(build_model("float32", size))
     trainer_rate = rate * trainer_ratio
@@ -61,10 +79,12 @@ def measure(
     with Testbed() as bed:
         trainer = bed.add_host("trainer", trainer_rate)
         servers = [bed.add_host(f"s{i}", rate) for i in range(hosts)]
-        started = [start_server(h, "--model", model, *SERVER_FLAGS, log_dir=logs) for h in servers]
+        flags = server_flags(hosts)
+        started = [start_server(h, "--model", model, *flags, log_dir=logs) for h in servers]
         addresses = [s.until("ready", timeout=1800)["address"] for s in started]
         for round_ in range(rounds):
-            for mode, fanout in MODES.items():
+            for mode in modes:
+                fanout = MODES[mode]
                 arguments = {
                     "servers": addresses,
                     "model": model,
@@ -105,6 +125,85 @@ def measure(
     return rows
 
 
+CONTENDERS = ("grpc-streams", "grpc-batch", "vllm-http")
+VLLM_HTTP_PORT = 8000
+STREAMS, TOKENS = 64, 128
+
+
+def remote_rollouts(host: Host, arguments: dict[str, Any]) -> list[float]:
+    done = host.run(
+        [sys.executable, "-m", "scripts.remote_rollouts", json.dumps(arguments)],
+        timeout=JOB_SECONDS,
+        env={"PYTHONPATH": str(ROOT)},
+    )
+    for line in done.stdout.splitlines():
+        if line.startswith("JOB-RESULT "):
+            rates: list[float] = json.loads(line[len("JOB-RESULT ") :])["tok_s"]
+            return rates
+    raise RuntimeError(f"remote_rollouts on {host.name}: {done.stderr[-2000:]}")
+
+
+def vllm_http_on(host: Host, logs: Path) -> Any:
+    """vLLM's own OpenAI server on ``host`` with this project's engine settings."""
+    command, env = vllm_http_command(host.address, VLLM_HTTP_PORT)
+    logs.mkdir(parents=True, exist_ok=True)
+    return host.popen(command, env, open(logs / "vllm-http.log", "a"), ROOT)
+
+
+def distance(rtts: list[float], rate: float, rounds: int, logs: Path) -> list[str]:
+    """Per-step streams and batches at each round trip, against vLLM's HTTP server."""
+    measured: dict[tuple[float, str], list[float]] = {}
+    with Testbed() as bed:
+        client, server = bed.add_host("client", rate), bed.add_host("server", rate)
+        engine = start_server(server, log_dir=logs)
+        address = engine.until("ready")["address"]
+        http = vllm_http_on(server, logs)
+        health = f"http://{server.address}:{VLLM_HTTP_PORT}/health"
+        wait = "import time,urllib.request as u\nfor _ in range(600):\n try:\n  u.urlopen(HEALTH,timeout=2); break\n except OSError: time.sleep(1)"
+        client.run([sys.executable, "-c", wait.replace("HEALTH", repr(health))], JOB_SECONDS)
+        trees = {"vllm-http": ProcessTree(http.pid)}
+        trees["grpc-streams"] = trees["grpc-batch"] = ProcessTree(engine.popen.pid)
+        addresses = {
+            "grpc-streams": address,
+            "grpc-batch": address,
+            "vllm-http": f"{server.address}:{VLLM_HTTP_PORT}",
+        }
+        try:
+            for rtt in rtts:
+                for host in (client, server):
+                    bed.delay(host, rtt / 2)
+                for _ in range(rounds):
+                    for name in CONTENDERS:
+                        for other in trees.values():
+                            other.freeze()
+                        trees[name].thaw()
+                        job = {"contender": name, "address": addresses[name]}
+                        job.update(streams=STREAMS, tokens=TOKENS, rounds=1)
+                        measured.setdefault((rtt, name), []).extend(remote_rollouts(client, job))
+        finally:
+            for tree in trees.values():
+                tree.thaw()
+    lines = [
+        f"Per-step streams across a link (`python -m scripts.bench_multihost --distance`): a "
+        f"client host and a server host on the testbed, links of {rate:g} Mbit/s, each host "
+        f"delaying what it sends by half the round trip; {STREAMS} concurrent greedy streams "
+        f"of {TOKENS} tokens on the embedded model, closed loop, {rounds} rounds interleaved, "
+        "the idle contender frozen:",
+        "",
+        "| round trip | contender | tokens/s | x vLLM's HTTP server | x itself at the first round trip |",
+        "|---|---|---|---|---|",
+    ]
+    for rtt in rtts:
+        for name in CONTENDERS:
+            rates = measured[(rtt, name)]
+            against = statistics.median(rates) / statistics.median(measured[(rtt, "vllm-http")])
+            kept = statistics.median(rates) / statistics.median(measured[(rtts[0], name)])
+            lines.append(
+                f"| {rtt:g} ms | {name} | {median_range(rates, 0)} | {against:.2f} | {kept:.2f} |"
+            )
+    return lines
+
+
 def table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| hosts | model | links (trainer : servers) | update | mode | bytes | floor | measured"
@@ -131,25 +230,39 @@ def main() -> None:
     parser.add_argument(
         "--trainer-ratios",
         default="1",
-        help="the trainer's link over a server's, e.g. 0.25,1,4 (at the largest --hosts only "
-        "for ratios other than 1)",
+        help="the trainer's link over a server's, e.g. 0.25,1,4 (ratios other than 1 at "
+        "--ratio-hosts only, relayed only)",
     )
+    parser.add_argument("--ratio-hosts", type=int, default=4)
+    parser.add_argument("--distance", action="store_true", help="per-step streams instead")
+    parser.add_argument("--rtts", default="0,40", help="round trips (ms) for --distance")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default="", help="write the rows here too")
     parser.add_argument("--logs", default="/tmp/bench-multihost-logs")
     add_output_argument(parser, "weights.md")
     args = parser.parse_args()
+    if args.distance:
+        rtts = [float(r) for r in args.rtts.split(",")]
+        lines = distance(rtts, args.rate, args.rounds, Path(args.logs))
+        output = args.output.replace("weights.md", "performance.md")
+        write_report(output, lines, "distance-streams")
+        return
     hosts = [int(h) for h in args.hosts.split(",")]
     ratios = [float(r) for r in args.trainer_ratios.split(",")]
     began = time.monotonic()
     rows: list[dict[str, Any]] = []
+    failed = []
     for count in hosts:
         for ratio in ratios:
-            if ratio != 1 and count != max(hosts):
+            if ratio != 1 and count != args.ratio_hosts:
                 continue
-            rows += measure(count, args.rate, ratio, args.rounds, Path(args.logs))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+            modes = list(MODES) if ratio == 1 else ["relay"]
+            try:
+                rows += measure(count, args.rate, ratio, args.rounds, modes, Path(args.logs))
+            except Exception as error:  # the other points still run, and this one is said
+                failed.append(f"- {count} hosts, trainer link x{ratio:g}: {error}")
+            if args.json:  # kept as it goes: a later point's failure loses nothing
+                Path(args.json).write_text(json.dumps(rows, indent=1))
     lines = [
         f"Measured on the testbed: a trainer host and N server hosts, one engine server each "
         f"(`python -m scripts.bench_multihost`, {args.rounds} rounds, modes interleaved, "
@@ -158,6 +271,7 @@ def main() -> None:
         "4.5% of a full frame: the best measurable is ~1.05x):",
         "",
         *table(rows),
+        *(["", "Not measured:", *failed] if failed else []),
     ]
     write_report(args.output, lines, "multihost-updates")
 

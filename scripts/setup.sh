@@ -72,12 +72,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 # A real Prometheus for the metrics tests (tests/test_metrics.py scrapes the stack with it), a
 # real browser for the fleet page's test (driven by Playwright) and the multi-host testbed's
-# tools (testbed/: namespaces and links with iproute2's ip and tc, faults with nftables):
+# tools (testbed/: namespaces and links with iproute2's ip and tc, faults with nftables, added
+# latency through iptables' NFQUEUE):
 # Debian's packages, the Prometheus service left stopped (the tests run their own).
 missing=()
 command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v nft >/dev/null 2>&1 || missing+=(nftables)
+command -v iptables >/dev/null 2>&1 || missing+=(iptables)
 { command -v ip && command -v tc; } >/dev/null 2>&1 || missing+=(iproute2)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -108,9 +108,19 @@ def call_status(error: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, f"the connection broke mid-call ({details})"
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and OVER_SIZE in details:
         return code, f"{details}: {OVER_SIZE_HINT}"
+    if code == grpc.StatusCode.UNAVAILABLE and WRONG_HOST in details:
+        return code, f"{details}: {WRONG_HOST_HINT}"
     return code, details
 
 
+#: gRPC's own words for a TLS server whose certificate names neither the address dialled nor
+#: the override, which name neither.
+WRONG_HOST = "Hostname Verification Check failed"
+WRONG_HOST_HINT = (
+    "the server's TLS certificate does not name the host or address this client dialled: give "
+    "it a certificate that does (a subject alternative name per host or IP address), or dial "
+    "the name it has (TlsConfig.server_name_override)"
+)
 #: gRPC's own words for a message over a channel's or server's size limit ("Received message
 #: larger than max (N vs. M)", "Sent message larger than max ..."), which name no setting.
 OVER_SIZE = "message larger than max"

@@ -1,7 +1,8 @@
 """A testbed of real (virtual) hosts on this machine, for tests and benchmarks of what crosses
 a network: each host a Linux network namespace with its own address on one bridge, which sits
 in a namespace of its own; each host joined to it by a veth pair whose two ends ``tc`` shapes
-(the host's upload and its download); faults injected with ``nft`` and ``ip``.
+(the host's upload and its download); faults injected with ``nft`` and ``ip``, latency with
+``testbed.delay`` (this machine's kernel has no netem).
 
 Traffic on it cannot leave the machine: every process a test runs on it runs inside a host's
 namespace (``Host.popen``), the bridge's namespace has no address at all, and no namespace has
@@ -26,6 +27,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +43,7 @@ from testbed.netns import (
     namespaces,
     nft,
     pids_in,
+    run,
     tc,
 )
 
@@ -52,6 +55,9 @@ SUBNET = "10.250.0"
 # A host's first address octet (the next hosts count up).
 FIRST_HOST = 10
 _counter = itertools.count()
+_ROOT = Path(__file__).resolve().parents[1]
+# The packets a delayed host sends go to this queue; with no program on it, they pass.
+_QUEUE = ["-j", "NFQUEUE", "--queue-num", "0", "--queue-bypass"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,8 @@ class Host:
     # Faults on its link (``Testbed.cut``, ``cut_between``, ``lose``): nft rules by name.
     faults: dict[str, str] = field(default_factory=dict)
     processes: list[subprocess.Popen[str]] = field(default_factory=list)
+    # The process delaying its packets (``Testbed.delay``), if any.
+    delayer: subprocess.Popen[str] | None = None
 
     def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` as run inside this host."""
@@ -245,6 +253,25 @@ class Testbed:
     def heal_all(self) -> None:
         for host in self.hosts:
             self.heal(host)
+            self.delay(host, 0)
+
+    def delay(self, host: Host, ms: float) -> None:
+        """Every packet ``host`` sends waits ``ms`` milliseconds first (0: none): between two
+        hosts delayed so, the round trip grows by twice that. A queue of the kernel
+        (NFQUEUE) holds the packets and ``testbed.delay``, inside the host, lets them go."""
+        if host.delayer is not None:
+            run(host.command(["iptables", "-D", "OUTPUT", "-o", "eth0", *_QUEUE]), check=False)
+            host.delayer.kill()
+            host.delayer.wait(timeout=10)
+            host.delayer = None
+        if ms <= 0:
+            return
+        command = [sys.executable, "-m", "testbed.delay", "--ms", f"{ms:g}"]
+        host.delayer = host.popen(command, env={"PYTHONPATH": str(_ROOT)})
+        assert host.delayer.stdout is not None
+        if host.delayer.stdout.readline().strip() != "delaying":
+            raise CommandFailed(f"testbed.delay did not start on {host.name}")
+        run(host.command(["iptables", "-A", "OUTPUT", "-o", "eth0", *_QUEUE]))
 
     def _apply_faults(self, host: Host) -> None:
         """``host``'s faults as one nft table on its eth0, replaced atomically."""

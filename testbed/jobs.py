@@ -16,7 +16,7 @@ one ``JOB-RESULT <JSON>`` line.
   (``prompt_token_ids`` of a completion) beside a server's Tokenize (``server``).
 
 A job's ``client`` settings are ``InferenceClient``'s (``ClientConfig``), ``tls`` given as
-``{"ca": ..., "cert": ..., "key": ...}`` paths.
+``TlsConfig``'s fields (``{"root_certificates": <a CA's path>, ...}``).
 """
 
 from __future__ import annotations
@@ -56,15 +56,14 @@ def _hex(sums: dict[str, dict[str, bytes]]) -> dict[str, dict[str, str]]:
     return {s: {n: v.hex() for n, v in by.items()} for s, by in sums.items()}
 
 
-async def _commit_seconds(servers: list[str]) -> dict[str, float]:
+async def _commit_seconds(servers: list[str], tls: Any) -> dict[str, float]:
     """Each server's last update's commit (its reload into vLLM), as its status stream says."""
-    import grpc
-
+    from skyrl_grpc.channels import open_channel
     from skyrl_grpc.v1 import status_pb2, status_pb2_grpc
 
     seconds = {}
     for address in servers:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with open_channel(address, tls=tls) as channel:
             stream = status_pb2_grpc.ServerStatusStub(channel).Watch(status_pb2.WatchRequest())
             first = await anext(aiter(stream))
             stream.cancel()
@@ -128,7 +127,7 @@ async def update(arguments: dict[str, Any]) -> dict[str, Any]:
                 "relayed": result.relayed,
                 "versions": {a: c.weight_version for a, c in result.items()},
             }
-            record["commit_seconds"] = await _commit_seconds(servers)
+            record["commit_seconds"] = await _commit_seconds(servers, client.config.tls)
             if arguments.get("checksums", True):
                 record["served"] = _hex(await client.weight_checksums())
                 record["pushed"] = {n: sha256_of(t).hex() for n, t in weights.items()}

@@ -1,6 +1,7 @@
 """The commands a testbed runs as root: ``ip`` (namespaces, veth pairs, the bridge, routes),
-``tc`` (each link's rate) and ``nft`` (dropped packets: loss, a host or a pair cut off), each
-inside a namespace the testbed made. One place runs them, so a failure says which command and
+``tc`` (each link's rate), ``nft`` (dropped packets: loss, a host or a pair cut off) and
+``iptables`` (a delayed host's packets to its queue), each inside a namespace the testbed
+made. One place runs them, so a failure says which command and
 what it printed."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import subprocess
 from collections.abc import Sequence
 
 # What a testbed needs, and the package that has it (Debian's names).
-TOOLS = {"ip": "iproute2", "tc": "iproute2", "nft": "nftables"}
+TOOLS = {"ip": "iproute2", "tc": "iproute2", "nft": "nftables", "iptables": "iptables"}
 
 
 class TestbedUnavailable(RuntimeError):

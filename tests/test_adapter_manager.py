@@ -18,7 +18,7 @@ from servers.engine.domain.lora_adapters import (
     EngineAdapterCalls,
     ModelShapes,
 )
-from servers.engine.service.control_convert import adapter_item, adapter_spec
+from servers.engine.peers.stream_items import adapter_item, adapter_spec
 from skyrl_grpc.errors import FailedPrecondition, InvalidArgument, NotFound
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from tests.helpers.waits import until

@@ -15,18 +15,14 @@ from pathlib import Path
 import pytest
 
 from skyrl_grpc.tiny_model import ensure_tiny_model
-from testbed import Host, Testbed, TestbedUnavailable
+from testbed import Host, Testbed
 from testbed.stack import Process, job_result, run_job, start_job, start_router, start_server
+from tests.helpers.hosts import ENGINE_FLAGS, JOB_SECONDS, RATE_MBIT, open_testbed
 from tests.helpers.waits import until
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-# Each host's link, both ways.
-RATE_MBIT = 200
 SERVERS = 4
-# Engines share this machine: a small KV cache each.
-ENGINE_FLAGS = ("--kv-cache-gib", "0.5")
-JOB_SECONDS = 300
 HTTP_PORT = 8000
 TEXTS = ["Hello world", "naïve café, 1234 résumé", "emoji 🙂 and 中文 text", "tabs\tand\nlines"]
 
@@ -47,19 +43,10 @@ class Fleet:
         return f"http://{self.router.host.address}:{HTTP_PORT}"
 
 
-def testbed_or_skip() -> Testbed:
-    try:
-        return Testbed()
-    except TestbedUnavailable as unavailable:
-        if "root" in str(unavailable):
-            pytest.skip(str(unavailable))
-        raise  # root without the tools: scripts/setup.sh did not run
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     logs = tmp_path_factory.mktemp("multihost-logs")
-    with testbed_or_skip() as bed:
+    with open_testbed() as bed:
         trainer = bed.add_host("trainer", RATE_MBIT)
         hosts = [bed.add_host(f"s{i}", RATE_MBIT) for i in range(SERVERS)]
         spare = bed.add_host("spare", RATE_MBIT)

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from servers.engine.domain.weights.transaction import WeightTransferManager
+from servers.engine.peers.stream_items import push_item
 from servers.engine.service import validate
-from servers.engine.service.control_convert import bucket_spec, push_item
+from servers.engine.service.control_convert import bucket_spec
 from servers.engine.transfer import protocol
 from servers.engine.transfer.assembly import InBandAssembler, ParamLayout, bucket_layout
 from servers.engine.transfer.handoff import HandoffBuffer, HandoffReader
@@ -274,9 +275,8 @@ async def _messages() -> Any:
 
 
 async def test_calls_out_of_order_are_failed_precondition() -> None:
-    versions = [0]
     workers = FakeWorkers()
-    manager = WeightTransferManager(calls(workers), versions.append, lambda: versions[-1])
+    manager = WeightTransferManager(calls(workers))
     with pytest.raises(FailedPrecondition, match="before InitWeightTransfer"):
         await manager.update([])
     with pytest.raises(FailedPrecondition, match="FinishWeightUpdate before StartWeightUpdate"):
@@ -292,7 +292,7 @@ async def test_calls_out_of_order_are_failed_precondition() -> None:
     with pytest.raises(InvalidArgument, match="not newer than the serving version 0"):
         await manager.finish(-1)
     assert await manager.finish(3) == (3, 2)
-    assert versions[-1] == 3 and COMMIT in workers.calls
+    assert manager.version == 3 and COMMIT in workers.calls
     with pytest.raises(InvalidArgument, match="InitWeightTransfer takes GLOO"):
         validate.weight_transfer_group(
             cp.InitWeightTransferRequest(backend=cp.WEIGHT_TRANSFER_BACKEND_GRPC_STREAM)
@@ -301,7 +301,7 @@ async def test_calls_out_of_order_are_failed_precondition() -> None:
 
 async def test_a_failed_push_closes_the_update_without_touching_weights() -> None:
     workers = FakeWorkers()
-    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0)
+    manager = WeightTransferManager(calls(workers))
     await manager.start()
 
     async def truncated() -> Any:
@@ -347,7 +347,7 @@ def test_the_lifecycle_the_server_drives_is_vllms() -> None:
 
 async def test_leaving_a_group_before_joining_another() -> None:
     workers = FakeWorkers()
-    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0)
+    manager = WeightTransferManager(calls(workers))
     spec = validate.weight_transfer_group(
         cp.InitWeightTransferRequest(
             backend=cp.WEIGHT_TRANSFER_BACKEND_GLOO,
@@ -362,19 +362,13 @@ async def test_leaving_a_group_before_joining_another() -> None:
     assert workers.calls == [JOIN_GROUP, LEAVE_GROUP, JOIN_GROUP]
 
 
-def manager_at(
-    version: int, **options: Any
-) -> tuple[WeightTransferManager, FakeWorkers, list[int]]:
-    versions = [version]
+def manager_at(version: int, **options: Any) -> tuple[WeightTransferManager, FakeWorkers]:
     workers = FakeWorkers()
-    manager = WeightTransferManager(
-        calls(workers), versions.append, lambda: versions[-1], **options
-    )
-    return manager, workers, versions
+    return WeightTransferManager(calls(workers), version=version, **options), workers
 
 
 async def test_the_target_version_is_checked_before_any_weight_is_sent() -> None:
-    manager, workers, versions = manager_at(4)
+    manager, workers = manager_at(4)
     for stale in (4, 3):
         with pytest.raises(InvalidArgument, match="not newer than the serving version 4"):
             await manager.start(stale)
@@ -387,11 +381,11 @@ async def test_the_target_version_is_checked_before_any_weight_is_sent() -> None
     with pytest.raises(InvalidArgument, match="opened the update for version 5"):
         await manager.finish(6)
     assert await manager.finish(0) == (5, 2)  # 0: the version Start named
-    assert versions[-1] == 5
+    assert manager.version == 5
 
 
 async def test_an_open_update_locks_out_other_owners_until_its_lease_expires() -> None:
-    manager, workers, _ = manager_at(0)
+    manager, workers = manager_at(0)
     await manager.start(1, owner="trainer-a", lease_seconds=0.3)
     with pytest.raises(FailedPrecondition, match="owner trainer-a"):
         await manager.start(1, owner="trainer-b")
@@ -409,7 +403,7 @@ async def test_an_open_update_locks_out_other_owners_until_its_lease_expires() -
 
 
 async def test_calls_renew_the_lease() -> None:
-    manager, _, _ = manager_at(0)
+    manager, _ = manager_at(0)
     # 0.75 s in all, but never the lease's 0.6 s without a call (a margin of 4x the pause
     # between calls, for a busy machine that wakes a sleeper late).
     await manager.start(1, owner="slow", lease_seconds=0.6)
@@ -422,7 +416,7 @@ async def test_calls_renew_the_lease() -> None:
 
 
 async def test_a_commit_can_be_rolled_back_until_the_next_update_starts() -> None:
-    manager, workers, versions = manager_at(2)
+    manager, workers = manager_at(2)
     with pytest.raises(FailedPrecondition, match="nothing to roll back"):
         await manager.rollback(2)
     await manager.start(3)
@@ -432,7 +426,7 @@ async def test_a_commit_can_be_rolled_back_until_the_next_update_starts() -> Non
     with pytest.raises(FailedPrecondition, match="is not the serving version 3"):
         await manager.rollback(4)
     assert await manager.rollback(3) == 2
-    assert versions[-1] == 2 and ROLLBACK in workers.calls
+    assert manager.version == 2 and ROLLBACK in workers.calls
     with pytest.raises(FailedPrecondition, match="nothing to roll back"):
         await manager.rollback(2)
     await manager.start(3)
@@ -446,7 +440,7 @@ async def test_a_commit_can_be_rolled_back_until_the_next_update_starts() -> Non
 
 
 async def test_the_fleet_commit_releases_the_rollback_copy() -> None:
-    manager, workers, versions = manager_at(2)
+    manager, workers = manager_at(2)
     await manager.start(3)
     await manager.push(push_items(_messages()))
     await manager.finish()
@@ -461,7 +455,7 @@ async def test_the_fleet_commit_releases_the_rollback_copy() -> None:
     await manager.start(4)
     calls = len(workers.calls)
     assert await manager.release_rollback(3) == 0 and len(workers.calls) == calls
-    assert versions[-1] == 3
+    assert manager.version == 3
     await manager.close()
 
 
@@ -501,14 +495,7 @@ async def test_replacing_non_finite_weights_asks_the_engine_to_clear_their_trace
     async def changed(replaced_non_finite: bool) -> None:
         changes.append(replaced_non_finite)
 
-    versions = [0]
-    manager = WeightTransferManager(
-        calls(FakeWorkers()),
-        versions.append,
-        lambda: versions[-1],
-        changed,
-        allow_non_finite=True,
-    )
+    manager = WeightTransferManager(calls(FakeWorkers()), changed, allow_non_finite=True)
 
     async def push(stream: list[cp.PushWeightsRequest], version: int) -> None:
         async def each() -> Any:
@@ -548,7 +535,7 @@ async def test_bytes_reach_the_workers_as_they_arrive_not_after_the_stream() -> 
     # the rest of the stream (and of its parameter) is still coming: the server never holds
     # the stream or a parameter whole, and the workers put the pieces together exactly.
     workers = FakeWorkers()
-    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0, stage_batch_bytes=8)
+    manager = WeightTransferManager(calls(workers), stage_batch_bytes=8)
     await manager.start()
     stages_seen_mid_stream = []
 
@@ -614,7 +601,7 @@ async def test_a_session_an_engine_error_left_open_is_closed_before_the_next_upd
             await super().start_weight_update()
 
     workers = StaleOnce()
-    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0)
+    manager = WeightTransferManager(calls(workers))
     await manager.start(1)
     lifecycle = [c for c in workers.calls if c != protocol.REPORT]  # without report reads
     assert lifecycle[-3:] == [DISCARD, CLOSE, START] and manager.update_open
@@ -648,7 +635,7 @@ async def recorded_push(
     (``before_call(update_info)`` first, when given); returns the workers and the calls."""
     workers = FakeWorkers()
     extra = {} if stage_batch_bytes is None else {"stage_batch_bytes": stage_batch_bytes}
-    manager = WeightTransferManager(calls(workers, handoff), lambda v: None, lambda: 0, **extra)
+    manager = WeightTransferManager(calls(workers, handoff), **extra)
     await manager.start()
     sent: list[dict[str, Any]] = []
     record = workers.update_weights
@@ -682,7 +669,7 @@ async def test_in_band_bytes_reach_the_workers_through_shared_memory(tmp_path: A
 async def test_a_batch_larger_than_the_shared_buffer_goes_inline(tmp_path: Any) -> None:
     workers = FakeWorkers()
     handoff = HandoffBuffer(8, directory=str(tmp_path))  # smaller than any batch
-    manager = WeightTransferManager(calls(workers, handoff), lambda v: None, lambda: 0)
+    manager = WeightTransferManager(calls(workers, handoff))
     await manager.start()
     assert await manager.push(push_items(_messages())) == (2, 68)
     assert workers.values == {n: t.numpy().tobytes() for n, t in TENSORS}
@@ -769,7 +756,7 @@ async def test_a_worker_failing_while_the_next_batch_arrives_rejects_the_push() 
     # One batch is staged while the next is received: its failure still ends the push, the
     # staging is discarded and nothing commits.
     workers = FakeWorkers()
-    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0, stage_batch_bytes=8)
+    manager = WeightTransferManager(calls(workers), stage_batch_bytes=8)
     await manager.start()
     stage = workers.update_weights
 
@@ -797,7 +784,7 @@ async def test_streams_of_one_update_are_staged_side_by_side() -> None:
     the other to end (here each stream waits, mid-way, for the other to have begun: staged
     one after the other they would never end), and both land."""
     workers = FakeWorkers()
-    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0, stage_batch_bytes=8)
+    manager = WeightTransferManager(calls(workers), stage_batch_bytes=8)
     await manager.start()
     begun = [asyncio.Event(), asyncio.Event()]
 
@@ -817,7 +804,7 @@ async def test_streams_of_one_update_are_staged_side_by_side() -> None:
 
 async def test_a_stream_may_carry_several_manifests_each_after_the_last_ones_chunks() -> None:
     workers = FakeWorkers()
-    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0)
+    manager = WeightTransferManager(calls(workers))
     await manager.start()
 
     async def groups() -> Any:
@@ -839,7 +826,7 @@ async def test_a_stream_may_carry_several_manifests_each_after_the_last_ones_chu
 
 async def test_one_parameter_in_two_streams_at_once_and_a_commit_mid_stream_are_refused() -> None:
     workers = FakeWorkers()
-    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0)
+    manager = WeightTransferManager(calls(workers))
     await manager.start()
     arrived, release = asyncio.Event(), asyncio.Event()
 
@@ -870,7 +857,7 @@ async def test_one_parameter_in_two_streams_at_once_and_a_commit_mid_stream_are_
 
 async def test_a_stream_of_an_update_cancelled_under_it_stages_nothing_after_the_discard() -> None:
     workers = FakeWorkers()
-    manager = WeightTransferManager(calls(workers), lambda v: None, lambda: 0, stage_batch_bytes=8)
+    manager = WeightTransferManager(calls(workers), stage_batch_bytes=8)
     await manager.start()
     arrived, release = asyncio.Event(), asyncio.Event()
 

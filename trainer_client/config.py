@@ -64,13 +64,13 @@ class ClientConfig:
     # streams at the link's speed instead of gRPC's: trainer_client.weights.push_lanes), else over
     # gRPC. Never with ``tls``: the socket is not encrypted. False: always over gRPC.
     push_socket: bool = True
-    # In-band weight updates are relayed: the trainer streams each update once, to the first
-    # server of a relay tree, and the servers forward it to each other (on a host in a chain,
-    # between hosts ``weight_relay_fanout`` children each: trainer_client.weights.relay_plan),
-    # so what the trainer sends does not grow with the fleet. 0: the trainer streams to every
-    # server itself. 2: what scripts/simulate_relay.py finds fastest for an RL step's deltas
-    # at any size and for full updates on links of 100 Gbit/s and more; 1 (a chain of hosts)
-    # is faster for full updates on slower links (docs/weights.md).
+    # In-band weight updates are relayed: the update is split into ``weight_relay_fanout``
+    # shares, each streamed once by the trainer down a relay tree of its own, every forwarding
+    # server with that many children and forwarding in one tree only (on a host, in a chain:
+    # trainer_client.weights.relay_plan), so what the trainer sends does not grow with the
+    # fleet and every host's link carries the update once each way. 2: two trees, log-deep
+    # (1.13x the link's floor at 4 hosts on the testbed, docs/weights.md); 1: a chain, one
+    # forwarding per hop but as deep as the fleet; 0: the trainer streams to every server.
     weight_relay_fanout: int = 2
     # OpenTelemetry traces over OTLP/gRPC to this host:port (vLLM's flag's name): a span per
     # update_weights and generate_batch, and the W3C trace context on every call, so the

@@ -1,5 +1,6 @@
-"""Throwaway certificates for TLS tests: a CA, a server certificate for 127.0.0.1/localhost,
-and a client certificate. Generated per test session, never stored in the repo."""
+"""Throwaway certificates for TLS tests: a CA, a server certificate (for 127.0.0.1/localhost,
+or the names given: a testbed host's address), and a client certificate. Generated per test
+session, never stored in the repo."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> str:
     return str(path)
 
 
-def make_certificates(directory: Path) -> Certificates:
+def make_certificates(
+    directory: Path, server_names: tuple[str, ...] = ("localhost", "127.0.0.1")
+) -> Certificates:
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (
@@ -74,12 +77,19 @@ def make_certificates(directory: Path) -> Certificates:
         cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         return str(cert_path), _write_key(key, directory / f"{name}-key.pem")
 
-    server_cert, server_key = leaf(
-        "server",
-        ExtendedKeyUsageOID.SERVER_AUTH,
-        [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
-    )
+    server_cert, server_key = leaf("server", ExtendedKeyUsageOID.SERVER_AUTH, _sans(server_names))
     client_cert, client_key = leaf(
         "client", ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("trainer")]
     )
     return Certificates(str(directory / "ca.pem"), server_cert, server_key, client_cert, client_key)
+
+
+def _sans(names: tuple[str, ...]) -> list[x509.GeneralName]:
+    """Subject alternative names: an IP address as one, anything else as a DNS name."""
+    found: list[x509.GeneralName] = []
+    for name in names:
+        try:
+            found.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            found.append(x509.DNSName(name))
+    return found

@@ -1,6 +1,6 @@
 """vLLM's own OpenAI HTTP server on the embedded model (or another), with the engine settings
 this stack's engine server uses: the reference for the HTTP edge's compatibility tests. One
-launcher with the benchmarks' (``scripts.bench_common.vllm_http_server``)."""
+launcher with the benchmarks' (``testbed.peers.vllm_http_server``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from scripts.bench_common import SERVED_NAME
-from scripts.bench_common import vllm_http_server as launch
+from testbed.peers import SERVED_NAME
+from testbed.peers import vllm_http_server as launch
 
 __all__ = ["SERVED_NAME", "vllm_http_server"]
 

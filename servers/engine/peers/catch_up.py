@@ -27,7 +27,7 @@ import grpc
 from servers.engine.domain.lora_adapters import AdapterManager, AdapterUpload
 from servers.engine.domain.weights.serving import ServingWeights
 from servers.engine.peers.peer_streams import PeerAccess, stage_stream
-from servers.engine.service import control_convert
+from servers.engine.peers.stream_items import adapter_item, adapter_spec, read_item
 from servers.engine.transfer.specs import Manifest
 from skyrl_grpc.chunk_wire import WireChunk
 from skyrl_grpc.errors import SkyrlError
@@ -200,9 +200,9 @@ async def _read_from(parts: CatchUpParts, peer: str, access: PeerAccess) -> int:
         version = first.weight_version
 
         async def items() -> AsyncIterator[tuple[None, Manifest | WireChunk]]:
-            yield None, control_convert.read_item(first)
+            yield None, read_item(first)
             async for message in messages:
-                yield None, control_convert.read_item(message)
+                yield None, read_item(message)
 
         updates = parts.weights.updates
         await updates.start(version, owner=f"{CATCH_UP_OWNER} {peer}")
@@ -241,9 +241,9 @@ async def _catch_up_adapters(parts: CatchUpParts, peer: str, access: PeerAccess)
                 upload: AdapterUpload | None = None
                 async for message in call:
                     if upload is None:
-                        upload = manager.upload(control_convert.adapter_spec(message))
+                        upload = manager.upload(adapter_spec(message))
                     else:
-                        upload.add(control_convert.adapter_item(message))
+                        upload.add(adapter_item(message))
                 if upload is not None:
                     await manager.load(upload)
                     loaded.append(f"{adapter.name} v{adapter.version}")

@@ -28,7 +28,7 @@ from servers.engine.domain.lora_adapters import (
     write_zero_adapter,
 )
 from servers.engine.domain.pausing import Pausing
-from servers.engine.domain.weights.serving import ServingWeights
+from servers.engine.domain.weights.serving import ServingWeights, WeightRules
 from servers.engine.domain.weights.transaction import PhaseObserver
 from servers.engine.options import EngineOptions, RequestLimits
 from servers.engine.peers.catch_up import CatchUpParts
@@ -127,7 +127,16 @@ class EngineParts:
             await asyncio.to_thread(write_zero_adapter, directory, adapters.shapes)
             await engine.pin_base_adapter(ZERO_ADAPTER_ID, directory)
         sessions = LiveSessions(options.session_idle_seconds, on_change=status_changed)
-        weights = ServingWeights(engine, options, status_changed, on_phase)
+        weights = ServingWeights(
+            engine,
+            WeightRules(
+                options.weight_stage_batch_bytes,
+                options.weight_update_lease_seconds,
+                options.allow_non_finite_weights,
+            ),
+            status_changed,
+            on_phase,
+        )
         parsers = ChatParsers(
             engine.tokenizer,
             engine.served_model_name,

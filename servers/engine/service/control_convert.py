@@ -14,22 +14,20 @@ import hashlib
 from collections.abc import AsyncIterator, Iterable, Iterator
 
 from servers.engine.domain.descriptions import ServerDescription
-from servers.engine.domain.lora_adapters import AdapterCopy, AdapterSpec
+from servers.engine.domain.lora_adapters import AdapterCopy
 from servers.engine.domain.weights.relay_role import (
     MIN_TICKET_BYTES,
     RelayRole,
     RelayTarget,
     RelayTree,
 )
+from servers.engine.peers.stream_items import (
+    parameter_spec,
+    push_item,
+)
 from servers.engine.transfer.assembly import ParamLayout
 from servers.engine.transfer.protocol import Checksum
-from servers.engine.transfer.specs import (
-    BucketSpec,
-    Manifest,
-    PackedParameter,
-    ParameterSpec,
-    PatchSpec,
-)
+from servers.engine.transfer.specs import BucketSpec, Manifest, PackedParameter
 from skyrl_grpc import dtypes
 from skyrl_grpc.chunk_wire import WireChunk
 from skyrl_grpc.crc import crc32
@@ -37,28 +35,6 @@ from skyrl_grpc.errors import InvalidArgument, PermissionDenied
 from skyrl_grpc.metadata import PUSH_TICKET, RELAY_TREE, RELAYED_FROM
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import lora_pb2
-
-
-def parameter_spec(spec: cp.ParameterSpec) -> ParameterSpec:
-    patch = None
-    if spec.HasField("patch"):
-        patch = PatchSpec(
-            base_weight_version=spec.patch.base_weight_version,
-            changed=spec.patch.changed,
-            bitmap=spec.patch.bitmap,
-            zstd_bytes=spec.patch.zstd_bytes,
-        )
-    return ParameterSpec(
-        name=spec.name,
-        dtype=dtypes.from_proto(spec.dtype, f"dtype of {spec.name}"),
-        shape=tuple(spec.shape),
-        sha256=spec.sha256,
-        patch=patch,
-    )
-
-
-def manifest(message: cp.WeightManifest) -> Manifest:
-    return Manifest(tuple(parameter_spec(spec) for spec in message.parameters))
 
 
 def bucket_spec(bucket: cp.WeightBucket) -> BucketSpec:
@@ -73,31 +49,6 @@ def bucket_spec(bucket: cp.WeightBucket) -> BucketSpec:
 
 def bucket_specs(request: cp.UpdateWeightsRequest) -> list[BucketSpec]:
     return [bucket_spec(bucket) for bucket in request.buckets]
-
-
-# The messages of an in-band stream: a manifest, then chunks, in a oneof named ``item``.
-StreamMessage = (
-    cp.PushWeightsRequest
-    | cp.LoadLoraAdapterRequest
-    | cp.ReadWeightsResponse
-    | cp.ReadLoraAdapterResponse
-)
-# An adapter's stream: LoadLoraAdapter's, or ReadLoraAdapter's (the same items, the same order).
-AdapterMessage = cp.LoadLoraAdapterRequest | cp.ReadLoraAdapterResponse
-
-
-def stream_item(message: StreamMessage | WireChunk, refusal: str) -> Manifest | WireChunk:
-    """An in-band stream's message (as protobuf parsed it, or a chunk ``decode_push_request``
-    read) as the assembler takes it; INVALID_ARGUMENT saying ``refusal`` if it carries
-    neither a manifest nor a chunk."""
-    if isinstance(message, WireChunk):
-        return message
-    kind = message.WhichOneof("item")
-    if kind == "manifest":
-        return manifest(message.manifest)
-    if kind == "chunk":
-        return WireChunk.from_proto(message.chunk)
-    raise InvalidArgument(refusal)
 
 
 def relay_role(request: cp.StartWeightUpdateRequest) -> RelayRole | None:
@@ -141,11 +92,6 @@ def _relay_targets(children: Iterable[cp.WeightRelayTarget], where: str) -> tupl
     return targets
 
 
-def push_item(message: cp.PushWeightsRequest | WireChunk) -> Manifest | WireChunk:
-    """A PushWeights message as the assembler takes it."""
-    return stream_item(message, "a PushWeights message must carry a manifest or a chunk")
-
-
 async def push_messages(
     messages: AsyncIterator[tuple[bytes, cp.PushWeightsRequest | WireChunk]],
 ) -> AsyncIterator[tuple[bytes, Manifest | WireChunk]]:
@@ -177,21 +123,6 @@ def stream_sender(
             f"({PUSH_TICKET}): refused, nothing staged"
         )
     return ticket, relayed_from, tree
-
-
-def adapter_spec(message: AdapterMessage) -> AdapterSpec:
-    """The spec an adapter's stream must open with."""
-    if message.WhichOneof("item") != "spec":
-        raise InvalidArgument("the first LoadLoraAdapter message must be the spec")
-    spec = message.spec
-    return AdapterSpec(
-        name=spec.name, path=spec.path, config_json=spec.config_json, version=spec.version
-    )
-
-
-def adapter_item(message: AdapterMessage | WireChunk) -> Manifest | WireChunk:
-    """An adapter's stream message after the spec: its manifest or one of its chunks."""
-    return stream_item(message, "after the spec, send a manifest, then chunks")
 
 
 def read_manifest(
@@ -249,12 +180,6 @@ def adapter_read(copy: AdapterCopy, chunk_bytes: int) -> Iterator[cp.ReadLoraAda
     for name, _, _, data in copy.tensors:
         for chunk in _chunks(name, data, chunk_bytes):
             yield cp.ReadLoraAdapterResponse(chunk=chunk)
-
-
-def read_item(message: cp.ReadWeightsResponse) -> Manifest | WireChunk:
-    """A ReadWeights message as the assembler of a PushWeights stream takes it (a server
-    catching up pushes what it reads into itself)."""
-    return stream_item(message, "a ReadWeights message must carry a manifest or a chunk")
 
 
 def checksum_to_proto(row: Checksum) -> cp.ParameterChecksum:

@@ -8,21 +8,23 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import grpc
+from google.protobuf import message_factory
 
 from servers.common.grpc_types import Context
 from servers.engine.domain.descriptions import ServerDescription
 from servers.engine.domain.lora_adapters import AdapterManager, AdapterUpload
 from servers.engine.domain.pausing import Pausing
 from servers.engine.domain.weights.serving import ServingWeights
+from servers.engine.peers import stream_items
 from servers.engine.service import control_convert, data_convert, validate
 from servers.engine.service.weight_streams import WeightStreams, push_response
 from servers.engine.vllm_adapter.vllm_engine import VllmEngine
 from skyrl_grpc.chunk_wire import WireChunk, decode_push_request
 from skyrl_grpc.errors import InvalidArgument
-from skyrl_grpc.names import CONTROL_PLANE
+from skyrl_grpc.names import CONTROL_PLANE, CONTROL_PLANE_SERVICE
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
 
@@ -34,36 +36,36 @@ READ_CHUNK_BYTES = 2 << 20
 def add_control_plane(
     servicer: control_plane_pb2_grpc.ControlPlaneServicer, server: grpc.aio.Server
 ) -> None:
-    """Registers the ControlPlane as the generated code does, except that PushWeights reads
-    its chunks with ``decode_push_request``: their data stays a view of the received bytes
-    instead of being copied twice by protobuf (see ``skyrl_grpc.chunk_wire``), and the bytes
-    themselves come along, for a relay to forward as they are."""
-
-    class Capture:
-        def __init__(self) -> None:
-            self.handlers: dict[str, Any] = {}
-
-        def add_generic_rpc_handlers(self, _: Any) -> None:
-            pass
-
-        def add_registered_method_handlers(self, _: str, handlers: dict[str, Any]) -> None:
-            self.handlers = dict(handlers)
-
-    capture = Capture()
-    # Capture has the two methods the generated function calls on a server.
-    control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(
-        servicer, cast(grpc.aio.Server, capture)
-    )
-    handlers = capture.handlers
-    handlers["PushWeights"] = grpc.stream_unary_rpc_method_handler(
-        servicer.PushWeights,
-        request_deserializer=raw_and_decoded,
-        response_serializer=handlers["PushWeights"].response_serializer,
-    )
+    """Registers the ControlPlane as the generated code does (a handler per method of the
+    service's descriptor, its messages parsed and serialized by their classes), except that
+    PushWeights reads its chunks with ``decode_push_request``: their data stays a view of the
+    received bytes instead of being copied twice by protobuf (see ``skyrl_grpc.chunk_wire``),
+    and the bytes themselves come along, for a relay to forward as they are."""
+    handlers = {}
+    for method in CONTROL_PLANE_SERVICE.methods:
+        request = message_factory.GetMessageClass(method.input_type)
+        response = message_factory.GetMessageClass(method.output_type)
+        make = _HANDLERS[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=(
+                raw_and_decoded if method.name == "PushWeights" else request.FromString
+            ),
+            response_serializer=response.SerializeToString,
+        )
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(CONTROL_PLANE, handlers),)
     )
     server.add_registered_method_handlers(CONTROL_PLANE, handlers)
+
+
+# grpc's handler for each kind of method: (client streams, server streams) -> its maker.
+_HANDLERS: dict[tuple[bool, bool], Any] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
 
 def raw_and_decoded(raw: bytes) -> tuple[bytes, cp.PushWeightsRequest | WireChunk]:
@@ -227,9 +229,9 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         upload: AdapterUpload | None = None
         async for message in request_iterator:
             if upload is None:
-                upload = parts.adapters.upload(control_convert.adapter_spec(message))
+                upload = parts.adapters.upload(stream_items.adapter_spec(message))
             else:
-                upload.add(control_convert.adapter_item(message))
+                upload.add(stream_items.adapter_item(message))
         if upload is None:
             raise InvalidArgument("the LoadLoraAdapter stream was empty: send the spec first")
         adapter, replaced = await parts.adapters.load(upload)

@@ -30,7 +30,7 @@ from google.protobuf.message import DecodeError
 
 from servers.common.interceptors import CallCounter, status_of
 from servers.engine.peers.peer_streams import StreamOutcome
-from servers.engine.service.control_convert import push_item
+from servers.engine.peers.stream_items import push_item
 from servers.engine.service.frame_buffers import FrameBuffers
 from servers.engine.service.weight_streams import Messages, socket_reply
 from servers.engine.transfer.specs import Manifest

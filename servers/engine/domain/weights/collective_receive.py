@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 
 from servers.engine.domain.weights.staging import OpenUpdate
 from servers.engine.transfer.assembly import (
@@ -40,7 +40,7 @@ class CollectiveReceive(ABC):
 
     _lock: asyncio.Lock
     _workers: WorkerCalls
-    _get_version: Callable[[], int]
+    version: int
     group: Group | None
     allow_non_finite: bool
 
@@ -90,7 +90,7 @@ class CollectiveReceive(ABC):
                 await self._abandon(self._workers.receive_buckets(empty, False))
                 raise
             try:
-                check_patch_bases(bucket_patch_bases(bucket_specs), self._get_version())
+                check_patch_bases(bucket_patch_bases(bucket_specs), self.version)
             except PatchBaseMismatch:
                 await self._workers.receive_buckets(empty, False)
                 raise  # nothing staged: the update stays open for the whole weights

@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from servers.engine.domain.weights.transaction import PhaseObserver, WeightTransferManager
 from servers.engine.domain.weights.update_log import UpdateLog
-from servers.engine.options import EngineOptions
 from servers.engine.transfer.assembly import ParamLayout
 from servers.engine.transfer.handoff import HandoffBuffer, buffer_bytes_for
 from servers.engine.transfer.protocol import Lifecycle, WorkerCalls
@@ -42,37 +42,44 @@ class WeightEngine(Protocol):
     async def resume(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class WeightRules:
+    """What the update path is told (the server's flags): in-band bytes per worker call, an
+    open update's lease, whether NaN and infinity are accepted."""
+
+    stage_batch_bytes: int = 32 << 20
+    lease_seconds: float = 600.0
+    allow_non_finite: bool = False
+
+
 class ServingWeights:
     """The serving version, its prefix-cache namespace, and ``updates`` (the update path)."""
 
     def __init__(
         self,
         engine: WeightEngine,
-        options: EngineOptions,
+        rules: WeightRules,
         status_changed: Callable[[], None],
         on_phase: PhaseObserver | None = None,
     ) -> None:
         self._engine = engine
         self._status_changed = status_changed
-        self.version = 0
         # Counts every change of the serving weights (commit or rollback): the prefix-cache
         # namespace of requests, so no request reuses KV computed under other weights.
         self.epoch = 0
         self.workers = WorkerCalls(
             engine.collective_rpc,
             engine.weight_lifecycle,
-            HandoffBuffer(buffer_bytes_for(options.weight_stage_batch_bytes)),
+            HandoffBuffer(buffer_bytes_for(rules.stage_batch_bytes)),
         )
         # The last updates with their phases (what the status stream shows watchers).
         self.recent = UpdateLog(lambda: self.version, status_changed, on_phase)
         self.updates = WeightTransferManager(
             self.workers,
-            self._set_version,
-            lambda: self.version,
             self._changed,
-            default_lease_seconds=options.weight_update_lease_seconds,
-            stage_batch_bytes=options.weight_stage_batch_bytes,
-            allow_non_finite=options.allow_non_finite_weights,
+            default_lease_seconds=rules.lease_seconds,
+            stage_batch_bytes=rules.stage_batch_bytes,
+            allow_non_finite=rules.allow_non_finite,
             on_phase=self.recent.phase,
         )
 
@@ -98,8 +105,10 @@ class ServingWeights:
         """The prefix-cache namespace of requests submitted now."""
         return f"skyrl-weights-{self.epoch}"
 
-    def _set_version(self, version: int) -> None:
-        self.version = version
+    @property
+    def version(self) -> int:
+        """The version the serving weights are (the update path's: only it changes them)."""
+        return self.updates.version
 
     async def _changed(self, replaced_non_finite: bool) -> None:
         # Requests from now on hash their prompt blocks in a new namespace (cache_salt), so a

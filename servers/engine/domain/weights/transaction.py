@@ -60,10 +60,9 @@ class WeightTransferManager(CollectiveReceive):
     def __init__(
         self,
         workers: WorkerCalls,
-        set_version: Callable[[int], None],
-        get_version: Callable[[], int],
         on_weights_changed: Callable[[bool], Awaitable[None]] | None = None,
         *,
+        version: int = 0,
         default_lease_seconds: float = 600.0,
         allow_non_finite: bool = False,
         stage_batch_bytes: int = 32 << 20,
@@ -71,8 +70,9 @@ class WeightTransferManager(CollectiveReceive):
     ) -> None:
         self._workers = workers
         self._on_phase = on_phase
-        self._set_version = set_version
-        self._get_version = get_version
+        # The version the serving weights are: this transaction's, changed by a commit or a
+        # rollback only.
+        self.version = version
         self._on_weights_changed = on_weights_changed
         self.default_lease_seconds = default_lease_seconds
         self.allow_non_finite = allow_non_finite
@@ -108,7 +108,7 @@ class WeightTransferManager(CollectiveReceive):
         return self._layout
 
     def _check_version(self, version: int, allow_same: bool) -> None:
-        current = self._get_version()
+        current = self.version
         if version > current or (allow_same and version == current):
             return
         rule = "newer than or equal to" if allow_same else "newer than"
@@ -246,7 +246,7 @@ class WeightTransferManager(CollectiveReceive):
                         update.non_finite = update.non_finite or bool(assembler.non_finite)
                     assembler = InBandAssembler(layout, self.allow_non_finite)
                     assembler.add(item)
-                    check_stream_bases(assembler.patch_bases, self._get_version(), not manifests)
+                    check_stream_bases(assembler.patch_bases, self.version, not manifests)
                     update.release(arriving)
                     arriving = update.claim(spec.name for spec in item.parameters)
                     manifests += 1
@@ -328,7 +328,7 @@ class WeightTransferManager(CollectiveReceive):
                     "the new weights serve as"
                 )
             self._check_version(version, update.allow_same_version)
-            previous = self._get_version()
+            previous = self.version
             try:
                 replaced = await self._workers.commit(version)
             except Exception as exc:
@@ -338,7 +338,7 @@ class WeightTransferManager(CollectiveReceive):
                 ) from exc
             await self._close(discard=False)
             self.rollback_version = previous
-            self._set_version(version)
+            self.version = version
             replaced_non_finite = self._serving_non_finite
             self._rollback_non_finite = replaced_non_finite
             self._serving_non_finite = update.non_finite
@@ -351,7 +351,7 @@ class WeightTransferManager(CollectiveReceive):
         that commit made serve) still serves; returns the version serving now."""
         started = time.monotonic()
         async with self._lock:
-            current = self._get_version()
+            current = self.version
             if self.rollback_version is None:
                 raise FailedPrecondition(
                     "nothing to roll back: no update was committed since the last "
@@ -369,7 +369,7 @@ class WeightTransferManager(CollectiveReceive):
             except Exception as exc:
                 raise Unavailable(f"restoring the previous weights failed: {exc}") from exc
             self.rollback_version = None
-            self._set_version(restored)
+            self.version = restored
             replaced_non_finite = self._serving_non_finite
             self._serving_non_finite = self._rollback_non_finite
             await self._weights_changed(replaced_non_finite)
@@ -381,7 +381,7 @@ class WeightTransferManager(CollectiveReceive):
         """Ends the rollback window of ``weight_version``'s commit (the fleet committed it):
         the previous weights' memory goes back to the system; returns the bytes freed."""
         async with self._lock:
-            if weight_version != (current := self._get_version()):
+            if weight_version != (current := self.version):
                 raise FailedPrecondition(
                     f"weight_version = {weight_version} is not the serving version {current}"
                 )
