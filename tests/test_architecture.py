@@ -103,6 +103,21 @@ def clean_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "import trainer_client.client",
             "the trainer's weight path is used by the client, never the reverse",
         ),
+        (
+            "servers/engine/domain/chat_output.py",
+            "from vllm.parser import ParserManager",
+            "the engine's domain never imports vLLM",
+        ),
+        (
+            "servers/engine/peers/catch_up.py",
+            "import servers.engine.service.control_convert",
+            "the engine server's layers, one way down",
+        ),
+        (
+            "servers/fleet/local.py",
+            "import testbed",
+            "nothing the product runs imports the testbed",
+        ),
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(

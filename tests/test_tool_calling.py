@@ -302,10 +302,11 @@ def test_a_reasoning_marker_streamed_with_later_tokens_stays_out_of_the_reasonin
 
     from servers.engine.domain.chat_parsing import ChatParsers, ChatRequestSpec
     from servers.engine.service.chat_convert import annotate
+    from servers.engine.vllm_adapter.chat_parser_calls import VllmChatParsers
     from skyrl_grpc.v1 import generation_pb2
 
     tokenizer = AutoTokenizer.from_pretrained(hermes_model_dir)
-    parsers = ChatParsers(tokenizer, "m", reasoning_parser="deepseek_r1")
+    parsers = ChatParsers(VllmChatParsers(tokenizer, "m", reasoning_parser="deepseek_r1"))
     _, parsing = parsers.prepare(ChatRequestSpec(), [1, 2, 3], 1)
     start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
 

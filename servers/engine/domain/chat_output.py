@@ -1,7 +1,8 @@
 """The parsing of a chat generation's samples by vLLM's parsers (built by ``chat_parsing``'s
-``ChatParsers.prepare``): each streamed message's delta, or each sample's whole message at its
-end, as plain values: content, reasoning and tool calls (with the rule for forced choices:
-calls that follow their tools' schemas, or the text).
+``ChatParsers.prepare``; every call into vLLM is ``vllm_adapter.chat_parser_calls``'): each
+streamed message's delta, or each sample's whole message at its end, as plain values: content,
+reasoning and tool calls (with the rule for forced choices: calls that follow their tools'
+schemas, or the text).
 
 A forced choice's calls are given out whole, each as soon as it is complete (its arguments a
 JSON object its tool's schema accepts: ``CompleteCalls``), streamed or not: a sample cut off by
@@ -16,7 +17,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+
+from servers.engine.vllm_adapter.chat_parser_calls import (
+    DeltaValues,
+    ParsedRequest,
+    SampleParser,
+    new_call_id,
+)
 
 
 @dataclass
@@ -96,44 +103,47 @@ class ParsedMessage:
     tool_calls: tuple[ParsedCall, ...] = ()
 
 
+@dataclass(frozen=True)
+class SampleParsers:
+    """A request's parsers (``vllm_adapter.chat_parser_calls``): the request as vLLM's rules
+    left it, one parser per sample, and a maker of a fresh one."""
+
+    request: ParsedRequest
+    parsers: list[SampleParser]
+    new_parser: Callable[[], SampleParser]
+
+
 class ChatOutputParsing:
     """One request's samples parsed as they stream (``delta``) or once each sample ends
-    (``whole``)."""
+    (``whole``); without parsers (``samples`` None) its text is all content."""
 
     def __init__(
         self,
-        parsers: list[Any],
-        request: Any,
+        samples: SampleParsers | None,
         prompt_token_ids: list[int],
         resumed: int,
         whole_messages: bool,
-        enable_auto_tools: bool,
-        new_parser: Callable[[], Any] | None = None,
+        n: int = 1,
     ) -> None:
-        # None for each sample where no parser is configured: its text is all content.
-        self._parsers = parsers
-        self._request = request
-        # ``resumed``: tokens at the end of the prompt that are the sample's output so far.
-        self._prompt = prompt_token_ids[: len(prompt_token_ids) - resumed]
-        self.whole_messages = whole_messages
-        self._enable_auto_tools = enable_auto_tools
-        self._texts = [""] * len(parsers)
-        self._token_ids: list[list[int]] = [[] for _ in parsers]
-        self._resumed = prompt_token_ids[len(prompt_token_ids) - resumed :] if resumed else []
-        choice = request.tool_choice if request is not None else None
-        # After validation a named choice is vLLM's ChatCompletionNamedToolChoiceParam.
-        self._forced = parsers[0] is not None and (
-            choice == "required" or hasattr(choice, "function")
+        self._samples = samples
+        self._parsers: list[SampleParser | None] = (
+            list(samples.parsers) if samples is not None else [None] * n
         )
+        n = len(self._parsers)
+        self.whole_messages = whole_messages
+        self._texts = [""] * n
+        self._token_ids: list[list[int]] = [[] for _ in range(n)]
+        # ``resumed``: tokens at the end of the prompt that are the sample's output so far.
+        self._resumed = prompt_token_ids[len(prompt_token_ids) - resumed :] if resumed else []
+        self._forced = samples is not None and samples.request.forced
         # A forced choice's calls as they complete, per sample; with whole messages, each
-        # sample's steps (text, token ids) too, replayed through ``new_parser()``'s streaming
+        # sample's steps (text, token ids) too, replayed through a fresh parser's streaming
         # parse when the whole parse finds no calls a caller can run (a cut-off).
-        self._complete = [CompleteCalls(self._follows_schema) for _ in parsers]
-        self._new_parser = new_parser
-        self._steps: list[list[tuple[str, list[int]]]] = [[] for _ in parsers]
+        self._complete = [CompleteCalls(self._follows_schema) for _ in range(n)]
+        self._steps: list[list[tuple[str, list[int]]]] = [[] for _ in range(n)]
         # Content streamed so far, per sample (a forced sample without a complete call ends
         # with the rest of its text as content).
-        self._content_sent = [""] * len(parsers)
+        self._content_sent = [""] * n
 
     def resume(self, decode: Callable[[list[int]], str]) -> None:
         """Reads the sample's output so far (``resumed_tokens``) into its parser; what it
@@ -141,12 +151,13 @@ class ChatOutputParsing:
         if not self._resumed:
             return
         text = decode(self._resumed)
-        if self.whole_messages or self._parsers[0] is None:
+        parser = self._parsers[0]
+        if self.whole_messages or parser is None:
             self._texts[0], self._token_ids[0] = text, list(self._resumed)
             if self._forced:
                 self._steps[0].append((text, list(self._resumed)))
             return
-        said = _plain_delta(self._feed(self._parsers[0], text, list(self._resumed), False))
+        said = _plain_delta(parser.delta(text, list(self._resumed), False))
         self._texts[0] = text
         if said is not None:
             self._content_sent[0] += said.content or ""
@@ -188,78 +199,54 @@ class ChatOutputParsing:
         parser = self._parsers[i]
         if parser is None:
             return ParsedDelta(content=text)
-        marker = _reasoning_start(parser)
+        marker = parser.reasoning_start()
         first = None
         if marker is not None and len(token_ids) > 1 and token_ids[0] == marker[0]:
             if text.startswith(marker[1]):
-                first = self._feed(parser, marker[1], token_ids[:1], finished=False)
+                first = _plain_delta(parser.delta(marker[1], token_ids[:1], False))
                 text, token_ids = text[len(marker[1]) :], token_ids[1:]
-        delta = self._feed(parser, text, token_ids, finished)
+        delta = _plain_delta(parser.delta(text, token_ids, finished))
         if first is None:
-            return _plain_delta(delta)
+            return delta
         if delta is not None:  # both said something (parsers skip a lone marker: not seen)
             first.reasoning = (first.reasoning or "") + (delta.reasoning or "") or None
             first.content = (first.content or "") + (delta.content or "") or None
             first.tool_calls = [*first.tool_calls, *delta.tool_calls]
-        return _plain_delta(first)
+        return first
 
     def _uncalled_content(self, i: int) -> str:
         """A forced sample's text that is not reasoning: its content when no call completed."""
         parser = self._parsers[i]
-        return _content_after_reasoning(parser, self._texts[i], self._request)
-
-    def _feed(self, parser: Any, text: str, token_ids: list[int], finished: bool) -> Any:
-        """One delta of a sample's output through its parser (vLLM's ``parse_delta``)."""
-        return parser.parse_delta(
-            delta_text=text,
-            delta_token_ids=token_ids,
-            request=self._request,
-            prompt_token_ids=self._prompt,
-            finished=finished,
-        )
+        text = self._texts[i]
+        return parser.content_after_reasoning(text) if parser is not None else text
 
     def whole(self, i: int) -> ParsedMessage:
         """Sample ``i``'s whole message, from what ``add`` gathered."""
-        from vllm.renderers.chat_utils import make_tool_call_id
-
-        parser = self._parsers[i]
-        if parser is None:
+        parser, samples = self._parsers[i], self._samples
+        if parser is None or samples is None:
             return ParsedMessage(content=self._texts[i])
-        parser.set_prompt_token_ids(self._prompt)
-        reasoning, content, calls = parser.parse(
-            self._texts[i],
-            self._request,
-            enable_auto_tools=self._enable_auto_tools,
-            model_output_token_ids=self._token_ids[i],
-        )
-        choice = self._request.tool_choice
+        reasoning, content, calls = parser.whole(self._texts[i], self._token_ids[i])
         found: tuple[ParsedCall, ...] = ()
         if self._forced:
             if calls and all(self._follows_schema(c.name, c.arguments) for c in calls):
-                found = tuple(
-                    ParsedCall(call.id or make_tool_call_id(), call.name, call.arguments)
-                    for call in calls
-                )
+                found = tuple(ParsedCall(c.id or new_call_id(), c.name, c.arguments) for c in calls)
             else:  # cut off (or none found): the calls that were complete, else the text
-                found = self._replayed(i).calls(make_tool_call_id)
+                found = self._replayed(i).calls(new_call_id)
                 content = "" if found else content or self._uncalled_content(i)
             content = content or ""  # vLLM's server: "" rather than null for forced calls
-        elif self._enable_auto_tools and self._request.tools and choice == "auto":
-            found = tuple(
-                ParsedCall(call.id or make_tool_call_id(), call.name, call.arguments)
-                for call in calls or []
-            )
+        elif samples.request.auto_tools:
+            found = tuple(ParsedCall(c.id or new_call_id(), c.name, c.arguments) for c in calls)
         return ParsedMessage(content=content, reasoning=reasoning, tool_calls=found)
 
     def _replayed(self, i: int) -> CompleteCalls:
         """Sample ``i``'s steps through a fresh parser's streaming parse, as a stream of it
         would have gone: the forced calls it completed."""
         complete = CompleteCalls(self._follows_schema)
-        if self._new_parser is None:
+        if self._samples is None:
             return complete
-        parser, steps = self._new_parser(), self._steps[i]
+        parser, steps = self._samples.new_parser(), self._steps[i]
         for step, (text, token_ids) in enumerate(steps):
-            said = _plain_delta(self._feed(parser, text, token_ids, step == len(steps) - 1))
+            said = _plain_delta(parser.delta(text, token_ids, step == len(steps) - 1))
             if said is not None:
                 complete.fold(said.tool_calls)
         return complete
@@ -270,9 +257,8 @@ class ChatOutputParsing:
         from jsonschema import ValidationError as SchemaMismatch
         from jsonschema.validators import validator_for
 
-        tools = {tool.function.name: tool.function for tool in self._request.tools or []}
-        function = tools.get(name)
-        if function is None:
+        schemas = self._samples.request.schemas if self._samples is not None else {}
+        if name not in schemas:
             return False
         try:
             arguments = json.loads(arguments_json)
@@ -280,7 +266,7 @@ class ChatOutputParsing:
             return False
         if not isinstance(arguments, dict):
             return False
-        schema = function.parameters
+        schema = schemas[name]
         if not schema:
             return True
         try:
@@ -290,43 +276,14 @@ class ChatOutputParsing:
         return True
 
 
-def _content_after_reasoning(parser: Any, text: str, request: Any) -> str:
-    """The part of a sample's text that is not reasoning (all of it without a reasoning
-    parser)."""
-    extract = getattr(parser, "extract_reasoning", None)
-    if extract is None:
-        return text
-    _, content = extract(text, request)
-    return content or ""
-
-
-def _reasoning_start(parser: Any) -> tuple[int, str] | None:
-    """The reasoning parser's start marker (token id, text), where it has one."""
-    reasoning = getattr(parser, "_reasoning_parser", None)
-    token_id = getattr(reasoning, "start_token_id", None)
-    token = getattr(reasoning, "start_token", None)
-    if isinstance(token_id, int) and isinstance(token, str) and token:
-        return token_id, token
-    return None
-
-
-def _plain_delta(delta: Any) -> ParsedDelta | None:
-    """vLLM's ``DeltaMessage`` as plain values (None stays None: nothing to send)."""
+def _plain_delta(delta: DeltaValues | None) -> ParsedDelta | None:
+    """A parser's delta as this module's (None stays None: nothing to send)."""
     if delta is None:
         return None
-    pieces = [
-        ToolCallPiece(
-            index=call.index,
-            id=call.id,
-            type=call.type,
-            name=call.function.name if call.function is not None else None,
-            arguments=call.function.arguments if call.function is not None else None,
-        )
-        for call in delta.tool_calls
-    ]
+    pieces = [ToolCallPiece(p.index, p.id, p.type, p.name, p.arguments) for p in delta.calls]
     return ParsedDelta(
         content=delta.content,
-        content_null=delta.content is None and "content" in delta.model_fields_set,
+        content_null=delta.content_null,
         reasoning=delta.reasoning,
         tool_calls=pieces,
     )

@@ -35,6 +35,7 @@ from servers.engine.peers.catch_up import CatchUpParts
 from servers.engine.service.control_plane import ControlPlaneParts
 from servers.engine.service.data_plane import DataPlaneParts
 from servers.engine.service.validate import ModelLimits
+from servers.engine.vllm_adapter.chat_parser_calls import VllmChatParsers
 from servers.engine.vllm_adapter.tokenizer_calls import TokenizerCalls
 from servers.engine.vllm_adapter.vllm_engine import VllmEngine
 
@@ -138,11 +139,13 @@ class EngineParts:
             on_phase,
         )
         parsers = ChatParsers(
-            engine.tokenizer,
-            engine.served_model_name,
-            tool_call_parser=options.tool_call_parser,
-            reasoning_parser=options.reasoning_parser,
-            enable_auto_tool_choice=options.enable_auto_tool_choice,
+            VllmChatParsers(
+                engine.tokenizer,
+                engine.served_model_name,
+                tool_call_parser=options.tool_call_parser,
+                reasoning_parser=options.reasoning_parser,
+                enable_auto_tool_choice=options.enable_auto_tool_choice,
+            )
         )
         model_limits = ModelLimits(
             vocab_size=engine.vocab_size,
