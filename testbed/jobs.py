@@ -14,6 +14,10 @@ one ``JOB-RESULT <JSON>`` line.
   verify the servers with).
 - ``prompt_ids``: text prompts' ids as an OpenAI edge (``edge``: its base URL) tokenizes them
   (``prompt_token_ids`` of a completion) beside a server's Tokenize (``server``).
+- ``streams``: ``streams`` greedy GenerateStream calls of ``tokens`` tokens each through
+  ``address`` (a router), each with a session of its own, started again as each ends, for
+  ``seconds``; prints ``PROGRESS streaming`` once every stream has its first token; each call
+  recorded: its tokens, the longest wait between two of its messages, its error if any.
 
 A job's ``client`` settings are ``InferenceClient``'s (``ClientConfig``), ``tls`` given as
 ``TlsConfig``'s fields (``{"root_certificates": <a CA's path>, ...}``).
@@ -191,11 +195,54 @@ async def prompt_ids(arguments: dict[str, Any]) -> dict[str, Any]:
     return {"edge": edge, "server": served}
 
 
+async def streams(arguments: dict[str, Any]) -> dict[str, Any]:
+    import grpc
+
+    from skyrl_grpc.metadata import SESSION_ID
+    from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
+    from skyrl_grpc.v1 import generation_pb2 as gen
+
+    tokens, count = arguments["tokens"], arguments["streams"]
+    request = data_plane_pb2.GenerateStreamRequest(
+        prompt_token_ids=[1, 45, 722, 84],
+        sampling_params=gen.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+    )
+    calls: list[dict[str, Any]] = []
+    started = [asyncio.Event() for _ in range(count)]
+    deadline = time.monotonic() + arguments["seconds"]
+    async with grpc.aio.insecure_channel(arguments["address"]) as channel:
+        stub = data_plane_pb2_grpc.DataPlaneStub(channel)
+
+        async def one(index: int) -> None:
+            while time.monotonic() < deadline:
+                got: list[int] = []
+                gap, last, error = 0.0, time.monotonic(), None
+                call = stub.GenerateStream(
+                    request, metadata=((SESSION_ID, f"stream-{index}"),), timeout=120
+                )
+                try:
+                    async for chunk in call:
+                        now = time.monotonic()
+                        gap, last = max(gap, now - last), now
+                        got.extend(chunk.token_ids)
+                        started[index].set()
+                except grpc.aio.AioRpcError as failed:
+                    error = f"{failed.code().name}: {failed.details()}"
+                calls.append({"tokens": got, "max_gap": gap, "error": error})
+
+        running = asyncio.gather(*(one(i) for i in range(count)))
+        await asyncio.gather(*(event.wait() for event in started))
+        progress("streaming")
+        await running
+    return {"calls": calls}
+
+
 JOBS = {
     "update": update,
     "checksums": checksums,
     "info": info,
     "prompt_ids": prompt_ids,
+    "streams": streams,
 }
 
 

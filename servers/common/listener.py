@@ -43,10 +43,10 @@ def server_options(
         # proxies keep the connection.
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_permit_without_calls", 1),
-        # Accept the keepalive pings of clients and routers (every 10 s, see
-        # skyrl_grpc.channels) with margin, even on an idle connection, instead of answering
-        # them with GOAWAY "too many pings".
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        # Accept the keepalive pings of clients (every 10 s) and routers (every second by
+        # default: skyrl_grpc.channels.liveness_options) with margin, even on an idle
+        # connection, instead of answering them with GOAWAY "too many pings".
+        ("grpc.http2.min_ping_interval_without_data_ms", 250),
     ]
 
 

@@ -45,7 +45,7 @@ from servers.router.metrics import RouterMetrics
 from servers.router.proxy import Proxy, ProxyOptions
 from servers.router.siblings import Siblings
 from skyrl_grpc import tracing
-from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB, open_channel
+from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB, liveness_options, open_channel
 from skyrl_grpc.names import DATA_PLANE, ROUTER_ADMIN, WATCH_BACKENDS
 from skyrl_grpc.placement import POLICIES
 from skyrl_grpc.tls import TlsConfig
@@ -62,6 +62,10 @@ class RouterOptions:
     port: int = 0
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     health_check_interval: float = 1.0
+    # A backend that answers no keepalive ping within this many seconds is lost: its
+    # connection is closed, so the streams on it migrate (a host cut off by the network, whose
+    # connections would otherwise hang until TCP gives up). Pings every half of it.
+    backend_liveness_seconds: float = 2.0
     balancing: str = "least-outstanding"
     # Where sessions go: "bounded-load" (least-loaded, sticky, never past (1 + epsilon) x the
     # mean), "sticky-least-loaded" (the same, unbounded) or "consistent-hash" (a hash ring).
@@ -102,7 +106,10 @@ class RouterServer:
         self.pool = BackendPool(
             options.backends,
             channel_factory=partial(
-                open_channel, tls=options.backend_tls, max_message_bytes=options.max_message_bytes
+                open_channel,
+                tls=options.backend_tls,
+                max_message_bytes=options.max_message_bytes,
+                extra_options=liveness_options(options.backend_liveness_seconds),
             ),
             check_interval=options.health_check_interval,
             balancing=options.balancing,
@@ -266,6 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--health-check-interval", type=float, default=defaults.health_check_interval
     )
     parser.add_argument(
+        "--backend-liveness-seconds",
+        type=float,
+        default=defaults.backend_liveness_seconds,
+        help="a server that answers no keepalive ping for this long is lost and its streams "
+        "migrate (a host cut off by the network); pings every half of it (default %(default)s)",
+    )
+    parser.add_argument(
         "--tokenizer",
         default=defaults.tokenizer,
         help="the served model's directory: the HTTP edge tokenizes text prompts with its "
@@ -363,6 +377,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         port=args.port,
         metrics_port=args.metrics_port,
         health_check_interval=args.health_check_interval,
+        backend_liveness_seconds=args.backend_liveness_seconds,
         balancing=args.balancing,
         placement=args.placement,
         proxy=ProxyOptions(
