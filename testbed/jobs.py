@@ -16,8 +16,11 @@ one ``JOB-RESULT <JSON>`` line.
   (``prompt_token_ids`` of a completion) beside a server's Tokenize (``server``).
 - ``streams``: ``streams`` greedy GenerateStream calls of ``tokens`` tokens each through
   ``address`` (a router), each with a session of its own, started again as each ends, for
-  ``seconds``; prints ``PROGRESS streaming`` once every stream has its first token; each call
-  recorded: its tokens, the longest wait between two of its messages, its error if any.
+  ``seconds``; prints ``PROGRESS streaming`` once every stream has its first token; returns
+  the calls as a ``testbed.history.History`` (``expected``: the undisturbed answer, checked
+  against each call; ``deadline``: each call's, seconds) and each call's longest wait between
+  two of its messages (``max_gaps``); sessions are named ``<prefix>-<i>`` (``prefix``, default
+  ``stream``).
 
 A job's ``client`` settings are ``InferenceClient``'s (``ClientConfig``), ``tls`` given as
 ``TlsConfig``'s fields (``{"root_certificates": <a CA's path>, ...}``).
@@ -198,43 +201,68 @@ async def prompt_ids(arguments: dict[str, Any]) -> dict[str, Any]:
 async def streams(arguments: dict[str, Any]) -> dict[str, Any]:
     import grpc
 
-    from skyrl_grpc.metadata import SESSION_ID
+    from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
     from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
     from skyrl_grpc.v1 import generation_pb2 as gen
+    from testbed.history import Call, History, Message
 
     tokens, count = arguments["tokens"], arguments["streams"]
+    deadline_seconds = float(arguments.get("deadline", 120))
     request = data_plane_pb2.GenerateStreamRequest(
         prompt_token_ids=[1, 45, 722, 84],
         sampling_params=gen.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
     )
-    calls: list[dict[str, Any]] = []
+    history = History()
+    gaps: list[float] = []
     started = [asyncio.Event() for _ in range(count)]
     deadline = time.monotonic() + arguments["seconds"]
     async with grpc.aio.insecure_channel(arguments["address"]) as channel:
         stub = data_plane_pb2_grpc.DataPlaneStub(channel)
 
         async def one(index: int) -> None:
+            turn = 0
             while time.monotonic() < deadline:
-                got: list[int] = []
-                gap, last, error = 0.0, time.monotonic(), None
+                session = f"{arguments.get('prefix', 'stream')}-{index}"
+                record = Call(
+                    key=f"{session}/{turn}",
+                    started=time.monotonic(),
+                    ended=0.0,
+                    deadline=deadline_seconds,
+                    session=session,
+                    expected=arguments.get("expected"),
+                )
+                turn += 1
+                gap, last = 0.0, time.monotonic()
                 call = stub.GenerateStream(
-                    request, metadata=((SESSION_ID, f"stream-{index}"),), timeout=120
+                    request, metadata=((SESSION_ID, session),), timeout=deadline_seconds
                 )
                 try:
                     async for chunk in call:
                         now = time.monotonic()
                         gap, last = max(gap, now - last), now
-                        got.extend(chunk.token_ids)
+                        record.messages.append(
+                            Message(
+                                list(chunk.token_ids),
+                                chunk.usage.completion_tokens,
+                                chunk.weight_version,
+                            )
+                        )
+                        if chunk.finish_reason:
+                            record.finish_reason = gen.FinishReason.Name(chunk.finish_reason)
                         started[index].set()
+                    routed = dict(await call.initial_metadata() or ())
+                    record.server = str(routed.get(ROUTED_TO, ""))
                 except grpc.aio.AioRpcError as failed:
-                    error = f"{failed.code().name}: {failed.details()}"
-                calls.append({"tokens": got, "max_gap": gap, "error": error})
+                    record.status = failed.code().name
+                record.ended = time.monotonic()
+                history.calls.append(record)
+                gaps.append(gap)
 
         running = asyncio.gather(*(one(i) for i in range(count)))
         await asyncio.gather(*(event.wait() for event in started))
         progress("streaming")
         await running
-    return {"calls": calls}
+    return {"history": history.to_json(), "max_gaps": gaps}
 
 
 JOBS = {
