@@ -238,6 +238,12 @@ def main() -> None:
     parser.add_argument("--rtts", default="0,40", help="round trips (ms) for --distance")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default="", help="write the rows here too")
+    parser.add_argument(
+        "--add-to",
+        default="",
+        help="an earlier run's --json: its rows are kept in the table, this run's added (a "
+        "point measured again replaces them)",
+    )
     parser.add_argument("--logs", default="/tmp/bench-multihost-logs")
     add_output_argument(parser, "weights.md")
     args = parser.parse_args()
@@ -263,10 +269,19 @@ def main() -> None:
                 failed.append(f"- {count} hosts, trainer link x{ratio:g}: {error}")
             if args.json:  # kept as it goes: a later point's failure loses nothing
                 Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.add_to:
+        measured_now = {(r["hosts"], r["trainer_ratio"]) for r in rows}
+        earlier = json.loads(Path(args.add_to).read_text())
+        kept = [r for r in earlier if (r["hosts"], r["trainer_ratio"]) not in measured_now]
+        rows = sorted(kept + rows, key=lambda r: (r["hosts"], r["trainer_ratio"]))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+    rounds = sorted({len(r["seconds"]) for r in rows})
     lines = [
         f"Measured on the testbed: a trainer host and N server hosts, one engine server each "
-        f"(`python -m scripts.bench_multihost`, {args.rounds} rounds, modes interleaved, "
-        f"{(time.monotonic() - began) / 60:.0f} min on this 2-core VM); floor = the update's "
+        f"(`python -m scripts.bench_multihost`, {'/'.join(map(str, rounds))} rounds, modes "
+        f"interleaved, {(time.monotonic() - began) / 60:.0f} min on this 2-core VM); floor = "
+        "the update's "
         "bytes over the slowest link they cross, MTU 1500 (TCP/IP and Ethernet headers are "
         "4.5% of a full frame: the best measurable is ~1.05x):",
         "",
