@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Any
 
-from scripts.bench_common import SERVED_NAME
 from scripts.rollout_clients import RunBatch, grpc_batch, grpc_streams, http_streams
+from testbed.peers import SERVED_NAME
 
 JOB_RESULT = "JOB-RESULT "
 
