@@ -30,19 +30,25 @@ REFERENCE_MAX_TOKENS = 24
 
 # Files that start a Ray cluster of their own (a head node and workers): one cluster at a time.
 RAY_CLUSTER_FILES = ("test_ray_fleet.py", "test_ray_supervision.py")
+# Files that build a testbed of hosts, each host an engine server: one at a time, or two
+# testbeds' engines starve each other's starts on two cores.
+TESTBED_FILES = ("test_multihost.py", "test_multihost_tls.py", "test_multihost_faults.py")
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under pytest-xdist (scripts/test.sh): a file's tests run on one worker, so its module
     fixtures (engines, reference servers) start once, and the files that start a Ray cluster run
-    on the same worker, one after the other. (xdist's ``loadgroup`` marks would say the second;
+    on the same worker, one after the other, as do the files that build a testbed of hosts. (xdist's ``loadgroup`` marks would say the second;
     they do not take on pytest 9, whose items no longer read the ``_nodeid`` xdist rewrites.)"""
     from xdist.scheduler import LoadFileScheduling
 
     class ByFileRayTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
-            return "ray-clusters" if path.rpartition("/")[2] in RAY_CLUSTER_FILES else path
+            name = path.rpartition("/")[2]
+            if name in RAY_CLUSTER_FILES:
+                return "ray-clusters"
+            return "testbeds" if name in TESTBED_FILES else path
 
     return ByFileRayTogether(config, log)
 
