@@ -81,13 +81,9 @@ async def serves_again(fleet: FaultFleet, server: str, healed: float) -> float:
     HEAL_BOUND)."""
     for attempt in range(60):
         job = {"address": fleet.router, "streams": 8, "tokens": 4, "seconds": 0.1}
-        history = History.from_json(
-            (
-                await asyncio.to_thread(
-                    run_job, fleet.client, "streams", {**job, "prefix": f"h{attempt}"}, JOB_SECONDS
-                )
-            )["history"]
-        )
+        job["prefix"] = f"h{attempt}"  # fresh sessions, placed anew
+        result = await asyncio.to_thread(run_job, fleet.client, "streams", job, JOB_SECONDS)
+        history = History.from_json(result["history"])
         if any(call.server == server for call in history.calls):
             return time.monotonic() - healed
         if time.monotonic() - healed > HEAL_BOUND:

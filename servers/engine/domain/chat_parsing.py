@@ -112,7 +112,9 @@ class ChatParsers:
         parsed, parsers, new_parser = self._vllm.prepare(
             spec.tools, choice, spec.parallel_tool_calls, spec.structured_outputs, prompt, n
         )
-        samples = SampleParsers(parsed, parsers, new_parser) if parsers is not None else None
+        samples = None  # no parser: the output is all content
+        if parsers is not None and new_parser is not None:
+            samples = SampleParsers(parsed, parsers, new_parser)
         adjustments = SamplingAdjustments(
             parsed.json_schema, parsed.structural_tag, parsed.skip_special_tokens
         )

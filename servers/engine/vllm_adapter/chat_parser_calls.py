@@ -13,6 +13,7 @@ where free text must be read for calls, needs the model's parser.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -178,7 +179,7 @@ class VllmChatParsers:
         structured_outputs: dict[str, Any] | None,
         prompt_token_ids: list[int],
         n: int,
-    ) -> tuple[ParsedRequest, list[SampleParser] | None, Any]:
+    ) -> tuple[ParsedRequest, list[SampleParser] | None, Callable[[], SampleParser] | None]:
         """The request checked by vLLM's rules, a parser per sample (None: its output is all
         content) and a maker of one more (the domain replays a sample through a fresh one)."""
         request = self._request(tools, choice, parallel_tool_calls, structured_outputs)
