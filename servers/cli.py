@@ -40,7 +40,7 @@ def _route(args: argparse.Namespace, _: list[str]) -> None:
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--kv-cache-gib", str(args.kv_cache_gib)]
+    flags = [] if args.kv_cache_gib is None else ["--kv-cache-gib", str(args.kv_cache_gib)]
     if args.model:
         flags += ["--model", args.model]
     if args.max_model_len:
@@ -125,7 +125,12 @@ def _add_stack_arguments(
         "--model", default=None, help="model directory (default: embedded tiny model)"
     )
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="CPU: KV cache per engine")
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="CPU: KV cache per engine (default: 1 GiB; 0.125 for the embedded tiny model)",
+    )
     parser.add_argument(
         "--enable-lora", action="store_true", help="engine servers serve LoRA adapters"
     )

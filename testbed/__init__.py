@@ -122,6 +122,9 @@ class Host:
 
     def kill(self) -> None:
         """The host dies: every process in its namespace killed at once (SIGKILL)."""
+        for process in self.processes:  # each started in a session (and group) of its own
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
         for pid in pids_in(self.ns):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -296,10 +299,12 @@ class Testbed:
         if self._closed:
             return
         self._closed = True
-        for host in self.hosts:
-            host.kill()
-        remove_namespaces([h.ns for h in self.hosts] + [self._bridge_ns])
-        atexit.unregister(self.close)
+        try:
+            for host in self.hosts:
+                host.kill()
+        finally:  # whatever a host's end raised, no namespace outlives the testbed
+            remove_namespaces([h.ns for h in self.hosts] + [self._bridge_ns])
+            atexit.unregister(self.close)
 
 
 def _bucket(rate_mbit: float) -> list[str]:

@@ -8,6 +8,7 @@ testbed host, ``vllm_http_command`` is the same server's command line for ``Host
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from servers.common.reaper import EXIT_WITH_SUPERVISOR
 from servers.engine.options import EngineOptions
-from servers.engine.vllm_adapter.engine_args import cpu_layout
+from servers.engine.vllm_adapter.engine_args import cpu_layout, kv_cache_bytes, kv_cache_gib
 from skyrl_grpc.process_group import free_port
 from skyrl_grpc.tiny_model import ensure_tiny_model
 
@@ -93,10 +94,12 @@ def vllm_engine_flags(
         "--max-num-seqs", str(options.max_num_seqs),
         "--seed", str(options.seed),
     ]  # fmt: skip
+    served = dataclasses.replace(options, model=str(model) if model else options.model)
+    flags += ["--kv-cache-memory-bytes", str(kv_cache_bytes(kv_cache_gib(served)))]
     layout_args, layout_env = cpu_layout(options)
     for name, value in layout_args.items():
         flags += [f"--{name.replace('_', '-')}", str(value)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{options.kv_cache_gib:g}", **layout_env}
+    env = {**os.environ, **layout_env}
     return flags, env
 
 

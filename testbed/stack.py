@@ -20,8 +20,7 @@ from servers.common.process import read_announcement
 from testbed import Host
 
 ROOT = Path(__file__).resolve().parents[1]
-# Each engine on the testbed keeps a small KV cache: many share this machine.
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+ENGINE_ENV = {"PYTHONPATH": str(ROOT)}
 START_SECONDS = 300.0
 JOB_RESULT = "JOB-RESULT "
 

@@ -18,8 +18,6 @@ from skyrl_grpc.tiny_model import ensure_tiny_model
 from tests.helpers.waits import ENGINE_START_SECONDS
 
 ROOT = Path(__file__).resolve().parents[1]
-# Engines share this machine: keep each one's KV cache small.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # Ray clusters the tests start run engine servers at the niceness every other test process
 # has (Ray's own default, 15, starves them whenever anything else keeps the cores busy).
 os.environ.setdefault("RAY_worker_niceness", "0")

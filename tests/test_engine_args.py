@@ -32,14 +32,30 @@ def test_the_tiny_model_on_cpu_runs_in_one_process_on_one_thread() -> None:
     assert args["dtype"] == "float32"  # the tiny model's own dtype: exact outputs
     assert args["distributed_executor_backend"] == "uni" and args["max_logprobs"] == 5
     assert "gpu_memory_utilization" not in args and "enable_lora" not in args
+    assert args["kv_cache_memory_bytes"] == 2 << 30
     assert env == {
         "SKYRL_WEIGHT_HEAP_SLACK": "1",
         "SKYRL_WEIGHT_SPARES_AT_START": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "2",
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
+
+
+def test_the_kv_cache_takes_a_fraction_of_a_gib_and_fits_the_model_by_default() -> None:
+    def size(**options: object) -> int:
+        made = engine_arguments(EngineOptions(**options), RequestLimits(), CPU, "/m")  # type: ignore[arg-type]
+        return int(made.args["kv_cache_memory_bytes"])
+
+    # vLLM's own VLLM_CPU_KVCACHE_SPACE takes whole GiB only; this is what it cannot say.
+    assert size(kv_cache_gib=0.25) == 1 << 28
+    assert size() == 1 << 27  # the tiny model: its whole context for 256 sequences
+    assert size(model="/some/model") == 1 << 30
+    with pytest.raises(ValueError, match="--kv-cache-gib 0: must be a positive number of GiB"):
+        size(kv_cache_gib=0)
+    # On a GPU vLLM sizes the cache from gpu_memory_utilization.
+    gpu = engine_arguments(EngineOptions(), RequestLimits(), GPU, "/m")
+    assert "kv_cache_memory_bytes" not in gpu.args
 
 
 def test_a_local_model_path_that_is_not_there_fails_by_name(

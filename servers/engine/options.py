@@ -37,9 +37,10 @@ class EngineOptions:
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # CPU only: GiB of host memory for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE). Small by
-    # default so several engines share one machine.
-    kv_cache_gib: float = 1.0
+    # CPU only: GiB of host memory for the KV cache (vLLM's kv_cache_memory_bytes; a fraction
+    # of a GiB works). None: TINY_MODEL_KV_CACHE_GIB for the embedded tiny model, 1 GiB for any
+    # other: small, so several engines share one machine.
+    kv_cache_gib: float | None = None
     # CPU only: threads the model runs on. None: 1 for the embedded tiny model (its matrices are
     # too small to gain from threads, and idle OpenMP threads spin on the cores the serving
     # layer needs), vLLM's own per-core binding for any other model.
@@ -161,7 +162,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
     group.add_argument("--pipeline-parallel-size", type=int, default=d.pipeline_parallel_size)
     group.add_argument(
-        "--kv-cache-gib", type=float, default=d.kv_cache_gib, help="CPU: KV cache size in GiB"
+        "--kv-cache-gib",
+        type=float,
+        default=d.kv_cache_gib,
+        help="CPU: KV cache size in GiB (default: 1; 0.125 for the embedded tiny model)",
     )
     group.add_argument(
         "--cpu-threads",

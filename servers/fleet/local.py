@@ -124,7 +124,6 @@ class LocalFleet(Fleet):
         self.on_event = on_event or (lambda line: print(line, flush=True))
         self.env = {
             **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             **(env or {}),
         }
         self._servers: list[_Process] = []

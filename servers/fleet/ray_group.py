@@ -137,11 +137,7 @@ class RayFleet(Fleet):
                     address=self.options.ray_address, include_dashboard=False, log_to_driver=False
                 )
         self._check_devices()
-        env = (
-            {"VLLM_CPU_KVCACHE_SPACE": "1", **self.options.env}
-            if self.options.cpu_only
-            else dict(self.options.env)
-        )
+        env = dict(self.options.env)
         self._env = env
         try:
             if self._external_pg is None:

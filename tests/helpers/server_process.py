@@ -16,7 +16,7 @@ import psutil
 from servers.common.process import read_announcement
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 # Put before a command: it starts the way a script's background job does (``cmd &``), with
 # SIGINT ignored on entry, which a program must undo itself to stop on Ctrl-C.
 WITH_SIGINT_IGNORED = ("sh", "-c", "trap '' INT; exec \"$@\"", "sh")

@@ -84,12 +84,7 @@ def wanted(options: EngineOptions, cpu_build: bool, ray_actor: bool) -> bool:
 
 def set_environment(environment: Mapping[str, str]) -> None:
     """The engine's environment, set in this process (and so in what it starts)."""
-    for name, value in environment.items():
-        # VLLM_CPU_KVCACHE_SPACE: a value the operator set wins.
-        if name == "VLLM_CPU_KVCACHE_SPACE":
-            os.environ.setdefault(name, value)
-        else:
-            os.environ[name] = value
+    os.environ.update(environment)
 
 
 def start_if_wanted(options: EngineOptions, limits: RequestLimits, model_path: str) -> bool:

@@ -41,8 +41,6 @@ def engine_arguments(
         HEAP_SLACK_ENVIRONMENT: f"{options.weight_heap_slack:g}",
         SPARES_AT_START_ENVIRONMENT: "1" if options.weight_spares_at_start else "0",
     }
-    if platform.is_cpu:
-        environment["VLLM_CPU_KVCACHE_SPACE"] = f"{options.kv_cache_gib:g}"
     dtype = options.dtype
     if dtype == "auto" and options.model is None:
         dtype = "float32"  # the tiny model is saved in float32; keep outputs exact
@@ -78,6 +76,9 @@ def engine_arguments(
             max_cpu_loras=(options.max_cpu_loras or options.max_loras) + extra,
         )
     if platform.is_cpu:
+        # In bytes, so a fraction of a GiB works (vLLM reads VLLM_CPU_KVCACHE_SPACE as whole
+        # GiB, and an operator who sets it still wins: vLLM's CPU platform applies it over this).
+        args["kv_cache_memory_bytes"] = kv_cache_bytes(kv_cache_gib(options))
         layout_args, layout_env = cpu_layout(options)
         args.update(layout_args)
         environment.update(layout_env)
@@ -90,6 +91,26 @@ def engine_arguments(
         )
     args.update(options.extra_engine_args)
     return EngineArguments(args, environment)
+
+
+# The embedded tiny model's KV cache: 1 KiB a token, so 131,072 tokens, its whole context
+# (512) for each of 256 sequences (the default max_num_seqs). 1 GiB would hold 8 times that
+# and cost 0.9 GB more host memory an engine.
+TINY_MODEL_KV_CACHE_GIB = 0.125
+
+
+def kv_cache_gib(options: EngineOptions) -> float:
+    """The CPU KV cache's size: ``--kv-cache-gib``, or the default for the model served."""
+    if options.kv_cache_gib is not None:
+        return options.kv_cache_gib
+    return TINY_MODEL_KV_CACHE_GIB if options.model is None else 1.0
+
+
+def kv_cache_bytes(gib: float) -> int:
+    """``--kv-cache-gib`` in bytes (a positive number of GiB; refused otherwise)."""
+    if not gib > 0:
+        raise ValueError(f"--kv-cache-gib {gib:g}: must be a positive number of GiB")
+    return int(gib * (1 << 30))
 
 
 def structured_outputs_config(settings: dict[str, Any]) -> Any:
