@@ -174,6 +174,12 @@ class ProcessTree:
                 process.resume()
 
 
+def thaw_all(trees: Sequence[ProcessTree]) -> None:
+    """Every tree in ``trees`` running again (a frozen process never sees its parent go)."""
+    for tree in trees:
+        tree.thaw()
+
+
 @contextlib.contextmanager
 def vllm_router(worker: str) -> Iterator[Launched]:
     """The Rust vllm-router (what SkyRL runs) in front of ``worker``."""
@@ -257,7 +263,7 @@ def skyrl_router(backends: list[str], *flags: str) -> Iterator[Launched]:
 RECEIVE_BYTES = 4 << 20
 
 
-def raw_tcp(payload_chunks: list[bytes]) -> float:
+def raw_tcp(payload_chunks: Sequence[bytes | memoryview]) -> float:
     """Seconds to send every chunk over a loopback TCP socket to a receiver that reads all."""
     total = sum(len(c) for c in payload_chunks)
     listener = socket.socket()

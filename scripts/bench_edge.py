@@ -89,10 +89,10 @@ def edge_section(rounds: int, targets: dict[str, EdgeTarget]) -> list[str]:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     keys = ["output_tok_s", "mean_itl_ms", "p99_itl_ms", "p99_ttft_ms", "routing_cpu_per_1k"]
-    for name, figures in results.items():
+    for name, rounds_figures in results.items():
         cells = [
-            median_range([f[k] for f in figures], 3 if k == "routing_cpu_per_1k" else 1)
-            if k in figures[0]
+            median_range([f[k] for f in rounds_figures], 3 if k == "routing_cpu_per_1k" else 1)
+            if k in rounds_figures[0]
             else "—"
             for k in keys
         ]

@@ -48,7 +48,7 @@ def tool_use(choice: str) -> chat_tools_pb2.ToolUse:
 
 
 async def answer(
-    stub: data_plane_pb2_grpc.DataPlaneStub, choice: str, seed: int, max_tokens: int
+    stub: data_plane_pb2_grpc.DataPlaneAsyncStub, choice: str, seed: int, max_tokens: int
 ) -> tuple[int, int, bool]:
     """One seeded forced request: its output tokens, its calls, whether it was cut off."""
     reply = await stub.Chat(

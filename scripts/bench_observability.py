@@ -28,7 +28,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from scripts.bench_common import ProcessTree, add_output_argument, median_range, write_report
+from scripts.bench_common import (
+    ProcessTree,
+    add_output_argument,
+    median_range,
+    thaw_all,
+    write_report,
+)
 from scripts.bench_edge import bench_serve
 from scripts.otlp_sink import OtlpSink
 from scripts.rollout_clients import trainer_client
@@ -119,7 +125,7 @@ def main() -> None:
         routers = {name: ProcessTree(fleet.pids[-1]) for name, fleet in fleets.items()}
         # Thawed before the fleets stop, however the rounds end (a frozen process never sees
         # its parent go).
-        stack.callback(lambda: [tree.thaw() for tree in trees.values()])
+        stack.callback(thaw_all, list(trees.values()))
         for tree in trees.values():
             tree.freeze()
         for round_index in range(args.rounds):

@@ -26,7 +26,7 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from scripts.bench_common import add_output_argument, write_report
 from skyrl_grpc.placement import POLICIES, PlacementPolicy, make_policy
@@ -71,6 +71,7 @@ class Server:
     eligible: bool = True
     paused: bool = False
     in_flight: int = 0  # turns generating here
+    weight_version: int = 0  # one version throughout: nothing here is ever behind
     holds: set[str] = field(default_factory=set)  # sessions whose KV cache lives here
 
     @property
@@ -154,10 +155,10 @@ def simulate(
             server.eligible = True
             policy.add(server.address)
         elif kind == "done":
-            address, session_id = payload  # type: ignore[misc]
+            address, session_id = cast(tuple[str, str], payload)
             fleet[address].in_flight -= 1
         elif kind == "turn":
-            session, index, _ = payload  # type: ignore[misc]
+            session, index, _ = cast(tuple[Session, int, None], payload)
             chosen = policy.choose(session.sid, fleet)
             assert chosen is not None
             address = chosen.address

@@ -44,15 +44,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from scripts.bench_common import (
-    SERVED_NAME,
-    Launched,
     ProcessTree,
     add_output_argument,
     median_range,
     skyrl_router,
+    thaw_all,
     vllm_grpc_available,
     vllm_grpc_server,
-    vllm_http_server,
     vllm_router,
     write_report,
 )
@@ -69,6 +67,7 @@ from scripts.rollout_clients import (
 from servers.engine.options import TINY_MODEL_NAME
 from servers.fleet.local import LocalFleet
 from skyrl_grpc.process_group import free_port
+from testbed.peers import SERVED_NAME, Launched, vllm_http_server
 
 
 @dataclass
@@ -291,7 +290,7 @@ def contenders(
         group.tree.freeze()
         # Thawed before anything is stopped (this runs first): a process stopped while its
         # parent is killed never sees the parent go (a router replica left frozen for good).
-        stack.callback(lambda: [g.tree.thaw() for g in groups])
+        stack.callback(thaw_all, [g.tree for g in groups])
         yield groups, edge_targets
 
 

@@ -29,9 +29,13 @@ from typing import Any
 import psutil
 import torch
 
-from scripts.bench_common import add_output_argument, vllm_http_server, write_report
+from scripts.bench_common import (
+    add_output_argument,
+    write_report,
+)
 from scripts.bench_models import BenchModel, engine_servers, load_model
 from scripts.memory_soak import add_soak_arguments, run_soak
+from testbed.peers import vllm_http_server
 
 GB = 1e9
 
@@ -48,7 +52,7 @@ def role(process: psutil.Process) -> str:
         return "server (gRPC)"
     if "api_server" in command:
         return "server (HTTP)"
-    return process.name()
+    return str(process.name())
 
 
 def unique_memory(pid: int) -> dict[str, int]:

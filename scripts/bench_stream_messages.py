@@ -20,15 +20,14 @@ import time
 from typing import Any
 
 from scripts.bench_common import (
-    SERVED_NAME,
     ProcessTree,
     add_output_argument,
     median_range,
-    vllm_http_server,
     write_report,
 )
 from scripts.rollout_clients import MessageCount, RunBatch, grpc_streams, http_streams
 from servers.fleet.local import LocalFleet
+from testbed.peers import SERVED_NAME, vllm_http_server
 
 TOKENS = 128
 
@@ -109,7 +108,9 @@ def main() -> None:
         ours, theirs = results[(names[0], streams)], results[(names[1], streams)]
 
         def ratio(key: str, ours: Any = ours, theirs: Any = theirs) -> float:
-            return statistics.median(a[key] / b[key] for a, b in zip(ours, theirs, strict=True))
+            return float(
+                statistics.median(a[key] / b[key] for a, b in zip(ours, theirs, strict=True))
+            )
 
         lines.append(
             f"- {streams} streams: tokens/s {ratio('tok_s'):.2f} (target >= 1.0), tokens per "

@@ -31,7 +31,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 import torch
@@ -105,7 +105,7 @@ async def measure_fleet(
     for mode in MODES:
         fanout = 0 if mode == "direct" else 1
         client = InferenceClient(stack.addresses.router, servers, weight_relay_fanout=fanout)
-        transport = "collective" if mode == "gloo" else "grpc"
+        transport: Literal["collective", "grpc"] = "collective" if mode == "gloo" else "grpc"
         if mode == "gloo":
             await client.init_weight_transfer("gloo")
         full = Measured()
@@ -167,7 +167,7 @@ def report(results: dict[str, Any]) -> list[str]:
     for size, measured in results.items():
         fleets = measured["fleets"]
         for row in ("relay full", "direct full", "gloo full", "relay delta", "direct delta"):
-            first = next(iter(fleets.values()), {}).get(row)
+            first = next(iter(fleets.values()), {}).get(row)  # type: ignore[call-overload]
             for count, rows in fleets.items():
                 figures = rows.get(row)
                 if figures is None or first is None:

@@ -51,7 +51,7 @@ def _serve(ready: Any) -> None:
 
     async def run() -> None:
         server = grpc.aio.server(options=server_options())
-        handler = grpc.stream_unary_rpc_method_handler(push)  # messages stay raw bytes
+        handler: Any = grpc.stream_unary_rpc_method_handler(push)  # messages stay raw bytes
         server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler("bench.Floor", {"Push": handler})]
         )
@@ -87,7 +87,7 @@ def raw_grpc(tensors: list[tuple[str, Any]], rounds: int) -> GrpcFloor:
 
         async def streams() -> GrpcFloor:
             channel = open_channel(f"127.0.0.1:{port}")
-            call = channel.stream_unary(METHOD)
+            call: Any = channel.stream_unary(METHOD)
             best: GrpcFloor | None = None
             for round_index in range(rounds + 1):
                 server_before = cpu_seconds(server_process)

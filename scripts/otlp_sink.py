@@ -27,7 +27,8 @@ class OtlpSink:
     def __init__(self) -> None:
         self.counter = SpanCounter()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self.counter, self._server)
+        add_servicer: Any = trace_service_pb2_grpc.add_TraceServiceServicer_to_server  # untyped
+        add_servicer(self.counter, self._server)
         self.endpoint = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
         self._server.start()
 

@@ -243,7 +243,7 @@ def in_process_worker() -> None:
     os.environ.update(arguments.environment)  # before vLLM is imported, as the server does
 
     async def main() -> None:
-        from vllm import SamplingParams
+        from vllm import SamplingParams, TokensPrompt
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -256,7 +256,7 @@ def in_process_worker() -> None:
                 temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False,
                 output_kind=RequestOutputKind.DELTA,
             )  # fmt: skip
-            prompt = {"prompt_token_ids": prompt_for(sample, batch)}
+            prompt = TokensPrompt(prompt_token_ids=prompt_for(sample, batch))
             count = 0
             async for output in llm.generate(prompt, params, f"in-process-{next(ids)}"):
                 count += len(output.outputs[0].token_ids)

@@ -83,7 +83,7 @@ def loopback_rate(total: int = 1 << 30) -> float:
     receiver.join()
     after = psutil.Process().cpu_times()
     listener.close()
-    return 2 * total / (after.user + after.system - before.user - before.system)
+    return float(2 * total / (after.user + after.system - before.user - before.system))
 
 
 def depth(hosts: int, fanout: int) -> int:
@@ -111,7 +111,7 @@ def transfer_seconds(
         fanout = -topology
         copies = min(fanout, max(hosts - 1, 1))
         pace = min(trainer, link / copies, core)
-        chunk = MAX_CHUNK
+        chunk: float = MAX_CHUNK
         return update / pace + depth(hosts, fanout) * (chunk / pace + HOP_SECONDS)
     trees = min(topology, hosts)
     share = update / trees
