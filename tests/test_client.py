@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.streams import unused_address
-from tests.helpers.waits import failing_while_paused, running_on_engines
+from tests.helpers.waits import failing_while_paused, running_on_engines, until
 from trainer_client import (
     BlockingInferenceClient,
     FanOutError,
@@ -85,8 +85,16 @@ async def test_pause_abort_mid_batch_then_resume_loses_and_duplicates_nothing(
     await running_on_engines(client, 1, running)
     await client.pause("abort")
     assert await client.all_paused()
-    await asyncio.sleep(0.3)
-    assert not running.done()  # aborted generations wait (resubmitted, queued) for resume
+
+    async def resubmitted() -> bool:
+        assert not running.done(), "the batch ended during the pause"
+        loads = await client.server_loads()
+        return sum(load.waiting_requests for load in loads.values()) > 0
+
+    # Aborted generations wait for resume, resubmitted and queued on the paused servers (a
+    # client that gave up on them instead would end the batch, or queue nothing).
+    await until(resubmitted, what="the aborted generations queued for resume")
+    assert not running.done()
     await client.resume()
     results = await asyncio.wait_for(running, 60)
     assert sum(r.abort_retries for r in results) > 0, "the pause aborted nothing"

@@ -6,6 +6,7 @@ One engine serves the whole module (session fixture); each test leaves it idle a
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -391,7 +392,11 @@ async def test_pause_keep_freezes_and_resumes_with_nothing_lost(
         await w.until_tokens(2)
     await control.Pause(cp.PauseRequest(mode=cp.PAUSE_MODE_KEEP))
     frozen = [len(w.tokens) for w in watchers]
-    await asyncio.sleep(0.5)
+    # As long as ten steps took before the pause, on this machine now: an engine that went on
+    # generating would have sent tokens in that time however slow the machine (a fixed sleep
+    # could be shorter than one step on a busy one).
+    step = max(b - a for w in watchers for a, b in itertools.pairwise(w.times))
+    await asyncio.sleep(max(0.5, 10 * step))
     assert [len(w.tokens) for w in watchers] == frozen, "tokens arrived while paused"
     assert all(not w.task.done() for w in watchers)
     await control.Resume(cp.ResumeRequest())
@@ -407,10 +412,16 @@ async def test_requests_arriving_while_paused_wait_for_resume(
     await control.Pause(cp.PauseRequest(mode=cp.PAUSE_MODE_ABORT))
     prompt = REFERENCE_PROMPTS[1]
     pending = asyncio.ensure_future(greedy(data, prompt, 10))
-    await asyncio.sleep(0.5)
+
+    async def held() -> bool:
+        load = await control.GetLoad(cp.GetLoadRequest())
+        assert load.paused and not pending.done(), "a request ran while the server was paused"
+        return load.waiting_requests == 1 and load.running_requests == 0
+
+    # Held by the pause (waiting for Resume, not running): a request that ran would end the
+    # wait with the assertion, or never be seen waiting.
+    await until(held, what="the request waiting for Resume")
     assert not pending.done(), "a request ran while the server was paused"
-    load = await control.GetLoad(cp.GetLoadRequest())
-    assert load.paused
     await control.Resume(cp.ResumeRequest())
     tokens = await asyncio.wait_for(pending, 60)
     assert tokens == await greedy(data, prompt, 10)

@@ -213,12 +213,15 @@ async def test_a_killed_router_actor_is_back_at_its_address_with_sessions_on_the
         back = await event_with(events, "routes to the fleet again", ENGINE_START_SECONDS)
         async with grpc.aio.insecure_channel(router) as channel:
             admin = router_pb2_grpc.RouterAdminStub(channel)
-            while True:  # both servers known, every session's place learned from them
-                listed = await admin.ListBackends(router_pb2.ListBackendsRequest())
-                if sum(b.live_sessions for b in listed.backends) == len(sessions):
-                    break
-                assert time.monotonic() - killed < 300, events
-                await asyncio.sleep(0.2)
+            lists: list[router_pb2.ListBackendsResponse] = []
+
+            async def every_session_placed() -> bool:
+                lists.append(await admin.ListBackends(router_pb2.ListBackendsRequest()))
+                return sum(b.live_sessions for b in lists[-1].backends) == len(sessions)
+
+            # Both servers known, every session's place learned from them.
+            await until(every_session_placed, 300, f"every session placed again: {events}")
+            listed = lists[-1]
             routing = time.monotonic() - killed
             assert {b.address for b in listed.backends} == set(fleet.addresses.servers)
             results = await asyncio.wait_for(batch, 300)

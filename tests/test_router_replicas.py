@@ -11,7 +11,7 @@ import signal
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -79,7 +79,7 @@ async def replicas(engine_server: Any, second_engine_server: Any) -> AsyncIterat
     backends = [engine_server.address, second_engine_server.address]
     started = await asyncio.to_thread(Replicas, backends)
     try:
-        await until_async(lambda: all_see(started.address, 2), 60, "both backends healthy")
+        await until(lambda: all_see(started.address, 2), 60, "both backends healthy", 0.1)
         yield started
     finally:
         started.process.proc.send_signal(signal.SIGTERM)
@@ -103,13 +103,6 @@ async def all_see(address: str, count: int, connections: int = 8) -> bool:
     healthy backends."""
     seen = [await healthy_backends(address) for _ in range(connections)]
     return all(n == count for n in seen)
-
-
-async def until_async(condition: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        await asyncio.sleep(0.1)
 
 
 async def turn(address: str, session: str, prompt: list[int]) -> str:
@@ -223,10 +216,11 @@ async def test_a_membership_change_told_to_one_replica_reaches_the_other(
         async with grpc.aio.insecure_channel(replicas.address) as channel:
             admin = router_pb2_grpc.RouterAdminStub(channel)
             await admin.AddBackend(router_pb2.AddBackendRequest(address=address))
-    await until_async(
+    await until(
         lambda: all_see(replicas.address, 2, connections=16),
         30,
         "both replicas to route to both servers again",
+        0.1,
     )
 
 
@@ -315,6 +309,4 @@ async def test_a_replica_killed_under_load_is_replaced_and_new_calls_go_on(
     assert outcomes["trainer ok"] and outcomes["sdk ok"], outcomes
     # Only calls the dead replica held can have failed: far fewer than went on.
     assert outcomes["failed"] <= 8, outcomes
-    await until_async(
-        lambda: all_see(replicas.address, 2), 30, "the restarted replica to route to both"
-    )
+    await until(lambda: all_see(replicas.address, 2), 30, "the restarted replica to route to both")

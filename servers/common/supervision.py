@@ -71,6 +71,9 @@ class ServerSupervisor:
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], bool] = lambda seconds: False  # True: stop waiting (closing)
     restarts: list[int] = field(init=False)
+    # Passes completed (each looked at every server once): what a caller waits on to know the
+    # supervisor has seen a change.
+    passes: int = field(init=False, default=0)
     # Held by each pass and by a fleet changing its size, so a server being removed is never
     # mistaken for a dead one.
     lock: threading.RLock = field(init=False, default_factory=threading.RLock)
@@ -108,6 +111,7 @@ class ServerSupervisor:
                 if cause is None:
                     continue
                 self._handle_death(index, watched, cause)
+            self.passes += 1
 
     def _handle_death(self, index: int, watched: _Watched, cause: str) -> None:
         name = f"{self.noun} {index} ({self._address(index)})"

@@ -45,10 +45,14 @@ async def running_on_engines(
 
 
 async def until(
-    condition: Callable[[], bool | Awaitable[bool]], timeout: float = 60.0, what: str = ""
+    condition: Callable[[], bool | Awaitable[bool]],
+    timeout: float = 60.0,
+    what: str = "",
+    interval: float = 0.01,
 ) -> None:
     """Waits until ``condition()`` (a function, or a coroutine function) holds, checked every
-    10 ms; fails the test after ``timeout`` seconds, naming ``what`` it waited for. The bound
+    ``interval`` seconds (10 ms; more for a check that opens connections); fails the test after
+    ``timeout`` seconds, naming ``what`` it waited for. The bound
     is generous on purpose: it is only reached when the event never comes, and a shared, busy
     CI machine can take many times longer than a quiet one to get there."""
 
@@ -60,7 +64,7 @@ async def until(
     while not await holds():
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(interval)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
