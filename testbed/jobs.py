@@ -4,11 +4,11 @@ them: ``python -m testbed.jobs JOB '<JSON arguments>'`` inside the host's namesp
 one ``JOB-RESULT <JSON>`` line.
 
 - ``update``: weight updates from the trainer's host, each step timed from the call until every
-  server committed (``steps``: ``{"edit": k, "delta": bool}``: the model's checkpoint with the
-  ``k``-th edit, an RL step's worth of changed elements each; ``{"edit": 0}`` is the checkpoint
-  itself), after each, each server's weight checksums beside the pushed tensors' (unless
-  ``checksums`` is false); with ``save``, the last weights written as a model directory a
-  fresh server can start from.
+  server committed (``seconds``; ``began`` and ``ended`` on the monotonic clock; ``steps``:
+  ``{"edit": k, "delta": bool}``: the model's checkpoint with the ``k``-th edit, an RL step's
+  worth of changed elements each; ``{"edit": 0}`` is the checkpoint itself), after each, each
+  server's weight checksums beside the pushed tensors' (unless ``checksums`` is false); with
+  ``save``, the last weights written as a model directory a fresh server can start from.
 - ``checksums``: each server's weight checksums and versions.
 - ``info``: each server's weight version, or the error a call to it met (``tls``: a CA to
   verify the servers with).
@@ -21,6 +21,8 @@ one ``JOB-RESULT <JSON>`` line.
   against each call; ``deadline``: each call's, seconds) and each call's longest wait between
   two of its messages (``max_gaps``); sessions are named ``<prefix>-<i>`` (``prefix``, default
   ``stream``).
+- ``edge``: ``streams`` through an OpenAI edge (``address``: its base URL), streamed
+  completions read as an agent harness reads them (sessions ``<prefix>-<i>``, default ``edge``).
 
 A job's ``client`` settings are ``InferenceClient``'s (``ClientConfig``), ``tls`` given as
 ``TlsConfig``'s fields (``{"root_certificates": <a CA's path>, ...}``).
@@ -125,10 +127,17 @@ async def update(arguments: dict[str, Any]) -> dict[str, Any]:
                     **arguments.get("update", {}),
                 )  # fmt: skip
             except WeightUpdateError as error:
-                steps.append({"error": str(error), "seconds": time.monotonic() - began})
+                ended = time.monotonic()
+                steps.append(
+                    {"error": str(error), "seconds": ended - began, "began": began, "ended": ended}
+                )
                 break
+            ended = time.monotonic()
             record: dict[str, Any] = {
-                "seconds": time.monotonic() - began,
+                "seconds": ended - began,
+                # On the host's monotonic clock, which every host of a testbed shares.
+                "began": began,
+                "ended": ended,
                 "bytes_sent": result.bytes_sent,
                 "bytes_received": result.bytes_received,
                 "relayed": result.relayed,
@@ -267,7 +276,90 @@ async def streams(arguments: dict[str, Any]) -> dict[str, Any]:
     return {"history": history.to_json(), "max_gaps": gaps}
 
 
+async def edge(arguments: dict[str, Any]) -> dict[str, Any]:
+    """``streams`` through an OpenAI edge (``address``: its base URL) as an agent harness
+    calls it: streamed completions of the same greedy request, each with a session of its own
+    (``x-session-id``), the tokens read from vLLM's ``token_ids`` field of each event and the
+    count from the final usage."""
+    import httpx
+
+    from skyrl_grpc.metadata import SESSION_ID
+    from testbed.history import Call, History, Message
+
+    tokens, count = arguments["tokens"], arguments["streams"]
+    deadline_seconds = float(arguments.get("deadline", 120))
+    history = History()
+    gaps: list[float] = []
+    started = [asyncio.Event() for _ in range(count)]
+    deadline = time.monotonic() + arguments["seconds"]
+    async with httpx.AsyncClient(base_url=arguments["address"], timeout=deadline_seconds) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        body = {
+            "model": model,
+            "prompt": [1, 45, 722, 84],
+            "max_tokens": tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
+
+        async def one(index: int) -> None:
+            turn = 0
+            while time.monotonic() < deadline:
+                session = f"{arguments.get('prefix', 'edge')}-{index}"
+                record = Call(
+                    key=f"{session}/{turn}",
+                    started=time.monotonic(),
+                    ended=0.0,
+                    deadline=deadline_seconds,
+                    session=session,
+                    expected=arguments.get("expected"),
+                )
+                turn += 1
+                gap, last, received = 0.0, time.monotonic(), 0
+                try:
+                    async with http.stream(
+                        "POST", "/v1/completions", json=body, headers={SESSION_ID: session}
+                    ) as response:
+                        if response.status_code != 200:
+                            record.status = f"HTTP {response.status_code}"
+                        async for line in response.aiter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            now = time.monotonic()
+                            gap, last = max(gap, now - last), now
+                            event = json.loads(line[len("data: ") :])
+                            for choice in event.get("choices", []):
+                                ids = list(choice.get("token_ids") or [])
+                                received += len(ids)
+                                record.messages.append(Message(ids, received))
+                                if choice.get("finish_reason"):
+                                    record.finish_reason = str(choice["finish_reason"]).upper()
+                            usage = event.get("usage")
+                            if usage and usage["completion_tokens"] != received:
+                                # The server's count against the tokens that came: lost or
+                                # repeated ones show as a message whose count is off.
+                                record.messages.append(Message([], usage["completion_tokens"]))
+                            started[index].set()
+                except httpx.HTTPError as failed:
+                    record.status = f"{type(failed).__name__}: {failed}"
+                finally:
+                    started[index].set()
+                record.ended = time.monotonic()
+                history.calls.append(record)
+                gaps.append(gap)
+
+        running = asyncio.gather(*(one(i) for i in range(count)))
+        await asyncio.gather(*(event.wait() for event in started))
+        progress("streaming")
+        await running
+    return {"history": history.to_json(), "max_gaps": gaps}
+
+
 JOBS = {
+    "edge": edge,
     "update": update,
     "checksums": checksums,
     "info": info,

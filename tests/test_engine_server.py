@@ -27,12 +27,12 @@ LONG = SP(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 
 @pytest.fixture
-def data(engine_channel: grpc.aio.Channel) -> data_plane_pb2_grpc.DataPlaneStub:
+def data(engine_channel: grpc.aio.Channel) -> data_plane_pb2_grpc.DataPlaneAsyncStub:
     return data_plane_pb2_grpc.DataPlaneStub(engine_channel)
 
 
 @pytest.fixture
-def control(engine_channel: grpc.aio.Channel) -> control_plane_pb2_grpc.ControlPlaneStub:
+def control(engine_channel: grpc.aio.Channel) -> control_plane_pb2_grpc.ControlPlaneAsyncStub:
     return control_plane_pb2_grpc.ControlPlaneStub(engine_channel)
 
 
@@ -45,7 +45,7 @@ async def leave_engine_resumed_and_idle(engine_channel: grpc.aio.Channel) -> Any
 
 
 async def greedy(
-    data: data_plane_pb2_grpc.DataPlaneStub, prompt: list[int], max_tokens: int
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub, prompt: list[int], max_tokens: int
 ) -> list[int]:
     response = await data.Generate(
         data_plane_pb2.GenerateRequest(
@@ -60,7 +60,9 @@ class StreamWatcher:
     """Consumes one generation stream in the background, recording chunks and arrival times."""
 
     def __init__(
-        self, data: data_plane_pb2_grpc.DataPlaneStub, request: data_plane_pb2.GenerateStreamRequest
+        self,
+        data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+        request: data_plane_pb2.GenerateStreamRequest,
     ):
         self.call = data.GenerateStream(request)
         self.tokens: list[int] = []
@@ -87,8 +89,8 @@ class StreamWatcher:
 
 
 async def test_greedy_equals_vllm_offline_generate(
-    data: data_plane_pb2_grpc.DataPlaneStub,
-    control: control_plane_pb2_grpc.ControlPlaneStub,
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+    control: control_plane_pb2_grpc.ControlPlaneAsyncStub,
     greedy_reference: list[dict[str, Any]],
 ) -> None:
     version = (await control.GetServerInfo(cp.GetServerInfoRequest())).weight_version
@@ -114,7 +116,9 @@ async def test_greedy_equals_vllm_offline_generate(
         assert response.usage.completion_tokens == REFERENCE_MAX_TOKENS
 
 
-async def test_streamed_tokens_equal_unary_result(data: data_plane_pb2_grpc.DataPlaneStub) -> None:
+async def test_streamed_tokens_equal_unary_result(
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+) -> None:
     prompt = REFERENCE_PROMPTS[0]
     params = SP(temperature=0.0, max_tokens=20, ignore_eos=True)
     chunks = [
@@ -129,7 +133,7 @@ async def test_streamed_tokens_equal_unary_result(data: data_plane_pb2_grpc.Data
 
 
 async def test_stream_interval_coalesces_chunks_without_changing_tokens(
-    data: data_plane_pb2_grpc.DataPlaneStub,
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
 ) -> None:
     prompt = REFERENCE_PROMPTS[1]
     params = SP(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0)
@@ -145,7 +149,9 @@ async def test_stream_interval_coalesces_chunks_without_changing_tokens(
     assert sum(len(c.logprobs.token_logprobs) for c in chunks) == 30
 
 
-async def test_seeded_sampling_is_reproducible(data: data_plane_pb2_grpc.DataPlaneStub) -> None:
+async def test_seeded_sampling_is_reproducible(
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+) -> None:
     async def sample(seed: int) -> list[int]:
         response = await data.Generate(
             data_plane_pb2.GenerateRequest(
@@ -161,7 +167,7 @@ async def test_seeded_sampling_is_reproducible(data: data_plane_pb2_grpc.DataPla
 
 
 async def test_n_samples_are_independent_and_indexed(
-    data: data_plane_pb2_grpc.DataPlaneStub,
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
 ) -> None:
     response = await data.Generate(
         data_plane_pb2.GenerateRequest(
@@ -176,7 +182,9 @@ async def test_n_samples_are_independent_and_indexed(
     assert response.usage.completion_tokens == 48
 
 
-async def test_top_logprobs_and_prompt_logprobs(data: data_plane_pb2_grpc.DataPlaneStub) -> None:
+async def test_top_logprobs_and_prompt_logprobs(
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+) -> None:
     prompt = REFERENCE_PROMPTS[2]
     response = await data.Generate(
         data_plane_pb2.GenerateRequest(
@@ -200,7 +208,7 @@ async def test_top_logprobs_and_prompt_logprobs(data: data_plane_pb2_grpc.DataPl
     assert all(lp < 0 for lp in response.prompt_logprobs.token_logprobs[1:])
 
 
-async def test_stop_token_and_stop_string(data: data_plane_pb2_grpc.DataPlaneStub) -> None:
+async def test_stop_token_and_stop_string(data: data_plane_pb2_grpc.DataPlaneAsyncStub) -> None:
     prompt = REFERENCE_PROMPTS[0]
     free = await greedy(data, prompt, 20)
     stop_token = free[5]
@@ -231,7 +239,9 @@ async def test_stop_token_and_stop_string(data: data_plane_pb2_grpc.DataPlaneStu
     assert stop_string not in sample.text and text.startswith(sample.text)
 
 
-async def test_chat_and_completion_and_tokenizer(data: data_plane_pb2_grpc.DataPlaneStub) -> None:
+async def test_chat_and_completion_and_tokenizer(
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+) -> None:
     messages = [data_plane_pb2.ChatMessage(role="user", content="The trainer sends new weights")]
     rendered = await data.Tokenize(
         data_plane_pb2.TokenizeRequest(
@@ -266,7 +276,8 @@ async def test_chat_and_completion_and_tokenizer(data: data_plane_pb2_grpc.DataP
 
 
 async def test_model_info(
-    data: data_plane_pb2_grpc.DataPlaneStub, control: control_plane_pb2_grpc.ControlPlaneStub
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+    control: control_plane_pb2_grpc.ControlPlaneAsyncStub,
 ) -> None:
     info = await data.GetModelInfo(data_plane_pb2.GetModelInfoRequest())
     assert info.served_model_name == "skyrl-tiny-llama"
@@ -288,7 +299,8 @@ async def test_model_info(
 
 
 async def test_abort_by_request_id_ends_stream_with_aborted(
-    data: data_plane_pb2_grpc.DataPlaneStub, control: control_plane_pb2_grpc.ControlPlaneStub
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+    control: control_plane_pb2_grpc.ControlPlaneAsyncStub,
 ) -> None:
     watcher = StreamWatcher(data, stream_request(REFERENCE_PROMPTS[0], LONG, request_id="to-abort"))
     await watcher.until_tokens(3)
@@ -301,7 +313,7 @@ async def test_abort_by_request_id_ends_stream_with_aborted(
 
 
 async def test_duplicate_in_flight_request_id_is_already_exists(
-    data: data_plane_pb2_grpc.DataPlaneStub,
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
 ) -> None:
     watcher = StreamWatcher(data, stream_request(REFERENCE_PROMPTS[0], LONG, request_id="dup"))
     await watcher.until_tokens(1)
@@ -314,7 +326,8 @@ async def test_duplicate_in_flight_request_id_is_already_exists(
 
 
 async def test_client_cancel_aborts_request_in_engine(
-    data: data_plane_pb2_grpc.DataPlaneStub, control: control_plane_pb2_grpc.ControlPlaneStub
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+    control: control_plane_pb2_grpc.ControlPlaneAsyncStub,
 ) -> None:
     watcher = StreamWatcher(data, stream_request(REFERENCE_PROMPTS[0], LONG))
     await watcher.until_tokens(2)
@@ -326,7 +339,8 @@ async def test_client_cancel_aborts_request_in_engine(
 
 
 async def test_deadline_ends_with_deadline_exceeded_and_engine_idle(
-    data: data_plane_pb2_grpc.DataPlaneStub, control: control_plane_pb2_grpc.ControlPlaneStub
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+    control: control_plane_pb2_grpc.ControlPlaneAsyncStub,
 ) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await data.Generate(
@@ -350,7 +364,8 @@ def prompts_for(count: int) -> list[list[int]]:
 
 
 async def test_pause_abort_ends_streams_with_tokens_so_far(
-    data: data_plane_pb2_grpc.DataPlaneStub, control: control_plane_pb2_grpc.ControlPlaneStub
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+    control: control_plane_pb2_grpc.ControlPlaneAsyncStub,
 ) -> None:
     watchers = [StreamWatcher(data, stream_request(p, LONG)) for p in prompts_for(CONCURRENT)]
     for w in watchers:
@@ -367,7 +382,8 @@ async def test_pause_abort_ends_streams_with_tokens_so_far(
 
 
 async def test_pause_wait_returns_after_in_flight_requests_finish(
-    data: data_plane_pb2_grpc.DataPlaneStub, control: control_plane_pb2_grpc.ControlPlaneStub
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+    control: control_plane_pb2_grpc.ControlPlaneAsyncStub,
 ) -> None:
     params = SP(temperature=0.0, max_tokens=60, ignore_eos=True)
     watchers = [StreamWatcher(data, stream_request(p, params)) for p in prompts_for(CONCURRENT)]
@@ -382,7 +398,8 @@ async def test_pause_wait_returns_after_in_flight_requests_finish(
 
 
 async def test_pause_keep_freezes_and_resumes_with_nothing_lost(
-    data: data_plane_pb2_grpc.DataPlaneStub, control: control_plane_pb2_grpc.ControlPlaneStub
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+    control: control_plane_pb2_grpc.ControlPlaneAsyncStub,
 ) -> None:
     params = SP(temperature=0.0, max_tokens=120, ignore_eos=True)
     prompts = prompts_for(CONCURRENT)
@@ -407,7 +424,8 @@ async def test_pause_keep_freezes_and_resumes_with_nothing_lost(
 
 
 async def test_requests_arriving_while_paused_wait_for_resume(
-    data: data_plane_pb2_grpc.DataPlaneStub, control: control_plane_pb2_grpc.ControlPlaneStub
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+    control: control_plane_pb2_grpc.ControlPlaneAsyncStub,
 ) -> None:
     await control.Pause(cp.PauseRequest(mode=cp.PAUSE_MODE_ABORT))
     prompt = REFERENCE_PROMPTS[1]
@@ -431,7 +449,7 @@ async def test_requests_arriving_while_paused_wait_for_resume(
 
 
 async def test_sleep_is_failed_precondition_on_cpu(
-    control: control_plane_pb2_grpc.ControlPlaneStub,
+    control: control_plane_pb2_grpc.ControlPlaneAsyncStub,
 ) -> None:
     for call in (control.Sleep(cp.SleepRequest(level=1)), control.WakeUp(cp.WakeUpRequest())):
         with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -442,7 +460,8 @@ async def test_sleep_is_failed_precondition_on_cpu(
 
 
 async def test_reset_prefix_cache(
-    data: data_plane_pb2_grpc.DataPlaneStub, control: control_plane_pb2_grpc.ControlPlaneStub
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+    control: control_plane_pb2_grpc.ControlPlaneAsyncStub,
 ) -> None:
     prompt = [1 + (i * 7) % 2000 for i in range(300)]  # spans several KV blocks (128 on CPU)
     await greedy(data, prompt, 2)
@@ -519,7 +538,7 @@ INVALID_GENERATE = [
 
 @pytest.mark.parametrize(("request_message", "code", "fragment"), INVALID_GENERATE)
 async def test_invalid_generate_gets_clear_status_and_server_keeps_serving(
-    data: data_plane_pb2_grpc.DataPlaneStub,
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
     request_message: data_plane_pb2.GenerateRequest,
     code: grpc.StatusCode,
     fragment: str,
@@ -533,7 +552,7 @@ async def test_invalid_generate_gets_clear_status_and_server_keeps_serving(
 
 
 async def _drain_stream(
-    data: data_plane_pb2_grpc.DataPlaneStub, request: data_plane_pb2.GenerateRequest
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub, request: data_plane_pb2.GenerateRequest
 ) -> None:
     stream_message = data_plane_pb2.GenerateStreamRequest.FromString(request.SerializeToString())
     async for _ in data.GenerateStream(stream_message):
@@ -541,7 +560,8 @@ async def _drain_stream(
 
 
 async def test_invalid_control_and_tokenizer_input(
-    data: data_plane_pb2_grpc.DataPlaneStub, control: control_plane_pb2_grpc.ControlPlaneStub
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+    control: control_plane_pb2_grpc.ControlPlaneAsyncStub,
 ) -> None:
     cases = [
         (control.Pause(cp.PauseRequest(mode=42)), "mode = 42 is not a PauseMode"),  # type: ignore[arg-type]

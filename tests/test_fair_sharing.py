@@ -51,7 +51,7 @@ async def limited() -> AsyncIterator[EngineServer]:
     await server.drain(grace=1)
 
 
-def stub(server: EngineServer) -> data_plane_pb2_grpc.DataPlaneStub:
+def stub(server: EngineServer) -> data_plane_pb2_grpc.DataPlaneAsyncStub:
     return data_plane_pb2_grpc.DataPlaneStub(grpc.aio.insecure_channel(server.address))
 
 

@@ -64,7 +64,7 @@ async def guarded_fleet(
     await client.update_weights(original.items(), transport="grpc")
 
 
-def control(address: str) -> control_plane_pb2_grpc.ControlPlaneStub:
+def control(address: str) -> control_plane_pb2_grpc.ControlPlaneAsyncStub:
     return control_plane_pb2_grpc.ControlPlaneStub(grpc.aio.insecure_channel(address))
 
 

@@ -1,11 +1,14 @@
-"""Faults only a network has, on the testbed (hosts as network namespaces): a client, a router
-and two server hosts, greedy streams through the router, each with a session of its own. A
+"""Faults only a network has, on the testbed (hosts as network namespaces): a client, a trainer,
+a router and two server hosts, greedy streams through the router, each with a session of its
+own, and weight updates from the trainer. A
 server host cut off from the router (every packet between them dropped, no connection reset)
 costs its streams no token, lost or repeated: the router notices within its backend liveness
 (keepalive pings every second, an answer within one) and moves them to the other server with
 their tokens so far; healed, the host serves again. The workload's history (every call, each
 message's tokens and counts) is read by ``testbed.history.check``: nothing lost or repeated,
-no call past its deadline, sessions moved only off the host cut off."""
+no call past its deadline, sessions moved only off the host cut off. A server cut off from the
+trainer in the middle of an update (shorter than the client's keepalive) is waited for: the
+update commits on every server, late by about the partition."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from skyrl_grpc.tiny_model import ensure_tiny_model
 from testbed import Host, Testbed
 from testbed.history import History, Outage, check
 from testbed.stack import job_result, run_job, start_job, start_router, start_server
@@ -41,15 +45,38 @@ DEADLINE_SECONDS = 30.0
 HEAL_BOUND = 60.0
 
 
+# The trainer's link while it updates: slow enough that the update's transfer lasts seconds
+# (the tiny model's 3.3 MB in ~7 s), so a partition lands in its middle.
+TRAINER_MBIT = 4.0
+# Shorter than the client's keepalive (a ping every 10 s, 5 s for its answer), which would
+# give the connection up.
+PARTITION_SECONDS = 5.0
+# What waiting out a partition may add beyond its length: TCP's retransmission backoff (the
+# first segment after the heal goes out at the next doubling, up to ~3 s after a 5 s cut) and
+# a busy machine's second.
+PARTITION_SLACK_SECONDS = 5.0
+
+
+# The router's OpenAI edge, on its host.
+HTTP_PORT = 8000
+# The router host's whole link down (fault (e)): shorter than the client's keepalive.
+ROUTER_DOWN_SECONDS = 5.0
+
+
 @dataclass
 class FaultFleet:
     bed: Testbed
     client: Host
+    trainer: Host
     router_host: Host
     servers: list[Host]
     addresses: list[str]
     router: str
     logs: Path
+
+    @property
+    def edge(self) -> str:
+        return f"http://{self.router_host.address}:{HTTP_PORT}"
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +84,16 @@ def fault_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultFleet
     logs = tmp_path_factory.mktemp("multihost-faults-logs")
     with open_testbed() as bed:
         client = bed.add_host("client", RATE_MBIT)
+        trainer = bed.add_host("trainer", RATE_MBIT)
         router_host = bed.add_host("router", RATE_MBIT)
         servers = [bed.add_host(f"s{i}", RATE_MBIT) for i in range(2)]
         started = [start_server(host, *ENGINE_FLAGS, log_dir=logs) for host in servers]
         addresses = [server.until("ready")["address"] for server in started]
-        router = start_router(router_host, addresses, log_dir=logs)
+        router = start_router(router_host, addresses, "--http-port", str(HTTP_PORT), log_dir=logs)
         router.until("ready")
-        yield FaultFleet(bed, client, router_host, servers, addresses, router.address, logs)
+        yield FaultFleet(
+            bed, client, trainer, router_host, servers, addresses, router.address, logs
+        )
 
 
 def reference(fleet: FaultFleet) -> list[int]:
@@ -162,3 +192,98 @@ async def test_streams_through_loss_and_distance_on_every_link_lose_nothing(
     assert [str(v) for v in check(history)] == []
     assert all(call.status == "OK" for call in history.calls)
     assert len(history.calls) >= STREAMS
+
+
+def full_update(fleet: FaultFleet, edit: int) -> dict[str, object]:
+    """An ``update`` job's arguments: the whole checkpoint with ``edit`` edits, to every server."""
+    steps = [{"edit": edit, "delta": False}]
+    return {"servers": fleet.addresses, "model": str(ensure_tiny_model()), "steps": steps}
+
+
+async def test_a_server_cut_off_from_the_trainer_mid_update_is_waited_for_on_one_version(
+    fault_fleet: FaultFleet,
+) -> None:
+    """Fault (b): the trainer and one server partitioned from each other for 5 s in the middle
+    of a full update (the server still reaches the other server and the router). The update's
+    share sent straight to that server stalls, TCP retransmits after the heal, and the update
+    commits on both servers: one version, every tensor as pushed, later than an undisturbed
+    update by about the partition."""
+    fleet, victim = fault_fleet, fault_fleet.servers[1]
+    fleet.bed.shape(fleet.trainer, TRAINER_MBIT)
+    try:
+        undisturbed = await asyncio.to_thread(
+            run_job, fleet.trainer, "update", full_update(fleet, 1), JOB_SECONDS
+        )
+        job = start_job(fleet.trainer, "update", full_update(fleet, 2), log_dir=fleet.logs)
+        assert job.stdout is not None
+        line = await asyncio.to_thread(job.stdout.readline)
+        assert line.strip() == "PROGRESS step 0 begins", line
+        # Into the transfer (an undisturbed one takes seconds; asserted below from the job's
+        # own clock).
+        await asyncio.sleep(1.0)
+        cut_at = time.monotonic()
+        fleet.bed.cut_between(fleet.trainer, victim)
+        try:
+            await asyncio.sleep(PARTITION_SECONDS)  # the partition's length (the fault)
+        finally:
+            fleet.bed.heal_between(fleet.trainer, victim)
+        healed_at = time.monotonic()
+        result = await asyncio.to_thread(job_result, job, JOB_SECONDS)
+    finally:
+        fleet.bed.shape(fleet.trainer, RATE_MBIT)
+    (before,) = undisturbed["steps"]
+    (step,) = result["steps"]
+    assert "error" not in step, step
+    # The cut landed in the update, which went on past the heal: it waited the partition out.
+    assert step["began"] < cut_at and step["ended"] > healed_at, (step, cut_at, healed_at)
+    assert step["served"] == dict.fromkeys(fleet.addresses, step["pushed"])
+    versions = result["versions"]
+    assert len(set(versions.values())) == 1 and None not in versions.values(), versions
+    late = step["seconds"] - before["seconds"]
+    print(
+        f"update {before['seconds']:.1f} s undisturbed, {step['seconds']:.1f} s with a "
+        f"{PARTITION_SECONDS:.0f} s partition: {late:.1f} s later"
+    )
+    assert late <= PARTITION_SECONDS + PARTITION_SLACK_SECONDS, (before, step)
+
+
+async def test_the_router_host_cut_off_under_edge_and_trainer_traffic_loses_nothing(
+    fault_fleet: FaultFleet,
+) -> None:
+    """Fault (e): the router host's link drops everything for 5 s while an agent harness
+    streams completions through its OpenAI edge (from the client host) and a trainer streams
+    generations through it over gRPC (from the trainer host). Every connection through the
+    router stalls; none may lose, repeat or wedge a token, and both kinds of call go on after
+    the heal."""
+    fleet, expected = fault_fleet, reference(fault_fleet)
+    common = {"tokens": TOKENS, "seconds": 20, "expected": expected, "deadline": DEADLINE_SECONDS}
+    edge_job = start_job(
+        fleet.client, "edge", {"address": fleet.edge, "streams": 4, **common}, log_dir=fleet.logs
+    )
+    grpc_job = start_job(
+        fleet.trainer,
+        "streams",
+        {"address": fleet.router, "streams": 4, "prefix": "trainer", **common},
+        log_dir=fleet.logs,
+    )
+    for job in (edge_job, grpc_job):
+        assert job.stdout is not None
+        line = await asyncio.to_thread(job.stdout.readline)
+        assert line.strip() == "PROGRESS streaming", line
+    cut_at = time.monotonic()
+    fleet.bed.cut(fleet.router_host)
+    try:
+        await asyncio.sleep(ROUTER_DOWN_SECONDS)  # the fault's length
+    finally:
+        fleet.bed.heal(fleet.router_host)
+    healed_at = time.monotonic()
+    for name, job in (("edge", edge_job), ("gRPC", grpc_job)):
+        result = await asyncio.to_thread(job_result, job, JOB_SECONDS)
+        history = History.from_json(result["history"])
+        # The router could reach no server while it was cut off.
+        history.outages += [Outage(a, cut_at, healed_at) for a in fleet.addresses]
+        assert [str(v) for v in check(history)] == [], name
+        assert all(call.status == "OK" for call in history.calls), (name, history.calls)
+        after = [c for c in history.calls if c.started > healed_at]
+        assert after, f"no {name} call started after the heal"
+        print(f"{name}: {len(history.calls)} calls, longest stall {max(result['max_gaps']):.1f} s")

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.engine]
 @pytest.fixture(scope="module")
 async def routed(
     engine_server: Any, one_server_router: Any
-) -> AsyncIterator[tuple[grpc.aio.Channel, control_plane_pb2_grpc.ControlPlaneStub]]:
+) -> AsyncIterator[tuple[grpc.aio.Channel, control_plane_pb2_grpc.ControlPlaneAsyncStub]]:
     async with (
         grpc.aio.insecure_channel(one_server_router.address) as channel,
         grpc.aio.insecure_channel(engine_server.address) as direct,

@@ -221,7 +221,7 @@ async def test_a_hop_killed_mid_update_leaves_one_version_and_catches_up(
 
 
 async def open_with_role(
-    control: control_plane_pb2_grpc.ControlPlaneStub, version: int, ticket: bytes, parent: str
+    control: control_plane_pb2_grpc.ControlPlaneAsyncStub, version: int, ticket: bytes, parent: str
 ) -> None:
     role = cp.WeightRelayRole(address="me:1", parent=parent)
     await control.StartWeightUpdate(

@@ -315,7 +315,7 @@ async def test_collective_gloo_updates_two_servers_with_their_own_rank_offsets(
     await assert_serving(pushed_fleet, pushed_fleet.original, original_greedy)
 
 
-def control(address: str) -> control_plane_pb2_grpc.ControlPlaneStub:
+def control(address: str) -> control_plane_pb2_grpc.ControlPlaneAsyncStub:
     return control_plane_pb2_grpc.ControlPlaneStub(grpc.aio.insecure_channel(address))
 
 

@@ -77,7 +77,7 @@ def wait_until(condition: Callable[[], bool], timeout: float = 60.0, what: str =
         time.sleep(0.05)
 
 
-async def engine_idle(control: control_plane_pb2_grpc.ControlPlaneStub) -> cp.GetLoadResponse:
+async def engine_idle(control: control_plane_pb2_grpc.ControlPlaneAsyncStub) -> cp.GetLoadResponse:
     """Waits until no request runs or waits on the engine behind ``control``; its load then."""
     loads: list[cp.GetLoadResponse] = []
 
