@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 CORPUS_PATH = Path(__file__).with_name("data") / "tiny_corpus.txt"
 # Bump when the recipe changes in a way the spec's fields do not capture.
@@ -87,6 +88,40 @@ class TinyModelSpec:
     # Which chat template the tokenizer carries (CHAT_TEMPLATES): "plain" role turns, or
     # "hermes" tool calling.
     chat_template: str = "plain"
+    # 0: a dense Llama. More: a mixture of experts in Mixtral's architecture (each layer's MLP
+    # made of ``num_experts`` experts of ``intermediate_size``, ``experts_per_token`` of them
+    # chosen per token), which vLLM serves from fused expert tensors.
+    num_experts: int = 0
+    experts_per_token: int = 2
+
+    @property
+    def architecture(self) -> str:
+        return "mixtral" if self.num_experts else "llama"
+
+
+# The fields of a mixture of experts: left out of a dense model's cache key, which stays what
+# it was before they existed.
+MOE_FIELDS = ("num_experts", "experts_per_token")
+# The embedded mixture of experts: the tiny Llama's shape with 4 experts a layer, top-2.
+TINY_MOE_SPEC = TinyModelSpec(num_experts=4, experts_per_token=2)
+# The embedded models: what ``--model`` names each (None: the default, the tiny Llama), the
+# name each is served as, and its recipe. Built on first use, on this machine; no download.
+TINY_MODEL_NAME = "skyrl-tiny-llama"
+EMBEDDED_MODELS: dict[str | None, tuple[str, TinyModelSpec]] = {
+    None: (TINY_MODEL_NAME, TinyModelSpec()),
+    "tiny-moe": ("skyrl-tiny-moe", TINY_MOE_SPEC),
+}
+
+
+def embedded_model_name(model: str | None) -> str | None:
+    """The served name of the embedded model ``--model`` names (None: not an embedded one)."""
+    entry = EMBEDDED_MODELS.get(model)
+    return entry[0] if entry else None
+
+
+def embedded_model_path(model: str | None) -> Path:
+    """The built directory of the embedded model ``--model`` names (built now if needed)."""
+    return ensure_tiny_model(spec=EMBEDDED_MODELS[model][1])
 
 
 def default_cache_dir() -> Path:
@@ -99,7 +134,8 @@ def default_cache_dir() -> Path:
 
 def _cache_key(spec: TinyModelSpec) -> str:
     digest = hashlib.sha256()
-    digest.update(json.dumps({"recipe": RECIPE_VERSION, **asdict(spec)}, sort_keys=True).encode())
+    fields = {k: v for k, v in asdict(spec).items() if spec.num_experts or k not in MOE_FIELDS}
+    digest.update(json.dumps({"recipe": RECIPE_VERSION, **fields}, sort_keys=True).encode())
     digest.update(CORPUS_PATH.read_bytes())
     digest.update(CHAT_TEMPLATES[spec.chat_template].encode())
     return digest.hexdigest()[:16]
@@ -109,7 +145,13 @@ def build_tiny_model(out_dir: Path, spec: TinyModelSpec = TinyModelSpec()) -> Pa
     """Builds the model into ``out_dir`` (created; must not exist or be empty) and returns it."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -139,7 +181,7 @@ def build_tiny_model(out_dir: Path, spec: TinyModelSpec = TinyModelSpec()) -> Pa
         hf_tokenizer.add_tokens(list(THINK_TOKENS))
     hf_tokenizer.save_pretrained(out_dir)
 
-    config = LlamaConfig(
+    shape: dict[str, Any] = dict(
         vocab_size=len(hf_tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -155,14 +197,23 @@ def build_tiny_model(out_dir: Path, spec: TinyModelSpec = TinyModelSpec()) -> Pa
         dtype="float32",
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    if spec.num_experts:
+        config: Any = MixtralConfig(
+            **shape,
+            num_local_experts=spec.num_experts,
+            num_experts_per_tok=spec.experts_per_token,
+            sliding_window=None,
+        )
+        model: Any = MixtralForCausalLM(config).to(torch.float32)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape)).to(torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
 
 def tiny_model_path(cache_dir: Path | None = None, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Where the build of ``spec`` is (or will be: ``ensure_tiny_model`` builds it)."""
-    return (cache_dir or default_cache_dir()) / f"tiny-llama-{_cache_key(spec)}"
+    return (cache_dir or default_cache_dir()) / f"tiny-{spec.architecture}-{_cache_key(spec)}"
 
 
 def ensure_tiny_model(cache_dir: Path | None = None, spec: TinyModelSpec = TinyModelSpec()) -> Path:

@@ -18,9 +18,10 @@ one ``JOB-RESULT <JSON>`` line.
   ``address`` (a router), each with a session of its own, started again as each ends, for
   ``seconds``; prints ``PROGRESS streaming`` once every stream has its first token; returns
   the calls as a ``testbed.history.History`` (``expected``: the undisturbed answer, checked
-  against each call; ``deadline``: each call's, seconds) and each call's longest wait between
-  two of its messages (``max_gaps``); sessions are named ``<prefix>-<i>`` (``prefix``, default
-  ``stream``).
+  against each call; ``deadline``: each call's, seconds; a call that ends with a status its
+  client retries is sent again, the same request, as a client does: ``RETRIES``) and each
+  call's longest wait between two of its messages (``max_gaps``); sessions are named
+  ``<prefix>-<i>`` (``prefix``, default ``stream``).
 - ``edge``: ``streams`` through an OpenAI edge (``address``: its base URL), streamed
   completions read as an agent harness reads them (sessions ``<prefix>-<i>``, default ``edge``).
 
@@ -41,6 +42,16 @@ from typing import Any
 JOB_RESULT = "JOB-RESULT "
 # The share of each tensor's elements an edit changes: an RL step's patch.
 EDIT_SHARE = 0.01
+# A request that ends with a status its client retries (testbed.history.RETRYABLE) is sent
+# again, as a client does: after 0.25 s, doubling up to 2 s, at most RETRIES times.
+RETRIES = 12
+RETRY_FIRST_SECONDS = 0.25
+# The gRPC status an OpenAI edge's HTTP status stands for (testbed.history's vocabulary).
+HTTP_STATUS_NAMES = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+def http_status_name(code: int) -> str:
+    return HTTP_STATUS_NAMES.get(code, f"HTTP {code}")
 
 
 def edited(original: dict[str, Any], edit: int) -> dict[str, Any]:
@@ -213,7 +224,7 @@ async def streams(arguments: dict[str, Any]) -> dict[str, Any]:
     from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
     from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
     from skyrl_grpc.v1 import generation_pb2 as gen
-    from testbed.history import Call, History, Message
+    from testbed.history import RETRYABLE, Call, History, Message
 
     tokens, count = arguments["tokens"], arguments["streams"]
     deadline_seconds = float(arguments.get("deadline", 120))
@@ -229,8 +240,8 @@ async def streams(arguments: dict[str, Any]) -> dict[str, Any]:
         stub = data_plane_pb2_grpc.DataPlaneStub(channel)
 
         async def one(index: int) -> None:
-            turn = 0
-            while time.monotonic() < deadline:
+            turn, retries = 0, 0
+            while retries or time.monotonic() < deadline:
                 session = f"{arguments.get('prefix', 'stream')}-{index}"
                 record = Call(
                     key=f"{session}/{turn}",
@@ -240,7 +251,6 @@ async def streams(arguments: dict[str, Any]) -> dict[str, Any]:
                     session=session,
                     expected=arguments.get("expected"),
                 )
-                turn += 1
                 gap, last = 0.0, time.monotonic()
                 call = stub.GenerateStream(
                     request, metadata=((SESSION_ID, session),), timeout=deadline_seconds
@@ -268,6 +278,11 @@ async def streams(arguments: dict[str, Any]) -> dict[str, Any]:
                 record.ended = time.monotonic()
                 history.calls.append(record)
                 gaps.append(gap)
+                if record.status in RETRYABLE and retries < RETRIES:
+                    retries += 1  # the same request again, as its client retries it
+                    await asyncio.sleep(min(RETRY_FIRST_SECONDS * 2 ** (retries - 1), 2.0))
+                else:
+                    turn, retries = turn + 1, 0
 
         running = asyncio.gather(*(one(i) for i in range(count)))
         await asyncio.gather(*(event.wait() for event in started))
@@ -284,7 +299,7 @@ async def edge(arguments: dict[str, Any]) -> dict[str, Any]:
     import httpx
 
     from skyrl_grpc.metadata import SESSION_ID
-    from testbed.history import Call, History, Message
+    from testbed.history import RETRYABLE, Call, History, Message
 
     tokens, count = arguments["tokens"], arguments["streams"]
     deadline_seconds = float(arguments.get("deadline", 120))
@@ -306,8 +321,8 @@ async def edge(arguments: dict[str, Any]) -> dict[str, Any]:
         }
 
         async def one(index: int) -> None:
-            turn = 0
-            while time.monotonic() < deadline:
+            turn, retries = 0, 0
+            while retries or time.monotonic() < deadline:
                 session = f"{arguments.get('prefix', 'edge')}-{index}"
                 record = Call(
                     key=f"{session}/{turn}",
@@ -317,20 +332,21 @@ async def edge(arguments: dict[str, Any]) -> dict[str, Any]:
                     session=session,
                     expected=arguments.get("expected"),
                 )
-                turn += 1
                 gap, last, received = 0.0, time.monotonic(), 0
                 try:
                     async with http.stream(
                         "POST", "/v1/completions", json=body, headers={SESSION_ID: session}
                     ) as response:
                         if response.status_code != 200:
-                            record.status = f"HTTP {response.status_code}"
+                            record.status = http_status_name(response.status_code)
                         async for line in response.aiter_lines():
                             if not line.startswith("data: ") or line == "data: [DONE]":
                                 continue
                             now = time.monotonic()
                             gap, last = max(gap, now - last), now
                             event = json.loads(line[len("data: ") :])
+                            if "error" in event:  # the edge's end of a stream that failed
+                                record.status = http_status_name(int(event["error"]["code"]))
                             for choice in event.get("choices", []):
                                 ids = list(choice.get("token_ids") or [])
                                 received += len(ids)
@@ -350,6 +366,11 @@ async def edge(arguments: dict[str, Any]) -> dict[str, Any]:
                 record.ended = time.monotonic()
                 history.calls.append(record)
                 gaps.append(gap)
+                if record.status in RETRYABLE and retries < RETRIES:
+                    retries += 1  # the same request again, as its client retries it
+                    await asyncio.sleep(min(RETRY_FIRST_SECONDS * 2 ** (retries - 1), 2.0))
+                else:
+                    turn, retries = turn + 1, 0
 
         running = asyncio.gather(*(one(i) for i in range(count)))
         await asyncio.gather(*(event.wait() for event in started))

@@ -283,7 +283,14 @@ async def test_the_router_host_cut_off_under_edge_and_trainer_traffic_loses_noth
         # The router could reach no server while it was cut off.
         history.outages += [Outage(a, cut_at, healed_at) for a in fleet.addresses]
         assert [str(v) for v in check(history)] == [], name
-        assert all(call.status == "OK" for call in history.calls), (name, history.calls)
-        after = [c for c in history.calls if c.started > healed_at]
-        assert after, f"no {name} call started after the heal"
-        print(f"{name}: {len(history.calls)} calls, longest stall {max(result['max_gaps']):.1f} s")
+        # Every request answered whole in the end (a stream the router could not finish ended
+        # UNAVAILABLE, which its client retries: the same request, counted once).
+        requests = {c.key for c in history.calls}
+        assert requests == {c.key for c in history.calls if c.status == "OK"}, name
+        retried = len(history.calls) - len(requests)
+        after = [c for c in history.calls if c.started > healed_at and c.status == "OK"]
+        assert after, f"no {name} call answered after the heal"
+        print(
+            f"{name}: {len(requests)} requests, {retried} retries; longest stall "
+            f"{max(result['max_gaps']):.1f} s"
+        )

@@ -20,9 +20,9 @@ from servers.common.listener import (
 )
 from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB
 from skyrl_grpc.placement.session_directory import SESSION_IDLE_SECONDS
+from skyrl_grpc.tiny_model import TINY_MODEL_NAME as TINY_MODEL_NAME
 from skyrl_grpc.tls import TlsConfig
 
-TINY_MODEL_NAME = "skyrl-tiny-llama"
 WORKER_EXTENSION = "servers.engine.worker.worker_extension.WeightTransferWorker"
 DEFAULT_PORT = 50051  # the command line's; ServerOptions(port=0) picks a free port
 
@@ -154,7 +154,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     d = EngineOptions()
     group = parser.add_argument_group("engine")
     group.add_argument(
-        "--model", default=d.model, help="model directory (default: embedded tiny model)"
+        "--model",
+        default=d.model,
+        help="model directory or Hugging Face id; 'tiny-moe': the embedded mixture of experts "
+        "(default: the embedded tiny Llama)",
     )
     group.add_argument("--served-model-name", default=d.served_model_name)
     group.add_argument("--dtype", default=d.dtype)

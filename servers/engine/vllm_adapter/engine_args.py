@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from servers.engine.options import TINY_MODEL_NAME, EngineOptions, RequestLimits
+from servers.engine.options import EngineOptions, RequestLimits
 from servers.engine.transfer.protocol import BACKEND as WEIGHT_TRANSFER_BACKEND
 from servers.engine.transfer.protocol import HEAP_SLACK_ENVIRONMENT, SPARES_AT_START_ENVIRONMENT
-from skyrl_grpc.tiny_model import ensure_tiny_model
+from skyrl_grpc.tiny_model import embedded_model_name, embedded_model_path
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,12 @@ def engine_arguments(
         SPARES_AT_START_ENVIRONMENT: "1" if options.weight_spares_at_start else "0",
     }
     dtype = options.dtype
-    if dtype == "auto" and options.model is None:
-        dtype = "float32"  # the tiny model is saved in float32; keep outputs exact
+    embedded = embedded_model_name(options.model)
+    if dtype == "auto" and embedded:
+        dtype = "float32"  # the embedded models are saved in float32; keep outputs exact
     args: dict[str, Any] = dict(
         model=model_path,
-        served_model_name=options.served_model_name
-        or (TINY_MODEL_NAME if options.model is None else None),
+        served_model_name=options.served_model_name or embedded,
         dtype=dtype,
         max_model_len=options.max_model_len,
         tensor_parallel_size=options.tensor_parallel_size,
@@ -93,9 +93,10 @@ def engine_arguments(
     return EngineArguments(args, environment)
 
 
-# The embedded tiny model's KV cache: 1 KiB a token, so 131,072 tokens, its whole context
-# (512) for each of 256 sequences (the default max_num_seqs). 1 GiB would hold 8 times that
-# and cost 0.9 GB more host memory an engine.
+# The embedded models' KV cache (the tiny Llama's attention, which the mixture of experts
+# shares): 1 KiB a token, so 131,072 tokens, their whole context (512) for each of 256
+# sequences (the default max_num_seqs). 1 GiB would hold 8 times that and cost 0.9 GB more host
+# memory an engine.
 TINY_MODEL_KV_CACHE_GIB = 0.125
 
 
@@ -103,7 +104,7 @@ def kv_cache_gib(options: EngineOptions) -> float:
     """The CPU KV cache's size: ``--kv-cache-gib``, or the default for the model served."""
     if options.kv_cache_gib is not None:
         return options.kv_cache_gib
-    return TINY_MODEL_KV_CACHE_GIB if options.model is None else 1.0
+    return TINY_MODEL_KV_CACHE_GIB if embedded_model_name(options.model) else 1.0
 
 
 def kv_cache_bytes(gib: float) -> int:
@@ -153,7 +154,7 @@ def check_context(options: EngineOptions, model_path: str) -> None:
         return
     limit = json.loads(config.read_text()).get("max_position_embeddings")
     if isinstance(limit, int) and options.max_model_len > limit:
-        which = "the embedded model" if options.model is None else f"--model {options.model}"
+        which = f"--model {options.model}" if options.model else "the embedded model"
         raise ContextTooLong(
             f"--max-model-len {options.max_model_len}: {which} has a context of {limit} tokens "
             f"(max_position_embeddings in {config}); use at most {limit}, or a model with a "
@@ -166,18 +167,19 @@ def _model_path(options: EngineOptions) -> str:
     seconds of vLLM's imports with Hugging Face's complaint about repo ids. A local path is
     returned with ``~`` expanded: vLLM does not expand it, and would take ``~/model`` for a
     repo id."""
-    if not options.model:
-        return str(ensure_tiny_model())
-    if options.model.startswith(("/", "./", "../", "~")):
-        path = Path(options.model).expanduser()
+    model = options.model or None
+    if model is None or embedded_model_name(model):
+        return str(embedded_model_path(model))
+    if model.startswith(("/", "./", "../", "~")):
+        path = Path(model).expanduser()
         if not path.is_dir():
             what = "is a file, not a model directory" if path.exists() else "does not exist"
             raise ModelNotFound(
-                f"--model {options.model}: {what} (a local path; a Hugging Face repo id has the "
+                f"--model {model}: {what} (a local path; a Hugging Face repo id has the "
                 "form org/name)"
             )
         return str(path)
-    return options.model
+    return model
 
 
 def cpu_layout(options: EngineOptions) -> tuple[dict[str, Any], dict[str, str]]:
@@ -191,7 +193,7 @@ def cpu_layout(options: EngineOptions) -> tuple[dict[str, Any], dict[str, str]]:
     """
     env: dict[str, str] = {}
     threads = options.cpu_threads
-    if threads is None and options.model is None:
+    if threads is None and embedded_model_name(options.model):
         threads = 1
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)

@@ -25,7 +25,7 @@ from collections.abc import (
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
-from servers.engine.options import TINY_MODEL_NAME, EngineOptions, RequestLimits
+from servers.engine.options import EngineOptions, RequestLimits
 from servers.engine.vllm_adapter import core_preload
 from servers.engine.vllm_adapter.engine_args import Platform, engine_arguments, resolved_model
 from servers.engine.vllm_adapter.engine_logs import death_cause, root_cause
@@ -34,6 +34,7 @@ from servers.engine.vllm_adapter.lifecycle_calls import AsyncLLMLifecycle
 from servers.engine.vllm_adapter.load_tracker import Load, LoadTracker
 from servers.engine.vllm_adapter.tokenizer_calls import TokenizerCalls
 from skyrl_grpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from skyrl_grpc.tiny_model import embedded_model_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,7 +85,7 @@ class VllmEngine:
         self._errors = errors
         self.options = options
         self.model_path = model_path
-        default_name = TINY_MODEL_NAME if options.model is None else Path(model_path).name
+        default_name = embedded_model_name(options.model) or Path(model_path).name
         self.served_model_name = options.served_model_name or default_name
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.tokenizer_calls = TokenizerCalls(
