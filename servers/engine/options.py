@@ -154,10 +154,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     d = EngineOptions()
     group = parser.add_argument_group("engine")
     group.add_argument(
-        "--model",
-        default=d.model,
-        help="model directory or Hugging Face id; 'tiny-moe': the embedded mixture of experts "
-        "(default: the embedded tiny Llama)",
+        "--model", default=d.model, help="model directory or id; 'tiny-moe': embedded MoE"
     )
     group.add_argument("--served-model-name", default=d.served_model_name)
     group.add_argument("--dtype", default=d.dtype)
