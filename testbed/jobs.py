@@ -36,6 +36,7 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,42 @@ HTTP_STATUS_NAMES = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLI
 
 def http_status_name(code: int) -> str:
     return HTTP_STATUS_NAMES.get(code, f"HTTP {code}")
+
+
+async def requests_in_turn(
+    session: str,
+    until: float,
+    arguments: dict[str, Any],
+    attempt: Callable[[Any], Awaitable[float]],
+    history: Any,
+    gaps: list[float],
+) -> None:
+    """``session``'s requests one after another until ``until`` (monotonic), each attempt
+    recorded in ``history`` as a ``testbed.history.Call`` that ``attempt`` fills (returning its
+    longest wait between two messages, added to ``gaps``); an attempt that ends with a status
+    its client retries is made again, the same request (``RETRIES``). At least one request,
+    however late this starts (a job that waits for every session's first message would
+    otherwise wait forever)."""
+    from testbed.history import RETRYABLE, Call
+
+    turn, retries = 0, 0
+    while turn == 0 or retries or time.monotonic() < until:
+        record = Call(
+            key=f"{session}/{turn}",
+            started=time.monotonic(),
+            ended=0.0,
+            deadline=float(arguments.get("deadline", 120)),
+            session=session,
+            expected=arguments.get("expected"),
+        )
+        gaps.append(await attempt(record))
+        record.ended = time.monotonic()
+        history.calls.append(record)
+        if record.status in RETRYABLE and retries < RETRIES:
+            retries += 1  # the same request again, as its client retries it
+            await asyncio.sleep(min(RETRY_FIRST_SECONDS * 2 ** (retries - 1), 2.0))
+        else:
+            turn, retries = turn + 1, 0
 
 
 def edited(original: dict[str, Any], edit: int) -> dict[str, Any]:
@@ -224,7 +261,7 @@ async def streams(arguments: dict[str, Any]) -> dict[str, Any]:
     from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
     from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
     from skyrl_grpc.v1 import generation_pb2 as gen
-    from testbed.history import RETRYABLE, Call, History, Message
+    from testbed.history import Call, History, Message
 
     tokens, count = arguments["tokens"], arguments["streams"]
     deadline_seconds = float(arguments.get("deadline", 120))
@@ -240,17 +277,9 @@ async def streams(arguments: dict[str, Any]) -> dict[str, Any]:
         stub = data_plane_pb2_grpc.DataPlaneStub(channel)
 
         async def one(index: int) -> None:
-            turn, retries = 0, 0
-            while retries or time.monotonic() < deadline:
-                session = f"{arguments.get('prefix', 'stream')}-{index}"
-                record = Call(
-                    key=f"{session}/{turn}",
-                    started=time.monotonic(),
-                    ended=0.0,
-                    deadline=deadline_seconds,
-                    session=session,
-                    expected=arguments.get("expected"),
-                )
+            session = f"{arguments.get('prefix', 'stream')}-{index}"
+
+            async def attempt(record: Call) -> float:
                 gap, last = 0.0, time.monotonic()
                 call = stub.GenerateStream(
                     request, metadata=((SESSION_ID, session),), timeout=deadline_seconds
@@ -275,14 +304,9 @@ async def streams(arguments: dict[str, Any]) -> dict[str, Any]:
                     record.status = failed.code().name
                 finally:
                     started[index].set()  # a call that failed first still lets the job go on
-                record.ended = time.monotonic()
-                history.calls.append(record)
-                gaps.append(gap)
-                if record.status in RETRYABLE and retries < RETRIES:
-                    retries += 1  # the same request again, as its client retries it
-                    await asyncio.sleep(min(RETRY_FIRST_SECONDS * 2 ** (retries - 1), 2.0))
-                else:
-                    turn, retries = turn + 1, 0
+                return gap
+
+            await requests_in_turn(session, deadline, arguments, attempt, history, gaps)
 
         running = asyncio.gather(*(one(i) for i in range(count)))
         await asyncio.gather(*(event.wait() for event in started))
@@ -299,7 +323,7 @@ async def edge(arguments: dict[str, Any]) -> dict[str, Any]:
     import httpx
 
     from skyrl_grpc.metadata import SESSION_ID
-    from testbed.history import RETRYABLE, Call, History, Message
+    from testbed.history import Call, History, Message
 
     tokens, count = arguments["tokens"], arguments["streams"]
     deadline_seconds = float(arguments.get("deadline", 120))
@@ -321,17 +345,9 @@ async def edge(arguments: dict[str, Any]) -> dict[str, Any]:
         }
 
         async def one(index: int) -> None:
-            turn, retries = 0, 0
-            while retries or time.monotonic() < deadline:
-                session = f"{arguments.get('prefix', 'edge')}-{index}"
-                record = Call(
-                    key=f"{session}/{turn}",
-                    started=time.monotonic(),
-                    ended=0.0,
-                    deadline=deadline_seconds,
-                    session=session,
-                    expected=arguments.get("expected"),
-                )
+            session = f"{arguments.get('prefix', 'edge')}-{index}"
+
+            async def attempt(record: Call) -> float:
                 gap, last, received = 0.0, time.monotonic(), 0
                 try:
                     async with http.stream(
@@ -363,14 +379,9 @@ async def edge(arguments: dict[str, Any]) -> dict[str, Any]:
                     record.status = f"{type(failed).__name__}: {failed}"
                 finally:
                     started[index].set()
-                record.ended = time.monotonic()
-                history.calls.append(record)
-                gaps.append(gap)
-                if record.status in RETRYABLE and retries < RETRIES:
-                    retries += 1  # the same request again, as its client retries it
-                    await asyncio.sleep(min(RETRY_FIRST_SECONDS * 2 ** (retries - 1), 2.0))
-                else:
-                    turn, retries = turn + 1, 0
+                return gap
+
+            await requests_in_turn(session, deadline, arguments, attempt, history, gaps)
 
         running = asyncio.gather(*(one(i) for i in range(count)))
         await asyncio.gather(*(event.wait() for event in started))
