@@ -55,40 +55,55 @@ def http_status_name(code: int) -> str:
     return HTTP_STATUS_NAMES.get(code, f"HTTP {code}")
 
 
-async def requests_in_turn(
-    session: str,
-    until: float,
-    arguments: dict[str, Any],
-    attempt: Callable[[Any], Awaitable[float]],
-    history: Any,
-    gaps: list[float],
-) -> None:
-    """``session``'s requests one after another until ``until`` (monotonic), each attempt
-    recorded in ``history`` as a ``testbed.history.Call`` that ``attempt`` fills (returning its
-    longest wait between two messages, added to ``gaps``); an attempt that ends with a status
-    its client retries is made again, the same request (``RETRIES``). At least one request,
-    however late this starts (a job that waits for every session's first message would
-    otherwise wait forever)."""
-    from testbed.history import RETRYABLE, Call
+# Makes one attempt at a session's request: fills the record (a ``testbed.history.Call``) and
+# sets the event at the session's first message; returns the longest wait between messages.
+Attempt = Callable[[Any, str, asyncio.Event], Awaitable[float]]
 
-    turn, retries = 0, 0
-    while turn == 0 or retries or time.monotonic() < until:
-        record = Call(
-            key=f"{session}/{turn}",
-            started=time.monotonic(),
-            ended=0.0,
-            deadline=float(arguments.get("deadline", 120)),
-            session=session,
-            expected=arguments.get("expected"),
-        )
-        gaps.append(await attempt(record))
-        record.ended = time.monotonic()
-        history.calls.append(record)
-        if record.status in RETRYABLE and retries < RETRIES:
-            retries += 1  # the same request again, as its client retries it
-            await asyncio.sleep(min(RETRY_FIRST_SECONDS * 2 ** (retries - 1), 2.0))
-        else:
-            turn, retries = turn + 1, 0
+
+async def streaming_sessions(
+    arguments: dict[str, Any], prefix: str, attempt: Attempt
+) -> dict[str, Any]:
+    """``streams`` sessions (``<prefix>-<i>``, ``prefix`` from the arguments or this default),
+    each making its requests one after another for ``seconds``, every attempt recorded as a
+    ``testbed.history.Call``; an attempt that ends with a status its client retries is made
+    again, the same request (``RETRIES``), and each session makes at least one request however
+    late it starts. Prints ``PROGRESS streaming`` once every session has its first message (or
+    a first attempt that failed); returns the history and each attempt's longest gap."""
+    from testbed.history import RETRYABLE, Call, History
+
+    history, gaps = History(), []
+    started = [asyncio.Event() for _ in range(arguments["streams"])]
+    until = time.monotonic() + arguments["seconds"]
+
+    async def requests(index: int) -> None:
+        session = f"{arguments.get('prefix', prefix)}-{index}"
+        turn, retries = 0, 0
+        while turn == 0 or retries or time.monotonic() < until:
+            record = Call(
+                key=f"{session}/{turn}",
+                started=time.monotonic(),
+                ended=0.0,
+                deadline=float(arguments.get("deadline", 120)),
+                session=session,
+                expected=arguments.get("expected"),
+            )
+            try:
+                gaps.append(await attempt(record, session, started[index]))
+            finally:
+                started[index].set()  # a request that failed first still lets the job go on
+            record.ended = time.monotonic()
+            history.calls.append(record)
+            if record.status in RETRYABLE and retries < RETRIES:
+                retries += 1  # the same request again, as its client retries it
+                await asyncio.sleep(min(RETRY_FIRST_SECONDS * 2 ** (retries - 1), 2.0))
+            else:
+                turn, retries = turn + 1, 0
+
+    running = asyncio.gather(*(requests(i) for i in range(len(started))))
+    await asyncio.gather(*(event.wait() for event in started))
+    progress("streaming")
+    await running
+    return {"history": history.to_json(), "max_gaps": gaps}
 
 
 def edited(original: dict[str, Any], edit: int) -> dict[str, Any]:
@@ -261,58 +276,44 @@ async def streams(arguments: dict[str, Any]) -> dict[str, Any]:
     from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
     from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
     from skyrl_grpc.v1 import generation_pb2 as gen
-    from testbed.history import Call, History, Message
+    from testbed.history import Call, Message
 
-    tokens, count = arguments["tokens"], arguments["streams"]
     deadline_seconds = float(arguments.get("deadline", 120))
     request = data_plane_pb2.GenerateStreamRequest(
         prompt_token_ids=[1, 45, 722, 84],
-        sampling_params=gen.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+        sampling_params=gen.SamplingParams(
+            temperature=0.0, max_tokens=arguments["tokens"], ignore_eos=True
+        ),
     )
-    history = History()
-    gaps: list[float] = []
-    started = [asyncio.Event() for _ in range(count)]
-    deadline = time.monotonic() + arguments["seconds"]
     async with grpc.aio.insecure_channel(arguments["address"]) as channel:
         stub = data_plane_pb2_grpc.DataPlaneStub(channel)
 
-        async def one(index: int) -> None:
-            session = f"{arguments.get('prefix', 'stream')}-{index}"
-
-            async def attempt(record: Call) -> float:
-                gap, last = 0.0, time.monotonic()
-                call = stub.GenerateStream(
-                    request, metadata=((SESSION_ID, session),), timeout=deadline_seconds
-                )
-                try:
-                    async for chunk in call:
-                        now = time.monotonic()
-                        gap, last = max(gap, now - last), now
-                        record.messages.append(
-                            Message(
-                                list(chunk.token_ids),
-                                chunk.usage.completion_tokens,
-                                chunk.weight_version,
-                            )
+        async def attempt(record: Call, session: str, first: asyncio.Event) -> float:
+            gap, last = 0.0, time.monotonic()
+            call = stub.GenerateStream(
+                request, metadata=((SESSION_ID, session),), timeout=deadline_seconds
+            )
+            try:
+                async for chunk in call:
+                    now = time.monotonic()
+                    gap, last = max(gap, now - last), now
+                    record.messages.append(
+                        Message(
+                            list(chunk.token_ids),
+                            chunk.usage.completion_tokens,
+                            chunk.weight_version,
                         )
-                        if chunk.finish_reason:
-                            record.finish_reason = gen.FinishReason.Name(chunk.finish_reason)
-                        started[index].set()
-                    routed = dict(await call.initial_metadata() or ())
-                    record.server = str(routed.get(ROUTED_TO, ""))
-                except grpc.aio.AioRpcError as failed:
-                    record.status = failed.code().name
-                finally:
-                    started[index].set()  # a call that failed first still lets the job go on
-                return gap
+                    )
+                    if chunk.finish_reason:
+                        record.finish_reason = gen.FinishReason.Name(chunk.finish_reason)
+                    first.set()
+                routed = dict(await call.initial_metadata() or ())
+                record.server = str(routed.get(ROUTED_TO, ""))
+            except grpc.aio.AioRpcError as failed:
+                record.status = failed.code().name
+            return gap
 
-            await requests_in_turn(session, deadline, arguments, attempt, history, gaps)
-
-        running = asyncio.gather(*(one(i) for i in range(count)))
-        await asyncio.gather(*(event.wait() for event in started))
-        progress("streaming")
-        await running
-    return {"history": history.to_json(), "max_gaps": gaps}
+        return await streaming_sessions(arguments, "stream", attempt)
 
 
 async def edge(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -323,20 +324,15 @@ async def edge(arguments: dict[str, Any]) -> dict[str, Any]:
     import httpx
 
     from skyrl_grpc.metadata import SESSION_ID
-    from testbed.history import Call, History, Message
+    from testbed.history import Call, Message
 
-    tokens, count = arguments["tokens"], arguments["streams"]
     deadline_seconds = float(arguments.get("deadline", 120))
-    history = History()
-    gaps: list[float] = []
-    started = [asyncio.Event() for _ in range(count)]
-    deadline = time.monotonic() + arguments["seconds"]
     async with httpx.AsyncClient(base_url=arguments["address"], timeout=deadline_seconds) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         body = {
             "model": model,
             "prompt": [1, 45, 722, 84],
-            "max_tokens": tokens,
+            "max_tokens": arguments["tokens"],
             "temperature": 0.0,
             "ignore_eos": True,
             "stream": True,
@@ -344,50 +340,39 @@ async def edge(arguments: dict[str, Any]) -> dict[str, Any]:
             "return_token_ids": True,
         }
 
-        async def one(index: int) -> None:
-            session = f"{arguments.get('prefix', 'edge')}-{index}"
+        async def attempt(record: Call, session: str, first: asyncio.Event) -> float:
+            gap, last, received = 0.0, time.monotonic(), 0
+            try:
+                async with http.stream(
+                    "POST", "/v1/completions", json=body, headers={SESSION_ID: session}
+                ) as response:
+                    if response.status_code != 200:
+                        record.status = http_status_name(response.status_code)
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        now = time.monotonic()
+                        gap, last = max(gap, now - last), now
+                        event = json.loads(line[len("data: ") :])
+                        if "error" in event:  # the edge's end of a stream that failed
+                            record.status = http_status_name(int(event["error"]["code"]))
+                        for choice in event.get("choices", []):
+                            ids = list(choice.get("token_ids") or [])
+                            received += len(ids)
+                            record.messages.append(Message(ids, received))
+                            if choice.get("finish_reason"):
+                                record.finish_reason = str(choice["finish_reason"]).upper()
+                        usage = event.get("usage")
+                        if usage and usage["completion_tokens"] != received:
+                            # The server's count against the tokens that came: lost or
+                            # repeated ones show as a message whose count is off.
+                            record.messages.append(Message([], usage["completion_tokens"]))
+                        first.set()
+            except httpx.HTTPError as failed:
+                record.status = f"{type(failed).__name__}: {failed}"
+            return gap
 
-            async def attempt(record: Call) -> float:
-                gap, last, received = 0.0, time.monotonic(), 0
-                try:
-                    async with http.stream(
-                        "POST", "/v1/completions", json=body, headers={SESSION_ID: session}
-                    ) as response:
-                        if response.status_code != 200:
-                            record.status = http_status_name(response.status_code)
-                        async for line in response.aiter_lines():
-                            if not line.startswith("data: ") or line == "data: [DONE]":
-                                continue
-                            now = time.monotonic()
-                            gap, last = max(gap, now - last), now
-                            event = json.loads(line[len("data: ") :])
-                            if "error" in event:  # the edge's end of a stream that failed
-                                record.status = http_status_name(int(event["error"]["code"]))
-                            for choice in event.get("choices", []):
-                                ids = list(choice.get("token_ids") or [])
-                                received += len(ids)
-                                record.messages.append(Message(ids, received))
-                                if choice.get("finish_reason"):
-                                    record.finish_reason = str(choice["finish_reason"]).upper()
-                            usage = event.get("usage")
-                            if usage and usage["completion_tokens"] != received:
-                                # The server's count against the tokens that came: lost or
-                                # repeated ones show as a message whose count is off.
-                                record.messages.append(Message([], usage["completion_tokens"]))
-                            started[index].set()
-                except httpx.HTTPError as failed:
-                    record.status = f"{type(failed).__name__}: {failed}"
-                finally:
-                    started[index].set()
-                return gap
-
-            await requests_in_turn(session, deadline, arguments, attempt, history, gaps)
-
-        running = asyncio.gather(*(one(i) for i in range(count)))
-        await asyncio.gather(*(event.wait() for event in started))
-        progress("streaming")
-        await running
-    return {"history": history.to_json(), "max_gaps": gaps}
+        return await streaming_sessions(arguments, "edge", attempt)
 
 
 JOBS = {
