@@ -114,14 +114,17 @@ EMBEDDED_MODELS: dict[str | None, tuple[str, TinyModelSpec]] = {
 
 
 def embedded_model_name(model: str | None) -> str | None:
-    """The served name of the embedded model ``--model`` names (None: not an embedded one)."""
-    entry = EMBEDDED_MODELS.get(model)
+    """The served name of the embedded model ``--model`` names (None or "": the tiny Llama;
+    None returned: not an embedded model)."""
+    entry = EMBEDDED_MODELS.get(model or None)
     return entry[0] if entry else None
 
 
-def embedded_model_path(model: str | None) -> Path:
-    """The built directory of the embedded model ``--model`` names (built now if needed)."""
-    return ensure_tiny_model(spec=EMBEDDED_MODELS[model][1])
+def embedded_model_path(model: str | None) -> Path | None:
+    """The built directory of the embedded model ``--model`` names (built now if needed;
+    None: not an embedded model)."""
+    entry = EMBEDDED_MODELS.get(model or None)
+    return ensure_tiny_model(spec=entry[1]) if entry else None
 
 
 def default_cache_dir() -> Path:

@@ -27,7 +27,9 @@ GREEDY = {"temperature": 0.0, "max_tokens": 24, "logprobs": 0, "ignore_eos": Tru
 
 
 def moe_dir() -> Path:
-    return embedded_model_path("tiny-moe")
+    path = embedded_model_path("tiny-moe")
+    assert path is not None
+    return path
 
 
 def started(*args: str) -> ServerProcess:

@@ -37,7 +37,7 @@ from servers.common.process import read_announcement, with_flag
 from servers.common.reaper import EXIT_WITH_SUPERVISOR
 from servers.common.supervision import RestartPolicy, ServerSupervisor
 from servers.fleet import Fleet, FleetAddresses, FleetStartFailed
-from skyrl_grpc.tiny_model import embedded_model_name, embedded_model_path
+from skyrl_grpc.tiny_model import embedded_model_path
 
 ENGINE_MODULE = "servers.engine"
 ROUTER_MODULE = "servers.router"
@@ -80,10 +80,7 @@ def served_model_directory(engine_args: Sequence[str]) -> str:
     from servers.engine.options import build_parser
 
     parsed, _ = build_parser().parse_known_args(list(engine_args))
-    model = parsed.model or None
-    if model is None or embedded_model_name(model):
-        return str(embedded_model_path(model))
-    return str(model)
+    return str(embedded_model_path(parsed.model) or parsed.model)
 
 
 class LocalFleet(Fleet):

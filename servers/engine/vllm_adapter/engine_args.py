@@ -167,9 +167,10 @@ def _model_path(options: EngineOptions) -> str:
     seconds of vLLM's imports with Hugging Face's complaint about repo ids. A local path is
     returned with ``~`` expanded: vLLM does not expand it, and would take ``~/model`` for a
     repo id."""
-    model = options.model or None
-    if model is None or embedded_model_name(model):
-        return str(embedded_model_path(model))
+    embedded = embedded_model_path(options.model)
+    if embedded is not None:
+        return str(embedded)
+    model = options.model or ""  # not empty: "" names the embedded tiny Llama
     if model.startswith(("/", "./", "../", "~")):
         path = Path(model).expanduser()
         if not path.is_dir():
