@@ -60,7 +60,9 @@ SMALL_FLAGS = ("--kv-cache-gib", "0.25", "--no-weight-spares-at-start")
 JOB_SECONDS = 3600
 
 
-def model_for(hosts: int) -> str:
+def model_for(hosts: int, model: str = "auto") -> str:
+    if model != "auto":
+        return model
     return "27m" if hosts > 4 else "94m"
 
 
@@ -69,10 +71,16 @@ def server_flags(hosts: int) -> tuple[str, ...]:
 
 
 def measure(
-    hosts: int, rate: float, trainer_ratio: float, rounds: int, modes: list[str], logs: Path
+    hosts: int,
+    rate: float,
+    trainer_ratio: float,
+    rounds: int,
+    modes: list[str],
+    logs: Path,
+    model_size: str = "auto",
 ) -> list[dict[str, Any]]:
     """Each of ``modes``' full and delta updates at ``hosts`` server hosts."""
-    size = model_for(hosts)
+    size = model_for(hosts, model_size)
     model = str(build_model("float32", size))
     trainer_rate = rate * trainer_ratio
     measured: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -93,10 +101,11 @@ def measure(
                     "client": {"weight_relay_fanout": fanout},
                 }
                 result = run_job(trainer, "update", arguments, timeout=JOB_SECONDS)
+                failed = [s["error"] for s in result["steps"] if "error" in s]
+                if failed:  # the job stops at a failed update: the ones after it never ran
+                    raise RuntimeError(f"{mode} at {hosts} hosts: {failed[0]}")
                 for kind, index in (("full", FULL), ("delta", DELTA)):
                     step = result["steps"][index]
-                    if "error" in step:
-                        raise RuntimeError(f"{mode} {kind} at {hosts} hosts: {step['error']}")
                     measured.setdefault((mode, kind), []).append(step)
                 print(f"  {hosts} hosts, round {round_ + 1}, {mode} done", file=sys.stderr)
     rows = []
@@ -244,6 +253,11 @@ def main() -> None:
         help="an earlier run's --json: its rows are kept in the table, this run's added (a "
         "point measured again replaces them)",
     )
+    parser.add_argument(
+        "--model",
+        default="auto",
+        help="the builder's size for every point (auto: 94m up to 4 hosts, 27m above)",
+    )
     parser.add_argument("--logs", default="/tmp/bench-multihost-logs")
     add_output_argument(parser, "weights.md")
     args = parser.parse_args()
@@ -264,7 +278,9 @@ def main() -> None:
                 continue
             modes = list(MODES) if ratio == 1 else ["relay"]
             try:
-                rows += measure(count, args.rate, ratio, args.rounds, modes, Path(args.logs))
+                rows += measure(
+                    count, args.rate, ratio, args.rounds, modes, Path(args.logs), args.model
+                )
             except Exception as error:  # the other points still run, and this one is said
                 failed.append(f"- {count} hosts, trainer link x{ratio:g}: {error}")
             if args.json:  # kept as it goes: a later point's failure loses nothing

@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from servers.engine import options as engine_options
 from servers.engine.process import engine_server
@@ -85,6 +86,18 @@ async def test_tokens_guard_control_and_data_planes(
         )
         stream = data.GenerateStream(data_plane_pb2.GenerateStreamRequest(prompt_token_ids=[1]))
         assert await code_of(stream.read()) == grpc.StatusCode.UNAUTHENTICATED
+        # vLLM's own protocol generates too: the data plane's token guards it, its probe open.
+        vllm = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        generate = vllm_engine_pb2.GenerateRequest(
+            request_id="r", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[1])
+        )
+        assert await code_of(vllm.Generate(generate).read()) == grpc.StatusCode.UNAUTHENTICATED
+        assert (
+            await code_of(vllm.Generate(generate, metadata=(bearer("data-s3cret"),)).read())
+            == grpc.StatusCode.UNAVAILABLE
+        )
+        probe = vllm_engine_pb2.HealthCheckRequest()
+        assert await code_of(vllm.HealthCheck(probe)) == grpc.StatusCode.UNAVAILABLE
         # Probes and discovery stay open.
         health = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="")

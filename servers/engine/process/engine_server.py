@@ -1,4 +1,5 @@
-"""The engine server process: DataPlane + ControlPlane over one vLLM engine, with health and
+"""The engine server process: DataPlane + ControlPlane over one vLLM engine (and vLLM's own
+VllmEngine protocol beside them: ``service.vllm_protocol``), with health and
 reflection.
 
 Lifecycle (each step is visible in ``grpc.health.v1``):
@@ -62,6 +63,12 @@ from servers.engine.service.control_plane import ControlPlaneServicer, add_contr
 from servers.engine.service.data_plane import DataPlaneServicer
 from servers.engine.service.push_socket import PushSocketServer
 from servers.engine.service.status import ServerStatusServicer, StatusChanges
+from servers.engine.service.vllm_protocol import (
+    VLLM_ENGINE,
+    VLLM_ENGINE_OPEN,
+    VllmEngineService,
+    add_vllm_engine,
+)
 from servers.engine.service.weight_streams import WeightStreams
 from servers.engine.vllm_adapter.engine_logs import root_cause, route_vllm_logs
 from servers.engine.vllm_adapter.vllm_engine import EngineCannotRun, VllmEngine
@@ -72,6 +79,8 @@ from skyrl_grpc.v1 import data_plane_pb2_grpc, status_pb2_grpc
 
 log = logging.getLogger(__name__)
 DATA_PLANE_PREFIX = f"/{DATA_PLANE}/"
+# The services that answer only while the engine serves (health says NOT_SERVING otherwise).
+GENERATING_SERVICES = (DATA_PLANE, CONTROL_PLANE, VLLM_ENGINE)
 # How often the engine's liveness is checked (vLLM notices its process exit at once).
 ENGINE_WATCH_SECONDS = 0.2
 # How often idle sessions are looked for (at most; a quarter of the idle time if shorter).
@@ -99,7 +108,10 @@ class EngineServer:
         # The data plane's admission (its ``queued`` is read by tests).
         limits = options.limits
         self.admission = Admission(limits.max_concurrent_samples, limits.max_queued_requests)
-        tokens = {CONTROL_PLANE: options.control_token or "", DATA_PLANE: options.data_token or ""}
+        data_token = options.data_token or ""
+        # vLLM's own protocol generates as the DataPlane does: the data plane's token guards it.
+        tokens = {CONTROL_PLANE: options.control_token or "", DATA_PLANE: data_token}
+        tokens[VLLM_ENGINE] = data_token
         # Prometheus metrics, when asked for (``--metrics-port``).
         self.metrics = (
             ServerMetrics(self._serving_status) if options.metrics_port is not None else None
@@ -107,7 +119,7 @@ class EngineServer:
         self.metrics_port: int | None = None
         self.server = grpc.aio.server(
             interceptors=[
-                BearerTokenInterceptor(tokens),
+                BearerTokenInterceptor(tokens, open_methods=VLLM_ENGINE_OPEN),
                 ErrorMappingInterceptor(
                     counter=self.calls,
                     counted_services=(DATA_PLANE, CONTROL_PLANE),
@@ -129,6 +141,8 @@ class EngineServer:
             lambda: self.state.parts().weights.updates, Relays(self.peer_access)
         )
         self.push_socket: PushSocketServer | None = None
+        # vLLM's own protocol on this server (``service.vllm_protocol``), once started.
+        self.vllm_engine: VllmEngineService | None = None
         self.port = 0
         self.failure: str | None = None
         self._engine_task: asyncio.Task[None] | None = None
@@ -184,6 +198,7 @@ class EngineServer:
             lambda: state.parts().control_plane, self.weight_streams, push_port
         )
         add_control_plane(control, self.server)
+        self.vllm_engine = add_vllm_engine(lambda: state.parts().engine, self.server)
 
         status = ServerStatusServicer(
             self._serving_status, lambda: state.draining, self.status_changes
@@ -195,13 +210,14 @@ class EngineServer:
                 DATA_PLANE,
                 CONTROL_PLANE,
                 SERVER_STATUS,
+                VLLM_ENGINE,
                 health.SERVICE_NAME,
                 reflection.SERVICE_NAME,
             ],
             self.server,
         )
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        for service in (DATA_PLANE, CONTROL_PLANE):
+        for service in GENERATING_SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.port = bind(self.server, f"{self.options.host}:{self.options.port}", self.options.tls)
         await self.server.start()
@@ -254,7 +270,7 @@ class EngineServer:
         gc.collect()
         gc.freeze()
         self.state.set_serving()
-        for service in (DATA_PLANE, CONTROL_PLANE):
+        for service in GENERATING_SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.status_changes.announce()
         self._tasks.spawn(self._watch_engine(parts.engine), name="engine watch")

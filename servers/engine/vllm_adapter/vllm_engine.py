@@ -28,6 +28,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from servers.engine.options import EngineOptions, RequestLimits
 from servers.engine.vllm_adapter import core_preload
 from servers.engine.vllm_adapter.engine_args import Platform, engine_arguments, resolved_model
+from servers.engine.vllm_adapter.engine_client_view import EngineClientView
 from servers.engine.vllm_adapter.engine_logs import death_cause, root_cause
 from servers.engine.vllm_adapter.engine_loop import EngineLoop, StreamGroup
 from servers.engine.vllm_adapter.lifecycle_calls import AsyncLLMLifecycle
@@ -146,8 +147,7 @@ class VllmEngine:
         return None
 
     async def _call(self, call: Coroutine[Any, Any, T]) -> T:
-        """Runs a call into vLLM on the engine loop; the engine's death is UNAVAILABLE, naming
-        the cause."""
+        """A call into vLLM run on the engine loop; the engine's death: UNAVAILABLE, why."""
         try:
             return await self._engine_loop.call(call)
         except Exception as error:
@@ -191,9 +191,8 @@ class VllmEngine:
     async def add_lora(self, name: str, engine_id: int, directory: Path) -> bool:
         from vllm.lora.request import LoRARequest
 
-        return bool(
-            await self._call(self.llm.add_lora(LoRARequest(name, engine_id, str(directory))))
-        )
+        request = LoRARequest(name, engine_id, str(directory))
+        return bool(await self._call(self.llm.add_lora(request)))
 
     async def remove_lora(self, engine_id: int) -> None:
         await self._call(self.llm.remove_lora(engine_id))
@@ -363,6 +362,10 @@ class VllmEngine:
             raise refusal from error
         finally:
             self.finished(request_id)
+
+    def client_view(self) -> EngineClientView:
+        """``AsyncLLM`` for code written against vLLM's ``EngineClient`` on another loop."""
+        return EngineClientView(self.llm, self._engine_loop)
 
     def group(self, transform: Callable[[Hashable, Any], Iterable[U]]) -> StreamGroup[U]:
         """A group of generations handed over a step at a time (see ``batch_run``)."""
