@@ -4,8 +4,9 @@
 GetTokenizer, SubscribeKvEvents, ...).
 
 Served by vLLM's own servicer (smg-grpc-servicer's ``VllmEngineServicer``), not a copy of it,
-over the same engine as the DataPlane: the adapter's view of ``AsyncLLM`` runs its calls on the
-engine's loop (``vllm_adapter.engine_client_view``). So its requests share the scheduler, the
+over the same engine as the DataPlane, each of its calls run on the engine's loop beside
+``AsyncLLM`` as in vLLM's own server (``vllm_adapter.engine_client_view``): its conversion of
+each step's outputs to messages too, off the gRPC loop. So its requests share the scheduler, the
 prefix cache, the weights and their updates with this stack's own: a pause holds or aborts them
 as vLLM's scheduler does the DataPlane's, a weight update swaps what they run on at the same
 step, and the router's load view counts them. The server's interceptors apply to it as to every
@@ -31,42 +32,87 @@ VLLM_ENGINE: str = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].ful
 VLLM_ENGINE_OPEN = (f"/{VLLM_ENGINE}/HealthCheck",)
 
 
+class _Aborted(Exception):
+    """vLLM's servicer ended a call (``context.abort``) on the engine's loop."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _ContextThere:
+    """The call's context as vLLM's servicer uses it, on the engine's loop: what it reads was
+    read here first; its ``abort`` ends the servicer's work there, and the call here with the
+    same status (``_Aborted``)."""
+
+    def __init__(self, context: Context) -> None:
+        self._metadata = context.invocation_metadata()
+        remaining = context.time_remaining()
+        self._deadline = None if remaining is None else time.monotonic() + remaining
+
+    def invocation_metadata(self) -> Any:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise _Aborted(code, details)
+
+
 class VllmEngineService:
-    """Builds vLLM's servicer over the engine's client view once the engine serves, and hands
-    each call to it; ``engine`` (the adapter's ``VllmEngine``) raises UNAVAILABLE
-    (``ServingState.parts``) until then."""
+    """Builds vLLM's servicer over the engine's ``AsyncLLM`` once the engine serves and runs
+    each call of it on the engine's loop, where ``AsyncLLM`` runs (as in vLLM's own server);
+    ``engine`` (the adapter's ``VllmEngine``) raises UNAVAILABLE (``ServingState.parts``)
+    until then."""
 
     def __init__(self, engine: Callable[[], Any]) -> None:
         self._engine = engine
         self._started = time.time()
         self._serving: Any = None  # the engine the servicer was built over
         self._servicer: Any = None
+        self._view: Any = None
         # Generate calls taken over this protocol (which server a gateway sent a request to).
         self.generate_calls = 0
 
-    def servicer(self) -> Any:
+    def _current(self) -> tuple[Any, Any]:
         engine = self._engine()  # UNAVAILABLE while starting, draining or dead
         if self._servicer is None or engine is not self._serving:
             from smg_grpc_servicer.vllm.servicer import VllmEngineServicer
 
-            self._serving = engine
-            self._servicer = VllmEngineServicer(engine.client_view(), self._started)
-        return self._servicer
+            self._serving, self._view = engine, engine.client_view()
+            self._servicer = VllmEngineServicer(self._view.llm, self._started)
+        return self._servicer, self._view
+
+    async def unary(self, name: str, request: Any, context: Context) -> Any:
+        servicer, view = self._current()
+        try:
+            return await view.call(getattr(servicer, name)(request, _ContextThere(context)))
+        except _Aborted as aborted:
+            await context.abort(aborted.code, aborted.details)
+
+    async def streaming(self, name: str, request: Any, context: Context) -> AsyncIterator[Any]:
+        servicer, view = self._current()
+        if name == "Generate":
+            self.generate_calls += 1
+        there = _ContextThere(context)
+        try:
+            async for response in view.stream(lambda: getattr(servicer, name)(request, there)):
+                yield response
+        except _Aborted as aborted:
+            await context.abort(aborted.code, aborted.details)
 
 
 def _unary(name: str, service: VllmEngineService) -> Callable[..., Any]:
     async def call(request: Any, context: Context) -> Any:
-        return await getattr(service.servicer(), name)(request, context)
+        return await service.unary(name, request, context)
 
     return call
 
 
 def _streaming(name: str, service: VllmEngineService) -> Callable[..., Any]:
     async def call(request: Any, context: Context) -> AsyncIterator[Any]:
-        servicer = service.servicer()
-        if name == "Generate":
-            service.generate_calls += 1
-        async for response in getattr(servicer, name)(request, context):
+        async for response in service.streaming(name, request, context):
             yield response
 
     return call

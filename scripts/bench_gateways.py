@@ -1,0 +1,162 @@
+"""SMG, the Rust gateway, over this stack's engine server (vLLM's ``VllmEngine`` protocol it also
+serves) against SMG over vLLM's own gRPC server (``vllm serve --grpc``), and this stack's own
+OpenAI edge beside both: one engine each on the embedded model, the same engine settings,
+under vLLM's own load generator (``vllm bench serve``: 256 random prompts of 128 tokens, 128
+out, concurrency 64), rounds interleaved with the idle targets frozen; each gateway's CPU
+seconds per 1000 output tokens (SMG's process, or this stack's router).
+
+Run: .venv/bin/python -m scripts.bench_gateways [--rounds 3] [--output docs/performance.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from scripts.bench_common import (
+    ProcessTree,
+    add_output_argument,
+    median_range,
+    thaw_all,
+    vllm_grpc_server,
+    write_report,
+)
+from scripts.bench_edge import EdgeTarget, bench_serve
+from servers.engine.options import TINY_MODEL_NAME
+from servers.fleet.local import LocalFleet
+from skyrl_grpc.process_group import free_port
+
+SMG_START_SECONDS = 120.0
+VLLM = "SMG over vLLM's gRPC server"
+OURS = "SMG over this server"
+EDGE = "this stack's edge"
+
+
+@contextlib.contextmanager
+def smg_gateway(worker: str) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
+    """``smg launch`` over the gRPC ``worker``: its process, base URL and the model it lists."""
+    port, metrics = free_port("127.0.0.1"), free_port("127.0.0.1")
+    command = [
+        str(Path(sys.executable).with_name("smg")),
+        "launch",
+        "--worker-urls",
+        f"grpc://{worker}",
+        "--host",
+        "127.0.0.1",
+    ]
+    command += ["--port", str(port), "--prometheus-port", str(metrics), "--log-level", "error"]
+    gateway = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SMG_START_SECONDS
+        while True:
+            if gateway.poll() is not None:
+                raise RuntimeError(f"smg over {worker} exited {gateway.returncode}")
+            with contextlib.suppress(httpx.HTTPError, ValueError, IndexError, KeyError):
+                model = str(httpx.get(f"{base}/v1/models", timeout=2).json()["data"][0]["id"])
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"smg over {worker} listed no model in {SMG_START_SECONDS} s")
+            time.sleep(0.2)
+        yield gateway, base, model
+    finally:
+        gateway.terminate()
+        try:
+            gateway.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            gateway.kill()
+            gateway.wait()
+
+
+def measure(rounds: int, targets: dict[str, EdgeTarget]) -> dict[str, list[dict[str, float]]]:
+    results: dict[str, list[dict[str, float]]] = defaultdict(list)
+    with tempfile.TemporaryDirectory() as directory:
+        for round_index in range(rounds):
+            order = list(targets.items())
+            shift = round_index % len(order)
+            for name, target in order[shift:] + order[:shift]:
+                target.tree.thaw()
+                try:
+                    assert target.routing is not None
+                    before = target.routing.cpu_seconds()
+                    tag = f"{round_index}-{len(results[name])}-{name.split()[0]}{shift}"
+                    figures = bench_serve(target.url, target.model, Path(directory), tag)
+                    spent = target.routing.cpu_seconds() - before
+                    figures["routing_cpu_per_1k"] = 1000 * spent / figures.pop("tokens")
+                    results[name].append(figures)
+                finally:
+                    target.tree.freeze()
+                print(f"round {round_index + 1} {name}: {results[name][-1]}", flush=True)
+    return results
+
+
+def report(rounds: int, results: dict[str, list[dict[str, float]]]) -> list[str]:
+    lines = [
+        "Gateways under `vllm bench serve` (256 random prompts, 128 in / 128 out, concurrency "
+        f"64, `--ignore-eos`), one engine each on the embedded model, {rounds} rounds "
+        "interleaved, the idle targets frozen (`python -m scripts.bench_gateways`):",
+        "",
+        "| target | output tok/s | mean ITL (ms) | p99 ITL (ms) | p99 TTFT (ms) | gateway CPU s "
+        "/ 1k tokens |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    keys = ["output_tok_s", "mean_itl_ms", "p99_itl_ms", "p99_ttft_ms", "routing_cpu_per_1k"]
+    for name, figures in results.items():
+        cells = [median_range([f[k] for f in figures], 3 if "cpu" in k else 1) for k in keys]
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+
+    def ratio(name: str, key: str) -> float:
+        pairs = zip(results[name], results[VLLM], strict=True)
+        return statistics.median(ours[key] / theirs[key] for ours, theirs in pairs)
+
+    lines += ["", f"Against {VLLM} (median of per-round ratios):", ""]
+    for name in (OURS, EDGE):
+        lines.append(
+            f"- {name}: output tokens/s {ratio(name, 'output_tok_s'):.3f}, p99 ITL "
+            f"{ratio(name, 'p99_itl_ms'):.3f}, gateway CPU per token "
+            f"{ratio(name, 'routing_cpu_per_1k'):.3f}"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    add_output_argument(parser, "performance.md")
+    args = parser.parse_args()
+    with contextlib.ExitStack() as stack:
+        trees: list[ProcessTree] = []
+        targets: dict[str, EdgeTarget] = {}
+        served: Any = stack.enter_context(vllm_grpc_server())
+        gateway, base, model = stack.enter_context(smg_gateway(served.address))
+        tree = ProcessTree(served.process.pid, gateway.pid)
+        targets[VLLM] = EdgeTarget(tree, base, model, ProcessTree(gateway.pid))
+        trees.append(tree)
+        tree.freeze()
+        fleet = stack.enter_context(LocalFleet(1, router_args=["--http-port", "0"]))
+        server = fleet.addresses.servers[0]
+        gateway, base, model = stack.enter_context(smg_gateway(server))
+        tree = ProcessTree(*fleet.pids, gateway.pid)
+        targets[OURS] = EdgeTarget(tree, base, model, ProcessTree(gateway.pid))
+        edge = f"http://127.0.0.1:{fleet.http_port}"
+        targets[EDGE] = EdgeTarget(tree, edge, TINY_MODEL_NAME, ProcessTree(fleet.pids[-1]))
+        trees.append(tree)
+        tree.freeze()
+        stack.callback(thaw_all, trees)
+        results = measure(args.rounds, targets)
+    write_report(args.output, report(args.rounds, results), "gateways")
+
+
+if __name__ == "__main__":
+    main()
