@@ -25,6 +25,7 @@ from trainer_client.exceptions import (
     ServerError,
     Unauthenticated,
     Unavailable,
+    Unsupported,
 )
 from trainer_client.fleet_info import (
     Capabilities,
@@ -79,6 +80,7 @@ __all__ = [
     "ToolChoice",
     "Unauthenticated",
     "Unavailable",
+    "Unsupported",
     "WeightCommit",
     "WeightSpan",
     "WeightUpdateError",

@@ -10,6 +10,8 @@
     Never a silent partial success.
   - ``WeightUpdateError`` (``trainer_client.weights.weight_transaction``): a fleet weight
     update failed; says what each server serves now.
+  - ``Unsupported``: a fleet-wide call some server cannot take (its ``GetServerInfo``
+    capabilities say so), refused before it was sent to any: no server half-done.
 
 Arguments a call refuses before anything is sent raise ``ValueError``.
 """
@@ -131,3 +133,14 @@ class FanOutError(InferenceError):
         self.operation = operation
         self.failures = failures
         self.results = results
+
+
+class Unsupported(InferenceError):
+    """A fleet-wide call refused before anything was sent: ``servers`` maps each server that
+    cannot take it to why (and the flag or machine that would let it)."""
+
+    def __init__(self, operation: str, servers: dict[str, str]) -> None:
+        why = "; ".join(f"{address} {reason}" for address, reason in sorted(servers.items()))
+        super().__init__(f"{operation} refused before it was sent to any server: {why}")
+        self.operation = operation
+        self.servers = servers

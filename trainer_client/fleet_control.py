@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.client_core import ClientCore
-from trainer_client.fleet_info import PauseMode, ServerInfo, ServerLoad
+from trainer_client.fleet_info import PauseMode, ServerInfo, ServerLoad, refuse_unless_all
 
 
 class FleetControl(ClientCore):
@@ -57,6 +57,10 @@ class FleetControl(ClientCore):
         return all((await self.is_paused(timeout=timeout)).values())
 
     async def sleep(self, level: int = 1, *, timeout: float | None = None) -> list[str]:
+        """Puts every server to sleep; refused before any is (``Unsupported``) where one has no
+        sleep mode, so a fleet is never left half asleep."""
+        infos = await self.server_info(timeout=timeout)
+        refuse_unless_all("sleep", infos, lambda i: i.capabilities.cannot_sleep(i.device))
         request = cp.SleepRequest(level=level)
         return list(await self._fan_out(lambda s: s.Sleep, request, timeout, _nothing))
 

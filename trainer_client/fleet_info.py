@@ -3,12 +3,13 @@ answers, so a trainer needs no protobuf (the conversions are the ``from_proto`` 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import data_plane_pb2, lora_pb2
+from trainer_client.exceptions import Unsupported
 
 
 class PauseMode(StrEnum):
@@ -98,6 +99,26 @@ class Capabilities:
     pause_modes: tuple[PauseMode, ...]
     prefix_caching: bool
     lora: LoraCapabilities
+    # The gRPC services it answers, by full name (this package's, and vLLM's own
+    # "vllm.grpc.engine.VllmEngine"); empty from a server older than the field.
+    protocols: tuple[str, ...] = ()
+
+    def cannot_sleep(self, device: str) -> str | None:
+        """Why ``sleep`` is refused here (None: it is not)."""
+        if self.sleep:
+            return None
+        return f"has no sleep mode (its engine runs on {device}; vLLM sleeps on GPUs)"
+
+    def cannot_load_lora(self) -> str | None:
+        """Why loading a LoRA adapter is refused here (None: it is not)."""
+        return None if self.lora.enabled else "serves no LoRA adapters: start it with --enable-lora"
+
+    def cannot_join(self, backend: str) -> str | None:
+        """Why joining a ``backend`` weight-transfer group is refused here (None: it is not)."""
+        if backend in self.weight_transfer_backends:
+            return None
+        takes = ", ".join(self.weight_transfer_backends) or "none"
+        return f"takes weights by {takes}, not {backend}"
 
 
 @dataclass(frozen=True)
@@ -160,6 +181,7 @@ class ServerInfo:
                     max_lora_rank=caps.lora.max_lora_rank,
                     max_cpu_loras=caps.lora.max_cpu_loras,
                 ),
+                protocols=tuple(caps.protocols),
             ),
             weight_version=info.weight_version,
             engine=info.engine,
@@ -237,3 +259,13 @@ def group_ranks(info: cp.GetServerInfoResponse) -> int:
     """The ranks a server takes in a weight-transfer group (a server older than the field: all
     its workers)."""
     return info.weight_group_ranks or info.world_size
+
+
+def refuse_unless_all(
+    operation: str, infos: Mapping[str, ServerInfo], reason: Callable[[ServerInfo], str | None]
+) -> None:
+    """Raises ``Unsupported`` naming every server whose ``reason`` says it cannot take
+    ``operation`` (before the caller sends it to any)."""
+    refusing = {a: why for a, info in infos.items() if (why := reason(info)) is not None}
+    if refusing:
+        raise Unsupported(operation, refusing)

@@ -9,7 +9,7 @@ from typing import Any
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.client_core import ClientCore
 from trainer_client.fanout import fan_out
-from trainer_client.fleet_info import LoraAdapter
+from trainer_client.fleet_info import LoraAdapter, ServerInfo, refuse_unless_all
 from trainer_client.weights.weight_sending import DEFAULT_CHUNK_BYTES, lora_push_messages
 
 
@@ -47,6 +47,9 @@ class Adapters(ClientCore):
             messages = [cp.LoadLoraAdapterRequest(spec=spec)]
             messages += lora_push_messages(pairs, chunk_bytes)
         deadline = self.config.control_timeout if timeout is None else timeout
+        info = cp.GetServerInfoRequest()
+        infos = await self._fan_out(lambda s: s.GetServerInfo, info, timeout, ServerInfo.from_proto)
+        refuse_unless_all("load_lora", infos, lambda i: i.capabilities.cannot_load_lora())
 
         async def load(address: str) -> LoraAdapter:
             call = self._control(address).LoadLoraAdapter

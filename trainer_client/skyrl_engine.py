@@ -357,7 +357,7 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
         await self.client.reset_prefix_cache()
 
     async def sleep(self, level: int = 2, tags: list[str] | None = None) -> None:
-        """Refused on CPU servers (FAILED_PRECONDITION, naming why)."""
+        """Refused on CPU servers before anything is sent (``Unsupported``, naming why)."""
         await self.client.sleep(int(level))
 
     async def wake_up(self, tags: list[str] | None = None) -> None:

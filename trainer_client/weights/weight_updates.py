@@ -17,7 +17,7 @@ from skyrl_grpc.process_group import free_port
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.exceptions import FailedPrecondition
 from trainer_client.fanout import fan_out
-from trainer_client.fleet_info import WeightUpdateResult, group_ranks
+from trainer_client.fleet_info import ServerInfo, WeightUpdateResult, refuse_unless_all
 from trainer_client.readiness import wait_while_starting
 from trainer_client.results import WeightVersions
 from trainer_client.weights.relay_plan import relay_for
@@ -67,8 +67,11 @@ class WeightUpdates(WeightDelivery):
             raise ValueError(f"backend {backend!r}: use 'gloo' or 'nccl' (in-band needs no group)")
         request = cp.GetServerInfoRequest()
         servers = await self._control_servers()
-        sizes = await self._fan_out(lambda s: s.GetServerInfo, request, None, group_ranks)
-        offsets, world_size = rank_offsets([sizes[a] for a in servers])
+        infos = await self._fan_out(lambda s: s.GetServerInfo, request, None, ServerInfo.from_proto)
+        # Before the group forms: a server that cannot join would leave the others waiting.
+        operation = f"init_weight_transfer({backend!r})"
+        refuse_unless_all(operation, infos, lambda i: i.capabilities.cannot_join(backend))
+        offsets, world_size = rank_offsets([infos[a].weight_group_ranks for a in servers])
         port = master_port or free_port(master_address)
         sender = CollectiveSender(
             backend, master_address, port, world_size, group_name, timeout_seconds

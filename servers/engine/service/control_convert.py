@@ -25,6 +25,7 @@ from servers.engine.peers.stream_items import (
     parameter_spec,
     push_item,
 )
+from servers.engine.service.vllm_protocol import VLLM_ENGINE
 from servers.engine.transfer.assembly import ParamLayout
 from servers.engine.transfer.protocol import Checksum
 from servers.engine.transfer.specs import BucketSpec, Manifest, PackedParameter
@@ -33,6 +34,7 @@ from skyrl_grpc.chunk_wire import WireChunk
 from skyrl_grpc.crc import crc32
 from skyrl_grpc.errors import InvalidArgument, PermissionDenied
 from skyrl_grpc.metadata import PUSH_TICKET, RELAY_TREE, RELAYED_FROM
+from skyrl_grpc.names import CONTROL_PLANE, DATA_PLANE, SERVER_STATUS
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import lora_pb2
 
@@ -203,6 +205,10 @@ _PAUSE_MODES = {
 }
 
 
+# The gRPC services an engine server answers (``process.engine_server`` registers each).
+PROTOCOLS = (DATA_PLANE, CONTROL_PLANE, SERVER_STATUS, VLLM_ENGINE)
+
+
 def server_info_to_proto(server: ServerDescription) -> cp.GetServerInfoResponse:
     limits = server.lora
     info = cp.GetServerInfoResponse(
@@ -219,6 +225,7 @@ def server_info_to_proto(server: ServerDescription) -> cp.GetServerInfoResponse:
             compressed_weight_patches=True,
             weight_relay=True,
             weight_relay_trees=True,
+            protocols=list(PROTOCOLS),
             lora=lora_pb2.LoraCapabilities(
                 enabled=limits.enabled,
                 max_loras=limits.max_loras,

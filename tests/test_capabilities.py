@@ -1,0 +1,69 @@
+"""What a server says it can do (``GetServerInfo``'s capabilities) and the trainer client
+refusing, before sending anything, a fleet-wide call a server cannot take: one line naming the
+server and what would let it (a sleep on a CPU engine, a LoRA adapter on a server started
+without ``--enable-lora``, a collective backend the server does not take)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from servers.engine.service.vllm_protocol import VLLM_ENGINE
+from skyrl_grpc.names import CONTROL_PLANE, DATA_PLANE, SERVER_STATUS
+from tests.helpers.adapters import make_adapter
+from trainer_client import FanOutError, InferenceClient, Unsupported
+
+pytestmark = [pytest.mark.engine]
+
+
+async def listed_services(address: str) -> set[str]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        async for answer in stub.ServerReflectionInfo(iter([request])):
+            return {s.name for s in answer.list_services_response.service}
+    return set()
+
+
+async def test_a_server_names_the_protocols_it_answers(engine_server: Any) -> None:
+    client = InferenceClient(engine_server.address, [engine_server.address])
+    try:
+        [info] = (await client.server_info()).values()
+    finally:
+        await client.close()
+    protocols = set(info.capabilities.protocols)
+    assert protocols == {DATA_PLANE, CONTROL_PLANE, SERVER_STATUS, VLLM_ENGINE}
+    assert protocols <= await listed_services(engine_server.address)
+    assert not info.capabilities.sleep and not info.capabilities.lora.enabled  # CPU, no LoRA
+
+
+async def test_calls_a_server_cannot_take_are_refused_before_they_are_sent(
+    engine_server: Any, tiny_model_dir: Any
+) -> None:
+    address = engine_server.address
+    client = InferenceClient(address, [address])
+    try:
+        with pytest.raises(Unsupported) as asleep:
+            await client.sleep()
+        assert not isinstance(asleep.value, FanOutError)
+        message = str(asleep.value)
+        assert message.startswith("sleep refused before it was sent to any server: ")
+        assert address in message and "runs on cpu" in message
+        assert asleep.value.servers.keys() == {address}
+        assert not any((await client.is_sleeping()).values())
+
+        tensors, config = make_adapter(tiny_model_dir, seed=3)
+        with pytest.raises(Unsupported, match="start it with --enable-lora") as no_lora:
+            await client.load_lora("refused", tensors=tensors, config=config)
+        assert address in str(no_lora.value)
+        assert not (await client.list_loras())[address]
+
+        with pytest.raises(Unsupported, match=r"takes weights by .*gloo.*, not nccl") as group:
+            await client.init_weight_transfer("nccl", timeout_seconds=5)
+        assert "init_weight_transfer('nccl')" in str(group.value)
+        assert not client.has_weight_group
+    finally:
+        await client.close()
