@@ -341,11 +341,12 @@ async def edge(arguments: dict[str, Any]) -> dict[str, Any]:
         }
 
         async def attempt(record: Call, session: str, first: asyncio.Event) -> float:
-            gap, last, received = 0.0, time.monotonic(), 0
+            gap, last, received, answered = 0.0, time.monotonic(), 0, False
             try:
                 async with http.stream(
                     "POST", "/v1/completions", json=body, headers={SESSION_ID: session}
                 ) as response:
+                    answered = True
                     if response.status_code != 200:
                         record.status = http_status_name(response.status_code)
                     async for line in response.aiter_lines():
@@ -368,6 +369,12 @@ async def edge(arguments: dict[str, Any]) -> dict[str, Any]:
                             # repeated ones show as a message whose count is off.
                             record.messages.append(Message([], usage["completion_tokens"]))
                         first.set()
+            except httpx.TransportError as failed:
+                # No answer at all (a kept-alive connection the edge closed as the request
+                # went out, one refused): what the OpenAI SDK retries (APIConnectionError), as
+                # UNAVAILABLE; a stream cut after its answer began is not retried.
+                retried = not answered
+                record.status = "UNAVAILABLE" if retried else f"{type(failed).__name__}: {failed}"
             except httpx.HTTPError as failed:
                 record.status = f"{type(failed).__name__}: {failed}"
             return gap
