@@ -289,10 +289,12 @@ async def test_allowed_non_finite_weights_leave_no_trace_once_replaced(
 
 
 class _RefusingControlPlane(control_plane_pb2_grpc.ControlPlaneServicer):
-    """A server that answers GetServerInfo but refuses to join any weight-transfer group."""
+    """A server that says it takes gloo (so the client sends it the call) but refuses to join
+    any weight-transfer group."""
 
     async def GetServerInfo(self, request, context):  # type: ignore[no-untyped-def]
-        return cp.GetServerInfoResponse(world_size=1)
+        gloo = cp.Capabilities(weight_transfer_backends=[cp.WEIGHT_TRANSFER_BACKEND_GLOO])
+        return cp.GetServerInfoResponse(world_size=1, capabilities=gloo)
 
     async def InitWeightTransfer(self, request, context):  # type: ignore[no-untyped-def]
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this server refuses to join")

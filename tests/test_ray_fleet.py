@@ -22,6 +22,7 @@ from servers.fleet import FleetStartFailed
 from servers.fleet.ray_group import RayFleet
 from skyrl_grpc.v1.data_plane_pb2 import GenerateRequest
 from skyrl_grpc.v1.data_plane_pb2_grpc import DataPlaneStub
+from tests.helpers.ray_cluster import started_cluster
 from tests.helpers.waits import wait_until
 from trainer_client import BlockingInferenceClient
 
@@ -57,11 +58,8 @@ def ray_cluster() -> Iterator[list[str]]:
     """A head without room for servers and two worker nodes offering an "inference" resource;
     yields the workers' node ids."""
     import ray
-    from ray.cluster_utils import Cluster
 
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
+    cluster = started_cluster()
     workers = [
         cluster.add_node(num_cpus=2, resources={"inference": 2}, object_store_memory=128 << 20)
         for _ in range(2)

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from servers.common.supervision import RestartPolicy
 from servers.fleet.ray_group import RayFleet
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from tests.helpers.ray_cluster import started_cluster
 from tests.helpers.sessions import routed_to
 from tests.helpers.waits import ENGINE_START_SECONDS, FLEET_TEST_TIMEOUT, running_on_engines, until
 from trainer_client import InferenceClient
@@ -27,11 +28,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(FLEET_TEST_TIMEOUT)]
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
     import ray
-    from ray.cluster_utils import Cluster
 
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
+    cluster = started_cluster()
     ray.init(address=cluster.address, log_to_driver=False)
     yield cluster
     ray.shutdown()
