@@ -60,9 +60,10 @@ class EdgeTarget:
     routing: ProcessTree | None = None
 
 
-def edge_section(rounds: int, targets: dict[str, EdgeTarget]) -> list[str]:
+def serve_rounds(rounds: int, targets: dict[str, EdgeTarget]) -> dict[str, list[dict[str, float]]]:
     """Each target under ``vllm bench serve``, ``rounds`` times interleaved (the others frozen
-    meanwhile): the table, and the ratios to vllm-router."""
+    meanwhile; each round starts one target later): every round's figures per target, with
+    its routing processes' CPU seconds per 1000 output tokens where it has them."""
     results: dict[str, list[dict[str, float]]] = defaultdict(list)
     with tempfile.TemporaryDirectory() as directory:
         for round_index in range(rounds):
@@ -82,7 +83,14 @@ def edge_section(rounds: int, targets: dict[str, EdgeTarget]) -> list[str]:
                     results[name].append(figures)
                 finally:
                     target.tree.freeze()
-                print(f"edge round {round_index + 1} {name}: {results[name][-1]}", flush=True)
+                print(f"round {round_index + 1} {name}: {results[name][-1]}", flush=True)
+    return results
+
+
+def edge_section(rounds: int, targets: dict[str, EdgeTarget]) -> list[str]:
+    """Each target under ``vllm bench serve`` (``serve_rounds``): the table, and the ratios to
+    vllm-router."""
+    results = serve_rounds(rounds, targets)
     lines = [
         "| target | output tok/s | mean ITL (ms) | p99 ITL (ms) | p99 TTFT (ms) "
         "| routing CPU s / 1k tokens |",

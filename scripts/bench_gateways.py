@@ -13,11 +13,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,10 +29,11 @@ from scripts.bench_common import (
     vllm_grpc_server,
     write_report,
 )
-from scripts.bench_edge import EdgeTarget, bench_serve
+from scripts.bench_edge import EdgeTarget, serve_rounds
 from servers.engine.options import TINY_MODEL_NAME
 from servers.fleet.local import LocalFleet
 from skyrl_grpc.process_group import free_port
+from testbed.peers import Launched, launched_process
 
 SMG_START_SECONDS = 120.0
 VLLM = "SMG over vLLM's gRPC server"
@@ -44,61 +42,25 @@ EDGE = "this stack's edge"
 
 
 @contextlib.contextmanager
-def smg_gateway(worker: str) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
+def smg_gateway(worker: str) -> Iterator[tuple[Launched, str, str]]:
     """``smg launch`` over the gRPC ``worker``: its process, base URL and the model it lists."""
     port, metrics = free_port("127.0.0.1"), free_port("127.0.0.1")
-    command = [
-        str(Path(sys.executable).with_name("smg")),
-        "launch",
-        "--worker-urls",
-        f"grpc://{worker}",
-        "--host",
-        "127.0.0.1",
-    ]
-    command += ["--port", str(port), "--prometheus-port", str(metrics), "--log-level", "error"]
-    gateway = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
+    command = [str(Path(sys.executable).with_name("smg")), "launch", "--worker-urls"]
+    command += [f"grpc://{worker}", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--prometheus-port", str(metrics), "--log-level", "error"]
+    with launched_process(command, None, "smg") as gateway:
+        base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + SMG_START_SECONDS
-        while True:
-            if gateway.poll() is not None:
-                raise RuntimeError(f"smg over {worker} exited {gateway.returncode}")
+        while True:  # up, and the worker's model registered
+            if gateway.process.poll() is not None:
+                raise RuntimeError(f"smg over {worker} exited; see {gateway.log}")
             with contextlib.suppress(httpx.HTTPError, ValueError, IndexError, KeyError):
                 model = str(httpx.get(f"{base}/v1/models", timeout=2).json()["data"][0]["id"])
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"smg over {worker} listed no model in {SMG_START_SECONDS} s")
+                raise RuntimeError(f"smg over {worker} listed no model; see {gateway.log}")
             time.sleep(0.2)
         yield gateway, base, model
-    finally:
-        gateway.terminate()
-        try:
-            gateway.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            gateway.kill()
-            gateway.wait()
-
-
-def measure(rounds: int, targets: dict[str, EdgeTarget]) -> dict[str, list[dict[str, float]]]:
-    results: dict[str, list[dict[str, float]]] = defaultdict(list)
-    with tempfile.TemporaryDirectory() as directory:
-        for round_index in range(rounds):
-            order = list(targets.items())
-            shift = round_index % len(order)
-            for name, target in order[shift:] + order[:shift]:
-                target.tree.thaw()
-                try:
-                    assert target.routing is not None
-                    before = target.routing.cpu_seconds()
-                    tag = f"{round_index}-{len(results[name])}-{name.split()[0]}{shift}"
-                    figures = bench_serve(target.url, target.model, Path(directory), tag)
-                    spent = target.routing.cpu_seconds() - before
-                    figures["routing_cpu_per_1k"] = 1000 * spent / figures.pop("tokens")
-                    results[name].append(figures)
-                finally:
-                    target.tree.freeze()
-                print(f"round {round_index + 1} {name}: {results[name][-1]}", flush=True)
-    return results
 
 
 def report(rounds: int, results: dict[str, list[dict[str, float]]]) -> list[str]:
@@ -140,21 +102,21 @@ def main() -> None:
         targets: dict[str, EdgeTarget] = {}
         served: Any = stack.enter_context(vllm_grpc_server())
         gateway, base, model = stack.enter_context(smg_gateway(served.address))
-        tree = ProcessTree(served.process.pid, gateway.pid)
-        targets[VLLM] = EdgeTarget(tree, base, model, ProcessTree(gateway.pid))
+        tree = ProcessTree(served.process.pid, gateway.process.pid)
+        targets[VLLM] = EdgeTarget(tree, base, model, ProcessTree(gateway.process.pid))
         trees.append(tree)
         tree.freeze()
         fleet = stack.enter_context(LocalFleet(1, router_args=["--http-port", "0"]))
         server = fleet.addresses.servers[0]
         gateway, base, model = stack.enter_context(smg_gateway(server))
-        tree = ProcessTree(*fleet.pids, gateway.pid)
-        targets[OURS] = EdgeTarget(tree, base, model, ProcessTree(gateway.pid))
+        tree = ProcessTree(*fleet.pids, gateway.process.pid)
+        targets[OURS] = EdgeTarget(tree, base, model, ProcessTree(gateway.process.pid))
         edge = f"http://127.0.0.1:{fleet.http_port}"
         targets[EDGE] = EdgeTarget(tree, edge, TINY_MODEL_NAME, ProcessTree(fleet.pids[-1]))
         trees.append(tree)
         tree.freeze()
         stack.callback(thaw_all, trees)
-        results = measure(args.rounds, targets)
+        results = serve_rounds(args.rounds, targets)
     write_report(args.output, report(args.rounds, results), "gateways")
 
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import socket
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,6 +22,7 @@ from safetensors.torch import load_file
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from servers.engine.service.vllm_protocol import VLLM_ENGINE
+from testbed.peers import launched_process
 from tests.conftest import REFERENCE_PROMPTS
 from tests.helpers.waits import until
 from tests.helpers.weights import GREEDY, MAX_TOKENS, next_version, perturbed
@@ -112,17 +111,14 @@ async def smg(engine_server: Any, second_engine_server: Any) -> AsyncIterator[st
     command = [str(SMG), "launch", "--worker-urls", *workers, "--host", "127.0.0.1"]
     command += ["--port", str(port), "--prometheus-port", str(metrics), "--log-level", "warn"]
     command += ["--sticky-sessions", "--routing-key-headers", SESSION_HEADER]
-    gateway = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
+    with launched_process(command, None, "smg") as gateway:
+        base = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=base, timeout=2) as http:
 
             async def lists_both() -> bool:
-                if gateway.poll() is not None:
-                    error = gateway.stderr.read().decode() if gateway.stderr else ""
-                    raise AssertionError(f"smg exited {gateway.returncode}: {error[-2000:]}")
+                if gateway.process.poll() is not None:
+                    code = gateway.process.returncode
+                    raise AssertionError(f"smg exited {code}; its log: {gateway.log}")
                 try:
                     models = (await http.get("/v1/models")).json()
                     workers = (await http.get("/workers")).json()
@@ -139,13 +135,6 @@ async def smg(engine_server: Any, second_engine_server: Any) -> AsyncIterator[st
                 interval=0.2,
             )
         yield base
-    finally:
-        os.killpg(gateway.pid, signal.SIGTERM)
-        try:
-            gateway.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(gateway.pid, signal.SIGKILL)
-            gateway.wait()
 
 
 def completion(base: str, prompt: str, session: str = "", **extra: Any) -> dict[str, Any]:
