@@ -84,20 +84,30 @@ class VllmEngineService:
             self._servicer = VllmEngineServicer(self._view.llm, self._started)
         return self._servicer, self._view
 
-    async def unary(self, name: str, request: Any, context: Context) -> Any:
+    async def _method(self, name: str, context: Context) -> tuple[Any, Any]:
+        """vLLM's servicer's method ``name`` and the engine's view; UNIMPLEMENTED where the
+        installed servicer leaves it to the generated base (a newer protocol's method)."""
         servicer, view = self._current()
+        base = getattr(vllm_engine_pb2_grpc.VllmEngineServicer, name, None)
+        if getattr(type(servicer), name, None) is base:
+            message = f"{VLLM_ENGINE}/{name}: the installed smg-grpc-servicer does not serve it"
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, message)
+        return getattr(servicer, name), view
+
+    async def unary(self, name: str, request: Any, context: Context) -> Any:
+        method, view = await self._method(name, context)
         try:
-            return await view.call(getattr(servicer, name)(request, _ContextThere(context)))
+            return await view.call(method(request, _ContextThere(context)))
         except _Aborted as aborted:
             await context.abort(aborted.code, aborted.details)
 
     async def streaming(self, name: str, request: Any, context: Context) -> AsyncIterator[Any]:
-        servicer, view = self._current()
+        method, view = await self._method(name, context)
         if name == "Generate":
             self.generate_calls += 1
         there = _ContextThere(context)
         try:
-            async for response in view.stream(lambda: getattr(servicer, name)(request, there)):
+            async for response in view.stream(lambda: method(request, there)):
                 yield response
         except _Aborted as aborted:
             await context.abort(aborted.code, aborted.details)
@@ -120,8 +130,7 @@ def _streaming(name: str, service: VllmEngineService) -> Callable[..., Any]:
 
 def add_vllm_engine(engine: Callable[[], Any], server: grpc.aio.Server) -> VllmEngineService:
     """Serves ``VllmEngine`` on ``server``: every method of the protocol's descriptor, each
-    handed to vLLM's servicer (a method the installed servicer lacks answers UNIMPLEMENTED,
-    as grpc does for any method it has no handler for)."""
+    handed to vLLM's servicer (``VllmEngineService._method``)."""
     service = VllmEngineService(engine)
     methods = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].methods
 
