@@ -12,7 +12,8 @@ each update timed from ``update_weights`` until every server committed:
 - **delta**: an RL step's patch (1% of each tensor's elements changed) against the last push;
 
 relayed (the client's default: ``weight_relay_fanout`` 2, two relay trees) and sent to every
-server directly (``weight_relay_fanout=0``), interleaved round by round. The floor is the
+server directly (``weight_relay_fanout=0``), interleaved round by round (where the trainer's
+link is slower than the servers', relayed only: direct is then N times the floor). The floor is the
 update's bytes over the slowest link they must cross: the trainer's uplink, or a server's
 downlink (every server receives them once). Printed per row: floor, measured (median and
 range over rounds), x floor, and the trainer's bytes sent over one server's update. The
@@ -240,7 +241,7 @@ def main() -> None:
         "--trainer-ratios",
         default="1",
         help="the trainer's link over a server's, e.g. 0.25,1,4 (ratios other than 1 at "
-        "--ratio-hosts only, relayed only)",
+        "--ratio-hosts only; below 1, relayed only)",
     )
     parser.add_argument("--ratio-hosts", type=int, default=4)
     parser.add_argument("--distance", action="store_true", help="per-step streams instead")
@@ -276,7 +277,7 @@ def main() -> None:
         for ratio in ratios:
             if ratio != 1 and count != args.ratio_hosts:
                 continue
-            modes = list(MODES) if ratio == 1 else ["relay"]
+            modes = list(MODES) if ratio >= 1 else ["relay"]
             try:
                 rows += measure(
                     count, args.rate, ratio, args.rounds, modes, Path(args.logs), args.model

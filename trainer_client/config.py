@@ -69,8 +69,10 @@ class ClientConfig:
     # server with that many children and forwarding in one tree only (on a host, in a chain:
     # trainer_client.weights.relay_plan), so what the trainer sends does not grow with the
     # fleet and every host's link carries the update once each way. 2: two trees, log-deep
-    # (1.13x the link's floor at 4 hosts on the testbed, docs/weights.md); 1: a chain, one
-    # forwarding per hop but as deep as the fleet; 0: the trainer streams to every server.
+    # (1.16x the link's floor at 4 hosts on the testbed, docs/weights.md); 1: a chain, one
+    # forwarding per hop but as deep as the fleet; 0: the trainer streams to every server (the
+    # faster where the trainer's link carries N copies in the time a server's carries one:
+    # 1.11x the floor at 4 hosts with a 4x link, where the trees take 1.29x).
     weight_relay_fanout: int = 2
     # OpenTelemetry traces over OTLP/gRPC to this host:port (vLLM's flag's name): a span per
     # update_weights and generate_batch, and the W3C trace context on every call, so the
