@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Static checks, each of which fails the test command: ruff (lint), mypy --strict on our
-# packages, the testbed and the scripts (generated stubs excluded), and the import contracts
-# of pyproject.toml (engine and router never import each other; the client never imports the
+# packages, the testbed, the scripts and the tests (generated stubs excluded), and the import
+# contracts of pyproject.toml (engine and router never import each other; the client never imports the
 # servers; ...).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

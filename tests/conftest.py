@@ -40,7 +40,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     they do not take on pytest 9, whose items no longer read the ``_nodeid`` xdist rewrites.)"""
     from xdist.scheduler import LoadFileScheduling
 
-    class ByFileRayTogether(LoadFileScheduling):
+    class ByFileRayTogether(LoadFileScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
             name = path.rpartition("/")[2]
@@ -162,11 +162,14 @@ async def _shared_servers_on_one_version(request: pytest.FixtureRequest) -> None
     # it does, it keeps this test's calls off the server it still sees behind.
     for name in SHARED_ROUTERS & set(request.fixturenames):
         backends = request.getfixturevalue(name).pool.backends
+
+        def caught_up(backends: list[Any] = backends) -> bool:
+            return {b.weight_version for b in backends} == versions and all(
+                b.eligible and not b.paused for b in backends
+            )
+
         await until(
-            lambda backends=backends: (
-                {b.weight_version for b in backends} == versions
-                and all(b.eligible and not b.paused for b in backends)
-            ),
+            caught_up,
             what=f"{name} to see both servers healthy, running, on versions {versions}",
         )
 

@@ -93,10 +93,11 @@ def test_random_bytes_decode_as_protobuf_decodes_them_or_fail_as_it_does() -> No
     rng = random.Random(7)
     valid = encode_chunk("layer.weight", 1 << 40, memoryview(bytes(range(200))))
     for _ in range(3000):
-        raw = bytearray(valid)
+        flipped = bytearray(valid)
         for _ in range(rng.randint(1, 4)):
-            raw[rng.randrange(len(raw))] = rng.randrange(256)
-        raw = bytes(raw[: rng.randint(0, len(raw))] if rng.random() < 0.3 else raw)
+            flipped[rng.randrange(len(flipped))] = rng.randrange(256)
+        cut = rng.random() < 0.3
+        raw = bytes(flipped[: rng.randint(0, len(flipped))] if cut else flipped)
         try:
             expected = parse(raw)
         except DecodeError:

@@ -83,7 +83,8 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
     ones it passes through before anything starts."""
     from servers.cli import build_parser, make_fleet
     from servers.fleet.local import LocalFleet
-    from servers.fleet.ray_group import RayFleet, server_options
+    from servers.fleet.ray_actors import server_options
+    from servers.fleet.ray_group import RayFleet
     from skyrl_grpc.tiny_model import tiny_model_path
 
     extra = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--data-token", "t",

@@ -127,7 +127,7 @@ class _StandInControlPlane(control_plane_pb2_grpc.ControlPlaneServicer):
 async def stand_in_servers() -> AsyncIterator[list[tuple[str, _StandInControlPlane]]]:
     servers, started = [], []
     for refuse in (False, False, True):
-        servicer = _StandInControlPlane(refuse)
+        servicer = _StandInControlPlane(refuse)  # type: ignore[abstract]  # the calls it needs
         server = grpc.aio.server(options=server_options())
         control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(servicer, server)
         address = f"127.0.0.1:{bind(server, '127.0.0.1:0', None)}"

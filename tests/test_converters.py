@@ -4,7 +4,9 @@ without an engine."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import pytest
 
@@ -95,7 +97,7 @@ def test_server_limits_name_their_flag() -> None:
         max_n=8,
         max_request_id_bytes=16,
     )
-    cases = [
+    cases: list[tuple[Callable[[], object], str]] = [
         (lambda: validate.sample_count(9, limits), "at most 8 (--max-n)"),
         (lambda: validate.prompt_length(11, limits), "at most 10 (--max-prompt-tokens)"),
         (lambda: validate.request_id("x" * 17, limits), "at most 16 (--max-request-id-bytes)"),
@@ -182,7 +184,7 @@ def test_flat_logprobs_give_the_k_most_likely_with_the_sampled_token_when_it_ran
     # Position 0: the sampled 5 is the most likely, listed once (vLLM does not repeat it).
     # Position 1: the sampled 8 ranks below the top 2, which follow it.
     flat = Flat([0, 2, 5], [2, 5, 5], [5, 7, 8, 1, 2], [-0.1, -2.0, -4.0, -0.5, -1.0])
-    result = logprobs_to_proto([5, 8, 3], flat, top_k=2)
+    result = logprobs_to_proto([5, 8, 3], cast(Any, flat), top_k=2)  # as vLLM's FlatLogprobs
     assert list(result.token_logprobs) == pytest.approx([-0.1, -4.0, 0.0])
     assert [list(t.token_ids) for t in result.top_logprobs] == [[5, 7], [1, 2], []]
 

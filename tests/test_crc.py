@@ -12,7 +12,7 @@ from skyrl_grpc.crc import crc32
 
 def test_the_fast_crc_is_zlibs_on_bytes_and_on_tensor_memory() -> None:
     tensor = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0))
-    view = memoryview(tensor.numpy()).cast("B")
+    view = tensor.numpy().data.cast("B")
     assert crc32(view) == zlib.crc32(view)
     assert crc32(view[3:1001]) == zlib.crc32(bytes(view[3:1001]))  # an unaligned slice
     assert crc32(b"") == zlib.crc32(b"") == 0

@@ -75,7 +75,9 @@ async def test_sessions_land_on_the_same_servers_through_the_router_and_directly
         assert forwarded(router) == before  # nothing went through the router
         for session in direct:
             (home,) = holders(servers, session)
-            await until(lambda s=session: router.pool.placement.sessions.home(s) is not None)
+            await until(
+                lambda s=session: router.pool.placement.sessions.home(s) is not None  # type: ignore[misc]
+            )
             assert await placed_by(router.address, session) == home
         # Each new session went to the server with the fewest live sessions: the gap narrowed
         # by every placement, or to one where six could not close it.

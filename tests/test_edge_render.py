@@ -25,7 +25,7 @@ def test_a_whole_sample_reads_as_vllm_reports_it() -> None:
     )
     out = render.sample_out(sample, call, index_offset=2)
     assert (out.index, out.text, out.finish_reason, out.stop_reason) == (3, "abEND", "stop", "END")
-    choice = render.choice(call, out, {}, prompt=[1, 2])
+    choice = render.choice(call, out, [], prompt=[1, 2])
     assert choice["token_ids"] == [5, 6] and choice["prompt_token_ids"] == [1, 2]
     assert choice["logprobs"] is None
 
@@ -33,7 +33,7 @@ def test_a_whole_sample_reads_as_vllm_reports_it() -> None:
 def test_chat_answers_and_chunks_have_openais_shapes() -> None:
     call = _call(True, return_token_ids=True)
     out = render.SampleOut(0, [7], "hello", "length")
-    whole = render.response(call, [render.choice(call, out, {}, [1])], render.usage(1, 1, 0), [1])
+    whole = render.response(call, [render.choice(call, out, [], [1])], render.usage(1, 1, 0), [1])
     assert whole["object"] == "chat.completion" and whole["prompt_token_ids"] == [1]
     assert whole["choices"][0]["message"] == {
         "role": "assistant",
@@ -48,9 +48,9 @@ def test_chat_answers_and_chunks_have_openais_shapes() -> None:
     opening = render.role_chunk(call, 0, [1])
     assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert opening["prompt_token_ids"] == [1]
-    piece = render.chunk_choice(call, 0, "he", [7], None, None, None, {}, delta={"content": "he"})
+    piece = render.chunk_choice(call, 0, "he", [7], None, None, None, [], delta={"content": "he"})
     assert piece["delta"] == {"content": "he"} and "stop_reason" not in piece
-    last = render.chunk_choice(call, 0, "", [], "stop", 9, None, {})
+    last = render.chunk_choice(call, 0, "", [], "stop", 9, None, [])
     assert last["finish_reason"] == "stop" and last["stop_reason"] == 9
     assert render.chunk(call, [last])["object"] == "chat.completion.chunk"
 

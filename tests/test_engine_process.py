@@ -75,8 +75,8 @@ def test_health_not_serving_while_starting_then_serving(
     # The port opens before vLLM starts (which takes seconds): liveness up, services not ready.
     assert starting.liveness == SERVING
     assert starting.data_plane == NOT_SERVING
-    assert starting.model_info_error.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
-    assert "starting" in starting.model_info_error.details()  # type: ignore[attr-defined]
+    assert starting.model_info_error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "starting" in (starting.model_info_error.details() or "")
     # Then ready (the fixture waited for the "ready" line): both services serve.
     assert health_status(server.address, DATA_PLANE) == SERVING
     assert health_status(server.address, CONTROL_PLANE) == SERVING

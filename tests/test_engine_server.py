@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -574,7 +575,7 @@ async def test_invalid_control_and_tokenizer_input(
     ]
     for call, fragment in cases:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await call
+            await cast(Awaitable[object], call)
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert fragment in (raised.value.details() or "")
     assert not (await control.IsPaused(cp.IsPausedRequest())).paused

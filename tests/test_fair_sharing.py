@@ -162,14 +162,17 @@ async def test_abort_without_a_session_through_the_router_reaches_either_backend
             for request_id in ids
         ]
         firsts = await asyncio.gather(*(call.read() for call in calls))
-        assert all(first.token_ids for first in firsts)
+        assert all(
+            isinstance(first, data_plane_pb2.GenerateStreamResponse) and first.token_ids
+            for first in firsts
+        )
         backends = {dict(await call.initial_metadata())["x-skyrl-backend"] for call in calls}
         assert backends == set(servers)  # spread over both: no session pins them
         aborted = await data.Abort(data_plane_pb2.AbortRequest(request_ids=[*ids, "unknown"]))
         assert sorted(aborted.aborted_request_ids) == sorted(ids)
         for call in calls:
             last = None
-            while (chunk := await call.read()) is not grpc.aio.EOF:
+            while isinstance(chunk := await call.read(), data_plane_pb2.GenerateStreamResponse):
                 last = chunk
             assert last is not None and last.finish_reason == gen.FINISH_REASON_ABORTED
 
@@ -189,9 +192,11 @@ async def test_a_paused_fleet_is_visible_and_requests_behave_as_documented(
     try:
         async with grpc.aio.insecure_channel(servers[0]) as channel:
             watch = status_pb2_grpc.ServerStatusStub(channel).Watch(status_pb2.WatchRequest())
-            assert not (await watch.read()).paused
+            state = await watch.read()
+            assert isinstance(state, status_pb2.WatchResponse) and not state.paused
             await client.pause("keep")
-            assert (await asyncio.wait_for(watch.read(), 5)).paused  # reported at once
+            state = await asyncio.wait_for(watch.read(), 5)
+            assert isinstance(state, status_pb2.WatchResponse) and state.paused  # reported at once
             watch.cancel()
         async with grpc.aio.insecure_channel(two_server_router.address) as channel:
             admin = router_pb2_grpc.RouterAdminStub(channel)

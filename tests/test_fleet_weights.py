@@ -308,7 +308,8 @@ async def test_a_server_refusing_to_join_frees_the_group_at_once(engine_server: 
     from skyrl_grpc.process_group import free_port
 
     refusing = grpc.aio.server(options=server_options())
-    control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(_RefusingControlPlane(), refusing)
+    refusing_servicer = _RefusingControlPlane()  # type: ignore[abstract]  # the calls it refuses
+    control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(refusing_servicer, refusing)
     refusing_address = f"127.0.0.1:{bind(refusing, '127.0.0.1:0', None)}"
     await refusing.start()
     try:

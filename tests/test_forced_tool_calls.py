@@ -85,7 +85,7 @@ async def test_the_openai_sdk_gets_forced_calls_from_a_server_without_a_parser(
     }
     answer = await client.chat.completions.create(**request)
     message = answer.choices[0].message
-    whole = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]  # type: ignore[union-attr]
+    whole = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
     check_calls(choice, whole)
     # OpenAI's rule, as vLLM's server keeps it: "tool_calls" for required, "stop" for named.
     assert answer.choices[0].finish_reason == ("tool_calls" if choice == "required" else "stop")
@@ -293,12 +293,12 @@ async def test_a_cut_off_forced_answer_returns_the_calls_it_completed(
             **request, extra_body={"return_token_ids": True}
         )
         (first,) = answer.choices
-        text = tokenizer.decode(first.token_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+        text = tokenizer.decode(first.token_ids, skip_special_tokens=True)
         expected = complete_calls_in(text, choice)
         calls = [
             (c.function.name, json.loads(c.function.arguments))
             for c in first.message.tool_calls or []
-        ]  # type: ignore[union-attr]
+        ]
         where = f"seed {seed} ({first.finish_reason}): {text!r}"
         assert calls == expected, where
         for name, arguments in calls:

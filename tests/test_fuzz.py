@@ -250,7 +250,9 @@ async def test_random_bytes_on_the_wire(
             method = rng.choice(METHODS)
             channel = routed if "DataPlane" in method and index % 2 else direct
             payload = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64)))
-            call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+            call: Any = channel.unary_unary(
+                method, request_serializer=None, response_deserializer=None
+            )
             tally.add(await outcome(call(payload, timeout=30)), (method, payload))
             if "Pause" in method:
                 await control_plane_pb2_grpc.ControlPlaneStub(direct).Resume(cp.ResumeRequest())
@@ -258,7 +260,7 @@ async def test_random_bytes_on_the_wire(
         await control_plane_pb2_grpc.ControlPlaneStub(direct).StartWeightUpdate(
             cp.StartWeightUpdateRequest()
         )
-        push = direct.stream_unary(
+        push: Any = direct.stream_unary(
             "/skyrl.inference.v1.ControlPlane/PushWeights",
             request_serializer=None,
             response_deserializer=None,
@@ -271,17 +273,18 @@ async def test_random_bytes_on_the_wire(
                 )
             )
         )
-        admin = routed.unary_unary(
+        admin: Any = routed.unary_unary(
             "/skyrl.inference.v1.RouterAdmin/AddBackend",
             request_serializer=None,
             response_deserializer=None,
         )
         tally.add(await outcome(admin(b"\xff\xff\xff", timeout=30)), "AddBackend")
-        listed = await routed.unary_unary(
+        list_backends: Any = routed.unary_unary(
             "/skyrl.inference.v1.RouterAdmin/ListBackends",
             request_serializer=None,
             response_deserializer=router_pb2.ListBackendsResponse.FromString,
-        )(b"")
+        )
+        listed = await list_backends(b"")
         assert [b.address for b in listed.backends] == [engine_server.address]
     print(f"wire-level random-byte cases: {tally.cases}, status codes: {tally.codes}")
     assert tally.codes.get("INVALID_ARGUMENT", 0) > 50

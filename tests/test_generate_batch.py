@@ -186,7 +186,7 @@ async def test_abort_by_id_ends_one_request_of_a_batch(two_server_router: Any) -
         stub = data_plane_pb2_grpc.DataPlaneStub(channel)
         call = stub.GenerateBatch(data_plane_pb2.GenerateBatchRequest(requests=requests))
         first = await call.read()
-        assert first.chunks
+        assert isinstance(first, data_plane_pb2.GenerateBatchResponse) and first.chunks
         aborted = await stub.Abort(data_plane_pb2.AbortRequest(request_ids=["abort-one-2"]))
         assert list(aborted.aborted_request_ids) == ["abort-one-2"]
         chunks, errors, _ = await read_batch(call)
@@ -214,6 +214,7 @@ def test_a_server_killed_mid_batch_through_the_router_loses_nothing() -> None:
                 data_plane_pb2.GenerateBatchRequest(requests=requests, session_ids=sessions)
             )
             first = await call.read()
+            assert isinstance(first, data_plane_pb2.GenerateBatchResponse)
             loads = await client.server_loads()
             victim = max(fleet.addresses.servers, key=lambda s: loads[s].running_requests)
             assert loads[victim].running_requests, "no request runs on either server"

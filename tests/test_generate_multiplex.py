@@ -63,7 +63,7 @@ async def test_requests_join_and_leave_one_call(engine_server: Any) -> None:
             nonlocal messages
             while not done():
                 message = await asyncio.wait_for(call.read(), 120)
-                assert message is not grpc.aio.EOF, "the call ended early"
+                assert isinstance(message, data_plane_pb2.GenerateMultiplexResponse), "ended early"
                 messages += 1
                 assert not message.errors, message.errors
                 for chunk in message.chunks:
@@ -75,7 +75,7 @@ async def test_requests_join_and_leave_one_call(engine_server: Any) -> None:
         await read_until(lambda: len(tokens_of(chunks[7])) >= TOKENS)
         cancelled_at = len(tokens_of(chunks[1]))
         outbox.put_nowait(None)  # the caller closes its side: the call ends
-        while (message := await call.read()) is not grpc.aio.EOF:
+        while isinstance(message := await call.read(), data_plane_pb2.GenerateMultiplexResponse):
             messages += 1
             errors.extend(message.errors)
             for chunk in message.chunks:
@@ -112,7 +112,7 @@ async def test_bad_requests_fail_alone_and_a_reused_index_ends_the_call(
         first_error = None
         while first_error is None:
             message = await asyncio.wait_for(call.read(), 120)
-            assert message is not grpc.aio.EOF
+            assert isinstance(message, data_plane_pb2.GenerateMultiplexResponse)
             first_error = message.errors[0] if message.errors else None
         assert first_error.index == 1
         assert first_error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -147,7 +147,9 @@ async def test_the_first_stream_on_a_call_outlives_those_that_end_before_it(
         async with grpc.aio.insecure_channel(router.address) as channel:
             routed = data_plane_pb2_grpc.DataPlaneStub(channel)
             first = routed.GenerateStream(indexed(0, longer))
-            chunks = [await first.read()]  # on the call (a new one: the router is new)
+            head = await first.read()  # on the call (a new one: the router is new)
+            assert isinstance(head, data_plane_pb2.GenerateStreamResponse)
+            chunks = [head]
             later = await single_stream(routed, indexed(1))
             assert len(later) == TOKENS
             await asyncio.wait_for(read_to_end(first, chunks), 120)

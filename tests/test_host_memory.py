@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,7 +34,7 @@ print(json.dumps({{"applied": applied, "mapped_blocks_added": libc.mallinfo2().h
 """
 
 
-def probe(mode: str, **env: str) -> dict:
+def probe(mode: str, **env: str) -> dict[str, Any]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     output = subprocess.run(
         [sys.executable, "-c", PROBE.format(root=str(ROOT)), mode],
@@ -42,7 +43,8 @@ def probe(mode: str, **env: str) -> dict:
         text=True,
         check=True,
     ).stdout
-    return json.loads(output)
+    result: dict[str, Any] = json.loads(output)
+    return result
 
 
 pytestmark = pytest.mark.skipif(

@@ -141,13 +141,15 @@ async def test_bad_requests_get_openai_errors_and_a_disconnect_frees_the_engine(
     client = InferenceClient(http_router.address, [b.address for b in http_router.pool.backends])
 
     def cancelled() -> float:
-        return sum(  # on whichever worker the stream ran
-            sample.value
-            for metric in http_router.metrics.registry.collect()
-            for sample in metric.samples
-            if sample.name == "skyrl_router_request_errors_total"
-            and sample.labels["method"] == GENERATE_STREAM
-            and sample.labels["code"] == "CANCELLED"
+        return float(
+            sum(  # on whichever worker the stream ran
+                sample.value
+                for metric in http_router.metrics.registry.collect()
+                for sample in metric.samples
+                if sample.name == "skyrl_router_request_errors_total"
+                and sample.labels["method"] == GENERATE_STREAM
+                and sample.labels["code"] == "CANCELLED"
+            )
         )
 
     before = cancelled()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import httpx
@@ -21,9 +22,12 @@ from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 from tests.helpers.fake_backend import FakeBackend
 from tests.helpers.waits import until
 
+# A router (with its HTTP edge) over three stand-in backends, and the backends.
+EdgeOnStandIns = tuple[RouterServer, list[FakeBackend]]
+
 
 @pytest.fixture
-async def edge_on_stand_ins() -> AsyncIterator[tuple[RouterServer, list[FakeBackend]]]:
+async def edge_on_stand_ins() -> AsyncIterator[EdgeOnStandIns]:
     backends = [await FakeBackend(f"fake{i}", delay=0.01).start() for i in range(3)]
     router = RouterServer(
         RouterOptions(
@@ -83,7 +87,7 @@ def test_openai_fields_become_sampling_params_and_bad_ones_name_themselves() -> 
     assert not parse.read_generation({"messages": [{"role": "user"}]}, True).sampling.HasField(
         "max_tokens"
     )
-    for body, named in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"prompt": "x", "temperature": "hot"}, "temperature"),
         ({"prompt": "x", "max_tokens": True}, "max_tokens"),
         ({"prompt": []}, "prompt"),
@@ -91,7 +95,8 @@ def test_openai_fields_become_sampling_params_and_bad_ones_name_themselves() -> 
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "stop": 3}, "stop"),
         ({"messages": []}, "messages"),
-    ]:
+    ]
+    for body, named in cases:
         with pytest.raises(InvalidArgument, match=named):
             parse.read_generation(body, chat="messages" in body)
 
@@ -110,7 +115,9 @@ def test_grpc_statuses_map_to_http_statuses_in_openai_error_bodies() -> None:
         assert set(body["error"]) == {"message", "type", "param", "code"}
 
 
-async def test_streamed_completion_is_server_sent_events_ending_in_done(edge_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+async def test_streamed_completion_is_server_sent_events_ending_in_done(
+    edge_on_stand_ins: EdgeOnStandIns,
+) -> None:
     router, _ = edge_on_stand_ins
     async with http(router) as client:
         body = {"prompt": [1, 2, 3], "max_tokens": 4, "stream": True, "return_token_ids": True,
@@ -129,7 +136,7 @@ async def test_streamed_completion_is_server_sent_events_ending_in_done(edge_on_
     assert events[0]["choices"][0]["prompt_token_ids"] == [1, 2, 3]
 
 
-async def test_a_session_lands_where_its_grpc_calls_land(edge_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+async def test_a_session_lands_where_its_grpc_calls_land(edge_on_stand_ins: EdgeOnStandIns) -> None:
     router, backends = edge_on_stand_ins
     async with http(router) as client, grpc.aio.insecure_channel(router.address) as channel:
         stub = data_plane_pb2_grpc.DataPlaneStub(channel)
@@ -139,7 +146,7 @@ async def test_a_session_lands_where_its_grpc_calls_land(edge_on_stand_ins) -> N
                 data_plane_pb2.GenerateStreamRequest(prompt_token_ids=[1]),
                 metadata=((SESSION_ID, session),),
             )
-            grpc_home = dict(await call.initial_metadata())[ROUTED_TO]
+            grpc_home = str(dict(await call.initial_metadata())[ROUTED_TO])
             async for _ in call:
                 pass
             by_address = {b.address: b for b in backends}
@@ -156,8 +163,8 @@ async def test_a_session_lands_where_its_grpc_calls_land(edge_on_stand_ins) -> N
 
 
 async def test_backend_errors_keep_their_status_and_a_disconnect_cancels_upstream(
-    edge_on_stand_ins,
-) -> None:  # type: ignore[no-untyped-def]
+    edge_on_stand_ins: EdgeOnStandIns,
+) -> None:
     router, backends = edge_on_stand_ins
     async with http(router) as client:
         for backend in backends:
@@ -184,7 +191,7 @@ async def test_backend_errors_keep_their_status_and_a_disconnect_cancels_upstrea
     assert sum(b.observed.in_flight for b in backends) == 0
 
 
-async def test_health_and_finish_session(edge_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+async def test_health_and_finish_session(edge_on_stand_ins: EdgeOnStandIns) -> None:
     router, backends = edge_on_stand_ins
     async with http(router) as client:
         assert (await client.get("/health")).status_code == 200
@@ -206,8 +213,8 @@ async def test_health_and_finish_session(edge_on_stand_ins) -> None:  # type: ig
 
 
 async def test_retry_before_the_first_token_and_migration_mid_stream_hold_over_http(
-    edge_on_stand_ins,
-) -> None:  # type: ignore[no-untyped-def]
+    edge_on_stand_ins: EdgeOnStandIns,
+) -> None:
     router, backends = edge_on_stand_ins
     async with http(router) as client:
         for backend in backends:  # whichever is picked first fails before any token

@@ -64,7 +64,7 @@ async def test_a_fleet_scales_up_caught_up_from_a_peer_and_scales_down_by_draini
 
         async def new_healthy() -> bool:
             members = await listed(fleet.addresses.router)
-            return members[new].state == router_pb2.BACKEND_STATE_HEALTHY
+            return bool(members[new].state == router_pb2.BACKEND_STATE_HEALTHY)
 
         await until(new_healthy, what=f"the router to see {new} healthy")
         assert dict(await client.weight_versions()) == {old: 1, new: 1}  # caught up

@@ -135,7 +135,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def ready(address: str) -> bool:
     try:
-        return urllib.request.urlopen(f"http://{address}/-/ready", timeout=2).status == 200
+        return bool(urllib.request.urlopen(f"http://{address}/-/ready", timeout=2).status == 200)
     except OSError:
         return False
 

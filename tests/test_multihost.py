@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,7 +65,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         yield Fleet(bed, trainer, hosts, servers, addresses, spare, router, logs)
 
 
-def update(fleet: Fleet, steps: list[dict[str, object]], **extra: object) -> dict[str, object]:
+def update(fleet: Fleet, steps: list[dict[str, object]], **extra: object) -> dict[str, Any]:
     arguments = {"servers": fleet.addresses, "model": str(ensure_tiny_model()), "steps": steps}
     return run_job(fleet.trainer, "update", {**arguments, **extra}, timeout=JOB_SECONDS)
 
@@ -75,7 +76,7 @@ def test_full_and_delta_updates_across_hosts_are_bit_identical_to_a_fresh_server
     saved = tmp_path / "pushed-model"
     # The first update has no base: whole weights; the second a delta against it.
     result = update(fleet, [{"edit": 1}, {"edit": 2}], save=str(saved))
-    full, delta = result["steps"]  # type: ignore[misc]
+    full, delta = result["steps"]
     for step in (full, delta):
         assert step["relayed"], step
         assert step["served"] == dict.fromkeys(fleet.addresses, step["pushed"])  # every tensor
@@ -100,7 +101,7 @@ async def test_a_relaying_host_killed_mid_update_leaves_one_version_and_catches_
     it catches up from its peers to that version, and the next update reaches all four."""
     bed, model = fleet.bed, str(ensure_tiny_model())
     before = update(fleet, [{"edit": 3, "delta": False}], checksums=False)["versions"]
-    assert len(set(before.values())) == 1  # type: ignore[attr-defined]
+    assert len(set(before.values())) == 1
     # Host 2 forwards in the first tree (the hosts 0, 2, ... do): slow links, so the update
     # lasts seconds and the host dies in the middle of it.
     victim, victim_host = fleet.addresses[2], fleet.hosts[2]

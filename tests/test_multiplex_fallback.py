@@ -117,9 +117,8 @@ async def test_every_new_multiplexed_call_to_a_server_without_it_ends_in_its_tok
     try:
         for _ in range(1000):
             async with grpc.aio.insecure_channel(backend.address) as channel:
-                plain_call = functools.partial(
-                    channel.unary_stream(GENERATE_STREAM), one_token.SerializeToString()
-                )
+                generate: Any = channel.unary_stream(GENERATE_STREAM)
+                plain_call = functools.partial(generate, one_token.SerializeToString())
                 stream = WithFallback(
                     Multiplexer(channel, ()).open(one_token, ""), plain_call, lambda: None
                 )

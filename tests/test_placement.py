@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections import Counter
+from typing import TypeVar
 
 import pytest
 
@@ -102,10 +103,10 @@ class View:
         self.weight_version = weight_version
 
 
-def placed(
-    backends: list[View], policy: PlacementPolicy | None = None
-) -> tuple[PlacementPolicy, dict[str, View]]:
-    policy = policy or ConsistentHashPolicy()
+Policy = TypeVar("Policy", bound=PlacementPolicy)
+
+
+def placed(backends: list[View], policy: Policy) -> tuple[Policy, dict[str, View]]:
     for backend in backends:
         policy.add(backend.address)
     return policy, {b.address: b for b in backends}
@@ -114,13 +115,13 @@ def placed(
 def test_a_session_goes_to_its_ring_owner_and_follows_it_back() -> None:
     ring = HashRing(BACKENDS)
     for session in SESSIONS[:200]:
-        policy, backends = placed([View(a) for a in BACKENDS])
+        policy, backends = placed([View(a) for a in BACKENDS], ConsistentHashPolicy())
         chosen = policy.choose(session, backends)
         assert chosen is not None and chosen.address == ring.lookup(session)
     session = SESSIONS[0]
     home = ring.lookup(session)
     assert home is not None
-    policy, backends = placed([View(a) for a in BACKENDS])
+    policy, backends = placed([View(a) for a in BACKENDS], ConsistentHashPolicy())
     assert policy.choose(session, backends) is backends[home]
     backends[home].eligible = False  # unhealthy or draining
     moved = policy.choose(session, backends)
@@ -132,7 +133,7 @@ def test_a_session_goes_to_its_ring_owner_and_follows_it_back() -> None:
 
 def test_without_a_session_the_least_loaded_eligible_backend_is_chosen() -> None:
     views = [View(a, in_flight=n) for a, n in zip(BACKENDS, [5, 2, 0, 1], strict=True)]
-    policy, backends = placed(views)
+    policy, backends = placed(views, ConsistentHashPolicy())
     assert policy.choose(None, backends) is views[2]
     views[2].eligible = False
     assert policy.choose(None, backends) is views[3]
@@ -152,7 +153,7 @@ def test_no_eligible_backend_means_no_choice() -> None:
 
 def test_calls_without_a_session_avoid_paused_backends_while_one_runs() -> None:
     views = [View(a, in_flight=n) for a, n in zip(BACKENDS, [0, 3, 5, 9], strict=True)]
-    policy, backends = placed(views)
+    policy, backends = placed(views, ConsistentHashPolicy())
     views[0].paused = views[1].paused = True
     assert policy.choose(None, backends) is views[2]  # busier, but not paused
     for view in views:

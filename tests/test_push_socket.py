@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,7 @@ def hello(port: int, ticket: bytes) -> socket.socket:
 
 
 async def reply_to_stream(
-    opened: cp.StartWeightUpdateResponse, frames: list[tuple[bytes | memoryview, ...]]
+    opened: cp.StartWeightUpdateResponse, frames: Sequence[Sequence[bytes | bytearray | memoryview]]
 ) -> cp.PushSocketReply:
     """A raw connection to ``opened``'s push socket: its hello, then ``frames`` (each a frame's
     parts) as one stream; the server's reply to it."""

@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def running(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie does not)."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
 
@@ -125,8 +126,8 @@ def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(
         with grpc.insecure_channel(servers[0]) as channel:
             with pytest.raises(grpc.RpcError) as refused:
                 DataPlaneStub(channel).Generate(GenerateRequest(prompt_token_ids=[1, 2], n=4))
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-        assert "--max-n" in refused.value.details()  # type: ignore[attr-defined]
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "--max-n" in (refused.value.details() or "")
         assert len(tree) > len(actor_pids)  # the engines run in processes of their own
         replicas = [
             pid for pid in tree if "--replica-id" in " ".join(psutil.Process(pid).cmdline())
@@ -142,7 +143,8 @@ def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(
                 client.resume()
                 return tokens, paused, client.all_paused()
 
-        tokens, paused, still_paused = ray.get(Rollouts.remote().run.remote(client), timeout=120)
+        actor: Any = Rollouts
+        tokens, paused, still_paused = ray.get(actor.remote().run.remote(client), timeout=120)
         assert tokens == result.token_ids and paused and not still_paused
     finally:
         group.close()

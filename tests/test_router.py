@@ -11,8 +11,9 @@ import sys
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -46,10 +47,17 @@ async def start_router(backends: list[FakeBackend], **kw: object) -> RouterServe
     return router
 
 
+def _owner(backends: list[FakeBackend], router: RouterServer, session: str) -> FakeBackend:
+    """The stand-in the router places ``session`` on."""
+    return next(b for b in backends if b.address == router.pool.owner(session))
+
+
+# Four stand-in backends, a router over them, a channel to the router.
+StandIns = tuple[list[FakeBackend], RouterServer, grpc.aio.Channel]
+
+
 @pytest.fixture
-async def router_on_stand_ins() -> AsyncIterator[
-    tuple[list[FakeBackend], RouterServer, grpc.aio.Channel]
-]:
+async def router_on_stand_ins() -> AsyncIterator[StandIns]:
     backends = [await FakeBackend(f"b{i}").start() for i in range(4)]
     router = await start_router(backends, metrics_port=0)
     channel = grpc.aio.insecure_channel(router.address)
@@ -67,12 +75,12 @@ def request(max_tokens: int = 4) -> data_plane_pb2.GenerateStreamRequest:
 
 
 async def routed_stream(
-    channel: grpc.aio.Channel, session: str | None = None, max_tokens: int = 4, **kw: object
+    channel: grpc.aio.Channel, session: str | None = None, max_tokens: int = 4, **kw: Any
 ) -> tuple[str, list[int]]:
     metadata = ((SESSION_ID, session),) if session else ()
     call = data_plane_pb2_grpc.DataPlaneStub(channel).GenerateStream(
         request(max_tokens), metadata=metadata, **kw
-    )  # type: ignore[arg-type]
+    )
     tokens = [t async for chunk in call for t in chunk.token_ids]
     backend = dict(await call.initial_metadata())[ROUTED_TO]
     return str(backend), tokens
@@ -85,7 +93,7 @@ async def health_status(channel: grpc.aio.Channel, service: str = "") -> int:
     return response.status  # type: ignore[no-any-return]
 
 
-async def test_streams_and_unary_are_forwarded_unchanged(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+async def test_streams_and_unary_are_forwarded_unchanged(router_on_stand_ins: StandIns) -> None:
     backends, router, channel = router_on_stand_ins
     address, tokens = await routed_stream(channel, max_tokens=5)
     assert tokens == [0, 1, 2, 3, 4]
@@ -101,9 +109,9 @@ async def test_streams_and_unary_are_forwarded_unchanged(router_on_stand_ins) ->
     assert dict(await call.initial_metadata())[ROUTED_TO] in {b.address for b in backends}
 
 
-async def test_session_affinity_and_metadata_forwarding(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+async def test_session_affinity_and_metadata_forwarding(router_on_stand_ins: StandIns) -> None:
     backends, router, channel = router_on_stand_ins
-    by_address = {b.address: b for b in backends}
+    by_address: dict[object, FakeBackend] = {b.address: b for b in backends}
     landed: dict[str, set[str]] = {}
     for _turn in range(3):
         for session in [f"conv-{i}" for i in range(20)]:
@@ -127,7 +135,7 @@ async def test_session_affinity_and_metadata_forwarding(router_on_stand_ins) -> 
     assert seen["traceparent"] == "00-abc-def-01"
 
 
-async def test_no_session_goes_to_least_loaded(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+async def test_no_session_goes_to_least_loaded(router_on_stand_ins: StandIns) -> None:
     backends, router, channel = router_on_stand_ins
     for b in backends:
         b.servicer.delay = 0.05
@@ -141,7 +149,7 @@ async def test_no_session_goes_to_least_loaded(router_on_stand_ins) -> None:  # 
         call.cancel()
 
 
-async def test_unhealthy_backend_is_ejected_and_readmitted(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+async def test_unhealthy_backend_is_ejected_and_readmitted(router_on_stand_ins: StandIns) -> None:
     backends, router, channel = router_on_stand_ins
     sessions = [f"s{i}" for i in range(40)]
     before = {s: router.pool.owner(s) for s in sessions}
@@ -165,7 +173,9 @@ async def test_unhealthy_backend_is_ejected_and_readmitted(router_on_stand_ins) 
         assert (await routed_stream(channel, s))[0] == before[s]  # sessions came back
 
 
-async def test_stopped_backend_is_ejected_and_restarted_one_rejoins(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+async def test_stopped_backend_is_ejected_and_restarted_one_rejoins(
+    router_on_stand_ins: StandIns,
+) -> None:
     backends, router, channel = router_on_stand_ins
     victim = backends[3]
     port = victim.port
@@ -185,14 +195,14 @@ async def test_stopped_backend_is_ejected_and_restarted_one_rejoins(router_on_st
     await restarted.stop()
 
 
-async def test_no_healthy_backend_is_unavailable_with_reason(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+async def test_no_healthy_backend_is_unavailable_with_reason(router_on_stand_ins: StandIns) -> None:
     backends, router, channel = router_on_stand_ins
     for b in backends:
         await b.set_serving(False)
     await until(lambda: not router.pool.healthy(), what="every backend ejected")
 
     async def not_serving() -> bool:
-        return await health_status(channel) == NOT_SERVING
+        return bool(await health_status(channel) == NOT_SERVING)
 
     await until(not_serving, what="the router's health to turn NOT_SERVING")
     with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -205,10 +215,10 @@ async def test_no_healthy_backend_is_unavailable_with_reason(router_on_stand_ins
     assert await health_status(channel) == SERVING
 
 
-async def test_retry_before_first_chunk_but_never_after(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+async def test_retry_before_first_chunk_but_never_after(router_on_stand_ins: StandIns) -> None:
     backends, router, channel = router_on_stand_ins
     first_choice = router.pool.owner("retry-me")
-    by_address = {b.address: b for b in backends}
+    by_address: dict[object, FakeBackend] = {b.address: b for b in backends}
     by_address[first_choice].servicer.fail_next_with = grpc.StatusCode.UNAVAILABLE
     address, tokens = await routed_stream(channel, "retry-me")
     assert address != first_choice and tokens == [0, 1, 2, 3]
@@ -233,13 +243,13 @@ async def test_retry_before_first_chunk_but_never_after(router_on_stand_ins) -> 
 
 
 async def test_a_connection_broken_mid_stream_migrates_a_server_error_does_not(
-    router_on_stand_ins,
-) -> None:  # type: ignore[no-untyped-def]
+    router_on_stand_ins: StandIns,
+) -> None:
     # When a backend's process dies between messages, grpc's client core may end the call with
     # INTERNAL "Internal error from Core" (its batch failed) instead of UNAVAILABLE; it is a
     # lost backend all the same (seen in CI: the killed-backend test failed with it).
     backends, router, channel = router_on_stand_ins
-    owner = {b.address: b for b in backends}[router.pool.owner("broken")]
+    owner = _owner(backends, router, "broken")
     owner.servicer.fail_after_tokens = 2
     owner.servicer.fail_mid_stream_with = (grpc.StatusCode.INTERNAL, TRANSPORT_BROKE)
     try:
@@ -247,7 +257,7 @@ async def test_a_connection_broken_mid_stream_migrates_a_server_error_does_not(
         assert address == owner.address and tokens == [0, 1, 0, 1, 2, 3]  # migrated
         await router.wait_healthy(4, timeout=60)
         # A server's own INTERNAL is an answer, not a lost connection: passed through.
-        owner = {b.address: b for b in backends}[router.pool.owner("failing")]
+        owner = _owner(backends, router, "failing")
         owner.servicer.fail_after_tokens = 2
         owner.servicer.fail_mid_stream_with = (grpc.StatusCode.INTERNAL, "a bug in the server")
         with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -271,7 +281,7 @@ async def test_lost_backend_without_migration_is_unavailable_naming_it() -> None
     )
     await router.start()
     await router.wait_healthy(2)
-    owner = {b.address: b for b in backends}[router.pool.owner("m")]
+    owner = {b.address: b for b in backends}[str(router.pool.owner("m"))]
     owner.servicer.fail_after_tokens = 2
     async with grpc.aio.insecure_channel(router.address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -284,27 +294,27 @@ async def test_lost_backend_without_migration_is_unavailable_naming_it() -> None
         await b.stop()
 
 
-async def test_cancel_and_deadline_pass_through(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+async def test_cancel_and_deadline_pass_through(router_on_stand_ins: StandIns) -> None:
     backends, router, channel = router_on_stand_ins
     for b in backends:
         b.servicer.delay = 0.05
     stub = data_plane_pb2_grpc.DataPlaneStub(channel)
     call = stub.GenerateStream(request(200), metadata=((SESSION_ID, "c"),))
     await call.read()
-    owner = {b.address: b for b in backends}[router.pool.owner("c")]
+    owner = _owner(backends, router, "c")
     call.cancel()
     await until(lambda: owner.observed.cancelled > 0, what="the upstream call's cancellation")
     assert owner.observed.in_flight == 0
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await routed_stream(channel, "d", max_tokens=200, timeout=0.4)
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    owner = {b.address: b for b in backends}[router.pool.owner("d")]
+    owner = _owner(backends, router, "d")
     # Propagated (not the default of none); timer granularity allows a hair over the 0.4 s.
     assert owner.observed.deadlines[-1] is not None and owner.observed.deadlines[-1] <= 0.45
     await until(lambda: owner.observed.in_flight == 0, what="the upstream call to end")
 
 
-async def test_admin_lists_adds_removes_and_drains(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+async def test_admin_lists_adds_removes_and_drains(router_on_stand_ins: StandIns) -> None:
     backends, router, channel = router_on_stand_ins
     admin = router_pb2_grpc.RouterAdminStub(channel)
     listed = await admin.ListBackends(router_pb2.ListBackendsRequest())
@@ -328,7 +338,7 @@ async def test_admin_lists_adds_removes_and_drains(router_on_stand_ins) -> None:
         ),
     ]:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await call
+            await cast(Awaitable[object], call)
         assert raised.value.code() == code
     # Drain waits for the in-flight stream, which completes.
     extra.servicer.delay = 0.02
@@ -346,7 +356,7 @@ async def test_admin_lists_adds_removes_and_drains(router_on_stand_ins) -> None:
     await extra.stop()
 
 
-async def test_metrics_endpoint(router_on_stand_ins) -> None:  # type: ignore[no-untyped-def]
+async def test_metrics_endpoint(router_on_stand_ins: StandIns) -> None:
     backends, router, channel = router_on_stand_ins
     await routed_stream(channel, "m")
     body = await asyncio.to_thread(
@@ -370,8 +380,8 @@ async def test_metrics_endpoint(router_on_stand_ins) -> None:  # type: ignore[no
 
 
 async def test_methods_unknown_to_the_router_are_relayed_as_raw_streams(
-    router_on_stand_ins,
-) -> None:  # type: ignore[no-untyped-def]
+    router_on_stand_ins: StandIns,
+) -> None:
     backends, router, channel = router_on_stand_ins
     # A router built from an older contract knows none of the methods: all are relayed raw.
     handler = ForwardingHandler(router.proxy)
@@ -424,14 +434,15 @@ def test_killed_backend_process_is_ejected_router_stays_serving() -> None:
                     request(500), metadata=((SESSION_ID, victim_sessions[0]),), timeout=60
                 )
                 first = await call.read()  # the stream runs on the victim
+                assert isinstance(first, data_plane_pb2.GenerateStreamResponse)
                 assert dict(await call.initial_metadata())[ROUTED_TO] == victim
                 os.kill(procs[0].pid, signal.SIGKILL)
                 killed = time.monotonic()
                 # Migrated to a live backend, so it completes.
                 streamed = list(first.token_ids)
-                while (chunk := await call.read()) is not grpc.aio.EOF:
+                while isinstance(chunk := await call.read(), data_plane_pb2.GenerateStreamResponse):
                     streamed.extend(chunk.token_ids)
-                assert len(streamed) == 500
+                assert chunk is grpc.aio.EOF and len(streamed) == 500
                 while victim in {b.address for b in router.pool.healthy()}:
                     # Ejected on the broken watch: no call goes to it after the migration, so
                     # nothing else would eject it (bound generous for a loaded box).

@@ -196,6 +196,7 @@ async def sessions_held(servers: list[str], prefix: str) -> Counter[str]:
             )
             first = await stream.read()
             stream.cancel()
+            assert isinstance(first, status_pb2.WatchResponse)
             held[address] = sum(1 for s in first.sessions_added if s.startswith(prefix))
     return held
 

@@ -27,14 +27,21 @@ TEXTS = [
 ]
 
 
-def tokenize_calls(router: Any) -> float:
-    return sum(
-        sample.value
-        for metric in router.metrics.registry.collect()
-        for sample in metric.samples
-        if sample.name == "skyrl_router_processed_requests_total"
-        and sample.labels["method"] == TOKENIZE
+def processed_calls(router: Any, method: str) -> float:
+    """How many ``method`` calls the router has handled itself."""
+    return float(
+        sum(
+            sample.value
+            for metric in router.metrics.registry.collect()
+            for sample in metric.samples
+            if sample.name == "skyrl_router_processed_requests_total"
+            and sample.labels["method"] == method
+        )
     )
+
+
+def tokenize_calls(router: Any) -> float:
+    return processed_calls(router, TOKENIZE)
 
 
 async def prompt_ids(router: Any, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -94,13 +101,7 @@ async def test_a_tokenizer_that_is_not_the_served_models_is_not_used(
 
 
 def get_tokenizer_calls(router: Any) -> float:
-    return sum(
-        sample.value
-        for metric in router.metrics.registry.collect()
-        for sample in metric.samples
-        if sample.name == "skyrl_router_processed_requests_total"
-        and sample.labels["method"] == GET_TOKENIZER
-    )
+    return processed_calls(router, GET_TOKENIZER)
 
 
 @pytest.mark.parametrize("given", ["none", "a directory this host lacks"])

@@ -4,8 +4,6 @@ whole view."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from servers.router import feed as feed_module
 from servers.router.feed import RoutingFeed
 from skyrl_grpc.placement import BoundedLoadPolicy
@@ -30,7 +28,7 @@ async def test_watchers_share_each_change_and_a_late_one_starts_complete() -> No
     policy = BoundedLoadPolicy()
     feed = RoutingFeed(lambda: list(backends), policy, interval=3600)  # ticks by hand
     policy.sessions.place("s1", "a:1")
-    first: AsyncIterator[router_pb2.WatchBackendsResponse] = feed.watch()
+    first = feed.watch()
     second = feed.watch()
     views = [mirror({}, await anext(first)), mirror({}, await anext(second))]
     assert views == [{"s1": "a:1"}, {"s1": "a:1"}]

@@ -31,7 +31,10 @@ async def routes_and_moves() -> AsyncIterator[tuple[DirectRoutes, list[tuple[str
 
 
 def _view(
-    states: dict[str, int], sessions: dict[str, str], complete: bool = True, removed: tuple = ()
+    states: dict[str, router_pb2.BackendState],
+    sessions: dict[str, str],
+    complete: bool = True,
+    removed: tuple[str, ...] = (),
 ) -> router_pb2.WatchBackendsResponse:
     return router_pb2.WatchBackendsResponse(
         placement="bounded-load",
@@ -85,7 +88,9 @@ class _ListingRouter(router_pb2_grpc.RouterAdminServicer):
         self.members = members
 
     async def ListBackends(
-        self, request: router_pb2.ListBackendsRequest, context: grpc.aio.ServicerContext
+        self,
+        request: router_pb2.ListBackendsRequest,
+        context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
     ) -> router_pb2.ListBackendsResponse:
         return router_pb2.ListBackendsResponse(
             backends=[router_pb2.Backend(address=a, state=HEALTHY) for a in self.members]
@@ -97,7 +102,7 @@ async def test_the_fleet_now_is_the_routers_membership_at_the_call_not_a_lagging
     that view missed a server that had joined, and a weight update "committed" with it left
     at the old version (seen in CI: a node left, its server came back elsewhere)."""
     router = grpc.aio.server()
-    listing = _ListingRouter(["b", "c"])
+    listing = _ListingRouter(["b", "c"])  # type: ignore[abstract]  # serves ListBackends only
     router_pb2_grpc.add_RouterAdminServicer_to_server(listing, router)
     port = router.add_insecure_port("127.0.0.1:0")
     await router.start()

@@ -7,6 +7,7 @@ import asyncio
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -15,6 +16,7 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from servers.engine import options as engine_options
 from servers.engine.process import engine_server
+from servers.engine.vllm_adapter.vllm_engine import VllmEngine
 from servers.router.router_server import RouterOptions, RouterServer
 from skyrl_grpc.metadata import bearer
 from skyrl_grpc.names import CONTROL_PLANE_SERVICE, PUSH_WEIGHTS, method_path
@@ -41,7 +43,7 @@ async def guarded_server(
     async def never_ready(*_: object) -> None:
         await asyncio.Event().wait()
 
-    monkeypatch.setattr(engine_server.VllmEngine, "start", never_ready)
+    monkeypatch.setattr(VllmEngine, "start", never_ready)
     server = engine_server.EngineServer(
         engine_options.ServerOptions(control_token="control-s3cret", data_token="data-s3cret")
     )
@@ -254,14 +256,14 @@ async def test_an_over_size_message_is_refused_naming_max_message_mib(
     async def never_ready(*_: object) -> None:
         await asyncio.Event().wait()
 
-    monkeypatch.setattr(engine_server.VllmEngine, "start", never_ready)
+    monkeypatch.setattr(VllmEngine, "start", never_ready)
     server = engine_server.EngineServer(engine_options.ServerOptions(max_message_bytes=MiB))
     await server.start()
     try:
         async with grpc.aio.insecure_channel(
             server.address, options=[("grpc.max_send_message_length", 8 * MiB)]
         ) as channel:
-            pause = channel.unary_unary(method_path(CONTROL_PLANE_SERVICE, "Pause"))
+            pause: Any = channel.unary_unary(method_path(CONTROL_PLANE_SERVICE, "Pause"))
             with pytest.raises(grpc.aio.AioRpcError) as refused:  # within gRPC's headroom
                 await pause(bytes(3 * MiB // 2))
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

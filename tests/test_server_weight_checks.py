@@ -634,7 +634,9 @@ async def recorded_push(
     """Pushes ``_messages()`` through a manager whose workers record every ``update_weights``
     (``before_call(update_info)`` first, when given); returns the workers and the calls."""
     workers = FakeWorkers()
-    extra = {} if stage_batch_bytes is None else {"stage_batch_bytes": stage_batch_bytes}
+    extra: dict[str, Any] = {}
+    if stage_batch_bytes is not None:
+        extra["stage_batch_bytes"] = stage_batch_bytes
     manager = WeightTransferManager(calls(workers, handoff), **extra)
     await manager.start()
     sent: list[dict[str, Any]] = []
@@ -746,7 +748,7 @@ def test_a_shared_buffer_is_made_at_first_use_and_one_a_dead_server_left_is_remo
     assert abandoned.exists()  # nothing made or removed before the first in-band update
     assert buffer.place([[b"abc"], [b"de"]]) == [[0, 3], [3, 2]]
     assert [p.name for p in tmp_path.iterdir()] == [Path(buffer.path).name]
-    assert HandoffReader().view(buffer.path, [3, 2]) == b"de"
+    assert bytes(HandoffReader().view(buffer.path, [3, 2])) == b"de"
     buffer.mapped()
     assert list(tmp_path.iterdir()) == []
     buffer.close()

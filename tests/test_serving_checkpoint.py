@@ -115,7 +115,7 @@ def test_full_updates_reuse_the_two_copies_they_need() -> None:
     first = checkpoint.tensors["b"]
 
     def full_update(value: float) -> torch.Tensor:
-        buffer = checkpoint.buffer_for("b", [16], torch.float32)
+        buffer: torch.Tensor = checkpoint.buffer_for("b", [16], torch.float32)
         buffer.fill_(value)
         checkpoint.stage_whole("b", buffer)
         checkpoint.commit()

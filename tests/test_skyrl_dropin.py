@@ -76,7 +76,7 @@ class Recorded:
             return await finish(session)
 
         engine.client.generate_batch = recording_generate_batch  # type: ignore[method-assign]
-        engine.client.finish_session = recording_finish  # type: ignore[method-assign]
+        engine.client.finish_session = recording_finish  # type: ignore[method-assign,assignment]
         for server in servers:
             sessions = server.state.started.sessions
             touch = sessions.touch
@@ -134,7 +134,7 @@ async def test_skyrl_gym_generator_runs_multi_turn_sessions_on_the_stack(
     count = 6
     output = await generator.generate(batch(count, "dropin"), disable_tqdm=True)
     sessions = [f"dropin{i}_0" for i in range(count)]
-    assert output["rewards"] and all(sum(r) == 1.0 for r in output["rewards"])  # type: ignore[arg-type]
+    assert output["rewards"] and all(sum(r) == 1.0 for r in output["rewards"])
     assert sorted(recorded.finished) == sorted(sessions)
     assert {len(recorded.outputs[s]) for s in sessions} == {TURNS}
     for i, session in enumerate(sessions):
@@ -172,7 +172,7 @@ async def test_skyrl_generator_survives_pause_weight_push_and_resume(
     await engine.resume_generation()
     output = await asyncio.wait_for(rollouts, 300)
     assert len(output["response_ids"]) == 8 and all(output["response_ids"])
-    assert all(sum(r) == 1.0 for r in output["rewards"])  # type: ignore[arg-type]
+    assert all(sum(r) == 1.0 for r in output["rewards"])
     versions = await engine.client.weight_versions()
     assert versions.consistent
     # The adapter's version is what the servers committed, not a count of its own calls.
@@ -220,7 +220,7 @@ async def test_http_calls_share_a_connection_pool_and_raise_the_servers_errors(
         opened.append(real(*args, **kwargs))
         return opened[-1]
 
-    httpx.AsyncClient = counting  # type: ignore[misc]
+    httpx.AsyncClient = counting  # type: ignore[misc,assignment]
     try:
         for turn in range(3):
             answer = await engine.chat_completion(
@@ -290,12 +290,12 @@ async def test_a_skyrl_batch_on_a_paused_fleet_behind_a_fail_fast_router_is_a_cl
         engine = SkyRLInferenceEngine(router.address, servers, direct=False)
         await engine.pause_generation()
         try:
-            await until(lambda pool=router.pool: all(b.paused for b in pool.backends))
+            await until(lambda pool=router.pool: all(b.paused for b in pool.backends))  # type: ignore[misc]
             batch = {"prompt_token_ids": [[1, 2, 3], [1, 4]], "sampling_params": {"max_tokens": 4}}
             with pytest.raises(Exception, match="--fail-when-paused") as raised:
                 await asyncio.wait_for(engine.generate(batch), 30)
             assert "UNAVAILABLE" in str(raised.value)
-            await until(lambda c=engine.client: engines_idle(c), 10, "nothing left running")
+            await until(lambda c=engine.client: engines_idle(c), 10, "nothing left running")  # type: ignore[misc]
         finally:
             await engine.resume_generation()
             await engine.teardown()

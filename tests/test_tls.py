@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servers.common.listener import ServerTls
 from servers.engine import options as engine_options
 from servers.engine.process import engine_server
+from servers.engine.vllm_adapter.vllm_engine import VllmEngine
 from servers.router.router_server import RouterOptions, RouterServer
 from skyrl_grpc.tls import TlsConfig
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
@@ -43,7 +44,7 @@ async def tls_server(
     async def never_ready(*_: object) -> None:
         await asyncio.Event().wait()
 
-    monkeypatch.setattr(engine_server.VllmEngine, "start", never_ready)
+    monkeypatch.setattr(VllmEngine, "start", never_ready)
     server = engine_server.EngineServer(
         engine_options.ServerOptions(
             tls=ServerTls(certs.server_cert, certs.server_key, client_ca=certs.ca)
@@ -195,7 +196,7 @@ async def test_tls_takes_pem_bytes_or_paths_and_refuses_anything_else_when_made(
         ("client_certificate", certs.client_cert),
         ("client_key", certs.client_key),
     ]}  # fmt: skip
-    as_bytes = TlsConfig(**pem)
+    as_bytes = TlsConfig(**pem)  # type: ignore[arg-type]  # bytes where the type says paths
     async with with_cert_channel(tls_server.address, as_bytes) as channel:
         assert await liveness(channel) == health_pb2.HealthCheckResponse.SERVING
     with pytest.raises(ValueError, match=r"root_certificates: bytes that are not PEM"):

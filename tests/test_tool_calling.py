@@ -87,7 +87,7 @@ async def test_the_openai_sdk_reads_tool_calls_whole_and_streamed(
     assert calls and answer.choices[0].finish_reason == "tool_calls"
     first = calls[0]
     assert first.type == "function" and CALL_ID.match(first.id)
-    assert first.function.name in ("get_weather", "get_time")  # type: ignore[union-attr]
+    assert first.function.name in ("get_weather", "get_time")
     # Streamed: fold the deltas as agent harnesses do.
     folded: dict[int, dict[str, str]] = {}
     stream = await client.chat.completions.create(
@@ -368,9 +368,9 @@ async def test_reasoning_comes_apart_from_the_answer(
         "logit_bias": {str(i): b for i, b in spelled.items()},
     }  # fmt: skip
     edge = f"http://127.0.0.1:{reasoning_router.http_port}"
-    async with httpx.AsyncClient(timeout=120) as client:
-        message = (await whole(client, edge, body))["choices"][0]["message"]
-        events = await streamed(client, edge, body)
+    async with httpx.AsyncClient(timeout=120) as http:
+        message = (await whole(http, edge, body))["choices"][0]["message"]
+        events = await streamed(http, edge, body)
     assert (message["reasoning"], message["content"]) == (thought, answer)
     deltas = [c["delta"] for e in events for c in e["choices"]]
     assert "".join(d.get("reasoning") or "" for d in deltas) == thought

@@ -78,7 +78,9 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
 def receiver() -> Iterator[tuple[Receiver, str]]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     collector = Receiver()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(  # type: ignore[no-untyped-call]
+        collector, server
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:

@@ -43,7 +43,10 @@ class Use:
 def vllm_uses(path: Path) -> list[Use]:
     """The vLLM names ``path`` imports, reads off an import, or names in a string."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    where = lambda node: f"{path.relative_to(ROOT)}:{node.lineno}"  # noqa: E731
+
+    def where(node: ast.stmt | ast.expr) -> str:
+        return f"{path.relative_to(ROOT)}:{node.lineno}"
+
     uses: list[Use] = []
     bound: dict[str, tuple[str, tuple[str, ...]]] = {}  # local name -> (module, attributes)
     for node in ast.walk(tree):

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import pytest
@@ -122,9 +122,9 @@ async def test_a_reserved_delta_base_is_the_first_records_memory_and_never_its_v
         misfit = sorted(first)[0]
         like = {**first, "not.pushed": torch.ones(3), misfit: torch.ones(2, 2)}
         await client.reserve_delta_base(like.items())
-        reserved = {
-            name: tensor.data_ptr() for name, tensor in client._local.reserved_record.items()
-        }
+        reserved_record = client._local.reserved_record
+        assert reserved_record is not None
+        reserved = {name: tensor.data_ptr() for name, tensor in reserved_record.items()}
         version = await next_version(client)
         await client.update_weights(first.items(), version)  # no base yet: everything
         record = client._local.last_pushed
@@ -209,7 +209,7 @@ def _patch_stream(
 ) -> list[bytes]:
     spec, payload = _patch(name, tensor, base_version, indices, values)
     manifest = cp.PushWeightsRequest(manifest=cp.WeightManifest(parameters=[spec]))
-    return [manifest.SerializeToString(), encode_chunk(name, 0, memoryview(payload.numpy()))]
+    return [manifest.SerializeToString(), encode_chunk(name, 0, payload.numpy().data)]
 
 
 async def test_bad_patches_are_refused_and_the_weights_stay(delta_fleet: DeltaFleet) -> None:
@@ -220,7 +220,7 @@ async def test_bad_patches_are_refused_and_the_weights_stay(delta_fleet: DeltaFl
     name, tensor = next(iter(sorted(delta_fleet.original.items())))
     channel = grpc.aio.insecure_channel(address)
     control = control_plane_pb2_grpc.ControlPlaneStub(channel)
-    push = channel.stream_unary(PUSH_WEIGHTS, request_serializer=None)
+    push: Any = channel.stream_unary(PUSH_WEIGHTS, request_serializer=None)
 
     cases = [
         (_patch_stream(name, tensor, base, indices, values), code, words)
@@ -363,7 +363,8 @@ async def test_a_dense_step_names_its_changes_with_a_bitmap_in_band_and_over_the
     weights = perturbed(delta_fleet.original, seed=61)
     version = await next_version(client)
     await client.update_weights(weights.items(), version, transport="grpc")
-    for step, transport in enumerate(("grpc", "collective"), start=1):
+    transports: tuple[Literal["grpc", "collective"], ...] = ("grpc", "collective")
+    for step, transport in enumerate(transports, start=1):
         weights = a_training_step(weights, seed=61 + step, fraction=0.2)
         await client.update_weights(weights.items(), version + step, transport=transport)
         # float32, 20% changed: 4-byte indices and 4-byte values would be 40% of the model's
@@ -548,14 +549,14 @@ async def test_bad_compressed_patches_are_refused_and_the_weights_stay(
     ]
     address = servers[0]
     channel = grpc.aio.insecure_channel(address)
-    push = channel.stream_unary(PUSH_WEIGHTS, request_serializer=None)
+    push: Any = channel.stream_unary(PUSH_WEIGHTS, request_serializer=None)
     for (spec, frame), words in cases:
         # In-band, to one server.
         await client._control(address).StartWeightUpdate(
             cp.StartWeightUpdateRequest(weight_version=serving + 1)
         )
         manifest = cp.PushWeightsRequest(manifest=cp.WeightManifest(parameters=[spec]))
-        stream = [manifest.SerializeToString(), encode_chunk(name, 0, memoryview(frame.numpy()))]
+        stream = [manifest.SerializeToString(), encode_chunk(name, 0, frame.numpy().data)]
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await push(iter(stream))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -593,7 +594,8 @@ async def test_a_server_that_does_not_take_compressed_patches_gets_them_plain(
     weights = perturbed(delta_fleet.original, seed=95)
     version = await next_version(client)
     await client.update_weights(weights.items(), version, transport="grpc")
-    for step, transport in enumerate(("grpc", "collective"), start=1):
+    transports: tuple[Literal["grpc", "collective"], ...] = ("grpc", "collective")
+    for step, transport in enumerate(transports, start=1):
         stepped = a_training_step(weights, seed=95 + step)
         plain, sent = await pushed_compressed(client, weights, stepped, version + step, transport)
         assert sent[older] == plain

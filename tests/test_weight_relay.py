@@ -258,7 +258,7 @@ async def test_a_forged_relay_stream_is_refused_with_nothing_staged(
             connection.close()
             assert hello.code == grpc.StatusCode.PERMISSION_DENIED.value[0], hello
             assert sender in hello.message or "ticket" in hello.message
-        push = channel.stream_unary(PUSH_WEIGHTS, request_serializer=None)
+        push: Any = channel.stream_unary(PUSH_WEIGHTS, request_serializer=None)
         manifest = cp.PushWeightsRequest(manifest=cp.WeightManifest()).SerializeToString()
         for metadata in (
             ((PUSH_TICKET, os.urandom(16)), (RELAYED_FROM, parent)),

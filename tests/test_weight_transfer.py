@@ -303,12 +303,12 @@ async def test_collective_gloo_updates_two_servers_with_their_own_rank_offsets(
             spec.sha256 = hashlib.sha256(b"something else").digest()
         return spec
 
-    sender_module.parameter_spec = lying_spec  # type: ignore[assignment]
+    sender_module.parameter_spec = lying_spec
     try:
         with pytest.raises(WeightUpdateError) as raised:
             await client.update_weights(perturbed(corrupt, 5).items(), transport="collective")
     finally:
-        sender_module.parameter_spec = real_spec  # type: ignore[assignment]
+        sender_module.parameter_spec = real_spec
     assert raised.value.consistent
     for outcome in raised.value.outcomes.values():
         assert "DATA_LOSS: checksum mismatch for lm_head.weight" in outcome.what

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from skyrl_grpc.placement import PlacementPolicy
@@ -119,7 +119,7 @@ class RoutingFeed:
             if self.publish(force=heartbeat) is not None:
                 last = loop.time()
 
-    async def watch(self) -> AsyncIterator[router_pb2.WatchBackendsResponse]:
+    async def watch(self) -> AsyncGenerator[router_pb2.WatchBackendsResponse, None]:
         """The view, complete first, then its changes; for as long as the caller reads."""
         self.publish()  # a fresh baseline: the complete view below is the published one
         if self._task is None or self._task.done():

@@ -58,8 +58,10 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
         self.observed.deadlines.append(context.time_remaining())
 
     async def _tokens(
-        self, request: data_plane_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:  # type: ignore[type-arg]
+        self,
+        request: data_plane_pb2.GenerateStreamRequest,
+        context: grpc.aio.ServicerContext,  # type: ignore[type-arg]
+    ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
         self._begin(context)
         if self.fail_next_with is not None:
             code, self.fail_next_with = self.fail_next_with, None
@@ -90,7 +92,11 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
                 yield data_plane_pb2.GenerateStreamResponse(
                     request_id=request.request_id or self.name,
                     token_ids=[i],
-                    finish_reason=generation_pb2.FINISH_REASON_LENGTH if last else 0,
+                    finish_reason=(
+                        generation_pb2.FINISH_REASON_LENGTH
+                        if last
+                        else generation_pb2.FINISH_REASON_UNSPECIFIED
+                    ),
                     usage=generation_pb2.Usage(
                         prompt_tokens=len(request.prompt_token_ids), completion_tokens=i + 1
                     ),
@@ -138,7 +144,8 @@ class FakeBackend:
     def __init__(
         self, name: str = "fake", delay: float = 0.002, port: int = 0, per_stream_delay: float = 0.0
     ) -> None:
-        self.servicer = FakeDataPlane(name, delay, per_stream_delay)
+        # A stand-in: the DataPlane methods it does not serve answer UNIMPLEMENTED.
+        self.servicer = FakeDataPlane(name, delay, per_stream_delay)  # type: ignore[abstract]
         self.health = health.aio.HealthServicer()
         self.requested_port = port
         self.server: grpc.aio.Server | None = None

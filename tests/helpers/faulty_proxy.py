@@ -66,7 +66,8 @@ class FaultyProxy(grpc.GenericRpcHandler):
         async def unary(request: bytes, context: Any) -> bytes:
             if self._take(name, "before"):
                 await self._fail(context, name)
-            response: bytes = await self._channel.unary_unary(path)(
+            forward: Any = self._channel.unary_unary(path)
+            response: bytes = await forward(
                 request, metadata=tuple(context.invocation_metadata() or ())
             )
             if self._take(name, "after"):
@@ -87,7 +88,8 @@ class FaultyProxy(grpc.GenericRpcHandler):
                     forwarded += 1
                     yield message
 
-            call = self._channel.stream_unary(path)(relay())
+            forward: Any = self._channel.stream_unary(path)
+            call = forward(relay())
             if cut:
                 # Let the server see a stream that ends early, then report the link lost.
                 try:

@@ -10,12 +10,20 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
+
+
+def _at(position: dict[int, Any] | None, token: int) -> float:
+    """The logprob vLLM gave ``token`` at one position (it gives one where asked)."""
+    assert position is not None
+    return float(position[token].logprob)
 
 
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     llm = LLM(
         model=spec["model"],
@@ -27,12 +35,12 @@ def main() -> None:
     params = SamplingParams(**spec["sampling"])
     results = []
     for prompt in spec["prompts"]:
-        (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         completion = output.outputs[0]
         logprobs = None
         if completion.logprobs is not None:
             logprobs = [
-                position[token].logprob
+                _at(position, token)
                 for token, position in zip(completion.token_ids, completion.logprobs, strict=True)
             ]
         results.append({"token_ids": list(completion.token_ids), "logprobs": logprobs})

@@ -30,14 +30,15 @@ def install() -> None:
         return
     from servers.engine.worker import transfer_engine
 
-    real = transfer_engine.reload_weights
+    engine: Any = transfer_engine  # its reload_weights is vLLM's, imported there
+    real = engine.reload_weights
 
     def breakable(*args: Any, weights_iterator: Iterable[Any], **kwargs: Any) -> None:
         if _triggered():
             weights_iterator = _broken_after(weights_iterator, BROKEN_AFTER)
         real(*args, weights_iterator=weights_iterator, **kwargs)
 
-    transfer_engine.reload_weights = breakable
+    engine.reload_weights = breakable
 
 
 def arm(trigger: Path, rank: int | None = None) -> None:

@@ -84,7 +84,8 @@ class ServerProcess:
         return str(self.until("listening")["address"])
 
     def descendants(self) -> list[psutil.Process]:
-        return psutil.Process(self.proc.pid).children(recursive=True)
+        children: list[psutil.Process] = psutil.Process(self.proc.pid).children(recursive=True)
+        return children
 
     def kill(self) -> None:
         """SIGKILL (its engine's processes die with it: the server's reaper)."""
