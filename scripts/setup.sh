@@ -63,14 +63,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # SkyRL's own packages, for the drop-in (trainer_client.skyrl_engine) and its tests: without
   # their dependencies, whose pins (transformers<=5.8, peft==0.18.1, datasets, ...) would
   # replace what vLLM runs on; the `skyrl` extra lists the few the generator path needs.
-  # skyrl 0.4.0 declares Python >= 3.12; its code runs on 3.11 (tests/test_skyrl_dropin.py runs
-  # its generator and tests/test_skyrl_remote_client.py its own HTTP client), so this venv
+  # skyrl 0.4.0 declares Python >= 3.12; its code runs on 3.11 (tests/client/test_skyrl_dropin.py runs
+  # its generator and tests/client/test_skyrl_remote_client.py its own HTTP client), so this venv
   # takes it instead of a second, 5.5 GB Python 3.12 one with CUDA torch.
   pip_install --no-deps --ignore-requires-python "skyrl==$SKYRL_VERSION" \
     "skyrl-gym==$SKYRL_GYM_VERSION"
   touch "$stamp"
 fi
-# A real Prometheus for the metrics tests (tests/test_metrics.py scrapes the stack with it), a
+# A real Prometheus for the metrics tests (tests/fleet/test_metrics.py scrapes the stack with it), a
 # real browser for the fleet page's test (driven by Playwright) and the multi-host testbed's
 # tools (testbed/: namespaces and links with iproute2's ip and tc, faults with nftables, added
 # latency through iptables' NFQUEUE):

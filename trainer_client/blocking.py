@@ -3,7 +3,7 @@
 It runs the asyncio client on a private event loop in a daemon thread, so there is one
 implementation of every behaviour (retry on abort, fan-out) and only the calling convention
 differs. Each method below is a typed one-line forward, so IDEs, ``help()`` and type checkers
-see the real signatures; ``tests/test_blocking_client.py`` checks that the two surfaces match
+see the real signatures; ``tests/client/test_blocking_client.py`` checks that the two surfaces match
 exactly. Pickles like the async client (its config only).
 """
 

@@ -2,7 +2,7 @@
 parser, on the embedded model built with a Hermes-style tool template) read by the OpenAI SDK
 and the trainer client, bad tool requests refused naming the problem, resumed and reasoning
 outputs parsed, and forced choices held to their tools' schemas. The edge's answers against
-vLLM's own server, request by request: tests/test_http_compat.py."""
+vLLM's own server, request by request: tests/edge/test_http_compat.py."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import descriptor_pb2
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 GENERATED = ROOT / "skyrl_grpc" / "v1"
 

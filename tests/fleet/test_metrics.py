@@ -29,7 +29,7 @@ from tests.helpers.weights import perturbed
 from trainer_client import InferenceClient
 
 pytestmark = [pytest.mark.engine]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docs" / "dashboards" / "skyrl-grpc-fleet.json"
 # The metrics vLLM's own server exports that vLLM dashboards and SkyRL's logging read.
 VLLM_METRICS = (

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
 PACKAGES = ("servers", "trainer_client", "skyrl_grpc", "testbed")
 
@@ -190,7 +190,7 @@ def test_a_ring_of_imports_is_found(clean_tree: Path) -> None:
             [
                 sys.executable,
                 "-c",
-                "from tests.test_architecture import import_cycles; print(import_cycles())",
+                "from tests.project.test_architecture import import_cycles; print(import_cycles())",
             ],
             cwd=clean_tree,  # the copy's packages first; this test module from the project
             env={**os.environ, "PYTHONPATH": f"{clean_tree}:{ROOT}"},

@@ -5,7 +5,7 @@ servers :50051 and :50052, the OpenAI edge :8000); the fleet here listens where 
 those addresses, and only those, are replaced before a block runs.
 
 Blocks that start processes (``skyrl-grpc ...``, ``ray start``, ``pip install``) are not run:
-tests/test_docs.py parses every ``skyrl-grpc`` command with today's flags."""
+tests/project/test_docs.py parses every ``skyrl-grpc`` command with today's flags."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tests.helpers.waits import ENGINE_START_SECONDS, FLEET_TEST_TIMEOUT
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 RUN_IN_SHELL = ("grpcurl ", "curl ")

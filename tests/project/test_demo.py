@@ -14,7 +14,7 @@ from trainer_client import InferenceClient
 from trainer_client.demo import TARGET_STRIDE, DemoConfig, run_rl_loop
 
 pytestmark = [pytest.mark.engine]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_reward_rises_with_weight_sync_and_stays_flat_without(

@@ -30,7 +30,7 @@ from skyrl_grpc.v1 import generation_pb2 as gen
 from tests.helpers.fake_backend import FakeBackend
 from tests.helpers.waits import until
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

@@ -1,6 +1,6 @@
 """LocalFleet.scale: a server added reads the fleet's weights from its peer before it serves
 (so it joins the router current and takes sessions at once; the placement rule that keeps
-calls off a server behind is tests/test_placement.py's), the trainer's next update includes
+calls off a server behind is tests/contract/test_placement.py's), the trainer's next update includes
 it, and a removed one is drained first and not mistaken for a dead one by the supervisor (real
 engine processes)."""
 

@@ -14,7 +14,7 @@ import pytest
 from tests.helpers.server_process import WITH_SIGINT_IGNORED, alive
 from tests.helpers.waits import wait_until
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("command", ["serve", "route", "up", "demo"])

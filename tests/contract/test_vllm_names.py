@@ -22,7 +22,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # imports vLLM (seconds), as the engine tests do
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("servers", "trainer_client", "skyrl_grpc", "scripts")
 DOTTED = re.compile(r"^vllm(\.[A-Za-z_]\w*)+$")
 

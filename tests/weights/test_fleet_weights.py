@@ -36,7 +36,7 @@ from tests.helpers.weights import (
 from trainer_client import InferenceClient, WeightUpdateError
 
 pytestmark = [pytest.mark.engine]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

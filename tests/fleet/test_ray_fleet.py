@@ -28,7 +28,7 @@ from tests.helpers.waits import wait_until
 from trainer_client import BlockingInferenceClient
 
 pytestmark = [pytest.mark.engine]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def running(pid: int) -> bool:

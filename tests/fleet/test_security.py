@@ -31,7 +31,7 @@ from skyrl_grpc.v1 import (
 from tests.helpers.fake_backend import FakeBackend
 from trainer_client import FanOutError, InferenceClient, ServerError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

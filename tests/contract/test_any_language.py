@@ -18,7 +18,7 @@ import pytest
 from servers.router.router_server import RouterServer
 from trainer_client import InferenceClient
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TS_DIR = ROOT / "examples" / "typescript"
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}

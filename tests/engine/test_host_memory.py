@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Allocates a 64 MiB buffer and reports glibc's count of separately mapped blocks while it lives.
 PROBE = """

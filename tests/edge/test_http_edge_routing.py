@@ -1,6 +1,6 @@
 """The HTTP edge's own logic against stand-in backends: translation, sessions on the router's
 placement, error statuses, cancellation on disconnect. (The subject is the edge and the
-router, not vLLM: tests/test_http_edge.py runs the real SDK against real engines.)"""
+router, not vLLM: tests/edge/test_http_edge.py runs the real SDK against real engines.)"""
 
 from __future__ import annotations
 
