@@ -7,8 +7,9 @@ costs its streams no token, lost or repeated: the router notices within its back
 their tokens so far; healed, the host serves again. The workload's history (every call, each
 message's tokens and counts) is read by ``testbed.history.check``: nothing lost or repeated,
 no call past its deadline, sessions moved only off the host cut off. A server cut off from the
-trainer in the middle of an update (shorter than the client's keepalive) is waited for: the
-update commits on every server, late by about the partition."""
+trainer in the middle of an update (shorter than the client's keepalive) is waited for, and so
+are two servers cut off from each other while they relay it: the update commits on every
+server, late by about the partition."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -200,15 +202,25 @@ def full_update(fleet: FaultFleet, edit: int) -> dict[str, object]:
     return {"servers": fleet.addresses, "model": str(ensure_tiny_model()), "steps": steps}
 
 
-async def test_a_server_cut_off_from_the_trainer_mid_update_is_waited_for_on_one_version(
-    fault_fleet: FaultFleet,
-) -> None:
-    """Fault (b): the trainer and one server partitioned from each other for 5 s in the middle
-    of a full update (the server still reaches the other server and the router). The update's
-    share sent straight to that server stalls, TCP retransmits after the heal, and the update
-    commits on both servers: one version, every tensor as pushed, later than an undisturbed
-    update by about the partition."""
-    fleet, victim = fault_fleet, fault_fleet.servers[1]
+@dataclass
+class PartitionedUpdate:
+    """A full update with two hosts partitioned from each other in its middle, and one before
+    it undisturbed: each one's step, the versions after, when the cut began and healed."""
+
+    before: dict[str, Any]
+    step: dict[str, Any]
+    versions: dict[str, int | None]
+    cut_at: float
+    healed_at: float
+
+    @property
+    def late(self) -> float:
+        return float(self.step["seconds"] - self.before["seconds"])
+
+
+async def update_through_partition(fleet: FaultFleet, a: Host, b: Host) -> PartitionedUpdate:
+    """A full update over the trainer's slowed link, ``a`` and ``b`` partitioned from each
+    other for PARTITION_SECONDS a second into its transfer, then healed."""
     fleet.bed.shape(fleet.trainer, TRAINER_MBIT)
     try:
         undisturbed = await asyncio.to_thread(
@@ -218,33 +230,63 @@ async def test_a_server_cut_off_from_the_trainer_mid_update_is_waited_for_on_one
         assert job.stdout is not None
         line = await asyncio.to_thread(job.stdout.readline)
         assert line.strip() == "PROGRESS step 0 begins", line
-        # Into the transfer (an undisturbed one takes seconds; asserted below from the job's
-        # own clock).
+        # Into the transfer (an undisturbed one takes seconds; asserted from the job's own
+        # clock by the callers).
         await asyncio.sleep(1.0)
         cut_at = time.monotonic()
-        fleet.bed.cut_between(fleet.trainer, victim)
+        fleet.bed.cut_between(a, b)
         try:
             await asyncio.sleep(PARTITION_SECONDS)  # the partition's length (the fault)
         finally:
-            fleet.bed.heal_between(fleet.trainer, victim)
+            fleet.bed.heal_between(a, b)
         healed_at = time.monotonic()
         result = await asyncio.to_thread(job_result, job, JOB_SECONDS)
     finally:
         fleet.bed.shape(fleet.trainer, RATE_MBIT)
     (before,) = undisturbed["steps"]
     (step,) = result["steps"]
+    return PartitionedUpdate(before, step, result["versions"], cut_at, healed_at)
+
+
+def assert_waited_out_on_one_version(fleet: FaultFleet, update: PartitionedUpdate) -> None:
+    step, versions = update.step, update.versions
     assert "error" not in step, step
     # The cut landed in the update, which went on past the heal: it waited the partition out.
-    assert step["began"] < cut_at and step["ended"] > healed_at, (step, cut_at, healed_at)
+    assert step["began"] < update.cut_at and step["ended"] > update.healed_at, update
     assert step["served"] == dict.fromkeys(fleet.addresses, step["pushed"])
-    versions = result["versions"]
     assert len(set(versions.values())) == 1 and None not in versions.values(), versions
-    late = step["seconds"] - before["seconds"]
     print(
-        f"update {before['seconds']:.1f} s undisturbed, {step['seconds']:.1f} s with a "
-        f"{PARTITION_SECONDS:.0f} s partition: {late:.1f} s later"
+        f"update {update.before['seconds']:.1f} s undisturbed, {step['seconds']:.1f} s with a "
+        f"{PARTITION_SECONDS:.0f} s partition: {update.late:.1f} s later"
     )
-    assert late <= PARTITION_SECONDS + PARTITION_SLACK_SECONDS, (before, step)
+    assert update.late <= PARTITION_SECONDS + PARTITION_SLACK_SECONDS, update
+
+
+async def test_a_server_cut_off_from_the_trainer_mid_update_is_waited_for_on_one_version(
+    fault_fleet: FaultFleet,
+) -> None:
+    """Fault (b): the trainer and one server partitioned from each other for 5 s in the middle
+    of a full update (the server still reaches the other server and the router). The update's
+    share sent straight to that server stalls, TCP retransmits after the heal, and the update
+    commits on both servers: one version, every tensor as pushed, later than an undisturbed
+    update by about the partition."""
+    fleet = fault_fleet
+    update = await update_through_partition(fleet, fleet.trainer, fleet.servers[1])
+    assert_waited_out_on_one_version(fleet, update)
+
+
+async def test_a_relay_parent_cut_off_from_its_child_mid_update_is_waited_for_on_one_version(
+    fault_fleet: FaultFleet,
+) -> None:
+    """Fault (c): the two servers partitioned from each other for 5 s in the middle of a
+    relayed full update. With two hosts each is the other's relay parent (one tree each):
+    both forwarded shares stall, then so do the trainer's streams into them (each parent's
+    queue to its child is full), TCP retransmits after the heal and the update commits on both
+    servers, on one version, later by about the partition."""
+    fleet = fault_fleet
+    update = await update_through_partition(fleet, fleet.servers[0], fleet.servers[1])
+    assert update.step["relayed"], update.step  # the partition cut the relay's own links
+    assert_waited_out_on_one_version(fleet, update)
 
 
 async def test_the_router_host_cut_off_under_edge_and_trainer_traffic_loses_nothing(
