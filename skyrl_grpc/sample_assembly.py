@@ -68,6 +68,9 @@ class ResponseAssembler:
             sample.finish_reason = chunk.finish_reason
             if chunk.HasField("stop"):
                 sample.stop.CopyFrom(chunk.stop)
+        if chunk.HasField("routed_experts"):  # whole, on the last message (a continued
+            # sample's covers its earlier tokens too: they were the continuation's prompt)
+            sample.routed_experts.CopyFrom(chunk.routed_experts)
 
     def samples(self) -> list[generation_pb2.Sample]:
         """The samples ordered by index, texts joined."""

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from skyrl_grpc import finish_reasons
+from skyrl_grpc.routed_experts import unpack as unpack_routed_experts
 from skyrl_grpc.v1 import generation_pb2
 from trainer_client.tool_use import AssistantMessage
 
@@ -58,6 +60,10 @@ class GenerationResult:
     cached_prompt_tokens: int = 0
     # Chat: the output as the servers parsed it (content, reasoning, tool calls).
     message: AssistantMessage | None = None
+    # With sampling's return_routed_experts: the experts each MoE layer routed each token to,
+    # a numpy array [tokens, layers, experts per token] (skyrl_grpc.routed_experts: the prompt's
+    # tokens from routed_experts_prompt_start, then the output's but the last).
+    routed_experts: Any = None
 
     @classmethod
     def from_sample(
@@ -84,6 +90,11 @@ class GenerationResult:
             ],
             abort_retries=retries,
             lora_version=sample.lora_version,
+            routed_experts=(
+                unpack_routed_experts(sample.routed_experts)
+                if sample.HasField("routed_experts")
+                else None
+            ),
         )
 
 

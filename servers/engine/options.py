@@ -7,11 +7,11 @@ paying for the engine's imports.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from servers.common.flag_types import json_object
 from servers.common.listener import (
     ServerTls,
     add_message_size_argument,
@@ -95,6 +95,9 @@ class EngineOptions:
     # ``StructuredOutputsConfig`` fields), e.g. ``{"disable_any_whitespace": true}``: JSON
     # outputs (forced tool calls among them) without the whitespace a grammar otherwise allows.
     structured_outputs_config: dict[str, Any] = field(default_factory=dict)
+    # vLLM captures the experts each MoE layer routes every token to (its flag), which requests
+    # may then ask for (SamplingParams.return_routed_experts); vLLM refuses where it cannot.
+    enable_return_routed_experts: bool = False
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -281,6 +284,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.reasoning_parser,
         help="vLLM reasoning parser: the model's reasoning returned apart from its answer",
     )
+    group.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="vLLM's flag: capture the experts each MoE layer routes every token to, for "
+        "requests that ask (return_routed_experts); vLLM's CPU build cannot",
+    )
 
 
 def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
@@ -314,18 +323,9 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
         reasoning_parser=args.reasoning_parser,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         structured_outputs_config=args.structured_outputs_config,
+        enable_return_routed_experts=args.enable_return_routed_experts,
     )
 
-
-def json_object(text: str) -> dict[str, Any]:
-    """A flag's value as a JSON object (argparse names the flag when this raises)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

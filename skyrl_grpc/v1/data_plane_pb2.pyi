@@ -58,7 +58,7 @@ class GenerateStreamRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., include_text: _Optional[bool] = ..., stream_interval: _Optional[int] = ..., lora: _Optional[str] = ..., chat_output: _Optional[_Union[_chat_tools_pb2.ChatOutput, _Mapping]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("request_id", "sample_index", "token_ids", "logprobs", "finish_reason", "stop", "usage", "weight_version", "prompt_logprobs", "text", "lora_version", "chat_delta", "chat_message", "batch_index")
+    __slots__ = ("request_id", "sample_index", "token_ids", "logprobs", "finish_reason", "stop", "usage", "weight_version", "prompt_logprobs", "text", "lora_version", "chat_delta", "chat_message", "batch_index", "routed_experts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class GenerateStreamResponse(_message.Message):
     CHAT_DELTA_FIELD_NUMBER: _ClassVar[int]
     CHAT_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sample_index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -87,7 +88,8 @@ class GenerateStreamResponse(_message.Message):
     chat_delta: _chat_tools_pb2.ChatDelta
     chat_message: _chat_tools_pb2.ChatMessageOut
     batch_index: int
-    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_generation_pb2.Logprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., stop: _Optional[_Union[_generation_pb2.StopMatch, _Mapping]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., weight_version: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[_generation_pb2.Logprobs, _Mapping]] = ..., text: _Optional[str] = ..., lora_version: _Optional[int] = ..., chat_delta: _Optional[_Union[_chat_tools_pb2.ChatDelta, _Mapping]] = ..., chat_message: _Optional[_Union[_chat_tools_pb2.ChatMessageOut, _Mapping]] = ..., batch_index: _Optional[int] = ...) -> None: ...
+    routed_experts: _generation_pb2.RoutedExperts
+    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_generation_pb2.Logprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., stop: _Optional[_Union[_generation_pb2.StopMatch, _Mapping]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., weight_version: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[_generation_pb2.Logprobs, _Mapping]] = ..., text: _Optional[str] = ..., lora_version: _Optional[int] = ..., chat_delta: _Optional[_Union[_chat_tools_pb2.ChatDelta, _Mapping]] = ..., chat_message: _Optional[_Union[_chat_tools_pb2.ChatMessageOut, _Mapping]] = ..., batch_index: _Optional[int] = ..., routed_experts: _Optional[_Union[_generation_pb2.RoutedExperts, _Mapping]] = ...) -> None: ...
 
 class GenerateBatchRequest(_message.Message):
     __slots__ = ("requests", "session_ids", "indices")

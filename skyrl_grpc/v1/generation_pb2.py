@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#skyrl/inference/v1/generation.proto\x12\x12skyrl.inference.v1\"\xc7\x08\n\x0eSamplingParams\x12%\n\x0btemperature\x18\x01 \x01(\x02H\x00R\x0btemperature\x88\x01\x01\x12\x18\n\x05top_p\x18\x02 \x01(\x02H\x01R\x04topP\x88\x01\x01\x12\x18\n\x05top_k\x18\x03 \x01(\x05H\x02R\x04topK\x88\x01\x01\x12\x18\n\x05min_p\x18\x04 \x01(\x02H\x03R\x04minP\x88\x01\x01\x12\"\n\nmax_tokens\x18\x05 \x01(\x05H\x04R\tmaxTokens\x88\x01\x01\x12\"\n\nmin_tokens\x18\x06 \x01(\x05H\x05R\tminTokens\x88\x01\x01\x12$\n\x0estop_token_ids\x18\x07 \x03(\rR\x0cstopTokenIds\x12!\n\x0cstop_strings\x18\x08 \x03(\tR\x0bstopStrings\x12\x17\n\x04seed\x18\t \x01(\x03H\x06R\x04seed\x88\x01\x01\x12\x1d\n\nignore_eos\x18\n \x01(\x08R\tignoreEos\x12.\n\x10presence_penalty\x18\x0b \x01(\x02H\x07R\x0fpresencePenalty\x88\x01\x01\x12\x30\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08R\x10\x66requencyPenalty\x88\x01\x01\x12\x32\n\x12repetition_penalty\x18\r \x01(\x02H\tR\x11repetitionPenalty\x88\x01\x01\x12\x1f\n\x08logprobs\x18\x0e \x01(\x05H\nR\x08logprobs\x88\x01\x01\x12,\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x0bR\x0epromptLogprobs\x88\x01\x01\x12\x33\n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0cR\x11skipSpecialTokens\x88\x01\x01\x12P\n\nlogit_bias\x18\x11 \x03(\x0b\x32\x31.skyrl.inference.v1.SamplingParams.LogitBiasEntryR\tlogitBias\x12*\n\x11\x61llowed_token_ids\x18\x12 \x03(\rR\x0f\x61llowedTokenIds\x12Q\n\x11structured_output\x18\x13 \x01(\x0b\x32$.skyrl.inference.v1.StructuredOutputR\x10structuredOutput\x1a<\n\x0eLogitBiasEntry\x12\x10\n\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n\x05value\x18\x02 \x01(\x02R\x05value:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"\xfd\x01\n\x10StructuredOutput\x12!\n\x0bjson_schema\x18\x01 \x01(\tH\x00R\njsonSchema\x12!\n\x0bjson_object\x18\x02 \x01(\x08H\x00R\njsonObject\x12\x16\n\x05regex\x18\x03 \x01(\tH\x00R\x05regex\x12\x38\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1e.skyrl.inference.v1.ChoiceListH\x00R\x06\x63hoice\x12\x1a\n\x07grammar\x18\x05 \x01(\tH\x00R\x07grammar\x12\'\n\x0estructural_tag\x18\x06 \x01(\tH\x00R\rstructuralTagB\x0c\n\nconstraint\"&\n\nChoiceList\x12\x18\n\x07\x63hoices\x18\x01 \x03(\tR\x07\x63hoices\"G\n\tStopMatch\x12\x1b\n\x08token_id\x18\x01 \x01(\rH\x00R\x07tokenId\x12\x14\n\x04text\x18\x02 \x01(\tH\x00R\x04textB\x07\n\x05match\"F\n\x0bTopLogprobs\x12\x1b\n\ttoken_ids\x18\x01 \x03(\rR\x08tokenIds\x12\x1a\n\x08logprobs\x18\x02 \x03(\x02R\x08logprobs\"u\n\x08Logprobs\x12%\n\x0etoken_logprobs\x18\x01 \x03(\x02R\rtokenLogprobs\x12\x42\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x1f.skyrl.inference.v1.TopLogprobsR\x0btopLogprobs\"h\n\x11WeightVersionSpan\x12%\n\x0eweight_version\x18\x01 \x01(\x03R\rweightVersion\x12\x14\n\x05start\x18\x02 \x01(\rR\x05start\x12\x16\n\x06length\x18\x03 \x01(\rR\x06length\"\x8b\x01\n\x05Usage\x12#\n\rprompt_tokens\x18\x01 \x01(\rR\x0cpromptTokens\x12+\n\x11\x63ompletion_tokens\x18\x02 \x01(\rR\x10\x63ompletionTokens\x12\x30\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\rR\x12\x63\x61\x63hedPromptTokens\"\xf6\x02\n\x06Sample\x12\x14\n\x05index\x18\x01 \x01(\rR\x05index\x12\x1b\n\ttoken_ids\x18\x02 \x03(\rR\x08tokenIds\x12\x38\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1c.skyrl.inference.v1.LogprobsR\x08logprobs\x12\x45\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .skyrl.inference.v1.FinishReasonR\x0c\x66inishReason\x12\x31\n\x04stop\x18\x05 \x01(\x0b\x32\x1d.skyrl.inference.v1.StopMatchR\x04stop\x12\x12\n\x04text\x18\x06 \x01(\tR\x04text\x12N\n\x0fweight_versions\x18\x07 \x03(\x0b\x32%.skyrl.inference.v1.WeightVersionSpanR\x0eweightVersions\x12!\n\x0clora_version\x18\x08 \x01(\x03R\x0bloraVersion*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#skyrl/inference/v1/generation.proto\x12\x12skyrl.inference.v1\"\xba\t\n\x0eSamplingParams\x12%\n\x0btemperature\x18\x01 \x01(\x02H\x00R\x0btemperature\x88\x01\x01\x12\x18\n\x05top_p\x18\x02 \x01(\x02H\x01R\x04topP\x88\x01\x01\x12\x18\n\x05top_k\x18\x03 \x01(\x05H\x02R\x04topK\x88\x01\x01\x12\x18\n\x05min_p\x18\x04 \x01(\x02H\x03R\x04minP\x88\x01\x01\x12\"\n\nmax_tokens\x18\x05 \x01(\x05H\x04R\tmaxTokens\x88\x01\x01\x12\"\n\nmin_tokens\x18\x06 \x01(\x05H\x05R\tminTokens\x88\x01\x01\x12$\n\x0estop_token_ids\x18\x07 \x03(\rR\x0cstopTokenIds\x12!\n\x0cstop_strings\x18\x08 \x03(\tR\x0bstopStrings\x12\x17\n\x04seed\x18\t \x01(\x03H\x06R\x04seed\x88\x01\x01\x12\x1d\n\nignore_eos\x18\n \x01(\x08R\tignoreEos\x12.\n\x10presence_penalty\x18\x0b \x01(\x02H\x07R\x0fpresencePenalty\x88\x01\x01\x12\x30\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08R\x10\x66requencyPenalty\x88\x01\x01\x12\x32\n\x12repetition_penalty\x18\r \x01(\x02H\tR\x11repetitionPenalty\x88\x01\x01\x12\x1f\n\x08logprobs\x18\x0e \x01(\x05H\nR\x08logprobs\x88\x01\x01\x12,\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x0bR\x0epromptLogprobs\x88\x01\x01\x12\x33\n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0cR\x11skipSpecialTokens\x88\x01\x01\x12P\n\nlogit_bias\x18\x11 \x03(\x0b\x32\x31.skyrl.inference.v1.SamplingParams.LogitBiasEntryR\tlogitBias\x12*\n\x11\x61llowed_token_ids\x18\x12 \x03(\rR\x0f\x61llowedTokenIds\x12Q\n\x11structured_output\x18\x13 \x01(\x0b\x32$.skyrl.inference.v1.StructuredOutputR\x10structuredOutput\x12\x32\n\x15return_routed_experts\x18\x14 \x01(\x08R\x13returnRoutedExperts\x12=\n\x1brouted_experts_prompt_start\x18\x15 \x01(\rR\x18routedExpertsPromptStart\x1a<\n\x0eLogitBiasEntry\x12\x10\n\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n\x05value\x18\x02 \x01(\x02R\x05value:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"\x84\x01\n\rRoutedExperts\x12\x10\n\x03ids\x18\x01 \x01(\x0cR\x03ids\x12\x16\n\x06tokens\x18\x02 \x01(\rR\x06tokens\x12\x16\n\x06layers\x18\x03 \x01(\rR\x06layers\x12\x1b\n\tper_token\x18\x04 \x01(\rR\x08perToken\x12\x14\n\x05width\x18\x05 \x01(\rR\x05width\"\xfd\x01\n\x10StructuredOutput\x12!\n\x0bjson_schema\x18\x01 \x01(\tH\x00R\njsonSchema\x12!\n\x0bjson_object\x18\x02 \x01(\x08H\x00R\njsonObject\x12\x16\n\x05regex\x18\x03 \x01(\tH\x00R\x05regex\x12\x38\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1e.skyrl.inference.v1.ChoiceListH\x00R\x06\x63hoice\x12\x1a\n\x07grammar\x18\x05 \x01(\tH\x00R\x07grammar\x12\'\n\x0estructural_tag\x18\x06 \x01(\tH\x00R\rstructuralTagB\x0c\n\nconstraint\"&\n\nChoiceList\x12\x18\n\x07\x63hoices\x18\x01 \x03(\tR\x07\x63hoices\"G\n\tStopMatch\x12\x1b\n\x08token_id\x18\x01 \x01(\rH\x00R\x07tokenId\x12\x14\n\x04text\x18\x02 \x01(\tH\x00R\x04textB\x07\n\x05match\"F\n\x0bTopLogprobs\x12\x1b\n\ttoken_ids\x18\x01 \x03(\rR\x08tokenIds\x12\x1a\n\x08logprobs\x18\x02 \x03(\x02R\x08logprobs\"u\n\x08Logprobs\x12%\n\x0etoken_logprobs\x18\x01 \x03(\x02R\rtokenLogprobs\x12\x42\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x1f.skyrl.inference.v1.TopLogprobsR\x0btopLogprobs\"h\n\x11WeightVersionSpan\x12%\n\x0eweight_version\x18\x01 \x01(\x03R\rweightVersion\x12\x14\n\x05start\x18\x02 \x01(\rR\x05start\x12\x16\n\x06length\x18\x03 \x01(\rR\x06length\"\x8b\x01\n\x05Usage\x12#\n\rprompt_tokens\x18\x01 \x01(\rR\x0cpromptTokens\x12+\n\x11\x63ompletion_tokens\x18\x02 \x01(\rR\x10\x63ompletionTokens\x12\x30\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\rR\x12\x63\x61\x63hedPromptTokens\"\xc0\x03\n\x06Sample\x12\x14\n\x05index\x18\x01 \x01(\rR\x05index\x12\x1b\n\ttoken_ids\x18\x02 \x03(\rR\x08tokenIds\x12\x38\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1c.skyrl.inference.v1.LogprobsR\x08logprobs\x12\x45\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .skyrl.inference.v1.FinishReasonR\x0c\x66inishReason\x12\x31\n\x04stop\x18\x05 \x01(\x0b\x32\x1d.skyrl.inference.v1.StopMatchR\x04stop\x12\x12\n\x04text\x18\x06 \x01(\tR\x04text\x12N\n\x0fweight_versions\x18\x07 \x03(\x0b\x32%.skyrl.inference.v1.WeightVersionSpanR\x0eweightVersions\x12!\n\x0clora_version\x18\x08 \x01(\x03R\x0bloraVersion\x12H\n\x0erouted_experts\x18\t \x01(\x0b\x32!.skyrl.inference.v1.RoutedExpertsR\rroutedExperts*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +33,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2342
-  _globals['_FINISHREASON']._serialized_end=2464
+  _globals['_FINISHREASON']._serialized_start=2666
+  _globals['_FINISHREASON']._serialized_end=2788
   _globals['_SAMPLINGPARAMS']._serialized_start=60
-  _globals['_SAMPLINGPARAMS']._serialized_end=1155
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=887
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=947
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1158
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1411
-  _globals['_CHOICELIST']._serialized_start=1413
-  _globals['_CHOICELIST']._serialized_end=1451
-  _globals['_STOPMATCH']._serialized_start=1453
-  _globals['_STOPMATCH']._serialized_end=1524
-  _globals['_TOPLOGPROBS']._serialized_start=1526
-  _globals['_TOPLOGPROBS']._serialized_end=1596
-  _globals['_LOGPROBS']._serialized_start=1598
-  _globals['_LOGPROBS']._serialized_end=1715
-  _globals['_WEIGHTVERSIONSPAN']._serialized_start=1717
-  _globals['_WEIGHTVERSIONSPAN']._serialized_end=1821
-  _globals['_USAGE']._serialized_start=1824
-  _globals['_USAGE']._serialized_end=1963
-  _globals['_SAMPLE']._serialized_start=1966
-  _globals['_SAMPLE']._serialized_end=2340
+  _globals['_SAMPLINGPARAMS']._serialized_end=1270
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1002
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1062
+  _globals['_ROUTEDEXPERTS']._serialized_start=1273
+  _globals['_ROUTEDEXPERTS']._serialized_end=1405
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1408
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1661
+  _globals['_CHOICELIST']._serialized_start=1663
+  _globals['_CHOICELIST']._serialized_end=1701
+  _globals['_STOPMATCH']._serialized_start=1703
+  _globals['_STOPMATCH']._serialized_end=1774
+  _globals['_TOPLOGPROBS']._serialized_start=1776
+  _globals['_TOPLOGPROBS']._serialized_end=1846
+  _globals['_LOGPROBS']._serialized_start=1848
+  _globals['_LOGPROBS']._serialized_end=1965
+  _globals['_WEIGHTVERSIONSPAN']._serialized_start=1967
+  _globals['_WEIGHTVERSIONSPAN']._serialized_end=2071
+  _globals['_USAGE']._serialized_start=2074
+  _globals['_USAGE']._serialized_end=2213
+  _globals['_SAMPLE']._serialized_start=2216
+  _globals['_SAMPLE']._serialized_end=2664
 # @@protoc_insertion_point(module_scope)

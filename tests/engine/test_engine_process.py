@@ -234,3 +234,19 @@ def test_a_pause_and_a_weight_update_wait_for_a_server_still_starting_and_includ
         assert health_status(address, CONTROL_PLANE) == SERVING
     finally:
         server.kill()
+
+
+def test_routed_experts_asked_of_an_engine_that_cannot_capture_them_are_refused_at_start() -> (
+    None
+):
+    """``--enable-return-routed-experts`` goes to vLLM, whose CPU build cannot capture routed
+    experts: the server says it failed with vLLM's reason and exits 1 (it never serves
+    requests that would silently come back without them)."""
+    server = ServerProcess("--enable-return-routed-experts")
+    try:
+        failed = server.until("failed")
+        assert "Model Runner V2" in failed["error"], failed  # vLLM's own words
+        assert server.proc.wait(timeout=120) == 1
+        assert "ready" not in [event["event"] for _, event in server.events]
+    finally:
+        server.kill()

@@ -597,3 +597,18 @@ def test_tiny_model_greedy_is_identical_across_engine_starts(
     second_start = offline_reference(tiny_model_dir, REFERENCE_PROMPTS, sampling, tmp_path)
     assert [r["token_ids"] for r in second_start] == [r["token_ids"] for r in greedy_reference]
     assert all(len(r["token_ids"]) == REFERENCE_MAX_TOKENS for r in second_start)
+
+
+async def test_routed_experts_asked_of_a_server_that_does_not_capture_them_are_refused(
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+) -> None:
+    """A request for its routed experts on a server started without
+    --enable-return-routed-experts: FAILED_PRECONDITION naming the flag, before the engine
+    sees it (not an answer that silently lacks them); the server goes on serving."""
+    asked = SP(temperature=0.0, max_tokens=2, return_routed_experts=True)
+    request = data_plane_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=asked)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await data.Generate(request)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--enable-return-routed-experts" in (refused.value.details() or "")
+    assert len(await greedy(data, [1, 2, 3], 2)) == 2

@@ -154,6 +154,7 @@ class EngineParts:
             max_prompt_tokens=limits.max_prompt_tokens or 0,
             max_n=limits.max_n,
             max_request_id_bytes=limits.max_request_id_bytes,
+            routed_experts=options.enable_return_routed_experts,
         )
         return cls(
             engine=engine,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from servers.engine.domain.descriptions import ModelDescription
 from servers.engine.domain.lora_adapters import LoadedAdapter
-from skyrl_grpc import finish_reasons
+from skyrl_grpc import finish_reasons, routed_experts
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.stream_chunks import merge_into
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2, lora_pb2
@@ -74,6 +74,8 @@ def build_sampling_params(
         kwargs["allowed_token_ids"] = list(params.allowed_token_ids)
     if params.HasField("structured_output"):
         kwargs["structured_outputs"] = structured_outputs_params(params.structured_output)
+    if params.return_routed_experts:
+        kwargs["routed_experts_prompt_start"] = params.routed_experts_prompt_start
     try:
         return VllmSamplingParams(**kwargs)
     except (ValueError, VLLMValidationError) as exc:
@@ -188,8 +190,11 @@ class StreamConverter:
         prompt_token_ids: Sequence[int],
         sampling_params: VllmSamplingParams,
         include_text: bool,
+        routed_experts: bool = False,
     ) -> None:
         self.request_id = request_id
+        # Whether the request asked for its routed experts (vLLM captures every request's).
+        self._routed_experts = routed_experts
         self._prompt_token_ids = prompt_token_ids
         self._logprobs = sampling_params.logprobs
         self._prompt_logprobs = sampling_params.prompt_logprobs
@@ -226,6 +231,9 @@ class StreamConverter:
                 chunk.stop.CopyFrom(stop)
             if self._include_text and completion.text:
                 chunk.text = completion.text
+            experts = getattr(completion, "routed_experts", None)  # on the last output only
+            if self._routed_experts and experts is not None:
+                chunk.routed_experts.CopyFrom(routed_experts.pack(experts))
             chunk.usage.CopyFrom(self._usage)
             result.append(chunk)
         if result:

@@ -109,7 +109,13 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         )
         adapter = parts.adapters.begin(lora)
         messages = RequestMessages(
-            StreamConverter(request_id, prompt_token_ids, params, include_text),
+            StreamConverter(
+                request_id,
+                prompt_token_ids,
+                params,
+                include_text,
+                routed_experts=sampling.return_routed_experts,
+            ),
             ChunkCoalescer(stream_interval),
             lambda: parts.weights.version,
             adapter.version if adapter is not None else 0,

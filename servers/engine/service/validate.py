@@ -20,7 +20,7 @@ from servers.common import addresses as common
 from servers.engine.transfer.protocol import Group
 from servers.engine.vllm_adapter.vllm_engine import PauseModeName
 from skyrl_grpc.batch_shape import batch_shape
-from skyrl_grpc.errors import InvalidArgument
+from skyrl_grpc.errors import FailedPrecondition, InvalidArgument
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
 
@@ -51,6 +51,9 @@ class ModelLimits:
     max_prompt_tokens: int = 0
     max_n: int = 128
     max_request_id_bytes: int = 256
+    # Whether vLLM captures the experts each MoE layer routes tokens to
+    # (--enable-return-routed-experts).
+    routed_experts: bool = False
 
     def __post_init__(self) -> None:
         room = self.max_model_len - 1
@@ -167,6 +170,11 @@ def sampling(params: generation_pb2.SamplingParams, *, prompt_len: int, limits: 
     """Checks every sampling field against its documented range; returns the ``max_tokens``
     to generate (the context's room when unset)."""
     room = limits.max_model_len - prompt_len
+    if params.return_routed_experts and not limits.routed_experts:
+        raise FailedPrecondition(
+            "sampling_params.return_routed_experts: this server does not capture routed experts; "
+            "start it with --enable-return-routed-experts (vLLM's flag, on an engine that can)"
+        )
     if any(not s for s in params.stop_strings):
         raise InvalidArgument("sampling_params.stop_strings contains an empty string")
     token_ids(params.stop_token_ids, limits, "sampling_params.stop_token_ids")

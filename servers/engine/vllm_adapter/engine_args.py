@@ -63,6 +63,8 @@ def engine_arguments(
         disable_log_stats=False,
         max_logprobs=limits.max_logprobs,
     )
+    if options.enable_return_routed_experts:  # vLLM checks its runner can capture them
+        args["enable_return_routed_experts"] = True
     if options.otlp_traces_endpoint:  # vLLM's own per-request span (llm_request)
         args["otlp_traces_endpoint"] = options.otlp_traces_endpoint
     if options.enable_lora:
