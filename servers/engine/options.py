@@ -327,7 +327,6 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
     )
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     defaults = ServerOptions()
     parser = argparse.ArgumentParser(

@@ -236,9 +236,7 @@ def test_a_pause_and_a_weight_update_wait_for_a_server_still_starting_and_includ
         server.kill()
 
 
-def test_routed_experts_asked_of_an_engine_that_cannot_capture_them_are_refused_at_start() -> (
-    None
-):
+def test_routed_experts_asked_of_an_engine_that_cannot_capture_them_are_refused_at_start() -> None:
     """``--enable-return-routed-experts`` goes to vLLM, whose CPU build cannot capture routed
     experts: the server says it failed with vLLM's reason and exits 1 (it never serves
     requests that would silently come back without them)."""
