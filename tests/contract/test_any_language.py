@@ -127,7 +127,7 @@ def test_buf_breaking_catches_a_breaking_change_and_allows_an_addition(tmp_path:
     proto = changed / "skyrl" / "inference" / "v1" / "generation.proto"
     text = proto.read_text()
     # Renumbering a field silently breaks every deployed client.
-    proto.write_text(text.replace("optional float top_p = 2;", "optional float top_p = 20;"))
+    proto.write_text(text.replace("optional float top_p = 2;", "optional float top_p = 90;"))
     broken = run(str(BIN / "buf"), "breaking", str(changed), "--against", str(baseline))
     assert broken.returncode != 0
     assert "top_p" in broken.stdout + broken.stderr
