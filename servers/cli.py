@@ -24,7 +24,7 @@ from pathlib import Path
 
 from servers.common.process import configure_logging, exit_on_sigterm
 from servers.engine import options as engine_options
-from servers.fleet import Fleet, FleetStartFailed
+from servers.fleet import Fleet, FleetAddresses, FleetStartFailed
 from servers.fleet.local import LocalFleet, served_model_directory
 from servers.router import router_server as router
 
@@ -51,16 +51,19 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 def _server_ports(args: argparse.Namespace) -> list[int]:
+    """One port per server, the standbys' after the serving ones'."""
+    count = args.servers + args.standby
     if args.server_ports:
         ports = [int(p) for p in args.server_ports.split(",")]
-        if len(ports) != args.servers:
+        if len(ports) != count:
+            standbys = f" + --standby {args.standby}" if args.standby else ""
             raise SystemExit(
-                f"--server-ports lists {len(ports)} ports for --servers {args.servers}"
+                f"--server-ports lists {len(ports)} ports for --servers {args.servers}{standbys}"
             )
         return ports
     if args.base_port == 0:
-        return [0] * args.servers
-    return [args.base_port + i for i in range(args.servers)]
+        return [0] * count
+    return [args.base_port + i for i in range(count)]
 
 
 def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -> Fleet:
@@ -94,6 +97,7 @@ def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -
             router_replicas=args.router_replicas,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
             tokenizer=tokenizer,
+            standby=args.standby,
         )
     router_args = ["--replicas", str(args.router_replicas)] if args.router_replicas > 1 else []
     if args.metrics_port is not None:
@@ -114,6 +118,7 @@ def make_fleet(args: argparse.Namespace, server_args: list[str] | None = None) -
         server_ports=_server_ports(args),
         router_port=args.router_port,
         start_timeout=args.start_timeout,
+        standby=args.standby,
     )
 
 
@@ -121,6 +126,13 @@ def _add_stack_arguments(
     parser: argparse.ArgumentParser, servers: int, router_port: int = 0, base_port: int = 0
 ) -> None:
     parser.add_argument("--servers", type=int, default=servers, help="number of engine servers")
+    parser.add_argument(
+        "--standby",
+        type=int,
+        default=0,
+        help="warm standbys beside them: kept current (every weight update and adapter reaches "
+        "them) but given no traffic; one takes a dead server's place at once",
+    )
     parser.add_argument(
         "--model", default=None, help="model directory (default: embedded tiny model)"
     )
@@ -220,8 +232,13 @@ def _read_commands(fleet: Fleet) -> None:
         except Exception as error:  # reported; up keeps supervising what it has
             print(f"scale {words[1]} failed: {error}", flush=True)
             continue
-        for index, address in enumerate(addresses.servers):
-            print(f"server {index}: {address}", flush=True)
+        _print_servers(addresses)
+
+
+def _print_servers(addresses: FleetAddresses) -> None:
+    for index, address in enumerate(addresses.servers):
+        role = " (standby)" if address in addresses.standbys else ""
+        print(f"server {index}: {address}{role}", flush=True)
 
 
 class Stopped(Exception):
@@ -252,8 +269,7 @@ def _up(args: argparse.Namespace, server_args: list[str]) -> None:
     with make_fleet(args, server_args) as fleet:
         started.set()
         print(f"router: {fleet.addresses.router}")
-        for index, address in enumerate(fleet.addresses.servers):
-            print(f"server {index}: {address}")
+        _print_servers(fleet.addresses)
         host = fleet.addresses.router.rpartition(":")[0]
         if fleet.metrics_port is not None:
             print(f"router metrics: http://{host}:{fleet.metrics_port}/metrics")

@@ -82,6 +82,8 @@ class DirectRoutes:
         # The members of the router's first view: a client given exactly those follows the
         # fleet's membership for its control calls (``fleet_now``).
         self.first_members: frozenset[str] | None = None
+        # Of those, the ones serving (not standbys): a client given only those follows too.
+        self.first_serving: frozenset[str] | None = None
         self.members: dict[str, Member] = {}
         self.policy: PlacementPolicy | None = None
         self._policy_key: tuple[str, float] | None = None
@@ -110,6 +112,9 @@ class DirectRoutes:
                     self.apply(update)
                     if self.first_members is None:
                         self.first_members = frozenset(self.members)
+                        self.first_serving = frozenset(
+                            b.address for b in update.backends if not b.standby
+                        )
                     if not self.connected:
                         self.connected = True
                         wait = RECONNECT_SECONDS[0]
@@ -208,7 +213,9 @@ class DirectRoutes:
             if member is None:
                 member = self.members[backend.address] = Member(backend.address)
                 policy.add(backend.address)
+            # A standby is kept current but given no calls.
             member.eligible = backend.state == router_pb2.BACKEND_STATE_HEALTHY
+            member.eligible &= not backend.standby
             member.paused = backend.paused
             member.reported_load = backend.running_requests + backend.waiting_requests
             member.weight_version = backend.weight_version
@@ -241,16 +248,24 @@ class DirectRoutes:
 
     async def fleet_now(self, given: Sequence[str]) -> list[str] | None:
         """The fleet as the router sees it now (servers moved, added or removed since), for a
-        client given the router's whole fleet when its view first arrived; None otherwise (a
-        client given some of the servers keeps to those). The given servers still in the fleet
-        keep their order (a collective group's rank offsets follow it), new ones follow.
+        client given the router's whole fleet when its view first arrived (or all of it but
+        its standbys); None otherwise (a client given some of the servers keeps to those). The
+        given servers still in the fleet keep their order (a collective group's rank offsets
+        follow it), new ones follow.
+
+        Warm standbys are in it while they are healthy: a weight update reaches them in the
+        same transaction. A standby that is down or still starting is left out, not waited
+        for: it catches up from its peers before it serves, and a control call or a training
+        step does not stall on a server that takes no traffic.
 
         The router is asked at the call (``ListBackends``), not only read from the feed: the
         feed lags while it reconnects (the router restarted), and a fleet-wide call planned on
         a stale view would miss a server that joined meanwhile (a weight update "committed"
         with that server left at the old version). Only a router that cannot be reached leaves
         the feed's last view to decide."""
-        if self.first_members is None or self.from_servers or set(given) != self.first_members:
+        if self.first_members is None or self.from_servers:
+            return None
+        if frozenset(given) not in (self.first_members, self.first_serving):
             return None
         members = await self._router_members()
         if members is None:
@@ -259,7 +274,8 @@ class DirectRoutes:
         return kept + sorted(members.difference(kept))
 
     async def _router_members(self) -> set[str] | None:
-        """The router's members now, or None if it does not answer in time."""
+        """The router's members now, but standbys that are not healthy; None if it does not
+        answer in time."""
         stub = router_pb2_grpc.RouterAdminStub(self._channel)
         try:
             listed = await stub.ListBackends(
@@ -272,7 +288,11 @@ class DirectRoutes:
                 error.details(),
             )
             return None
-        return {backend.address for backend in listed.backends}
+        return {
+            backend.address
+            for backend in listed.backends
+            if not backend.standby or backend.state == router_pb2.BACKEND_STATE_HEALTHY
+        }
 
     async def ready(self) -> bool:
         """Whether calls can go direct: a view has arrived (waiting a little for the first)."""

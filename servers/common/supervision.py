@@ -67,6 +67,9 @@ class ServerSupervisor:
     # Called as (index, old address, new address) when a restarted server's address changed
     # (on Ray it may come back on another node): the fleet updates the router's membership.
     on_moved: Callable[[int, str, str], None] = lambda index, old, new: None
+    # Called as (index, cause) as soon as a death is seen, before the backoff and the restart
+    # (a fleet promotes a warm standby in its place there).
+    on_death: Callable[[int, str], None] = lambda index, cause: None
     addresses: list[str] = field(default_factory=list)
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], bool] = lambda seconds: False  # True: stop waiting (closing)
@@ -115,6 +118,10 @@ class ServerSupervisor:
 
     def _handle_death(self, index: int, watched: _Watched, cause: str) -> None:
         name = f"{self.noun} {index} ({self._address(index)})"
+        try:
+            self.on_death(index, cause)
+        except Exception:  # the restart below still happens
+            log.exception("handling the death of %s failed", name)
         if self.clock() - watched.started >= self.policy.reset_after:
             watched.delay, watched.failures = self.policy.first_delay, 0
         while True:

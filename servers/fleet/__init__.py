@@ -9,9 +9,12 @@ Both supervise by one rule (``supervision``): ``supervise()`` restarts servers t
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Any, Self
+
+from servers.fleet.standbys import StandbyRoles
 
 if TYPE_CHECKING:
     from servers.common.supervision import ServerSupervisor
@@ -36,7 +39,15 @@ class FleetAddresses:
     """Where a started fleet listens: the router and every engine server."""
 
     router: str
+    #: Every server the fleet runs, in index order (its standbys too).
     servers: tuple[str, ...]
+    #: Of ``servers``, the warm standbys now (kept current, given no data-plane calls).
+    standbys: tuple[str, ...] = ()
+
+    @property
+    def serving(self) -> tuple[str, ...]:
+        """The servers data-plane calls go to (all but the standbys)."""
+        return tuple(a for a in self.servers if a not in self.standbys)
 
 
 class Fleet(abc.ABC):
@@ -55,6 +66,8 @@ class Fleet(abc.ABC):
     #: and when ``scale()`` adds one: loading a large model, or any model on a busy machine,
     #: can take longer than the default.
     start_timeout: float = 600
+    #: Which servers are warm standbys (``standbys``); a fleet with none unless it sets them.
+    roles: StandbyRoles = StandbyRoles()
 
     @abc.abstractmethod
     def start(self, timeout: float | None = None) -> FleetAddresses:
@@ -77,22 +90,80 @@ class Fleet(abc.ABC):
         from servers.fleet.scaling import scale_fleet
 
         bound = self.start_bound(timeout)
+        if count < 1:
+            raise ValueError(f"scale({count}): a fleet keeps at least one serving server")
 
         def resized(servers: list[str]) -> None:
-            self.addresses = replace(self.addresses, servers=tuple(servers))
+            self.addresses = replace(
+                self.addresses, servers=tuple(servers), standbys=self.roles.of(servers)
+            )
+
+        def before_removing(index: int) -> None:
+            servers = self.addresses.servers
+            self.roles.before_removing(index, servers, self._set_standby)
+            self.addresses = replace(self.addresses, standbys=self.roles.of(servers))
 
         scale_fleet(
-            count,
+            count + len(self.roles.indexes),  # the standbys stay
             list(self.addresses.servers),
             router=self.addresses.router,
             start=lambda index: self._add_server(index, bound),
             stop=self._remove_server,
             resized=resized,
+            before_removing=before_removing,
             on_event=self.on_event,
             supervision=self.supervision,
             timeout=bound,
         )
         return self.addresses
+
+    @contextlib.contextmanager
+    def _router_admin(self) -> Iterator[Any]:
+        """A RouterAdmin stub on the fleet's router, for the length of the block."""
+        import grpc
+
+        from skyrl_grpc.v1 import router_pb2_grpc
+
+        with grpc.insecure_channel(self.addresses.router) as channel:
+            yield router_pb2_grpc.RouterAdminStub(channel)
+
+    def _set_standby(self, address: str, standby: bool) -> None:
+        """Tells the router a server's role (RouterAdmin SetStandby)."""
+        from skyrl_grpc.v1 import router_pb2
+
+        with self._router_admin() as admin:
+            request = router_pb2.SetStandbyRequest(address=address, standby=standby)
+            admin.SetStandby(request, timeout=10)
+
+    def _promote_in_place_of(self, index: int, cause: str) -> None:
+        """Server ``index`` died (the supervisor calls this at once, before restarting it):
+        a warm standby takes its place (``standbys``)."""
+        if not self.roles.indexes:
+            return
+        import grpc
+
+        from skyrl_grpc.v1 import router_pb2
+
+        servers = self.addresses.servers
+        listing = router_pb2.ListBackendsRequest()
+        try:
+            with self._router_admin() as admin:
+                promoted = self.roles.promote_in_place_of(
+                    index,
+                    servers,
+                    lambda: admin.ListBackends(listing, timeout=10).backends,
+                    self._set_standby,
+                )
+        except grpc.RpcError as error:
+            self.on_event(f"no standby promoted for server {index}: the router said {error}")
+            return
+        if promoted is None:
+            return
+        self.addresses = replace(self.addresses, standbys=self.roles.of(servers))
+        self.on_event(
+            f"standby server {promoted} ({servers[promoted]}) promoted in place of server "
+            f"{index} ({servers[index]}), which restarts as a standby"
+        )
 
     @abc.abstractmethod
     def _add_server(self, index: int, timeout: float) -> str:

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,6 +37,7 @@ from servers.common.process import read_announcement, with_flag
 from servers.common.reaper import EXIT_WITH_SUPERVISOR
 from servers.common.supervision import RestartPolicy, ServerSupervisor
 from servers.fleet import Fleet, FleetAddresses, FleetStartFailed
+from servers.fleet.standbys import StandbyRoles
 from skyrl_grpc.tiny_model import embedded_model_path
 
 ENGINE_MODULE = "servers.engine"
@@ -89,6 +90,8 @@ class LocalFleet(Fleet):
     ``server_ports``: one port per server (0: any free port, the default); ``router_port``
     likewise. ``on_event`` receives one line per supervision event (a server died, is back).
     ``start_timeout``: seconds a server may take to become ready (``Fleet.start_timeout``).
+    ``standby``: warm standbys started beside the ``num_servers`` that serve (``standbys``);
+    ``server_ports`` then lists a port for each of them too.
     """
 
     def __init__(
@@ -106,8 +109,12 @@ class LocalFleet(Fleet):
         restart_policy: RestartPolicy | None = None,
         start_timeout: float = Fleet.start_timeout,
         server_metrics: bool = False,
+        standby: int = 0,
     ) -> None:
+        # Every server started, the standbys too (they are the last ``standby``).
+        num_servers += standby
         self.num_servers = num_servers
+        self.roles = StandbyRoles.last(standby, num_servers)
         self.start_timeout = start_timeout
         self.engine_args = engine_args or []
         self.router_args = router_args or []
@@ -226,7 +233,7 @@ class LocalFleet(Fleet):
         except FleetStartFailed:
             self.close()
             raise
-        self.addresses = FleetAddresses(router, tuple(addresses))
+        self.addresses = FleetAddresses(router, tuple(addresses), self.roles.of(addresses))
         self._wait_router_serving(deadline)
         return self.addresses
 
@@ -239,6 +246,9 @@ class LocalFleet(Fleet):
         if self.metrics_port:
             args = with_flag(args, "--metrics-port", str(self.metrics_port))
         servers = ",".join(self.addresses.servers)
+        standbys = self.roles.of(self.addresses.servers)
+        if standbys:
+            args += ["--standbys", ",".join(standbys)]
         return ["--host", self.host, "--port", str(self.router_port), "--backends", servers, *args]
 
     def _start_router(self, deadline: float) -> str:
@@ -290,6 +300,7 @@ class LocalFleet(Fleet):
             policy=self.restart_policy,
             addresses=list(self.addresses.servers),
             sleep=self._closing.wait,
+            on_death=self._promote_in_place_of,
         )
         self._supervisor = self.supervision.start(self._closing, 0.2, "fleet supervisor")
         self.router_supervision = ServerSupervisor(
@@ -331,7 +342,7 @@ class LocalFleet(Fleet):
         """Starts the router again on its old ports; returns its address once it listens."""
         deadline = time.monotonic() + timeout
         address = self._start_router(deadline)
-        self.addresses = FleetAddresses(address, self.addresses.servers)
+        self.addresses = replace(self.addresses, router=address)
         return address
 
     # -- growth and shrinkage ------------------------------------------------------------------

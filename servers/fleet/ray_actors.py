@@ -105,6 +105,7 @@ class RouterActor:
         host: str,
         port: int = 0,
         *,
+        standbys: list[str] | None = None,
         http_port: int | None = None,
         metrics_port: int | None = None,
         log_file: str | None = None,
@@ -122,6 +123,7 @@ class RouterActor:
         self._replicas: RouterReplicas | None = None
         if replicas > 1:  # processes of this actor's node, sharing its ports
             argv = ["--backends", ",".join(backends), "--host", host, "--port", str(port)]
+            argv += ["--standbys", ",".join(standbys)] if standbys else []
             argv += ["--http-port", str(http_port)] if http_port is not None else []
             argv += ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
             if otlp_traces_endpoint:
@@ -133,6 +135,7 @@ class RouterActor:
             self._router = RouterServer(
                 RouterOptions(
                     backends=backends,
+                    standbys=list(standbys or ()),
                     host=host,
                     port=port,
                     http_port=http_port,

@@ -33,11 +33,9 @@ session lives from the servers' status feeds.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -53,6 +51,7 @@ from servers.fleet.ray_waits import (
     not_dead_yet,
     sliced,
 )
+from servers.fleet.standbys import StandbyRoles
 
 # The niceness Ray's raylet gives the workers it starts (Ray's default: 15).
 RAY_WORKER_NICENESS = "RAY_worker_niceness"
@@ -70,8 +69,13 @@ class RayFleet(Fleet):
         placement_group: Any = None,
         bundle_offset: int = 0,
         start_timeout: float = Fleet.start_timeout,
+        standby: int = 0,
         **options: Any,
     ) -> None:
+        # ``standby``: warm standbys beside the ``num_servers`` that serve (``standbys``); the
+        # fleet's bundles and ``server_ports`` count them too.
+        num_servers += standby
+        self.roles = StandbyRoles.last(standby, num_servers)
         self.options = ServerGroupOptions(
             num_servers=num_servers,
             cpu_only=engine_runs_on_cpu() if cpu_only is None else cpu_only,
@@ -158,7 +162,7 @@ class RayFleet(Fleet):
         except BaseException:  # a signal's exception too: nothing started is left running
             self.close()
             raise
-        self.addresses = FleetAddresses(router, tuple(servers))
+        self.addresses = FleetAddresses(router, tuple(servers), self.roles.of(servers))
         return self.addresses
 
     def _check_devices(self) -> None:
@@ -198,6 +202,7 @@ class RayFleet(Fleet):
                 servers,
                 self.options.host,
                 port,
+                standbys=list(self.roles.of(servers)),
                 http_port=http_port,
                 metrics_port=metrics,
                 log_file=self._log_file("router"),
@@ -267,6 +272,7 @@ class RayFleet(Fleet):
             on_moved=self._moved,
             addresses=list(self.addresses.servers),
             sleep=self._closing.wait,
+            on_death=self._promote_in_place_of,
         )
         self._supervisor = self.supervision.start(self._closing, interval, "ray fleet supervisor")
         self.router_supervision = ServerSupervisor(
@@ -345,20 +351,15 @@ class RayFleet(Fleet):
             except grpc.RpcError as error:  # already removed: nothing to do
                 if error.code() != grpc.StatusCode.NOT_FOUND:
                     raise
-            admin.AddBackend(router_pb2.AddBackendRequest(address=new), timeout=30)
+            standby = index in self.roles.indexes
+            request = router_pb2.AddBackendRequest(address=new, standby=standby)
+            admin.AddBackend(request, timeout=30)
         servers = list(self.addresses.servers)
         servers[index] = new
-        self.addresses = replace(self.addresses, servers=tuple(servers))
+        self.addresses = replace(
+            self.addresses, servers=tuple(servers), standbys=self.roles.of(servers)
+        )
         self.on_event(f"the router now routes to {new} in place of {old}")
-
-    @contextlib.contextmanager
-    def _router_admin(self) -> Iterator[Any]:
-        import grpc
-
-        from skyrl_grpc.v1 import router_pb2_grpc
-
-        with grpc.insecure_channel(self.addresses.router) as channel:
-            yield router_pb2_grpc.RouterAdminStub(channel)
 
     # -- growth and shrinkage ------------------------------------------------------------------
 

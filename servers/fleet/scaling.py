@@ -25,12 +25,15 @@ def scale_fleet(
     stop: Callable[[int], None],
     resized: Callable[[list[str]], None],
     on_event: Callable[[str], None],
+    before_removing: Callable[[int], None] = lambda index: None,
     supervision: ServerSupervisor | None,
     timeout: float,
 ) -> list[str]:
     """Grows or shrinks ``servers`` (their addresses, in order) to ``count``; returns them.
     ``start(index)`` starts server ``index`` and returns its address once it is ready;
-    ``stop(index)`` stops it; ``resized(servers)`` records each change as it happens."""
+    ``stop(index)`` stops it; ``resized(servers)`` records each change as it happens;
+    ``before_removing(index)`` is told before server ``index`` is drained (warm standbys
+    keep their number: ``standbys``)."""
     import grpc
 
     from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
@@ -49,6 +52,7 @@ def scale_fleet(
             on_event(f"server {index} ({servers[-1]}) added")
         while len(servers) > count:
             index = len(servers) - 1
+            before_removing(index)
             address = servers.pop()
             admin.DrainBackend(router_pb2.DrainBackendRequest(address=address), timeout=timeout)
             _resized(servers, resized, supervision)  # no longer watched: its stop is no death

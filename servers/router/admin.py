@@ -39,7 +39,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         request: router_pb2.AddBackendRequest,
         context: Context,
     ) -> router_pb2.AddBackendResponse:
-        backend = self._pool.add(host_port(request.address))
+        backend = self._pool.add(host_port(request.address), standby=request.standby)
         await self._pass_on("AddBackend", request, context)
         return router_pb2.AddBackendResponse(backend=self._pool.describe([backend])[0])
 
@@ -51,6 +51,15 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         await self._pool.remove(request.address)
         await self._pass_on("RemoveBackend", request, context)
         return router_pb2.RemoveBackendResponse()
+
+    async def SetStandby(
+        self,
+        request: router_pb2.SetStandbyRequest,
+        context: Context,
+    ) -> router_pb2.SetStandbyResponse:
+        backend = self._pool.set_standby(request.address, request.standby)
+        await self._pass_on("SetStandby", request, context)
+        return router_pb2.SetStandbyResponse(backend=self._pool.describe([backend])[0])
 
     async def DrainBackend(
         self,

@@ -60,10 +60,17 @@ class Backend:
     status_task: asyncio.Task[None] | None = None
     # What the backend last reported of itself (ServerStatus); default until it does.
     status: status_pb2.WatchResponse = field(default_factory=status_pb2.WatchResponse)
+    # A warm standby: watched and listed (control calls reach it), given no data-plane calls.
+    standby: bool = False
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == HEALTHY
 
     @property
     def eligible(self) -> bool:
-        return self.state == HEALTHY
+        """Whether data-plane calls may go to it: healthy and serving (not a standby)."""
+        return self.state == HEALTHY and not self.standby
 
     @property
     def state_name(self) -> str:
@@ -96,6 +103,7 @@ class Backend:
             live_sessions=live_sessions,
             prompt_tokens=self.status.prompt_tokens,
             cached_prompt_tokens=self.status.cached_prompt_tokens,
+            standby=self.standby,
         )
 
 
@@ -109,33 +117,41 @@ class BackendPool:
         self,
         addresses: Iterable[str] = (),
         *,
+        standbys: Iterable[str] = (),
         check_interval: float = 1.0,
         channel_factory: ChannelFactory = open_channel,
         balancing: str = "least-outstanding",
         placement: str = "bounded-load",
         on_change: Callable[[Backend], None] | None = None,
     ) -> None:
+        # Told (promoted, lost) when a standby took a lost server's place (``_replace_lost``).
+        self.on_promoted: Callable[[str, str], object] = lambda promoted, lost: None
         self.check_interval = check_interval
         self._channel_factory = channel_factory
         self._backends: dict[str, Backend] = {}
         self.placement = make_policy(placement, balancing)
         self.placement.on_move = self._session_moved
         self._on_change = on_change
+        self._initial_standbys = set(standbys)
+        # Standbys are members too, listed in ``addresses`` or not.
         self._initial = list(addresses)
+        self._initial += [a for a in standbys if a not in self._initial]
         self._tasks = BackgroundTasks()
 
     # -- membership ---------------------------------------------------------------------------
 
-    async def start(self, members: list[str] | None = None) -> None:
+    async def start(self, members: list[tuple[str, bool]] | None = None) -> None:
         """Starts watching the initial backends (``members``, where given: the membership
-        another replica has now)."""
-        for address in self._initial if members is None else members:
-            self.add(address)
+        another replica has now, as (address, standby))."""
+        if members is None:
+            members = [(a, a in self._initial_standbys) for a in self._initial]
+        for address, standby in members:
+            self.add(address, standby=standby)
 
-    def add(self, address: str) -> Backend:
+    def add(self, address: str, *, standby: bool = False) -> Backend:
         if address in self._backends:
             raise AlreadyExists(f"backend {address} is already a member")
-        backend = Backend(address, self._channel_factory(address))
+        backend = Backend(address, self._channel_factory(address), standby=standby)
         backend.idle.set()
         self._backends[address] = backend
         self.placement.add(address)
@@ -143,7 +159,16 @@ class BackendPool:
         backend.status_task = self._tasks.spawn(
             self._watch_status(backend), name=f"status {address}"
         )
-        log.info("backend %s added", address)
+        log.info("backend %s added%s", address, " as a standby" if standby else "")
+        return backend
+
+    def set_standby(self, address: str, standby: bool) -> Backend:
+        """Makes a member a standby (no new data-plane calls) or a serving member."""
+        backend = self.get(address)
+        if backend.standby != standby:
+            backend.standby = standby
+            log.info("backend %s is %s", address, "a standby" if standby else "serving")
+            self._changed(backend)
         return backend
 
     async def remove(self, address: str) -> None:
@@ -194,6 +219,11 @@ class BackendPool:
         return [b.to_proto(sessions[b.address]) for b in chosen]
 
     def healthy(self) -> list[Backend]:
+        """Members passing health checks, standbys too."""
+        return [b for b in self.backends if b.healthy]
+
+    def serving(self) -> list[Backend]:
+        """Members data-plane calls may go to: healthy, not standbys."""
         return [b for b in self.backends if b.eligible]
 
     # -- routing ------------------------------------------------------------------------------
@@ -238,9 +268,30 @@ class BackendPool:
     def _set_state(self, backend: Backend, state: router_pb2.BackendState) -> None:
         if backend.state == DRAINING or backend.state == state:
             return
+        lost = backend.eligible and state != HEALTHY
         backend.state = state
         log.info("backend %s is %s", backend.address, router_pb2.BackendState.Name(state))
+        if lost:
+            self._replace_lost(backend)
         self._changed(backend)
+
+    def _replace_lost(self, lost: Backend) -> None:
+        """A serving member was lost: a healthy standby that is not behind takes its place at
+        once (before the call that found it gone is retried), and the lost one becomes a
+        standby: kept current, serving again only when promoted. The first to see a death is
+        this router (the connection drops), so no call finds the fleet a server short."""
+        members = self.backends
+        newest = max((b.weight_version for b in members if b.healthy), default=0)
+        ready = [b for b in members if b.standby and b.healthy and b.weight_version >= newest]
+        if not ready or lost.address not in self._backends:
+            return
+        promoted = ready[0]
+        promoted.standby, lost.standby = False, True
+        log.warning(
+            "backend %s lost: standby %s serves in its place", lost.address, promoted.address
+        )
+        self._changed(promoted)
+        self.on_promoted(promoted.address, lost.address)
 
     def _changed(self, backend: Backend) -> None:
         if self._on_change is not None:

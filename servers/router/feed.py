@@ -36,6 +36,7 @@ def routing_fields(backend: router_pb2.Backend) -> tuple[object, ...]:
         backend.running_requests + backend.waiting_requests,
         backend.live_sessions,
         backend.weight_version,  # a backend that is behind gets no calls
+        backend.standby,  # nor does a standby
     )
 
 

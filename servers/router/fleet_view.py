@@ -25,6 +25,7 @@ class FleetEvents:
     def __init__(self) -> None:
         self._events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self._healthy: dict[str, bool] = {}
+        self._standby: dict[str, bool] = {}
 
     def record(self, kind: str, server: str, detail: str = "") -> None:
         self._events.append({"at": time.time(), "kind": kind, "server": server, "detail": detail})
@@ -40,8 +41,17 @@ class FleetEvents:
             self._healthy[server] = False
             self.record("lost", server, state)
 
+    def role(self, server: str, standby: bool) -> None:
+        """A server's role now: an event when a known server's changed (``promoted``: a
+        standby made serving; ``standby``: a server made a standby)."""
+        before = self._standby.get(server)
+        self._standby[server] = standby
+        if before is not None and before != standby:
+            self.record("standby" if standby else "promoted", server)
+
     def removed(self, server: str) -> None:
         self._healthy.pop(server, None)
+        self._standby.pop(server, None)
         self.record("removed", server)
 
     def recent(self) -> list[dict[str, Any]]:
@@ -59,6 +69,7 @@ def fleet_view(pool: BackendPool, events: FleetEvents, replica: int | None) -> d
                 "address": backend.address,
                 "state": backend.state_name,
                 "healthy": backend.state == HEALTHY,
+                "standby": backend.standby,
                 "paused": status.paused,
                 "draining": status.draining,
                 "weight_version": status.weight_version,

@@ -193,7 +193,13 @@ class RouterMetrics:
         )
         self.healthy = Gauge(
             "skyrl_router_worker_health",
-            "1 if the worker receives traffic",
+            "1 if the worker passes its health checks (a standby too)",
+            ["worker"],
+            registry=registry,
+        )
+        self.standby = Gauge(
+            "skyrl_router_worker_standby",
+            "1 if the worker is a warm standby: kept current, given no data-plane calls",
             ["worker"],
             registry=registry,
         )

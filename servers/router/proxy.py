@@ -168,7 +168,7 @@ class Proxy:
             if (
                 backend.paused
                 and self.options.fail_when_paused
-                and all(b.paused for b in self.pool.healthy())
+                and all(b.paused for b in self.pool.serving())
             ):
                 raise Unavailable(
                     "router: every healthy backend is paused (a weight update?): retry after "
@@ -182,9 +182,11 @@ class Proxy:
             detail = f"every backend tried failed ({', '.join(sorted(tried))})"
         else:
             states = ", ".join(
-                f"{b.address} {router_pb2.BackendState.Name(b.state)}" for b in members
+                f"{b.address} {router_pb2.BackendState.Name(b.state)}"
+                + (" standby" if b.standby else "")
+                for b in members
             )
-            detail = f"no healthy backend ({states})"
+            detail = f"no healthy backend takes calls ({states})"
         raise Unavailable(f"router: {detail}")
 
     def _may_retry(self, error: grpc.aio.AioRpcError, retries: int) -> bool:

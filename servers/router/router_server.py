@@ -58,6 +58,9 @@ DEFAULT_PORT = 50050  # the command line's; RouterOptions(port=0) picks a free p
 @dataclass
 class RouterOptions:
     backends: list[str] = field(default_factory=list)
+    # Of ``backends``, the warm standbys (members given no data-plane calls; RouterAdmin
+    # SetStandby changes a member's role).
+    standbys: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 0
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
@@ -105,6 +108,7 @@ class RouterServer:
         self.health = health.aio.HealthServicer()
         self.pool = BackendPool(
             options.backends,
+            standbys=options.standbys,
             channel_factory=partial(
                 open_channel,
                 tls=options.backend_tls,
@@ -143,14 +147,16 @@ class RouterServer:
     def _backend_changed(self, backend: Backend) -> None:
         address = backend.address
         if any(member is backend for member in self.pool.backends):
-            self.proxy.events.health(address, backend.eligible, backend.state_name)
+            self.proxy.events.health(address, backend.healthy, backend.state_name)
+            self.proxy.events.role(address, backend.standby)
         else:
             self.proxy.events.removed(address)
         if not backend.eligible:
-            # Draining, lost or removed: its multiplexed calls take nothing new and end with
-            # their requests, so a draining server finishes them and is not held open.
+            # Draining, lost, removed or a standby: its multiplexed calls take nothing new and
+            # end with their requests, so a draining server finishes them and is not held open.
             self.proxy.multiplexers.retire(address)
-        self.metrics.healthy.labels(address).set(1 if backend.eligible else 0)
+        self.metrics.healthy.labels(address).set(1 if backend.healthy else 0)
+        self.metrics.standby.labels(address).set(1 if backend.standby else 0)
         self.metrics.paused.labels(address).set(1 if backend.paused else 0)
         self.metrics.prompt_tokens.labels(address).set(backend.status.prompt_tokens)
         self.metrics.cached_prompt_tokens.labels(address).set(backend.status.cached_prompt_tokens)
@@ -158,7 +164,7 @@ class RouterServer:
         sessions = self.pool.placement.sessions.live_sessions()
         for member in self.pool.backends:  # zero too: a gauge keeps its last value otherwise
             self.metrics.live_sessions.labels(member.address).set(sessions[member.address])
-        serving = bool(self.pool.healthy())
+        serving = bool(self.pool.serving())
         if serving != self._serving:
             self._serving = serving
             status = (
@@ -186,6 +192,9 @@ class RouterServer:
         router_pb2_grpc.add_RouterAdminServicer_to_server(
             RouterAdminServicer(self.pool, siblings), self.server
         )
+        if siblings is not None:  # a promotion here is a membership change there too
+            told = siblings
+            self.pool.on_promoted = lambda up, lost: self._tasks.spawn(told.promotion(up, lost))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         for service in ("", DATA_PLANE):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -262,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--backends", default="", help="comma-separated host:port of engine servers"
+    )
+    parser.add_argument(
+        "--standbys",
+        default="",
+        help="comma-separated host:port of warm standbys (also members: control calls and "
+        "weight updates reach them, data-plane calls do not until RouterAdmin SetStandby)",
     )
     parser.add_argument("--host", default=defaults.host)
     # The command line's well-known port; in code, RouterOptions' 0 picks a free one.
@@ -373,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
 def options_from_args(args: argparse.Namespace) -> RouterOptions:
     return RouterOptions(
         backends=[b for b in args.backends.split(",") if b],
+        standbys=[b for b in args.standbys.split(",") if b],
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,

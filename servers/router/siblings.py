@@ -1,12 +1,13 @@
 """A router replica's siblings: the other replicas sharing its ports (``replicas``), each also
 reachable on a port of its own, so that what one replica is told the others are told too.
 
-A membership change (RouterAdmin AddBackend, RemoveBackend, DrainBackend) reaches one replica
-through the shared port; that replica applies it and passes it on to every sibling on its own
-port, marked as passed on (``x-skyrl-from-replica``), so no sibling passes it on again. A
-replica that starts (or is restarted) takes the membership from the first sibling that answers,
-instead of the backends on its command line, which may be older than the fleet. Sessions need
-nothing of this: every replica follows the servers' own reports (``skyrl_grpc.placement``).
+A membership change (RouterAdmin AddBackend, RemoveBackend, DrainBackend, SetStandby) reaches
+one replica through the shared port; that replica applies it and passes it on to every sibling
+on its own port, marked as passed on (``x-skyrl-from-replica``), so no sibling passes it on
+again. A replica that starts (or is restarted) takes the membership from the first sibling that
+answers, instead of the backends on its command line, which may be older than the fleet.
+Sessions need nothing of this: every replica follows the servers' own reports
+(``skyrl_grpc.placement``).
 """
 
 from __future__ import annotations
@@ -61,9 +62,17 @@ class Siblings:
         """Passes a membership change on to every sibling."""
         await self._each(call, request)
 
-    async def membership(self) -> list[str] | None:
-        """The backends the first sibling that answers routes to (None: none answered)."""
+    async def promotion(self, promoted: str, lost: str) -> None:
+        """Passes on a standby's promotion in a lost server's place (``BackendPool``)."""
+        for address, standby in ((promoted, False), (lost, True)):
+            await self.tell(
+                "SetStandby", router_pb2.SetStandbyRequest(address=address, standby=standby)
+            )
+
+    async def membership(self) -> list[tuple[str, bool]] | None:
+        """The backends the first sibling that answers routes to, as (address, standby)
+        (None: none answered)."""
         for answer in await self._each("ListBackends", router_pb2.ListBackendsRequest()):
             if isinstance(answer, router_pb2.ListBackendsResponse):
-                return [backend.address for backend in answer.backends]
+                return [(backend.address, backend.standby) for backend in answer.backends]
         return None

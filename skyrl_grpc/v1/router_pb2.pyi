@@ -19,7 +19,7 @@ BACKEND_STATE_UNHEALTHY: BackendState
 BACKEND_STATE_DRAINING: BackendState
 
 class Backend(_message.Message):
-    __slots__ = ("address", "state", "in_flight", "total_requests", "failed_requests", "paused", "weight_version", "running_requests", "waiting_requests", "live_sessions", "prompt_tokens", "cached_prompt_tokens")
+    __slots__ = ("address", "state", "in_flight", "total_requests", "failed_requests", "paused", "weight_version", "running_requests", "waiting_requests", "live_sessions", "prompt_tokens", "cached_prompt_tokens", "standby")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class Backend(_message.Message):
     LIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: BackendState
     in_flight: int
@@ -44,7 +45,8 @@ class Backend(_message.Message):
     live_sessions: int
     prompt_tokens: int
     cached_prompt_tokens: int
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[BackendState, str]] = ..., in_flight: _Optional[int] = ..., total_requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., live_sessions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    standby: bool
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[BackendState, str]] = ..., in_flight: _Optional[int] = ..., total_requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., live_sessions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., standby: _Optional[bool] = ...) -> None: ...
 
 class ListBackendsRequest(_message.Message):
     __slots__ = ()
@@ -57,10 +59,12 @@ class ListBackendsResponse(_message.Message):
     def __init__(self, backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ...) -> None: ...
 
 class AddBackendRequest(_message.Message):
-    __slots__ = ("address",)
+    __slots__ = ("address", "standby")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
     address: str
-    def __init__(self, address: _Optional[str] = ...) -> None: ...
+    standby: bool
+    def __init__(self, address: _Optional[str] = ..., standby: _Optional[bool] = ...) -> None: ...
 
 class AddBackendResponse(_message.Message):
     __slots__ = ("backend",)
@@ -89,6 +93,20 @@ class DrainBackendResponse(_message.Message):
     REMAINING_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     remaining_in_flight: int
     def __init__(self, remaining_in_flight: _Optional[int] = ...) -> None: ...
+
+class SetStandbyRequest(_message.Message):
+    __slots__ = ("address", "standby")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    standby: bool
+    def __init__(self, address: _Optional[str] = ..., standby: _Optional[bool] = ...) -> None: ...
+
+class SetStandbyResponse(_message.Message):
+    __slots__ = ("backend",)
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    backend: Backend
+    def __init__(self, backend: _Optional[_Union[Backend, _Mapping]] = ...) -> None: ...
 
 class WatchBackendsRequest(_message.Message):
     __slots__ = ()

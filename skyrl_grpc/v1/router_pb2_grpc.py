@@ -62,6 +62,11 @@ class RouterAdminStub:
                 request_serializer=skyrl_dot_inference_dot_v1_dot_router__pb2.DrainBackendRequest.SerializeToString,
                 response_deserializer=skyrl_dot_inference_dot_v1_dot_router__pb2.DrainBackendResponse.FromString,
                 _registered_method=True)
+        self.SetStandby = channel.unary_unary(
+                '/skyrl.inference.v1.RouterAdmin/SetStandby',
+                request_serializer=skyrl_dot_inference_dot_v1_dot_router__pb2.SetStandbyRequest.SerializeToString,
+                response_deserializer=skyrl_dot_inference_dot_v1_dot_router__pb2.SetStandbyResponse.FromString,
+                _registered_method=True)
         self.WatchBackends = channel.unary_stream(
                 '/skyrl.inference.v1.RouterAdmin/WatchBackends',
                 request_serializer=skyrl_dot_inference_dot_v1_dot_router__pb2.WatchBackendsRequest.SerializeToString,
@@ -109,6 +114,15 @@ class RouterAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetStandby(self, request, context):
+        """Makes a backend a warm standby or a serving member. A standby stays a member (it is
+        health-watched and listed, control calls and weight updates reach it) but gets no
+        data-plane calls; a standby made serving takes calls at once. NOT_FOUND if unknown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchBackends(self, request, context):
         """The router's routing view, for clients that route data-plane calls themselves
         (look-aside balancing): the backends with what placement reads of them, the policy, and
@@ -141,6 +155,11 @@ def add_RouterAdminServicer_to_server(servicer, server):
                     servicer.DrainBackend,
                     request_deserializer=skyrl_dot_inference_dot_v1_dot_router__pb2.DrainBackendRequest.FromString,
                     response_serializer=skyrl_dot_inference_dot_v1_dot_router__pb2.DrainBackendResponse.SerializeToString,
+            ),
+            'SetStandby': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetStandby,
+                    request_deserializer=skyrl_dot_inference_dot_v1_dot_router__pb2.SetStandbyRequest.FromString,
+                    response_serializer=skyrl_dot_inference_dot_v1_dot_router__pb2.SetStandbyResponse.SerializeToString,
             ),
             'WatchBackends': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchBackends,
@@ -264,6 +283,33 @@ class RouterAdmin:
             '/skyrl.inference.v1.RouterAdmin/DrainBackend',
             skyrl_dot_inference_dot_v1_dot_router__pb2.DrainBackendRequest.SerializeToString,
             skyrl_dot_inference_dot_v1_dot_router__pb2.DrainBackendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetStandby(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skyrl.inference.v1.RouterAdmin/SetStandby',
+            skyrl_dot_inference_dot_v1_dot_router__pb2.SetStandbyRequest.SerializeToString,
+            skyrl_dot_inference_dot_v1_dot_router__pb2.SetStandbyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,6 +53,11 @@ class RouterAdminStub:
     """Stops sending new calls to a backend, waits for its in-flight calls to end (up to the
     deadline), then removes it. NOT_FOUND if unknown.
     """
+    SetStandby: _grpc.UnaryUnaryMultiCallable[_router_pb2.SetStandbyRequest, _router_pb2.SetStandbyResponse]
+    """Makes a backend a warm standby or a serving member. A standby stays a member (it is
+    health-watched and listed, control calls and weight updates reach it) but gets no
+    data-plane calls; a standby made serving takes calls at once. NOT_FOUND if unknown.
+    """
     WatchBackends: _grpc.UnaryStreamMultiCallable[_router_pb2.WatchBackendsRequest, _router_pb2.WatchBackendsResponse]
     """The router's routing view, for clients that route data-plane calls themselves
     (look-aside balancing): the backends with what placement reads of them, the policy, and
@@ -82,6 +87,11 @@ class RouterAdminAsyncStub(RouterAdminStub):
     DrainBackend: _aio.UnaryUnaryMultiCallable[_router_pb2.DrainBackendRequest, _router_pb2.DrainBackendResponse]  # type: ignore[assignment]
     """Stops sending new calls to a backend, waits for its in-flight calls to end (up to the
     deadline), then removes it. NOT_FOUND if unknown.
+    """
+    SetStandby: _aio.UnaryUnaryMultiCallable[_router_pb2.SetStandbyRequest, _router_pb2.SetStandbyResponse]  # type: ignore[assignment]
+    """Makes a backend a warm standby or a serving member. A standby stays a member (it is
+    health-watched and listed, control calls and weight updates reach it) but gets no
+    data-plane calls; a standby made serving takes calls at once. NOT_FOUND if unknown.
     """
     WatchBackends: _aio.UnaryStreamMultiCallable[_router_pb2.WatchBackendsRequest, _router_pb2.WatchBackendsResponse]  # type: ignore[assignment]
     """The router's routing view, for clients that route data-plane calls themselves
@@ -133,6 +143,17 @@ class RouterAdminServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_router_pb2.DrainBackendResponse, _abc.Awaitable[_router_pb2.DrainBackendResponse]]:
         """Stops sending new calls to a backend, waits for its in-flight calls to end (up to the
         deadline), then removes it. NOT_FOUND if unknown.
+        """
+
+    @_abc_1.abstractmethod
+    def SetStandby(
+        self,
+        request: _router_pb2.SetStandbyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.SetStandbyResponse, _abc.Awaitable[_router_pb2.SetStandbyResponse]]:
+        """Makes a backend a warm standby or a serving member. A standby stays a member (it is
+        health-watched and listed, control calls and weight updates reach it) but gets no
+        data-plane calls; a standby made serving takes calls at once. NOT_FOUND if unknown.
         """
 
     @_abc_1.abstractmethod

@@ -65,7 +65,8 @@ function draw(fleet) {
     row.dataset.server = s.address;
     cell(row, s.address).innerHTML = "<code></code>";
     row.firstChild.firstChild.textContent = s.address;
-    const health = s.draining ? "draining" : (s.paused && s.healthy ? "paused" : s.state);
+    let health = s.draining ? "draining" : (s.paused && s.healthy ? "paused" : s.state);
+    if (s.standby) health += " (standby)";  // kept current, given no traffic
     cell(row, health, "state " + s.state);
     cell(row, String(s.weight_version), "version");
     cell(row, String(s.running), "running");

@@ -355,7 +355,7 @@ class OpenAIEdge(AsgiApp):
         await responder.json(200, render.models(model, created=0))
 
     async def health(self, request: Request, responder: Responder) -> None:
-        if self.pool.healthy():
+        if self.pool.serving():
             await responder.json(200, {})
         else:
             status, body = error_body(grpc.StatusCode.UNAVAILABLE, "router: no healthy backend")
