@@ -106,6 +106,56 @@ async def test_a_node_that_leaves_takes_its_server_and_the_fleet_heals(
         await asyncio.to_thread(fleet.close)
 
 
+async def test_on_ray_a_standby_takes_the_place_of_a_server_whose_node_left_and_it_returns_standing_by(
+    cluster: Any,
+) -> None:
+    nodes = [cluster.add_node(num_cpus=2, resources={"standby": 2}) for _ in range(2)]
+    cluster.wait_for_nodes()
+    events: list[str] = []
+    fleet = RayFleet(1, standby=1, cpu_only=True, strategy="SPREAD", resources={"standby": 1})
+    fleet.on_event = events.append
+    await asyncio.to_thread(fleet.start)
+    try:
+        fleet.supervise(RestartPolicy(first_delay=0.5), interval=0.5)
+        serving, standby = fleet.addresses.servers
+        assert fleet.addresses.standbys == (standby,)
+        placed = await asyncio.to_thread(fleet.node_ids)
+        doomed = next(n for n in nodes if n.node_id == placed[0])
+        client = InferenceClient(fleet.addresses.router, list(fleet.addresses.servers))
+        greedy = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+        batch = asyncio.ensure_future(client.generate_batch([[1, 9, 7]] * 8, greedy))
+        await running_on_engines(client, 1, batch, servers=[serving])
+        left = time.monotonic()
+        cluster.remove_node(doomed)
+        async with grpc.aio.insecure_channel(fleet.addresses.router) as channel:
+            admin = router_pb2_grpc.RouterAdminStub(channel)
+
+            async def roles() -> dict[str, tuple[bool, int]]:
+                listed = await admin.ListBackends(router_pb2.ListBackendsRequest())
+                return {b.address: (b.standby, b.state) for b in listed.backends}
+
+            async def promoted() -> bool:
+                return (await roles()).get(standby) == (False, router_pb2.BACKEND_STATE_HEALTHY)
+
+            await until(promoted, 60, "the standby's promotion", interval=0.05)
+            promoted_after = time.monotonic() - left
+            results = await asyncio.wait_for(batch, 300)
+            assert [len(r.token_ids) for r in results] == [48] * 8
+            await event_with(events, "is back", ENGINE_START_SECONDS)
+            moved = fleet.addresses.servers[0]
+            assert moved != serving and fleet.addresses.standbys == (moved,)
+
+            async def standing_by() -> bool:
+                return (await roles()).get(moved) == (True, router_pb2.BACKEND_STATE_HEALTHY)
+
+            await until(standing_by, 120, f"{moved} back as the standby")
+        assert promoted_after < 5.0, f"the standby served {promoted_after:.1f} s after"
+        print(f"\nnode left -> standby serving: {promoted_after:.2f} s")
+        await client.close()
+    finally:
+        await asyncio.to_thread(fleet.close)
+
+
 async def test_a_server_that_dies_at_every_start_is_reported_after_bounded_tries(
     cluster: Any,
 ) -> None:
