@@ -1,13 +1,17 @@
 """Warm standbys on real engines (``LocalFleet(standby=1)``, supervised): the standby takes
 every weight update and no traffic; ``kill -9`` of the serving server under streaming
 generations promotes it at once (the streams move there and complete), the killed server
-comes back as the new standby, caught up, and the next weight update reaches every member."""
+comes back as the new standby, caught up, and the next weight update reaches every member.
+Then the other one dies in the middle of a weight update (its bytes sent, before the commit): the update fails with every server
+on its previous weights, the standby serves in its place, the update tried again commits
+without the dead server, and it comes back as the standby at that version."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -17,7 +21,8 @@ from servers.fleet.local import LocalFleet
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
 from tests.helpers.waits import ENGINE_START_SECONDS, FLEET_TEST_TIMEOUT, running_on_engines, until
 from tests.helpers.weights import perturbed
-from trainer_client import InferenceClient
+from trainer_client import InferenceClient, WeightUpdateError
+from trainer_client.weights.weight_calls import ServerWeightCalls
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(FLEET_TEST_TIMEOUT)]
 STREAMS = 8
@@ -33,7 +38,7 @@ async def members(router: str) -> dict[str, router_pb2.Backend]:
 
 
 def test_a_warm_standby_takes_a_killed_servers_place_at_once_and_the_killed_one_stands_by(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     original = load_file(str(tiny_model_dir / "model.safetensors"))
 
@@ -95,6 +100,33 @@ def test_a_warm_standby_takes_a_killed_servers_place_at_once_and_the_killed_one_
         await until(lambda: served_by(standby, before[standby].prompt_tokens + 1), what="counts")
         listed = await members(stack.addresses.router)
         assert listed[serving].prompt_tokens == before[serving].prompt_tokens  # it stands by
+        # The promoted server dies in the middle of a weight update.
+        events.clear()
+        weights = perturbed(original, seed=3)
+
+        finish = ServerWeightCalls.finish
+        killed_at_commit: list[str] = []
+
+        async def dying_at_commit(calls: ServerWeightCalls, address: str, version: int) -> Any:
+            if not killed_at_commit:  # every byte sent, the commit not yet asked for
+                killed_at_commit.append(address)
+                await asyncio.to_thread(stack.kill_server, 1)
+            return await finish(calls, address, version)
+
+        monkeypatch.setattr(ServerWeightCalls, "finish", dying_at_commit)
+        with pytest.raises(WeightUpdateError, match="kept its previous weights") as failed:
+            await client.update_weights(weights.items(), 3)
+        monkeypatch.setattr(ServerWeightCalls, "finish", finish)
+        print(f"the update the death cut short: {failed.value}")
+        assert dict(await client.weight_versions()) == {serving: 2}  # the standby: down
+        assert not (await members(stack.addresses.router))[serving].standby
+        await client.update_weights(weights.items(), 3)  # tried again: the dead one left out
+        assert dict(await client.weight_versions()) == {serving: 3}
+        await until(lambda: any("is back" in e for e in events), ENGINE_START_SECONDS, "restart")
+        assert dict(await client.weight_versions()) == {serving: 3, standby: 3}
+        assert stack.addresses.standbys == (standby,)
+        sums = await client.weight_checksums()
+        assert sums[serving] == sums[standby]
         print(
             f"kill -9 -> standby serving at version 1: {promoted_after:.2f} s; "
             f"killed server back as the standby: {back_after:.1f} s"
