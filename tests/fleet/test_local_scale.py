@@ -88,3 +88,91 @@ async def test_a_fleet_scales_up_caught_up_from_a_peer_and_scales_down_by_draini
         assert any(f"server 1 ({new}) drained and removed" in e for e in events), events
     finally:
         await asyncio.to_thread(fleet.close)
+
+
+async def test_a_fleet_grows_and_shrinks_while_a_training_loop_runs_and_loses_nothing(
+    tiny_model_dir: Path,
+) -> None:
+    """1 -> 2 -> 1 servers while a loop generates, pauses, updates and resumes: no generation
+    lost, every step's update on every member, the added server on the fleet's version before
+    the router gave it its first call."""
+    import torch
+
+    events: list[str] = []
+    engine_args = ["--model", str(tiny_model_dir), "--cpu-threads", "1"]
+    fleet = LocalFleet(
+        1, engine_args=engine_args, on_event=events.append, start_timeout=ENGINE_START_SECONDS
+    )
+    await asyncio.to_thread(fleet.start)
+    stop = asyncio.Event()
+    steps: list[dict[str, int]] = []  # each step's versions after its update
+    lost, retried = [0], [0]
+    first_call_versions: dict[str, tuple[int, int]] = {}  # added server -> (its, the fleet's)
+    try:
+        fleet.supervise()
+        weights = load_file(str(tiny_model_dir / "model.safetensors"))
+        client = InferenceClient(fleet.addresses.router, list(fleet.addresses.servers))
+
+        async def loop() -> None:
+            sampling = {"temperature": 1.0, "max_tokens": 24, "ignore_eos": True}
+            while not stop.is_set() or len(steps) < 3:
+                prompts = [[1, 30 + i, 5] for i in range(8)]
+                sessions = [f"elastic-{len(steps)}-{i}" for i in range(8)]
+                results = await client.generate_batch(prompts, sampling, session_ids=sessions)
+                lost[0] += sum(1 for r in results if len(r.token_ids) != 24)
+                for tensor in weights.values():
+                    tensor.add_(1e-4 * torch.randn(tensor.shape, dtype=tensor.dtype))
+                version = len(steps) + 1
+                while True:  # as a trainer does: a step that met a server leaving, again
+                    try:
+                        await client.pause("abort")
+                        await client.update_weights(weights.items(), version)
+                        await client.resume()
+                        break
+                    except Exception:
+                        retried[0] += 1
+                        await asyncio.sleep(0.5)
+                steps.append(dict(await client.weight_versions()))
+
+        async def watch_first_calls() -> None:
+            baseline: dict[str, int] = {}  # its warm-up's tokens, counted before it joined
+            while not stop.is_set():
+                members = await listed(fleet.addresses.router)
+                healthy = [
+                    m for m in members.values() if m.state == router_pb2.BACKEND_STATE_HEALTHY
+                ]
+                newest = max((m.weight_version for m in healthy), default=0)
+                for address, member in members.items():
+                    if address == fleet.addresses.servers[0] or address in first_call_versions:
+                        continue
+                    baseline.setdefault(address, member.prompt_tokens)
+                    if member.prompt_tokens > baseline[address]:
+                        first_call_versions[address] = (member.weight_version, newest)
+                await asyncio.sleep(0.05)
+
+        training = asyncio.ensure_future(loop())
+        watching = asyncio.ensure_future(watch_first_calls())
+        await until(lambda: len(steps) >= 2, ENGINE_START_SECONDS, "two steps")
+        await asyncio.to_thread(fleet.scale, 2)
+        added = fleet.addresses.servers[1]
+        await until(lambda: added in first_call_versions, 300, "the added server's first call")
+        await until(lambda: any(added in s for s in steps), 300, "a step on both")
+        await asyncio.to_thread(fleet.scale, 1)
+        stop.set()
+        await asyncio.wait_for(training, 300)
+        watching.cancel()
+        assert lost[0] == 0
+        assert all(len(set(versions.values())) == 1 for versions in steps), steps
+        assert steps[-1] == {fleet.addresses.servers[0]: len(steps)}
+        assert any(added in versions for versions in steps)
+        its, the_fleets = first_call_versions[added]
+        assert its == the_fleets, first_call_versions
+        assert not any("died" in e for e in events), events
+        print(
+            f"\n{len(steps)} steps, {retried[0]} tried again, first call on the added server "
+            f"at version {its} (the fleet's {the_fleets})"
+        )
+        await client.close()
+    finally:
+        stop.set()
+        await asyncio.to_thread(fleet.close)
