@@ -130,6 +130,25 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
         server_options(["--port", "5"], {}, "127.0.0.1")
 
 
+def test_up_standby_starts_warm_standbys_locally_and_on_ray_each_with_a_port() -> None:
+    from servers.cli import build_parser, make_fleet
+    from servers.fleet.local import LocalFleet
+    from servers.fleet.ray_group import RayFleet
+
+    up = ["up", "--servers", "2", "--standby", "1", "--server-ports", "7001,7002,7003"]
+    args, rest = build_parser().parse_known_args(up)
+    local = make_fleet(args, rest)
+    assert isinstance(local, LocalFleet) and local.num_servers == 3
+    assert local.server_ports == [7001, 7002, 7003] and local.roles.indexes == {2}
+    args.ray = True
+    ray_fleet = make_fleet(args, rest)
+    assert isinstance(ray_fleet, RayFleet) and ray_fleet.options.num_servers == 3
+    assert len(ray_fleet.bundles()) == 3 and ray_fleet.roles.indexes == {2}
+    args, rest = build_parser().parse_known_args([*up[:-1], "7001,7002"])
+    with pytest.raises(SystemExit, match="2 ports for --servers 2 \\+ --standby 1"):
+        make_fleet(args, rest)
+
+
 @pytest.mark.parametrize(
     ("flags", "words"),
     [(["--no-such-flag"], "unrecognized arguments: --no-such-flag"), (["--port", "9"], "ports")],
