@@ -133,6 +133,9 @@ async def test_a_fleet_grows_and_shrinks_while_a_training_loop_runs_and_loses_no
                         retried[0] += 1
                         await asyncio.sleep(0.5)
                 steps.append(dict(await client.weight_versions()))
+                # The trainer's own work between steps (a backward pass): it also leaves the
+                # cores to the other test worker's engines, as a busy loop here would not.
+                await asyncio.sleep(0.5)
 
         async def watch_first_calls() -> None:
             baseline: dict[str, int] = {}  # its warm-up's tokens, counted before it joined
