@@ -161,6 +161,8 @@ async def test_a_fleet_grows_and_shrinks_while_a_training_loop_runs_and_loses_no
         await until(lambda: added in first_call_versions, 300, "the added server's first call")
         await until(lambda: any(added in s for s in steps), 300, "a step on both")
         await asyncio.to_thread(fleet.scale, 1)
+        shrunk_at = len(steps)  # a step under way may still have met the removed server
+        await until(lambda: len(steps) >= shrunk_at + 2, 300, "a whole step after the removal")
         stop.set()
         await asyncio.wait_for(training, 300)
         watching.cancel()
@@ -169,7 +171,10 @@ async def test_a_fleet_grows_and_shrinks_while_a_training_loop_runs_and_loses_no
         assert steps[-1] == {fleet.addresses.servers[0]: len(steps)}
         assert any(added in versions for versions in steps)
         its, the_fleets = first_call_versions[added]
-        assert its == the_fleets, first_call_versions
+        # Caught up before it joined: not the version it started from (0). Each server's
+        # status reaches the router up to a second apart, so the listing may show the fleet's
+        # newest commit on one server before the other: one version's lag is the report's.
+        assert its > 0 and the_fleets - 1 <= its <= the_fleets, first_call_versions
         assert not any("died" in e for e in events), events
         print(
             f"\n{len(steps)} steps, {retried[0]} tried again, first call on the added server "
