@@ -44,11 +44,6 @@ class FleetAddresses:
     #: Of ``servers``, the warm standbys now (kept current, given no data-plane calls).
     standbys: tuple[str, ...] = ()
 
-    @property
-    def serving(self) -> tuple[str, ...]:
-        """The servers data-plane calls go to (all but the standbys)."""
-        return tuple(a for a in self.servers if a not in self.standbys)
-
 
 class Fleet(abc.ABC):
     """A startable, closable set of engine servers behind a router."""

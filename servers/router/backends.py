@@ -70,7 +70,7 @@ class Backend:
     @property
     def eligible(self) -> bool:
         """Whether data-plane calls may go to it: healthy and serving (not a standby)."""
-        return self.state == HEALTHY and not self.standby
+        return self.healthy and not self.standby
 
     @property
     def state_name(self) -> str:
