@@ -8,7 +8,7 @@ server. Results are plain dataclasses; errors are ``InferenceError`` subclasses.
 
 from trainer_client.blocking import BlockingInferenceClient
 from trainer_client.client import InferenceClient
-from trainer_client.config import ClientConfig, ClientSettings, TlsConfig
+from trainer_client.config import DEFAULT, ClientConfig, ClientSettings, Timeout, TlsConfig
 from trainer_client.exceptions import (
     Aborted,
     AlreadyExists,
@@ -45,6 +45,7 @@ from trainer_client.tool_use import AssistantMessage, CallFunction, Tool, ToolCa
 from trainer_client.weights.weight_transaction import WeightUpdateError
 
 __all__ = [
+    "DEFAULT",
     "Aborted",
     "AlreadyExists",
     "AssistantMessage",
@@ -74,6 +75,7 @@ __all__ = [
     "ServerError",
     "ServerInfo",
     "ServerLoad",
+    "Timeout",
     "TlsConfig",
     "Tool",
     "ToolCall",

@@ -27,7 +27,7 @@ import grpc
 from skyrl_grpc.errors import server_lost, status_of
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
 from trainer_client.abort_retry import AbortRetry
-from trainer_client.config import ClientConfig
+from trainer_client.config import ClientConfig, Timeout
 from trainer_client.direct import DirectRoutes
 from trainer_client.exceptions import ServerError
 from trainer_client.results import GenerationResult
@@ -49,7 +49,7 @@ class BatchCalls:
     routes: Callable[[], DirectRoutes]
     # One prompt as one stream: (prompt, params, session, include_text, lora, timeout).
     generate_one: Callable[
-        [Sequence[int], generation_pb2.SamplingParams, str | None, bool, str, float | None],
+        [Sequence[int], generation_pb2.SamplingParams, str | None, bool, str, Timeout],
         Awaitable[GenerationResult],
     ]
     detokenize: Callable[[Sequence[int]], Awaitable[str]]
@@ -66,7 +66,7 @@ class BatchGeneration:
         sessions: Sequence[str | None],
         include_text: bool,
         lora: str,
-        timeout: float | None,
+        timeout: Timeout,
     ) -> None:
         self._uses = calls
         config = calls.config
@@ -75,7 +75,7 @@ class BatchGeneration:
         self._params = params
         self._include_text = include_text
         self._lora = lora
-        self._timeout = config.data_timeout if timeout is None else timeout
+        self._timeout = config.timeout("data", timeout)
         self._samples = [
             AbortRetry(
                 prompt, params, include_text, config.max_abort_retries, config.stream_interval, lora

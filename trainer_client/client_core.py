@@ -1,8 +1,9 @@
 """What every part of the client stands on: its config, its connections, and one way to make
-a call (``_unary``) and to make it on every server (``_fan_out``, typed by the stub method).
+a call (``unary``) and to make it on every server (``fan_out``, typed by the stub method).
 
-The parts (``generation``, ``fleet_control``, ``lora``, ``weights.weight_updates``) are mixins of
-``ClientCore``; ``trainer_client.client.InferenceClient`` joins them.
+The parts (``generation.Generation``, ``fleet_control.FleetControl``, ``lora.Adapters``,
+``weights.weight_updates.WeightUpdates``) are each handed one ``ClientCore``;
+``trainer_client.client.InferenceClient`` owns them and the core.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from skyrl_grpc import tracing
 from skyrl_grpc.metadata import SESSION_ID
 from skyrl_grpc.session_moves import finish_moved_session
 from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2_grpc
-from trainer_client.config import ClientConfig, Plane
+from trainer_client.config import DEFAULT, ClientConfig, Plane, Timeout
 from trainer_client.connections import Connections
 from trainer_client.exceptions import ServerError
 from trainer_client.fanout import fan_out
@@ -28,6 +29,7 @@ Request = TypeVar("Request", bound=ProtoMessage)
 Response = TypeVar("Response", bound=ProtoMessage)
 # Type-checking names only (the async stub exists in the .pyi, not at runtime).
 ControlStub: TypeAlias = "control_plane_pb2_grpc.ControlPlaneAsyncStub"
+DataStub: TypeAlias = "data_plane_pb2_grpc.DataPlaneAsyncStub"
 # Picks one RPC of the control plane's stub, e.g. ``lambda stub: stub.Pause``.
 ControlRpc: TypeAlias = (
     "Callable[[ControlStub], grpc.aio.UnaryUnaryMultiCallable[Request, Response]]"
@@ -35,58 +37,46 @@ ControlRpc: TypeAlias = (
 
 
 class ClientCore:
-    """Config, connections and the call helpers every part of the client uses."""
+    """A client's config, its connections and the call helpers every part uses. Made per
+    process: a client pickles its config alone and makes a new core when unpickled."""
 
-    config: ClientConfig
-
-    def _setup(self, config: ClientConfig) -> None:
-        """The one place a client's fields are set (constructor, from_config, unpickling)."""
+    def __init__(self, config: ClientConfig) -> None:
         self.config = config
         if config.otlp_traces_endpoint and not tracing.enabled():
             tracing.configure("skyrl-trainer-client", config.otlp_traces_endpoint)
         # Channels, the routing view and background calls, per event loop (never pickled).
-        self._connections = Connections(config, self._session_moved)
-
-    # Pickle the config only: channels belong to one process and event loop.
-    def __getstate__(self) -> dict[str, Any]:
-        return {"config": self.config}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._setup(state["config"])
-
-    @property
-    def connections(self) -> Connections:
-        """This client's per-event-loop resources (channels; other per-loop objects through
-        ``connections.loop_local``), closed with their loop."""
-        return self._connections
+        self.connections = Connections(config, self._session_moved)
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        return self._connections.channel(address)
+        return self.connections.channel(address)
 
     async def close(self) -> None:
-        """Closes what this event loop opened (channels, the routing feed). Also done when
-        the loop ends under ``asyncio.run``."""
-        await self._connections.close()
+        await self.connections.close()
 
-    def _metadata(self, plane: Plane, session_id: str | None = None) -> tuple[tuple[str, str], ...]:
+    def deadline(self, plane: Plane, timeout: Timeout) -> float | None:
+        """Seconds a call to ``plane`` may take (None: no deadline); see ``config.DEFAULT``."""
+        return self.config.timeout(plane, timeout)
+
+    def metadata(self, plane: Plane, session_id: str | None = None) -> tuple[tuple[str, str], ...]:
         metadata = self.config.metadata(plane)
         return (*metadata, (SESSION_ID, session_id)) if session_id else metadata
 
     def _session_moved(self, address: str, session_id: str) -> None:
         """Direct routing moved ``session_id`` away from ``address``: tell it (best effort)."""
-        self._connections.spawn(
+        self.connections.spawn(
             finish_moved_session(
                 self.channel(address), session_id, timeout=5, metadata=self.config.metadata("data")
             )
         )
 
-    def _data(self, address: str | None = None) -> data_plane_pb2_grpc.DataPlaneAsyncStub:
+    def data(self, address: str | None = None) -> DataStub:
+        """The DataPlane of ``address`` (None: the router's)."""
         return data_plane_pb2_grpc.DataPlaneStub(self.channel(address or self.config.router))
 
-    def _control(self, address: str) -> ControlStub:
+    def control(self, address: str) -> ControlStub:
         return control_plane_pb2_grpc.ControlPlaneStub(self.channel(address))
 
-    async def _unary(
+    async def unary(
         self,
         address: str,
         call: Callable[..., Awaitable[T]],
@@ -97,9 +87,10 @@ class ClientCore:
         plane: Plane,
         metadata: Sequence[tuple[str, str]] = (),
     ) -> T:
-        """One call to ``plane`` (with ``metadata`` beside the client's own); a failure raises
-        ``ServerError`` (as its status's subclass)."""
-        sent = self._metadata(plane, session_id)
+        """One call to ``plane`` with a deadline of ``timeout`` seconds (None: none) and
+        ``metadata`` beside the client's own; a failure raises ``ServerError`` (as its
+        status's subclass)."""
+        sent = self.metadata(plane, session_id)
         if metadata:
             sent = (*sent, *metadata)
         try:
@@ -107,11 +98,11 @@ class ClientCore:
         except grpc.aio.AioRpcError as error:
             raise ServerError.from_rpc_error(address, error) from error
 
-    async def _fan_out(
+    async def fan_out(
         self,
         rpc: ControlRpc[Request, Response],
         request: Request,
-        timeout: float | None,
+        timeout: Timeout,
         read: Callable[[Response], T],
         wait_for_starting: float = 0.0,
     ) -> dict[str, T]:
@@ -119,18 +110,18 @@ class ClientCore:
         ``FanOutError`` (whose ``results`` hold the same for the servers that answered).
         ``wait_for_starting``: seconds to wait first for servers up but still starting
         (``readiness``), so the call reaches them once they serve instead of failing there."""
-        deadline = self.config.control_timeout if timeout is None else timeout
+        deadline = self.deadline("control", timeout)
 
         async def call(address: str) -> T:
-            stub_call = rpc(self._control(address))
-            return read(await self._unary(address, stub_call, request, deadline, plane="control"))
+            stub_call = rpc(self.control(address))
+            return read(await self.unary(address, stub_call, request, deadline, plane="control"))
 
         operation = type(request).__name__.removesuffix("Request")
-        servers = await self._control_servers()
+        servers = await self.control_servers()
         await wait_while_starting(self.channel, servers, wait_for_starting)
         return await fan_out(operation, servers, call)
 
-    async def _control_servers(self) -> list[str]:
+    async def control_servers(self) -> list[str]:
         """The servers control calls reach: the fleet as the router sees it now, when this
         client routes itself and was given the router's whole fleet (so a server that moved,
         or one added or removed since, is reached without rebuilding the client); else the
@@ -138,7 +129,10 @@ class ClientCore:
         given = list(self.config.servers)
         if not self.config.direct or not given:
             return given
-        routes = self._connections.routes()
+        routes = self.connections.routes()
         if not await routes.ready():
             return given
         return await routes.fleet_now(given) or given
+
+
+__all__ = ["DEFAULT", "ClientCore", "ControlRpc", "Request", "Response", "Timeout"]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import Literal, TypedDict
+from typing import Final, Literal, TypeAlias, TypedDict
 
 import grpc
 
@@ -12,11 +13,28 @@ from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, open_channel
 from skyrl_grpc.metadata import bearer
 from skyrl_grpc.tls import TlsConfig
 
-__all__ = ["ClientConfig", "ClientSettings", "Plane", "TlsConfig"]
+__all__ = ["DEFAULT", "ClientConfig", "ClientSettings", "Plane", "Timeout", "TlsConfig"]
 
 #: Which of a server's services a call goes to: each may require its own bearer token
 #: (``serve --data-token`` / ``--control-token``).
 Plane = Literal["data", "control"]
+
+
+class _Default(enum.Enum):
+    """The type of ``DEFAULT`` (an enum of one member, so type checkers can tell it apart)."""
+
+    DEFAULT = "the client's default"
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+#: A call's ``timeout`` left to the client: ``ClientConfig.data_timeout`` for data-plane calls,
+#: ``ClientConfig.control_timeout`` for control-plane ones. ``None`` means no deadline at all.
+DEFAULT: Final = _Default.DEFAULT
+
+#: Seconds, ``None`` for no deadline, or ``DEFAULT`` for the client's setting of the call's plane.
+Timeout: TypeAlias = float | _Default | None
 
 
 @dataclass(frozen=True)
@@ -90,6 +108,13 @@ class ClientConfig:
         if tracing.enabled():
             pairs.extend(tracing.headers().items())
         return tuple(pairs)
+
+    def timeout(self, plane: Plane, timeout: Timeout) -> float | None:
+        """A call's deadline in seconds (None: none): ``timeout`` as given, or for ``DEFAULT``
+        this config's setting for ``plane``."""
+        if timeout is DEFAULT:
+            return self.data_timeout if plane == "data" else self.control_timeout
+        return timeout
 
     def open_channel(self, address: str) -> grpc.aio.Channel:
         return open_channel(address, tls=self.tls, max_message_bytes=self.max_message_bytes)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
@@ -22,6 +22,7 @@ from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2
 from trainer_client.abort_retry import AbortRetry
 from trainer_client.batches import BatchCalls, BatchGeneration
 from trainer_client.client_core import ClientCore
+from trainer_client.config import DEFAULT, Timeout
 from trainer_client.exceptions import ServerError
 from trainer_client.fleet_info import ModelInfo
 from trainer_client.results import GenerationResult
@@ -29,17 +30,22 @@ from trainer_client.sampling import Message, Sampling, chat_messages, sampling_p
 from trainer_client.tool_use import AssistantMessage, Tool, ToolChoice, tool_use
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
-class Generation(ClientCore):
-    """Data-plane calls (mixin of ``InferenceClient``). ``timeout``: seconds for the call
-    (None: ``ClientConfig.data_timeout``)."""
+class Generation:
+    """Data-plane calls (``InferenceClient.generation``). ``timeout``: seconds for the call
+    (None: no deadline; ``DEFAULT``: ``ClientConfig.data_timeout``)."""
+
+    def __init__(self, core: ClientCore) -> None:
+        self._core = core
+        self.config = core.config
 
     async def _target(self, session_id: str | None, tried: set[str]) -> str | None:
         """The server a generation goes to directly, or None to go through the router."""
         if not self.config.direct:
             return None
-        routes = self._connections.routes()
+        routes = self._core.connections.routes()
         if not await routes.ready():
             return None
         return routes.pick(session_id, tried)
@@ -49,7 +55,7 @@ class Generation(ClientCore):
         request: data_plane_pb2.GenerateStreamRequest,
         session_id: str | None,
         tried: set[str],
-        timeout: float | None,
+        timeout: Timeout,
     ) -> AsyncGenerator[data_plane_pb2.GenerateStreamResponse, None]:
         """One stream of one generation, directly to a server or through the router. A server
         used directly that turns out gone is marked unavailable and added to ``tried`` before
@@ -57,12 +63,12 @@ class Generation(ClientCore):
         connection broke is added too (the caller goes on through the same address)."""
         target = await self._target(session_id, tried)
         address = target or self.config.router
-        call = self._data(address).GenerateStream(
+        call = self._core.data(address).GenerateStream(
             request,
-            timeout=self.config.data_timeout if timeout is None else timeout,
-            metadata=self._metadata("data", session_id),
+            timeout=self._core.deadline("data", timeout),
+            metadata=self._core.metadata("data", session_id),
         )
-        routes = self._connections.routes() if target is not None else None
+        routes = self._core.connections.routes() if target is not None else None
         if routes is not None and target is not None:
             routes.begin(target)
         try:
@@ -94,7 +100,7 @@ class Generation(ClientCore):
         request_id: str = "",
         stream_interval: int | None = None,
         lora: str = "",
-        timeout: float | None = None,
+        timeout: Timeout = DEFAULT,
     ) -> AsyncGenerator[data_plane_pb2.GenerateStreamResponse, None]:
         """The raw stream of one generation, chunks as the server sends them (no retry on
         abort, no failover).
@@ -125,7 +131,7 @@ class Generation(ClientCore):
         session_id: str | None = None,
         include_text: bool = False,
         lora: str = "",
-        timeout: float | None = None,
+        timeout: Timeout = DEFAULT,
     ) -> GenerationResult:
         """One sample, resubmitted after aborts (pause for a weight update) until finished.
         ``lora``: the adapter to generate with (``load_lora``); empty: the base model.
@@ -145,7 +151,7 @@ class Generation(ClientCore):
         session_id: str | None,
         include_text: bool,
         lora: str,
-        timeout: float | None,
+        timeout: Timeout,
         chat_output: chat_tools_pb2.ChatOutput | None = None,
     ) -> GenerationResult:
         params = sampling_params(sampling)
@@ -198,7 +204,7 @@ class Generation(ClientCore):
         session_ids: Sequence[str | None] | None = None,
         include_text: bool = False,
         lora: str = "",
-        timeout: float | None = None,
+        timeout: Timeout = DEFAULT,
     ) -> list[GenerationResult]:
         """Generates one sample for every prompt; results in input order. The batch travels
         as batched calls (``batches``): one GenerateBatch per server (or one to the router),
@@ -213,9 +219,9 @@ class Generation(ClientCore):
         calls = BatchCalls(
             config=self.config,
             target=self._target,
-            stub=self._data,
-            metadata=lambda: self._metadata("data"),
-            routes=self._connections.routes,
+            stub=self._core.data,
+            metadata=lambda: self._core.metadata("data"),
+            routes=self._core.connections.routes,
             generate_one=self._generate,
             detokenize=self.detokenize,
         )
@@ -233,7 +239,7 @@ class Generation(ClientCore):
         session_id: str | None = None,
         include_text: bool = False,
         lora: str = "",
-        timeout: float | None = None,
+        timeout: Timeout = DEFAULT,
     ) -> list[GenerationResult]:
         """``n`` independent samples of one prompt. Without a session they spread over servers
         by load; with one, they all go to the session's server (sharing its prefix cache)."""
@@ -256,7 +262,7 @@ class Generation(ClientCore):
         parallel_tool_calls: bool | None = None,
         session_id: str | None = None,
         lora: str = "",
-        timeout: float | None = None,
+        timeout: Timeout = DEFAULT,
     ) -> GenerationResult:
         """Chat completion: the model's chat template (showing ``tools``), then ``generate``
         (so aborts retry). ``result.message`` is the output as the servers parsed it: tool
@@ -275,16 +281,13 @@ class Generation(ClientCore):
         *,
         session_id: str | None = None,
         lora: str = "",
-        timeout: float | None = None,
+        timeout: Timeout = DEFAULT,
     ) -> GenerationResult:
         """Text completion: tokenize, then ``generate`` (so aborts retry)."""
         tokens = await self.tokenize(prompt, session_id=session_id, timeout=timeout)
         return await self.generate(
             tokens, sampling, session_id=session_id, include_text=True, lora=lora, timeout=timeout
         )
-
-    def _data_timeout(self, timeout: float | None) -> float | None:
-        return self.config.data_timeout if timeout is None else timeout
 
     async def tokenize(
         self,
@@ -293,7 +296,7 @@ class Generation(ClientCore):
         messages: Sequence[Message] | None = None,
         add_special_tokens: bool = True,
         session_id: str | None = None,
-        timeout: float | None = None,
+        timeout: Timeout = DEFAULT,
     ) -> list[int]:
         """Token ids of ``text``, or of ``messages`` through the chat template."""
         if (text is None) == (messages is None):
@@ -301,80 +304,68 @@ class Generation(ClientCore):
         if messages is not None:
             return await self._render(messages, (), session_id, timeout)
         request = data_plane_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        router = self.config.router
-        response = await self._unary(
-            router,
-            self._data().Tokenize,
-            request,
-            self._data_timeout(timeout),
-            session_id,
-            plane="data",
-        )
-        return list(response.token_ids)
+        return await self._tokenize(request, session_id, timeout)
 
     async def _render(
         self,
         messages: Sequence[Message],
         tools: Sequence[chat_tools_pb2.Tool],
         session_id: str | None,
-        timeout: float | None,
+        timeout: Timeout,
     ) -> list[int]:
         """The conversation through the chat template, as token ids."""
         conversation = data_plane_pb2.ChatConversation(
             messages=chat_messages(messages), tools=tools
         )
         request = data_plane_pb2.TokenizeRequest(conversation=conversation)
-        response = await self._unary(
+        return await self._tokenize(request, session_id, timeout)
+
+    async def _tokenize(
+        self, request: data_plane_pb2.TokenizeRequest, session_id: str | None, timeout: Timeout
+    ) -> list[int]:
+        response = await self._router_call(self._core.data().Tokenize, request, timeout, session_id)
+        return list(response.token_ids)
+
+    async def _router_call(
+        self,
+        call: Callable[..., Awaitable[T]],
+        request: Any,
+        timeout: Timeout,
+        session_id: str | None = None,
+    ) -> T:
+        """One unary data-plane call through the router."""
+        return await self._core.unary(
             self.config.router,
-            self._data().Tokenize,
+            call,
             request,
-            self._data_timeout(timeout),
+            self._core.deadline("data", timeout),
             session_id,
             plane="data",
         )
-        return list(response.token_ids)
 
     async def detokenize(
         self,
         token_ids: Sequence[int],
         skip_special_tokens: bool = True,
         *,
-        timeout: float | None = None,
+        timeout: Timeout = DEFAULT,
     ) -> str:
         request = data_plane_pb2.DetokenizeRequest(
             token_ids=list(token_ids), skip_special_tokens=skip_special_tokens
         )
-        response = await self._unary(
-            self.config.router,
-            self._data().Detokenize,
-            request,
-            self._data_timeout(timeout),
-            plane="data",
-        )
+        response = await self._router_call(self._core.data().Detokenize, request, timeout)
         return str(response.text)
 
-    async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+    async def model_info(self, *, timeout: Timeout = DEFAULT) -> ModelInfo:
         """The served model: vocabulary, special tokens, context length, LoRA adapters."""
         request = data_plane_pb2.GetModelInfoRequest()
-        response = await self._unary(
-            self.config.router,
-            self._data().GetModelInfo,
-            request,
-            self._data_timeout(timeout),
-            plane="data",
-        )
+        response = await self._router_call(self._core.data().GetModelInfo, request, timeout)
         return ModelInfo.from_proto(response)
 
-    async def finish_session(self, session_id: str, *, timeout: float | None = None) -> bool:
+    async def finish_session(self, session_id: str, *, timeout: Timeout = DEFAULT) -> bool:
         """End a session: its server frees the session's place (and the router stops counting
         it), so new sessions can use it. True if a server held the session. Sessions that are
         never finished are released after the servers' ``--session-idle-seconds``."""
         request = data_plane_pb2.FinishSessionRequest(session_id=session_id)
-        response = await self._unary(
-            self.config.router,
-            self._data().FinishSession,
-            request,
-            self._data_timeout(timeout),
-            plane="data",
-        )
+        response = await self._router_call(self._core.data().FinishSession, request, timeout)
         return bool(response.found)

@@ -8,13 +8,17 @@ from typing import Any
 
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.client_core import ClientCore
+from trainer_client.config import DEFAULT, Timeout
 from trainer_client.fanout import fan_out
 from trainer_client.fleet_info import LoraAdapter, ServerInfo, refuse_unless_all
 from trainer_client.weights.weight_sending import DEFAULT_CHUNK_BYTES, lora_push_messages
 
 
-class Adapters(ClientCore):
-    """LoRA calls (mixin of ``InferenceClient``); ``timeout`` as in ``FleetControl``."""
+class Adapters:
+    """LoRA calls (``InferenceClient.adapters``); ``timeout`` as in ``FleetControl``."""
+
+    def __init__(self, core: ClientCore) -> None:
+        self._core = core
 
     async def load_lora(
         self,
@@ -25,7 +29,7 @@ class Adapters(ClientCore):
         config: Mapping[str, Any] | None = None,
         version: int = 0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        timeout: float | None = None,
+        timeout: Timeout = DEFAULT,
     ) -> dict[str, LoraAdapter]:
         """Loads adapter ``name`` on every server at once: in-band (``tensors``, PEFT names,
         e.g. a PEFT model's ``get_peft_model_state_dict``, and ``config``, its
@@ -46,29 +50,30 @@ class Adapters(ClientCore):
             pairs = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
             messages = [cp.LoadLoraAdapterRequest(spec=spec)]
             messages += lora_push_messages(pairs, chunk_bytes)
-        deadline = self.config.control_timeout if timeout is None else timeout
+        core = self._core
+        deadline = core.deadline("control", timeout)
         info = cp.GetServerInfoRequest()
-        infos = await self._fan_out(lambda s: s.GetServerInfo, info, timeout, ServerInfo.from_proto)
+        infos = await core.fan_out(lambda s: s.GetServerInfo, info, timeout, ServerInfo.from_proto)
         refuse_unless_all("load_lora", infos, lambda i: i.capabilities.cannot_load_lora())
 
         async def load(address: str) -> LoraAdapter:
-            call = self._control(address).LoadLoraAdapter
-            response = await self._unary(address, call, iter(messages), deadline, plane="control")
+            call = core.control(address).LoadLoraAdapter
+            response = await core.unary(address, call, iter(messages), deadline, plane="control")
             return LoraAdapter.from_proto(response.adapter)
 
-        return await fan_out("LoadLoraAdapter", await self._control_servers(), load)
+        return await fan_out("LoadLoraAdapter", await core.control_servers(), load)
 
-    async def unload_lora(self, name: str, *, timeout: float | None = None) -> dict[str, int]:
+    async def unload_lora(self, name: str, *, timeout: Timeout = DEFAULT) -> dict[str, int]:
         """Unloads adapter ``name`` everywhere; returns each server's last version of it."""
         request = cp.UnloadLoraAdapterRequest(name=name)
-        return await self._fan_out(
+        return await self._core.fan_out(
             lambda s: s.UnloadLoraAdapter, request, timeout, lambda r: r.version
         )
 
-    async def list_loras(self, *, timeout: float | None = None) -> dict[str, list[LoraAdapter]]:
+    async def list_loras(self, *, timeout: Timeout = DEFAULT) -> dict[str, list[LoraAdapter]]:
         """Each server's loaded adapters, with versions and checksums."""
         request = cp.ListLoraAdaptersRequest()
-        return await self._fan_out(
+        return await self._core.fan_out(
             lambda s: s.ListLoraAdapters,
             request,
             timeout,

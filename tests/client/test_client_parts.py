@@ -4,6 +4,7 @@ stand-in control servers (the subject here is the client, not the server)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import typing
 from collections.abc import AsyncIterator
@@ -17,6 +18,8 @@ from skyrl_grpc.errors import TRANSPORT_BROKE, server_lost
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc, lora_pb2
 from trainer_client import (
+    DEFAULT,
+    BlockingInferenceClient,
     ClientConfig,
     ClientSettings,
     FanOutError,
@@ -108,6 +111,8 @@ class _StandInControlPlane(control_plane_pb2_grpc.ControlPlaneServicer):
     def __init__(self, refuse: bool = False) -> None:
         self.refuse = refuse
         self.pauses: list[int] = []
+        # The deadline each call left the server (None: the caller set none).
+        self.time_remaining: list[float | None] = []
 
     async def _check(self, context: Any) -> None:
         if self.refuse:
@@ -116,6 +121,7 @@ class _StandInControlPlane(control_plane_pb2_grpc.ControlPlaneServicer):
     async def Pause(self, request, context):  # type: ignore[no-untyped-def]
         await self._check(context)
         self.pauses.append(request.mode)
+        self.time_remaining.append(context.time_remaining())
         return cp.PauseResponse()
 
     async def GetLoad(self, request, context):  # type: ignore[no-untyped-def]
@@ -157,6 +163,26 @@ async def test_control_calls_fan_out_with_typed_results(
     assert "GetLoad failed on 1 of 3 servers" in str(raised.value)
     await client.close()
     await with_refusing.close()
+
+
+async def test_a_timeout_of_none_sets_no_deadline_and_default_the_clients(
+    stand_in_servers: list[tuple[str, _StandInControlPlane]],
+) -> None:
+    (a, servicer), _, _ = stand_in_servers
+    client = InferenceClient(a, [a], direct=False, control_timeout=30)
+    blocking = BlockingInferenceClient(a, [a], direct=False, control_timeout=30)
+    await client.pause()  # DEFAULT: ClientConfig.control_timeout
+    await client.pause(timeout=None)  # none at all
+    await client.pause(timeout=DEFAULT)
+    await client.fleet.pause(timeout=5)  # the part itself, as the client forwards to it
+    await asyncio.to_thread(blocking.pause, timeout=None)  # the blocking twin passes it on
+    first, none, default, five, blocking_none = servicer.time_remaining
+    # (gRPC rounds a deadline on the wire: a little over the seconds given.)
+    assert first is not None and default is not None and 25 < first < 31 and 25 < default < 31
+    assert none is None and blocking_none is None
+    assert five is not None and 0 < five < 6
+    await client.close()
+    blocking.close()
 
 
 def test_patches_carry_exactly_what_changed_and_a_dense_change_goes_whole() -> None:

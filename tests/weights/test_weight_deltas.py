@@ -122,12 +122,12 @@ async def test_a_reserved_delta_base_is_the_first_records_memory_and_never_its_v
         misfit = sorted(first)[0]
         like = {**first, "not.pushed": torch.ones(3), misfit: torch.ones(2, 2)}
         await client.reserve_delta_base(like.items())
-        reserved_record = client._local.reserved_record
+        reserved_record = client.weights.local.reserved_record
         assert reserved_record is not None
         reserved = {name: tensor.data_ptr() for name, tensor in reserved_record.items()}
         version = await next_version(client)
         await client.update_weights(first.items(), version)  # no base yet: everything
-        record = client._local.last_pushed
+        record = client.weights.local.last_pushed
         assert record is not None and set(record.tensors) == set(first)
         reused = {n for n, t in record.tensors.items() if t.data_ptr() == reserved[n]}
         assert reused == set(first) - {misfit}  # copied into; the misfit cloned
@@ -435,13 +435,13 @@ async def refused_by_every_server(
     checks that each server refused them with ``code`` and a message holding ``words``; then
     cancels the update."""
     servers = list(client.config.servers)
-    sender = client._local.sender
+    sender = client.weights.local.sender
     assert sender is not None
     for address in servers:
-        await client._control(address).StartWeightUpdate(
+        await client._core.control(address).StartWeightUpdate(
             cp.StartWeightUpdateRequest(weight_version=version)
         )
-    failures = await client._broadcast_buckets(sender, servers, buckets, 60)
+    failures = await client.weights.delivery.broadcast_buckets(sender, servers, buckets, 60)
     assert set(failures) == set(servers)
     for failure in failures.values():
         assert isinstance(failure, ServerError), failure
@@ -552,7 +552,7 @@ async def test_bad_compressed_patches_are_refused_and_the_weights_stay(
     push: Any = channel.stream_unary(PUSH_WEIGHTS, request_serializer=None)
     for (spec, frame), words in cases:
         # In-band, to one server.
-        await client._control(address).StartWeightUpdate(
+        await client._core.control(address).StartWeightUpdate(
             cp.StartWeightUpdateRequest(weight_version=serving + 1)
         )
         manifest = cp.PushWeightsRequest(manifest=cp.WeightManifest(parameters=[spec]))

@@ -142,7 +142,7 @@ class ServerWeightCalls:
         self, address: str, request: Request, rpc: ControlRpc[Request, Response]
     ) -> Response:
         client = self._client
-        stub_method = rpc(client._control(address))
-        return await client._unary(
+        stub_method = rpc(client.control(address))
+        return await client.unary(
             address, stub_method, request, client.config.control_timeout, plane="control"
         )

@@ -48,8 +48,9 @@ from trainer_client.weights.weight_sending import (
     tensor_entries,
 )
 
-# Source bytes whose patches one UpdateWeights call broadcasts (see ``_broadcast``): a call and
-# its broadcasts cost milliseconds, and the next group's patches are computed meanwhile.
+# Source bytes whose patches one UpdateWeights call broadcasts (``WeightDelivery.broadcast``):
+# a call and its broadcasts cost milliseconds, and the next group's patches are computed
+# meanwhile.
 BROADCAST_GROUP_BYTES = 256 << 20
 
 log = logging.getLogger(__name__)
@@ -79,28 +80,15 @@ class LocalWeights:
     host_staging: HostStaging = field(default_factory=HostStaging)
 
 
-class WeightDelivery(ClientCore):
-    """Sending an update's bytes (mixin of ``InferenceClient``, under ``WeightUpdates``)."""
+class WeightDelivery:
+    """Sending an update's bytes over ``core``'s channels (``WeightUpdates`` owns one), counting
+    them in ``local``."""
 
-    @property
-    def _local(self) -> LocalWeights:
-        found: LocalWeights | None = self.__dict__.get("_local_weights")
-        if found is None:
-            found = self.__dict__["_local_weights"] = LocalWeights()
-        return found
+    def __init__(self, core: ClientCore, local: LocalWeights) -> None:
+        self._core = core
+        self._local = local
 
-    @property
-    def last_push_bytes(self) -> dict[str, int]:
-        """Bytes of parameter data each server received in the last update."""
-        return self._local.last_push_bytes
-
-    @property
-    def last_sent_bytes(self) -> int:
-        """Bytes this client itself sent in the last in-band update (relayed: each stream
-        once, whatever the fleet's size)."""
-        return self._local.last_sent_bytes
-
-    async def _broadcast(
+    async def broadcast(
         self,
         plan: UpdatePlan,
         sender: CollectiveSender,
@@ -111,20 +99,20 @@ class WeightDelivery(ClientCore):
         serves its version (one broadcast reaches them all), else the whole weights, and the
         whole weights again if a server refuses the patches (its version moved: the others
         stage the whole values over their patches). Patches are computed a group at a time,
-        one group ahead of the broadcast (as ``_push`` does); whole weights go as one call."""
+        one group ahead of the broadcast (as ``push`` does); whole weights go as one call."""
         self._local.last_push_bytes = dict.fromkeys(addresses, 0)
         self._local.last_sent_bytes = 0
         if plan.base is not None and plan.all_patched(addresses):
             compress = plan.compressing.issuperset(addresses)
-            failures = await self._broadcast_groups(
+            failures = await self.broadcast_groups(
                 plan, sender, addresses, tensors, plan.base, compress
             )
             if not any(isinstance(f, FailedPrecondition) for f in failures.values()):
                 return failures
             log.info("a server refused the patches (its version moved): broadcasting it all")
-        return await self._broadcast_groups(plan, sender, addresses, tensors, None, False)
+        return await self.broadcast_groups(plan, sender, addresses, tensors, None, False)
 
-    async def _broadcast_groups(
+    async def broadcast_groups(
         self,
         plan: UpdatePlan,
         sender: CollectiveSender,
@@ -151,16 +139,14 @@ class WeightDelivery(ClientCore):
                 buckets = await prepared.get(index)
                 if not buckets:
                     continue  # nothing of this group changed
-                failures = await self._broadcast_buckets(
-                    sender, addresses, buckets, sending.timeout
-                )
+                failures = await self.broadcast_buckets(sender, addresses, buckets, sending.timeout)
                 if failures:
                     return failures
             return {}
         finally:
             prepared.cancel()
 
-    async def _broadcast_buckets(
+    async def broadcast_buckets(
         self,
         sender: CollectiveSender,
         addresses: Sequence[str],
@@ -174,8 +160,12 @@ class WeightDelivery(ClientCore):
             self._local.last_push_bytes[address] += size
 
         async def update(address: str) -> object:
-            return await self._unary(
-                address, self._control(address).UpdateWeights, request, timeout, plane="control"
+            return await self._core.unary(
+                address,
+                self._core.control(address).UpdateWeights,
+                request,
+                timeout,
+                plane="control",
             )
 
         # Every server receives while rank 0 broadcasts; a server that rejects the layout still
@@ -188,7 +178,7 @@ class WeightDelivery(ClientCore):
             failures.update({a: error for a in addresses if a not in failures})
         return failures
 
-    async def _push(
+    async def push(
         self,
         plan: UpdatePlan,
         addresses: Sequence[str],
@@ -310,7 +300,7 @@ class WeightDelivery(ClientCore):
                     if lane is not None:
                         await asyncio.to_thread(lane.send_chain, each_group())
                     else:
-                        await self._unary(
+                        await self._core.unary(
                             address,
                             self._push_method(address),
                             messages(),
@@ -323,7 +313,7 @@ class WeightDelivery(ClientCore):
                     if lane is not None:
                         await asyncio.to_thread(lane.send, sent)
                     else:
-                        await self._unary(
+                        await self._core.unary(
                             address,
                             self._push_method(address),
                             iter(sent),
@@ -386,7 +376,7 @@ class WeightDelivery(ClientCore):
     def _push_method(
         self, address: str
     ) -> grpc.aio.StreamUnaryMultiCallable[bytes, cp.PushWeightsResponse]:
-        return self.channel(address).stream_unary(
+        return self._core.channel(address).stream_unary(
             PUSH_WEIGHTS,
             request_serializer=None,
             response_deserializer=cp.PushWeightsResponse.FromString,

@@ -9,15 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
 from skyrl_grpc import tracing
 from skyrl_grpc.process_group import free_port
 from skyrl_grpc.v1 import control_plane_pb2 as cp
+from trainer_client.client_core import ClientCore
+from trainer_client.config import DEFAULT, Timeout
 from trainer_client.exceptions import FailedPrecondition
 from trainer_client.fanout import fan_out
-from trainer_client.fleet_info import ServerInfo, WeightUpdateResult, refuse_unless_all
+from trainer_client.fleet_info import (
+    ServerInfo,
+    WeightCommit,
+    WeightUpdateResult,
+    refuse_unless_all,
+)
 from trainer_client.readiness import wait_while_starting
 from trainer_client.results import WeightVersions
 from trainer_client.weights.relay_plan import relay_for
@@ -25,11 +32,12 @@ from trainer_client.weights.update_plan import (
     PushedWeights,
     Sending,
     ServerState,
+    UpdatePlan,
     make_plan,
     reserve_record,
 )
 from trainer_client.weights.weight_calls import ServerWeightCalls
-from trainer_client.weights.weight_delivery import WeightDelivery
+from trainer_client.weights.weight_delivery import LocalWeights, WeightDelivery
 from trainer_client.weights.weight_sending import (
     DEFAULT_BUCKET_BYTES,
     CollectiveSender,
@@ -43,13 +51,33 @@ T = TypeVar("T")
 WeightTransport = Literal["collective", "grpc"]
 
 
-class WeightUpdates(WeightDelivery):
-    """Weight calls (mixin of ``InferenceClient``)."""
+class WeightUpdates:
+    """Weight calls (``InferenceClient.weights``), over ``core``'s channels. Holds the weight
+    path's process-local state (``local``): a client pickles its config alone, so a client
+    handed to another process starts without it."""
+
+    def __init__(self, core: ClientCore) -> None:
+        self._core = core
+        self.config = core.config
+        self.local = LocalWeights()
+        # How an update's bytes reach the servers.
+        self.delivery = WeightDelivery(core, self.local)
+
+    @property
+    def last_push_bytes(self) -> dict[str, int]:
+        """Bytes of parameter data each server received in the last update."""
+        return self.local.last_push_bytes
+
+    @property
+    def last_sent_bytes(self) -> int:
+        """Bytes this client itself sent in the last in-band update (relayed: each stream
+        once, whatever the fleet's size)."""
+        return self.local.last_sent_bytes
 
     @property
     def has_weight_group(self) -> bool:
         """True once ``init_weight_transfer`` formed the collective group."""
-        return self._local.sender is not None
+        return self.local.sender is not None
 
     async def init_weight_transfer(
         self,
@@ -66,8 +94,10 @@ class WeightUpdates(WeightDelivery):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r}: use 'gloo' or 'nccl' (in-band needs no group)")
         request = cp.GetServerInfoRequest()
-        servers = await self._control_servers()
-        infos = await self._fan_out(lambda s: s.GetServerInfo, request, None, ServerInfo.from_proto)
+        servers = await self._core.control_servers()
+        infos = await self._core.fan_out(
+            lambda s: s.GetServerInfo, request, DEFAULT, ServerInfo.from_proto
+        )
         # Before the group forms: a server that cannot join would leave the others waiting.
         operation = f"init_weight_transfer({backend!r})"
         refuse_unless_all(operation, infos, lambda i: i.capabilities.cannot_join(backend))
@@ -77,7 +107,7 @@ class WeightUpdates(WeightDelivery):
             backend, master_address, port, world_size, group_name, timeout_seconds
         )
         by_server = dict(zip(servers, offsets, strict=True))
-        self._local.group_servers = list(servers)
+        self.local.group_servers = list(servers)
         proto_backend = (
             cp.WEIGHT_TRANSFER_BACKEND_GLOO
             if backend == "gloo"
@@ -95,9 +125,9 @@ class WeightUpdates(WeightDelivery):
                 timeout_seconds=int(timeout_seconds),
             )
             try:
-                return await self._unary(
+                return await self._core.unary(
                     address,
-                    self._control(address).InitWeightTransfer,
+                    self._core.control(address).InitWeightTransfer,
                     request,
                     timeout_seconds,
                     plane="control",
@@ -119,7 +149,7 @@ class WeightUpdates(WeightDelivery):
             sender.release()
             raise
         await join
-        self._local.sender = sender
+        self.local.sender = sender
         return by_server
 
     @tracing.traced("update_weights")
@@ -185,29 +215,6 @@ class WeightUpdates(WeightDelivery):
         now. Returns each server's answer to the commit (the version, parameters replaced).
         """
         tensors = list(named_tensors)
-        sender = self._local.sender
-        if transport is None:
-            transport = "collective" if sender is not None else "grpc"
-        if transport not in ("collective", "grpc"):
-            raise ValueError(f"transport {transport!r}: use 'collective' or 'grpc'")
-        calls = ServerWeightCalls(self, lease_seconds)
-        if transport == "collective" and sender is not None:
-            sender = await self._current_group(sender, calls)
-        # In-band: the fleet as it is now; the collective: the servers that joined its group.
-        servers = (
-            list(self._local.group_servers)
-            if transport == "collective"
-            else await self._control_servers()
-        )
-        if transport == "collective" and sender is None:
-            raise ValueError(
-                "no collective group: call init_weight_transfer() or use transport='grpc'"
-            )
-        if not servers:
-            raise ValueError("update_weights: the client has no server addresses")
-        starting = await wait_while_starting(self.channel, servers, wait_for_starting)
-        if starting:
-            log.info("still starting after %.0f s, updated anyway: %s", wait_for_starting, starting)
         if weight_version is not None and weight_version <= 0:
             # 0 means "unset" on the wire and every server starts at 0: refused before a byte
             # moves, instead of after the whole model was pushed.
@@ -215,30 +222,76 @@ class WeightUpdates(WeightDelivery):
                 f"weight_version={weight_version}: versions start at 1 and must increase "
                 "(None: one more than the newest version any server serves)"
             )
-        collective = sender is not None and transport == "collective"
+        calls = ServerWeightCalls(self._core, lease_seconds)
+        sender, servers = await self._route(transport, calls)
+        starting = await wait_while_starting(self._core.channel, servers, wait_for_starting)
+        if starting:
+            log.info("still starting after %.0f s, updated anyway: %s", wait_for_starting, starting)
         plan = await make_plan(
             servers,
             weight_version,
-            self._local.last_pushed if delta else None,
-            collective=collective,
+            self.local.last_pushed if delta else None,
+            collective=sender is not None,
             compress=compress_patches,
             sending=Sending(chunk_bytes, bucket_bytes, checksums, timeout),
             state=calls.state,
         )
-
-        if not collective:
+        if sender is None:
             calls.relay = relay_for(
                 plan, await calls.known_states(servers), self.config.weight_relay_fanout
             )
 
         async def transfer(addresses: Sequence[str]) -> dict[str, BaseException]:
-            if collective:
-                assert sender is not None
-                return await self._broadcast(plan, sender, addresses, tensors)
-            return await self._push(
+            if sender is not None:
+                return await self.delivery.broadcast(plan, sender, addresses, tensors)
+            return await self.delivery.push(
                 plan, addresses, tensors, calls.push_sockets, calls.relay, calls.one_stream
             )
 
+        commits = await self._commit(plan, calls, transfer, tensors, delta, release_memory)
+        return WeightUpdateResult(
+            commits,
+            bytes_sent=self.local.last_sent_bytes,
+            bytes_received=dict(self.local.last_push_bytes),
+            relayed=calls.relay is not None,
+        )
+
+    async def _route(
+        self, transport: WeightTransport | None, calls: ServerWeightCalls
+    ) -> tuple[CollectiveSender | None, list[str]]:
+        """How an update travels: the collective group's rank 0 (None: in-band streams) and
+        the servers it reaches (in-band: the fleet as it is now; the collective: the servers
+        that joined its group, formed again first if the fleet moved). ``transport`` None:
+        the group if one was formed, else in-band."""
+        sender = self.local.sender
+        if transport is None:
+            transport = "collective" if sender is not None else "grpc"
+        if transport not in ("collective", "grpc"):
+            raise ValueError(f"transport {transport!r}: use 'collective' or 'grpc'")
+        if transport == "collective":
+            if sender is None:
+                raise ValueError(
+                    "no collective group: call init_weight_transfer() or use transport='grpc'"
+                )
+            sender = await self._current_group(sender, calls)
+            servers = list(self.local.group_servers)
+        else:
+            sender, servers = None, await self._core.control_servers()
+        if not servers:
+            raise ValueError("update_weights: the client has no server addresses")
+        return sender, servers
+
+    async def _commit(
+        self,
+        plan: UpdatePlan,
+        calls: ServerWeightCalls,
+        transfer: Callable[[Sequence[str]], Awaitable[dict[str, BaseException]]],
+        tensors: list[tuple[str, Any]],
+        delta: bool,
+        release: bool,
+    ) -> dict[str, WeightCommit]:
+        """Runs the update as one fleet-wide transaction, then keeps what was pushed as the
+        base of the next delta; returns each server's commit."""
         # A first record (none to copy into) is all new memory: it is cloned in a thread beside
         # the transfer instead of after the commit (faulting in the 0.3B benchmark model's
         # 1.1 GB took 4.3 s on its VM, longer than the update itself). A later record copies
@@ -247,29 +300,24 @@ class WeightUpdates(WeightDelivery):
         # thread given up on below may still be writing into it.
         fresh_record = None
         if delta and plan.base is None:
-            reserved, self._local.reserved_record = self._local.reserved_record, None
+            reserved, self.local.reserved_record = self.local.reserved_record, None
             fresh_record = asyncio.ensure_future(
                 asyncio.to_thread(PushedWeights.after, None, plan.version, tensors, reserved)
             )
         try:
             commits = await run_weight_transaction(
-                plan.servers, plan.version, calls, transfer, release=release_memory
+                plan.servers, plan.version, calls, transfer, release=release
             )
         except BaseException:
             if fresh_record is not None:
                 fresh_record.cancel()  # its thread ends on its own; the copy is dropped
             raise
-        self._local.last_pushed = None
+        self.local.last_pushed = None
         if fresh_record is not None:
-            self._local.last_pushed = await fresh_record
+            self.local.last_pushed = await fresh_record
         elif delta:
-            self._local.last_pushed = PushedWeights.after(plan.base, plan.version, tensors)
-        return WeightUpdateResult(
-            commits,
-            bytes_sent=self._local.last_sent_bytes,
-            bytes_received=dict(self._local.last_push_bytes),
-            relayed=calls.relay is not None,
-        )
+            self.local.last_pushed = PushedWeights.after(plan.base, plan.version, tensors)
+        return commits
 
     async def reserve_delta_base(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Allocates now, e.g. at the trainer's start, the copy of the pushed weights this
@@ -282,10 +330,10 @@ class WeightUpdates(WeightDelivery):
         tensors it also pins the host memory their in-band bytes go through
         (``weight_sending.HostStaging``): pinning 1.17 GB took 0.95 s on an H200's host."""
         tensors = list(named_tensors)
-        self._local.reserved_record = await asyncio.to_thread(reserve_record, tensors)
+        self.local.reserved_record = await asyncio.to_thread(reserve_record, tensors)
         on_gpu = cuda_bytes(tensors)
         if on_gpu:
-            await asyncio.to_thread(self._local.host_staging.reset, on_gpu)
+            await asyncio.to_thread(self.local.host_staging.reset, on_gpu)
 
     async def _current_group(
         self, sender: CollectiveSender, calls: ServerWeightCalls
@@ -294,21 +342,21 @@ class WeightUpdates(WeightDelivery):
         server restarted, so it is in no group or another one; one added or removed), with
         the same backend and rendezvous address. A server that does not answer is left for
         the update to report. The servers' answers (``calls.state``) serve the plan too."""
-        servers = await self._control_servers()
+        servers = await self._core.control_servers()
         answers = await asyncio.gather(*(calls.state(a) for a in servers), return_exceptions=True)
         states = [a for a in answers if isinstance(a, ServerState)]
         if len(states) < len(servers):
             return sender
         rendezvous = (sender.master_address, sender.master_port)
         left = [a for a, state in zip(servers, states, strict=True) if state.group != rendezvous]
-        if not left and set(servers) == set(self._local.group_servers):
+        if not left and set(servers) == set(self.local.group_servers):
             return sender
         log.info(
             "the fleet moved since the %s group formed (not in it: %s; was %s, is %s): forming "
             "it again",
             sender.backend,
             left,
-            self._local.group_servers,
+            self.local.group_servers,
             servers,
         )
         await self.init_weight_transfer(
@@ -317,19 +365,19 @@ class WeightUpdates(WeightDelivery):
             group_name=sender.group_name,
             timeout_seconds=sender.timeout_seconds,
         )
-        assert self._local.sender is not None
-        return self._local.sender
+        assert self.local.sender is not None
+        return self.local.sender
 
-    async def cancel_weight_update(self, *, timeout: float | None = None) -> dict[str, int]:
+    async def cancel_weight_update(self, *, timeout: Timeout = DEFAULT) -> dict[str, int]:
         """Cancels the weight update open on any server (e.g. one a crashed trainer left);
         returns the parameters each server dropped (0 where none was open)."""
-        deadline = self.config.control_timeout if timeout is None else timeout
+        deadline = self._core.deadline("control", timeout)
 
         async def cancel(address: str) -> int:
             try:
-                response = await self._unary(
+                response = await self._core.unary(
                     address,
-                    self._control(address).CancelWeightUpdate,
+                    self._core.control(address).CancelWeightUpdate,
                     cp.CancelWeightUpdateRequest(),
                     deadline,
                     plane="control",
@@ -338,36 +386,36 @@ class WeightUpdates(WeightDelivery):
                 return 0  # nothing open there
             return response.parameters_discarded
 
-        return await fan_out("CancelWeightUpdate", await self._control_servers(), cancel)
+        return await fan_out("CancelWeightUpdate", await self._core.control_servers(), cancel)
 
     async def rollback_weights(
-        self, weight_version: int, *, timeout: float | None = None
+        self, weight_version: int, *, timeout: Timeout = DEFAULT
     ) -> dict[str, int]:
         """On every server, undoes the commit of ``weight_version`` (possible until the next
         update starts, unless it was made with ``release_memory=True``); returns the version each
         server serves again."""
         request = cp.RollbackWeightUpdateRequest(weight_version=weight_version)
-        return await self._fan_out(
+        return await self._core.fan_out(
             lambda s: s.RollbackWeightUpdate, request, timeout, lambda r: r.weight_version
         )
 
     async def weight_checksums(
-        self, names: Sequence[str] = (), *, timeout: float | None = None
+        self, names: Sequence[str] = (), *, timeout: Timeout = DEFAULT
     ) -> dict[str, dict[str, bytes]]:
         """SHA-256 of every server's serving weights, per parameter (checkpoint names)."""
         request = cp.GetWeightChecksumsRequest(names=list(names))
-        return await self._fan_out(
+        return await self._core.fan_out(
             lambda s: s.GetWeightChecksums,
             request,
             timeout,
             lambda r: {c.name: c.sha256 for c in r.checksums},
         )
 
-    async def weight_versions(self, *, timeout: float | None = None) -> WeightVersions:
+    async def weight_versions(self, *, timeout: Timeout = DEFAULT) -> WeightVersions:
         """The version each server serves; ``.consistent`` / ``.behind()`` show a mismatch
         (e.g. a restarted server back on its initial weights)."""
         request = cp.GetServerInfoRequest()
-        versions = await self._fan_out(
+        versions = await self._core.fan_out(
             lambda s: s.GetServerInfo, request, timeout, lambda r: r.weight_version
         )
         return WeightVersions(versions)
