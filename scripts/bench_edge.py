@@ -1,6 +1,6 @@
 """The HTTP edge under vLLM's own load generator (``vllm bench serve``: random prompts of 128
-tokens, 128 out, 256 prompts at concurrency 64) against vLLM's HTTP server and vllm-router,
-rounds interleaved (``bench_rollout`` runs it after its rollouts), with one router process and
+tokens, 128 out, 256 prompts at concurrency 64) against vLLM's HTTP server, vllm-router and SMG
+(the Rust gateway in gRPC mode over vLLM's gRPC server), rounds interleaved (``bench_rollout`` runs it after its rollouts), with one router process and
 with two replicas on the same ports; each routing tier's CPU seconds per 1000 output tokens."""
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ def bench_serve(base_url: str, model: str, rounds_dir: Path, tag: str) -> dict[s
         "p99_itl_ms": data["p99_itl_ms"],
         "p99_ttft_ms": data["p99_ttft_ms"],
     }
+
+
+# SMG in gRPC mode over vLLM's own gRPC server: a gateway that tokenizes, relays token ids
+# and detokenizes, as the edge does (vllm-router relays vLLM's HTTP server's bytes).
+SMG = "SMG (gRPC, over vLLM's gRPC server)"
 
 
 @dataclass
@@ -105,19 +110,22 @@ def edge_section(rounds: int, targets: dict[str, EdgeTarget]) -> list[str]:
             for k in keys
         ]
         lines.append(f"| {name} | {' | '.join(cells)} |")
-    rust = results["vllm-router"]
 
-    def ratio(name: str, key: str) -> float:
-        return statistics.median(e[key] / r[key] for e, r in zip(results[name], rust, strict=True))
+    def ratio(name: str, key: str, to: str) -> float:
+        pairs = zip(results[name], results[to], strict=True)
+        return statistics.median(e[key] / r[key] for e, r in pairs)
 
-    lines += ["", "Against vllm-router (median of per-round ratios):", ""]
-    for name in results:
-        if not name.startswith("edge"):
+    for reference in ("vllm-router", SMG):
+        if reference not in results:
             continue
-        lines.append(
-            f"- {name}: output tokens/s {ratio(name, 'output_tok_s'):.2f} (target >= 1.0), "
-            f"p99 TTFT {ratio(name, 'p99_ttft_ms'):.2f}, p99 ITL {ratio(name, 'p99_itl_ms'):.2f} "
-            f"(targets <= 1.0), routing CPU per token "
-            f"{ratio(name, 'routing_cpu_per_1k'):.2f} (target <= 1.0, one replica)"
-        )
+        lines += ["", f"Against {reference} (median of per-round ratios):", ""]
+        for name in results:
+            if not name.startswith("edge"):
+                continue
+            lines.append(
+                f"- {name}: output tokens/s {ratio(name, 'output_tok_s', reference):.2f} "
+                f"(target >= 1.0), p99 TTFT {ratio(name, 'p99_ttft_ms', reference):.2f}, "
+                f"p99 ITL {ratio(name, 'p99_itl_ms', reference):.2f} (targets <= 1.0), routing "
+                f"CPU per token {ratio(name, 'routing_cpu_per_1k', reference):.2f}"
+            )
     return lines

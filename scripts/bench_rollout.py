@@ -54,7 +54,8 @@ from scripts.bench_common import (
     vllm_router,
     write_report,
 )
-from scripts.bench_edge import EdgeTarget, edge_section
+from scripts.bench_edge import SMG, EdgeTarget, edge_section
+from scripts.bench_gateways import smg_gateway
 from scripts.rollout_clients import (
     InProcess,
     RunBatch,
@@ -249,6 +250,14 @@ def contenders(
             served: Launched = stack.enter_context(vllm_grpc_server())
             group = Group("vllm-grpc", ProcessTree(served.process.pid))
             group.add("vllm-grpc", vllm_grpc_streams(served.address))
+            if not args.no_edge:
+                # SMG, the Rust gateway, in gRPC mode over vLLM's own gRPC server: it tokenizes,
+                # relays and detokenizes, the edge's job.
+                gateway, base, model = stack.enter_context(smg_gateway(served.address))
+                group.tree.add(gateway.process.pid)
+                edge_targets[SMG] = EdgeTarget(
+                    group.tree, base, model, ProcessTree(gateway.process.pid)
+                )
             groups.append(group)
             group.tree.freeze()
 

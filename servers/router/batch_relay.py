@@ -32,7 +32,8 @@ import grpc
 from servers.common.grpc_types import Context
 from servers.common.interceptors import abort_with_status
 from servers.router.backends import Backend
-from servers.router.proxy import Metadata, Proxy, forwarded_metadata
+from servers.router.proxy import Proxy, forwarded_metadata
+from servers.router.upstreams import Metadata
 from skyrl_grpc.batch_shape import batch_shape
 from skyrl_grpc.continuation import continue_request, resumable
 from skyrl_grpc.errors import InvalidArgument, SkyrlError, call_status

@@ -1,7 +1,8 @@
 """Request migration: a generation cut by a dying server continues on a healthy one.
 
 The router forwards raw bytes, except for GenerateStream calls it may migrate: it reads each
-chunk (without changing it) to remember the tokens generated so far. When the backend is lost
+chunk (without changing it) to remember the tokens generated so far (the HTTP edge's chunks
+arrive parsed, and are read as they are). When the backend is lost
 mid-stream, ``StreamMigration`` builds the continuation request (prompt + tokens so far, with the
 remaining budget: ``skyrl_grpc.continuation``) for another backend, and rewrites the
 continuation's chunks so the caller sees one uninterrupted stream (usage counted from the
@@ -10,6 +11,8 @@ first token; others fail UNAVAILABLE naming the lost server.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from skyrl_grpc.continuation import continue_request, resumable
 from skyrl_grpc.names import GENERATE_STREAM
@@ -48,21 +51,39 @@ class StreamMigration:
         return self._finished
 
     @classmethod
-    def for_call(cls, method: str, request: bytes, max_migrations: int) -> StreamMigration | None:
+    def for_call(
+        cls,
+        method: str,
+        request: bytes | data_plane_pb2.GenerateStreamRequest,
+        max_migrations: int,
+    ) -> StreamMigration | None:
         if method != GENERATE_STREAM or max_migrations <= 0:
             return None
-        try:
-            parsed = data_plane_pb2.GenerateStreamRequest.FromString(request)
-        except Exception:
-            return None  # the backend will answer INVALID_ARGUMENT; nothing to migrate
+        if isinstance(request, data_plane_pb2.GenerateStreamRequest):
+            parsed = request
+        else:
+            try:
+                parsed = data_plane_pb2.GenerateStreamRequest.FromString(request)
+            except Exception:
+                return None  # the backend will answer INVALID_ARGUMENT; nothing to migrate
         return cls(parsed, max_migrations) if parsed.n <= 1 else None
 
-    def observe(self, raw: bytes) -> bytes:
-        """Records a chunk; returns what to send the caller (rewritten after a migration)."""
+    def observe(self, message: Any) -> Any:
+        """Records a chunk (its bytes, or the chunk parsed); returns what to send the caller,
+        in the same form (rewritten after a migration)."""
+        if isinstance(message, bytes):
+            if not self.lost:
+                self._unparsed.append(message)
+                return message
+            return self._rewrite(data_plane_pb2.GenerateStreamResponse.FromString(message))
         if not self.lost:
-            self._unparsed.append(raw)
-            return raw
-        chunk = data_plane_pb2.GenerateStreamResponse.FromString(raw)
+            self._tokens.extend(message.token_ids)
+            self._finished = self._finished or bool(message.finish_reason)
+            return message
+        return self._rewrite(message, serialize=False)
+
+    def _rewrite(self, chunk: data_plane_pb2.GenerateStreamResponse, serialize: bool = True) -> Any:
+        """A continuation's chunk as the caller's stream goes on (its bytes, or itself)."""
         self._finished = self._finished or bool(chunk.finish_reason)
         generated_before = len(self._tokens)
         self._tokens.extend(chunk.token_ids)
@@ -70,7 +91,7 @@ class StreamMigration:
         chunk.usage.prompt_tokens = self._prompt_tokens
         chunk.usage.completion_tokens = generated_before + len(chunk.token_ids)
         chunk.ClearField("prompt_logprobs")  # the continuation's "prompt" includes our tokens
-        return chunk.SerializeToString()
+        return chunk.SerializeToString() if serialize else chunk
 
     def can_migrate(self) -> bool:
         """Not finished, migrations left, and either nothing sent yet (a plain retry) or an

@@ -7,7 +7,7 @@ GenerateMultiplex call per server (and per caller credential: a server's data to
 on the call, so callers with different tokens never share one), adds each forwarded
 GenerateStream request to it, and the server sends one message per engine step for all of them
 (TGI's router does the same with its shards). ``Multiplexer.open`` returns a ``MuxStream``:
-the request's own chunks, read like a forwarded call's answers (``proxy.Upstream``), so retries
+the request's own chunks, read like a forwarded call's answers (``upstreams.Upstream``), so retries
 and migration work unchanged. Chunks that wait while the caller is slow are merged
 (``skyrl_grpc.stream_chunks``): a slow reader costs fewer messages, not more latency.
 
@@ -51,11 +51,14 @@ def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 class MuxStream:
-    """One request's chunks on a multiplexed call (``proxy.Upstream``)."""
+    """One request's chunks on a multiplexed call (``upstreams.Upstream``)."""
 
-    def __init__(self, mux: Multiplexer, index: int, samples: int) -> None:
+    def __init__(self, mux: Multiplexer, index: int, samples: int, parsed: bool = False) -> None:
         self._mux = mux
         self.index = index
+        # ``read`` returns the chunk itself (for a caller in this process: the HTTP edge),
+        # else its bytes (for a gRPC caller).
+        self._parsed = parsed
         self._open_samples = samples
         self._chunks: deque[data_plane_pb2.GenerateStreamResponse] = deque()
         self._error: grpc.aio.AioRpcError | None = None
@@ -94,7 +97,8 @@ class MuxStream:
             self._ready.set()
 
     async def read(self) -> Any:
-        """The next message to relay (chunks that waited merged), or ``grpc.aio.EOF``."""
+        """The next message to relay (chunks that waited merged; parsed or as bytes, as the
+        stream was opened), or ``grpc.aio.EOF``."""
         while not self._chunks:
             if self._error is not None:
                 raise self._error
@@ -111,7 +115,7 @@ class MuxStream:
         else:
             chunk = self._chunks.popleft()
         self.tokens_read = len(chunk.token_ids)
-        return chunk.SerializeToString()
+        return chunk if self._parsed else chunk.SerializeToString()
 
     def cancel(self) -> bool:
         if self._done:
@@ -148,13 +152,16 @@ class Multiplexer:
         while (message := await self._outbox.get()) is not None:
             yield message
 
-    def open(self, request: data_plane_pb2.GenerateStreamRequest, session: str) -> MuxStream:
-        """Adds ``request`` (with its session) to the call; returns its stream."""
+    def open(
+        self, request: data_plane_pb2.GenerateStreamRequest, session: str, parsed: bool = False
+    ) -> MuxStream:
+        """Adds ``request`` (with its session) to the call; returns its stream (``parsed``:
+        read as chunks, not bytes)."""
         if self.failed is not None:
             raise self.failed
         index = self._next_index
         self._next_index += 1
-        stream = MuxStream(self, index, max(request.n, 1))
+        stream = MuxStream(self, index, max(request.n, 1), parsed)
         self._streams[index] = stream
         add = data_plane_pb2.GenerateBatchRequest(
             requests=[request], session_ids=[session], indices=[index]
@@ -236,6 +243,7 @@ class Multiplexers:
         channel: grpc.aio.Channel,
         request: data_plane_pb2.GenerateStreamRequest,
         metadata: Metadata,
+        parsed: bool = False,
     ) -> MuxStream:
         session = session_of(metadata) or ""
         credential = tuple((k, v) for k, v in metadata if k == AUTHORIZATION)
@@ -243,7 +251,7 @@ class Multiplexers:
         mux = self._calls.get(key)
         if mux is None or not mux.alive:
             mux = self._calls[key] = Multiplexer(channel, credential)
-        return mux.open(request, session)
+        return mux.open(request, session, parsed)
 
     def unsupported(self, address: str) -> None:
         """The server answered UNIMPLEMENTED: plain calls to it from now on."""

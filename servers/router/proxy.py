@@ -23,7 +23,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
@@ -35,6 +35,14 @@ from servers.router.fleet_view import FleetEvents
 from servers.router.metrics import RouterMetrics
 from servers.router.migration import StreamMigration
 from servers.router.multiplex import Multiplexers, WithFallback
+from servers.router.upstreams import (
+    Metadata,
+    Starter,
+    StreamMeter,
+    Upstream,
+    start_server_stream,
+    start_unary,
+)
 from skyrl_grpc import tracing
 from skyrl_grpc.errors import SkyrlError, Unavailable, call_status, server_lost
 from skyrl_grpc.metadata import ROUTED_TO, session_of
@@ -46,7 +54,6 @@ log = logging.getLogger(__name__)
 # Metadata the transport owns; everything else is forwarded as is.
 _NOT_FORWARDED = ("grpc-", ":")
 _NOT_FORWARDED_KEYS = {"user-agent", "te", "content-type"}
-Metadata = tuple[tuple[str, str | bytes], ...]
 
 
 def forwarded_metadata(context: Context) -> Metadata:
@@ -70,58 +77,6 @@ class ProxyOptions:
     multiplex: bool = True
 
 
-class Upstream(Protocol):
-    """A call started on a backend, read as a stream of raw messages."""
-
-    async def read(self) -> Any: ...  # a message, or grpc.aio.EOF
-
-    def cancel(self) -> bool: ...
-
-    def done(self) -> bool: ...
-
-
-class _UnaryUpstream:
-    """A unary call read as a stream of one message."""
-
-    def __init__(self, call: grpc.aio.UnaryUnaryCall[bytes, bytes]) -> None:
-        self._call = call
-        self._read = False
-
-    async def read(self) -> Any:
-        if self._read:
-            return grpc.aio.EOF
-        self._read = True
-        return await self._call
-
-    def cancel(self) -> bool:
-        return self._call.cancel()
-
-    def done(self) -> bool:
-        return self._call.done()
-
-
-# Starts the call on a backend with the request to send there (the caller's, or a continuation).
-Starter = Callable[[Backend, bytes, Metadata, float | None], Upstream]
-
-
-def _start_unary(
-    method: str, backend: Backend, request: bytes, metadata: Metadata, timeout: float | None
-) -> Upstream:
-    multicallable: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = backend.channel.unary_unary(
-        method
-    )
-    return _UnaryUpstream(multicallable(request, timeout=timeout, metadata=metadata))
-
-
-def _start_server_stream(
-    method: str, backend: Backend, request: bytes, metadata: Metadata, timeout: float | None
-) -> Upstream:
-    multicallable: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = backend.channel.unary_stream(
-        method
-    )
-    return multicallable(request, timeout=timeout, metadata=metadata)
-
-
 @dataclass
 class Proxy:
     """Forwards calls to the backend ``pool.choose`` picks."""
@@ -135,21 +90,29 @@ class Proxy:
     events: FleetEvents = field(default_factory=FleetEvents)
 
     def _start_generation(
-        self, backend: Backend, request: bytes, metadata: Metadata, timeout: float | None
+        self,
+        backend: Backend,
+        request: bytes | data_plane_pb2.GenerateStreamRequest,
+        metadata: Metadata,
+        timeout: float | None,
+        parsed: bool = False,
     ) -> Upstream:
-        """A GenerateStream on ``backend``: over its multiplexed call where it takes one."""
+        """A GenerateStream on ``backend``: over its multiplexed call where it takes one
+        (``parsed``: its chunks read as chunks, where the multiplexed call has them so)."""
         address = backend.address
 
         def plain() -> Upstream:
-            return _start_server_stream(GENERATE_STREAM, backend, request, metadata, timeout)
+            raw = request if isinstance(request, bytes) else request.SerializeToString()
+            return start_server_stream(GENERATE_STREAM, backend, raw, metadata, timeout)
 
         if not self.options.multiplex or not self.multiplexers.supported(address):
             return plain()
-        try:
-            parsed = data_plane_pb2.GenerateStreamRequest.FromString(request)
-        except Exception:
-            return plain()  # the server will say what is wrong with it
-        stream = self.multiplexers.open(address, backend.channel, parsed, metadata)
+        if isinstance(request, bytes):
+            try:
+                request = data_plane_pb2.GenerateStreamRequest.FromString(request)
+            except Exception:
+                return plain()  # the server will say what is wrong with it
+        stream = self.multiplexers.open(address, backend.channel, request, metadata, parsed)
         return WithFallback(stream, plain, lambda: self.multiplexers.unsupported(address))
 
     def pick(self, session: str | None, tried: set[str]) -> Backend:
@@ -195,20 +158,24 @@ class Proxy:
     async def relay(
         self,
         method: str,
-        request: bytes,
+        request: Any,
         context: Context,
         start: Starter,
         *,
         replayable: bool = True,
         migration: StreamMigration | None = None,
         unread: AsyncIterator[bytes] | None = None,
-    ) -> AsyncGenerator[bytes, None]:
+        parse: Callable[[bytes], Any] | None = None,
+    ) -> AsyncGenerator[Any, None]:
         """The one forwarding path; yields the upstream's messages for the caller.
 
+        ``request``: what ``start`` sends (bytes, or a message it serializes only if it must).
         ``replayable``: the request may be sent to another backend after a failure (not when
         the caller streams it). ``unread``: the caller's request stream, read to its end before
         an error status is sent (otherwise a caller still sending sees a transport error
-        instead of the status that explains it).
+        instead of the status that explains it). ``parse``: the caller (in this process) takes
+        messages, not bytes: an upstream's bytes go through it (a multiplexed stream hands
+        its chunks over as they are).
         """
         metadata = forwarded_metadata(context)
         session = session_of(metadata)
@@ -224,7 +191,7 @@ class Proxy:
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         worker = ""
-        meter = _StreamMeter(self.metrics, started) if method == GENERATE_STREAM else None
+        meter = StreamMeter(self.metrics, started) if method == GENERATE_STREAM else None
         try:
             while True:
                 backend = self.pick(session, tried)
@@ -250,6 +217,8 @@ class Proxy:
                         headers_sent = True
                     try:
                         while message is not grpc.aio.EOF:
+                            if parse is not None and isinstance(message, bytes):
+                                message = parse(message)
                             if meter is not None:
                                 meter.observe(worker, upstream, message)
                             yield message if migration is None else migration.observe(message)
@@ -361,7 +330,7 @@ class Proxy:
     async def unary_unary(self, method: str, request: bytes, context: Context) -> bytes:
         response = b""
         # Read to the end (not just the first message): the path's bookkeeping runs there.
-        async for message in self.relay(method, request, context, partial(_start_unary, method)):
+        async for message in self.relay(method, request, context, partial(start_unary, method)):
             response = message
         return response
 
@@ -375,11 +344,31 @@ class Proxy:
         start: Starter = (
             self._start_generation
             if method == GENERATE_STREAM
-            else partial(_start_server_stream, method)
+            else partial(start_server_stream, method)
         )
         async with aclosing(
             self.relay(method, request, context, start, migration=migration)
         ) as relayed:
+            async for message in relayed:
+                yield message
+
+    async def generation(
+        self, request: data_plane_pb2.GenerateStreamRequest, context: Context
+    ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
+        """A GenerateStream for a caller in this process (the HTTP edge): the same path as a
+        gRPC caller's, its request and chunks as messages (never serialized to be parsed
+        again where the multiplexed call has them parsed)."""
+        migration = StreamMigration.for_call(GENERATE_STREAM, request, self.options.max_migrations)
+        start = partial(self._start_generation, parsed=True)
+        relayed = self.relay(
+            GENERATE_STREAM,
+            request,
+            context,
+            start,
+            migration=migration,
+            parse=data_plane_pb2.GenerateStreamResponse.FromString,
+        )
+        async with aclosing(relayed):
             async for message in relayed:
                 yield message
 
@@ -418,31 +407,3 @@ class Proxy:
         self.metrics.latency.labels(method).observe(time.perf_counter() - started)
         if code != grpc.StatusCode.OK:
             self.metrics.errors.labels(method, code.name, worker).inc()
-
-
-class _StreamMeter:
-    """A generation stream's time to first tokens, gaps between messages (per token) and
-    tokens, per worker. A message's tokens come from the upstream when it counted them
-    (``tokens_read``: the multiplexed path parses its chunks anyway), else from the message."""
-
-    def __init__(self, metrics: RouterMetrics, started: float) -> None:
-        self._metrics = metrics
-        self._started = started
-        self._last: float | None = None
-
-    def observe(self, worker: str, upstream: Upstream, message: bytes) -> None:
-        now = time.perf_counter()
-        tokens = getattr(upstream, "tokens_read", None)
-        if tokens is None:
-            try:
-                tokens = len(data_plane_pb2.GenerateStreamResponse.FromString(message).token_ids)
-            except Exception:
-                tokens = 0
-        counted, ttft, itl = self._metrics.stream_series(worker)
-        if tokens:
-            counted.inc(tokens)
-        if self._last is None:
-            ttft.observe(now - self._started)
-        elif tokens:
-            itl.observe((now - self._last) / tokens)
-        self._last = now

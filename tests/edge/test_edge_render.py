@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from servers.router.http_edge import parse, render
 from skyrl_grpc.v1 import data_plane_pb2, lora_pb2
 from skyrl_grpc.v1 import generation_pb2 as gen
@@ -83,3 +87,72 @@ def test_a_required_choice_answered_without_a_call_does_not_say_tool_calls() -> 
     assert tool_calls.whole_finish_reason(use, text_only, "stop") == "stop"
     assert tool_calls.whole_finish_reason(use, called, "stop") == "tool_calls"
     assert tool_calls.whole_finish_reason(use, called, "length") == "length"
+
+
+def _steps(chat: bool) -> list[data_plane_pb2.GenerateStreamResponse]:
+    """A stream of two samples' steps as the engine sends them: the first with the prompt's
+    cached tokens, middle steps of text (chat: parsed deltas), one held back by the chat
+    parser, the finishes."""
+    steps = []
+    for index in (0, 1):
+        for position, text in enumerate(["Hel", "lo \u00e9", ' "q"\n', ""]):
+            step = data_plane_pb2.GenerateStreamResponse(
+                sample_index=index,
+                token_ids=[10 + position, 20 + position] if text else [30],
+                text=text,
+                usage=gen.Usage(prompt_tokens=2, completion_tokens=2 * (position + 1)),
+            )
+            if chat and text:
+                step.chat_delta.content = text
+            if not text:
+                step.finish_reason = gen.FINISH_REASON_STOP
+            steps.append(step)
+        held = data_plane_pb2.GenerateStreamResponse(sample_index=index, token_ids=[99])
+        steps.insert(2, held)  # no text, no delta: the chat parser holds it back
+    return steps
+
+
+def test_each_streamed_step_is_the_same_event_as_one_built_from_dicts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import orjson
+
+    from servers.router.http_edge.stream_events import DONE, StreamedAnswer
+
+    built = [0]  # choices built from dicts
+    chunk_choice = render.chunk_choice
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        built[0] += 1
+        return chunk_choice(*args, **kwargs)
+
+    monkeypatch.setattr(render, "chunk_choice", counted)  # the module stream_events calls
+    for chat in (False, True):
+        for asked in ({}, {"return_token_ids": True}, {"stream_options": {"include_usage": True}}):
+            call = _call(chat, stream=True, n=2, **asked)
+            fast, reference = StreamedAnswer(call), StreamedAnswer(call)
+            reference.always_dicts = True
+            written, expected, fast_built = [], [], 0
+            for step in _steps(chat):
+                built[0] = 0
+                written.append(fast.step(gen_copy(step), 0, [1, 2]))
+                fast_built += built[0]
+                expected.append(reference.step(gen_copy(step), 0, [1, 2]))
+            # The same events, byte for byte (and so the same JSON, with vLLM's keys).
+            assert written == expected, (chat, asked)
+            events = [e for data in written for e in data.split(b"\n\n") if e]
+            assert all(orjson.loads(e.removeprefix(b"data: ")) for e in events)
+            # Most of the fast answer's steps did not build dicts: this compared something.
+            assert fast_built <= len(events) / 2, (chat, asked, fast_built, len(events))
+            assert fast.end() == reference.end() and fast.end().endswith(DONE)
+            if asked.get("stream_options"):
+                usage = orjson.loads(fast.end().split(b"\n\n")[0].removeprefix(b"data: "))
+                assert usage["usage"]["completion_tokens"] == 8  # the request's last usage
+
+
+def gen_copy(
+    step: data_plane_pb2.GenerateStreamResponse,
+) -> data_plane_pb2.GenerateStreamResponse:
+    copied = data_plane_pb2.GenerateStreamResponse()
+    copied.CopyFrom(step)
+    return copied

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from skyrl_grpc.names import GET_TOKENIZER, TOKENIZE
+from skyrl_grpc.names import DETOKENIZE, GET_TOKENIZER, TOKENIZE
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 from tests.conftest import running_router
 
@@ -119,3 +119,42 @@ async def test_a_router_without_the_models_files_tokenizes_with_the_servers_toke
                 assert ours == await server_ids(engine_server, text, special), text
         assert get_tokenizer_calls(router) == 1
         assert tokenize_calls(router) == 2  # the check, nothing per prompt
+
+
+def detokenize_calls(router: Any) -> float:
+    return processed_calls(router, DETOKENIZE)
+
+
+async def logprobs_answer(router: Any, prompt: str) -> Any:
+    """A greedy completion naming each token and two alternatives by their texts."""
+    body = {"model": "", "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{router.http_port}") as client:
+        answer = await client.post("/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return json.loads(answer.text)["choices"][0]["logprobs"]
+
+
+async def test_token_texts_are_decoded_in_the_router_once_it_decodes_as_the_server(
+    engine_server: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The router's own tokenizer names a logprobs answer's tokens after one check against a
+    server's Detokenize (no call per token from then on); one that decodes otherwise (here: its
+    file without the byte-level decoder) is not used for them, and both answers are the same."""
+    broken = json.loads((tiny_model_dir / "tokenizer.json").read_text())
+    broken["decoder"] = None  # the same ids, other texts ("Ġ" for a space)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(broken))
+    answers, calls = [], []
+    for directory in (tiny_model_dir, tmp_path):
+        async for router in running_router(
+            [engine_server.address], http_port=0, tokenizer=str(directory)
+        ):
+            first = await logprobs_answer(router, TEXTS[2])
+            checked = detokenize_calls(router)
+            # Other tokens: texts this router has not named before.
+            second = await logprobs_answer(router, TEXTS[3])
+            answers.append((first, second))
+            calls.append((checked, detokenize_calls(router) - checked))
+    assert answers[0] == answers[1] and answers[0][1]["tokens"]
+    (checked, later), (_, broken_later) = calls
+    assert checked > 0 and later == 0  # the check alone asked the server
+    assert broken_later > 0  # texts still come from the server: this tokenizer was refused

@@ -107,20 +107,24 @@ class Responder:
         await self._send({"type": "http.response.body", "body": body})
 
     async def event(self, body: Any) -> None:
+        await self.events(b"data: " + orjson.dumps(body) + b"\n\n")
+
+    async def events(self, data: bytes) -> None:
+        """Server-sent events, as their bytes (``stream_events``); the stream goes on."""
         if not self.started:
             self.started = True
             self.status = 200
             await self._send({"type": "http.response.start", "status": 200, "headers": _SSE})
-        data = b"data: " + orjson.dumps(body) + b"\n\n"
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
-    async def done(self) -> None:
+    async def done(self, last: bytes = b"data: [DONE]\n\n") -> None:
+        """Ends the stream with ``last`` (the events that end it, [DONE] the last of them)."""
         if not self.started:
             self.started = True
             self.status = 200
             await self._send({"type": "http.response.start", "status": 200, "headers": _SSE})
         self.finished = True
-        await self._send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        await self._send({"type": "http.response.body", "body": last})
 
 
 Handler = Callable[[Request, Responder], Awaitable[None]]

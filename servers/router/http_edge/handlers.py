@@ -19,7 +19,7 @@ import grpc
 
 from servers.router.backends import BackendPool
 from servers.router.fleet_view import fleet_view
-from servers.router.http_edge import parse, render, token_generate, tool_calls
+from servers.router.http_edge import parse, render, stream_events, token_generate
 from servers.router.http_edge.asgi import AsgiApp, Request, Responder
 from servers.router.http_edge.fleet_page import FLEET_HTML
 from servers.router.http_edge.http_status import error_body
@@ -31,7 +31,6 @@ from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.metadata import SESSION_ID
 from skyrl_grpc.names import (
     DETOKENIZE,
-    GENERATE_STREAM,
     GET_MODEL_INFO,
     GET_TOKENIZER,
     TOKENIZE,
@@ -110,17 +109,26 @@ class OpenAIEdge(AsgiApp):
         before: Sequence[int] = (),
     ) -> render.PositionTexts:
         """The texts a logprobs answer names at each position of ``sampled`` (none without
-        logprobs), as vLLM's server writes them (``token_texts``)."""
+        logprobs), as vLLM's server writes them (``token_texts``): decoded here by the
+        router's tokenizer once it decodes as the servers do, else by a server."""
         if logprobs is None:
             return []
 
-        async def decode(token_ids: Sequence[int]) -> str:
+        async def remote(token_ids: Sequence[int]) -> str:
             raw = await self._unary(
                 DETOKENIZE,
                 data_plane_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=False),
                 request,
             )
             return data_plane_pb2.DetokenizeResponse.FromString(raw).text
+
+        async def decode(token_ids: Sequence[int]) -> str:
+            if self.tokenizer is not None:
+                fetch = partial(self._tokenizer_json, request)
+                local = await self.tokenizer.decode(token_ids, remote, fetch)
+                if local is not None:
+                    return local
+            return await remote(token_ids)
 
         return await self._token_texts.at_positions(sampled, before, logprobs, decode)
 
@@ -154,7 +162,8 @@ class OpenAIEdge(AsgiApp):
         request: Request,
         interval: int,
         offset: int = 0,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
+        """One prompt's generation through the router's path, its step messages parsed."""
         # Chat outputs are parsed by the engine (tool calls, reasoning): once per sample for
         # whole answers, as deltas for streamed ones.
         chat_output = (
@@ -174,7 +183,45 @@ class OpenAIEdge(AsgiApp):
             lora=call.lora,
             chat_output=chat_output,
         )
-        return self.proxy.unary_stream(GENERATE_STREAM, message.SerializeToString(), request.call())
+        return self.proxy.generation(message, request.call())
+
+    async def _fold(
+        self, prompt: list[int], call: parse.GenerationCall, request: Request, offset: int = 0
+    ) -> ResponseAssembler:
+        """One prompt's whole answer: its stream folded as every whole answer is."""
+        assembler = ResponseAssembler()
+        async for message in self._stream(prompt, call, request, WHOLE, offset):
+            assembler.add(message)
+        return assembler
+
+    async def _relay(
+        self,
+        answer: stream_events.Answer,
+        prompts: list[list[int]],
+        request: Request,
+        responder: Responder,
+    ) -> None:
+        """A streamed answer: each step's events written as ``answer`` makes them, then the
+        end. One failing prompt cancels the others' relays (and their generations) before the
+        error event and [DONE] are written: nothing writes after the end."""
+        call = answer.call
+
+        async def relay(offset: int, prompt: list[int]) -> None:
+            async for message in self._stream(prompt, call, request, self.stream_interval, offset):
+                texts: render.PositionTexts = ()
+                if answer.wants_texts and message.HasField("logprobs"):
+                    index = offset + message.sample_index
+                    before = answer.sent(index)
+                    texts = await self._texts(message.logprobs, message.token_ids, request, before)
+                data = answer.step(message, offset, prompt, texts)
+                if data:
+                    await responder.events(data)
+
+        if len(prompts) == 1:
+            await relay(0, prompts[0])
+        else:
+            await all_or_cancel(relay(i * call.n, p) for i, p in enumerate(prompts))
+        await responder.done(answer.end())
 
     # -- generation --------------------------------------------------------------------------
 
@@ -192,7 +239,7 @@ class OpenAIEdge(AsgiApp):
         if len(prompts) > 1 and call.chat:
             raise InvalidArgument("chat takes one conversation")
         if call.stream:
-            await self._streamed(call, prompts, request, responder)
+            await self._relay(stream_events.StreamedAnswer(call), prompts, request, responder)
         else:
             await self._whole(call, prompts, request, responder)
 
@@ -204,9 +251,7 @@ class OpenAIEdge(AsgiApp):
         responder: Responder,
     ) -> None:
         async def one(offset: int, prompt: list[int]) -> tuple[list[render.SampleOut], gen.Usage]:
-            assembler = ResponseAssembler()  # the chunks folded as every whole answer is
-            async for raw in self._stream(prompt, call, request, WHOLE, offset):
-                assembler.add(data_plane_pb2.GenerateStreamResponse.FromString(raw))
+            assembler = await self._fold(prompt, call, request, offset)
             samples = [
                 render.sample_out(s, call, offset, assembler.chat_messages.get(s.index))
                 for s in assembler.samples()
@@ -223,70 +268,6 @@ class OpenAIEdge(AsgiApp):
         ]
         usage = render.usage_of(u for _, u in outcomes)
         await responder.json(200, render.response(call, choices, usage, prompts[0]))
-
-    async def _streamed(
-        self,
-        call: parse.GenerationCall,
-        prompts: list[list[int]],
-        request: Request,
-        responder: Responder,
-    ) -> None:
-        usages: dict[int, gen.Usage] = {}
-        started: set[int] = set()
-        tools_streamed: set[int] = set()
-        streamed_text: dict[int, int] = {}  # characters of each choice's text sent so far
-        streamed_ids: dict[int, list[int]] = {}  # each choice's tokens sent so far
-
-        async def relay(offset: int, prompt: list[int]) -> None:
-            async for raw in self._stream(prompt, call, request, self.stream_interval, offset):
-                message = data_plane_pb2.GenerateStreamResponse.FromString(raw)
-                index = offset + message.sample_index
-                text, finish, stop_reason = message.text, None, None
-                if message.finish_reason:
-                    finish, stop_reason, text = render.finish_of(
-                        message.finish_reason, message.stop, text, call
-                    )
-                logprobs = message.logprobs if message.HasField("logprobs") else None
-                sent = streamed_ids.setdefault(index, [])
-                texts = await self._texts(logprobs, message.token_ids, request, sent)
-                sent.extend(message.token_ids)
-                first = index not in started
-                started.add(index)
-                delta = None
-                if call.chat:
-                    usages[offset] = message.usage
-                    if first:  # each choice opens with its role, as vLLM's server sends it
-                        await responder.event(render.role_chunk(call, index, prompt))
-                        first = False
-                    if message.HasField("chat_delta"):
-                        delta = tool_calls.delta_fields(message.chat_delta)
-                        if message.chat_delta.tool_calls:
-                            tools_streamed.add(index)
-                    elif finish is None and logprobs is None and not call.return_token_ids:
-                        continue  # the parser holds these tokens back (e.g. a call's markup)
-                    else:
-                        delta = {}
-                    finish = tool_calls.streamed_finish_reason(
-                        call.tool_use, index in tools_streamed, finish
-                    )
-                choice = render.chunk_choice(
-                    call, index, text, message.token_ids, finish, stop_reason, logprobs, texts,
-                    first=first, prompt=prompt, delta=delta,
-                    text_offset=streamed_text.get(index, 0),
-                )  # fmt: skip
-                streamed_text[index] = streamed_text.get(index, 0) + len(text)
-                await responder.event(render.chunk(call, [choice]))
-                usages[offset] = message.usage
-
-        if len(prompts) == 1:
-            await relay(0, prompts[0])
-        else:
-            # One failing prompt cancels the others' relays (and their generations) before
-            # the error event and [DONE] are written: nothing writes after the end.
-            await all_or_cancel(relay(i * call.n, p) for i, p in enumerate(prompts))
-        if call.include_usage:
-            await responder.event(render.chunk(call, [], render.usage_of(usages.values())))
-        await responder.done()
 
     # -- vLLM's token-in / token-out endpoints ---------------------------------------------
 
@@ -307,30 +288,9 @@ class OpenAIEdge(AsgiApp):
         (prompt,) = call.prompts
         assert isinstance(prompt, list)
         if call.stream:
-            usage: gen.Usage | None = None
-            async for raw in self._stream(prompt, call, request, self.stream_interval):
-                message = data_plane_pb2.GenerateStreamResponse.FromString(raw)
-                usage = message.usage
-                finish, stop_reason = None, None
-                if message.finish_reason:
-                    finish, stop_reason, _ = render.finish_of(
-                        message.finish_reason, message.stop, "", call
-                    )
-                sample = gen.Sample(token_ids=message.token_ids)
-                if message.HasField("logprobs"):
-                    sample.logprobs.CopyFrom(message.logprobs)
-                piece = token_generate.choice(sample, finish, stop_reason, message.sample_index)
-                del piece["weight_versions"]
-                await responder.event(token_generate.stream_chunk(call, [piece]))
-            if usage is not None:
-                await responder.event(
-                    token_generate.stream_chunk(call, [], render.usage_of([usage]))
-                )
-            await responder.done()
+            await self._relay(stream_events.TokenStream(call), [prompt], request, responder)
             return
-        assembler = ResponseAssembler()
-        async for raw in self._stream(prompt, call, request, WHOLE):
-            assembler.add(data_plane_pb2.GenerateStreamResponse.FromString(raw))
+        assembler = await self._fold(prompt, call, request)
         choices = []
         for sample in assembler.samples():
             finish, stop_reason, _ = render.finish_of(sample.finish_reason, sample.stop, "", call)

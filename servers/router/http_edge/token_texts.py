@@ -6,8 +6,9 @@ after up to four of the sample's preceding tokens instead, and gives it the text
 (the whole character, for the piece that ends it) or "" (a piece that does not). This follows
 the same rule, so a logprobs answer's ``token``, ``bytes`` and ``text_offset`` are vLLM's.
 
-``decode`` is the server's detokenizer (a Detokenize call on the caller's behalf); texts are
-kept per token sequence, so a token id is asked for once, and a byte piece's context once.
+``decode`` is the router's tokenizer where it decodes as the servers do, else a Detokenize
+call; texts are kept per token sequence, so a token id is asked for once, and a byte piece's
+context once.
 """
 
 from __future__ import annotations
