@@ -99,6 +99,64 @@ def start_router(
     return Process(host, popen)
 
 
+@dataclass
+class Up:
+    """``skyrl-grpc up`` on a host, as an operator runs it: every line it prints, read in a
+    thread of its own (``lines``: seconds on the host's monotonic clock, and the line)."""
+
+    host: Host
+    popen: subprocess.Popen[str]
+    lines: list[tuple[float, str]] = field(default_factory=list)
+    _changed: threading.Condition = field(default_factory=threading.Condition)
+
+    def __post_init__(self) -> None:
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            with self._changed:
+                self.lines.append((time.monotonic(), line.rstrip("\n")))
+                self._changed.notify_all()
+        with self._changed:
+            self.lines.append((time.monotonic(), "EXITED"))
+            self._changed.notify_all()
+
+    def until(self, words: str, timeout: float = START_SECONDS, after: float = 0.0) -> str:
+        """The first line holding ``words`` printed at or after ``after`` (raises if ``up``
+        exits first, or none comes within ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for at, line in self.lines:
+                    if at >= after and words in line:
+                        return line
+                    if line == "EXITED":
+                        raise RuntimeError(f"up on {self.host.name} exited before {words!r}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"up on {self.host.name}: no {words!r} in {timeout:.0f} s")
+                self._changed.wait(left)
+
+    def printed(self, words: str, after: float = 0.0) -> list[str]:
+        with self._changed:
+            return [line for at, line in self.lines if at >= after and words in line]
+
+    def started(self) -> tuple[str, list[str]]:
+        """The router's address and the servers' (once the fleet is up)."""
+        self.until("Ctrl-C to stop")
+        router = self.until("router: ").split(": ", 1)[1]
+        servers = [line.split(": ", 1)[1] for line in self.printed("server ") if ": " in line]
+        return router, [s for s in servers if s[0].isdigit()]
+
+
+def start_up(host: Host, *flags: str, env: dict[str, str] | None = None) -> Up:
+    """``skyrl-grpc up`` with ``flags`` on ``host`` (its output read line by line: ``Up``)."""
+    argv = [str(Path(sys.executable).with_name("skyrl-grpc")), "up", *flags]
+    popen = host.popen(argv, {**ENGINE_ENV, **(env or {})}, None, ROOT)
+    return Up(host, popen)
+
+
 def run_job(host: Host, job: str, arguments: dict[str, Any], timeout: float) -> dict[str, Any]:
     """``python -m testbed.jobs JOB`` on ``host`` with ``arguments``: its result."""
     done = host.run(

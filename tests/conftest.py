@@ -30,7 +30,12 @@ REFERENCE_MAX_TOKENS = 24
 RAY_CLUSTER_FILES = ("test_ray_fleet.py", "test_ray_supervision.py")
 # Files that build a testbed of hosts, each host an engine server: one at a time, or two
 # testbeds' engines starve each other's starts on two cores.
-TESTBED_FILES = ("test_multihost.py", "test_multihost_tls.py", "test_multihost_faults.py")
+TESTBED_FILES = (
+    "test_multihost.py",
+    "test_multihost_tls.py",
+    "test_multihost_faults.py",
+    "test_multihost_ray.py",
+)
 # Files whose fleets keep both cores busy for a minute (kill -9 under streams, a training loop
 # while the fleet grows): run with the testbeds, one after the other, never beside them, whose
 # faults are measured against seconds-long bounds (a stream's stall when its host is cut off

@@ -48,6 +48,18 @@ def server_options(server_args: list[str], engine: dict[str, Any], host: str, po
     )
 
 
+def advertised(address: str) -> str:
+    """``address`` as other nodes reach it: one bound to every interface (``--host 0.0.0.0``)
+    is advertised with the IP Ray knows this node by. Asked inside the actor, on its own
+    node: the driver's node is not the actor's once the cluster spans hosts."""
+    import ray
+
+    host, _, port = address.rpartition(":")
+    if host in ("0.0.0.0", "[::]", "::"):
+        return f"{ray.util.get_node_ip_address()}:{port}"
+    return address
+
+
 class EngineServerActor:
     """Runs one EngineServer inside a Ray actor (an async actor: the server shares its loop)."""
 
@@ -76,9 +88,10 @@ class EngineServerActor:
         self._server = EngineServer(server_options(server_args, engine, host, port))
 
     async def start(self) -> str:
+        """Starts the server; returns the address others reach it at."""
         await self._server.start()
         await self._server.wait_ready()
-        return self._server.address
+        return advertised(self._server.address)
 
     async def stop(self) -> None:
         await self._server.drain(grace=5)
@@ -149,11 +162,11 @@ class RouterActor:
         if self._replicas is not None:
             await self._replicas.start()
             await self._replicas.wait_healthy(len(self._backends), timeout=120)
-            return self._replicas.address
+            return advertised(self._replicas.address)
         assert self._router is not None
         await self._router.start()
         await self._router.wait_healthy(len(self._router.options.backends), timeout=120)
-        return self._router.address
+        return advertised(self._router.address)
 
     async def stop(self) -> None:
         if self._replicas is not None:

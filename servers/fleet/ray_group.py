@@ -47,7 +47,6 @@ from servers.fleet.ray_options import STRATEGIES, ServerGroupOptions, engine_run
 from servers.fleet.ray_waits import (
     actors_started,
     callers_sigterm_kept,
-    node_ip,
     not_dead_yet,
     sliced,
 )
@@ -155,7 +154,7 @@ class RayFleet(Fleet):
             self._servers = [self._new_server(i) for i in range(self.options.num_servers)]
             started = [s.start.remote() for s in self._servers]
             names = [f"server-{index}" for index in range(len(started))]
-            servers = [self._advertised(a) for a in actors_started(started, names, timeout)]
+            servers = actors_started(started, names, timeout)  # as each actor advertises itself
             # The router stays on this (the driver's) node: a node that leaves takes servers
             # with it, never the router that moves their sessions.
             router = self._start_router(servers, self.options.router_port, timeout)
@@ -211,11 +210,10 @@ class RayFleet(Fleet):
                 tokenizer=self.options.tokenizer,
             )
         )
-        started = actors_started([self._router.start.remote()], ["the router"], timeout)
-        address = self._advertised(started[0])
+        (address,) = actors_started([self._router.start.remote()], ["the router"], timeout)
         ports = ray.get(self._router.ports.remote(), timeout=60)
         self.http_port, self.metrics_port = ports["http_port"], ports["metrics_port"]
-        return address
+        return str(address)
 
     def _new_server(self, index: int, catch_up: bool = False) -> Any:
         """A server actor in its bundle (not started): the fleet's placement group for the
@@ -335,9 +333,7 @@ class RayFleet(Fleet):
             pass
         self._servers[index] = self._new_server(index, catch_up=True)
         started = self._servers[index].start.remote()
-        return self._advertised(
-            actors_started([started], [f"server-{index}"], self.start_timeout)[0]
-        )
+        return str(actors_started([started], [f"server-{index}"], self.start_timeout)[0])
 
     def _moved(self, index: int, old: str, new: str) -> None:
         """The router forgets the old address and watches the new one."""
@@ -376,7 +372,7 @@ class RayFleet(Fleet):
             )
         self._added_pgs[index] = group
         self._servers.append(self._new_server(index, catch_up=True))
-        return self._advertised(ray.get(self._servers[index].start.remote(), timeout=timeout))
+        return str(ray.get(self._servers[index].start.remote(), timeout=timeout))
 
     def _remove_server(self, index: int) -> None:
         import ray
@@ -402,10 +398,6 @@ class RayFleet(Fleet):
         import ray
 
         os.kill(ray.get(self._router.pid.remote(), timeout=30), signal.SIGKILL)
-
-    def _advertised(self, address: str) -> str:
-        host, _, port = address.rpartition(":")
-        return f"{node_ip()}:{port}" if host == "0.0.0.0" else address
 
     def node_ids(self) -> list[str]:
         """The Ray node each server runs on, in server order (Ray's own view)."""

@@ -18,13 +18,6 @@ from servers.fleet import FleetStartFailed
 WAIT_SLICE_SECONDS = 0.5
 
 
-def node_ip() -> str:
-    """This node's IP, as Ray advertises it."""
-    import ray
-
-    return str(ray.util.get_node_ip_address())
-
-
 def not_dead_yet() -> tuple[type[Exception], ...]:
     """What a call to a live actor may raise: a timeout (the actor is busy), and Ray's
     ``ActorUnavailableError`` (out of reach for now: its node is slow to answer, or Ray is busy

@@ -5,12 +5,33 @@ miss ("The current node timed out during startup")."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import contextlib
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
 RAY_START_ATTEMPTS = 2
+# The processes a Ray node runs (what ``ray stop`` looks for).
+RAY_PROCESSES = ("gcs_server", "raylet", "ray::", "default_worker.py", "dashboard", "ray/_private")
+
+
+def stop_ray_processes_here() -> None:
+    """``ray stop --force`` for this network namespace only: Ray's own stops every Ray process
+    on the machine, a testbed's namespaced cluster's too."""
+    here = os.readlink("/proc/self/ns/net")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if os.readlink(entry / "ns" / "net") != here:
+                continue
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if any(name in command for name in RAY_PROCESSES):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
 
 
 def started_cluster() -> Any:
@@ -26,7 +47,7 @@ def started_cluster() -> Any:
             if "timed out during startup" not in str(error) or attempt == RAY_START_ATTEMPTS:
                 raise
             # What the failed start left (its GCS, its raylet) stopped: the Ray tests run one
-            # cluster at a time (tests/conftest.py), so every Ray process here is its.
-            ray = str(Path(sys.executable).with_name("ray"))
-            subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=60, check=False)
+            # cluster at a time (tests/conftest.py), so every Ray process in this network
+            # namespace is its (a testbed's Ray nodes, in namespaces of their own, are not).
+            stop_ray_processes_here()
     raise AssertionError("unreachable")
