@@ -47,6 +47,8 @@ EDIT_SHARE = 0.01
 # again, as a client does: after 0.25 s, doubling up to 2 s, at most RETRIES times.
 RETRIES = 12
 RETRY_FIRST_SECONDS = 0.25
+# A failed weight update a trainer tries again (a step's ``retry_seconds``): after this long.
+RETRY_UPDATE_SECONDS = 1.0
 # The gRPC status an OpenAI edge's HTTP status stands for (testbed.history's vocabulary).
 HTTP_STATUS_NAMES = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
 
@@ -184,19 +186,35 @@ async def update(arguments: dict[str, Any]) -> dict[str, Any]:
             weights = edited(original, step.get("edit", 0))
             progress(f"step {len(steps)} begins")
             began = time.monotonic()
-            try:
-                result = await client.update_weights(
-                    weights.items(), version, delta=step.get("delta", True),
-                    **arguments.get("update", {}),
-                )  # fmt: skip
-            except WeightUpdateError as error:
+            # A trainer's retry: a step that fails is tried again every second for this long.
+            retry_until = began + float(step.get("retry_seconds", 0))
+            tries = 0
+            while True:
+                tries += 1
+                try:
+                    result = await client.update_weights(
+                        weights.items(), version, delta=step.get("delta", True),
+                        **step.get("update", arguments.get("update", {})),
+                    )  # fmt: skip
+                    break
+                except WeightUpdateError as error:
+                    failure = str(error)
+                    if time.monotonic() < retry_until:
+                        await asyncio.sleep(RETRY_UPDATE_SECONDS)
+                        continue
+                    result = None
+                    break
+            if result is None:
                 ended = time.monotonic()
                 steps.append(
-                    {"error": str(error), "seconds": ended - began, "began": began, "ended": ended}
+                    {"error": failure, "seconds": ended - began, "began": began, "ended": ended}
                 )
+                if arguments.get("keep_going"):  # the trainer goes on with its next step
+                    continue
                 break
             ended = time.monotonic()
             record: dict[str, Any] = {
+                "tries": tries,
                 "seconds": ended - began,
                 # On the host's monotonic clock, which every host of a testbed shares.
                 "began": began,

@@ -59,6 +59,13 @@ PARTITION_SECONDS = 5.0
 PARTITION_SLACK_SECONDS = 5.0
 
 
+# A partition longer than the update may take (fault (g)): its timeout, the seconds a send or
+# an answer may wait, runs out in the partition's middle.
+LONG_PARTITION_SECONDS = 20.0
+UPDATE_TIMEOUT_SECONDS = 8.0
+# How long the trainer keeps trying after the failed update (past the partition's end).
+RETRY_SECONDS = 60.0
+
 # The router's OpenAI edge, on its host.
 HTTP_PORT = 8000
 # The router host's whole link down (fault (e)): shorter than the client's keepalive.
@@ -218,15 +225,23 @@ class PartitionedUpdate:
         return float(self.step["seconds"] - self.before["seconds"])
 
 
-async def update_through_partition(fleet: FaultFleet, a: Host, b: Host) -> PartitionedUpdate:
+async def update_through_partition(
+    fleet: FaultFleet,
+    a: Host,
+    b: Host,
+    seconds: float = PARTITION_SECONDS,
+    options: dict[str, object] | None = None,
+) -> PartitionedUpdate:
     """A full update over the trainer's slowed link, ``a`` and ``b`` partitioned from each
-    other for PARTITION_SECONDS a second into its transfer, then healed."""
+    other for ``seconds`` a second into its transfer, then healed (``options``: more
+    ``update_weights`` arguments for the update in it)."""
     fleet.bed.shape(fleet.trainer, TRAINER_MBIT)
     try:
         undisturbed = await asyncio.to_thread(
             run_job, fleet.trainer, "update", full_update(fleet, 1), JOB_SECONDS
         )
-        job = start_job(fleet.trainer, "update", full_update(fleet, 2), log_dir=fleet.logs)
+        arguments = {**full_update(fleet, 2), "update": options or {}}
+        job = start_job(fleet.trainer, "update", arguments, log_dir=fleet.logs)
         assert job.stdout is not None
         line = await asyncio.to_thread(job.stdout.readline)
         assert line.strip() == "PROGRESS step 0 begins", line
@@ -236,7 +251,7 @@ async def update_through_partition(fleet: FaultFleet, a: Host, b: Host) -> Parti
         cut_at = time.monotonic()
         fleet.bed.cut_between(a, b)
         try:
-            await asyncio.sleep(PARTITION_SECONDS)  # the partition's length (the fault)
+            await asyncio.sleep(seconds)  # the partition's length (the fault)
         finally:
             fleet.bed.heal_between(a, b)
         healed_at = time.monotonic()
@@ -336,3 +351,57 @@ async def test_the_router_host_cut_off_under_edge_and_trainer_traffic_loses_noth
             f"{name}: {len(requests)} requests, {retried} retries; longest stall "
             f"{max(result['max_gaps']):.1f} s"
         )
+
+
+async def test_a_partition_that_outlasts_the_update_ends_it_on_one_version_and_the_retry_commits(
+    fault_fleet: FaultFleet,
+) -> None:
+    """Fault (g): the trainer and one server partitioned for longer than the update may take
+    (its ``timeout``: a send or an answer waiting that long ends it), a second into a full
+    update. The update fails at its timeout, naming that server, and is undone everywhere:
+    every server keeps its previous version (the server cut off, whose cancellation cannot reach
+    it, holds the half-received update). The trainer tries again every second: refused at once
+    while the server is cut off, then, healed, the retry replaces that half-received update
+    (the same trainer reopens its own update) and commits on both, one version, every tensor
+    as pushed."""
+    fleet = fault_fleet
+    fleet.bed.shape(fleet.trainer, TRAINER_MBIT)
+    try:
+        arguments = full_update(fleet, 2)
+        arguments["steps"] = [
+            {"edit": 2, "delta": False, "update": {"timeout": UPDATE_TIMEOUT_SECONDS}},
+            # The trainer's next try, again every second while it fails (a server cut off
+            # refuses a new update at once).
+            {"edit": 3, "delta": False, "retry_seconds": RETRY_SECONDS},
+        ]
+        arguments["keep_going"] = True
+        job = start_job(fleet.trainer, "update", arguments, log_dir=fleet.logs)
+        assert job.stdout is not None
+        line = await asyncio.to_thread(job.stdout.readline)
+        assert line.strip() == "PROGRESS step 0 begins", line
+        await asyncio.sleep(1.0)  # into the transfer (an undisturbed one takes ~7 s)
+        cut_at = time.monotonic()
+        fleet.bed.cut_between(fleet.trainer, fleet.servers[1])
+        try:
+            await asyncio.sleep(LONG_PARTITION_SECONDS)  # the partition's length (the fault)
+        finally:
+            fleet.bed.heal_between(fleet.trainer, fleet.servers[1])
+        healed_at = time.monotonic()
+        result = await asyncio.to_thread(job_result, job, JOB_SECONDS)
+    finally:
+        fleet.bed.shape(fleet.trainer, RATE_MBIT)
+    failed, retry = result["steps"]
+    print(
+        f"fault (g): failed {failed['ended'] - cut_at:.1f} s into a {LONG_PARTITION_SECONDS:.0f}"
+        f" s partition ({UPDATE_TIMEOUT_SECONDS:.0f} s timeout); the retry committed "
+        f"{retry.get('ended', 0) - healed_at:.1f} s after the heal"
+    )
+    assert "error" in failed, failed
+    assert fleet.addresses[1] in failed["error"], failed
+    assert "every server kept its previous weights" in failed["error"], failed
+    # Ended by the update's timeout while still cut off, not by the partition's end.
+    assert cut_at < failed["ended"] < healed_at, (failed, cut_at, healed_at)
+    assert "error" not in retry, retry
+    assert retry["ended"] > healed_at, (retry, healed_at)
+    assert retry["served"] == dict.fromkeys(fleet.addresses, retry["pushed"])
+    assert len(set(result["versions"].values())) == 1, result["versions"]
