@@ -8,7 +8,11 @@ one ``JOB-RESULT <JSON>`` line.
   ``{"edit": k, "delta": bool}``: the model's checkpoint with the ``k``-th edit, an RL step's
   worth of changed elements each; ``{"edit": 0}`` is the checkpoint itself), after each, each
   server's weight checksums beside the pushed tensors' (unless ``checksums`` is false); with
-  ``save``, the last weights written as a model directory a fresh server can start from.
+  ``save``, the last weights written as a model directory a fresh server can start from. A
+  step's ``update``: more ``update_weights`` arguments; its ``retry_seconds``: tried again every
+  second while it fails, this long; ``keep_going``: the next step follows a failed one.
+- ``rl``: a trainer's RL loop pushing its weights every step for ``seconds``, retrying what
+  faults fail (``testbed.rl_job``).
 - ``checksums``: each server's weight checksums and versions.
 - ``info``: each server's weight version, or the error a call to it met (``tls``: a CA to
   verify the servers with).
@@ -39,6 +43,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+from testbed import rl_job
 
 JOB_RESULT = "JOB-RESULT "
 # The share of each tensor's elements an edit changes: an RL step's patch.
@@ -401,6 +407,7 @@ async def edge(arguments: dict[str, Any]) -> dict[str, Any]:
 
 
 JOBS = {
+    "rl": rl_job.rl,
     "edge": edge,
     "update": update,
     "checksums": checksums,

@@ -35,6 +35,7 @@ TESTBED_FILES = (
     "test_multihost_tls.py",
     "test_multihost_faults.py",
     "test_multihost_ray.py",
+    "test_nemesis.py",
 )
 # Files whose fleets keep both cores busy for a minute (kill -9 under streams, a training loop
 # while the fleet grows): run with the testbeds, one after the other, never beside them, whose

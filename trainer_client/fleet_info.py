@@ -102,6 +102,14 @@ class Capabilities:
     # The gRPC services it answers, by full name (this package's, and vLLM's own
     # "vllm.grpc.engine.VllmEngine"); empty from a server older than the field.
     protocols: tuple[str, ...] = ()
+    # Whether a request may ask for the experts its tokens were routed to.
+    routed_experts: bool = False
+
+    def cannot_return_routed_experts(self) -> str | None:
+        """Why a request asking for its routed experts is refused here (None: it is not)."""
+        if self.routed_experts:
+            return None
+        return "captures no routed experts: start it with --enable-return-routed-experts"
 
     def cannot_sleep(self, device: str) -> str | None:
         """Why ``sleep`` is refused here (None: it is not)."""
@@ -182,6 +190,7 @@ class ServerInfo:
                     max_cpu_loras=caps.lora.max_cpu_loras,
                 ),
                 protocols=tuple(caps.protocols),
+                routed_experts=caps.routed_experts,
             ),
             weight_version=info.weight_version,
             engine=info.engine,

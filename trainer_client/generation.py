@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -18,19 +19,23 @@ import grpc
 
 from skyrl_grpc import tracing
 from skyrl_grpc.errors import server_lost
-from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2
+from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2, generation_pb2
+from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.abort_retry import AbortRetry
 from trainer_client.batches import BatchCalls, BatchGeneration
 from trainer_client.client_core import ClientCore
 from trainer_client.config import DEFAULT, Timeout
 from trainer_client.exceptions import ServerError
-from trainer_client.fleet_info import ModelInfo
+from trainer_client.fleet_info import ModelInfo, ServerInfo, refuse_unless_all
 from trainer_client.results import GenerationResult
 from trainer_client.sampling import Message, Sampling, chat_messages, sampling_params
 from trainer_client.tool_use import AssistantMessage, Tool, ToolChoice, tool_use
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# How long a fleet found to capture routed experts is not asked again (a server restarted with
+# other flags in that time is refused by the server itself).
+EXPERTS_CHECK_SECONDS = 30.0
 
 
 class Generation:
@@ -40,6 +45,35 @@ class Generation:
     def __init__(self, core: ClientCore) -> None:
         self._core = core
         self.config = core.config
+        # The servers last found to capture routed experts, and when (``_check_experts``).
+        self._experts_checked: tuple[tuple[str, ...], float] | None = None
+
+    async def _check_experts(self, params: generation_pb2.SamplingParams) -> None:
+        """A generation asking for its routed experts is refused (``Unsupported``, naming each
+        server and the flag it lacks) before it is sent, where a server cannot capture them;
+        the fleet's answer is kept for ``EXPERTS_CHECK_SECONDS``. A client given no servers
+        leaves the refusal to the server it reaches."""
+        if not params.return_routed_experts:
+            return
+        servers = tuple(await self._core.control_servers())
+        checked = self._experts_checked
+        now = time.monotonic()
+        if not servers or (
+            checked is not None
+            and checked[0] == servers
+            and now - checked[1] < EXPERTS_CHECK_SECONDS
+        ):
+            return
+        infos = await self._core.fan_out(
+            lambda s: s.GetServerInfo,
+            cp.GetServerInfoRequest(),
+            DEFAULT,
+            ServerInfo.from_proto,
+        )
+        refuse_unless_all(
+            "return_routed_experts", infos, lambda i: i.capabilities.cannot_return_routed_experts()
+        )
+        self._experts_checked = (servers, now)
 
     async def _target(self, session_id: str | None, tried: set[str]) -> str | None:
         """The server a generation goes to directly, or None to go through the router."""
@@ -108,10 +142,12 @@ class Generation:
         ``stream_interval``: tokens per message after the first (None: ``ClientConfig``'s;
         0: one per engine step); larger values trade per-token latency for throughput.
         """
+        params = sampling_params(sampling)
+        await self._check_experts(params)
         request = data_plane_pb2.GenerateStreamRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
-            sampling_params=sampling_params(sampling),
+            sampling_params=params,
             n=n,
             include_text=include_text,
             stream_interval=(
@@ -155,6 +191,7 @@ class Generation:
         chat_output: chat_tools_pb2.ChatOutput | None = None,
     ) -> GenerationResult:
         params = sampling_params(sampling)
+        await self._check_experts(params)
         retry = AbortRetry(
             list(prompt_token_ids),
             params,
@@ -216,6 +253,8 @@ class Generation:
         if not prompts:
             return []
         sessions = session_ids or [None] * len(prompts)
+        params = sampling_params(sampling)
+        await self._check_experts(params)
         calls = BatchCalls(
             config=self.config,
             target=self._target,
@@ -225,9 +264,7 @@ class Generation:
             generate_one=self._generate,
             detokenize=self.detokenize,
         )
-        batch = BatchGeneration(
-            calls, prompts, sampling_params(sampling), sessions, include_text, lora, timeout
-        )
+        batch = BatchGeneration(calls, prompts, params, sessions, include_text, lora, timeout)
         return await batch.run()
 
     async def sample(

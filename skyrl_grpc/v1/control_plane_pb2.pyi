@@ -430,7 +430,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("sleep", "weight_transfer_backends", "pause_modes", "prefix_caching", "lora", "compressed_weight_patches", "weight_relay", "weight_relay_trees", "protocols")
+    __slots__ = ("sleep", "weight_transfer_backends", "pause_modes", "prefix_caching", "lora", "compressed_weight_patches", "weight_relay", "weight_relay_trees", "protocols", "routed_experts")
     SLEEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSFER_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     PAUSE_MODES_FIELD_NUMBER: _ClassVar[int]
@@ -440,6 +440,7 @@ class Capabilities(_message.Message):
     WEIGHT_RELAY_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_RELAY_TREES_FIELD_NUMBER: _ClassVar[int]
     PROTOCOLS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     sleep: bool
     weight_transfer_backends: _containers.RepeatedScalarFieldContainer[WeightTransferBackend]
     pause_modes: _containers.RepeatedScalarFieldContainer[PauseMode]
@@ -449,7 +450,8 @@ class Capabilities(_message.Message):
     weight_relay: bool
     weight_relay_trees: bool
     protocols: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, sleep: _Optional[bool] = ..., weight_transfer_backends: _Optional[_Iterable[_Union[WeightTransferBackend, str]]] = ..., pause_modes: _Optional[_Iterable[_Union[PauseMode, str]]] = ..., prefix_caching: _Optional[bool] = ..., lora: _Optional[_Union[_lora_pb2.LoraCapabilities, _Mapping]] = ..., compressed_weight_patches: _Optional[bool] = ..., weight_relay: _Optional[bool] = ..., weight_relay_trees: _Optional[bool] = ..., protocols: _Optional[_Iterable[str]] = ...) -> None: ...
+    routed_experts: bool
+    def __init__(self, sleep: _Optional[bool] = ..., weight_transfer_backends: _Optional[_Iterable[_Union[WeightTransferBackend, str]]] = ..., pause_modes: _Optional[_Iterable[_Union[PauseMode, str]]] = ..., prefix_caching: _Optional[bool] = ..., lora: _Optional[_Union[_lora_pb2.LoraCapabilities, _Mapping]] = ..., compressed_weight_patches: _Optional[bool] = ..., weight_relay: _Optional[bool] = ..., weight_relay_trees: _Optional[bool] = ..., protocols: _Optional[_Iterable[str]] = ..., routed_experts: _Optional[bool] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
     __slots__ = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "capabilities", "weight_version", "engine", "engine_version", "server_version", "served_model_name", "device", "open_weight_update", "rollback_weight_version", "weight_transfer_group", "weight_group_ranks", "push_socket_port")

@@ -67,3 +67,49 @@ async def test_calls_a_server_cannot_take_are_refused_before_they_are_sent(
         assert not client.has_weight_group
     finally:
         await client.close()
+
+
+async def test_a_generation_asking_for_routed_experts_is_refused_before_it_is_sent(
+    engine_server: Any,
+) -> None:
+    """This CPU engine cannot capture routed experts (vLLM refuses the flag here), so its
+    server says so, and the client refuses a generation that asks for them before sending it
+    (``Unsupported``, raised here, not the server's FAILED_PRECONDITION), batched or not."""
+    address = engine_server.address
+    client = InferenceClient(address, [address], direct=False)
+    asking = {"max_tokens": 2, "return_routed_experts": True}
+    try:
+        [info] = (await client.server_info()).values()
+        assert not info.capabilities.routed_experts
+        for call in (
+            lambda: client.generate([1, 2, 3], asking),
+            lambda: client.generate_batch([[1, 2, 3]], asking),
+        ):
+            with pytest.raises(Unsupported) as refused:
+                await call()
+            message = str(refused.value)
+            assert message.startswith("return_routed_experts refused before it was sent")
+            assert address in message and "--enable-return-routed-experts" in message
+        assert (await client.generate([1, 2, 3], {"max_tokens": 2})).token_ids  # others go on
+    finally:
+        await client.close()
+
+
+def test_a_server_that_captures_routed_experts_says_so() -> None:
+    from servers.engine.domain.descriptions import ServerDescription
+    from servers.engine.domain.lora_adapters import AdapterLimits
+    from servers.engine.service.control_convert import server_info_to_proto
+    from trainer_client import ServerInfo
+
+    fields: dict[str, Any] = dict(
+        world_size=1, tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
+        weight_group_ranks=1, sleep_supported=True, weight_transfer_backends=["nccl"],
+        prefix_caching=True, weight_version=0, engine="vllm", engine_version="x",
+        served_model_name="m", device="cuda",
+    )  # fmt: skip
+    for captures in (True, False):
+        lora = AdapterLimits(enabled=False)
+        description = ServerDescription(lora=lora, routed_experts=captures, **fields)
+        info = ServerInfo.from_proto(server_info_to_proto(description))
+        assert info.capabilities.routed_experts is captures
+        assert (info.capabilities.cannot_return_routed_experts() is None) is captures

@@ -8,7 +8,11 @@ reads the fleet's weights from its peer before it takes traffic."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
+import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -73,27 +77,36 @@ class RayFleet:
 @pytest.fixture(scope="module")
 def ray_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayFleet]:
     logs = tmp_path_factory.mktemp("multihost-ray-logs")
-    with open_testbed() as bed:
-        head = bed.add_host("head", RATE_MBIT)
-        workers = [bed.add_host(f"w{i}", RATE_MBIT) for i in range(SERVERS + 1)]
-        client = bed.add_host("client", RATE_MBIT)
-        trainer = bed.add_host("trainer", RATE_MBIT)
-        cluster = RayCluster(head, tmp_path_factory.mktemp("ray"), logs)
-        cluster.start()
-        for worker in workers:  # one inference slot each: the last one is the spare
-            cluster.join(worker, cpus=2, resources={"inference": 1})
-        up = start_up(
-            head,
-            "--ray", "--ray-address", cluster.address, "--servers", str(SERVERS),
-            "--host", "0.0.0.0", "--placement-strategy", "STRICT_SPREAD",
-            "--ray-resources", json.dumps({"inference": 1}),
-            "--router-port", str(ROUTER_PORT), "--http-port", str(HTTP_PORT),
-            "--kv-cache-gib", "0.125", "--log-dir", str(logs),
-        )  # fmt: skip
-        router, _ = up.started()
-        yield RayFleet(bed, cluster, client, trainer, workers, up, router, logs)
-        up.popen.terminate()
-        up.popen.wait(timeout=120)
+    # Ray's sockets live under its temp dir, and a socket's path must fit in 107 bytes:
+    # pytest's own temp dirs are too deep for them.
+    temp_dir = Path(tempfile.mkdtemp(prefix="skt-ray-"))
+    try:
+        with open_testbed() as bed:
+            head = bed.add_host("head", RATE_MBIT)
+            workers = [bed.add_host(f"w{i}", RATE_MBIT) for i in range(SERVERS + 1)]
+            client = bed.add_host("client", RATE_MBIT)
+            trainer = bed.add_host("trainer", RATE_MBIT)
+            cluster = RayCluster(head, temp_dir, logs)
+            cluster.start()
+            for worker in workers:  # one inference slot each: the last one is the spare
+                cluster.join(worker, cpus=2, resources={"inference": 1})
+            up = start_up(
+                head,
+                "--ray", "--ray-address", cluster.address, "--servers", str(SERVERS),
+                "--host", "0.0.0.0", "--placement-strategy", "STRICT_SPREAD",
+                "--ray-resources", json.dumps({"inference": 1}),
+                "--router-port", str(ROUTER_PORT), "--http-port", str(HTTP_PORT),
+                "--kv-cache-gib", "0.125", "--log-dir", str(logs),
+            )  # fmt: skip
+            try:
+                router, _ = up.started()
+                yield RayFleet(bed, cluster, client, trainer, workers, up, router, logs)
+            finally:
+                up.popen.terminate()  # up stops its fleet, then the testbed ends the rest
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    up.popen.wait(timeout=120)
+    finally:  # every Ray process gone (the testbed's close) before its files are
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def streams_job(fleet: RayFleet, seconds: float, prefix: str) -> dict[str, object]:
@@ -209,4 +222,6 @@ def test_a_worker_cut_off_then_killed_is_placed_again_and_caught_up_before_traff
     assert {message.weight_version for call in after.calls for message in call.messages} == {
         version
     }
-    print(f"server {servers[0]} killed; {new} serving at version {version} {back_after:.1f} s later")
+    print(
+        f"server {servers[0]} killed; {new} serving at version {version} {back_after:.1f} s later"
+    )

@@ -54,6 +54,8 @@ class ServerDescription:
     open_update: OpenUpdate | None = None
     rollback_version: int | None = None
     group: Group | None = None
+    # Whether requests may ask for their routed experts (``--enable-return-routed-experts``).
+    routed_experts: bool = False
 
 
 @dataclass(frozen=True)

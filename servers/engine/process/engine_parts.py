@@ -202,6 +202,7 @@ class EngineParts:
             open_update=self.weights.updates.open,
             rollback_version=self.weights.updates.rollback_version,
             group=self.weights.updates.group,
+            routed_experts=self.limits.routed_experts,
         )
 
     def serving_status(self) -> ServingStatus:

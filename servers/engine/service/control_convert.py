@@ -226,6 +226,7 @@ def server_info_to_proto(server: ServerDescription) -> cp.GetServerInfoResponse:
             weight_relay=True,
             weight_relay_trees=True,
             protocols=list(PROTOCOLS),
+            routed_experts=server.routed_experts,
             lora=lora_pb2.LoraCapabilities(
                 enabled=limits.enabled,
                 max_loras=limits.max_loras,
