@@ -17,6 +17,7 @@ them in docs/fleet.md. ``python -m scripts.bench_nemesis --minutes 15``.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -40,6 +41,18 @@ JOB_SLACK_SECONDS = 600.0
 
 def last_attempts(history: History) -> list[Any]:
     return list({c.key: c for c in sorted(history.calls, key=lambda c: c.started)}.values())
+
+
+def faults_around(violation: Any, history: History, nemesis: Nemesis) -> list[str]:
+    """The faults that overlapped the call a violation names (by its key in the message)."""
+    calls = [c for c in history.calls if f"call {c.key} " in violation.what]
+    return [
+        f"{f.name} ({f.started - c.started:+.1f} s to {f.healed - c.started:+.1f} s from the "
+        f"call's start)"
+        for c in calls
+        for f in nemesis.faults
+        if f.started <= c.ended and f.healed >= c.started
+    ]
 
 
 def main() -> None:
@@ -110,6 +123,15 @@ def main() -> None:
         outages=nemesis.outages(),
     )
     violations = check(history)
+    # Everything the run saw, for a closer look at what the checker named.
+    record = {
+        "history": history.to_json(),
+        "faults": [vars(f) for f in nemesis.faults],
+        "rl": results["rl"],
+    }
+    (logs / "nemesis-run.json").write_text(json.dumps(record))
+    for violation in violations:
+        print(f"{violation}; faults around it: {faults_around(violation, history, nemesis)}")
     kinds = Counter(f.kind for f in nemesis.faults)
     fault_seconds = {
         k: sum(f.healed - f.started for f in nemesis.faults if f.kind == k) for k in kinds
@@ -144,6 +166,7 @@ def main() -> None:
         "- Killed server hosts serving again after their restart: "
         + (", ".join(f"{s:.0f} s" for s in back_after) or "none killed"),
         f"- At the end, every server's version: {ends}",
+        f"- Everything the run saw: {logs / 'nemesis-run.json'}",
     ]
     write_report(args.output, lines, "nemesis")
     sys.exit(1 if violations or len(set(ends.values())) != 1 else 0)

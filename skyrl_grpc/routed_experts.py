@@ -8,6 +8,8 @@ sample's last output (``CompletionOutput.routed_experts``); ``pack`` makes the m
 
 from __future__ import annotations
 
+import base64
+import io
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,14 @@ def pack(experts: Any) -> generation_pb2.RoutedExperts:
         per_token=per_token,
         width=width,
     )
+
+
+def npy_base64(message: generation_pb2.RoutedExperts) -> str:
+    """The experts as vLLM's OpenAI server returns them (its ``numpy2base64``): the array's
+    ``.npy`` bytes, base64. Decoded with ``np.load(io.BytesIO(base64.b64decode(text)))``."""
+    with io.BytesIO() as buffer:
+        np.save(buffer, unpack(message), allow_pickle=False)
+        return base64.b64encode(buffer.getbuffer()).decode("ascii")
 
 
 def unpack(message: generation_pb2.RoutedExperts) -> Any:

@@ -11,10 +11,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from servers.common.process import read_announcement
 from testbed import Host
@@ -23,15 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE_ENV = {"PYTHONPATH": str(ROOT)}
 START_SECONDS = 300.0
 JOB_RESULT = "JOB-RESULT "
+T = TypeVar("T")
 
 
 @dataclass
-class Process:
-    """A stack process on a host, its lifecycle events read in a thread of their own."""
+class _Output:
+    """A process on a host whose standard output a thread of its own reads, line by line
+    (``_take``); ``_wait`` blocks until what it looks for has come."""
 
     host: Host
     popen: subprocess.Popen[str]
-    events: list[dict[str, Any]] = field(default_factory=list)
     _changed: threading.Condition = field(default_factory=threading.Condition)
 
     def __post_init__(self) -> None:
@@ -40,29 +41,52 @@ class Process:
     def _pump(self) -> None:
         assert self.popen.stdout is not None
         for line in self.popen.stdout:
-            event = read_announcement(line)
-            if event is not None:
-                with self._changed:
-                    self.events.append(event)
+            with self._changed:
+                if self._take(line.rstrip("\n")):
                     self._changed.notify_all()
         with self._changed:
-            self.events.append({"event": "exited"})
+            self._take(None)
             self._changed.notify_all()
+
+    def _take(self, line: str | None) -> bool:
+        """Keeps what ``line`` says (None: the process's output ended); True if it kept any."""
+        raise NotImplementedError
+
+    def _wait(self, found: Callable[[], T | None], what: str, timeout: float) -> T:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while (result := found()) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self.host.name}: no {what} in {timeout:.0f} s")
+                self._changed.wait(left)
+            return result
+
+
+@dataclass
+class Process(_Output):
+    """A stack process on a host, its lifecycle events read as it prints them."""
+
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def _take(self, line: str | None) -> bool:
+        event = {"event": "exited"} if line is None else read_announcement(line)
+        if event is not None:
+            self.events.append(event)
+        return event is not None
 
     def until(self, name: str, timeout: float = START_SECONDS) -> dict[str, Any]:
         """The first event named ``name`` (raises if the process fails or exits first)."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                for event in self.events:
-                    if event["event"] == name:
-                        return event
-                    if event["event"] in ("failed", "exited"):
-                        raise RuntimeError(f"{self.host.name}: {event} before {name!r}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{self.host.name}: no {name!r} in {timeout:.0f} s")
-                self._changed.wait(left)
+
+        def found() -> dict[str, Any] | None:
+            for event in self.events:
+                if event["event"] == name:
+                    return event
+                if event["event"] in ("failed", "exited"):
+                    raise RuntimeError(f"{self.host.name}: {event} before {name!r}")
+            return None
+
+        return self._wait(found, repr(name), timeout)
 
     @property
     def address(self) -> str:
@@ -100,43 +124,29 @@ def start_router(
 
 
 @dataclass
-class Up:
-    """``skyrl-grpc up`` on a host, as an operator runs it: every line it prints, read in a
-    thread of its own (``lines``: seconds on the host's monotonic clock, and the line)."""
+class Up(_Output):
+    """``skyrl-grpc up`` on a host, as an operator runs it: every line it prints (``lines``:
+    seconds on the host's monotonic clock, and the line)."""
 
-    host: Host
-    popen: subprocess.Popen[str]
     lines: list[tuple[float, str]] = field(default_factory=list)
-    _changed: threading.Condition = field(default_factory=threading.Condition)
 
-    def __post_init__(self) -> None:
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            with self._changed:
-                self.lines.append((time.monotonic(), line.rstrip("\n")))
-                self._changed.notify_all()
-        with self._changed:
-            self.lines.append((time.monotonic(), "EXITED"))
-            self._changed.notify_all()
+    def _take(self, line: str | None) -> bool:
+        self.lines.append((time.monotonic(), "EXITED" if line is None else line))
+        return True
 
     def until(self, words: str, timeout: float = START_SECONDS, after: float = 0.0) -> str:
         """The first line holding ``words`` printed at or after ``after`` (raises if ``up``
         exits first, or none comes within ``timeout`` seconds)."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                for at, line in self.lines:
-                    if at >= after and words in line:
-                        return line
-                    if line == "EXITED":
-                        raise RuntimeError(f"up on {self.host.name} exited before {words!r}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"up on {self.host.name}: no {words!r} in {timeout:.0f} s")
-                self._changed.wait(left)
+
+        def found() -> str | None:
+            for at, line in self.lines:
+                if at >= after and words in line:
+                    return line
+                if line == "EXITED":
+                    raise RuntimeError(f"up on {self.host.name} exited before {words!r}")
+            return None
+
+        return self._wait(found, repr(words), timeout)
 
     def printed(self, words: str, after: float = 0.0) -> list[str]:
         with self._changed:

@@ -19,6 +19,10 @@ from servers.fleet.standbys import StandbyRoles
 if TYPE_CHECKING:
     from servers.common.supervision import ServerSupervisor
 
+# The server flag that makes servers capture routed experts: a fleet whose servers take it
+# starts its router with --routed-experts, so the OpenAI edge returns them.
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+
 
 class FleetStartFailed(RuntimeError):
     """A server or the router of a starting fleet failed, or was still starting when the start

@@ -36,7 +36,7 @@ from typing import IO, Any
 from servers.common.process import read_announcement, with_flag
 from servers.common.reaper import EXIT_WITH_SUPERVISOR
 from servers.common.supervision import RestartPolicy, ServerSupervisor
-from servers.fleet import Fleet, FleetAddresses, FleetStartFailed
+from servers.fleet import ROUTED_EXPERTS_FLAG, Fleet, FleetAddresses, FleetStartFailed
 from servers.fleet.standbys import StandbyRoles
 from skyrl_grpc.tiny_model import embedded_model_path
 
@@ -122,6 +122,8 @@ class LocalFleet(Fleet):
             # The router's edge tokenizes text prompts with the served model's own files (on
             # this host: the servers read them from there too).
             self.router_args += ["--tokenizer", served_model_directory(self.engine_args)]
+        if ROUTED_EXPERTS_FLAG in self.engine_args and "--routed-experts" not in self.router_args:
+            self.router_args += ["--routed-experts"]  # the edge returns what servers capture
         self.log_dir = log_dir
         self.host = host
         self.server_ports = list(server_ports or [0] * num_servers)

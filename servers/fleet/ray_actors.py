@@ -125,6 +125,7 @@ class RouterActor:
         replicas: int = 1,
         otlp_traces_endpoint: str | None = None,
         tokenizer: str | None = None,
+        routed_experts: bool = False,
     ) -> None:
         from servers.router.replicas import RouterReplicas
         from servers.router.router_server import RouterOptions, RouterServer
@@ -142,6 +143,7 @@ class RouterActor:
             if otlp_traces_endpoint:
                 argv += ["--otlp-traces-endpoint", otlp_traces_endpoint]
             argv += ["--tokenizer", tokenizer] if tokenizer else []
+            argv += ["--routed-experts"] if routed_experts else []
             self._replicas = RouterReplicas(argv, replicas, host, port, http_port, metrics_port)
         else:
             tracing.configure("skyrl-router", otlp_traces_endpoint)
@@ -155,6 +157,7 @@ class RouterActor:
                     metrics_port=metrics_port,
                     otlp_traces_endpoint=otlp_traces_endpoint,
                     tokenizer=tokenizer,
+                    routed_experts=routed_experts,
                 )
             )
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from servers.common.supervision import RestartPolicy, ServerSupervisor
-from servers.fleet import Fleet, FleetAddresses, FleetStartFailed
+from servers.fleet import ROUTED_EXPERTS_FLAG, Fleet, FleetAddresses, FleetStartFailed
 from servers.fleet.ray_actors import EngineServerActor, RouterActor, server_options
 from servers.fleet.ray_options import STRATEGIES, ServerGroupOptions, engine_runs_on_cpu
 from servers.fleet.ray_waits import (
@@ -208,6 +208,7 @@ class RayFleet(Fleet):
                 replicas=self.options.router_replicas,
                 otlp_traces_endpoint=self.options.otlp_traces_endpoint,
                 tokenizer=self.options.tokenizer,
+                routed_experts=ROUTED_EXPERTS_FLAG in self.options.server_args,
             )
         )
         (address,) = actors_started([self._router.start.remote()], ["the router"], timeout)

@@ -7,6 +7,7 @@ trainer as the array vLLM gave."""
 from __future__ import annotations
 
 import base64
+import io
 
 import numpy as np
 import pytest
@@ -122,3 +123,20 @@ def test_a_request_that_did_not_ask_gets_none_though_vllm_captured_them() -> Non
         assembler.add(chunk)  # type: ignore[arg-type]
     (sample,) = assembler.samples()
     assert GenerationResult.from_sample(PROMPT, sample, False).routed_experts is None
+
+
+def test_the_openai_edge_encodes_them_exactly_as_vllms_own_server() -> None:
+    """``npy_base64`` (what the edge writes in a choice's ``routed_experts``) is vLLM's
+    ``numpy2base64`` of the same array, byte for byte, for each width an id takes; a width of
+    four bytes is vLLM's int32, read back with the same values."""
+    from vllm.utils.serial_utils import numpy2base64
+
+    from skyrl_grpc.routed_experts import npy_base64
+
+    rng = np.random.default_rng(11)
+    for kind, largest in ((np.uint8, 127), (np.uint16, 511)):
+        array = rng.integers(0, largest + 1, size=(7, 4, 2), dtype=kind)
+        assert npy_base64(pack(array)) == numpy2base64(array)
+    wide = rng.integers(0, 70_000, size=(3, 2, 2), dtype=np.int32)
+    decoded = np.load(io.BytesIO(base64.b64decode(npy_base64(pack(wide)))))
+    assert np.array_equal(decoded, wide)

@@ -156,3 +156,18 @@ def gen_copy(
     copied = data_plane_pb2.GenerateStreamResponse()
     copied.CopyFrom(step)
     return copied
+
+
+def test_a_whole_answers_routed_experts_go_in_vllms_field_of_completions_and_chat() -> None:
+    from skyrl_grpc import routed_experts
+
+    experts = routed_experts.pack([[[1, 2]], [[3, 0]]])  # 2 tokens, 1 layer, top-2
+    sample = gen.Sample(index=0, token_ids=[5, 6, 7], finish_reason=gen.FINISH_REASON_LENGTH)
+    sample.routed_experts.CopyFrom(experts)
+    for chat in (False, True):
+        call = _call(chat)
+        out = render.sample_out(sample, call)
+        assert out.routed_experts == routed_experts.npy_base64(experts)
+        assert render.choice(call, out, [], [1])["routed_experts"] == out.routed_experts
+    without = render.sample_out(gen.Sample(index=0, token_ids=[5]), _call(False))
+    assert render.choice(_call(False), without, [], [1])["routed_experts"] is None

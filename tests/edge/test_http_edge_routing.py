@@ -241,3 +241,50 @@ async def test_retry_before_the_first_token_and_migration_mid_stream_hold_over_h
             )
             or 0
         ) >= 1
+
+
+async def test_a_router_told_its_servers_capture_routed_experts_returns_them_as_vllm_does() -> None:
+    """With ``--routed-experts`` the edge asks for every whole answer's routed experts and
+    returns them in vLLM's field and encoding (base64 ``.npy``, decoded by vLLM's own rule);
+    streamed answers do not ask (vLLM's streams carry none), and a router not told so asks
+    for none and answers null, as vLLM's server without the flag does."""
+    import base64
+    import io
+
+    import numpy as np
+
+    # A 48-layer, 8-of-128 model's shape (Qwen3-30B-A3B), for 4 output tokens of a 2-token
+    # prompt: the prompt's tokens and the outputs but the last.
+    experts = np.random.default_rng(3).integers(0, 128, size=(5, 48, 8), dtype=np.uint8)
+    backend = await FakeBackend("fake-moe", delay=0.001).start()
+    backend.servicer.routed_experts = experts
+    body = {"model": "fake-moe", "prompt": [1, 2], "max_tokens": 4}
+    try:
+        for told in (True, False):
+            router = RouterServer(
+                RouterOptions(
+                    backends=[backend.address],
+                    health_check_interval=0.1,
+                    http_port=0,
+                    routed_experts=told,
+                )
+            )
+            await router.start()
+            await router.wait_healthy(1)
+            backend.servicer.asked_experts.clear()
+            try:
+                async with http(router) as client:
+                    whole = (await client.post("/v1/completions", json=body)).json()
+                    streamed = await client.post("/v1/completions", json={**body, "stream": True})
+            finally:
+                await router.stop(0)
+            encoded = whole["choices"][0]["routed_experts"]
+            if told:
+                decoded = np.load(io.BytesIO(base64.b64decode(encoded)))
+                assert decoded.dtype == np.uint8 and np.array_equal(decoded, experts)
+                assert backend.servicer.asked_experts[:1] == [True]
+                assert "routed_experts" not in streamed.text.replace('"routed_experts":null', "")
+            else:
+                assert encoded is None and not any(backend.servicer.asked_experts)
+    finally:
+        await backend.stop()

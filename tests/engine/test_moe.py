@@ -1,8 +1,10 @@
 """The embedded mixture of experts (``serve --model tiny-moe``: Mixtral's architecture, 4
 experts a layer, top-2, built here like the tiny Llama): served by vLLM from its fused expert
-tensors, and weight updates that land exactly there. What a fresh server started from the
-pushed checkpoint generates (greedy tokens and their logprobs, bit for bit) is what the updated
-server generates; a tensor of the wrong shape is refused before anything is staged."""
+tensors, and weight updates that land exactly there, direct, relayed and read by a server
+catching up. What a fresh server started from the pushed checkpoint generates (greedy tokens
+and their logprobs, bit for bit) is what the updated servers generate; a tensor of the wrong
+shape is refused before anything is staged. LoRA on it needs vLLM's Triton kernels, which
+vLLM's CPU build lacks: refused at start, saying so."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from skyrl_grpc.tensor_bytes import sha256_of
 from skyrl_grpc.tiny_model import embedded_model_path
 from tests.helpers.server_process import ServerProcess
 from trainer_client import InferenceClient, WeightUpdateError
@@ -132,3 +135,65 @@ async def test_an_expert_of_the_wrong_shape_is_refused_with_nothing_staged(
     assert name in str(refused.value) and "shape" in str(refused.value), refused.value
     assert dict(await client.weight_versions()) == versions
     assert await answers(client) == before
+
+
+async def test_relayed_updates_and_a_caught_up_server_land_exactly_in_the_fused_experts(
+    tmp_path: Path,
+) -> None:
+    """Two MoE servers updated in-band through the relay (one tree each), full then a delta
+    patching one expert a layer; then a third started to read the fleet's weights from them
+    (catch-up). Every server's weights are the pushed tensors (their SHA-256) and they all
+    generate what a fresh server started from the pushed checkpoint does, bit for bit."""
+    original = load_file(str(moe_dir() / "model.safetensors"))
+    full = {n: t * 1.25 if is_expert(n) else t for n, t in original.items()}
+    patched = {n: t - 0.03 if ".experts.3." in n else t for n, t in full.items()}
+    pushed = {n: sha256_of(t) for n, t in patched.items()}
+    servers = [started("--model", "tiny-moe") for _ in range(2)]
+    late: ServerProcess | None = None
+    fresh: ServerProcess | None = None
+    try:
+        addresses = [s.address for s in servers]
+        client = InferenceClient(addresses[0], addresses, direct=False)
+        try:
+            version = max((await client.weight_versions()).values()) + 1
+            first = await client.update_weights(full.items(), version, delta=False)
+            second = await client.update_weights(patched.items(), version + 1, delta=True)
+            assert first.relayed and second.relayed
+            assert all(dict(sums) == pushed for sums in (await client.weight_checksums()).values())
+        finally:
+            await client.close()
+        late = started("--model", "tiny-moe", "--catch-up-from", ",".join(addresses))
+        fresh = started(
+            "--model", str(checkpoint(patched, tmp_path / "pushed")), "--dtype", "float32"
+        )
+        served = []
+        for server in (*servers, late, fresh):
+            one = InferenceClient(server.address, [server.address], direct=False)
+            try:
+                served.append((await answers(one), await one.weight_checksums()))
+            finally:
+                await one.close()
+        reference = served[-1][0]
+        names = ["relayed to first", "relayed to second", "caught up"]
+        for (outputs, sums), name in zip(served, names, strict=False):
+            assert outputs == reference, name  # tokens and logprobs, bit for bit
+            assert dict(next(iter(sums.values()))) == pushed, name
+    finally:
+        for process in (*servers, late, fresh):
+            if process is not None:
+                await asyncio.to_thread(process.kill)
+
+
+def test_lora_on_the_mixture_of_experts_is_refused_at_start_with_vllms_reason_here() -> None:
+    """vLLM serves LoRA on a mixture-of-experts model through Triton kernels (its experts'
+    LoRA layers are made with the attention's), which its CPU build does not have: a server
+    started so fails at start, saying why and what to do, instead of on the first request."""
+    server = ServerProcess("--model", "tiny-moe", "--enable-lora", "--max-lora-rank", "8")
+    try:
+        with pytest.raises(AssertionError, match="exited before 'ready'") as failed:
+            server.until("ready")
+    finally:
+        server.kill()
+    message = str(failed.value)
+    assert "triton" in message.lower() and "mixture-of-experts" in message, message
+    assert "--dtype float32" not in message  # not the hint for a dtype problem

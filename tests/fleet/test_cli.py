@@ -130,6 +130,28 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
         server_options(["--port", "5"], {}, "127.0.0.1")
 
 
+def test_up_tells_its_router_when_its_servers_capture_routed_experts() -> None:
+    """``up --enable-return-routed-experts`` (a server flag, vLLM's): the router's edge returns
+    them (``route --routed-experts``), locally and on Ray; without it, the router asks none."""
+    from servers.cli import build_parser, make_fleet
+    from servers.fleet.local import LocalFleet
+    from servers.fleet.ray_group import RayFleet
+    from servers.router.router_server import build_parser as route_parser
+    from servers.router.router_server import options_from_args
+
+    for flags, told in ((["--enable-return-routed-experts"], True), ([], False)):
+        args, rest = build_parser().parse_known_args(["up", *flags])
+        local = make_fleet(args, rest)
+        assert isinstance(local, LocalFleet)
+        assert ("--routed-experts" in local.router_args) is told
+        parsed = route_parser().parse_args(["--backends", "a:1", *local.router_args])
+        assert options_from_args(parsed).routed_experts is told
+        args.ray = True
+        ray_fleet = make_fleet(args, rest)
+        assert isinstance(ray_fleet, RayFleet)  # its router actor reads the flag from these
+        assert ("--enable-return-routed-experts" in ray_fleet.options.server_args) is told
+
+
 def test_up_standby_starts_warm_standbys_locally_and_on_ray_each_with_a_port() -> None:
     from servers.cli import build_parser, make_fleet
     from servers.fleet.local import LocalFleet

@@ -25,8 +25,8 @@ import pytest
 from skyrl_grpc.tiny_model import ensure_tiny_model
 from testbed import Host, Testbed
 from testbed.history import History, Outage, check
-from testbed.stack import job_result, run_job, start_job, start_router, start_server
-from tests.helpers.hosts import ENGINE_FLAGS, JOB_SECONDS, RATE_MBIT, open_testbed
+from testbed.stack import job_result, run_job, start_job
+from tests.helpers.hosts import JOB_SECONDS, RATE_MBIT, host_fleet, open_testbed
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -92,16 +92,16 @@ class FaultFleet:
 def fault_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultFleet]:
     logs = tmp_path_factory.mktemp("multihost-faults-logs")
     with open_testbed() as bed:
-        client = bed.add_host("client", RATE_MBIT)
-        trainer = bed.add_host("trainer", RATE_MBIT)
-        router_host = bed.add_host("router", RATE_MBIT)
-        servers = [bed.add_host(f"s{i}", RATE_MBIT) for i in range(2)]
-        started = [start_server(host, *ENGINE_FLAGS, log_dir=logs) for host in servers]
-        addresses = [server.until("ready")["address"] for server in started]
-        router = start_router(router_host, addresses, "--http-port", str(HTTP_PORT), log_dir=logs)
-        router.until("ready")
+        hosted = host_fleet(bed, logs, http_port=HTTP_PORT)
         yield FaultFleet(
-            bed, client, trainer, router_host, servers, addresses, router.address, logs
+            bed,
+            hosted.client,
+            hosted.trainer,
+            hosted.router_host,
+            hosted.servers,
+            hosted.addresses,
+            hosted.router,
+            logs,
         )
 
 

@@ -7,18 +7,15 @@ and a killed server host, the history checked."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
 from skyrl_grpc.tiny_model import ensure_tiny_model
-from testbed import Host, Testbed
+from testbed import Host
 from testbed.history import History, Update, check
 from testbed.nemesis import KINDS, Nemesis, Planned, Roles
-from testbed.stack import job_result, run_job, start_job, start_router, start_server
-from tests.helpers.hosts import ENGINE_FLAGS, JOB_SECONDS, RATE_MBIT, open_testbed
-
-HTTP_PORT = 8000
+from testbed.stack import job_result, run_job, start_job
+from tests.helpers.hosts import JOB_SECONDS, host_fleet, open_testbed
 
 
 @dataclass
@@ -105,25 +102,33 @@ async def test_a_mixed_run_of_faults_loses_nothing_and_every_host_ends_at_one_ve
 ) -> None:
     logs = tmp_path_factory.mktemp("nemesis-logs")
     with open_testbed() as bed:
-        fleet = _start_fleet(bed, logs)
-        nemesis = Nemesis(bed, fleet.roles)
-        s0, s1 = fleet.hosts
+        fleet = host_fleet(bed, logs)
+        by_address = dict(zip(fleet.addresses, fleet.servers, strict=True))
+        roles = Roles(
+            fleet.router_host,
+            fleet.trainer,
+            by_address,
+            lambda host: fleet.restart(host, logs),
+            fleet.client,
+        )
+        nemesis = Nemesis(bed, roles)
+        s0, s1 = fleet.servers
         planned = [
             Planned("partition", (s0,), 5, after=3),
-            Planned("pair", (fleet.roles.trainer, s1), 5, after=3),
-            Planned("flap", (fleet.roles.router,), 7, after=3),
+            Planned("pair", (fleet.trainer, s1), 5, after=3),
+            Planned("flap", (fleet.router_host,), 7, after=3),
             Planned("kill", (s1,), 3, after=3),
         ]
         seconds = sum(p.seconds + p.after for p in planned) + 20  # the kill's restart
         common = {"seconds": seconds, "deadline": 120.0}
         streams = start_job(
-            bed.hosts[0],
+            fleet.client,
             "streams",
             {"address": fleet.router, "streams": 3, "tokens": 64, **common},
             logs,
         )
         rl = start_job(
-            fleet.roles.trainer,
+            fleet.trainer,
             "rl",
             {"router": fleet.router, "servers": fleet.addresses,
              "model": str(ensure_tiny_model()), "seconds": seconds, "retry_seconds": 180},
@@ -132,7 +137,7 @@ async def test_a_mixed_run_of_faults_loses_nothing_and_every_host_ends_at_one_ve
         nemesis.run(planned)
         nemesis.join(600)
         results = {"streams": job_result(streams, 900), "rl": job_result(rl, 900)}
-        end = run_job(bed.hosts[0], "info", {"servers": fleet.addresses}, JOB_SECONDS)
+        end = run_job(fleet.client, "info", {"servers": fleet.addresses}, JOB_SECONDS)
     history = History.from_json(results["streams"]["history"])
     history.updates = [Update(**u) for u in results["rl"]["updates"]]
     history.outages = nemesis.outages()
@@ -151,32 +156,3 @@ async def test_a_mixed_run_of_faults_loses_nothing_and_every_host_ends_at_one_ve
         f"{len(rl_result['rewards'])} RL steps, {len(committed)} updates committed, "
         f"{len(history.updates) - len(committed)} failed and retried"
     )
-
-
-@dataclass
-class NemesisFleet:
-    hosts: list[Host]
-    addresses: list[str]
-    router: str
-    roles: Roles
-
-
-def _start_fleet(bed: Testbed, logs: Path) -> NemesisFleet:
-    client = bed.add_host("client", RATE_MBIT)
-    trainer = bed.add_host("trainer", RATE_MBIT)
-    router_host = bed.add_host("router", RATE_MBIT)
-    hosts = [bed.add_host(f"s{i}", RATE_MBIT) for i in range(2)]
-    servers = [start_server(host, *ENGINE_FLAGS, log_dir=logs) for host in hosts]
-    addresses = [server.until("ready")["address"] for server in servers]
-    router = start_router(router_host, addresses, "--http-port", str(HTTP_PORT), log_dir=logs)
-    router.until("ready")
-    by_address = dict(zip(addresses, hosts, strict=True))
-
-    def restart(host: Host) -> None:
-        (address,) = [a for a, h in by_address.items() if h is host]
-        peers = ",".join(a for a in addresses if a != address)
-        start_server(host, *ENGINE_FLAGS, "--catch-up-from", peers, log_dir=logs).until("ready")
-
-    roles = Roles(router_host, trainer, by_address, restart, client)
-    assert bed.hosts[0] is client
-    return NemesisFleet(hosts, addresses, router.address, roles)

@@ -12,11 +12,13 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from servers.common.listener import ServerTls, bind, server_options
+from skyrl_grpc import routed_experts
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
 
 DATA_PLANE = "skyrl.inference.v1.DataPlane"
@@ -51,6 +53,11 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
         self.abort_after_tokens: int | None = None
         # LoRA adapters it serves: a request naming another is NOT_FOUND, as on an engine.
         self.adapters: set[str] = set()
+        # The routed experts ([tokens, layers, top-k]) a request that asks for them gets on its
+        # last message, packed as the engine's converter packs vLLM's (None: it never asks).
+        self.routed_experts: Any = None
+        # Whether each request asked for its routed experts.
+        self.asked_experts: list[bool] = []
 
     def _begin(self, context: grpc.aio.ServicerContext) -> None:  # type: ignore[type-arg]
         self.observed.calls += 1
@@ -71,6 +78,8 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
                 grpc.StatusCode.NOT_FOUND, f"no LoRA adapter named {request.lora!r}"
             )
         max_tokens = request.sampling_params.max_tokens or 8
+        asked = request.sampling_params.return_routed_experts
+        self.asked_experts.append(asked)
         self.observed.in_flight += 1
         try:
             for i in range(max_tokens):
@@ -89,7 +98,7 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
                     return
                 await asyncio.sleep(self.delay + self.per_stream_delay * self.observed.in_flight)
                 last = i == max_tokens - 1
-                yield data_plane_pb2.GenerateStreamResponse(
+                chunk = data_plane_pb2.GenerateStreamResponse(
                     request_id=request.request_id or self.name,
                     token_ids=[i],
                     finish_reason=(
@@ -101,6 +110,9 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
                         prompt_tokens=len(request.prompt_token_ids), completion_tokens=i + 1
                     ),
                 )
+                if last and asked and self.routed_experts is not None:
+                    chunk.routed_experts.CopyFrom(routed_experts.pack(self.routed_experts))
+                yield chunk
             self.observed.completed += 1
         except (asyncio.CancelledError, GeneratorExit):
             # A cancelled call ends here either way: CancelledError if grpc cancelled the call

@@ -3,9 +3,13 @@ itself, refused where the machine cannot host one, and the engines' settings the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
 
-from testbed import Testbed, TestbedUnavailable
+from testbed import Host, Testbed, TestbedUnavailable
+from testbed.stack import start_router, start_server
 
 # Each host's link, both ways.
 RATE_MBIT = 200
@@ -25,3 +29,37 @@ def open_testbed() -> Testbed:
         if "root" in str(unavailable):
             pytest.skip(str(unavailable))
         raise
+
+
+@dataclass
+class HostedFleet:
+    """The fleet most fault tests run: a client, a trainer and a router on hosts of their own,
+    a server on each of ``servers`` hosts (``addresses``, in order)."""
+
+    client: Host
+    trainer: Host
+    router_host: Host
+    servers: list[Host]
+    addresses: list[str]
+    router: str
+
+    def restart(self, host: Host, logs: Path) -> None:
+        """The server of ``host`` (killed) started again, reading its peers' weights before
+        it serves; returns once it is ready."""
+        index = self.servers.index(host)
+        peers = ",".join(a for i, a in enumerate(self.addresses) if i != index)
+        start_server(host, *ENGINE_FLAGS, "--catch-up-from", peers, log_dir=logs).until("ready")
+
+
+def host_fleet(bed: Testbed, logs: Path, servers: int = 2, http_port: int = 8000) -> HostedFleet:
+    """``HostedFleet`` on ``bed``: every server ready, the router (its OpenAI edge on
+    ``http_port``) ready in front of them."""
+    client = bed.add_host("client", RATE_MBIT)
+    trainer = bed.add_host("trainer", RATE_MBIT)
+    router_host = bed.add_host("router", RATE_MBIT)
+    hosts = [bed.add_host(f"s{i}", RATE_MBIT) for i in range(servers)]
+    started = [start_server(host, *ENGINE_FLAGS, log_dir=logs) for host in hosts]
+    addresses = [server.until("ready")["address"] for server in started]
+    router = start_router(router_host, addresses, "--http-port", str(http_port), log_dir=logs)
+    router.until("ready")
+    return HostedFleet(client, trainer, router_host, hosts, addresses, router.address)

@@ -20,7 +20,7 @@ import torch
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc
 from tests.conftest import running_engine_server
-from tests.helpers.adapters import make_adapter
+from tests.helpers.adapters import make_adapter, merged_reference
 from tests.helpers.waits import running_on_engines
 from trainer_client import FanOutError, InferenceClient
 from trainer_client.exceptions import ServerError
@@ -29,35 +29,6 @@ from trainer_client.weights.weight_sending import lora_push_messages
 pytestmark = pytest.mark.engine
 PROMPTS = [[1, 17, 33, 95, 200, 311], [1, 5, 9, 13, 400, 77, 78]]
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
-
-
-def merged_reference(
-    model_dir: Path, adapter: tuple[dict[str, torch.Tensor], dict[str, Any]] | None
-) -> list[list[int]]:
-    """Greedy outputs of transformers with the adapter merged into the base weights."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    if adapter is not None:
-        tensors, config = adapter
-        scale = config["lora_alpha"] / config["r"]
-        with torch.no_grad():
-            if "lm_head" in config["target_modules"]:
-                a = tensors["base_model.model.lm_head.lora_A.weight"]
-                b = tensors["base_model.model.lm_head.lora_B.weight"]
-                model.lm_head.weight += scale * (b @ a)
-            for layer_index, layer in enumerate(model.model.layers):
-                for module in (t for t in config["target_modules"] if t != "lm_head"):
-                    prefix = f"base_model.model.model.layers.{layer_index}.self_attn.{module}"
-                    a, b = tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"]
-                    getattr(layer.self_attn, module).weight += scale * (b @ a)
-    outputs = []
-    for prompt in PROMPTS:
-        generated = model.generate(
-            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
-        )
-        outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +74,8 @@ async def test_an_adapter_pushed_in_band_to_two_servers_matches_its_merged_refer
     assert {a.version for a in loaded.values()} == {1} and len(loaded) == 2
     assert len({a.sha256 for a in loaded.values()}) == 1  # the same bytes on both
     base, with_adapter = await asyncio.gather(
-        asyncio.to_thread(merged_reference, tiny_model_dir, None),
-        asyncio.to_thread(merged_reference, tiny_model_dir, adapter),
+        asyncio.to_thread(merged_reference, tiny_model_dir, None, PROMPTS),
+        asyncio.to_thread(merged_reference, tiny_model_dir, adapter, PROMPTS),
     )
     assert base != with_adapter  # the adapter matters
     assert await outputs(client, "alpha") == with_adapter
@@ -135,9 +106,9 @@ async def test_two_adapters_and_the_base_model_in_one_concurrent_batch(
         zip(
             ["", "a", "b"],
             await asyncio.gather(
-                asyncio.to_thread(merged_reference, tiny_model_dir, None),
+                asyncio.to_thread(merged_reference, tiny_model_dir, None, PROMPTS),
                 *(
-                    asyncio.to_thread(merged_reference, tiny_model_dir, a)
+                    asyncio.to_thread(merged_reference, tiny_model_dir, a, PROMPTS)
                     for a in adapters.values()
                 ),
             ),
@@ -169,7 +140,7 @@ async def test_an_adapter_replaced_in_place_serves_its_new_version_and_running_r
     assert {a.version for a in replaced.values()} == {2}
     before = await running
     assert before.lora_version == 1 and len(before.token_ids) == 400
-    expected = await asyncio.to_thread(merged_reference, tiny_model_dir, second)
+    expected = await asyncio.to_thread(merged_reference, tiny_model_dir, second, PROMPTS)
     assert await outputs(client, "live") == expected
     assert (await client.generate(PROMPTS[0], GREEDY, lora="live")).lora_version == 2
     await client.unload_lora("live")
@@ -300,7 +271,7 @@ async def test_unloaded_or_unknown_adapters_are_not_found_and_the_base_still_ser
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
     loaded = await client.load_lora("from-disk", path=str(tmp_path))
     assert {a.source for a in loaded.values()} == {"path"}
-    expected = await asyncio.to_thread(merged_reference, tiny_model_dir, (tensors, config))
+    expected = await asyncio.to_thread(merged_reference, tiny_model_dir, (tensors, config), PROMPTS)
     assert await outputs(client, "from-disk") == expected
     await client.unload_lora("from-disk")
     with pytest.raises(ServerError) as missing:
@@ -309,7 +280,7 @@ async def test_unloaded_or_unknown_adapters_are_not_found_and_the_base_still_ser
     assert "from-disk" in str(missing.value)
     with pytest.raises(FanOutError):
         await client.unload_lora("from-disk")
-    base = await asyncio.to_thread(merged_reference, tiny_model_dir, None)
+    base = await asyncio.to_thread(merged_reference, tiny_model_dir, None, PROMPTS)
     assert await outputs(client) == base
     await client.close()
 
@@ -334,7 +305,7 @@ async def test_the_openai_edge_lists_adapters_and_model_selects_one(
     client = client_of(lora_fleet)
     adapter = make_adapter(tiny_model_dir, 9)
     await client.load_lora("web", tensors=adapter[0], config=adapter[1])
-    expected = await asyncio.to_thread(merged_reference, tiny_model_dir, adapter)
+    expected = await asyncio.to_thread(merged_reference, tiny_model_dir, adapter, PROMPTS)
     base_url = f"http://127.0.0.1:{lora_fleet[0].http_port}"
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
         models = (await http.get("/v1/models")).json()["data"]

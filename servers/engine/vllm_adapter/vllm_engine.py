@@ -173,10 +173,22 @@ class VllmEngine:
             await asyncio.wait_for(generate(), timeout)
         except Exception as error:
             cause = root_cause(self._errors) or f"{type(error).__name__}: {error}"
+            if "triton" in cause.lower():
+                # e.g. LoRA on a mixture-of-experts model: vLLM runs its experts' LoRA through
+                # Triton kernels, which its CPU build does not have.
+                hint = (
+                    "vLLM runs this combination (e.g. --enable-lora on a mixture-of-experts "
+                    "model) with Triton kernels, which its CPU build lacks: drop the option "
+                    "here, or serve on a GPU"
+                )
+            else:
+                hint = (
+                    "if the engine's dtype is the problem on this machine (e.g. a CPU whose "
+                    "bfloat16 kernels fail), start it with --dtype float32"
+                )
             raise EngineCannotRun(
                 f"the engine started but cannot generate with this model and these settings: "
-                f"{cause}. If the engine's dtype is the problem on this machine (e.g. a CPU "
-                "whose bfloat16 kernels fail), start it with --dtype float32"
+                f"{cause}. {hint[0].upper()}{hint[1:]}"
             ) from error
 
     def unfinished_requests(self) -> int:

@@ -55,6 +55,7 @@ class OpenAIEdge(AsgiApp):
         stream_interval: int = 1,
         replica: int | None = None,
         tokenizer: LocalTokenizer | None = None,
+        routed_experts: bool = False,
     ) -> None:
         self.proxy = proxy
         self.pool = pool
@@ -62,6 +63,8 @@ class OpenAIEdge(AsgiApp):
         self.replica = replica
         # Text prompts tokenized here (the model's tokenizer files), else by a Tokenize call.
         self.tokenizer = tokenizer
+        # Whole answers carry their routed experts (the servers capture them), as vLLM's do.
+        self.routed_experts = routed_experts
         self._model: data_plane_pb2.GetModelInfoResponse | None = None
         self._token_texts = TokenTexts()  # for logprobs answers, as vLLM's server writes them
         super().__init__(
@@ -183,6 +186,8 @@ class OpenAIEdge(AsgiApp):
             lora=call.lora,
             chat_output=chat_output,
         )
+        if self.routed_experts and interval == WHOLE:  # vLLM's streams do not carry them
+            message.sampling_params.return_routed_experts = True
         return self.proxy.generation(message, request.call())
 
     async def _fold(

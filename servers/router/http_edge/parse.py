@@ -262,6 +262,11 @@ def read_generation(body: Json, chat: bool) -> GenerationCall:
         id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
         created=int(time.time()),
     )
+    # vLLM's: the prompt tokens before this index are left out of the routed experts.
+    start = _get(body, "routed_experts_prompt_start", int, 0)
+    if start < 0:
+        raise InvalidArgument("'routed_experts_prompt_start' must be 0 or more")
+    call.sampling.routed_experts_prompt_start = start
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

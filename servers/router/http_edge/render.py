@@ -12,7 +12,7 @@ from typing import Any
 
 from servers.router.http_edge import tool_calls
 from servers.router.http_edge.parse import GenerationCall
-from skyrl_grpc import finish_reasons
+from skyrl_grpc import finish_reasons, routed_experts
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2
 from skyrl_grpc.v1 import generation_pb2 as gen
 
@@ -31,6 +31,8 @@ class SampleOut:
     logprobs: gen.Logprobs | None = None
     # Chat: the engine's parse of the whole output (content, reasoning, tool calls).
     message: chat_tools_pb2.ChatMessageOut | None = None
+    # The experts each token was routed to, as vLLM's server writes them (base64 ``.npy``).
+    routed_experts: str | None = None
 
 
 def finish_of(
@@ -160,7 +162,7 @@ def choice(
             "finish_reason": sample.finish_reason,
             "stop_reason": sample.stop_reason,
             "token_ids": token_ids,
-            "routed_experts": None,
+            "routed_experts": sample.routed_experts,
         }
     return {
         "index": sample.index,
@@ -173,7 +175,7 @@ def choice(
         "token_ids": token_ids,
         "prompt_logprobs": None,
         "prompt_token_ids": list(prompt) if call.return_token_ids else None,
-        "routed_experts": None,
+        "routed_experts": sample.routed_experts,
     }
 
 
@@ -335,4 +337,9 @@ def sample_out(
         stop_reason=stop_reason,
         logprobs=sample.logprobs if sample.HasField("logprobs") else None,
         message=message,
+        routed_experts=(
+            routed_experts.npy_base64(sample.routed_experts)
+            if sample.HasField("routed_experts")
+            else None
+        ),
     )
