@@ -207,3 +207,23 @@ def cpu_layout(options: EngineOptions) -> tuple[dict[str, Any], dict[str, str]]:
     # AsyncLLM still runs the engine core in its own process.
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return {"distributed_executor_backend": "uni"}, env
+
+
+def cannot_generate(cause: str) -> str:
+    """What a server says when its engine started but cannot generate (the warm-up's error,
+    ``cause``), with what to try: the settings, not the model, are what it can change."""
+    if "triton" in cause.lower():
+        # e.g. LoRA on a mixture-of-experts model: vLLM runs its experts' LoRA through Triton
+        # kernels, which its CPU build does not have.
+        hint = (
+            "vLLM runs this combination (e.g. --enable-lora on a mixture-of-experts model) "
+            "with Triton kernels, which its CPU build lacks: drop the option here, or serve on "
+            "a GPU"
+        )
+    else:
+        hint = (
+            "If the engine's dtype is the problem on this machine (e.g. a CPU whose bfloat16 "
+            "kernels fail), start it with --dtype float32"
+        )
+    said = "the engine started but cannot generate with this model and these settings"
+    return f"{said}: {cause}. {hint}"

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
 from servers.engine.options import EngineOptions, RequestLimits
-from servers.engine.vllm_adapter import core_preload
+from servers.engine.vllm_adapter import core_preload, engine_args
 from servers.engine.vllm_adapter.engine_args import Platform, engine_arguments, resolved_model
 from servers.engine.vllm_adapter.engine_client_view import EngineClientView
 from servers.engine.vllm_adapter.engine_logs import death_cause, root_cause
@@ -173,23 +173,7 @@ class VllmEngine:
             await asyncio.wait_for(generate(), timeout)
         except Exception as error:
             cause = root_cause(self._errors) or f"{type(error).__name__}: {error}"
-            if "triton" in cause.lower():
-                # e.g. LoRA on a mixture-of-experts model: vLLM runs its experts' LoRA through
-                # Triton kernels, which its CPU build does not have.
-                hint = (
-                    "vLLM runs this combination (e.g. --enable-lora on a mixture-of-experts "
-                    "model) with Triton kernels, which its CPU build lacks: drop the option "
-                    "here, or serve on a GPU"
-                )
-            else:
-                hint = (
-                    "if the engine's dtype is the problem on this machine (e.g. a CPU whose "
-                    "bfloat16 kernels fail), start it with --dtype float32"
-                )
-            raise EngineCannotRun(
-                f"the engine started but cannot generate with this model and these settings: "
-                f"{cause}. {hint[0].upper()}{hint[1:]}"
-            ) from error
+            raise EngineCannotRun(engine_args.cannot_generate(cause)) from error
 
     def unfinished_requests(self) -> int:
         return int(self.llm.get_num_unfinished_requests())
@@ -254,14 +238,14 @@ class VllmEngine:
         )
         arguments = engine_arguments(options, limits, platform, model_path)
         core_preload.set_environment(arguments.environment)
-        engine_args = AsyncEngineArgs(**arguments.args)
+        async_args = AsyncEngineArgs(**arguments.args)
         load = LoadTracker()
         engine_loop = EngineLoop()
 
         try:
             llm = await engine_loop.run(
                 lambda: core_preload.launch(
-                    engine_args.create_engine_config,
+                    async_args.create_engine_config,
                     lambda config: AsyncLLM.from_vllm_config(config, stat_loggers=[load.factory()]),
                     preloaded,
                 )
