@@ -277,21 +277,27 @@ class Testbed:
         run(host.command(["iptables", "-A", "OUTPUT", "-o", "eth0", *_QUEUE]))
 
     def _apply_faults(self, host: Host) -> None:
-        """``host``'s faults as one nft table on its eth0, replaced atomically."""
+        """``host``'s faults as one nft table on its port of the bridge, replaced atomically.
+
+        Dropped where a switch drops them, not in the host: a packet its own kernel could not
+        send is a local failure to TCP (no backoff; a socket with new data to send gives up
+        after 15 probes half a second apart, ~7.5 s), which no partition in a network is. What
+        the host sends arrives at the port's ingress, what it receives leaves by its egress."""
         rules = list(host.faults.values())
-        ingress = [r.replace("daddr", "saddr") if r.startswith("ip daddr") else r for r in rules]
-        body = "table netdev faults\ndelete table netdev faults\n"
+        to_host = [r.replace("daddr", "saddr") if r.startswith("ip daddr") else r for r in rules]
+        table = f"faults_{host.port}"
+        body = f"table netdev {table}\ndelete table netdev {table}\n"
         if rules:
             body += (
-                "table netdev faults {\n"
-                '  chain in { type filter hook ingress device "eth0" priority 0;\n'
-                + "".join(f"    {rule}\n" for rule in ingress)
-                + "  }\n"
-                '  chain out { type filter hook egress device "eth0" priority 0;\n'
+                f"table netdev {table} {{\n"
+                f'  chain from_host {{ type filter hook ingress device "{host.port}" priority 0;\n'
                 + "".join(f"    {rule}\n" for rule in rules)
+                + "  }\n"
+                f'  chain to_host {{ type filter hook egress device "{host.port}" priority 0;\n'
+                + "".join(f"    {rule}\n" for rule in to_host)
                 + "  }\n}\n"
             )
-        nft(body, host.ns)
+        nft(body, self._bridge_ns)
 
     def close(self) -> None:
         """Kills every process on every host, then removes the namespaces (their veths and

@@ -17,7 +17,8 @@ reads a ``History`` and names every violation:
   may lag);
 - ``session``: a session's calls on another server while the first was reachable (``outages``:
   when each server could not be reached), unless it moves onto a server healed from an outage
-  (the placement evening out the load the outage left).
+  (the placement evening out the load the outage left) or onto new weights (no KV cache to
+  keep across versions).
 
 Everything is plain JSON-able values: a job prints its history, the test checks it.
 """
@@ -189,9 +190,11 @@ def _check_results(calls: list[Call]) -> list[Violation]:
 
 
 def _check_sessions(calls: list[Call], outages: list[Outage]) -> list[Violation]:
-    """A session stays on its server unless that server was unreachable before it moved, or it
+    """A session stays on its server unless that server was unreachable before it moved, it
     moves onto a server healed from an outage (bounded-load placement evening out the load the
-    outage left: every session it moved sits on the others)."""
+    outage left: every session it moved sits on the others), or the weights changed between
+    its two calls (the KV cache a session is kept for never crosses weight versions, so a move
+    then costs nothing: placement keeps calls off a server still behind the newest version)."""
     found: list[Violation] = []
     by_session: dict[str, list[Call]] = defaultdict(list)
     for call in calls:
@@ -207,7 +210,11 @@ def _check_sessions(calls: list[Call], outages: list[Outage]) -> list[Violation]
                 for o in outages
             )
             onto_healed = any(o.server == after.server and o.end <= after.started for o in outages)
-            if not (unreachable or onto_healed):
+            new_weights = (
+                bool(before.messages and after.messages)
+                and after.messages[0].weight_version != before.messages[-1].weight_version
+            )
+            if not (unreachable or onto_healed or new_weights):
                 found.append(
                     Violation(
                         "session",

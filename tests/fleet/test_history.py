@@ -100,3 +100,13 @@ def test_a_session_moves_only_off_a_server_that_was_unreachable() -> None:
     assert kinds(History([first, moved, third], outages=[cut])) == ["session"]
     on_b = [stream("r1", server="b"), stream("r2", started=15.0, ended=15.5, server="a")]
     assert check(History(on_b, outages=[cut])) == []  # b's sessions even out onto healed a
+
+
+def test_a_session_may_move_when_the_weights_changed_between_its_calls() -> None:
+    """A session is kept on its server for its KV cache, which a new weight version voids: a
+    move across a version change is no violation; at the same version it still is."""
+    newer = [Message([5, 6], 2, 2), Message([7, 8], 4, 2), Message([9, 10], 6, 2)]
+    moved = stream("r2", started=12.0, ended=12.5, server="b", messages=newer)
+    assert check(History([stream("r1"), moved])) == []
+    same = stream("r2", started=12.0, ended=12.5, server="b")
+    assert kinds(History([stream("r1"), same])) == ["session"]
