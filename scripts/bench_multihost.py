@@ -57,7 +57,7 @@ STEPS = [{"edit": 1}, {"edit": 2}, {"edit": 3, "delta": False}]
 FULL, DELTA = 2, 1
 SERVER_FLAGS = ("--dtype", "float32", "--cpu-threads", "1")
 # Where eight servers must share this machine's memory.
-SMALL_FLAGS = ("--kv-cache-gib", "0.25", "--no-weight-spares-at-start")
+SMALL_FLAGS = ("--kv-cache-gib", "0.25", "--weight-staging", "first-update")
 JOB_SECONDS = 3600
 
 

@@ -4,11 +4,12 @@ servers relay the stream to each other, item 7).
 The ~294M float32 benchmark model (``bench_models``) is served by vLLM's own OpenAI server and
 by this project's engine server (with the same engine settings: KV cache, eager mode), each
 started as a process; every process's unique memory (USS: what would be freed if it exited)
-is read once the server is idle, and for this project's server again after a full update
+is read once the server is idle, and for this project's server again after a trainer's first
+rollout (where, by default, it prepares for updates: ``--weight-staging``), after a full update
 (the previous weights kept for a rollback), after one with ``release_memory=True``, and while
-updating (the peak, sampled). The server runs with its defaults, then with
-``--no-weight-spares-at-start``. The target: vLLM's own plus 1.1x the model's bytes (the
-checkpoint copy exact deltas need).
+updating (the peak, sampled). The server runs with each ``--weight-staging``. The target:
+vLLM's own plus 1.1x the model's bytes (the checkpoint copy exact deltas need); the first
+update <= 1.2x the second.
 
 With ``--delta-steps N`` it measures memory over a run of N delta steps instead
 (``scripts/memory_soak.py``: does a long run leave the servers' memory flat?).
@@ -102,26 +103,41 @@ def nudged(tensors: list[tuple[str, torch.Tensor]], seed: int) -> list[tuple[str
     return [(n, t + 1e-3 * torch.randn(t.shape, generator=generator)) for n, t in tensors]
 
 
+ROLLOUT = {"max_tokens": 64, "temperature": 1.0, "ignore_eos": True}
+ROLLOUT_PROMPTS = 16
+
+
+async def rollout(client: Any, seed: int) -> float:
+    """A trainer's rollout (16 prompts x 64 sampled tokens, one batch); its seconds."""
+    prompts = [[1, 450 + seed, 700 + i] for i in range(ROLLOUT_PROMPTS)]
+    started = time.perf_counter()
+    results = await client.generate_batch(prompts, ROLLOUT)
+    assert all(len(r.token_ids) == ROLLOUT["max_tokens"] for r in results)
+    return time.perf_counter() - started
+
+
 async def ours(
     model: BenchModel, flags: Sequence[str]
-) -> tuple[dict[str, dict[str, int]], list[float]]:
-    """Each state's memory, and the seconds of a new trainer's first two full updates (no
-    ``reserve_delta_base``)."""
+) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
+    """Each state's memory, and the seconds of a new trainer's first two rollouts and first
+    two full updates (no ``reserve_delta_base``), in a trainer's order: rollout, update."""
     from trainer_client import InferenceClient
 
     states: dict[str, dict[str, int]] = {}
-    seconds: list[float] = []
+    seconds: dict[str, float] = {}
     with engine_servers(model.path, 1, 1, "float32", flags) as (server,):
         address: str = server.address  # type: ignore[attr-defined]
         states["idle after start"] = settle(server.pid)
         client = InferenceClient(address, [address], direct=False)
-        # A new trainer's first two full updates with the client's defaults (every element
-        # changed), timed (nothing sampled meanwhile).
+        # Timed, nothing sampled meanwhile: every element of each update changed.
         for step in range(2):
+            seconds[f"rollout {step + 1}"] = await rollout(client, step)
+            if not step:
+                states["after the first rollout"] = settle(server.pid)
             weights = nudged(model.tensors, step)
             started = time.perf_counter()
             await client.update_weights(weights)
-            seconds.append(time.perf_counter() - started)
+            seconds[f"update {step + 1}"] = time.perf_counter() - started
             if not step:
                 states["after a full update"] = settle(server.pid)
         peak = Peak(server.pid)
@@ -138,7 +154,7 @@ def theirs(model: BenchModel) -> dict[str, int]:
 
 
 def report(
-    model: BenchModel, vllm: dict[str, int], runs: dict[str, Any], updates: dict[str, list[float]]
+    model: BenchModel, vllm: dict[str, int], runs: dict[str, Any], timings: dict[str, Any]
 ) -> list[str]:
     target = sum(vllm.values()) + 1.1 * model.total_bytes
     roles = ["server (HTTP)", "server (gRPC)", "forkserver", "engine core", "resource tracker"]
@@ -161,12 +177,15 @@ def report(
             lines.append(row(name, state, memory))
     lines += [
         "",
-        "| server | first full update s | second s | first / second |",
-        "|---|---|---|---|",
+        "| server | first rollout s | second s | first / second | first full update s | "
+        "second s | first / second |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name, seconds in updates.items():
+    for name, t in timings.items():
         lines.append(
-            f"| {name} | {seconds[0]:.2f} | {seconds[1]:.2f} | {seconds[0] / seconds[1]:.2f}x |"
+            f"| {name} | {t['rollout 1']:.2f} | {t['rollout 2']:.2f} | "
+            f"{t['rollout 1'] / t['rollout 2']:.2f}x | {t['update 1']:.2f} | "
+            f"{t['update 2']:.2f} | {t['update 1'] / t['update 2']:.2f}x |"
         )
     return lines
 
@@ -183,17 +202,20 @@ def main() -> None:
     model = load_model("float32", args.size)
     vllm = theirs(model)
     runs: dict[str, Any] = {}
-    updates: dict[str, list[float]] = {}
+    timings: dict[str, Any] = {}
     for name, flags in (
-        ("this project's", []),
-        ("--no-weight-spares-at-start", ["--no-weight-spares-at-start"]),
+        ("this project's (--weight-staging first-generation)", []),
+        ("--weight-staging start", ["--weight-staging", "start"]),
+        ("--weight-staging first-update", ["--weight-staging", "first-update"]),
+        ("--no-preload-engine-core", ["--no-preload-engine-core"]),
     ):
-        runs[name], updates[name] = asyncio.run(ours(model, flags))
+        runs[name], timings[name] = asyncio.run(ours(model, flags))
     lines = [
         "Measured by `scripts/bench_server_memory.py`: unique memory (USS) per process, GB; "
-        "then a new trainer's first and second full updates (client defaults).",
+        "then a new trainer's first two steps, each a rollout (16 prompts x 64 sampled tokens) "
+        "and a full update (client defaults).",
         "",
-        *report(model, vllm, runs, updates),
+        *report(model, vllm, runs, timings),
     ]
     write_report(args.output, lines, "server-memory")
 

@@ -23,6 +23,12 @@ from skyrl_grpc.placement.session_directory import SESSION_IDLE_SECONDS
 from skyrl_grpc.tiny_model import TINY_MODEL_NAME as TINY_MODEL_NAME
 from skyrl_grpc.tls import TlsConfig
 
+# --weight-staging: when a server prepares for its first weight update (see EngineOptions).
+STAGING_AT_FIRST_GENERATION = "first-generation"
+STAGING_AT_START = "start"
+STAGING_AT_FIRST_UPDATE = "first-update"
+STAGING_CHOICES = (STAGING_AT_FIRST_GENERATION, STAGING_AT_START, STAGING_AT_FIRST_UPDATE)
+
 WORKER_EXTENSION = "servers.engine.worker.worker_extension.WeightTransferWorker"
 DEFAULT_PORT = 50051  # the command line's; ServerOptions(port=0) picks a free port
 
@@ -67,13 +73,12 @@ class EngineOptions:
     # weight bytes it holds (``servers/engine/worker/heap.py``); 0: after every update;
     # negative: never.
     weight_heap_slack: float = 1.0
-    # Every layer is reloaded once at start (what vLLM's first reload pays once), so the first
-    # update does not pay it.
-    weight_staging_at_start: bool = True
-    # The memory a full update stages into is allocated and touched at start (1x the model at
-    # TP rank 0, held while idle), so the first full update does not fault it in: without it
-    # the 294M benchmark model's first update took 1.28x a later one (docs/weights.md).
-    weight_spares_at_start: bool = True
+    # When the server prepares for its first weight update (``domain.weights.readiness``):
+    # every layer reloaded once (what vLLM's first reload pays) and the memory a full update
+    # stages into (1x the model at TP rank 0) allocated. "first-generation": beside the first
+    # generation, so a server that never serves holds neither; "start"; "first-update": the
+    # first update pays both.
+    weight_staging: str = STAGING_AT_FIRST_GENERATION
     # Accept weights holding NaN or infinity (refused by default: they poison generation).
     allow_non_finite_weights: bool = False
     # A session without a request for this long ends (its place is free for placement).
@@ -215,17 +220,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "negative: never (default %(default)s)",
     )
     group.add_argument(
-        "--no-weight-staging-at-start",
-        action="store_true",
-        help="do not reload every layer once at start: the server starts sooner and its first "
-        "weight update pays vLLM's first reload",
-    )
-    group.add_argument(
-        "--no-weight-spares-at-start",
-        action="store_true",
-        help="do not allocate at start the memory a full weight update stages into (1x the "
-        "model in host memory at TP rank 0): an idle server holds one copy of the model less, "
-        "and its first full update faults that memory in",
+        "--weight-staging",
+        choices=STAGING_CHOICES,
+        default=d.weight_staging,
+        help="when the server prepares for its first weight update (a reload of every layer, "
+        "and 1x the model in host memory to stage a full update into): at its first "
+        "generation, so an idle server or a standby holds neither; at start; or by the "
+        "first update itself, which then takes longer (default %(default)s)",
     )
     group.add_argument(
         "--session-idle-seconds",
@@ -310,8 +311,7 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
         weight_update_lease_seconds=args.weight_update_lease_seconds,
         weight_stage_batch_bytes=args.weight_stage_batch_bytes,
         weight_heap_slack=args.weight_heap_slack,
-        weight_staging_at_start=not args.no_weight_staging_at_start,
-        weight_spares_at_start=not args.no_weight_spares_at_start,
+        weight_staging=args.weight_staging,
         allow_non_finite_weights=args.allow_non_finite_weights,
         session_idle_seconds=args.session_idle_seconds,
         enable_lora=args.enable_lora,

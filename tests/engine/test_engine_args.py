@@ -35,7 +35,6 @@ def test_the_tiny_model_on_cpu_runs_in_one_process_on_one_thread() -> None:
     assert args["kv_cache_memory_bytes"] == 2 << 30
     assert env == {
         "SKYRL_WEIGHT_HEAP_SLACK": "1",
-        "SKYRL_WEIGHT_SPARES_AT_START": "1",
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -101,7 +100,6 @@ def test_gpu_arguments_and_extra_arguments_win() -> None:
     assert made.args["max_num_seqs"] == 7
     assert made.environment == {  # nothing of CPU serving
         "SKYRL_WEIGHT_HEAP_SLACK": "1",
-        "SKYRL_WEIGHT_SPARES_AT_START": "1",
     }
 
 
@@ -139,8 +137,6 @@ def test_the_weight_heap_slack_reaches_the_workers_environment() -> None:
         assert made.environment["SKYRL_WEIGHT_HEAP_SLACK"] == "-1"
     half = engine_arguments(EngineOptions(weight_heap_slack=0.5), RequestLimits(), CPU, "/m")
     assert half.environment["SKYRL_WEIGHT_HEAP_SLACK"] == "0.5"
-    lean = engine_arguments(EngineOptions(weight_spares_at_start=False), RequestLimits(), CPU, "/m")
-    assert lean.environment["SKYRL_WEIGHT_SPARES_AT_START"] == "0"
 
 
 def test_the_engine_core_forks_from_a_preloaded_process_only_where_that_is_safe() -> None:

@@ -93,20 +93,51 @@ def test_the_port_opens_before_the_engine_loads(server: ServerProcess) -> None:
     assert health(listening["address"]) == SERVING
 
 
-def test_a_server_reloads_its_weights_once_before_it_serves(
+def test_a_server_prepares_for_updates_beside_its_first_generation_only(
     server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """Prepared for weight updates at start: every layer is reloaded once from the serving
-    weights before the server says it is ready, so the first update's commit does not pay what
-    vLLM's first reload pays once; the weights are unchanged (the greedy tests of
-    test_engine_server compare a started server's outputs with vLLM's own)."""
+    """--weight-staging first-generation (the default): an idle server has not reloaded its
+    layers nor allocated the staging memory; its first generation starts both (every layer
+    reloaded once from the serving weights, so the first update's commit does not pay what
+    vLLM's first reload pays once), and a second generation does not repeat them. The
+    weights are unchanged: the greedy answer before and after is the same."""
     from safetensors import safe_open
 
     with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as weights:
         parameters = len(list(weights.keys()))
     server.until("ready")
-    log = (tmp_path / "server.log").read_text()
-    assert f"weights reloaded once at start: {parameters} parameters" in log, log[-2000:]
+    log = tmp_path / "server.log"
+    assert "prepared for weight updates" not in log.read_text()
+
+    async def greedy() -> list[int]:
+        client = InferenceClient(server.address, [server.address], direct=False)
+        try:
+            sampling = {"max_tokens": 8, "temperature": 0.0}
+            return (await client.generate([1, 2, 3], sampling)).token_ids
+        finally:
+            await client.close()
+
+    first = asyncio.run(greedy())
+    wait_until(lambda: "prepared for weight updates" in log.read_text(), 120)
+    assert f"prepared for weight updates: {parameters} parameters reloaded" in log.read_text()
+    assert asyncio.run(greedy()) == first
+    assert log.read_text().count("prepared for weight updates") == 1
+
+
+def test_a_server_started_with_staging_at_start_prepares_before_it_serves(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as weights:
+        parameters = len(list(weights.keys()))
+    log = tmp_path / "server.log"
+    process = ServerProcess("--weight-staging", "start", stderr=log)
+    try:
+        process.until("ready")
+        assert f"prepared for weight updates: {parameters} parameters reloaded" in log.read_text()
+    finally:
+        process.kill()
 
 
 def test_a_model_the_engine_cannot_run_fails_at_start(tmp_path: Path) -> None:

@@ -134,6 +134,7 @@ class EngineParts:
                 options.weight_stage_batch_bytes,
                 options.weight_update_lease_seconds,
                 options.allow_non_finite_weights,
+                options.weight_staging,
             ),
             status_changed,
             on_phase,

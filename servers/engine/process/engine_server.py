@@ -242,8 +242,8 @@ class EngineServer:
             # A drain shuts it down from now on; calls wait until it is warm and caught up
             # (a pause from a trainer would otherwise stall the warm-up or the catch-up).
             self.state.set_ready(parts)
-            if self.options.engine.weight_staging_at_start:
-                await parts.weights.warm_reload()  # the warm-up below generates with its result
+            # With --weight-staging start: the warm-up below generates with its reload.
+            await parts.weights.readiness.at_start()
             await parts.engine.warm_up()
             if self.options.catch_up_from:  # before anything is served: nobody sees it behind
                 peers = self.options.catch_up_from

@@ -131,6 +131,7 @@ class BatchRun:
                 continue
             try:
                 self._held[index] = await self._admission.acquire(prepared.n)
+                self._weights.generation_starts()
                 outputs, transform = self._engine.submission(
                     prepared.request_id,
                     prepared.prompt_token_ids,

@@ -130,6 +130,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     ) -> AsyncIterator[data_plane_pb2.GenerateStreamResponse]:
         try:
             async with self._admission.admit(prepared.n):
+                parts.weights.generation_starts()
                 outputs = parts.engine.generate(
                     prepared.request_id,
                     prepared.prompt_token_ids,

@@ -32,6 +32,7 @@ FREE_ROLLBACK = "skyrl_free_rollback"
 CLEAR_KV_CACHE = "skyrl_clear_kv_cache"
 READ = "skyrl_read"
 WARM_RELOAD = "skyrl_warm_reload"
+PREPARE_SPARES = "skyrl_prepare_spares"
 METHODS = (
     LAYOUT,
     CHECKSUMS,
@@ -41,6 +42,7 @@ METHODS = (
     CLEAR_KV_CACHE,
     READ,
     WARM_RELOAD,
+    PREPARE_SPARES,
 )
 
 
@@ -159,8 +161,6 @@ Rpc = Callable[[str, tuple[Any, ...]], Awaitable[list[Any]]]
 
 # The server's --weight-heap-slack, as its engine's workers inherit it (``heap.HeapKeeper``).
 HEAP_SLACK_ENVIRONMENT = "SKYRL_WEIGHT_HEAP_SLACK"
-# The server's --no-weight-spares-at-start, as its engine's workers inherit it ("0").
-SPARES_AT_START_ENVIRONMENT = "SKYRL_WEIGHT_SPARES_AT_START"
 
 # What vLLM's worker says when ``start_weight_update`` finds a session still open.
 STALE_SESSION = "weight update is already active"
@@ -217,6 +217,12 @@ class WorkerCalls:
         the weights stay what they are); returns the parameters reloaded."""
         reloaded: list[int] = await self._rpc(WARM_RELOAD, ())
         return max(reloaded, default=0)
+
+    async def prepare_spares(self) -> int:
+        """Allocates and touches the memory a full update stages into (at the worker keeping
+        the checkpoint copy); returns its bytes."""
+        allocated: list[int] = await self._rpc(PREPARE_SPARES, ())
+        return sum(allocated)
 
     async def join_group(self, group: Group) -> None:
         """Joins every worker to the trainer's group (each as ``rank_offset`` + its rank)."""

@@ -47,13 +47,15 @@ def import_server_modules() -> None:
 
 
 # What the engine core imports on CPU with one worker: vLLM's engine core, its CPU worker and
-# model runner, and this project's worker extension (the weight-transfer worker).
+# model runner, and this project's worker extension (the weight-transfer worker); last, what
+# freezes them for the collector, so the forkserver and the engine core keep sharing them.
 ENGINE_CORE_MODULES = (
     "vllm.v1.engine.core",
     "vllm.v1.executor.uniproc_executor",
     "vllm.v1.worker.cpu_worker",
     "vllm.v1.worker.cpu_model_runner",
     "servers.engine.worker.worker_extension",
+    "servers.engine.vllm_adapter.preload_frozen",
 )
 # Where vLLM's engine-core launcher asks for its multiprocessing context (``get_mp_context()``).
 LAUNCHER_MODULE = "vllm.v1.engine.utils"

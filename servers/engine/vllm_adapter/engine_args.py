@@ -11,7 +11,7 @@ from typing import Any
 
 from servers.engine.options import EngineOptions, RequestLimits
 from servers.engine.transfer.protocol import BACKEND as WEIGHT_TRANSFER_BACKEND
-from servers.engine.transfer.protocol import HEAP_SLACK_ENVIRONMENT, SPARES_AT_START_ENVIRONMENT
+from servers.engine.transfer.protocol import HEAP_SLACK_ENVIRONMENT
 from skyrl_grpc.tiny_model import embedded_model_name, embedded_model_path
 
 
@@ -39,7 +39,6 @@ def engine_arguments(
     # Read by the weight-transfer engine in each worker (vLLM's config has no place for it).
     environment: dict[str, str] = {
         HEAP_SLACK_ENVIRONMENT: f"{options.weight_heap_slack:g}",
-        SPARES_AT_START_ENVIRONMENT: "1" if options.weight_spares_at_start else "0",
     }
     dtype = options.dtype
     embedded = embedded_model_name(options.model)

@@ -46,7 +46,6 @@ from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise
 from servers.engine.transfer.handoff import HandoffReader
 from servers.engine.transfer.protocol import (
     HEAP_SLACK_ENVIRONMENT,
-    SPARES_AT_START_ENVIRONMENT,
     Bucket,
     Group,
     Report,
@@ -122,9 +121,6 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             except Exception:
                 log.warning("no checkpoint copy to update: weight updates will fail", exc_info=True)
                 self._checkpoint = None
-            else:
-                if os.environ.get(SPARES_AT_START_ENVIRONMENT, "1") != "0":
-                    self.serving.prepare_spares()
 
     @property
     def holds_copy(self) -> bool:
@@ -294,6 +290,13 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         if self.holds_copy:  # the patch loops compiled for these weights: not in an update
             patch_kernels.prepare({t.element_size() for t in self.serving.tensors.values()})
         return len(names)
+
+    def prepare_spares(self) -> int:
+        """The staging memory a full update writes into, allocated and touched now (the
+        server's ``--weight-staging`` says when); its bytes."""
+        if not self.holds_copy or self._checkpoint is None:
+            return 0
+        return self.serving.prepare_spares()
 
     # -- receiving --------------------------------------------------------------------------
 

@@ -85,6 +85,12 @@ class WeightTransferWorker:
         returns the parameters reloaded (0 on the ranks that keep no copy)."""
         return int(self._skyrl_engine().warm_reload())
 
+    def skyrl_prepare_spares(self) -> int:
+        """Allocates and touches the staging a full update writes into
+        (``ServingCheckpoint.prepare_spares``); returns its bytes (0 on the ranks that keep no
+        copy, and where there is no copy to update)."""
+        return int(self._skyrl_engine().prepare_spares())
+
     def skyrl_report(self) -> Report:
         """What this worker's last ``update_weights`` or ``finish_weight_update`` did."""
         report: Report = self._skyrl_engine().report

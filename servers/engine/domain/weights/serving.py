@@ -14,8 +14,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from servers.engine.domain.weights.readiness import UpdateReadiness
 from servers.engine.domain.weights.transaction import PhaseObserver, WeightTransferManager
 from servers.engine.domain.weights.update_log import UpdateLog
+from servers.engine.options import STAGING_AT_START
 from servers.engine.transfer.assembly import ParamLayout
 from servers.engine.transfer.handoff import HandoffBuffer, buffer_bytes_for
 from servers.engine.transfer.protocol import Lifecycle, WorkerCalls
@@ -25,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class WeightsCannotReload(Exception):
-    """The engine started, but reloading its weights (``ServingWeights.warm_reload``) failed."""
+    """The engine started, but reloading its weights (``ServingWeights.prepare``) failed."""
 
 
 class WeightEngine(Protocol):
@@ -50,6 +52,8 @@ class WeightRules:
     stage_batch_bytes: int = 32 << 20
     lease_seconds: float = 600.0
     allow_non_finite: bool = False
+    # When the first update's reload and staging memory are prepared (``readiness``).
+    staging: str = STAGING_AT_START
 
 
 class ServingWeights:
@@ -74,31 +78,45 @@ class ServingWeights:
         )
         # The last updates with their phases (what the status stream shows watchers).
         self.recent = UpdateLog(lambda: self.version, status_changed, on_phase)
+        # The first update's reload and staging memory, prepared when the rules say.
+        self.readiness = UpdateReadiness(self.prepare, rules.staging)
         self.updates = WeightTransferManager(
             self.workers,
             self._changed,
+            before_open=self.readiness.before_update,
             default_lease_seconds=rules.lease_seconds,
             stage_batch_bytes=rules.stage_batch_bytes,
             allow_non_finite=rules.allow_non_finite,
             on_phase=self.recent.phase,
         )
 
-    async def warm_reload(self) -> None:
-        """Reloads every layer once, at start, before anything is served: the weights stay
-        what they are, and what vLLM's first reload pays once is not paid by the first update
-        (``SkyrlWeightTransferEngine.warm_reload``). A failure fails the start: this model's
-        weights could not be updated either."""
+    async def prepare(self) -> None:
+        """Prepares for the first update: every layer reloaded once (the weights stay what
+        they are; what vLLM's first reload pays is not paid by the first update:
+        ``SkyrlWeightTransferEngine.warm_reload``), then the staging memory a full update
+        writes into allocated and touched. A failed reload raises: this model's weights could
+        not be updated either."""
         started = time.monotonic()
         try:
             reloaded = await self.workers.warm_reload()
         except Exception as error:
             raise WeightsCannotReload(
                 f"the engine started but reloading its weights failed ({error}), so weight "
-                "updates would fail too; start with --no-weight-staging-at-start to serve it "
+                "updates would fail too; start with --weight-staging first-update to serve it "
                 "without preparing for updates"
             ) from error
+        spares = await self.workers.prepare_spares()
         seconds = time.monotonic() - started
-        log.info("weights reloaded once at start: %d parameters in %.2f s", reloaded, seconds)
+        log.info(
+            "prepared for weight updates: %d parameters reloaded, %.2f GB of staging, %.2f s",
+            reloaded,
+            spares / 1e9,
+            seconds,
+        )
+
+    def generation_starts(self) -> None:
+        """A generation is handed to the engine (the readiness's cue)."""
+        self.readiness.on_generation()
 
     @property
     def cache_salt(self) -> str:

@@ -67,8 +67,11 @@ class WeightTransferManager(CollectiveReceive):
         allow_non_finite: bool = False,
         stage_batch_bytes: int = 32 << 20,
         on_phase: PhaseObserver | None = None,
+        before_open: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._workers = workers
+        # Awaited before an update opens (the server's first update's preparation).
+        self._before_open = before_open
         self._on_phase = on_phase
         # The version the serving weights are: this transaction's, changed by a commit or a
         # rollback only.
@@ -160,6 +163,8 @@ class WeightTransferManager(CollectiveReceive):
             if weight_version:
                 self._check_version(weight_version, allow_same_version)
             await self.layout()
+            if self._before_open is not None:
+                await self._before_open()
             await self._workers.recycle_rollback()
             await self._workers.open()
             self.rollback_version = None
