@@ -74,10 +74,11 @@ class EngineOptions:
     # negative: never.
     weight_heap_slack: float = 1.0
     # When the server prepares for its first weight update (``domain.weights.readiness``):
-    # every layer reloaded once (what vLLM's first reload pays) and the memory a full update
-    # stages into (1x the model at TP rank 0) allocated. "first-generation": beside the first
-    # generation, so a server that never serves holds neither; "start"; "first-update": the
-    # first update pays both.
+    # the memory a full update stages into (1x the model at TP rank 0) allocated beside the
+    # first generation ("first-generation": a server that never serves holds none; every layer
+    # reloaded once at start, what vLLM's first reload pays, then the heap it freed given
+    # back), or with the reload at start ("start"), or neither ahead ("first-update": the first
+    # update pays both; for a model whose reload fails).
     weight_staging: str = STAGING_AT_FIRST_GENERATION
     # Accept weights holding NaN or infinity (refused by default: they poison generation).
     allow_non_finite_weights: bool = False
@@ -223,10 +224,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--weight-staging",
         choices=STAGING_CHOICES,
         default=d.weight_staging,
-        help="when the server prepares for its first weight update (a reload of every layer, "
-        "and 1x the model in host memory to stage a full update into): at its first "
-        "generation, so an idle server or a standby holds neither; at start; or by the "
-        "first update itself, which then takes longer (default %(default)s)",
+        help="when the server prepares for its first weight update: first-generation "
+        "reloads every layer once at start and allocates the 1x model of host memory a full "
+        "update stages into beside its first generation (an idle server or a standby holds "
+        "none); start does both at start; first-update leaves both to the first update, "
+        "which then takes longer (and serves a model whose reload fails) (default "
+        "%(default)s)",
     )
     group.add_argument(
         "--session-idle-seconds",

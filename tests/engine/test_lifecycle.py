@@ -93,20 +93,21 @@ def test_the_port_opens_before_the_engine_loads(server: ServerProcess) -> None:
     assert health(listening["address"]) == SERVING
 
 
-def test_a_server_prepares_for_updates_beside_its_first_generation_only(
+def test_a_server_reloads_at_start_and_allocates_staging_beside_its_first_generation(
     server: ServerProcess, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """--weight-staging first-generation (the default): an idle server has not reloaded its
-    layers nor allocated the staging memory; its first generation starts both (every layer
-    reloaded once from the serving weights, so the first update's commit does not pay what
-    vLLM's first reload pays once), and a second generation does not repeat them. The
-    weights are unchanged: the greedy answer before and after is the same."""
+    """--weight-staging first-generation (the default): every layer is reloaded once from the
+    serving weights before the server says it is ready (so the first update's commit does not
+    pay what vLLM's first reload pays once), but the staging memory a full update writes into
+    is allocated only beside the first generation, once. The weights are unchanged: the
+    greedy answer before and after is the same."""
     from safetensors import safe_open
 
     with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as weights:
         parameters = len(list(weights.keys()))
     server.until("ready")
     log = tmp_path / "server.log"
+    assert f"weights reloaded once at start: {parameters} parameters" in log.read_text()
     assert "prepared for weight updates" not in log.read_text()
 
     async def greedy() -> list[int]:
@@ -119,23 +120,19 @@ def test_a_server_prepares_for_updates_beside_its_first_generation_only(
 
     first = asyncio.run(greedy())
     wait_until(lambda: "prepared for weight updates" in log.read_text(), 120)
-    assert f"prepared for weight updates: {parameters} parameters reloaded" in log.read_text()
     assert asyncio.run(greedy()) == first
     assert log.read_text().count("prepared for weight updates") == 1
 
 
 def test_a_server_started_with_staging_at_start_prepares_before_it_serves(
-    tiny_model_dir: Path, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
-    from safetensors import safe_open
-
-    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as weights:
-        parameters = len(list(weights.keys()))
     log = tmp_path / "server.log"
     process = ServerProcess("--weight-staging", "start", stderr=log)
     try:
         process.until("ready")
-        assert f"prepared for weight updates: {parameters} parameters reloaded" in log.read_text()
+        assert "weights reloaded once at start" in log.read_text()
+        assert "prepared for weight updates" in log.read_text()
     finally:
         process.kill()
 

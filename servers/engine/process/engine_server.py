@@ -51,7 +51,13 @@ from servers.engine.domain.admission import Admission
 from servers.engine.domain.descriptions import ServingStatus
 from servers.engine.domain.live_sessions import LiveSessions
 from servers.engine.domain.weights.serving import WeightsCannotReload
-from servers.engine.options import ServerOptions, build_parser, options_from_args
+from servers.engine.options import (
+    STAGING_AT_FIRST_GENERATION,
+    STAGING_AT_FIRST_UPDATE,
+    ServerOptions,
+    build_parser,
+    options_from_args,
+)
 from servers.engine.peers.catch_up import catch_up
 from servers.engine.peers.peer_streams import PeerAccess
 from servers.engine.peers.relay import Relays
@@ -242,8 +248,10 @@ class EngineServer:
             # A drain shuts it down from now on; calls wait until it is warm and caught up
             # (a pause from a trainer would otherwise stall the warm-up or the catch-up).
             self.state.set_ready(parts)
-            # With --weight-staging start: the warm-up below generates with its reload.
-            await parts.weights.readiness.at_start()
+            staging = self.options.engine.weight_staging
+            if staging != STAGING_AT_FIRST_UPDATE:  # the warm-up below generates with it
+                await parts.weights.reload_at_start(trim=staging == STAGING_AT_FIRST_GENERATION)
+            await parts.weights.readiness.at_start()  # the staging memory, with "start"
             await parts.engine.warm_up()
             if self.options.catch_up_from:  # before anything is served: nobody sees it behind
                 peers = self.options.catch_up_from

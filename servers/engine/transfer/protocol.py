@@ -212,10 +212,11 @@ class WorkerCalls:
         result: list[bytes] = (await self._rpc(READ, (names,)))[0]
         return result
 
-    async def warm_reload(self) -> int:
+    async def warm_reload(self, trim: bool = False) -> int:
         """Reloads every layer from the serving weights, on every worker in step (at start:
-        the weights stay what they are); returns the parameters reloaded."""
-        reloaded: list[int] = await self._rpc(WARM_RELOAD, ())
+        the weights stay what they are); with ``trim`` each worker then gives the heap the
+        reload freed back to the system. Returns the parameters reloaded."""
+        reloaded: list[int] = await self._rpc(WARM_RELOAD, (trim,))
         return max(reloaded, default=0)
 
     async def prepare_spares(self) -> int:

@@ -80,10 +80,10 @@ class WeightTransferWorker:
         serving = engine.serving
         return [bytes(flat_bytes(serving.serving_value(name)).numpy().data) for name in names]
 
-    def skyrl_warm_reload(self) -> int:
+    def skyrl_warm_reload(self, trim: bool = False) -> int:
         """Reloads every layer from the serving weights (``SkyrlWeightTransferEngine.warm_reload``);
         returns the parameters reloaded (0 on the ranks that keep no copy)."""
-        return int(self._skyrl_engine().warm_reload())
+        return int(self._skyrl_engine().warm_reload(trim))
 
     def skyrl_prepare_spares(self) -> int:
         """Allocates and touches the staging a full update writes into

@@ -1,12 +1,13 @@
-"""When a server prepares for its first weight update: the one reload of every layer and the
-staging memory a full update writes into (``--weight-staging``).
+"""When a server allocates the staging memory its first full weight update writes into
+(``--weight-staging``).
 
-Both cost what the first update would otherwise pay inside a trainer's step (on CPU a reload
-of every layer faults in fresh memory for each repacked weight; the staging memory is the
-model's bytes again), and the staging memory is held from then on. Prepared at start, an idle
-server holds it forever; prepared at its first generation, a server that never serves (a warm
-standby, a fleet waiting for its trainer) holds only vLLM's own and the checkpoint copy, and
-a trainer's first rollout gives the preparation its time, as the update that follows needs.
+It is the model's bytes again, held from then on, and what the first update would otherwise
+fault in inside a trainer's step. Allocated at start, an idle server holds it forever;
+allocated beside its first generation, a server that never serves (a warm standby, a fleet
+waiting for its trainer) holds only vLLM's own and the checkpoint copy, and a trainer's first
+rollout gives the allocation its time, as the update that follows needs. The allocation
+touches no model state (it is safe beside generations); the one reload of every layer, which
+does, stays at start, before the server serves (``ServingWeights.reload_at_start``).
 """
 
 from __future__ import annotations

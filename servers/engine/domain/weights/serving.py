@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 
 class WeightsCannotReload(Exception):
-    """The engine started, but reloading its weights (``ServingWeights.prepare``) failed."""
+    """The engine started, but reloading its weights (``ServingWeights.reload_at_start``)
+    failed."""
 
 
 class WeightEngine(Protocol):
@@ -52,7 +53,8 @@ class WeightRules:
     stage_batch_bytes: int = 32 << 20
     lease_seconds: float = 600.0
     allow_non_finite: bool = False
-    # When the first update's reload and staging memory are prepared (``readiness``).
+    # When the first update's staging memory is allocated (``readiness``), and whether every
+    # layer is reloaded once at start (all but "first-update").
     staging: str = STAGING_AT_START
 
 
@@ -78,8 +80,8 @@ class ServingWeights:
         )
         # The last updates with their phases (what the status stream shows watchers).
         self.recent = UpdateLog(lambda: self.version, status_changed, on_phase)
-        # The first update's reload and staging memory, prepared when the rules say.
-        self.readiness = UpdateReadiness(self.prepare, rules.staging)
+        # The first update's staging memory, allocated when the rules say.
+        self.readiness = UpdateReadiness(self._prepare_staging, rules.staging)
         self.updates = WeightTransferManager(
             self.workers,
             self._changed,
@@ -90,28 +92,33 @@ class ServingWeights:
             on_phase=self.recent.phase,
         )
 
-    async def prepare(self) -> None:
-        """Prepares for the first update: every layer reloaded once (the weights stay what
-        they are; what vLLM's first reload pays is not paid by the first update:
-        ``SkyrlWeightTransferEngine.warm_reload``), then the staging memory a full update
-        writes into allocated and touched. A failed reload raises: this model's weights could
-        not be updated either."""
+    async def reload_at_start(self, trim: bool) -> None:
+        """Reloads every layer once, at start, before anything is served: the weights stay
+        what they are, and what vLLM's first reload pays once is not paid by the first update
+        (``SkyrlWeightTransferEngine.warm_reload``). A failure fails the start: this model's
+        weights could not be updated either. ``trim``: the heap the reload freed goes back to
+        the system (an idle server holds no more than it serves with)."""
         started = time.monotonic()
         try:
-            reloaded = await self.workers.warm_reload()
+            reloaded = await self.workers.warm_reload(trim)
         except Exception as error:
             raise WeightsCannotReload(
                 f"the engine started but reloading its weights failed ({error}), so weight "
                 "updates would fail too; start with --weight-staging first-update to serve it "
                 "without preparing for updates"
             ) from error
-        spares = await self.workers.prepare_spares()
         seconds = time.monotonic() - started
+        log.info("weights reloaded once at start: %d parameters in %.2f s", reloaded, seconds)
+
+    async def _prepare_staging(self) -> None:
+        """The memory a full update stages into, allocated and touched (no model state is
+        read or written: safe beside generations)."""
+        started = time.monotonic()
+        allocated = await self.workers.prepare_spares()
         log.info(
-            "prepared for weight updates: %d parameters reloaded, %.2f GB of staging, %.2f s",
-            reloaded,
-            spares / 1e9,
-            seconds,
+            "prepared for weight updates: %.2f GB of staging in %.2f s",
+            allocated / 1e9,
+            time.monotonic() - started,
         )
 
     def generation_starts(self) -> None:
