@@ -4,8 +4,10 @@
 
 Data-plane calls go to the server the router's policy picks; control calls fan out to every
 server. Results are plain dataclasses; errors are ``InferenceError`` subclasses.
+``FleetAdminClient`` grows or shrinks a running fleet (``skyrl-grpc up --admin-port``).
 """
 
+from skyrl_grpc.fleet_admin import FleetAdminClient, FleetAdminError, FleetMembers
 from trainer_client.blocking import BlockingInferenceClient
 from trainer_client.client import InferenceClient
 from trainer_client.config import DEFAULT, ClientConfig, ClientSettings, Timeout, TlsConfig
@@ -59,6 +61,9 @@ __all__ = [
     "FailedPrecondition",
     "FanOutError",
     "FinishReason",
+    "FleetAdminClient",
+    "FleetAdminError",
+    "FleetMembers",
     "GenerationResult",
     "InferenceClient",
     "InferenceError",

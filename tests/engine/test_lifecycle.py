@@ -36,7 +36,7 @@ from tests.helpers.waits import (
     until,
     wait_until,
 )
-from trainer_client import InferenceClient
+from trainer_client import FleetAdminClient, InferenceClient
 
 pytestmark = [pytest.mark.engine]
 
@@ -410,16 +410,22 @@ async def test_up_survives_an_engine_death_under_load_and_restarts_the_server(
 
 
 @pytest.mark.timeout(FLEET_TEST_TIMEOUT)
-async def test_up_scales_its_fleet_from_its_standard_input(tmp_path: Path) -> None:
-    up = Up(tmp_path / "logs", servers=1)
+async def test_up_scales_its_fleet_over_fleet_admin_and_from_its_standard_input(
+    tmp_path: Path,
+) -> None:
+    """Grown by FleetAdmin (a trainer's FleetAdminClient, ``up --admin-port``), shrunk by
+    ``scale N`` typed on up's standard input: the router follows both."""
+    up = Up(tmp_path / "logs", servers=1, server_flags=["--admin-port", "0"])
     try:
         await asyncio.to_thread(up.wait_for, "Ctrl-C to stop", ENGINE_START_SECONDS)
         router = up.wait_for("router: ", 1).split(": ", 1)[1]
+        admin_address = up.wait_for("fleet admin: ", 1).split(": ", 1)[1]
         up.type("grow please")
         await asyncio.to_thread(up.wait_for, "use `scale N`", 60)
-        up.type("scale 2")
-        added = await asyncio.to_thread(up.wait_for, "server 1 (", ENGINE_START_SECONDS)
-        new = added.split("(", 1)[1].split(")", 1)[0]
+        with FleetAdminClient(admin_address) as fleet_admin:
+            grown = await asyncio.to_thread(fleet_admin.scale, 2, ENGINE_START_SECONDS)
+        assert len(grown.servers) == 2 and grown.router == router, grown
+        new = grown.servers[1]
         async with grpc.aio.insecure_channel(router) as channel:
             admin = router_pb2_grpc.RouterAdminStub(channel)
             listed = await admin.ListBackends(router_pb2.ListBackendsRequest())

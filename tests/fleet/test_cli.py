@@ -17,7 +17,7 @@ from tests.helpers.waits import wait_until
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("command", ["serve", "route", "up", "demo"])
+@pytest.mark.parametrize("command", ["serve", "route", "up", "scale", "demo"])
 def test_every_command_has_help(command: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "servers.cli", command, "--help"],

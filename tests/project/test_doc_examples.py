@@ -1,8 +1,9 @@
 """Every code example in the README and docs/ runs as written, against a real fleet: each Python
 block as a program of its own, each block of grpcurl / curl commands through a shell. A page
-addresses the fleet `skyrl-grpc up --servers 2 --http-port 8000` starts (router :50050,
-servers :50051 and :50052, the OpenAI edge :8000); the fleet here listens where it could, so
-those addresses, and only those, are replaced before a block runs.
+addresses the fleet `skyrl-grpc up --servers 2 --http-port 8000 --admin-port 50049` starts
+(router :50050, servers :50051 and :50052, the OpenAI edge :8000, FleetAdmin :50049); the fleet
+here listens where it could, so those addresses, and only those, are replaced before a block
+runs.
 
 Blocks that start processes (``skyrl-grpc ...``, ``ray start``, ``pip install``) are not run:
 tests/project/test_docs.py parses every ``skyrl-grpc`` command with today's flags."""
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from servers.fleet.admin import FleetScaler, serve
 from servers.fleet.local import LocalFleet
 from tests.helpers.waits import ENGINE_START_SECONDS, FLEET_TEST_TIMEOUT
 
@@ -75,11 +77,13 @@ class DocFleet:
     router: str
     servers: tuple[str, ...]
     http_port: int
+    admin: str  # its FleetAdmin (`up --admin-port 50049`)
 
     def addressed(self, code: str) -> str:
         """``code`` with the documented addresses replaced by this fleet's."""
         for host in ("127.0.0.1", "localhost"):
             code = code.replace(f"http://{host}:8000", f"http://127.0.0.1:{self.http_port}")
+            code = code.replace(f"{host}:50049", self.admin)
             code = code.replace(f"{host}:50050", self.router)
             for index, server in enumerate(self.servers):
                 code = code.replace(f"{host}:{50051 + index}", server)
@@ -88,7 +92,8 @@ class DocFleet:
 
 @pytest.fixture(scope="module")
 def doc_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocFleet]:
-    """`skyrl-grpc up --servers 2 --http-port 8000 --enable-lora`, on free ports."""
+    """`skyrl-grpc up --servers 2 --http-port 8000 --admin-port 50049 --enable-lora`, on free
+    ports."""
     fleet = LocalFleet(
         2,
         engine_args=["--enable-lora"],
@@ -96,10 +101,14 @@ def doc_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocFleet]:
         log_dir=tmp_path_factory.mktemp("doc-fleet"),
     )
     fleet.start(timeout=ENGINE_START_SECONDS)
+    admin, admin_port = serve(FleetScaler(fleet.scale, lambda: fleet.addresses), "127.0.0.1", 0)
     try:
         assert fleet.http_port is not None
-        yield DocFleet(fleet.addresses.router, fleet.addresses.servers, fleet.http_port)
+        addresses = fleet.addresses
+        admin_address = f"127.0.0.1:{admin_port}"
+        yield DocFleet(addresses.router, addresses.servers, fleet.http_port, admin_address)
     finally:
+        admin.stop(grace=None)
         fleet.close()
 
 

@@ -59,7 +59,7 @@ def test_the_slug_rule_matches_githubs_for_the_headings_linked_here() -> None:
 
 
 # A command, not a message quoting one ("skyrl-grpc up: stopped ...").
-COMMAND = re.compile(r"(?:\.venv/bin/)?skyrl-grpc ((?:serve|route|up|demo)(?![\w:])[^`\n]*)")
+COMMAND = re.compile(r"(?:\.venv/bin/)?skyrl-grpc ((?:serve|route|up|scale|demo)(?![\w:])[^`\n]*)")
 
 
 def documented_commands() -> list[tuple[str, list[str]]]:
@@ -90,4 +90,4 @@ def test_every_documented_command_parses_with_todays_flags(where: str, argv: lis
 
 def test_the_docs_show_commands_of_every_kind() -> None:
     kinds = {argv[0] for _, argv in documented_commands()}
-    assert kinds == {"serve", "route", "up", "demo"}, kinds
+    assert kinds == {"serve", "route", "up", "scale", "demo"}, kinds
