@@ -21,11 +21,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
+from servers import fleet_commands
 from servers.common.process import configure_logging, exit_on_sigterm
 from servers.engine import options as engine_options
-from servers.fleet import Fleet, FleetAddresses, FleetStartFailed
+from servers.fleet import Fleet, FleetStartFailed
 from servers.fleet.local import LocalFleet, served_model_directory
 from servers.router import router_server as router
 
@@ -218,30 +218,6 @@ def _add_stack_arguments(
     )
 
 
-def _read_commands(fleet: Fleet) -> None:
-    """``up``'s standard input: ``scale N`` grows or shrinks the fleet (``Fleet.scale``: added
-    servers join the router, removed ones are drained first), then prints the servers."""
-    for line in sys.stdin:
-        words = line.split()
-        if not words:
-            continue
-        if len(words) != 2 or words[0] != "scale" or not words[1].isdigit():
-            print(f"unknown command {line.strip()!r}: use `scale N`", flush=True)
-            continue
-        try:
-            addresses = fleet.scale(int(words[1]))
-        except Exception as error:  # reported; up keeps supervising what it has
-            print(f"scale {words[1]} failed: {error}", flush=True)
-            continue
-        _print_servers(addresses)
-
-
-def _print_servers(addresses: FleetAddresses) -> None:
-    for index, address in enumerate(addresses.servers):
-        role = " (standby)" if address in addresses.standbys else ""
-        print(f"server {index}: {address}{role}", flush=True)
-
-
 class Stopped(Exception):
     """A signal asked ``up`` to stop before its fleet had started."""
 
@@ -270,7 +246,7 @@ def _up(args: argparse.Namespace, server_args: list[str]) -> None:
     with make_fleet(args, server_args) as fleet:
         started.set()
         print(f"router: {fleet.addresses.router}")
-        _print_servers(fleet.addresses)
+        fleet_commands.print_servers(fleet.addresses)
         host = fleet.addresses.router.rpartition(":")[0]
         if fleet.metrics_port is not None:
             print(f"router metrics: http://{host}:{fleet.metrics_port}/metrics")
@@ -282,8 +258,8 @@ def _up(args: argparse.Namespace, server_args: list[str]) -> None:
             where = " (on each actor's node)" if args.ray else ""
             print(f"logs: {Path(args.log_dir).resolve()}{where}")
         fleet.supervise()  # a server that dies is reported and started again
-        admin = _serve_fleet_admin(fleet, host, args.admin_port, args.admin_token)
-        threading.Thread(target=_read_commands, args=(fleet,), daemon=True).start()
+        admin = fleet_commands.serve_fleet_admin(fleet, host, args.admin_port, args.admin_token)
+        threading.Thread(target=fleet_commands.read_commands, args=(fleet,), daemon=True).start()
         print("Ctrl-C to stop; type `scale N` to grow or shrink the fleet", flush=True)
         while not stopping.wait(0.5):
             pass
@@ -291,33 +267,6 @@ def _up(args: argparse.Namespace, server_args: list[str]) -> None:
         if admin is not None:
             admin.stop(grace=None)
     print("stopped", flush=True)
-
-
-def _serve_fleet_admin(fleet: Fleet, host: str, port: int | None, token: str | None) -> Any:
-    """FleetAdmin on ``host:port`` where asked (``--admin-port``), printed; None otherwise."""
-    if port is None:
-        return None
-    from servers.fleet.admin import FleetScaler, serve
-
-    scaler = FleetScaler(fleet.scale, lambda: fleet.addresses)
-    server, bound = serve(scaler, host, port, token)
-    print(f"fleet admin: {host}:{bound}", flush=True)
-    return server
-
-
-def _scale(args: argparse.Namespace, _: list[str]) -> None:
-    from skyrl_grpc.fleet_admin import FleetAdminClient, FleetAdminError
-
-    client = FleetAdminClient(args.fleet, token=args.admin_token)
-    try:
-        members = client.scale(args.servers, timeout=args.timeout)
-    except FleetAdminError as error:
-        raise SystemExit(f"skyrl-grpc scale: {error}") from None
-    finally:
-        client.close()
-    for index, address in enumerate(members.servers):
-        role = " (standby)" if address in members.standbys else ""
-        print(f"server {index}: {address}{role}", flush=True)
 
 
 def _print_scrape_config(fleet: LocalFleet, host: str) -> None:
@@ -414,35 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-n, --dtype, TLS, ...) goes to every server, locally and on Ray.",
     )
     _add_stack_arguments(up, servers=2, router_port=50050, base_port=50051)
-    up.add_argument(
-        "--admin-port",
-        type=int,
-        default=None,
-        help="serve FleetAdmin (Scale, ListMembers: `skyrl-grpc scale`, a trainer's "
-        "FleetAdminClient) on this port of the router's host (0: any free port; default: not "
-        "served, `scale N` on standard input only)",
-    )
-    up.add_argument(
-        "--admin-token",
-        default=None,
-        help="FleetAdmin calls must carry 'authorization: Bearer <token>' (default: none)",
-    )
+    fleet_commands.add_admin_arguments(up)
     up.set_defaults(func=_up)
-
-    scale = commands.add_parser(
-        "scale",
-        help="grow or shrink a running fleet (`up --admin-port`) to N serving servers",
-        description="Calls FleetAdmin.Scale on a fleet started with `skyrl-grpc up "
-        "--admin-port`: added servers read the fleet's weights before they take calls; removed "
-        "ones (the newest first) are drained first. Prints the fleet's servers after it.",
-    )
-    scale.add_argument("servers", type=int, help="serving servers wanted (standbys kept)")
-    scale.add_argument("--fleet", required=True, help="up's FleetAdmin address, host:port")
-    scale.add_argument("--admin-token", default=None, help="the fleet's --admin-token")
-    scale.add_argument(
-        "--timeout", type=float, default=900.0, help="seconds to wait (default %(default)s)"
-    )
-    scale.set_defaults(func=_scale)
+    fleet_commands.add_scale_command(commands)
 
     demo = commands.add_parser(
         "demo",

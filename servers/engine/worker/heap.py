@@ -59,3 +59,26 @@ class HeapKeeper:
         log.info("gave %.0f MiB of freed heap back to the system", (now - after) / 2**20)
         self.ceiling = max(self.ceiling, after + self.slack // 2)
         return True
+
+
+def give_heap_back() -> int:
+    """Gives the freed heap back to the system now (``malloc_trim``); the bytes it gave."""
+    from skyrl_grpc.host_memory import freed_memory_trim
+
+    trim = freed_memory_trim()
+    if trim is None:
+        return 0
+    before = resident_bytes()
+    trim()
+    return max(before - resident_bytes(), 0)
+
+
+def touch_heap(size: int) -> int:
+    """Faults ``size`` bytes of heap in and frees them: kept by the allocator (the server keeps
+    freed memory, ``host_memory``), the next allocations as large reuse them instead of
+    faulting fresh pages in inside an update. Returns ``size``."""
+    if size > 0:
+        import torch
+
+        torch.zeros(size, dtype=torch.uint8)
+    return size

@@ -54,7 +54,7 @@ from servers.engine.transfer.protocol import (
 )
 from servers.engine.worker import patch_kernels
 from servers.engine.worker.checkpoint import ServingCheckpoint
-from servers.engine.worker.heap import HeapKeeper, resident_bytes
+from servers.engine.worker.heap import HeapKeeper, give_heap_back, touch_heap
 from servers.engine.worker.reload_logs import quiet_reload_logs
 from servers.engine.worker.shared_copy import SharedCopy, copied
 from servers.engine.worker.tp_share import Plan, Row, StreamAborted, TensorParallelShare
@@ -112,8 +112,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self.share = TensorParallelShare()
         self._handoff = HandoffReader()
         self._heap: HeapKeeper | None = None
-        # Bytes of heap the reload at start gave back (``warm_reload``), which the first
-        # commit's reload needs again: touched again with the staging memory.
+        # Heap the reload at start gave back, touched again with the staging memory.
         self._given_back = 0
         if self.holds_copy:
             # Read now, while the engine starts, not at the first update: that update's time
@@ -292,11 +291,8 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self._reload(names)  # before the first update: its heap keeper counts from here
         if self.holds_copy:  # the patch loops compiled for these weights: not in an update
             patch_kernels.prepare({t.element_size() for t in self.serving.tensors.values()})
-        give_back = freed_memory_trim() if trim else None
-        if give_back is not None:  # what the reload freed (the weights it replaced)
-            before = resident_bytes()
-            give_back()
-            self._given_back = max(before - resident_bytes(), 0)
+        if trim:  # what the reload freed (the weights it replaced)
+            self._given_back = give_heap_back()
         return len(names)
 
     def prepare_spares(self) -> int:
@@ -304,16 +300,9 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         server's ``--weight-staging`` says when); its bytes."""
         if not self.holds_copy or self._checkpoint is None:
             return 0
-        allocated = self.serving.prepare_spares()
-        if self._given_back:
-            # The heap the reload at start gave back, touched again and freed (kept: the
-            # server keeps freed memory, ``host_memory``): the first commit's reload, which
-            # allocates as much, then reuses it instead of faulting fresh pages in.
-            import torch
-
-            torch.zeros(self._given_back, dtype=torch.uint8)
-            allocated += self._given_back
-            self._given_back = 0
+        # With the heap the reload at start gave back: the first commit's reload needs it.
+        allocated = self.serving.prepare_spares() + touch_heap(self._given_back)
+        self._given_back = 0
         return allocated
 
     # -- receiving --------------------------------------------------------------------------

@@ -1,0 +1,172 @@
+"""A fleet grown 2 -> 4 -> 2 through FleetAdmin while an RL loop trains on it.
+
+A local fleet on the embedded model (supervised, FleetAdmin served as `up --admin-port`
+serves it) and a training loop: each step generates ``--sessions`` session rollouts of
+``--tokens`` tokens (the client routing itself), pauses the fleet, pushes a delta weight update
+as the step's version, and resumes; a step whose pause or update fails is tried again after
+0.5 s, as a trainer would. After step ``--grow-at`` a FleetAdminClient scales the fleet to
+``--to`` servers (in a thread: the loop goes on), and ``--hold`` steps after that call returned,
+back to ``--servers``.
+
+Reported: each Scale's duration, where the added servers stood when it returned (their weight
+version against the fleet's, as the router lists them), generations lost (a call that raised,
+or a sample cut short), updates tried again, and step times by phase (before, while growing,
+grown, while shrinking, after).
+
+Run: .venv/bin/python -m scripts.bench_elastic [--output docs/fleet.md | -]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from safetensors.torch import load_file
+
+from scripts.bench_common import add_output_argument, write_report
+from servers.fleet.admin import FleetScaler, serve
+from servers.fleet.local import LocalFleet
+from skyrl_grpc.tiny_model import ensure_tiny_model
+from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from trainer_client import FleetAdminClient, InferenceClient, PauseMode
+
+
+@dataclass
+class Run:
+    steps: list[tuple[str, float]] = field(default_factory=list)  # (phase, seconds)
+    scales: list[tuple[int, float, str]] = field(default_factory=list)  # (to, seconds, where)
+    lost: int = 0
+    retries: int = 0
+    events: list[str] = field(default_factory=list)
+
+
+async def standing(router: str, added: set[str]) -> str:
+    """The added servers' weight versions against the newest the router lists."""
+    async with grpc.aio.insecure_channel(router) as channel:
+        listed = await router_pb2_grpc.RouterAdminStub(channel).ListBackends(
+            router_pb2.ListBackendsRequest(), timeout=10
+        )
+    newest = max(b.weight_version for b in listed.backends)
+    versions = sorted(b.weight_version for b in listed.backends if b.address in added)
+    return f"added at versions {versions}, the fleet at {newest}"
+
+
+async def training(fleet: LocalFleet, admin: str, run: Run, args: argparse.Namespace) -> None:
+    import torch
+
+    client = InferenceClient(fleet.addresses.router, fleet.addresses.servers, control_timeout=120)
+    weights = load_file(str(ensure_tiny_model() / "model.safetensors"))
+    generator = torch.Generator().manual_seed(0)
+    rng = random.Random(7)
+    scaling: asyncio.Task[None] | None = None
+    phase, grown_at = "2 servers", None
+
+    async def scale(to: int, next_phase: str) -> None:
+        nonlocal phase
+        before = set(fleet.addresses.servers)
+        started = time.monotonic()
+        with FleetAdminClient(admin) as fleet_admin:
+            members = await asyncio.to_thread(fleet_admin.scale, to, 900.0)
+        seconds = time.monotonic() - started
+        added = set(members.servers) - before
+        where = await standing(members.router, added) if added else "drained and stopped"
+        run.scales.append((to, seconds, where))
+        phase = next_phase
+
+    for step in range(args.steps):
+        if step == args.grow_at:
+            phase = "growing"
+            scaling = asyncio.ensure_future(scale(args.to, f"{args.to} servers"))
+        if scaling is not None and scaling.done() and phase == f"{args.to} servers":
+            grown_at = step if grown_at is None else grown_at
+            if step >= grown_at + args.hold:
+                phase = "shrinking"
+                scaling = asyncio.ensure_future(scale(args.servers, f"{args.servers} again"))
+        started = time.monotonic()
+        prompts = [[1, *(rng.randrange(3, 2000) for _ in range(8))] for _ in range(args.sessions)]
+        sessions = [f"elastic-{i}" for i in range(args.sessions)]
+        sampling = {"temperature": 1.0, "max_tokens": args.tokens, "ignore_eos": True}
+        step_phase = phase
+        try:
+            results = await client.generate_batch(prompts, sampling, session_ids=sessions)
+            run.lost += sum(1 for r in results if len(r.token_ids) != args.tokens)
+        except Exception as error:  # every generation of the batch counts as lost
+            run.lost += args.sessions
+            run.events.append(f"step {step} generate: {error!r}"[:200])
+        for tensor in weights.values():  # a small step: a delta update
+            tensor.add_(1e-4 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype))
+        while True:
+            try:
+                await client.pause(PauseMode.ABORT)
+                await client.update_weights(weights.items(), step + 1)
+                await client.resume()
+                break
+            except Exception as error:
+                run.retries += 1
+                run.events.append(f"step {step} update: {error!r}"[:200])
+                await asyncio.sleep(0.5)
+        run.steps.append((step_phase, time.monotonic() - started))
+    if scaling is not None:
+        await scaling
+    await client.close()
+
+
+def report(run: Run, args: argparse.Namespace) -> list[str]:
+    lines = [
+        f"### {args.servers} -> {args.to} -> {args.servers} servers under an RL loop",
+        "",
+        f"The embedded model, this 2-core VM; each step {args.sessions} session rollouts of "
+        f"{args.tokens} tokens, pause, a delta update, resume; FleetAdmin Scale to {args.to} "
+        f"after step {args.grow_at}, back to {args.servers} {args.hold} steps after it returned.",
+        "",
+        "| Scale to | took (s) | when it returned |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| {to} | {seconds:.1f} | {where} |" for to, seconds, where in run.scales]
+    lines += ["", "| phase | steps | step (s), median | worst |", "| --- | --- | --- | --- |"]
+    phases: dict[str, list[float]] = {}
+    for phase, seconds in run.steps:
+        phases.setdefault(phase, []).append(seconds)
+    for phase, times in phases.items():
+        lines.append(
+            f"| {phase} | {len(times)} | {statistics.median(times):.2f} | {max(times):.2f} |"
+        )
+    lines += [
+        "",
+        f"Generations lost: {run.lost} of {len(run.steps) * args.sessions}; updates tried "
+        f"again: {run.retries}.",
+    ]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--servers", type=int, default=2)
+    parser.add_argument("--to", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--grow-at", type=int, default=4)
+    parser.add_argument("--hold", type=int, default=5, help="steps at the grown size")
+    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=48)
+    add_output_argument(parser, "fleet.md")
+    args = parser.parse_args()
+    run = Run()
+    with LocalFleet(args.servers, on_event=run.events.append) as fleet:
+        fleet.supervise()
+        scaler = FleetScaler(fleet.scale, lambda: fleet.addresses)
+        server, port = serve(scaler, "127.0.0.1", 0)
+        try:
+            asyncio.run(training(fleet, f"127.0.0.1:{port}", run, args))
+        finally:
+            server.stop(grace=None)
+    print("\n".join(run.events[-20:]), flush=True)
+    write_report(args.output, report(run, args), "elastic_bench")
+
+
+if __name__ == "__main__":
+    main()
