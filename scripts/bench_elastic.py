@@ -22,8 +22,10 @@ import argparse
 import asyncio
 import random
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from safetensors.torch import load_file
@@ -46,14 +48,21 @@ class Run:
 
 
 async def standing(router: str, added: set[str]) -> str:
-    """The added servers' weight versions against the newest the router lists."""
+    """The added servers' weight versions (asked of each) against the newest the router lists
+    (its listing says 0 for a server whose status it has not heard yet)."""
     async with grpc.aio.insecure_channel(router) as channel:
         listed = await router_pb2_grpc.RouterAdminStub(channel).ListBackends(
             router_pb2.ListBackendsRequest(), timeout=10
         )
     newest = max(b.weight_version for b in listed.backends)
-    versions = sorted(b.weight_version for b in listed.backends if b.address in added)
-    return f"added at versions {versions}, the fleet at {newest}"
+    versions = []
+    for address in sorted(added):
+        client = InferenceClient(address, [address], direct=False)
+        try:
+            versions += list((await client.weight_versions()).values())
+        finally:
+            await client.close()
+    return f"added at versions {sorted(versions)}, the fleet at {newest}"
 
 
 async def training(fleet: LocalFleet, admin: str, run: Run, args: argparse.Namespace) -> None:
@@ -78,15 +87,22 @@ async def training(fleet: LocalFleet, admin: str, run: Run, args: argparse.Names
         run.scales.append((to, seconds, where))
         phase = next_phase
 
-    for step in range(args.steps):
+    back_at: int | None = None
+    for step in range(args.max_steps):
+        if scaling is not None and scaling.done():
+            scaling.result()  # a failed Scale ends the run, with its error
         if step == args.grow_at:
             phase = "growing"
             scaling = asyncio.ensure_future(scale(args.to, f"{args.to} servers"))
-        if scaling is not None and scaling.done() and phase == f"{args.to} servers":
+        if phase == f"{args.to} servers":
             grown_at = step if grown_at is None else grown_at
             if step >= grown_at + args.hold:
                 phase = "shrinking"
                 scaling = asyncio.ensure_future(scale(args.servers, f"{args.servers} again"))
+        if phase == f"{args.servers} again":
+            back_at = step if back_at is None else back_at
+            if step >= back_at + args.hold:
+                break
         started = time.monotonic()
         prompts = [[1, *(rng.randrange(3, 2000) for _ in range(8))] for _ in range(args.sessions)]
         sessions = [f"elastic-{i}" for i in range(args.sessions)]
@@ -148,15 +164,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--to", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--max-steps", type=int, default=1000, help="a bound on the run")
     parser.add_argument("--grow-at", type=int, default=4)
-    parser.add_argument("--hold", type=int, default=5, help="steps at the grown size")
+    parser.add_argument("--hold", type=int, default=5, help="steps at each size reached")
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=48)
     add_output_argument(parser, "fleet.md")
     args = parser.parse_args()
     run = Run()
-    with LocalFleet(args.servers, on_event=run.events.append) as fleet:
+    logs = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
+    with LocalFleet(args.servers, on_event=run.events.append, log_dir=logs) as fleet:
         fleet.supervise()
         scaler = FleetScaler(fleet.scale, lambda: fleet.addresses)
         server, port = serve(scaler, "127.0.0.1", 0)
@@ -164,7 +181,7 @@ def main() -> None:
             asyncio.run(training(fleet, f"127.0.0.1:{port}", run, args))
         finally:
             server.stop(grace=None)
-    print("\n".join(run.events[-20:]), flush=True)
+    print("\n".join(run.events[-20:]), f"\nlogs: {logs}", flush=True)
     write_report(args.output, report(run, args), "elastic_bench")
 
 

@@ -396,11 +396,15 @@ class LocalFleet(Fleet):
 
     @staticmethod
     def _stop(processes: list[_Process], grace: float) -> None:
-        """SIGTERM (drain), then SIGKILL to whatever is left, the engines' children too."""
+        """SIGTERM (drain), then SIGKILL to whatever is left, the engines' children too. The
+        SIGTERM goes to the server alone, not its process group: vLLM's engine core aborts its
+        requests at once on a SIGTERM of its own, cutting the calls the drain waits for (a
+        self-routing client's calls the router's drain never saw); the server shuts its engine
+        down once they ended."""
         for process in processes:
             if process.popen.poll() is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(process.popen.pid, signal.SIGTERM)
+                    os.kill(process.popen.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for process in processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
