@@ -31,20 +31,18 @@ import grpc
 from safetensors.torch import load_file
 
 from scripts.bench_common import add_output_argument, write_report
+from scripts.rl_steps import Tally, finish_step, start_rollout
 from servers.fleet.admin import FleetScaler, serve
 from servers.fleet.local import LocalFleet
 from skyrl_grpc.tiny_model import ensure_tiny_model
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
-from trainer_client import FleetAdminClient, InferenceClient, PauseMode
+from trainer_client import FleetAdminClient, InferenceClient
 
 
 @dataclass
-class Run:
+class Run(Tally):
     steps: list[tuple[str, float]] = field(default_factory=list)  # (phase, seconds)
     scales: list[tuple[int, float, str]] = field(default_factory=list)  # (to, seconds, where)
-    lost: int = 0
-    retries: int = 0
-    events: list[str] = field(default_factory=list)
 
 
 async def standing(router: str, added: set[str]) -> str:
@@ -104,28 +102,9 @@ async def training(fleet: LocalFleet, admin: str, run: Run, args: argparse.Names
             if step >= back_at + args.hold:
                 break
         started = time.monotonic()
-        prompts = [[1, *(rng.randrange(3, 2000) for _ in range(8))] for _ in range(args.sessions)]
-        sessions = [f"elastic-{i}" for i in range(args.sessions)]
-        sampling = {"temperature": 1.0, "max_tokens": args.tokens, "ignore_eos": True}
         step_phase = phase
-        try:
-            results = await client.generate_batch(prompts, sampling, session_ids=sessions)
-            run.lost += sum(1 for r in results if len(r.token_ids) != args.tokens)
-        except Exception as error:  # every generation of the batch counts as lost
-            run.lost += args.sessions
-            run.events.append(f"step {step} generate: {error!r}"[:200])
-        for tensor in weights.values():  # a small step: a delta update
-            tensor.add_(1e-4 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype))
-        while True:
-            try:
-                await client.pause(PauseMode.ABORT)
-                await client.update_weights(weights.items(), step + 1)
-                await client.resume()
-                break
-            except Exception as error:
-                run.retries += 1
-                run.events.append(f"step {step} update: {error!r}"[:200])
-                await asyncio.sleep(0.5)
+        batch = start_rollout(client, rng, args.sessions, args.tokens, "elastic")
+        await finish_step(client, batch, weights, generator, step, args.sessions, args.tokens, run)
         run.steps.append((step_phase, time.monotonic() - started))
     if scaling is not None:
         await scaling

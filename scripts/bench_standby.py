@@ -31,24 +31,22 @@ from safetensors.torch import load_file
 
 from scripts.bench_common import add_output_argument, write_report
 from scripts.bench_server_memory import settle
+from scripts.rl_steps import Tally, finish_step, start_rollout
 from servers.fleet.local import LocalFleet
 from skyrl_grpc.tiny_model import ensure_tiny_model
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
-from trainer_client import InferenceClient, PauseMode
+from trainer_client import InferenceClient
 
 GB = 1e9
 
 
 @dataclass
-class Mode:
-    standby: int
+class Mode(Tally):
+    standby: int = 0
     step_seconds: list[float] = field(default_factory=list)
     kill_step: int = 0
     full_after: float | None = None  # seconds from the kill to full capacity at the version
-    lost: int = 0
-    retries: int = 0
     memory: dict[str, float] = field(default_factory=dict)  # role -> GB
-    events: list[str] = field(default_factory=list)
 
 
 async def full_capacity(
@@ -89,12 +87,7 @@ async def training(fleet: LocalFleet, mode: Mode, args: argparse.Namespace) -> N
     capacity: asyncio.Task[float | None] | None = None
     for step in range(args.steps):
         started = time.monotonic()
-        prompts = [[1, *(rng.randrange(3, 2000) for _ in range(8))] for _ in range(args.sessions)]
-        sessions = [f"standby-bench-{i}" for i in range(args.sessions)]
-        sampling = {"temperature": 1.0, "max_tokens": args.tokens, "ignore_eos": True}
-        batch = asyncio.ensure_future(
-            client.generate_batch(prompts, sampling, session_ids=sessions)
-        )
+        batch = start_rollout(client, rng, args.sessions, args.tokens, "standby-bench")
         if step == args.kill_at:
             await asyncio.sleep(0.3)  # its generations under way
             victim, killed = fleet.addresses.servers[0], time.monotonic()
@@ -103,24 +96,7 @@ async def training(fleet: LocalFleet, mode: Mode, args: argparse.Namespace) -> N
                 full_capacity(fleet.addresses.router, args.servers, victim, killed, args.limit)
             )
             mode.kill_step = step
-        try:
-            results = await batch
-            mode.lost += sum(1 for r in results if len(r.token_ids) != args.tokens)
-        except Exception as error:  # every generation of the batch counts as lost
-            mode.lost += args.sessions
-            mode.events.append(f"step {step} generate: {error!r}"[:200])
-        for tensor in weights.values():  # a small step: a delta update
-            tensor.add_(1e-4 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype))
-        while True:
-            try:
-                await client.pause(PauseMode.ABORT)
-                await client.update_weights(weights.items(), step + 1)
-                await client.resume()
-                break
-            except Exception as error:
-                mode.retries += 1
-                mode.events.append(f"step {step} update: {error!r}"[:200])
-                await asyncio.sleep(0.5)
+        await finish_step(client, batch, weights, generator, step, args.sessions, args.tokens, mode)
         mode.step_seconds.append(time.monotonic() - started)
     if capacity is not None:
         mode.full_after = await capacity
@@ -128,7 +104,7 @@ async def training(fleet: LocalFleet, mode: Mode, args: argparse.Namespace) -> N
 
 
 def run_mode(args: argparse.Namespace, standby: int) -> Mode:
-    mode = Mode(standby)
+    mode = Mode(standby=standby)
     with LocalFleet(args.servers, standby=standby, on_event=mode.events.append) as fleet:
         fleet.supervise()
         if standby:
