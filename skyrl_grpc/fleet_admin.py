@@ -5,6 +5,7 @@ from a trainer's code (``trainer_client.FleetAdminClient``) or the command line
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -49,17 +50,16 @@ class FleetAdminClient:
         """Grows or shrinks the fleet to ``servers`` serving servers (standbys kept); returns
         the members once added servers serve and removed ones are drained and stopped."""
         request = fleet_admin_pb2.ScaleRequest(servers=servers)
-        try:
-            response = self._stub.Scale(request, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as error:
-            raise FleetAdminError(error.code(), error.details() or "") from None
-        return _members(response.members)
+        return self._call(self._stub.Scale, request, timeout)
 
     def members(self, timeout: float = 30.0) -> FleetMembers:
         """The fleet's members now."""
-        request = fleet_admin_pb2.ListMembersRequest()
+        return self._call(self._stub.ListMembers, fleet_admin_pb2.ListMembersRequest(), timeout)
+
+    def _call(self, method: Any, request: Any, timeout: float) -> FleetMembers:
+        """``method(request)``; its members, or FleetAdminError naming the status."""
         try:
-            response = self._stub.ListMembers(request, timeout=timeout, metadata=self._metadata)
+            response = method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise FleetAdminError(error.code(), error.details() or "") from None
         return _members(response.members)

@@ -55,8 +55,7 @@ class UpdateReadiness:
 
     async def before_update(self) -> None:
         """An update opens: the preparation finished first (never beside an open update)."""
-        if self.when == AT_FIRST_GENERATION and self._task is None:
-            self._task = asyncio.ensure_future(self._logged())
+        self.on_generation()  # started now, where no generation started it yet
         if self._task is not None:
             await asyncio.shield(self._task)
 
