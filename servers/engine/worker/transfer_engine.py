@@ -242,9 +242,8 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         if not self.holds_copy or self._checkpoint is None:
             return 0  # the other ranks keep no copy
         freed = self._checkpoint.free_commit()
-        trim = freed_memory_trim() if self._checkpoint.shared is None else None
-        if trim is not None:
-            trim()
+        if self._checkpoint.shared is None:
+            give_heap_back()
         return freed
 
     def _finish(self) -> None:
