@@ -10,7 +10,9 @@ one ``JOB-RESULT <JSON>`` line.
   server's weight checksums beside the pushed tensors' (unless ``checksums`` is false); with
   ``save``, the last weights written as a model directory a fresh server can start from. A
   step's ``update``: more ``update_weights`` arguments; its ``retry_seconds``: tried again every
-  second while it fails, this long; ``keep_going``: the next step follows a failed one.
+  second while it fails, this long; its ``wait_for``: a file the step waits for before it
+  begins (the caller's cue); its ``checksums``: false skips them after it (a server cut off
+  would not answer); ``keep_going``: the next step follows a failed one.
 - ``rl``: a trainer's RL loop pushing its weights every step for ``seconds``, retrying what
   faults fail (``testbed.rl_job``).
 - ``checksums``: each server's weight checksums and versions.
@@ -55,6 +57,8 @@ RETRIES = 12
 RETRY_FIRST_SECONDS = 0.25
 # A failed weight update a trainer tries again (a step's ``retry_seconds``): after this long.
 RETRY_UPDATE_SECONDS = 1.0
+# How long a step waits for its cue (``wait_for``) at most.
+WAIT_FOR_SECONDS = 300.0
 # The gRPC status an OpenAI edge's HTTP status stands for (testbed.history's vocabulary).
 HTTP_STATUS_NAMES = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
 
@@ -162,6 +166,15 @@ async def _versions(client: Any) -> dict[str, int | None]:
         return {**dict.fromkeys(partly.failures), **partly.results}
 
 
+async def _appears(path: Path, seconds: float) -> None:
+    """Returns once ``path`` exists; raises after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not await asyncio.to_thread(path.exists):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {seconds:.0f} s")
+        await asyncio.sleep(0.1)
+
+
 def client_settings(arguments: dict[str, Any]) -> dict[str, Any]:
     """``InferenceClient`` keyword arguments of a job's ``client`` (its ``tls`` made a
     ``TlsConfig``)."""
@@ -191,6 +204,8 @@ async def update(arguments: dict[str, Any]) -> dict[str, Any]:
         for step in arguments["steps"]:
             weights = edited(original, step.get("edit", 0))
             progress(f"step {len(steps)} begins")
+            if "wait_for" in step:  # the step begins once this file exists (the caller's cue)
+                await _appears(Path(step["wait_for"]), WAIT_FOR_SECONDS)
             began = time.monotonic()
             # A trainer's retry: a step that fails is tried again every second for this long.
             retry_until = began + float(step.get("retry_seconds", 0))
@@ -230,8 +245,10 @@ async def update(arguments: dict[str, Any]) -> dict[str, Any]:
                 "relayed": result.relayed,
                 "versions": {a: c.weight_version for a, c in result.items()},
             }
-            record["commit_seconds"] = await _commit_seconds(servers, client.config.tls)
-            if arguments.get("checksums", True):
+            if result.cut_out:
+                record["cut_out"] = result.cut_out
+            record["commit_seconds"] = await _commit_seconds(list(result), client.config.tls)
+            if step.get("checksums", arguments.get("checksums", True)):
                 record["served"] = _hex(await client.weight_checksums())
                 record["pushed"] = {n: sha256_of(t).hex() for n, t in weights.items()}
             steps.append(record)

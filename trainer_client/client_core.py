@@ -17,10 +17,11 @@ from google.protobuf.message import Message as ProtoMessage
 from skyrl_grpc import tracing
 from skyrl_grpc.metadata import SESSION_ID
 from skyrl_grpc.session_moves import finish_moved_session
+from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2_grpc
 from trainer_client.config import DEFAULT, ClientConfig, Plane, Timeout
 from trainer_client.connections import Connections
-from trainer_client.exceptions import ServerError
+from trainer_client.exceptions import InferenceError, ServerError
 from trainer_client.fanout import fan_out
 from trainer_client.readiness import wait_while_starting
 
@@ -97,6 +98,23 @@ class ClientCore:
             return await call(request, timeout=timeout, metadata=sent)
         except grpc.aio.AioRpcError as error:
             raise ServerError.from_rpc_error(address, error) from error
+
+    async def answers(self, address: str, seconds: float) -> bool:
+        """Whether ``address``'s control plane answers (``GetServerInfo``) within ``seconds``,
+        asked over a fresh channel (``Connections.reopen``): for a server that could not be
+        reached before, whose old channel may still wait out a connection attempt."""
+        self.connections.reopen(address)
+        try:
+            await self.unary(
+                address,
+                self.control(address).GetServerInfo,
+                cp.GetServerInfoRequest(),
+                seconds,
+                plane="control",
+            )
+        except InferenceError:
+            return False
+        return True
 
     async def fan_out(
         self,

@@ -26,6 +26,8 @@ from trainer_client.direct import DirectRoutes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# How long the calls of a channel dropped by ``reopen`` may go on.
+REOPEN_GRACE_SECONDS = 5.0
 
 
 class LoopResources:
@@ -115,6 +117,15 @@ class Connections:
         if channel is None:
             channel = resources.channels[address] = self._config.open_channel(address)
         return channel
+
+    def reopen(self, address: str) -> None:
+        """Drops the running loop's channel to ``address``: the next call opens a fresh one,
+        which connects at once. A channel whose connection attempt began while the server was
+        cut off waits out that attempt (gRPC's 20 s) after the heal. The old channel closes in
+        the background, its calls given ``REOPEN_GRACE_SECONDS`` to end."""
+        old = self._resources().channels.pop(address, None)
+        if old is not None:
+            self.spawn(old.close(grace=REOPEN_GRACE_SECONDS))
 
     def routes(self) -> DirectRoutes:
         """The running loop's view of the router's routing (direct routing)."""

@@ -248,7 +248,9 @@ class WeightUpdateResult(dict[str, WeightCommit]):
     moved: ``bytes_sent``, every byte this client itself sent (in-band: each stream once when
     relayed, whatever the fleet's size; over the collective: what rank 0 broadcast);
     ``bytes_received``, each server's parameter data; ``relayed``, whether the servers relayed
-    the update to each other."""
+    the update to each other; ``cut_out``, the servers left out of it because they could not be
+    reached (``update_weights(cut_out_unreachable=True)``), with why: they keep their previous
+    weights until a later update takes them back."""
 
     def __init__(
         self,
@@ -262,6 +264,7 @@ class WeightUpdateResult(dict[str, WeightCommit]):
         self.bytes_sent = bytes_sent
         self.bytes_received = dict(bytes_received)
         self.relayed = relayed
+        self.cut_out: dict[str, str] = {}
 
 
 def group_ranks(info: cp.GetServerInfoResponse) -> int:

@@ -405,3 +405,95 @@ async def test_a_partition_that_outlasts_the_update_ends_it_on_one_version_and_t
     assert retry["ended"] > healed_at, (retry, healed_at)
     assert retry["served"] == dict.fromkeys(fleet.addresses, retry["pushed"])
     assert len(set(result["versions"].values())) == 1, result["versions"]
+
+
+# Fault (g) with the cut-out: a partition longer than the update's timeout, the trainer's
+# next step meanwhile, and one after the heal.
+CUT_OUT_PARTITION_SECONDS = 40.0
+CUT_OUT_TIMEOUT_SECONDS = 5.0
+# Every control call's deadline in that job: a checksum or version asked of the server cut off
+# would otherwise wait the client's default minute.
+CUT_OUT_CONTROL_SECONDS = 10.0
+
+
+async def test_a_server_cut_off_longer_than_the_update_is_cut_out_and_taken_back_after_the_heal(
+    fault_fleet: FaultFleet,
+) -> None:
+    """Fault (g), the trainer's way: the trainer and one server partitioned for longer than the
+    update may take, with ``cut_out_unreachable``. The update fails on that server at its
+    timeout and runs again at once on the other, which commits: the trainer's step ends about
+    one timeout and one transfer after the cut, not after the partition. The server cut off
+    keeps its previous weights, and the router, which still reaches it, places no session on
+    it (it is behind). The trainer's next step, still inside the partition, leaves it out
+    after a short probe; the first step after the heal takes it back with the whole weights,
+    and both servers serve one version, every tensor as pushed."""
+    fleet = fault_fleet
+    cut_server = fleet.addresses[1]
+    healed_file = fleet.logs / "cut-out-healed"
+    healed_file.unlink(missing_ok=True)
+    options = {"cut_out_unreachable": True}
+    arguments = full_update(fleet, 2)
+    arguments["client"] = {"control_timeout": CUT_OUT_CONTROL_SECONDS}
+    arguments["steps"] = [
+        {"edit": 2, "delta": False, "checksums": False,
+         "update": {**options, "timeout": CUT_OUT_TIMEOUT_SECONDS}},
+        {"edit": 3, "checksums": False, "update": options},  # inside the partition
+        {"edit": 4, "wait_for": str(healed_file), "update": options},  # after the heal
+    ]  # fmt: skip
+    fleet.bed.shape(fleet.trainer, TRAINER_MBIT)
+    job = start_job(fleet.trainer, "update", arguments, log_dir=fleet.logs)
+    try:
+        assert job.stdout is not None
+        line = await asyncio.to_thread(job.stdout.readline)
+        assert line.strip() == "PROGRESS step 0 begins", line
+        await asyncio.sleep(1.0)  # into the transfer (an undisturbed one takes ~7 s)
+        cut_at = time.monotonic()
+        fleet.bed.cut_between(fleet.trainer, fleet.servers[1])
+        try:
+            for step in (1, 2):  # both steps inside the partition ended
+                line = await asyncio.to_thread(job.stdout.readline)
+                assert line.strip() == f"PROGRESS step {step} begins", line
+            inside = time.monotonic()
+            # The router reaches the server cut off (only the trainer does not), which is behind:
+            # fresh sessions all go to the other server, at the new weights.
+            probe = {"address": fleet.router, "streams": 8, "tokens": 4, "seconds": 0.1}
+            probe["prefix"] = "cut-out"
+            placed = await asyncio.to_thread(run_job, fleet.client, "streams", probe, JOB_SECONDS)
+            assert time.monotonic() < cut_at + CUT_OUT_PARTITION_SECONDS, "the steps took too long"
+            await asyncio.sleep(max(0.0, cut_at + CUT_OUT_PARTITION_SECONDS - time.monotonic()))
+        finally:
+            fleet.bed.heal_between(fleet.trainer, fleet.servers[1])
+        healed_at = time.monotonic()
+        healed_file.touch()
+        result = await asyncio.to_thread(job_result, job, JOB_SECONDS)
+    finally:
+        fleet.bed.shape(fleet.trainer, RATE_MBIT)
+        if job.poll() is None:
+            job.kill()
+    cut, inside_step, after = result["steps"]
+    print(
+        f"cut-out: the step met by the cut ended {cut['ended'] - cut_at:.1f} s after it "
+        f"({CUT_OUT_TIMEOUT_SECONDS:.0f} s timeout, {CUT_OUT_PARTITION_SECONDS:.0f} s "
+        f"partition); the next {inside_step['seconds']:.1f} s; after the heal "
+        f"{after['seconds']:.1f} s, {after['bytes_received'].get(cut_server, 0) / 1e6:.1f} MB "
+        "to the server taken back"
+    )
+    for step in (cut, inside_step):
+        assert "error" not in step, step
+        assert list(step["cut_out"]) == [cut_server], step
+        assert list(step["versions"]) == [fleet.addresses[0]], step
+    assert cut["ended"] < inside < healed_at
+    # The cut step: its timeout (a send, then an answer, may each wait it), a retry's transfer.
+    assert cut["ended"] - cut_at < 4 * CUT_OUT_TIMEOUT_SECONDS + 15.0, cut
+    history = History.from_json(placed["history"])
+    assert [str(v) for v in check(history)] == []
+    served = {call.server for call in history.calls if call.status == "OK"}
+    assert served == {fleet.addresses[0]}, served
+    newest = inside_step["versions"][fleet.addresses[0]]
+    versions = {m.weight_version for call in history.calls for m in call.messages if m.tokens}
+    assert versions == {newest}, versions
+    # Taken back after the heal: the whole weights to it, the others a delta, one version.
+    assert "error" not in after and "cut_out" not in after, after
+    assert after["served"] == dict.fromkeys(fleet.addresses, after["pushed"])
+    assert len(set(result["versions"].values())) == 1, result["versions"]
+    assert after["bytes_received"][cut_server] > 10 * after["bytes_received"][fleet.addresses[0]]

@@ -26,9 +26,14 @@ class ServerWeightCalls:
     ``weight_transaction.TransactionCalls`` asks for, and the state and push sockets the
     update plan reads."""
 
-    def __init__(self, client: ClientCore, lease_seconds: int) -> None:
+    def __init__(
+        self, client: ClientCore, lease_seconds: int, cleanup_seconds: float | None = None
+    ) -> None:
         self._client = client
         self._lease_seconds = lease_seconds
+        # The deadline of a failed update's cancel and version question (None: the client's
+        # control timeout): short where a server that does not answer is cut out, not waited.
+        self._cleanup_seconds = cleanup_seconds
         self._owner = owner_name()
         # Each server's state as first asked in this update (``state``).
         self._states: dict[str, ServerState] = {}
@@ -90,7 +95,8 @@ class ServerWeightCalls:
         return WeightCommit.from_proto(response)
 
     async def cancel(self, address: str) -> None:
-        await self._call(address, cp.CancelWeightUpdateRequest(), lambda s: s.CancelWeightUpdate)
+        request = cp.CancelWeightUpdateRequest()
+        await self._call(address, request, lambda s: s.CancelWeightUpdate, self._cleanup_seconds)
 
     async def rollback(self, address: str, version: int) -> int:
         request = cp.RollbackWeightUpdateRequest(weight_version=version)
@@ -103,7 +109,7 @@ class ServerWeightCalls:
 
     async def serving_version(self, address: str) -> int:
         """The version ``address`` serves now (asked again: the transaction reports it)."""
-        return (await self._ask(address)).version
+        return (await self._ask(address, self._cleanup_seconds)).version
 
     async def state(self, address: str) -> ServerState:
         """What the update needs of a server before it starts (its version, whether it takes
@@ -125,8 +131,9 @@ class ServerWeightCalls:
         answers = await asyncio.gather(*(self.state(a) for a in addresses), return_exceptions=True)
         return {a: s for a, s in zip(addresses, answers, strict=True) if isinstance(s, ServerState)}
 
-    async def _ask(self, address: str) -> ServerState:
-        info = await self._call(address, cp.GetServerInfoRequest(), lambda s: s.GetServerInfo)
+    async def _ask(self, address: str, seconds: float | None = None) -> ServerState:
+        request = cp.GetServerInfoRequest()
+        info = await self._call(address, request, lambda s: s.GetServerInfo, seconds)
         group = info.weight_transfer_group
         return ServerState(
             info.weight_version,
@@ -139,10 +146,14 @@ class ServerWeightCalls:
         )
 
     async def _call(
-        self, address: str, request: Request, rpc: ControlRpc[Request, Response]
+        self,
+        address: str,
+        request: Request,
+        rpc: ControlRpc[Request, Response],
+        seconds: float | None = None,
     ) -> Response:
+        """``rpc`` on ``address`` within ``seconds`` (None: the client's control timeout)."""
         client = self._client
         stub_method = rpc(client.control(address))
-        return await client.unary(
-            address, stub_method, request, client.config.control_timeout, plane="control"
-        )
+        timeout = client.config.control_timeout if seconds is None else seconds
+        return await client.unary(address, stub_method, request, timeout, plane="control")

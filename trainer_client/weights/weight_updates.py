@@ -8,6 +8,7 @@ or chunks over gRPC streams); this module makes the calls around them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Literal, TypeVar
@@ -27,6 +28,7 @@ from trainer_client.fleet_info import (
 )
 from trainer_client.readiness import wait_while_starting
 from trainer_client.results import WeightVersions
+from trainer_client.weights.cut_out import CLEANUP_SECONDS, commit_cutting_out, rejoining
 from trainer_client.weights.relay_plan import relay_for
 from trainer_client.weights.update_plan import (
     PushedWeights,
@@ -168,6 +170,7 @@ class WeightUpdates:
         compress_patches: bool = False,
         wait_for_starting: float = 120.0,
         release_memory: bool = False,
+        cut_out_unreachable: bool = False,
     ) -> WeightUpdateResult:
         """Pushes new weights to every server and commits ``weight_version`` on all of them,
         or on none: a fleet-wide transaction (``trainer_client.weights.weight_transaction``).
@@ -208,6 +211,11 @@ class WeightUpdates:
         update touches fresh memory instead of reusing it (2x its time on the benchmark VM,
         docs/weights.md). By default servers keep them until the next update starts, which
         reuses their memory.
+        ``cut_out_unreachable`` (in-band only): a server that cannot be reached, not even to
+        ask its version, once the update failed on it (at ``timeout``, for a partition) is cut
+        out: the update runs again at once on the others, and the result's ``cut_out`` names
+        it. It keeps its previous weights, which placement keeps calls off, until a later
+        update takes it back (``cut_out``). Without it, retries fail until it answers.
 
         On any failure (a server unreachable, a rejected chunk or version, a timeout) the update
         is cancelled on every server and rolled back where it was already committed, then
@@ -222,39 +230,60 @@ class WeightUpdates:
                 f"weight_version={weight_version}: versions start at 1 and must increase "
                 "(None: one more than the newest version any server serves)"
             )
-        calls = ServerWeightCalls(self._core, lease_seconds)
-        sender, servers = await self._route(transport, calls)
+        first_calls = ServerWeightCalls(self._core, lease_seconds)
+        sender, servers = await self._route(transport, first_calls)
+        still_out: dict[str, str] = {}
+        if cut_out_unreachable:
+            if sender is not None:
+                raise ValueError(
+                    "cut_out_unreachable: in-band updates only (a collective broadcast needs "
+                    "every rank of its group): use transport='grpc'"
+                )
+            servers, still_out = await rejoining(self.local.cut_out, servers, self._core.answers)
         starting = await wait_while_starting(self._core.channel, servers, wait_for_starting)
         if starting:
             log.info("still starting after %.0f s, updated anyway: %s", wait_for_starting, starting)
-        plan = await make_plan(
-            servers,
-            weight_version,
-            self.local.last_pushed if delta else None,
-            collective=sender is not None,
-            compress=compress_patches,
-            sending=Sending(chunk_bytes, bucket_bytes, checksums, timeout),
-            state=calls.state,
-        )
-        if sender is None:
-            calls.relay = relay_for(
-                plan, await calls.known_states(servers), self.config.weight_relay_fanout
+
+        async def attempt(addresses: Sequence[str], calls: ServerWeightCalls) -> WeightUpdateResult:
+            plan = await make_plan(
+                addresses,
+                weight_version,
+                self.local.last_pushed if delta else None,
+                collective=sender is not None,
+                compress=compress_patches,
+                sending=Sending(chunk_bytes, bucket_bytes, checksums, timeout),
+                state=calls.state,
+            )
+            if sender is None:
+                calls.relay = relay_for(
+                    plan, await calls.known_states(addresses), self.config.weight_relay_fanout
+                )
+
+            async def transfer(reached: Sequence[str]) -> dict[str, BaseException]:
+                if sender is not None:
+                    return await self.delivery.broadcast(plan, sender, reached, tensors)
+                return await self.delivery.push(
+                    plan, reached, tensors, calls.push_sockets, calls.relay, calls.one_stream
+                )
+
+            commits = await self._commit(plan, calls, transfer, tensors, delta, release_memory)
+            return WeightUpdateResult(
+                commits,
+                bytes_sent=self.local.last_sent_bytes,
+                bytes_received=dict(self.local.last_push_bytes),
+                relayed=calls.relay is not None,
             )
 
-        async def transfer(addresses: Sequence[str]) -> dict[str, BaseException]:
-            if sender is not None:
-                return await self.delivery.broadcast(plan, sender, addresses, tensors)
-            return await self.delivery.push(
-                plan, addresses, tensors, calls.push_sockets, calls.relay, calls.one_stream
-            )
-
-        commits = await self._commit(plan, calls, transfer, tensors, delta, release_memory)
-        return WeightUpdateResult(
-            commits,
-            bytes_sent=self.local.last_sent_bytes,
-            bytes_received=dict(self.local.last_push_bytes),
-            relayed=calls.relay is not None,
-        )
+        if not cut_out_unreachable:
+            return await attempt(servers, first_calls)
+        cut_now: dict[str, str] = {}
+        try:  # each try asks the servers afresh
+            fresh = functools.partial(ServerWeightCalls, self._core, lease_seconds, CLEANUP_SECONDS)
+            result = await commit_cutting_out(servers, lambda s: attempt(s, fresh()), cut_now)
+        finally:
+            self.local.cut_out.update(cut_now)
+        result.cut_out = {**still_out, **cut_now}
+        return result
 
     async def _route(
         self, transport: WeightTransport | None, calls: ServerWeightCalls
