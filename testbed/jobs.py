@@ -28,6 +28,8 @@ one ``JOB-RESULT <JSON>`` line.
   client retries is sent again, the same request, as a client does: ``RETRIES``) and each
   call's longest wait between two of its messages (``max_gaps``); sessions are named
   ``<prefix>-<i>`` (``prefix``, default ``stream``).
+- ``generations``: ``streams`` through the trainer client's ``generate``, straight to the
+  servers (the direct path), each call recorded whole.
 - ``edge``: ``streams`` through an OpenAI edge (``address``: its base URL), streamed
   completions read as an agent harness reads them (sessions ``<prefix>-<i>``, default ``edge``).
 
@@ -49,6 +51,8 @@ from typing import Any
 from testbed import rl_job
 
 JOB_RESULT = "JOB-RESULT "
+# The prompt of every greedy stream the jobs make (``streams``, ``generations``).
+STREAM_PROMPT = [1, 45, 722, 84]
 # The share of each tensor's elements an edit changes: an RL step's patch.
 EDIT_SHARE = 0.01
 # A request that ends with a status its client retries (testbed.history.RETRYABLE) is sent
@@ -321,7 +325,7 @@ async def streams(arguments: dict[str, Any]) -> dict[str, Any]:
 
     deadline_seconds = float(arguments.get("deadline", 120))
     request = data_plane_pb2.GenerateStreamRequest(
-        prompt_token_ids=[1, 45, 722, 84],
+        prompt_token_ids=STREAM_PROMPT,
         sampling_params=gen.SamplingParams(
             temperature=0.0, max_tokens=arguments["tokens"], ignore_eos=True
         ),
@@ -355,6 +359,42 @@ async def streams(arguments: dict[str, Any]) -> dict[str, Any]:
             return gap
 
         return await streaming_sessions(arguments, "stream", attempt)
+
+
+async def generations(arguments: dict[str, Any]) -> dict[str, Any]:
+    """``streams`` as a trainer makes them: ``InferenceClient.generate`` from this host, each
+    call straight to the server the router's policy picks (``router``; ``servers``: the
+    fleet), the client moving a generation on with its tokens so far when its server is lost.
+    Each call is recorded whole (one message: its tokens, their count, the last token's weight
+    version; a failure as its status); ``max_gaps`` holds each call's duration. Sessions are
+    ``<prefix>-<i>`` (default ``generate``)."""
+    from testbed.history import Call, Message
+    from trainer_client import InferenceClient, ServerError
+
+    client = InferenceClient(
+        arguments["router"], arguments["servers"], **client_settings(arguments)
+    )
+    sampling = {"temperature": 0.0, "max_tokens": arguments["tokens"], "ignore_eos": True}
+
+    async def attempt(record: Call, session: str, first: asyncio.Event) -> float:
+        try:
+            result = await client.generate(
+                STREAM_PROMPT, sampling, session_id=session, timeout=record.deadline
+            )
+        except ServerError as failed:
+            record.status = failed.code.name
+        else:
+            spans = result.weight_versions
+            version = spans[-1].weight_version if spans else 0
+            record.messages.append(Message(result.token_ids, len(result.token_ids), version))
+            record.finish_reason = str(result.finish_reason)
+        first.set()
+        return time.monotonic() - record.started
+
+    try:
+        return await streaming_sessions(arguments, "generate", attempt)
+    finally:
+        await client.close()
 
 
 async def edge(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -431,6 +471,7 @@ JOBS = {
     "info": info,
     "prompt_ids": prompt_ids,
     "streams": streams,
+    "generations": generations,
 }
 
 

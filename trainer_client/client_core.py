@@ -71,8 +71,11 @@ class ClientCore:
         )
 
     def data(self, address: str | None = None) -> DataStub:
-        """The DataPlane of ``address`` (None: the router's)."""
-        return data_plane_pb2_grpc.DataPlaneStub(self.channel(address or self.config.router))
+        """The DataPlane of the server at ``address`` (its generation channel:
+        ``Connections.data_channel``), or None: the router's."""
+        if address is None:
+            return data_plane_pb2_grpc.DataPlaneStub(self.channel(self.config.router))
+        return data_plane_pb2_grpc.DataPlaneStub(self.connections.data_channel(address))
 
     def control(self, address: str) -> ControlStub:
         return control_plane_pb2_grpc.ControlPlaneStub(self.channel(address))

@@ -9,7 +9,7 @@ from typing import Final, Literal, TypeAlias, TypedDict
 import grpc
 
 from skyrl_grpc import tracing
-from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, open_channel
+from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, liveness_options, open_channel
 from skyrl_grpc.metadata import bearer
 from skyrl_grpc.tls import TlsConfig
 
@@ -77,6 +77,12 @@ class ClientConfig:
     # Direct path: how many times one generation moves on after its server failed (before the
     # first token: a retry; after: the prompt plus the tokens so far, as the router migrates).
     max_direct_failovers: int = 4
+    # Direct path: a server that answers no keepalive ping on the generation channel for this
+    # many seconds is lost, and its generations move on (as the router's
+    # ``--backend-liveness-seconds``): a host cut off by the network closes no connection.
+    # Control calls and weights keep a channel of their own with a slower keepalive, whose
+    # pings may queue behind a weight update's bytes on a slow link.
+    direct_liveness_seconds: float = 2.0
     extra_metadata: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     # In-band weight updates go over each server's push socket where it offers one (the same
     # streams at the link's speed instead of gRPC's: trainer_client.weights.push_lanes), else over
@@ -116,8 +122,13 @@ class ClientConfig:
             return self.data_timeout if plane == "data" else self.control_timeout
         return timeout
 
-    def open_channel(self, address: str) -> grpc.aio.Channel:
-        return open_channel(address, tls=self.tls, max_message_bytes=self.max_message_bytes)
+    def open_channel(self, address: str, liveness_seconds: float | None = None) -> grpc.aio.Channel:
+        """A channel to ``address``; with ``liveness_seconds``, one that loses a peer answering
+        no keepalive ping within that long (``skyrl_grpc.channels.liveness_options``)."""
+        extra = liveness_options(liveness_seconds) if liveness_seconds else []
+        return open_channel(
+            address, tls=self.tls, max_message_bytes=self.max_message_bytes, extra_options=extra
+        )
 
 
 class ClientSettings(TypedDict, total=False):
@@ -135,6 +146,7 @@ class ClientSettings(TypedDict, total=False):
     max_message_bytes: int
     direct: bool
     max_direct_failovers: int
+    direct_liveness_seconds: float
     extra_metadata: tuple[tuple[str, str], ...]
     push_socket: bool
     weight_relay_fanout: int

@@ -36,6 +36,8 @@ class LoopResources:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.channels: dict[str, grpc.aio.Channel] = {}
+        # Channels of generations sent straight to a server (``Connections.data_channel``).
+        self.data_channels: dict[str, grpc.aio.Channel] = {}
         self.routes: DirectRoutes | None = None
         self.background: set[asyncio.Task[Any]] = set()
         self.watcher: asyncio.Task[None] | None = None
@@ -50,7 +52,8 @@ class LoopResources:
         if self.routes is not None:
             await self.routes.close()
             self.routes = None
-        channels, self.channels = list(self.channels.values()), {}
+        channels = [*self.channels.values(), *self.data_channels.values()]
+        self.channels, self.data_channels = {}, {}
         for channel in channels:
             await channel.close()
         extras, self.extras = list(self.extras.values()), {}
@@ -118,14 +121,27 @@ class Connections:
             channel = resources.channels[address] = self._config.open_channel(address)
         return channel
 
+    def data_channel(self, address: str) -> grpc.aio.Channel:
+        """The running loop's channel for generations sent straight to the server at
+        ``address``: apart from the control channel, with the liveness of
+        ``direct_liveness_seconds``, so a stream on a host cut off fails then and moves on."""
+        resources = self._resources()
+        channel = resources.data_channels.get(address)
+        if channel is None:
+            channel = self._config.open_channel(address, self._config.direct_liveness_seconds)
+            resources.data_channels[address] = channel
+        return channel
+
     def reopen(self, address: str) -> None:
         """Drops the running loop's channel to ``address``: the next call opens a fresh one,
         which connects at once. A channel whose connection attempt began while the server was
         cut off waits out that attempt (gRPC's 20 s) after the heal. The old channel closes in
         the background, its calls given ``REOPEN_GRACE_SECONDS`` to end."""
-        old = self._resources().channels.pop(address, None)
-        if old is not None:
-            self.spawn(old.close(grace=REOPEN_GRACE_SECONDS))
+        resources = self._resources()
+        for channels in (resources.channels, resources.data_channels):
+            old = channels.pop(address, None)
+            if old is not None:
+                self.spawn(old.close(grace=REOPEN_GRACE_SECONDS))
 
     def routes(self) -> DirectRoutes:
         """The running loop's view of the router's routing (direct routing)."""

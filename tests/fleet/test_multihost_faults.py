@@ -175,6 +175,54 @@ async def test_a_server_host_cut_off_from_the_router_loses_no_token_and_streams_
     assert stalls[-1] >= LIVENESS_SECONDS / 2, stalls
 
 
+async def test_a_server_cut_off_from_a_self_routing_trainer_loses_no_token_and_moves_in_seconds(
+    fault_fleet: FaultFleet,
+) -> None:
+    """Fault (b)'s cut on the data path: a trainer's client sends its generations straight to
+    the server the router's policy picks (its default), and one server host is partitioned
+    from the trainer's host for 10 s while the router still reaches it (its view keeps the
+    server). The client's generation channel loses the server within its liveness
+    (``direct_liveness_seconds``, 2 s), each generation on it moves to the other server with
+    its tokens so far, and new ones avoid it meanwhile: every answer equals the undisturbed
+    one, and no call takes longer than the slowest undisturbed one by much more than the
+    liveness."""
+    fleet, expected = fault_fleet, reference(fault_fleet)
+    arguments = {
+        "router": fleet.router,
+        "servers": fleet.addresses,
+        "streams": STREAMS,
+        "tokens": TOKENS,
+        "seconds": 25,
+        "expected": expected,
+        "deadline": DEADLINE_SECONDS,
+    }
+    job = start_job(fleet.trainer, "generations", arguments, log_dir=fleet.logs)
+    assert job.stdout is not None
+    line = await asyncio.to_thread(job.stdout.readline)
+    assert line.strip() == "PROGRESS streaming", line
+    cut_at = time.monotonic()
+    fleet.bed.cut_between(fleet.trainer, fleet.servers[1])
+    try:
+        await asyncio.sleep(10)  # the partition's length (the fault, not a wait on an event)
+    finally:
+        fleet.bed.heal_between(fleet.trainer, fleet.servers[1])
+    outage = Outage(fleet.addresses[1], cut_at, time.monotonic())
+    result = await asyncio.to_thread(job_result, job, JOB_SECONDS)
+    history = History.from_json(result["history"])
+    history.outages.append(outage)
+    assert [str(v) for v in check(history)] == []
+    assert all(call.status == "OK" for call in history.calls)
+    durations = list(zip(history.calls, result["max_gaps"], strict=True))
+    before = [d for call, d in durations if call.ended < cut_at]
+    through = [d for call, d in durations if call.started < outage.end and call.ended > cut_at]
+    print(
+        f"direct path: {len(history.calls)} generations; the longest before the cut "
+        f"{max(before):.2f} s, through it {max(through):.2f} s"
+    )
+    assert before and through, (before, through)
+    assert max(through) <= max(before) + STALL_BOUND, (before, through)
+
+
 async def test_streams_through_loss_and_distance_on_every_link_lose_nothing(
     fault_fleet: FaultFleet,
 ) -> None:
