@@ -21,6 +21,7 @@ from skyrl_grpc.v1 import control_plane_pb2 as cp
 from skyrl_grpc.v1 import control_plane_pb2_grpc, data_plane_pb2_grpc
 from trainer_client.config import DEFAULT, ClientConfig, Plane, Timeout
 from trainer_client.connections import Connections
+from trainer_client.cut_out import CutOff, CutOutServers, rejoining, unless_cut_off
 from trainer_client.exceptions import InferenceError, ServerError
 from trainer_client.fanout import fan_out
 from trainer_client.readiness import wait_while_starting
@@ -47,6 +48,8 @@ class ClientCore:
             tracing.configure("skyrl-trainer-client", config.otlp_traces_endpoint)
         # Channels, the routing view and background calls, per event loop (never pickled).
         self.connections = Connections(config, self._session_moved)
+        # Servers cut out of the fleet's calls, unreachable then, with why (``cut_out``).
+        self.cut_out = CutOutServers()
 
     def channel(self, address: str) -> grpc.aio.Channel:
         return self.connections.channel(address)
@@ -104,17 +107,22 @@ class ClientCore:
 
     async def answers(self, address: str, seconds: float) -> bool:
         """Whether ``address``'s control plane answers (``GetServerInfo``) within ``seconds``,
-        asked over a fresh channel (``Connections.reopen``): for a server that could not be
-        reached before, whose old channel may still wait out a connection attempt."""
+        asked over a fresh channel that later calls then use (``Connections.reopen``): for a
+        server cut out, whose old channel may still wait out a connection attempt."""
         self.connections.reopen(address)
+        return await self._answers(address, self.control(address), seconds)
+
+    async def answers_aside(self, address: str, seconds: float) -> bool:
+        """``answers``, over a channel of its own, closed after: the calls under way on the
+        client's channel go on undisturbed."""
+        async with self.config.open_channel(address) as channel:
+            stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
+            return await self._answers(address, stub, seconds)
+
+    async def _answers(self, address: str, stub: ControlStub, seconds: float) -> bool:
+        request = cp.GetServerInfoRequest()
         try:
-            await self.unary(
-                address,
-                self.control(address).GetServerInfo,
-                cp.GetServerInfoRequest(),
-                seconds,
-                plane="control",
-            )
+            await self.unary(address, stub.GetServerInfo, request, seconds, plane="control")
         except InferenceError:
             return False
         return True
@@ -126,11 +134,16 @@ class ClientCore:
         timeout: Timeout,
         read: Callable[[Response], T],
         wait_for_starting: float = 0.0,
+        *,
+        cut_out: bool = False,
     ) -> dict[str, T]:
         """``rpc`` on every server at once; what ``read`` takes from each server's answer, or
         ``FanOutError`` (whose ``results`` hold the same for the servers that answered).
         ``wait_for_starting``: seconds to wait first for servers up but still starting
-        (``readiness``), so the call reaches them once they serve instead of failing there."""
+        (``readiness``), so the call reaches them once they serve instead of failing there.
+        ``cut_out``: a server that cannot be reached is cut out instead of failing the call,
+        and one cut out earlier is left out unless it answers now (``trainer_client.cut_out``);
+        neither is in the result."""
         deadline = self.deadline("control", timeout)
 
         async def call(address: str) -> T:
@@ -139,8 +152,23 @@ class ClientCore:
 
         operation = type(request).__name__.removesuffix("Request")
         servers = await self.control_servers()
-        await wait_while_starting(self.channel, servers, wait_for_starting)
-        return await fan_out(operation, servers, call)
+        if not cut_out:
+            await wait_while_starting(self.channel, servers, wait_for_starting)
+            return await fan_out(operation, servers, call)
+        servers, _ = await rejoining(self.cut_out, servers, self.answers)
+
+        async def once_started(address: str) -> T:
+            await wait_while_starting(self.channel, [address], wait_for_starting)
+            return await call(address)
+
+        async def call_unless_cut_off(address: str) -> T | CutOff:
+            # The wait for a starting server too: one cut off would hold it for its health
+            # check's deadline.
+            started_call = once_started(address)
+            return await unless_cut_off(address, started_call, self.answers_aside, self.cut_out)
+
+        results = await fan_out(operation, servers, call_unless_cut_off)
+        return {a: r for a, r in results.items() if not isinstance(r, CutOff)}
 
     async def control_servers(self) -> list[str]:
         """The servers control calls reach: the fleet as the router sees it now, when this

@@ -83,6 +83,12 @@ class ClientConfig:
     # Control calls and weights keep a channel of their own with a slower keepalive, whose
     # pings may queue behind a weight update's bytes on a slow link.
     direct_liveness_seconds: float = 2.0
+    # A server this client cannot reach is cut out of pauses, resumes and in-band weight
+    # updates instead of failing them (each goes on with the others; an update commits), and is
+    # taken back by the first such call it answers: it keeps its weights meanwhile, and
+    # placement keeps calls off it once it is behind (trainer_client.cut_out). False: those
+    # calls fail on it, as every retry does until it answers again.
+    cut_out_unreachable: bool = False
     extra_metadata: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     # In-band weight updates go over each server's push socket where it offers one (the same
     # streams at the link's speed instead of gRPC's: trainer_client.weights.push_lanes), else over
@@ -147,6 +153,7 @@ class ClientSettings(TypedDict, total=False):
     direct: bool
     max_direct_failovers: int
     direct_liveness_seconds: float
+    cut_out_unreachable: bool
     extra_metadata: tuple[tuple[str, str], ...]
     push_socket: bool
     weight_relay_fanout: int

@@ -19,6 +19,7 @@ class FleetControl:
 
     def __init__(self, core: ClientCore) -> None:
         self._fan_out = core.fan_out
+        self._cut_out = core.config.cut_out_unreachable
 
     async def pause(
         self,
@@ -31,7 +32,9 @@ class FleetControl:
         """Pauses every server; returns once all are paused. ``mode``: what running
         generations do (``PauseMode``: abort, wait or keep). ``wait_for_starting``: seconds
         to wait first for a server up but still starting (restarted or added: warming up,
-        catching up with its peers), so it is paused too instead of failing the call."""
+        catching up with its peers), so it is paused too instead of failing the call. With
+        ``ClientConfig.cut_out_unreachable``, a server that cannot be reached is cut out
+        (``trainer_client.cut_out``) and left out of the servers returned."""
         try:
             pause_mode = PauseMode(mode)
         except ValueError:
@@ -39,17 +42,23 @@ class FleetControl:
             raise ValueError(f"mode {mode!r}: use one of {modes}") from None
         request = cp.PauseRequest(mode=pause_mode.to_proto(), clear_cache=clear_cache)
         paused = await self._fan_out(
-            lambda stub: stub.Pause, request, timeout, _nothing, wait_for_starting
+            lambda stub: stub.Pause,
+            request,
+            timeout,
+            _nothing,
+            wait_for_starting,
+            cut_out=self._cut_out,
         )
         return list(paused)
 
     async def resume(
         self, *, timeout: Timeout = DEFAULT, wait_for_starting: float = 120.0
     ) -> list[str]:
-        """Lets every server generate again (``wait_for_starting`` as ``pause``'s)."""
+        """Lets every server generate again (``wait_for_starting`` and the cut-out as
+        ``pause``'s)."""
         request = cp.ResumeRequest()
         resumed = await self._fan_out(
-            lambda s: s.Resume, request, timeout, _nothing, wait_for_starting
+            lambda s: s.Resume, request, timeout, _nothing, wait_for_starting, cut_out=self._cut_out
         )
         return list(resumed)
 

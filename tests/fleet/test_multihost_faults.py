@@ -27,6 +27,7 @@ from testbed import Host, Testbed
 from testbed.history import History, Outage, check
 from testbed.stack import job_result, run_job, start_job
 from tests.helpers.hosts import JOB_SECONDS, RATE_MBIT, host_fleet, open_testbed
+from trainer_client import cut_out
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -185,11 +186,15 @@ async def test_a_server_cut_off_from_a_self_routing_trainer_loses_no_token_and_m
     (``direct_liveness_seconds``, 2 s), each generation on it moves to the other server with
     its tokens so far, and new ones avoid it meanwhile: every answer equals the undisturbed
     one, and no call takes longer than the slowest undisturbed one by much more than the
-    liveness."""
+    liveness. Calls carry no session here, so the generations moved are checked by their
+    answers, not by where their sessions went."""
     fleet, expected = fault_fleet, reference(fault_fleet)
     arguments = {
         "router": fleet.router,
         "servers": fleet.addresses,
+        # No session: each call goes to the server with the least in flight, so both servers
+        # run some when the cut comes (sessions would follow the load earlier tests left).
+        "sessions": False,
         "streams": STREAMS,
         "tokens": TOKENS,
         "seconds": 25,
@@ -221,6 +226,8 @@ async def test_a_server_cut_off_from_a_self_routing_trainer_loses_no_token_and_m
     )
     assert before and through, (before, through)
     assert max(through) <= max(before) + STALL_BOUND, (before, through)
+    # Generations ran on the server cut off: they waited for the liveness, then moved.
+    assert max(through) >= LIVENESS_SECONDS / 2, (before, through)
 
 
 async def test_streams_through_loss_and_distance_on_every_link_lose_nothing(
@@ -545,3 +552,82 @@ async def test_a_server_cut_off_longer_than_the_update_is_cut_out_and_taken_back
     assert after["served"] == dict.fromkeys(fleet.addresses, after["pushed"])
     assert len(set(result["versions"].values())) == 1, result["versions"]
     assert after["bytes_received"][cut_server] > 10 * after["bytes_received"][fleet.addresses[0]]
+
+
+# A partition a trainer's step begins in: it outlasts the step and the client's wait before it
+# asks a server cut out again.
+PAUSE_CUT_SECONDS = cut_out.ASK_AGAIN_SECONDS + 10.0
+
+
+async def test_a_trainer_step_whose_server_is_cut_off_before_its_pause_goes_on_without_it(
+    fault_fleet: FaultFleet,
+) -> None:
+    """A partition that begins before a trainer's step, with ``ClientConfig.cut_out_unreachable``
+    on: the step's pause reaches the other server at once and gives up on the one cut off when
+    it answers no probe (2 s), the update leaves it out without waiting on it again and
+    commits on the other, the resume too. The server cut off keeps its weights and gets no
+    session while it is behind; the first step after the heal pauses it again, sends it the
+    whole weights and resumes it: one version, every tensor as pushed."""
+    fleet = fault_fleet
+    cut_server = fleet.addresses[1]
+    cut_file, healed_file = fleet.logs / "pause-cut", fleet.logs / "pause-healed"
+    for cue in (cut_file, healed_file):
+        cue.unlink(missing_ok=True)
+    arguments = full_update(fleet, 5)
+    arguments["client"] = {"cut_out_unreachable": True, "control_timeout": CUT_OUT_CONTROL_SECONDS}
+    arguments["steps"] = [
+        {"edit": 5, "delta": False, "pause": True, "wait_for": str(cut_file), "checksums": False},
+        {"edit": 6, "pause": True, "wait_for": str(healed_file)},
+    ]
+    fleet.bed.shape(fleet.trainer, TRAINER_MBIT)
+    job = start_job(fleet.trainer, "update", arguments, log_dir=fleet.logs)
+    try:
+        assert job.stdout is not None
+        line = await asyncio.to_thread(job.stdout.readline)
+        assert line.strip() == "PROGRESS step 0 begins", line
+        cut_at = time.monotonic()
+        fleet.bed.cut_between(fleet.trainer, fleet.servers[1])
+        try:
+            cut_file.touch()  # the step begins inside the partition
+            line = await asyncio.to_thread(job.stdout.readline)
+            assert line.strip() == "PROGRESS step 1 begins", line
+            inside = time.monotonic()
+            probe = {"address": fleet.router, "streams": 8, "tokens": 4, "seconds": 0.1}
+            probe["prefix"] = "pause-cut"
+            placed = await asyncio.to_thread(run_job, fleet.client, "streams", probe, JOB_SECONDS)
+            # The rest of the partition (the fault's length): long enough that the client asks
+            # the server cut off again at the first step after the heal.
+            await asyncio.sleep(max(0.0, cut_at + PAUSE_CUT_SECONDS - time.monotonic()))
+        finally:
+            fleet.bed.heal_between(fleet.trainer, fleet.servers[1])
+        healed_at = time.monotonic()
+        healed_file.touch()
+        result = await asyncio.to_thread(job_result, job, JOB_SECONDS)
+    finally:
+        fleet.bed.shape(fleet.trainer, RATE_MBIT)
+        if job.poll() is None:
+            job.kill()
+    cut, after = result["steps"]
+    undisturbed = result["steps"][1]["seconds"]
+    print(
+        f"a step begun {cut['began'] - cut_at:.1f} s into a partition: {cut['seconds']:.1f} s "
+        f"(pause, full update, resume) without the server cut off; the step after the heal "
+        f"{after['seconds']:.1f} s, {after['bytes_received'].get(cut_server, 0) / 1e6:.1f} MB "
+        "to the server taken back"
+    )
+    assert "error" not in cut, cut
+    assert cut["paused"] == cut["resumed"] == [fleet.addresses[0]], cut
+    assert list(cut["cut_out"]) == [cut_server] and list(cut["versions"]) == [fleet.addresses[0]]
+    assert cut["ended"] < inside < healed_at
+    # Its pause waited one probe for the server cut off, its update and resume none.
+    probe_seconds = cut_out.FIRST_PROBE_AFTER_SECONDS + cut_out.PROBE_SECONDS
+    assert cut["seconds"] < undisturbed + probe_seconds + 3.0, (cut, undisturbed)
+    history = History.from_json(placed["history"])
+    assert [str(v) for v in check(history)] == []
+    assert {c.server for c in history.calls if c.status == "OK"} == {fleet.addresses[0]}
+    newest = cut["versions"][fleet.addresses[0]]
+    assert {m.weight_version for c in history.calls for m in c.messages if m.tokens} == {newest}
+    assert "error" not in after and "cut_out" not in after, after
+    assert after["paused"] == after["resumed"] == fleet.addresses, after
+    assert after["served"] == dict.fromkeys(fleet.addresses, after["pushed"])
+    assert len(set(result["versions"].values())) == 1, result["versions"]

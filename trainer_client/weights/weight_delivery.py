@@ -78,9 +78,6 @@ class LocalWeights:
     # Page-locked host memory CUDA tensors' in-band bytes are copied into, kept between
     # updates.
     host_staging: HostStaging = field(default_factory=HostStaging)
-    # Servers cut out of an earlier update, unreachable then (``cut_out``), with why: the next
-    # update asks each first and takes it back once it answers.
-    cut_out: dict[str, str] = field(default_factory=dict)
 
 
 class WeightDelivery:

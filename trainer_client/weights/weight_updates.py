@@ -18,6 +18,7 @@ from skyrl_grpc.process_group import free_port
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.client_core import ClientCore
 from trainer_client.config import DEFAULT, Timeout
+from trainer_client.cut_out import CLEANUP_SECONDS, commit_cutting_out, cutting_out, rejoining
 from trainer_client.exceptions import FailedPrecondition
 from trainer_client.fanout import fan_out
 from trainer_client.fleet_info import (
@@ -28,7 +29,6 @@ from trainer_client.fleet_info import (
 )
 from trainer_client.readiness import wait_while_starting
 from trainer_client.results import WeightVersions
-from trainer_client.weights.cut_out import CLEANUP_SECONDS, commit_cutting_out, rejoining
 from trainer_client.weights.relay_plan import relay_for
 from trainer_client.weights.update_plan import (
     PushedWeights,
@@ -170,7 +170,7 @@ class WeightUpdates:
         compress_patches: bool = False,
         wait_for_starting: float = 120.0,
         release_memory: bool = False,
-        cut_out_unreachable: bool = False,
+        cut_out_unreachable: bool | None = None,
     ) -> WeightUpdateResult:
         """Pushes new weights to every server and commits ``weight_version`` on all of them,
         or on none: a fleet-wide transaction (``trainer_client.weights.weight_transaction``).
@@ -211,11 +211,11 @@ class WeightUpdates:
         update touches fresh memory instead of reusing it (2x its time on the benchmark VM,
         docs/weights.md). By default servers keep them until the next update starts, which
         reuses their memory.
-        ``cut_out_unreachable`` (in-band only): a server that cannot be reached, not even to
-        ask its version, once the update failed on it (at ``timeout``, for a partition) is cut
-        out: the update runs again at once on the others, and the result's ``cut_out`` names
-        it. It keeps its previous weights, which placement keeps calls off, until a later
-        update takes it back (``cut_out``). Without it, retries fail until it answers.
+        ``cut_out_unreachable`` (in-band only; None: ``ClientConfig.cut_out_unreachable``): a
+        server that cannot be reached, not even to ask its version, once the update failed on
+        it (at ``timeout``, for a partition) is cut out: the update runs again at once on the
+        others, and the result's ``cut_out`` names it. It keeps its previous weights, which
+        placement keeps calls off, until a later call takes it back (``trainer_client.cut_out``).
 
         On any failure (a server unreachable, a rejected chunk or version, a timeout) the update
         is cancelled on every server and rolled back where it was already committed, then
@@ -233,13 +233,11 @@ class WeightUpdates:
         first_calls = ServerWeightCalls(self._core, lease_seconds)
         sender, servers = await self._route(transport, first_calls)
         still_out: dict[str, str] = {}
+        cut_out_unreachable = cutting_out(
+            cut_out_unreachable, self.config.cut_out_unreachable, collective=sender is not None
+        )
         if cut_out_unreachable:
-            if sender is not None:
-                raise ValueError(
-                    "cut_out_unreachable: in-band updates only (a collective broadcast needs "
-                    "every rank of its group): use transport='grpc'"
-                )
-            servers, still_out = await rejoining(self.local.cut_out, servers, self._core.answers)
+            servers, still_out = await rejoining(self._core.cut_out, servers, self._core.answers)
         starting = await wait_while_starting(self._core.channel, servers, wait_for_starting)
         if starting:
             log.info("still starting after %.0f s, updated anyway: %s", wait_for_starting, starting)
@@ -276,12 +274,10 @@ class WeightUpdates:
 
         if not cut_out_unreachable:
             return await attempt(servers, first_calls)
-        cut_now: dict[str, str] = {}
-        try:  # each try asks the servers afresh
-            fresh = functools.partial(ServerWeightCalls, self._core, lease_seconds, CLEANUP_SECONDS)
-            result = await commit_cutting_out(servers, lambda s: attempt(s, fresh()), cut_now)
-        finally:
-            self.local.cut_out.update(cut_now)
+        fresh = functools.partial(ServerWeightCalls, self._core, lease_seconds, CLEANUP_SECONDS)
+        result, cut_now = await commit_cutting_out(  # each try asks the servers afresh
+            servers, lambda s: attempt(s, fresh()), self._core.cut_out
+        )
         result.cut_out = {**still_out, **cut_now}
         return result
 

@@ -1,19 +1,30 @@
-"""Cutting an unreachable server out of a weight update (``trainer_client.weights.cut_out``)
-against the stand-in servers of the transaction's own tests: a server that cannot be reached
-at all is left out and the update commits on the others at once; a server that answers and
-refused the update is never left out (its refusal fails the update everywhere); a server cut
-out is taken back by the first later update it answers."""
+"""Cutting an unreachable server out (``trainer_client.cut_out``), against the stand-in servers
+of the weight transaction's own tests: a server that cannot be reached at all is left out and
+the update commits on the others at once; a server that answers and refused the update is
+never left out (its refusal fails the update everywhere); a server cut out is taken back by the
+first later call it answers; a control call under way is given up on a server that answers no
+probe, and waited for on one that answers but takes its time."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import grpc
 import pytest
 
 from tests.weights.test_client_weight_transaction import SERVERS, Fleet, lost
+from trainer_client.cut_out import (
+    ASK_AGAIN_SECONDS,
+    CutOff,
+    CutOutServers,
+    commit_cutting_out,
+    cutting_out,
+    rejoining,
+    unless_cut_off,
+    unreachable,
+)
 from trainer_client.exceptions import ServerError
-from trainer_client.weights.cut_out import commit_cutting_out, rejoining, unreachable
 from trainer_client.weights.weight_transaction import (
     ServerOutcome,
     WeightUpdateError,
@@ -81,7 +92,7 @@ async def test_a_server_cut_off_is_cut_out_and_the_others_commit_at_once(phase: 
             return await original(addresses)
 
         fleet.transfer = cut_during  # type: ignore[method-assign]
-    cut_out: dict[str, str] = {}
+    cut_out = CutOutServers()
     await commit_cutting_out(SERVERS, lambda s: update(fleet, s, 8), cut_out)
     assert list(cut_out) == [SERVERS[1]] and "UNAVAILABLE" in cut_out[SERVERS[1]], cut_out
     others = [SERVERS[0], SERVERS[2]]
@@ -95,7 +106,7 @@ async def test_a_server_that_answers_and_refuses_is_never_cut_out() -> None:
     leaving its critic out would commit weights a server found wrong."""
     fleet = PartitionedFleet()
     fleet.servers[SERVERS[2]].fail = "transfer"  # DATA_LOSS from a reachable server
-    cut_out: dict[str, str] = {}
+    cut_out = CutOutServers()
     with pytest.raises(WeightUpdateError) as raised:
         await commit_cutting_out(SERVERS, lambda s: update(fleet, s, 8), cut_out)
     assert unreachable(raised.value) == {}
@@ -105,7 +116,7 @@ async def test_a_server_that_answers_and_refuses_is_never_cut_out() -> None:
 
 async def test_every_server_unreachable_fails_the_update_instead_of_cutting_out_all() -> None:
     fleet = PartitionedFleet(cut=SERVERS)
-    cut_out: dict[str, str] = {}
+    cut_out = CutOutServers()
     with pytest.raises(WeightUpdateError):
         await commit_cutting_out(SERVERS, lambda s: update(fleet, s, 8), cut_out)
     assert cut_out == {}
@@ -125,35 +136,62 @@ async def test_nothing_is_tried_again_once_a_server_committed() -> None:
     assert unreachable(failed) == {}
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 async def test_a_cut_out_server_stays_out_while_silent_and_rejoins_once_it_answers() -> None:
-    fleet = PartitionedFleet(cut=[SERVERS[1]])
-    cut_out: dict[str, str] = {}
+    fleet, clock = PartitionedFleet(cut=[SERVERS[1]]), Clock()
+    cut_out = CutOutServers(clock)
     await commit_cutting_out(SERVERS, lambda s: update(fleet, s, 8), cut_out)
-    # Still silent: the next update leaves it out without trying it (no wait on it).
-    now, still = await rejoining(cut_out, SERVERS, fleet.answers)
-    assert now == [SERVERS[0], SERVERS[2]] and list(still) == [SERVERS[1]]
+    asked: list[str] = []
+
+    async def answers(address: str, seconds: float) -> bool:
+        asked.append(address)
+        return await fleet.answers(address, seconds)
+
+    # Just found silent: the next call leaves it out without asking it (a step's pause,
+    # update and resume do not each wait a probe out).
+    now, still = await rejoining(cut_out, SERVERS, answers)
+    assert now == [SERVERS[0], SERVERS[2]] and list(still) == [SERVERS[1]] and asked == []
+    # Later, asked again, still silent: left out again, and the update does not try it.
+    clock.now += ASK_AGAIN_SECONDS
+    now, still = await rejoining(cut_out, SERVERS, answers)
+    assert now == [SERVERS[0], SERVERS[2]] and asked == [SERVERS[1]]
     tries = len(fleet.tries)
     await commit_cutting_out(now, lambda s: update(fleet, s, 9), cut_out)
     assert len(fleet.tries) == tries + 1  # one try: the silent server was not in it
-    # Healed: it answers, so the next update takes it back (it gets the whole weights there,
-    # serving another version than the others: ``update_plan``).
+    # Healed: it answers once asked again, so the next update takes it back (it gets the whole
+    # weights there, serving another version than the others: ``update_plan``).
     fleet.cut.clear()
-    now, still = await rejoining(cut_out, SERVERS, fleet.answers)
+    now, _ = await rejoining(cut_out, SERVERS, answers)
+    assert SERVERS[1] not in now  # not asked again yet
+    clock.now += ASK_AGAIN_SECONDS
+    now, still = await rejoining(cut_out, SERVERS, answers)
     assert now == SERVERS and still == {} and cut_out == {}
     await commit_cutting_out(now, lambda s: update(fleet, s, 10), cut_out)
     assert fleet.versions() == dict.fromkeys(SERVERS, 10)
 
 
 async def test_a_server_gone_from_the_fleet_is_forgotten_and_none_left_tries_all() -> None:
-    cut_out = {"gone:1": "UNAVAILABLE", SERVERS[0]: "UNAVAILABLE"}
+    clock = Clock()
+    cut_out = CutOutServers(clock)
+    cut_out.update({"gone:1": "UNAVAILABLE", SERVERS[0]: "UNAVAILABLE"})
+    clock.now += ASK_AGAIN_SECONDS
 
     async def silent(address: str, seconds: float) -> bool:
         return False
 
     now, still = await rejoining(cut_out, SERVERS, silent)
     assert "gone:1" not in cut_out and now == SERVERS[1:] and list(still) == [SERVERS[0]]
-    # Every server cut out and silent: all are tried, so the update fails naming each.
-    cut_out = dict.fromkeys(SERVERS, "UNAVAILABLE")
+    # Every server cut out and silent: all are tried, so the call fails naming each.
+    cut_out = CutOutServers(clock)
+    for server in SERVERS:
+        cut_out[server] = "UNAVAILABLE"
     now, still = await rejoining(cut_out, SERVERS, silent)
     assert now == SERVERS and still == {}
 
@@ -164,3 +202,74 @@ def test_a_server_error_of_its_own_is_not_unreachability() -> None:
         8, "the transfer", {SERVERS[0]: ServerOutcome(f"failed ({refused.details})", 7)}
     )
     assert unreachable(failed) == {}
+
+
+def test_an_update_over_the_collective_group_never_cuts_out() -> None:
+    assert cutting_out(None, True, collective=False) and not cutting_out(
+        False, True, collective=False
+    )
+    assert not cutting_out(None, True, collective=True)  # the client's setting: not there
+    with pytest.raises(ValueError, match="in-band updates only"):
+        cutting_out(True, False, collective=True)
+
+
+async def test_a_call_is_given_up_on_a_server_that_answers_no_probe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("trainer_client.cut_out.PROBE_SECONDS", 0.01)
+    monkeypatch.setattr("trainer_client.cut_out.FIRST_PROBE_AFTER_SECONDS", 0.01)
+    hanging = asyncio.get_running_loop().create_future()  # a call into a partition
+    cut_out = CutOutServers()
+
+    async def silent(address: str, seconds: float) -> bool:
+        return False
+
+    outcome = await unless_cut_off("s:1", hanging, silent, cut_out)
+    assert isinstance(outcome, CutOff) and "probe" in outcome.why
+    assert list(cut_out) == ["s:1"]
+    assert hanging.cancelled()  # given up, not left running
+
+
+async def test_a_slow_call_on_a_server_that_answers_is_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("trainer_client.cut_out.PROBE_SECONDS", 0.01)
+    monkeypatch.setattr("trainer_client.cut_out.FIRST_PROBE_AFTER_SECONDS", 0.01)
+    probes: list[str] = []
+    third_probe = asyncio.Event()
+
+    async def alive(address: str, seconds: float) -> bool:
+        probes.append(address)
+        if len(probes) >= 3:
+            third_probe.set()
+        return True
+
+    async def slow_pause() -> str:  # a pause that waits for its generations
+        await third_probe.wait()
+        return "paused"
+
+    cut_out = CutOutServers()
+    assert await unless_cut_off("s:1", slow_pause(), alive, cut_out) == "paused"
+    assert cut_out == {} and len(probes) >= 3
+
+
+async def test_a_lost_call_cuts_out_only_a_server_that_answers_no_probe() -> None:
+    async def lost_call() -> None:
+        raise lost("s:1")
+
+    async def refused() -> None:
+        raise ServerError("s:1", grpc.StatusCode.FAILED_PRECONDITION, "paused for an update")
+
+    async def silent(address: str, seconds: float) -> bool:
+        return False
+
+    async def alive(address: str, seconds: float) -> bool:
+        return True
+
+    cut_out = CutOutServers()
+    outcome = await unless_cut_off("s:1", lost_call(), silent, cut_out)
+    assert isinstance(outcome, CutOff) and cut_out == {"s:1": "UNAVAILABLE: connection reset"}
+    with pytest.raises(ServerError):  # lost, yet it answers: the failure is the call's own
+        await unless_cut_off("s:2", lost_call(), alive, CutOutServers())
+    with pytest.raises(ServerError):  # a refusal is never a cut-out, answering or not
+        await unless_cut_off("s:3", refused(), silent, CutOutServers())
