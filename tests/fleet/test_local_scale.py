@@ -8,25 +8,17 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
-import grpc
 import pytest
 from safetensors.torch import load_file
 
 from servers.fleet.local import LocalFleet
-from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from skyrl_grpc.v1 import router_pb2
+from tests.helpers.elastic import assert_nothing_lost, grow_and_shrink_under_training, listed
 from tests.helpers.waits import ENGINE_START_SECONDS, FLEET_TEST_TIMEOUT, until
 from trainer_client import InferenceClient
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(FLEET_TEST_TIMEOUT)]
-
-
-async def listed(router: str) -> dict[str, Any]:
-    async with grpc.aio.insecure_channel(router) as channel:
-        admin = router_pb2_grpc.RouterAdminStub(channel)
-        response = await admin.ListBackends(router_pb2.ListBackendsRequest())
-    return {b.address: b for b in response.backends}
 
 
 async def test_a_fleet_scales_up_caught_up_from_a_peer_and_scales_down_by_draining(
@@ -96,91 +88,17 @@ async def test_a_fleet_grows_and_shrinks_while_a_training_loop_runs_and_loses_no
     """1 -> 2 -> 1 servers while a loop generates, pauses, updates and resumes: no generation
     lost, every step's update on every member, the added server on the fleet's version before
     the router gave it its first call."""
-    import torch
-
     events: list[str] = []
     engine_args = ["--model", str(tiny_model_dir), "--cpu-threads", "1"]
     fleet = LocalFleet(
         1, engine_args=engine_args, on_event=events.append, start_timeout=ENGINE_START_SECONDS
     )
     await asyncio.to_thread(fleet.start)
-    stop = asyncio.Event()
-    steps: list[dict[str, int]] = []  # each step's versions after its update
-    lost, retried = [0], [0]
-    first_call_versions: dict[str, tuple[int, int]] = {}  # added server -> (its, the fleet's)
     try:
         fleet.supervise()
         weights = load_file(str(tiny_model_dir / "model.safetensors"))
-        client = InferenceClient(fleet.addresses.router, list(fleet.addresses.servers))
-
-        async def loop() -> None:
-            sampling = {"temperature": 1.0, "max_tokens": 24, "ignore_eos": True}
-            while not stop.is_set() or len(steps) < 3:
-                prompts = [[1, 30 + i, 5] for i in range(8)]
-                sessions = [f"elastic-{len(steps)}-{i}" for i in range(8)]
-                results = await client.generate_batch(prompts, sampling, session_ids=sessions)
-                lost[0] += sum(1 for r in results if len(r.token_ids) != 24)
-                for tensor in weights.values():
-                    tensor.add_(1e-4 * torch.randn(tensor.shape, dtype=tensor.dtype))
-                version = len(steps) + 1
-                while True:  # as a trainer does: a step that met a server leaving, again
-                    try:
-                        await client.pause("abort")
-                        await client.update_weights(weights.items(), version)
-                        await client.resume()
-                        break
-                    except Exception:
-                        retried[0] += 1
-                        await asyncio.sleep(0.5)
-                steps.append(dict(await client.weight_versions()))
-                # The trainer's own work between steps (a backward pass): it also leaves the
-                # cores to the other test worker's engines, as a busy loop here would not.
-                await asyncio.sleep(0.5)
-
-        async def watch_first_calls() -> None:
-            baseline: dict[str, int] = {}  # its warm-up's tokens, counted before it joined
-            while not stop.is_set():
-                members = await listed(fleet.addresses.router)
-                healthy = [
-                    m for m in members.values() if m.state == router_pb2.BACKEND_STATE_HEALTHY
-                ]
-                newest = max((m.weight_version for m in healthy), default=0)
-                for address, member in members.items():
-                    if address == fleet.addresses.servers[0] or address in first_call_versions:
-                        continue
-                    baseline.setdefault(address, member.prompt_tokens)
-                    if member.prompt_tokens > baseline[address]:
-                        first_call_versions[address] = (member.weight_version, newest)
-                await asyncio.sleep(0.05)
-
-        training = asyncio.ensure_future(loop())
-        watching = asyncio.ensure_future(watch_first_calls())
-        await until(lambda: len(steps) >= 2, ENGINE_START_SECONDS, "two steps")
-        await asyncio.to_thread(fleet.scale, 2)
-        added = fleet.addresses.servers[1]
-        await until(lambda: added in first_call_versions, 300, "the added server's first call")
-        await until(lambda: any(added in s for s in steps), 300, "a step on both")
-        await asyncio.to_thread(fleet.scale, 1)
-        shrunk_at = len(steps)  # a step under way may still have met the removed server
-        await until(lambda: len(steps) >= shrunk_at + 2, 300, "a whole step after the removal")
-        stop.set()
-        await asyncio.wait_for(training, 300)
-        watching.cancel()
-        assert lost[0] == 0
-        assert all(len(set(versions.values())) == 1 for versions in steps), steps
-        assert steps[-1] == {fleet.addresses.servers[0]: len(steps)}
-        assert any(added in versions for versions in steps)
-        its, the_fleets = first_call_versions[added]
-        # Caught up before it joined: not the version it started from (0). Each server's
-        # status reaches the router up to a second apart, so the listing may show the fleet's
-        # newest commit on one server before the other: one version's lag is the report's.
-        assert its > 0 and the_fleets - 1 <= its <= the_fleets, first_call_versions
+        run = await grow_and_shrink_under_training(fleet, weights)
+        assert_nothing_lost(run, fleet.addresses.servers[0])
         assert not any("died" in e for e in events), events
-        print(
-            f"\n{len(steps)} steps, {retried[0]} tried again, first call on the added server "
-            f"at version {its} (the fleet's {the_fleets})"
-        )
-        await client.close()
     finally:
-        stop.set()
         await asyncio.to_thread(fleet.close)

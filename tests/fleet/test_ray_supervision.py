@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from servers.common.supervision import RestartPolicy
 from servers.fleet.ray_group import RayFleet
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc
+from tests.helpers.elastic import assert_nothing_lost, grow_and_shrink_under_training
 from tests.helpers.ray_cluster import started_cluster
 from tests.helpers.sessions import routed_to
 from tests.helpers.waits import ENGINE_START_SECONDS, FLEET_TEST_TIMEOUT, running_on_engines, until
@@ -231,6 +232,31 @@ async def test_scale_up_lands_on_a_new_node_caught_up_from_its_peer_and_takes_se
         await asyncio.to_thread(fleet.scale, 1)
         assert len(fleet.addresses.servers) == 1
         assert any("drained and removed" in e for e in events), events
+    finally:
+        await asyncio.to_thread(fleet.close)
+
+
+async def test_on_ray_a_fleet_grows_onto_a_new_node_and_shrinks_while_a_training_loop_runs(
+    cluster: Any, tiny_model_dir: Any
+) -> None:
+    """1 -> 2 -> 1 servers on Ray while a loop generates, pauses, updates and resumes (as
+    ``test_local_scale``'s loop does on local processes): the added server placed on a node
+    that joined, caught up before its first call, in every step's update while it is a
+    member, then drained and removed; no generation lost."""
+    cluster.add_node(num_cpus=2, resources={"elastic": 1})
+    cluster.add_node(num_cpus=2, resources={"elastic": 1})
+    cluster.wait_for_nodes()
+    events: list[str] = []
+    fleet = RayFleet(1, cpu_only=True, resources={"elastic": 1})
+    fleet.on_event = events.append
+    await asyncio.to_thread(fleet.start)
+    try:
+        fleet.supervise(interval=0.5)
+        weights = load_file(str(tiny_model_dir / "model.safetensors"))
+        run = await grow_and_shrink_under_training(fleet, weights)
+        assert_nothing_lost(run, fleet.addresses.servers[0])
+        assert any("drained and removed" in e for e in events), events
+        assert not any("died" in e for e in events), events
     finally:
         await asyncio.to_thread(fleet.close)
 
