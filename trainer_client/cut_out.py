@@ -50,6 +50,10 @@ PROBE_SECONDS = 2.0
 FIRST_PROBE_AFTER_SECONDS = 0.5
 # How long a server that answered no probe is left out before a call asks it again.
 ASK_AGAIN_SECONDS = 10.0
+# How long a failed update's cancel and version question may wait on each server when a
+# server that does not answer is cut out (a reachable one answers in milliseconds): without
+# it, each waits the client's control timeout before the others can go on.
+CLEANUP_SECONDS = 5.0
 # The statuses a call to a server that cannot be reached ends with.
 LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -63,12 +67,6 @@ class CutOff:
 
     def __init__(self, why: str) -> None:
         self.why = why
-
-
-# How long a failed update's cancel and version question may wait on each server when a
-# server that does not answer is cut out (a reachable one answers in milliseconds): without
-# it, each waits the client's control timeout before the others can go on.
-CLEANUP_SECONDS = 5.0
 
 
 def cutting_out(asked: bool | None, configured: bool, *, collective: bool) -> bool:

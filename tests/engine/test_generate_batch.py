@@ -264,7 +264,9 @@ async def test_the_trainer_client_sends_a_batch_as_batched_calls(
 ) -> None:
     methods: list[str] = []
 
-    def recording_channel(self: Any, address: str) -> grpc.aio.Channel:
+    def recording_channel(
+        self: Any, address: str, liveness_seconds: float | None = None
+    ) -> grpc.aio.Channel:
         return grpc.aio.insecure_channel(address, interceptors=[_Recorder(methods)])
 
     monkeypatch.setattr("trainer_client.config.ClientConfig.open_channel", recording_channel)
