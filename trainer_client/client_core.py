@@ -136,6 +136,7 @@ class ClientCore:
         wait_for_starting: float = 0.0,
         *,
         cut_out: bool = False,
+        among: Sequence[str] | None = None,
     ) -> dict[str, T]:
         """``rpc`` on every server at once; what ``read`` takes from each server's answer, or
         ``FanOutError`` (whose ``results`` hold the same for the servers that answered).
@@ -143,7 +144,7 @@ class ClientCore:
         (``readiness``), so the call reaches them once they serve instead of failing there.
         ``cut_out``: a server that cannot be reached is cut out instead of failing the call,
         and one cut out earlier is left out unless it answers now (``trainer_client.cut_out``);
-        neither is in the result."""
+        neither is in the result. ``among``: these servers instead of the fleet's."""
         deadline = self.deadline("control", timeout)
 
         async def call(address: str) -> T:
@@ -151,7 +152,7 @@ class ClientCore:
             return read(await self.unary(address, stub_call, request, deadline, plane="control"))
 
         operation = type(request).__name__.removesuffix("Request")
-        servers = await self.control_servers()
+        servers = list(among) if among is not None else await self.control_servers()
         if not cut_out:
             await wait_while_starting(self.channel, servers, wait_for_starting)
             return await fan_out(operation, servers, call)
@@ -169,6 +170,18 @@ class ClientCore:
 
         results = await fan_out(operation, servers, call_unless_cut_off)
         return {a: r for a, r in results.items() if not isinstance(r, CutOff)}
+
+    async def reachable(self, servers: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+        """Of ``servers``, the ones that answer now and the ones cut out, with why: each is
+        asked its info (``fan_out`` with ``cut_out``: one cut out earlier is asked again when
+        due, one whose answer takes longer than a probe's wait is probed aside and cut out if
+        silent). None answering: all of them, for the call to fail naming each."""
+        request = cp.GetServerInfoRequest()
+        answered = await self.fan_out(
+            lambda s: s.GetServerInfo, request, DEFAULT, lambda r: r, cut_out=True, among=servers
+        )
+        out = {a: self.cut_out[a] for a in servers if a in self.cut_out and a not in answered}
+        return [a for a in servers if a in answered] or list(servers), out
 
     async def control_servers(self) -> list[str]:
         """The servers control calls reach: the fleet as the router sees it now, when this

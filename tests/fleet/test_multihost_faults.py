@@ -559,25 +559,27 @@ async def test_a_server_cut_off_longer_than_the_update_is_cut_out_and_taken_back
 PAUSE_CUT_SECONDS = cut_out.ASK_AGAIN_SECONDS + 10.0
 
 
-async def test_a_trainer_step_whose_server_is_cut_off_before_its_pause_goes_on_without_it(
-    fault_fleet: FaultFleet,
+@pytest.mark.parametrize("pause", [True, False], ids=["at its pause", "at its update"])
+async def test_a_trainer_step_whose_server_is_cut_off_before_it_goes_on_without_it(
+    fault_fleet: FaultFleet, pause: bool
 ) -> None:
     """A partition that begins before a trainer's step, with ``ClientConfig.cut_out_unreachable``
     on: the step's pause reaches the other server at once and gives up on the one cut off when
     it answers no probe (2 s), the update leaves it out without waiting on it again and
-    commits on the other, the resume too. The server cut off keeps its weights and gets no
-    session while it is behind; the first step after the heal pauses it again, sends it the
-    whole weights and resumes it: one version, every tensor as pushed."""
+    commits on the other, the resume too. Without a pause, the update's first question to each
+    server does the same. The server cut off keeps its weights and gets no session while it is
+    behind; the first step after the heal (pauses it again,) sends it the whole weights (and
+    resumes it): one version, every tensor as pushed."""
     fleet = fault_fleet
     cut_server = fleet.addresses[1]
-    cut_file, healed_file = fleet.logs / "pause-cut", fleet.logs / "pause-healed"
+    cut_file, healed_file = fleet.logs / f"cut-{pause}", fleet.logs / f"healed-{pause}"
     for cue in (cut_file, healed_file):
         cue.unlink(missing_ok=True)
     arguments = full_update(fleet, 5)
     arguments["client"] = {"cut_out_unreachable": True, "control_timeout": CUT_OUT_CONTROL_SECONDS}
     arguments["steps"] = [
-        {"edit": 5, "delta": False, "pause": True, "wait_for": str(cut_file), "checksums": False},
-        {"edit": 6, "pause": True, "wait_for": str(healed_file)},
+        {"edit": 5, "delta": False, "pause": pause, "wait_for": str(cut_file), "checksums": False},
+        {"edit": 6, "pause": pause, "wait_for": str(healed_file)},
     ]
     fleet.bed.shape(fleet.trainer, TRAINER_MBIT)
     job = start_job(fleet.trainer, "update", arguments, log_dir=fleet.logs)
@@ -611,15 +613,18 @@ async def test_a_trainer_step_whose_server_is_cut_off_before_its_pause_goes_on_w
     undisturbed = result["steps"][1]["seconds"]
     print(
         f"a step begun {cut['began'] - cut_at:.1f} s into a partition: {cut['seconds']:.1f} s "
-        f"(pause, full update, resume) without the server cut off; the step after the heal "
+        f"({'pause, ' if pause else ''}full update{', resume' if pause else ''}) without the "
+        "server cut off; the step after the heal "
         f"{after['seconds']:.1f} s, {after['bytes_received'].get(cut_server, 0) / 1e6:.1f} MB "
         "to the server taken back"
     )
     assert "error" not in cut, cut
-    assert cut["paused"] == cut["resumed"] == [fleet.addresses[0]], cut
+    if pause:
+        assert cut["paused"] == cut["resumed"] == [fleet.addresses[0]], cut
     assert list(cut["cut_out"]) == [cut_server] and list(cut["versions"]) == [fleet.addresses[0]]
     assert cut["ended"] < inside < healed_at
-    # Its pause waited one probe for the server cut off, its update and resume none.
+    # Its pause (or its update's first question) waited one probe for the server cut off, the
+    # rest of the step none.
     probe_seconds = cut_out.FIRST_PROBE_AFTER_SECONDS + cut_out.PROBE_SECONDS
     assert cut["seconds"] < undisturbed + probe_seconds + 3.0, (cut, undisturbed)
     history = History.from_json(placed["history"])
@@ -628,6 +633,7 @@ async def test_a_trainer_step_whose_server_is_cut_off_before_its_pause_goes_on_w
     newest = cut["versions"][fleet.addresses[0]]
     assert {m.weight_version for c in history.calls for m in c.messages if m.tokens} == {newest}
     assert "error" not in after and "cut_out" not in after, after
-    assert after["paused"] == after["resumed"] == fleet.addresses, after
+    if pause:
+        assert after["paused"] == after["resumed"] == fleet.addresses, after
     assert after["served"] == dict.fromkeys(fleet.addresses, after["pushed"])
     assert len(set(result["versions"].values())) == 1, result["versions"]

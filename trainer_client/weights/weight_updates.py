@@ -18,7 +18,7 @@ from skyrl_grpc.process_group import free_port
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.client_core import ClientCore
 from trainer_client.config import DEFAULT, Timeout
-from trainer_client.cut_out import CLEANUP_SECONDS, commit_cutting_out, cutting_out, rejoining
+from trainer_client.cut_out import CLEANUP_SECONDS, commit_cutting_out, cutting_out
 from trainer_client.exceptions import FailedPrecondition
 from trainer_client.fanout import fan_out
 from trainer_client.fleet_info import (
@@ -237,7 +237,7 @@ class WeightUpdates:
             cut_out_unreachable, self.config.cut_out_unreachable, collective=sender is not None
         )
         if cut_out_unreachable:
-            servers, still_out = await rejoining(self._core.cut_out, servers, self._core.answers)
+            servers, still_out = await self._core.reachable(servers)
         starting = await wait_while_starting(self._core.channel, servers, wait_for_starting)
         if starting:
             log.info("still starting after %.0f s, updated anyway: %s", wait_for_starting, starting)
