@@ -2,7 +2,9 @@
 fleet on its host, the demo's task and policy (``trainer_client.demo``), every step's weights
 pushed to every server, for ``seconds``, as a trainer that meets faults runs it: a step whose
 rollouts, pause, update or resume fail (a server cut off, killed or restarting) is tried again
-every second, for ``retry_seconds`` at most, then the job gives up on it and goes on.
+every second, for ``retry_seconds`` at most, then the job gives up on it and goes on. Its
+``client``: ``InferenceClient`` settings (``cut_out_unreachable``: steps go on without a server
+the trainer cannot reach).
 
 Its result: each step's mean reward and how long it took, and every update as a
 ``testbed.history.Update`` (committed, or not with the versions each server serves after it
@@ -25,10 +27,13 @@ LEARNING_RATE = 1e-2
 
 async def rl(arguments: dict[str, Any]) -> dict[str, Any]:
     from testbed.history import Update
+    from testbed.job_io import client_settings
     from trainer_client import InferenceClient, InferenceError, WeightUpdateError
     from trainer_client.demo import Policy, reward
 
-    client = InferenceClient(arguments["router"], arguments["servers"])
+    client = InferenceClient(
+        arguments["router"], arguments["servers"], **client_settings(arguments)
+    )
     policy = Policy(Path(arguments["model"]), LEARNING_RATE, int(arguments.get("seed", 0)))
     rng = random.Random(int(arguments.get("seed", 0)))
     retry_seconds = float(arguments.get("retry_seconds", 120))
@@ -85,7 +90,7 @@ async def rl(arguments: dict[str, Any]) -> dict[str, Any]:
                     updates.append(Update(failed.version, False, versions, missing))
                     raise
                 after = {a: c.weight_version for a, c in result.items()}
-                updates.append(Update(max(after.values()), True, after))
+                updates.append(Update(max(after.values()), True, after, list(result.cut_out)))
                 return result
 
             if await retried(f"step {step} update", push) is None:

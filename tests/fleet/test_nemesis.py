@@ -16,6 +16,7 @@ from testbed.history import History, Update, check
 from testbed.nemesis import KINDS, Nemesis, Planned, Roles
 from testbed.stack import job_result, run_job, start_job
 from tests.helpers.hosts import JOB_SECONDS, host_fleet, open_testbed
+from trainer_client.cut_out import ASK_AGAIN_SECONDS
 
 
 @dataclass
@@ -97,9 +98,13 @@ def test_each_fault_is_healed_and_tells_the_checker_whom_the_router_lost() -> No
 
 @pytest.mark.engine
 @pytest.mark.slow
+@pytest.mark.parametrize("cut_out", [False, True], ids=["waiting", "cutting out"])
 async def test_a_mixed_run_of_faults_loses_nothing_and_every_host_ends_at_one_version(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, cut_out: bool
 ) -> None:
+    """The RL loop either waits for (retries) a server it cannot reach, or cuts it out
+    (``cut_out_unreachable``): either way nothing is lost, every update ends on one version
+    among the servers it reached, and every host ends on the last one."""
     logs = tmp_path_factory.mktemp("nemesis-logs")
     with open_testbed() as bed:
         fleet = host_fleet(bed, logs)
@@ -120,6 +125,8 @@ async def test_a_mixed_run_of_faults_loses_nothing_and_every_host_ends_at_one_ve
             Planned("kill", (s1,), 3, after=3),
         ]
         seconds = sum(p.seconds + p.after for p in planned) + 20  # the kill's restart
+        if cut_out:  # a server cut out is asked again after ASK_AGAIN_SECONDS, then taken back
+            seconds += ASK_AGAIN_SECONDS + 10
         common = {"seconds": seconds, "deadline": 120.0}
         streams = start_job(
             fleet.client,
@@ -131,7 +138,8 @@ async def test_a_mixed_run_of_faults_loses_nothing_and_every_host_ends_at_one_ve
             fleet.trainer,
             "rl",
             {"router": fleet.router, "servers": fleet.addresses,
-             "model": str(ensure_tiny_model()), "seconds": seconds, "retry_seconds": 180},
+             "model": str(ensure_tiny_model()), "seconds": seconds, "retry_seconds": 180,
+             "client": {"cut_out_unreachable": cut_out}},
             logs,
         )  # fmt: skip
         nemesis.run(planned)
@@ -151,8 +159,10 @@ async def test_a_mixed_run_of_faults_loses_nothing_and_every_host_ends_at_one_ve
     assert committed, history.updates
     # Every host back, on the version the RL loop committed last.
     assert {found.get("version") for found in end.values()} == {committed[-1].version}, end
+    cut = sum(1 for u in committed if u.unreachable)
     print(
         f"{len(last)} streams ({len(history.calls) - len(last)} retried), "
-        f"{len(rl_result['rewards'])} RL steps, {len(committed)} updates committed, "
-        f"{len(history.updates) - len(committed)} failed and retried"
+        f"{len(rl_result['rewards'])} RL steps, {len(committed)} updates committed "
+        f"({cut} with a server cut out), {len(history.updates) - len(committed)} failed and "
+        "retried"
     )
