@@ -462,6 +462,23 @@ async def test_a_partition_that_outlasts_the_update_ends_it_on_one_version_and_t
     assert len(set(result["versions"].values())) == 1, result["versions"]
 
 
+async def fresh_sessions(fleet: FaultFleet, prefix: str) -> History:
+    """8 fresh sessions of a few tokens through the router, from the client host."""
+    probe = {"address": fleet.router, "streams": 8, "tokens": 4, "seconds": 0.1, "prefix": prefix}
+    placed = await asyncio.to_thread(run_job, fleet.client, "streams", probe, JOB_SECONDS)
+    return History.from_json(placed["history"])
+
+
+def assert_all_on(history: History, server: str, version: int) -> None:
+    """Every call of ``history`` served by ``server``, every token at ``version``: the router
+    kept them off a server behind it (one cut out), which it still reaches."""
+    assert [str(v) for v in check(history)] == []
+    served = {call.server for call in history.calls if call.status == "OK"}
+    assert served == {server}, served
+    versions = {m.weight_version for call in history.calls for m in call.messages if m.tokens}
+    assert versions == {version}, versions
+
+
 # Fault (g) with the cut-out: a partition longer than the update's timeout, the trainer's
 # next step meanwhile, and one after the heal.
 CUT_OUT_PARTITION_SECONDS = 40.0
@@ -511,9 +528,7 @@ async def test_a_server_cut_off_longer_than_the_update_is_cut_out_and_taken_back
             inside = time.monotonic()
             # The router reaches the server cut off (only the trainer does not), which is behind:
             # fresh sessions all go to the other server, at the new weights.
-            probe = {"address": fleet.router, "streams": 8, "tokens": 4, "seconds": 0.1}
-            probe["prefix"] = "cut-out"
-            placed = await asyncio.to_thread(run_job, fleet.client, "streams", probe, JOB_SECONDS)
+            placed = await fresh_sessions(fleet, "cut-out")
             assert time.monotonic() < cut_at + CUT_OUT_PARTITION_SECONDS, "the steps took too long"
             await asyncio.sleep(max(0.0, cut_at + CUT_OUT_PARTITION_SECONDS - time.monotonic()))
         finally:
@@ -540,13 +555,7 @@ async def test_a_server_cut_off_longer_than_the_update_is_cut_out_and_taken_back
     assert cut["ended"] < inside < healed_at
     # The cut step: its timeout (a send, then an answer, may each wait it), a retry's transfer.
     assert cut["ended"] - cut_at < 4 * CUT_OUT_TIMEOUT_SECONDS + 15.0, cut
-    history = History.from_json(placed["history"])
-    assert [str(v) for v in check(history)] == []
-    served = {call.server for call in history.calls if call.status == "OK"}
-    assert served == {fleet.addresses[0]}, served
-    newest = inside_step["versions"][fleet.addresses[0]]
-    versions = {m.weight_version for call in history.calls for m in call.messages if m.tokens}
-    assert versions == {newest}, versions
+    assert_all_on(placed, fleet.addresses[0], inside_step["versions"][fleet.addresses[0]])
     # Taken back after the heal: the whole weights to it, the others a delta, one version.
     assert "error" not in after and "cut_out" not in after, after
     assert after["served"] == dict.fromkeys(fleet.addresses, after["pushed"])
@@ -594,9 +603,7 @@ async def test_a_trainer_step_whose_server_is_cut_off_before_it_goes_on_without_
             line = await asyncio.to_thread(job.stdout.readline)
             assert line.strip() == "PROGRESS step 1 begins", line
             inside = time.monotonic()
-            probe = {"address": fleet.router, "streams": 8, "tokens": 4, "seconds": 0.1}
-            probe["prefix"] = "pause-cut"
-            placed = await asyncio.to_thread(run_job, fleet.client, "streams", probe, JOB_SECONDS)
+            placed = await fresh_sessions(fleet, f"cut-{pause}")
             # The rest of the partition (the fault's length): long enough that the client asks
             # the server cut off again at the first step after the heal.
             await asyncio.sleep(max(0.0, cut_at + PAUSE_CUT_SECONDS - time.monotonic()))
@@ -627,11 +634,7 @@ async def test_a_trainer_step_whose_server_is_cut_off_before_it_goes_on_without_
     # rest of the step none.
     probe_seconds = cut_out.FIRST_PROBE_AFTER_SECONDS + cut_out.PROBE_SECONDS
     assert cut["seconds"] < undisturbed + probe_seconds + 3.0, (cut, undisturbed)
-    history = History.from_json(placed["history"])
-    assert [str(v) for v in check(history)] == []
-    assert {c.server for c in history.calls if c.status == "OK"} == {fleet.addresses[0]}
-    newest = cut["versions"][fleet.addresses[0]]
-    assert {m.weight_version for c in history.calls for m in c.messages if m.tokens} == {newest}
+    assert_all_on(placed, fleet.addresses[0], cut["versions"][fleet.addresses[0]])
     assert "error" not in after and "cut_out" not in after, after
     if pause:
         assert after["paused"] == after["resumed"] == fleet.addresses, after
