@@ -81,6 +81,17 @@ class AbortRetry:
         samples = self._assembler.samples()
         return samples[0] if samples else generation_pb2.Sample()
 
+    def finished_by_budget(self) -> bool:
+        """True, the sample then finished LENGTH, when every token of its budget arrived: an
+        uninterrupted run ends there, and a continuation would ask for 0 tokens (refused). A
+        stream lost after its last token but before its end, or aborted at its last token."""
+        if self._budget is None or len(self.sample().token_ids) < self._budget:
+            return False
+        self._assembler.add(
+            data_plane_pb2.GenerateStreamResponse(finish_reason=generation_pb2.FINISH_REASON_LENGTH)
+        )
+        return True
+
     def should_resubmit(self) -> bool:
         """After a stream ended: True if it was aborted and budget (and retries) remain.
 
@@ -90,12 +101,7 @@ class AbortRetry:
         sample = self.sample()
         if sample.finish_reason != generation_pb2.FINISH_REASON_ABORTED:
             return False
-        if self._budget is not None and len(sample.token_ids) >= self._budget:
-            self._assembler.add(
-                data_plane_pb2.GenerateStreamResponse(
-                    finish_reason=generation_pb2.FINISH_REASON_LENGTH
-                )
-            )
+        if self.finished_by_budget():
             return False
         if self.max_abort_retries is not None and self.retries >= self.max_abort_retries:
             return False

@@ -185,10 +185,11 @@ class BatchGeneration:
         self._uses.routes().mark_unavailable(target)
         moving = []
         for index in indices:
-            finish = self._samples[index].sample().finish_reason
-            if finish == generation_pb2.FINISH_REASON_UNSPECIFIED or (
-                self._samples[index].should_resubmit()
-            ):
+            sample = self._samples[index]
+            finish = sample.sample().finish_reason
+            # A sample with every token of its budget is finished (only its end was lost).
+            unfinished = finish == generation_pb2.FINISH_REASON_UNSPECIFIED
+            if (unfinished and not sample.finished_by_budget()) or sample.should_resubmit():
                 self._tried[index].add(target)
                 if len(self._tried[index]) > self._uses.config.max_direct_failovers:
                     raise ServerError.from_rpc_error(target, error) from error

@@ -212,6 +212,8 @@ class Generation:
             except ServerError as error:
                 if len(tried) == gone_before or len(tried) > self.config.max_direct_failovers:
                     raise
+                if retry.finished_by_budget():  # every token arrived, only the end was lost
+                    break
                 # The server is gone: go on elsewhere with the prompt plus the tokens so far
                 # (before the first token, that is a plain retry).
                 log.warning(

@@ -87,3 +87,21 @@ def test_a_constrained_sample_cut_by_an_abort_starts_over() -> None:
     )
     assert not retry.should_resubmit()
     assert list(retry.sample().token_ids) == [7, 8, 9] and retry.retries == 1
+
+
+def test_a_sample_lost_after_its_last_token_is_finished_not_continued_for_zero_tokens() -> None:
+    """A stream lost after every token of its budget arrived but before its end (the failover
+    of the direct path): the sample is finished LENGTH, as an uninterrupted run is, instead of
+    a continuation asking for 0 more tokens, which servers refuse (INVALID_ARGUMENT)."""
+    from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
+    from trainer_client.abort_retry import AbortRetry
+
+    retry = AbortRetry([1, 2], generation_pb2.SamplingParams(max_tokens=3))
+    retry.add(data_plane_pb2.GenerateStreamResponse(token_ids=[5, 6]))
+    assert not retry.finished_by_budget()  # one token left: it goes on elsewhere
+    assert retry.request().sampling_params.max_tokens == 1
+    retry.add(data_plane_pb2.GenerateStreamResponse(token_ids=[7]))
+    assert retry.finished_by_budget()
+    sample = retry.sample()
+    assert list(sample.token_ids) == [5, 6, 7]
+    assert sample.finish_reason == generation_pb2.FINISH_REASON_LENGTH
