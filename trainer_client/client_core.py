@@ -171,18 +171,6 @@ class ClientCore:
         results = await fan_out(operation, servers, call_unless_cut_off)
         return {a: r for a, r in results.items() if not isinstance(r, CutOff)}
 
-    async def reachable(self, servers: Sequence[str]) -> tuple[list[str], dict[str, str]]:
-        """Of ``servers``, the ones that answer now and the ones cut out, with why: each is
-        asked its info (``fan_out`` with ``cut_out``: one cut out earlier is asked again when
-        due, one whose answer takes longer than a probe's wait is probed aside and cut out if
-        silent). None answering: all of them, for the call to fail naming each."""
-        request = cp.GetServerInfoRequest()
-        answered = await self.fan_out(
-            lambda s: s.GetServerInfo, request, DEFAULT, lambda r: r, cut_out=True, among=servers
-        )
-        out = {a: self.cut_out[a] for a in servers if a in self.cut_out and a not in answered}
-        return [a for a in servers if a in answered] or list(servers), out
-
     async def control_servers(self) -> list[str]:
         """The servers control calls reach: the fleet as the router sees it now, when this
         client routes itself and was given the router's whole fleet (so a server that moved,

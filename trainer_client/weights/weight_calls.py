@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from skyrl_grpc.v1 import control_plane_pb2 as cp
 from trainer_client.client_core import ClientCore, ControlRpc, Request, Response
+from trainer_client.config import DEFAULT
 from trainer_client.fleet_info import WeightCommit
 from trainer_client.weights.push_lanes import PushSocketOffer
 from trainer_client.weights.relay_plan import RelayPlan
@@ -131,19 +132,29 @@ class ServerWeightCalls:
         answers = await asyncio.gather(*(self.state(a) for a in addresses), return_exceptions=True)
         return {a: s for a, s in zip(addresses, answers, strict=True) if isinstance(s, ServerState)}
 
+    async def reachable(self, servers: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+        """Of ``servers``, the ones that answer now and the ones cut out, with why: each is
+        asked its state (``ClientCore.fan_out`` with ``cut_out``: one cut out earlier is asked
+        again when due, one whose answer takes longer than a probe's wait is probed aside and
+        cut out if silent), which ``state`` then answers from. None answering: all of them,
+        for the update to fail naming each."""
+        client = self._client
+        answered = await client.fan_out(
+            lambda s: s.GetServerInfo,
+            cp.GetServerInfoRequest(),
+            DEFAULT,
+            _state_of,
+            cut_out=True,
+            among=servers,
+        )
+        self._states.update(answered)
+        cut_out = client.cut_out
+        out = {a: cut_out[a] for a in servers if a in cut_out and a not in answered}
+        return [a for a in servers if a in answered] or list(servers), out
+
     async def _ask(self, address: str, seconds: float | None = None) -> ServerState:
         request = cp.GetServerInfoRequest()
-        info = await self._call(address, request, lambda s: s.GetServerInfo, seconds)
-        group = info.weight_transfer_group
-        return ServerState(
-            info.weight_version,
-            info.capabilities.compressed_weight_patches,
-            (group.master_address, group.master_port)
-            if info.HasField("weight_transfer_group")
-            else None,
-            relays=info.capabilities.weight_relay_trees,
-            push_socket_port=info.push_socket_port,
-        )
+        return _state_of(await self._call(address, request, lambda s: s.GetServerInfo, seconds))
 
     async def _call(
         self,
@@ -157,3 +168,17 @@ class ServerWeightCalls:
         stub_method = rpc(client.control(address))
         timeout = client.config.control_timeout if seconds is None else seconds
         return await client.unary(address, stub_method, request, timeout, plane="control")
+
+
+def _state_of(info: cp.GetServerInfoResponse) -> ServerState:
+    """What an update needs of a server, from its ``GetServerInfo`` answer."""
+    group = info.weight_transfer_group
+    return ServerState(
+        info.weight_version,
+        info.capabilities.compressed_weight_patches,
+        (group.master_address, group.master_port)
+        if info.HasField("weight_transfer_group")
+        else None,
+        relays=info.capabilities.weight_relay_trees,
+        push_socket_port=info.push_socket_port,
+    )

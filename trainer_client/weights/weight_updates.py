@@ -237,7 +237,8 @@ class WeightUpdates:
             cut_out_unreachable, self.config.cut_out_unreachable, collective=sender is not None
         )
         if cut_out_unreachable:
-            servers, still_out = await self._core.reachable(servers)
+            first_calls = ServerWeightCalls(self._core, lease_seconds, CLEANUP_SECONDS)
+            servers, still_out = await first_calls.reachable(servers)
         starting = await wait_while_starting(self._core.channel, servers, wait_for_starting)
         if starting:
             log.info("still starting after %.0f s, updated anyway: %s", wait_for_starting, starting)
@@ -274,9 +275,11 @@ class WeightUpdates:
 
         if not cut_out_unreachable:
             return await attempt(servers, first_calls)
+        # The first try plans from the states ``reachable`` just asked; a later one asks afresh.
+        tries = iter([first_calls])
         fresh = functools.partial(ServerWeightCalls, self._core, lease_seconds, CLEANUP_SECONDS)
-        result, cut_now = await commit_cutting_out(  # each try asks the servers afresh
-            servers, lambda s: attempt(s, fresh()), self._core.cut_out
+        result, cut_now = await commit_cutting_out(
+            servers, lambda s: attempt(s, next(tries, None) or fresh()), self._core.cut_out
         )
         result.cut_out = {**still_out, **cut_now}
         return result
