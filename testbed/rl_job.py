@@ -4,7 +4,8 @@ pushed to every server, for ``seconds``, as a trainer that meets faults runs it:
 rollouts, pause, update or resume fail (a server cut off, killed or restarting) is tried again
 every second, for ``retry_seconds`` at most, then the job gives up on it and goes on. Its
 ``client``: ``InferenceClient`` settings (``cut_out_unreachable``: steps go on without a server
-the trainer cannot reach).
+the trainer cannot reach; past ``seconds``, the loop steps on while a server is cut out, up
+to ``whole_seconds`` more, so a run ends with every server it can reach on its last weights).
 
 Its result: each step's mean reward and how long it took, and every update as a
 ``testbed.history.Update`` (committed, or not with the versions each server serves after it
@@ -58,8 +59,11 @@ async def rl(arguments: dict[str, Any]) -> dict[str, Any]:
 
     try:
         deadline = time.monotonic() + float(arguments["seconds"])
+        whole_by = deadline + float(arguments.get("whole_seconds", 120))
         step = 0
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or (
+            client.cut_out_servers and time.monotonic() < whole_by
+        ):
             began = time.monotonic()
             prompts = [[1, *(rng.randrange(3, 2048) for _ in range(4))] for _ in range(BATCH)]
             sessions = [f"rl{step}-{i}" for i in range(BATCH)]
@@ -107,5 +111,6 @@ async def rl(arguments: dict[str, Any]) -> dict[str, Any]:
         "step_seconds": step_seconds,
         "updates": [vars(u) for u in updates],
         "given_up": given_up,
+        "cut_out_at_the_end": client.cut_out_servers,
         "versions": dict(final) if final is not None else {},
     }

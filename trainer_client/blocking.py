@@ -98,6 +98,10 @@ class BlockingInferenceClient:
     def async_client(self) -> InferenceClient:
         return self._client
 
+    @property
+    def cut_out_servers(self) -> dict[str, str]:
+        return self._client.cut_out_servers
+
     def __getstate__(self) -> dict[str, Any]:
         return {"config": self.config}
 

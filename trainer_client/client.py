@@ -134,6 +134,15 @@ class InferenceClient:
         return self.weights.last_sent_bytes
 
     @property
+    def cut_out_servers(self) -> dict[str, str]:
+        """The servers cut out of control calls and updates now (``cut_out_unreachable``),
+        each with why: each is asked again by the next pause, resume or update once
+        ``trainer_client.cut_out.ASK_AGAIN_SECONDS`` passed, and taken back once it answers
+        (an update then sends it the whole weights). A run that must end with every server on
+        its last weights steps on until this is empty."""
+        return dict(self._core.cut_out)
+
+    @property
     def has_weight_group(self) -> bool:
         """True once ``init_weight_transfer`` formed the collective group."""
         return self.weights.has_weight_group

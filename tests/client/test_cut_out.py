@@ -273,3 +273,22 @@ async def test_a_lost_call_cuts_out_only_a_server_that_answers_no_probe() -> Non
         await unless_cut_off("s:2", lost_call(), alive, CutOutServers())
     with pytest.raises(ServerError):  # a refusal is never a cut-out, answering or not
         await unless_cut_off("s:3", refused(), silent, CutOutServers())
+
+
+def test_a_client_says_which_servers_are_cut_out_and_why() -> None:
+    """``cut_out_servers``: what a run that must end whole waits to see empty; a copy, so a
+    caller's edits change nothing."""
+    from trainer_client import BlockingInferenceClient, InferenceClient
+
+    client = InferenceClient("router:1", SERVERS, cut_out_unreachable=True)
+    assert client.cut_out_servers == {}
+    client._core.cut_out[SERVERS[1]] = "UNAVAILABLE: no route"
+    seen = client.cut_out_servers
+    assert seen == {SERVERS[1]: "UNAVAILABLE: no route"}
+    seen.clear()
+    assert SERVERS[1] in client.cut_out_servers
+    del client._core.cut_out[SERVERS[1]]
+    assert client.cut_out_servers == {}
+    blocking = BlockingInferenceClient("router:1", SERVERS)
+    blocking.async_client._core.cut_out[SERVERS[0]] = "DEADLINE_EXCEEDED"
+    assert blocking.cut_out_servers == {SERVERS[0]: "DEADLINE_EXCEEDED"}
