@@ -20,9 +20,12 @@ heals. A trainer wants its next step on one version as soon as possible. So:
 
 A server cut out keeps the weights it served, so once the others commit an update the router
 and the direct path place no call on it (never on a server behind the newest version). The
-client remembers it (``ClientCore.cut_out``): each later pause, resume or update asks it
-first over a fresh channel and takes it back once it answers (``rejoining``); an update then
-sends it the whole weights, since it serves another version than the delta's base.
+client remembers it (``ClientCore.cut_out``): a later pause, resume or update asks it again
+over a fresh channel, every ``ASK_AGAIN_SECONDS``, and takes it back once it answers
+(``rejoining``); an update then sends it the whole weights, since it serves another version
+than the delta's base. The call waits ``REJOIN_WAIT_SECONDS`` for that answer, not the
+probe's whole ``PROBE_SECONDS``: a server still cut off costs a step that little, and one
+that answers later is taken back by the next call.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -50,6 +53,11 @@ PROBE_SECONDS = 2.0
 FIRST_PROBE_AFTER_SECONDS = 0.5
 # How long a server that answered no probe is left out before a call asks it again.
 ASK_AGAIN_SECONDS = 10.0
+# How long a call waits for a server cut out to answer before it goes on without it (the probe
+# goes on in the background for its PROBE_SECONDS, and a late answer takes the server back for
+# the next call): a healed server answers a fresh channel in a few round trips, well inside
+# it on a busy host too.
+REJOIN_WAIT_SECONDS = 1.0
 # How long a failed update's cancel and version question may wait on each server when a
 # server that does not answer is cut out (a reachable one answers in milliseconds): without
 # it, each waits the client's control timeout before the others can go on.
@@ -60,6 +68,9 @@ LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 # Whether a server answers a probe within the given seconds.
 Probe = Callable[[str, float], Awaitable[bool]]
+# Runs a coroutine in the background of the running loop, cancelled when the loop's client
+# closes (``Connections.spawn``).
+Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
 
 class CutOff:
@@ -131,26 +142,39 @@ async def rejoining(
     cut_out: CutOutServers,
     servers: Sequence[str],
     answers: Probe,
+    spawn: Spawn,
 ) -> tuple[list[str], dict[str, str]]:
     """Of ``servers``, the ones to call now (every server not in ``cut_out``, and each one
-    there that ``answers`` within ``PROBE_SECONDS``, asked if it is ``due``), and the ones
-    that stay out with why. ``cut_out`` is updated: a server that answered leaves it, and a
-    server no longer in the fleet is forgotten. When none would be left, all of them are
+    there that is ``due`` and ``answers`` within ``REJOIN_WAIT_SECONDS``), and the ones that
+    stay out with why. ``cut_out`` is updated: a server that answered leaves it, also when its
+    answer comes after the wait (its probe goes on, ``spawn``-ed, for ``PROBE_SECONDS``), and
+    a server no longer in the fleet is forgotten. When none would be left, all of them are
     tried (the call then fails naming each)."""
     for gone in set(cut_out).difference(servers):
         del cut_out[gone]
-    asked = [a for a in servers if a in cut_out and cut_out.due(a)]
-    back = await asyncio.gather(*(answers(a, PROBE_SECONDS) for a in asked))
-    for address, answered in zip(asked, back, strict=True):
-        if answered:
+
+    async def ask(address: str) -> None:
+        if await answers(address, PROBE_SECONDS) and address in cut_out:
             log.info("%s answers again: taken back (an update sends it the whole weights)", address)
             del cut_out[address]
-        else:
-            cut_out.silent(address)
+
+    asked = [a for a in servers if a in cut_out and cut_out.due(a)]
+    for address in asked:
+        cut_out.silent(address)  # not asked again while this probe runs, nor after it if silent
+    probes = [asyncio.ensure_future(ask(a)) for a in asked]
+    if probes:
+        _, late = await asyncio.wait(probes, timeout=REJOIN_WAIT_SECONDS)
+        for probe in late:
+            spawn(_finish(probe))
     now = [a for a in servers if a not in cut_out]
     if not now:
         return list(servers), {}
     return now, {a: cut_out[a] for a in servers if a in cut_out}
+
+
+async def _finish(probe: asyncio.Future[None]) -> None:
+    """Waits ``probe`` out (cancelling this cancels it)."""
+    await probe
 
 
 async def commit_cutting_out(

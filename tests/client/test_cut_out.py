@@ -8,7 +8,8 @@ probe, and waited for on one that answers but takes its time."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from tests.weights.test_client_weight_transaction import SERVERS, Fleet, lost
 from trainer_client.cut_out import (
     ASK_AGAIN_SECONDS,
+    PROBE_SECONDS,
     CutOff,
     CutOutServers,
     commit_cutting_out,
@@ -75,6 +77,13 @@ class PartitionedFleet(Fleet):
 
 async def update(fleet: PartitionedFleet, servers: Sequence[str], version: int) -> None:
     await run_weight_transaction(servers, version, fleet, fleet.transfer)
+
+
+class Background(set[asyncio.Task[None]]):
+    """A ``spawn`` that keeps what it ran (``Connections.spawn`` in the client)."""
+
+    def __call__(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        self.add(asyncio.ensure_future(coroutine))
 
 
 @pytest.mark.parametrize("phase", ["start", "transfer"])
@@ -156,11 +165,11 @@ async def test_a_cut_out_server_stays_out_while_silent_and_rejoins_once_it_answe
 
     # Just found silent: the next call leaves it out without asking it (a step's pause,
     # update and resume do not each wait a probe out).
-    now, still = await rejoining(cut_out, SERVERS, answers)
+    now, still = await rejoining(cut_out, SERVERS, answers, Background())
     assert now == [SERVERS[0], SERVERS[2]] and list(still) == [SERVERS[1]] and asked == []
     # Later, asked again, still silent: left out again, and the update does not try it.
     clock.now += ASK_AGAIN_SECONDS
-    now, still = await rejoining(cut_out, SERVERS, answers)
+    now, still = await rejoining(cut_out, SERVERS, answers, Background())
     assert now == [SERVERS[0], SERVERS[2]] and asked == [SERVERS[1]]
     tries = len(fleet.tries)
     await commit_cutting_out(now, lambda s: update(fleet, s, 9), cut_out)
@@ -168,13 +177,42 @@ async def test_a_cut_out_server_stays_out_while_silent_and_rejoins_once_it_answe
     # Healed: it answers once asked again, so the next update takes it back (it gets the whole
     # weights there, serving another version than the others: ``update_plan``).
     fleet.cut.clear()
-    now, _ = await rejoining(cut_out, SERVERS, answers)
+    now, _ = await rejoining(cut_out, SERVERS, answers, Background())
     assert SERVERS[1] not in now  # not asked again yet
     clock.now += ASK_AGAIN_SECONDS
-    now, still = await rejoining(cut_out, SERVERS, answers)
+    now, still = await rejoining(cut_out, SERVERS, answers, Background())
     assert now == SERVERS and still == {} and cut_out == {}
     await commit_cutting_out(now, lambda s: update(fleet, s, 10), cut_out)
     assert fleet.versions() == dict.fromkeys(SERVERS, 10)
+
+
+async def test_a_silent_server_costs_a_call_the_rejoin_wait_and_a_late_answer_takes_it_back() -> (
+    None
+):
+    """A server still cut off holds a call ``REJOIN_WAIT_SECONDS`` (the probe goes on in the
+    background), not a whole probe; one that answers after that wait is taken back by the next
+    call."""
+    clock, background = Clock(), Background()
+    cut_out = CutOutServers(clock)
+    cut_out[SERVERS[1]] = "UNAVAILABLE"
+    clock.now += ASK_AGAIN_SECONDS
+    answer = asyncio.Event()
+
+    async def late(address: str, seconds: float) -> bool:
+        assert seconds == PROBE_SECONDS
+        await answer.wait()
+        return True
+
+    now, still = await rejoining(cut_out, SERVERS, late, background)
+    assert now == [SERVERS[0], SERVERS[2]] and list(still) == [SERVERS[1]]
+    (probe,) = background  # the call went on while its probe still waits for an answer
+    assert not probe.done()
+    assert not cut_out.due(SERVERS[1])  # its probe runs on: no second one meanwhile
+    answer.set()
+    await probe
+    assert cut_out == {}
+    now, still = await rejoining(cut_out, SERVERS, late, background)
+    assert now == SERVERS and still == {}
 
 
 async def test_a_server_gone_from_the_fleet_is_forgotten_and_none_left_tries_all() -> None:
@@ -186,13 +224,13 @@ async def test_a_server_gone_from_the_fleet_is_forgotten_and_none_left_tries_all
     async def silent(address: str, seconds: float) -> bool:
         return False
 
-    now, still = await rejoining(cut_out, SERVERS, silent)
+    now, still = await rejoining(cut_out, SERVERS, silent, Background())
     assert "gone:1" not in cut_out and now == SERVERS[1:] and list(still) == [SERVERS[0]]
     # Every server cut out and silent: all are tried, so the call fails naming each.
     cut_out = CutOutServers(clock)
     for server in SERVERS:
         cut_out[server] = "UNAVAILABLE"
-    now, still = await rejoining(cut_out, SERVERS, silent)
+    now, still = await rejoining(cut_out, SERVERS, silent, Background())
     assert now == SERVERS and still == {}
 
 
