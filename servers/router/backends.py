@@ -137,6 +137,8 @@ class BackendPool:
         self._initial = list(addresses)
         self._initial += [a for a in standbys if a not in self._initial]
         self._tasks = BackgroundTasks()
+        # Set at every change of a member (``_changed``): what ``until_serving`` waits on.
+        self._some_change = asyncio.Event()
 
     # -- membership ---------------------------------------------------------------------------
 
@@ -294,8 +296,22 @@ class BackendPool:
         self.on_promoted(promoted.address, lost.address)
 
     def _changed(self, backend: Backend) -> None:
+        self._some_change.set()
         if self._on_change is not None:
             self._on_change(backend)
+
+    async def until_serving(self, seconds: float) -> bool:
+        """Whether a member takes data-plane calls (``serving``) now, or within ``seconds``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while not self.serving():
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            self._some_change.clear()  # no await since the look: no change missed
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._some_change.wait(), left)
+        return True
 
     async def _watch(self, backend: Backend) -> None:
         stub = health_pb2_grpc.HealthStub(backend.channel)

@@ -14,6 +14,8 @@ are read then (never before), each request continues on another server from the 
 its tokens so far (``skyrl_grpc.continuation``), and the continuation's chunks are rewritten so
 the caller reads one uninterrupted request. A request that cannot move (several samples, a
 constrained output past its first token, no moves left) ends with its own UNAVAILABLE error.
+Where no member serves (all lost at once), the batch, or its requests that move, are held
+until one serves again (``Proxy.hold``) before they are placed.
 A server's refusal of the whole call (a bad token, a malformed batch) ends the call with that
 status while nothing was sent yet, and otherwise becomes an error of each of its requests.
 """
@@ -36,7 +38,7 @@ from servers.router.proxy import Proxy, forwarded_metadata
 from servers.router.upstreams import Metadata
 from skyrl_grpc.batch_shape import batch_shape
 from skyrl_grpc.continuation import continue_request, resumable
-from skyrl_grpc.errors import InvalidArgument, SkyrlError, call_status
+from skyrl_grpc.errors import InvalidArgument, SkyrlError, Unavailable, call_status
 from skyrl_grpc.metadata import SESSION_ID
 from skyrl_grpc.names import GENERATE_BATCH
 from skyrl_grpc.v1 import data_plane_pb2
@@ -123,6 +125,14 @@ class BatchRelay:
             self._requests[index] = _Request(index, request, session)
 
     # -- sending ------------------------------------------------------------------------------
+
+    async def _held(self) -> bool:
+        """``Proxy.hold``: whether it waited for a member to serve again and one does; a wait
+        in vain leaves each request's own error to ``_place``."""
+        try:
+            return await self._proxy.hold(self._context)
+        except Unavailable:
+            return False
 
     def _place(self, requests: list[_Request]) -> list[bytes]:
         """Sends ``requests`` to the servers placement picks, a call per server; returns the
@@ -254,6 +264,7 @@ class BatchRelay:
         """The merged stream of the caller's call."""
         try:
             self._read_request()
+            await self._held()
             for error in self._place(list(self._requests.values())):
                 yield error
             while self._parts:
@@ -294,6 +305,9 @@ class BatchRelay:
                     part.backend.address,
                 )
                 await asyncio.sleep(self._proxy.options.retry_backoff_seconds)
+                if await self._held():  # the one back may be one tried before
+                    for request in moving:
+                        request.tried.clear()
                 errors += self._place(moving)
             return errors
         if code in _CALL_REFUSALS and not self._sent and not part.backlog:

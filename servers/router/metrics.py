@@ -123,6 +123,13 @@ class RouterMetrics:
             ["method"],
             registry=registry,
         )
+        self.held = Histogram(
+            "skyrl_router_held_seconds",
+            "Calls held while no worker served, until one served again or in vain (--hold-seconds)",
+            ["outcome"],
+            buckets=(0.5, 1, 2, 5, 10, 30, 60),
+            registry=registry,
+        )
         self.latency = Histogram(
             "skyrl_router_request_duration_seconds",
             "Time from call start to its end (whole stream)",

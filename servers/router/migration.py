@@ -101,6 +101,19 @@ class StreamMigration:
             return False
         return resumable(self._request) or not self.tokens
 
+    @property
+    def request_id(self) -> str:
+        """The caller's id for the request ('' where the server assigns one)."""
+        return self._request.request_id
+
+    def orphaned_on(self, address: str) -> str | None:
+        """The request's id where the stream was lost from ``address`` and the id is the
+        caller's: a server that was cut off rather than dead may still run it (it has not
+        seen the stream end), and refuses the continuation's same id ALREADY_EXISTS."""
+        if address not in self.lost or not self._request.request_id:
+            return None
+        return self._request.request_id
+
     def continuation(self, lost_backend: str) -> bytes:
         """The request for the next backend: prompt + tokens so far, the budget that is left."""
         self.lost.append(lost_backend)

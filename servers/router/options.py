@@ -168,6 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
         "GenerateMultiplex call per server, a message per engine step for all of them)",
     )
     parser.add_argument(
+        "--hold-seconds",
+        type=float,
+        default=proxy.hold_seconds,
+        help="how long a call that finds no backend serving (every one lost at once: a "
+        "partition, this router's own link) waits for one to serve again, within its "
+        "deadline; a stream whose backend was lost waits so too, then moves there (0: "
+        "UNAVAILABLE at once)",
+    )
+    parser.add_argument(
         "--fail-when-paused",
         action="store_true",
         help="when every healthy backend is paused, answer UNAVAILABLE at once (default: "
@@ -212,6 +221,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
             max_retries=args.max_retries,
             max_migrations=args.max_migrations,
             fail_when_paused=args.fail_when_paused,
+            hold_seconds=args.hold_seconds,
             multiplex=not args.no_multiplex,
         ),
         admin_token=args.admin_token,

@@ -7,8 +7,11 @@ shape, takes the same path (``Proxy.relay``): pick a backend (``BackendPool.choo
 in flight, read its first message, announce the backend in the ``x-skyrl-backend`` header,
 relay the rest, count it out. A call that fails UNAVAILABLE before any message of its upstream
 reached the caller is retried on another backend (bounded, with backoff) when its request can
-be sent again; a GenerateStream cut mid-way by a lost backend migrates (``migration``). Abort and
-FinishSession are the exceptions: they go to every backend (``Proxy.everywhere``).
+be sent again; a GenerateStream cut mid-way by a lost backend migrates (``migration``). A call
+that finds no member serving (every one lost at once: a partition, the router's own link) is
+held until one serves again, up to ``hold_seconds`` and its deadline (``Proxy.hold``), instead
+of failing at once. Abort and FinishSession are the exceptions: they go to every backend
+(``Proxy.everywhere``).
 Errors of the router's own go through ``skyrl_grpc.errors`` and the shared status mapping;
 a backend's status is passed through as it is.
 """
@@ -75,6 +78,15 @@ class ProxyOptions:
     fail_when_paused: bool = False
     # GenerateStream calls share one GenerateMultiplex call per server (False: a call each).
     multiplex: bool = True
+    # Times a moved stream aborts its request left running on the server it was lost from
+    # (cut off, not dead: it did not see the stream end) and sends its continuation there
+    # again, which that server refused ALREADY_EXISTS meanwhile.
+    max_orphan_aborts: int = 5
+    # How long a call that finds no member serving waits for one to serve again (a stream
+    # whose server was lost waits so too, then moves there), within its deadline; 0: it
+    # fails UNAVAILABLE at once. A fleet whose every server the router lost together (its own
+    # link flapping, a partition, a rack's switch rebooting) is back in seconds.
+    hold_seconds: float = 10.0
 
 
 @dataclass
@@ -88,6 +100,8 @@ class Proxy:
     multiplexers: Multiplexers = field(default_factory=Multiplexers)
     # What happened to the fleet lately (migrations here; the router adds health changes).
     events: FleetEvents = field(default_factory=FleetEvents)
+    # Calls held now while no member serves (``hold``).
+    holding: int = field(default=0, init=False)
 
     def _start_generation(
         self,
@@ -138,19 +152,58 @@ class Proxy:
                     "they resume; this router fails fast instead of waiting (--fail-when-paused)"
                 )
             return backend
+        raise Unavailable(f"router: {self._why_none(tried)}")
+
+    def _why_none(self, tried: set[str]) -> str:
         members = self.pool.backends
         if not members:
-            detail = "the router has no backends: add one with RouterAdmin/AddBackend"
-        elif tried:
-            detail = f"every backend tried failed ({', '.join(sorted(tried))})"
-        else:
-            states = ", ".join(
-                f"{b.address} {router_pb2.BackendState.Name(b.state)}"
-                + (" standby" if b.standby else "")
-                for b in members
-            )
-            detail = f"no healthy backend takes calls ({states})"
-        raise Unavailable(f"router: {detail}")
+            return "the router has no backends: add one with RouterAdmin/AddBackend"
+        if tried and self.pool.serving():
+            return f"every backend tried failed ({', '.join(sorted(tried))})"
+        states = ", ".join(
+            f"{b.address} {router_pb2.BackendState.Name(b.state)}"
+            + (" standby" if b.standby else "")
+            for b in members
+        )
+        return f"no healthy backend takes calls ({states})"
+
+    async def hold(self, context: Context) -> bool:
+        """When the router has members and none serves, waits for one to serve again, up to
+        ``hold_seconds`` and the call's deadline; whether it waited and one serves now. False
+        at once where there is nothing to wait for (one serves, no members, no hold); a wait
+        in vain raises UNAVAILABLE, saying so."""
+        pool, hold = self.pool, self.options.hold_seconds
+        if hold <= 0 or not pool.backends or pool.serving():
+            return False
+        remaining = context.time_remaining()
+        seconds = hold if remaining is None else min(hold, remaining)
+        began = time.perf_counter()
+        self.holding += 1
+        try:
+            served = await pool.until_serving(seconds)
+        finally:
+            self.holding -= 1
+        held = time.perf_counter() - began
+        self.metrics.held.labels("served" if served else "in vain").observe(held)
+        if served:
+            log.info("a call held %.1f s while no backend served", held)
+            return True
+        raise Unavailable(
+            f"router: {self._why_none(set())}; held the call {seconds:.1f} s for one to serve "
+            "again (--hold-seconds)"
+        )
+
+    async def _pick_or_hold(
+        self, session: str | None, tried: set[str], context: Context
+    ) -> Backend:
+        """``pick``, or where no member serves, ``pick`` once ``hold`` saw one serve again (a
+        backend tried before may be it: it came back)."""
+        try:
+            return self.pick(session, tried)
+        except Unavailable:
+            if not await self.hold(context):
+                raise
+        return self.pick(session, set())
 
     def _may_retry(self, error: grpc.aio.AioRpcError, retries: int) -> bool:
         return server_lost(error) and retries < self.options.max_retries
@@ -186,7 +239,7 @@ class Proxy:
             span = traced.enter_context(tracing.server_span(method, metadata))
             metadata = tracing.with_context(metadata)
         tried: set[str] = set()
-        retries = 0
+        retries = orphan_aborts = 0
         headers_sent = False
         started = time.perf_counter()
         code = grpc.StatusCode.OK
@@ -194,7 +247,7 @@ class Proxy:
         meter = StreamMeter(self.metrics, started) if method == GENERATE_STREAM else None
         try:
             while True:
-                backend = self.pick(session, tried)
+                backend = await self._pick_or_hold(session, tried, context)
                 worker = backend.address
                 tried.add(backend.address)
                 self.begin(backend, method)
@@ -204,6 +257,19 @@ class Proxy:
                     try:
                         message = await upstream.read()
                     except grpc.aio.AioRpcError as error:
+                        orphan = None if migration is None else migration.orphaned_on(worker)
+                        if (
+                            orphan is not None
+                            and error.code() == grpc.StatusCode.ALREADY_EXISTS
+                            and orphan_aborts < self.options.max_orphan_aborts
+                        ):
+                            await self._abort_orphan(backend, orphan, metadata)
+                            await asyncio.sleep(
+                                self.options.retry_backoff_seconds * 2**orphan_aborts
+                            )
+                            orphan_aborts += 1
+                            tried.discard(worker)  # the continuation goes there again
+                            continue
                         # Nothing of this upstream reached the caller: safe to try elsewhere.
                         if not (replayable and self._may_retry(error, retries)):
                             raise
@@ -262,6 +328,19 @@ class Proxy:
             if code != grpc.StatusCode.OK:
                 tracing.failed(span, code.name, f"ended {code.name} on {worker or 'no backend'}")
             traced.close()
+
+    async def _abort_orphan(self, backend: Backend, request_id: str, metadata: Metadata) -> None:
+        """Aborts ``request_id`` on ``backend``, where a stream moved away from it left it
+        running (best effort: the continuation's next try says whether it is gone)."""
+        log.warning(
+            "request %s still runs on %s, which a stream moved from: aborting it there",
+            request_id,
+            backend.address,
+        )
+        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = backend.channel.unary_unary(ABORT)
+        abort = data_plane_pb2.AbortRequest(request_ids=[request_id])
+        with suppress(grpc.aio.AioRpcError):
+            await call(abort.SerializeToString(), timeout=5.0, metadata=metadata)
 
     async def everywhere(self, method: str, request: bytes, context: Context) -> list[bytes]:
         """Sends a unary call to every backend at once; returns the answers of those that

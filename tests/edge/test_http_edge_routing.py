@@ -4,6 +4,7 @@ router, not vLLM: tests/edge/test_http_edge.py runs the real SDK against real en
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 
 from servers.router.http_edge import parse
 from servers.router.http_edge.http_status import error_body
+from servers.router.proxy import ProxyOptions
 from servers.router.router_server import RouterOptions, RouterServer
 from skyrl_grpc.errors import InvalidArgument
 from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
@@ -206,10 +208,23 @@ async def test_health_and_finish_session(edge_on_stand_ins: EdgeOnStandIns) -> N
         await until(lambda: not router.pool.healthy(), what="the router to see none serving")
         response = await client.get("/health")
         assert response.status_code == 503
-        failed = await client.post("/v1/completions", json={"prompt": [1]})
-        assert (
-            failed.status_code == 503 and "no healthy backend" in failed.json()["error"]["message"]
-        )
+        router.proxy.options.hold_seconds = 0.2  # a call waits that long for one to serve
+        try:
+            failed = await client.post("/v1/completions", json={"prompt": [1]})
+        finally:
+            router.proxy.options.hold_seconds = ProxyOptions().hold_seconds
+        message = failed.json()["error"]["message"]
+        assert failed.status_code == 503 and "no healthy backend" in message, message
+        assert "held the call 0.2 s" in message
+        # Held until one serves again: answered whole.
+        held = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": [1]}))
+        await until(lambda: router.proxy.holding == 1, what="the completion held")
+        await backends[0].set_serving(True)
+        answered = await held
+        assert answered.status_code == 200, answered.text
+        for backend in backends:
+            await backend.set_serving(True)
+        await router.wait_healthy(len(backends))
 
 
 async def test_retry_before_the_first_token_and_migration_mid_stream_hold_over_http(

@@ -395,8 +395,10 @@ async def test_the_router_host_cut_off_under_edge_and_trainer_traffic_loses_noth
         # The router could reach no server while it was cut off.
         history.outages += [Outage(a, cut_at, healed_at) for a in fleet.addresses]
         assert [str(v) for v in check(history)] == [], name
-        # Every request answered whole in the end (a stream the router could not finish ended
-        # UNAVAILABLE, which its client retries: the same request, counted once).
+        # Every request answered whole in the end: the router holds what it cannot place
+        # until a server is back (--hold-seconds); a call that still ends UNAVAILABLE (a
+        # client's own keepalive giving up on the stalled connection) is retried by its
+        # client, the same request, counted once.
         requests = {c.key for c in history.calls}
         assert requests == {c.key for c in history.calls if c.status == "OK"}, name
         retried = len(history.calls) - len(requests)

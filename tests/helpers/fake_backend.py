@@ -33,6 +33,7 @@ class Observed:
     metadata: list[dict[str, str]] = field(default_factory=list)
     deadlines: list[float | None] = field(default_factory=list)
     finished_sessions: list[str] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)  # request ids an Abort named
 
 
 class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
@@ -58,6 +59,12 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
         self.routed_experts: Any = None
         # Whether each request asked for its routed experts.
         self.asked_experts: list[bool] = []
+        # The callers' request ids running now: another with one of them is ALREADY_EXISTS, as
+        # on an engine. With ``orphan_on_failure``, a stream told to fail mid-stream leaves its
+        # id running (a server cut off from its caller, which never saw the stream end) until
+        # an Abort names it.
+        self.running_ids: set[str] = set()
+        self.orphan_on_failure = False
 
     def _begin(self, context: grpc.aio.ServicerContext) -> None:  # type: ignore[type-arg]
         self.observed.calls += 1
@@ -80,10 +87,19 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
         max_tokens = request.sampling_params.max_tokens or 8
         asked = request.sampling_params.return_routed_experts
         self.asked_experts.append(asked)
+        request_id = request.request_id
+        if request_id in self.running_ids:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight"
+            )
+        if request_id:
+            self.running_ids.add(request_id)
+        orphaned = False
         self.observed.in_flight += 1
         try:
             for i in range(max_tokens):
                 if self.fail_after_tokens is not None and i == self.fail_after_tokens:
+                    orphaned = self.orphan_on_failure
                     await context.abort(
                         *(
                             self.fail_mid_stream_with
@@ -122,6 +138,8 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
             raise
         finally:
             self.observed.in_flight -= 1
+            if not orphaned:
+                self.running_ids.discard(request_id)
 
     async def GenerateStream(self, request, context):  # type: ignore[no-untyped-def]
         async for chunk in self._tokens(request, context):
@@ -140,6 +158,12 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
                 )
             ],
         )
+
+    async def Abort(self, request, context):  # type: ignore[no-untyped-def]
+        self.observed.aborted.extend(request.request_ids)
+        aborted = [i for i in request.request_ids if i in self.running_ids]
+        self.running_ids.difference_update(aborted)
+        return data_plane_pb2.AbortResponse(aborted_request_ids=aborted)
 
     async def FinishSession(self, request, context):  # type: ignore[no-untyped-def]
         self.observed.finished_sessions.append(request.session_id)

@@ -197,6 +197,7 @@ async def test_stopped_backend_is_ejected_and_restarted_one_rejoins(
 
 async def test_no_healthy_backend_is_unavailable_with_reason(router_on_stand_ins: StandIns) -> None:
     backends, router, channel = router_on_stand_ins
+    router.proxy.options.hold_seconds = 0.2  # held that long (below: held until one serves)
     for b in backends:
         await b.set_serving(False)
     await until(lambda: not router.pool.healthy(), what="every backend ejected")
@@ -209,10 +210,88 @@ async def test_no_healthy_backend_is_unavailable_with_reason(router_on_stand_ins
         await routed_stream(channel, "any")
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "no healthy backend" in (raised.value.details() or "")
+    assert "held the call 0.2 s" in (raised.value.details() or "")
     for b in backends:
         await b.set_serving(True)
     await router.wait_healthy(4, timeout=60)
     assert await health_status(channel) == SERVING
+
+
+async def test_a_call_finding_no_backend_serving_is_held_until_one_serves_again(
+    router_on_stand_ins: StandIns,
+) -> None:
+    """Every backend lost at once (a partition, the router's own link): a call waits for one
+    to serve again (``--hold-seconds``) instead of failing, then goes there."""
+    backends, router, channel = router_on_stand_ins
+    for b in backends:
+        await b.set_serving(False)
+    await until(lambda: not router.pool.serving(), what="every backend ejected")
+    call = asyncio.ensure_future(routed_stream(channel, "held"))
+    await until(lambda: router.proxy.holding == 1, what="the call held")
+    assert not call.done()
+    await backends[2].set_serving(True)
+    address, tokens = await call
+    assert address == backends[2].address and tokens == [0, 1, 2, 3]
+    assert router.proxy.holding == 0
+    for b in backends:
+        await b.set_serving(True)
+    await router.wait_healthy(4, timeout=60)
+
+
+async def test_a_stream_whose_only_backend_is_lost_waits_and_moves_when_one_serves() -> None:
+    """The one backend a stream runs on is lost mid-stream with no other serving: the stream
+    is held, then continues from its tokens so far once a backend serves again (here the same
+    one, back): one uninterrupted stream, nothing repeated."""
+    backend = await FakeBackend("only", delay=0.05).start()
+    router = await start_router([backend])
+    backend.servicer.fail_after_tokens = 2
+    try:
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            stub = data_plane_pb2_grpc.DataPlaneStub(channel)
+            call = stub.GenerateStream(request(6), metadata=((SESSION_ID, "alone"),))
+            chunks = call.__aiter__()
+            tokens = list((await chunks.__anext__()).token_ids)
+            await backend.set_serving(False)  # lost before its failure: no other serves
+            await until(lambda: router.proxy.holding == 1, what="the stream held")
+            backend.servicer.fail_after_tokens = None
+            await backend.set_serving(True)
+            tokens += [t async for chunk in chunks for t in chunk.token_ids]
+        assert tokens == [0, 1, 0, 1, 2, 3]
+        assert await call.code() == grpc.StatusCode.OK
+    finally:
+        await router.stop(0)
+        await backend.stop()
+
+
+async def test_a_stream_moved_back_to_a_server_still_running_it_aborts_it_there_first() -> None:
+    """A server cut off rather than dead still runs the request the router lost (it never
+    saw the stream end): the continuation, with the caller's own request id, is refused
+    ALREADY_EXISTS there. The router aborts the orphan on that server and sends the
+    continuation again: one stream, nothing repeated, the id free again at the end."""
+    backend = await FakeBackend("cut-off", delay=0.05).start()
+    router = await start_router([backend])
+    backend.servicer.fail_after_tokens = 2
+    backend.servicer.orphan_on_failure = True
+    try:
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            stub = data_plane_pb2_grpc.DataPlaneStub(channel)
+            asked = request(6)
+            asked.request_id = "agent-7"
+            call = stub.GenerateStream(asked, metadata=((SESSION_ID, "cut"),))
+            chunks = call.__aiter__()
+            tokens = list((await chunks.__anext__()).token_ids)
+            await backend.set_serving(False)
+            await until(lambda: router.proxy.holding == 1, what="the stream held")
+            assert backend.servicer.running_ids == {"agent-7"}  # the orphan
+            backend.servicer.fail_after_tokens = None
+            await backend.set_serving(True)
+            tokens += [t async for chunk in chunks for t in chunk.token_ids]
+        assert tokens == [0, 1, 0, 1, 2, 3]
+        assert backend.observed.aborted == ["agent-7"]
+        assert backend.servicer.running_ids == set()
+    finally:
+        await router.stop(0)
+        await backend.stop()
 
 
 async def test_retry_before_first_chunk_but_never_after(router_on_stand_ins: StandIns) -> None:
