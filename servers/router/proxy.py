@@ -59,6 +59,11 @@ _NOT_FORWARDED = ("grpc-", ":")
 _NOT_FORWARDED_KEYS = {"user-agent", "te", "content-type"}
 
 
+# How long before its deadline a held call is answered UNAVAILABLE (the hold's reason reaches
+# its caller instead of DEADLINE_EXCEEDED).
+HOLD_ANSWER_SECONDS = 0.5
+
+
 def forwarded_metadata(context: Context) -> Metadata:
     return tuple(
         (key, value)
@@ -176,7 +181,11 @@ class Proxy:
         if hold <= 0 or not pool.backends or pool.serving():
             return False
         remaining = context.time_remaining()
-        seconds = hold if remaining is None else min(hold, remaining)
+        # A call whose deadline comes first is answered before it, saying why (its caller
+        # then knows it was the fleet, not its deadline).
+        seconds = hold if remaining is None else min(hold, remaining - HOLD_ANSWER_SECONDS)
+        if seconds <= 0:
+            return False
         began = time.perf_counter()
         self.holding += 1
         try:

@@ -211,6 +211,12 @@ async def test_no_healthy_backend_is_unavailable_with_reason(router_on_stand_ins
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "no healthy backend" in (raised.value.details() or "")
     assert "held the call 0.2 s" in (raised.value.details() or "")
+    # A deadline before the hold's end: answered UNAVAILABLE before it, saying why.
+    router.proxy.options.hold_seconds = 30
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await routed_stream(channel, "any", timeout=3)
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "held the call 2." in (raised.value.details() or "")  # to 0.5 s before it
     for b in backends:
         await b.set_serving(True)
     await router.wait_healthy(4, timeout=60)
