@@ -15,7 +15,7 @@ its tokens so far (``skyrl_grpc.continuation``), and the continuation's chunks a
 the caller reads one uninterrupted request. A request that cannot move (several samples, a
 constrained output past its first token, no moves left) ends with its own UNAVAILABLE error.
 Where no member serves (all lost at once), the batch, or its requests that move, are held
-until one serves again (``Proxy.hold``) before they are placed.
+until one serves again (``holds.CallHolds``) before they are placed.
 A server's refusal of the whole call (a bad token, a malformed batch) ends the call with that
 status while nothing was sent yet, and otherwise becomes an error of each of its requests.
 """
@@ -127,10 +127,10 @@ class BatchRelay:
     # -- sending ------------------------------------------------------------------------------
 
     async def _held(self) -> bool:
-        """``Proxy.hold``: whether it waited for a member to serve again and one does; a wait
+        """``CallHolds.hold``: whether it waited for a member to serve again and one does; a wait
         in vain leaves each request's own error to ``_place``."""
         try:
-            return await self._proxy.hold(self._context)
+            return await self._proxy.holds.hold(self._context)
         except Unavailable:
             return False
 

@@ -7,16 +7,24 @@ mid-stream, ``StreamMigration`` builds the continuation request (prompt + tokens
 remaining budget: ``skyrl_grpc.continuation``) for another backend, and rewrites the
 continuation's chunks so the caller sees one uninterrupted stream (usage counted from the
 original prompt). Only single-sample streams migrate, and constrained ones only before their
-first token; others fail UNAVAILABLE naming the lost server.
+first token; others fail UNAVAILABLE naming the lost server. A server cut off rather than dead
+may still run the request it lost (``orphaned_on``); ``abort_orphan`` ends it there.
 """
 
 from __future__ import annotations
 
+import logging
+from contextlib import suppress
 from typing import Any
 
+import grpc
+
+from servers.router.upstreams import Metadata
 from skyrl_grpc.continuation import continue_request, resumable
-from skyrl_grpc.names import GENERATE_STREAM
+from skyrl_grpc.names import ABORT, GENERATE_STREAM
 from skyrl_grpc.v1 import data_plane_pb2
+
+log = logging.getLogger(__name__)
 
 
 class StreamMigration:
@@ -118,3 +126,13 @@ class StreamMigration:
         """The request for the next backend: prompt + tokens so far, the budget that is left."""
         self.lost.append(lost_backend)
         return continue_request(self._request, self.tokens).SerializeToString()
+
+
+async def abort_orphan(channel: grpc.aio.Channel, request_id: str, metadata: Metadata) -> None:
+    """Aborts ``request_id`` on the server of ``channel``, where a stream moved away from it
+    left it running (best effort: the continuation's next try says whether it is gone)."""
+    log.warning("request %s still runs where a stream moved from: aborting it there", request_id)
+    call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(ABORT)
+    abort = data_plane_pb2.AbortRequest(request_ids=[request_id])
+    with suppress(grpc.aio.AioRpcError):
+        await call(abort.SerializeToString(), timeout=5.0, metadata=metadata)

@@ -9,7 +9,7 @@ relay the rest, count it out. A call that fails UNAVAILABLE before any message o
 reached the caller is retried on another backend (bounded, with backoff) when its request can
 be sent again; a GenerateStream cut mid-way by a lost backend migrates (``migration``). A call
 that finds no member serving (every one lost at once: a partition, the router's own link) is
-held until one serves again, up to ``hold_seconds`` and its deadline (``Proxy.hold``), instead
+held until one serves again, up to ``hold_seconds`` and its deadline (``holds``), instead
 of failing at once. Abort and FinishSession are the exceptions: they go to every backend
 (``Proxy.everywhere``).
 Errors of the router's own go through ``skyrl_grpc.errors`` and the shared status mapping;
@@ -35,8 +35,9 @@ from servers.common.grpc_types import Context
 from servers.common.interceptors import abort_with_status
 from servers.router.backends import Backend, BackendPool
 from servers.router.fleet_view import FleetEvents
+from servers.router.holds import CallHolds, no_backend_reason
 from servers.router.metrics import RouterMetrics
-from servers.router.migration import StreamMigration
+from servers.router.migration import StreamMigration, abort_orphan
 from servers.router.multiplex import Multiplexers, WithFallback
 from servers.router.upstreams import (
     Metadata,
@@ -50,18 +51,13 @@ from skyrl_grpc import tracing
 from skyrl_grpc.errors import SkyrlError, Unavailable, call_status, server_lost
 from skyrl_grpc.metadata import ROUTED_TO, session_of
 from skyrl_grpc.names import ABORT, FINISH_SESSION, GENERATE_STREAM
-from skyrl_grpc.v1 import data_plane_pb2, router_pb2
+from skyrl_grpc.v1 import data_plane_pb2
 
 log = logging.getLogger(__name__)
 
 # Metadata the transport owns; everything else is forwarded as is.
 _NOT_FORWARDED = ("grpc-", ":")
 _NOT_FORWARDED_KEYS = {"user-agent", "te", "content-type"}
-
-
-# How long before its deadline a held call is answered UNAVAILABLE (the hold's reason reaches
-# its caller instead of DEADLINE_EXCEEDED).
-HOLD_ANSWER_SECONDS = 0.5
 
 
 def forwarded_metadata(context: Context) -> Metadata:
@@ -105,8 +101,16 @@ class Proxy:
     multiplexers: Multiplexers = field(default_factory=Multiplexers)
     # What happened to the fleet lately (migrations here; the router adds health changes).
     events: FleetEvents = field(default_factory=FleetEvents)
-    # Calls held now while no member serves (``hold``).
-    holding: int = field(default=0, init=False)
+    # Calls held while no member serves (``holds.hold``), built beside the pool.
+    holds: CallHolds = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.holds = CallHolds(self.pool, self.metrics, lambda: self.options.hold_seconds)
+
+    @property
+    def holding(self) -> int:
+        """Calls held now while no member serves."""
+        return self.holds.holding
 
     def _start_generation(
         self,
@@ -157,50 +161,7 @@ class Proxy:
                     "they resume; this router fails fast instead of waiting (--fail-when-paused)"
                 )
             return backend
-        raise Unavailable(f"router: {self._why_none(tried)}")
-
-    def _why_none(self, tried: set[str]) -> str:
-        members = self.pool.backends
-        if not members:
-            return "the router has no backends: add one with RouterAdmin/AddBackend"
-        if tried and self.pool.serving():
-            return f"every backend tried failed ({', '.join(sorted(tried))})"
-        states = ", ".join(
-            f"{b.address} {router_pb2.BackendState.Name(b.state)}"
-            + (" standby" if b.standby else "")
-            for b in members
-        )
-        return f"no healthy backend takes calls ({states})"
-
-    async def hold(self, context: Context) -> bool:
-        """When the router has members and none serves, waits for one to serve again, up to
-        ``hold_seconds`` and the call's deadline; whether it waited and one serves now. False
-        at once where there is nothing to wait for (one serves, no members, no hold); a wait
-        in vain raises UNAVAILABLE, saying so."""
-        pool, hold = self.pool, self.options.hold_seconds
-        if hold <= 0 or not pool.backends or pool.serving():
-            return False
-        remaining = context.time_remaining()
-        # A call whose deadline comes first is answered before it, saying why (its caller
-        # then knows it was the fleet, not its deadline).
-        seconds = hold if remaining is None else min(hold, remaining - HOLD_ANSWER_SECONDS)
-        if seconds <= 0:
-            return False
-        began = time.perf_counter()
-        self.holding += 1
-        try:
-            served = await pool.until_serving(seconds)
-        finally:
-            self.holding -= 1
-        held = time.perf_counter() - began
-        self.metrics.held.labels("served" if served else "in vain").observe(held)
-        if served:
-            log.info("a call held %.1f s while no backend served", held)
-            return True
-        raise Unavailable(
-            f"router: {self._why_none(set())}; held the call {seconds:.1f} s for one to serve "
-            "again (--hold-seconds)"
-        )
+        raise Unavailable(f"router: {no_backend_reason(self.pool, tried)}")
 
     async def _pick_or_hold(
         self, session: str | None, tried: set[str], context: Context
@@ -210,7 +171,7 @@ class Proxy:
         try:
             return self.pick(session, tried)
         except Unavailable:
-            if not await self.hold(context):
+            if not await self.holds.hold(context):
                 raise
         return self.pick(session, set())
 
@@ -272,7 +233,7 @@ class Proxy:
                             and error.code() == grpc.StatusCode.ALREADY_EXISTS
                             and orphan_aborts < self.options.max_orphan_aborts
                         ):
-                            await self._abort_orphan(backend, orphan, metadata)
+                            await abort_orphan(backend.channel, orphan, metadata)
                             await asyncio.sleep(
                                 self.options.retry_backoff_seconds * 2**orphan_aborts
                             )
@@ -337,19 +298,6 @@ class Proxy:
             if code != grpc.StatusCode.OK:
                 tracing.failed(span, code.name, f"ended {code.name} on {worker or 'no backend'}")
             traced.close()
-
-    async def _abort_orphan(self, backend: Backend, request_id: str, metadata: Metadata) -> None:
-        """Aborts ``request_id`` on ``backend``, where a stream moved away from it left it
-        running (best effort: the continuation's next try says whether it is gone)."""
-        log.warning(
-            "request %s still runs on %s, which a stream moved from: aborting it there",
-            request_id,
-            backend.address,
-        )
-        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = backend.channel.unary_unary(ABORT)
-        abort = data_plane_pb2.AbortRequest(request_ids=[request_id])
-        with suppress(grpc.aio.AioRpcError):
-            await call(abort.SerializeToString(), timeout=5.0, metadata=metadata)
 
     async def everywhere(self, method: str, request: bytes, context: Context) -> list[bytes]:
         """Sends a unary call to every backend at once; returns the answers of those that
