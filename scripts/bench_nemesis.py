@@ -60,6 +60,12 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=15.0)
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--cut-out",
+        action="store_true",
+        help="the RL loop cuts out a server it cannot reach (cut_out_unreachable) instead of "
+        "retrying its step until the server answers",
+    )
     add_output_argument(parser, "fleet.md")
     args = parser.parse_args()
     seconds = args.minutes * 60
@@ -104,7 +110,8 @@ def main() -> None:
             trainer,
             "rl",
             {"router": router.address, "servers": addresses, "model": str(ensure_tiny_model()),
-             "seconds": seconds, "retry_seconds": 180},
+             "seconds": seconds, "retry_seconds": 180,
+             "client": {"cut_out_unreachable": args.cut_out}},
             logs,
         )  # fmt: skip
         began = time.monotonic()
@@ -141,7 +148,8 @@ def main() -> None:
     ends = {address: found.get("version") for address, found in end.items()}
     lines = [
         f"A mixed run (`python -m scripts.bench_nemesis --minutes {args.minutes:g} --seed "
-        f"{args.seed}`): {ran / 60:.1f} minutes, {args.servers} server hosts, links "
+        f"{args.seed}{' --cut-out' if args.cut_out else ''}`): {ran / 60:.1f} minutes, "
+        f"{args.servers} server hosts, links "
         f"{RATE_MBIT} Mbit/s, the embedded model, this 2-core VM.",
         "",
         "| fault | times | seconds in all |",
@@ -161,6 +169,7 @@ def main() -> None:
         + ("" if not violations else ": " + "; ".join(str(v) for v in violations[:10])),
         f"- RL loop: {len(rewards)} steps, {len(committed)} updates committed, "
         f"{len(history.updates) - len(committed)} failed and retried, "
+        f"{sum(1 for u in committed if u.unreachable)} committed with a server cut out, "
         f"{len(results['rl']['given_up'])} given up; mean reward of the first 5 steps "
         f"{statistics.fmean(rewards[:5]):.3f}, of the last 5 {statistics.fmean(rewards[-5:]):.3f}",
         "- Killed server hosts serving again after their restart: "
