@@ -192,7 +192,9 @@ def _check_results(calls: list[Call]) -> list[Violation]:
 def _check_sessions(calls: list[Call], outages: list[Outage]) -> list[Violation]:
     """A session stays on its server unless that server was unreachable before it moved, it
     moves onto a server healed from an outage (bounded-load placement evening out the load the
-    outage left: every session it moved sits on the others), or the weights changed between
+    outage left: every session it moved sits on the others; the call there shows it healed,
+    also where the outage's recorded end came later: a restarted server is routable before
+    whoever restarted it reads that it is ready), or the weights changed between
     its two calls (the KV cache a session is kept for never crosses weight versions, so a move
     then costs nothing: placement keeps calls off a server still behind the newest version)."""
     found: list[Violation] = []
@@ -209,7 +211,9 @@ def _check_sessions(calls: list[Call], outages: list[Outage]) -> list[Violation]
                 o.server == before.server and o.start <= after.started and o.end >= before.started
                 for o in outages
             )
-            onto_healed = any(o.server == after.server and o.end <= after.started for o in outages)
+            onto_healed = any(
+                o.server == after.server and o.start <= after.started for o in outages
+            )
             new_weights = (
                 bool(before.messages and after.messages)
                 and after.messages[0].weight_version != before.messages[-1].weight_version

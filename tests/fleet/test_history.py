@@ -100,6 +100,12 @@ def test_a_session_moves_only_off_a_server_that_was_unreachable() -> None:
     assert kinds(History([first, moved, third], outages=[cut])) == ["session"]
     on_b = [stream("r1", server="b"), stream("r2", started=15.0, ended=15.5, server="a")]
     assert check(History(on_b, outages=[cut])) == []  # b's sessions even out onto healed a
+    # Its call there shows a healed, also before the outage's recorded end (a restarted
+    # server is routable before whoever restarted it reads that it is ready).
+    late = Outage("a", 10.8, 16.0)
+    assert check(History(on_b, outages=[late])) == []
+    # Not onto a server whose outage began after the move (nothing healed there yet).
+    assert kinds(History(on_b, outages=[Outage("a", 15.2, 16.0)])) == ["session"]
 
 
 def test_a_session_may_move_when_the_weights_changed_between_its_calls() -> None:
