@@ -6,8 +6,9 @@ training step succeeds across the new fleet. Timings printed for the closing not
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -37,6 +38,20 @@ def cluster() -> Iterator[Any]:
     cluster.shutdown()
 
 
+@contextlib.asynccontextmanager
+async def started_fleet(servers: int, **options: Any) -> AsyncIterator[tuple[RayFleet, list[str]]]:
+    """A CPU-only ``RayFleet`` of ``servers`` (``options`` as it takes them), started, with the
+    events it reports as they happen; closed after."""
+    events: list[str] = []
+    fleet = RayFleet(servers, cpu_only=True, **options)
+    fleet.on_event = events.append
+    await asyncio.to_thread(fleet.start)
+    try:
+        yield fleet, events
+    finally:
+        await asyncio.to_thread(fleet.close)
+
+
 async def event_with(events: list[str], words: str, timeout: float) -> str:
     """The latest of ``events`` (the fleet's, appended as they happen) holding ``words``."""
     await until(lambda: any(words in e for e in events), timeout, f"an event with {words!r}")
@@ -49,11 +64,7 @@ async def test_a_node_that_leaves_takes_its_server_and_the_fleet_heals(
     doomed = cluster.add_node(num_cpus=2, resources={"inference": 1})
     survivor = cluster.add_node(num_cpus=2, resources={"inference": 2})
     cluster.wait_for_nodes()
-    events: list[str] = []
-    fleet = RayFleet(2, cpu_only=True, strategy="SPREAD", resources={"inference": 1})
-    fleet.on_event = events.append
-    await asyncio.to_thread(fleet.start)
-    try:
+    async with started_fleet(2, strategy="SPREAD", resources={"inference": 1}) as (fleet, events):
         fleet.supervise(RestartPolicy(first_delay=0.5), interval=0.5)
         nodes = await asyncio.to_thread(fleet.node_ids)
         assert set(nodes) == {doomed.node_id, survivor.node_id}  # Ray's own view
@@ -103,8 +114,6 @@ async def test_a_node_that_leaves_takes_its_server_and_the_fleet_heals(
         assert [r.token_ids for r in again] == [r.token_ids for r in results[:4]]
         print(f"\nnode left -> fleet whole: {whole:.1f} s; -> training step done: {stepped:.1f} s")
         await client.close()
-    finally:
-        await asyncio.to_thread(fleet.close)
 
 
 async def test_on_ray_a_standby_takes_the_place_of_a_server_whose_node_left_and_it_returns_standing_by(
@@ -112,11 +121,10 @@ async def test_on_ray_a_standby_takes_the_place_of_a_server_whose_node_left_and_
 ) -> None:
     nodes = [cluster.add_node(num_cpus=2, resources={"standby": 2}) for _ in range(2)]
     cluster.wait_for_nodes()
-    events: list[str] = []
-    fleet = RayFleet(1, standby=1, cpu_only=True, strategy="SPREAD", resources={"standby": 1})
-    fleet.on_event = events.append
-    await asyncio.to_thread(fleet.start)
-    try:
+    async with started_fleet(1, standby=1, strategy="SPREAD", resources={"standby": 1}) as (
+        fleet,
+        events,
+    ):
         fleet.supervise(RestartPolicy(first_delay=0.5), interval=0.5)
         serving, standby = fleet.addresses.servers
         assert fleet.addresses.standbys == (standby,)
@@ -153,8 +161,6 @@ async def test_on_ray_a_standby_takes_the_place_of_a_server_whose_node_left_and_
         assert promoted_after < 5.0, f"the standby served {promoted_after:.1f} s after"
         print(f"\nnode left -> standby serving: {promoted_after:.2f} s")
         await client.close()
-    finally:
-        await asyncio.to_thread(fleet.close)
 
 
 async def test_a_server_that_dies_at_every_start_is_reported_after_bounded_tries(
@@ -162,11 +168,7 @@ async def test_a_server_that_dies_at_every_start_is_reported_after_bounded_tries
 ) -> None:
     cluster.add_node(num_cpus=2, resources={"crashy": 2})
     cluster.wait_for_nodes()
-    events: list[str] = []
-    fleet = RayFleet(1, cpu_only=True, resources={"crashy": 1})
-    fleet.on_event = events.append
-    await asyncio.to_thread(fleet.start)
-    try:
+    async with started_fleet(1, resources={"crashy": 1}) as (fleet, events):
         # From now on every start fails: the model directory the server reads is gone.
         fleet.options.server_args = ["--model", "/nonexistent/model"]
         fleet.supervise(RestartPolicy(first_delay=0.1, max_failures=2), interval=0.2)
@@ -174,8 +176,6 @@ async def test_a_server_that_dies_at_every_start_is_reported_after_bounded_tries
         reported = await event_with(events, "times in a row", 600)
         assert "failed 2 times in a row" in reported and "/nonexistent/model" in reported
         assert fleet.supervision is not None and fleet.supervision.restarts == [2]
-    finally:
-        await asyncio.to_thread(fleet.close)
 
 
 async def test_scale_up_lands_on_a_new_node_caught_up_from_its_peer_and_takes_sessions(
@@ -183,11 +183,7 @@ async def test_scale_up_lands_on_a_new_node_caught_up_from_its_peer_and_takes_se
 ) -> None:
     first = cluster.add_node(num_cpus=2, resources={"grow": 1})
     cluster.wait_for_nodes()
-    events: list[str] = []
-    fleet = RayFleet(1, cpu_only=True, resources={"grow": 1})
-    fleet.on_event = events.append
-    await asyncio.to_thread(fleet.start)
-    try:
+    async with started_fleet(1, resources={"grow": 1}) as (fleet, events):
         fleet.supervise(interval=0.5)
         weights = load_file(str(tiny_model_dir / "model.safetensors"))
         client = InferenceClient(fleet.addresses.router, list(fleet.addresses.servers))
@@ -232,8 +228,6 @@ async def test_scale_up_lands_on_a_new_node_caught_up_from_its_peer_and_takes_se
         await asyncio.to_thread(fleet.scale, 1)
         assert len(fleet.addresses.servers) == 1
         assert any("drained and removed" in e for e in events), events
-    finally:
-        await asyncio.to_thread(fleet.close)
 
 
 async def test_on_ray_a_fleet_grows_onto_a_new_node_and_shrinks_while_a_training_loop_runs(
@@ -246,19 +240,13 @@ async def test_on_ray_a_fleet_grows_onto_a_new_node_and_shrinks_while_a_training
     cluster.add_node(num_cpus=2, resources={"elastic": 1})
     cluster.add_node(num_cpus=2, resources={"elastic": 1})
     cluster.wait_for_nodes()
-    events: list[str] = []
-    fleet = RayFleet(1, cpu_only=True, resources={"elastic": 1})
-    fleet.on_event = events.append
-    await asyncio.to_thread(fleet.start)
-    try:
+    async with started_fleet(1, resources={"elastic": 1}) as (fleet, events):
         fleet.supervise(interval=0.5)
         weights = load_file(str(tiny_model_dir / "model.safetensors"))
         run = await grow_and_shrink_under_training(fleet, weights)
         assert_nothing_lost(run, fleet.addresses.servers[0])
         assert any("drained and removed" in e for e in events), events
         assert not any("died" in e for e in events), events
-    finally:
-        await asyncio.to_thread(fleet.close)
 
 
 async def test_a_killed_router_actor_is_back_at_its_address_with_sessions_on_their_servers(
@@ -266,11 +254,7 @@ async def test_a_killed_router_actor_is_back_at_its_address_with_sessions_on_the
 ) -> None:
     cluster.add_node(num_cpus=2, resources={"routed": 2})
     cluster.wait_for_nodes()
-    events: list[str] = []
-    fleet = RayFleet(2, cpu_only=True, resources={"routed": 1})
-    fleet.on_event = events.append
-    await asyncio.to_thread(fleet.start)
-    try:
+    async with started_fleet(2, resources={"routed": 1}) as (fleet, events):
         fleet.supervise(RestartPolicy(first_delay=0.5), interval=0.5)
         router = fleet.addresses.router
         client = InferenceClient(router, fleet.addresses.servers)
@@ -304,5 +288,3 @@ async def test_a_killed_router_actor_is_back_at_its_address_with_sessions_on_the
         assert fleet.addresses.router == router and "is back" in back, events
         print(f"\nrouter actor killed -> back and routing: {routing:.1f} s")
         await client.close()
-    finally:
-        await asyncio.to_thread(fleet.close)
