@@ -109,11 +109,6 @@ class StreamMigration:
             return False
         return resumable(self._request) or not self.tokens
 
-    @property
-    def request_id(self) -> str:
-        """The caller's id for the request ('' where the server assigns one)."""
-        return self._request.request_id
-
     def orphaned_on(self, address: str) -> str | None:
         """The request's id where the stream was lost from ``address`` and the id is the
         caller's: a server that was cut off rather than dead may still run it (it has not
