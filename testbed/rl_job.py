@@ -4,8 +4,10 @@ pushed to every server, for ``seconds``, as a trainer that meets faults runs it:
 rollouts, pause, update or resume fail (a server cut off, killed or restarting) is tried again
 every second, for ``retry_seconds`` at most, then the job gives up on it and goes on. Its
 ``client``: ``InferenceClient`` settings (``cut_out_unreachable``: steps go on without a server
-the trainer cannot reach; past ``seconds``, the loop steps on while a server is cut out, up
-to ``whole_seconds`` more, so a run ends with every server it can reach on its last weights).
+the trainer cannot reach; past ``seconds``, the loop steps on until an update commits with
+no server cut out, up to ``whole_seconds`` more, so a run ends with every server on its last
+weights: a server taken back by a pause or a resume has none of the updates it missed until
+the next update sends it the whole weights).
 
 Its result: each step's mean reward and how long it took, and every update as a
 ``testbed.history.Update`` (committed, or not with the versions each server serves after it
@@ -61,8 +63,9 @@ async def rl(arguments: dict[str, Any]) -> dict[str, Any]:
         deadline = time.monotonic() + float(arguments["seconds"])
         whole_by = deadline + float(arguments.get("whole_seconds", 120))
         step = 0
+        left_out: list[str] = []  # the servers the last committed update left out
         while time.monotonic() < deadline or (
-            client.cut_out_servers and time.monotonic() < whole_by
+            (left_out or client.cut_out_servers) and time.monotonic() < whole_by
         ):
             began = time.monotonic()
             prompts = [[1, *(rng.randrange(3, 2048) for _ in range(4))] for _ in range(BATCH)]
@@ -95,6 +98,7 @@ async def rl(arguments: dict[str, Any]) -> dict[str, Any]:
                     raise
                 after = {a: c.weight_version for a, c in result.items()}
                 updates.append(Update(max(after.values()), True, after, list(result.cut_out)))
+                left_out[:] = result.cut_out
                 return result
 
             if await retried(f"step {step} update", push) is None:
@@ -111,6 +115,9 @@ async def rl(arguments: dict[str, Any]) -> dict[str, Any]:
         "step_seconds": step_seconds,
         "updates": [vars(u) for u in updates],
         "given_up": given_up,
-        "cut_out_at_the_end": client.cut_out_servers,
+        "left_out_at_the_end": {
+            **dict.fromkeys(left_out, "the last update"),
+            **client.cut_out_servers,
+        },
         "versions": dict(final) if final is not None else {},
     }

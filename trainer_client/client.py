@@ -139,7 +139,9 @@ class InferenceClient:
         each with why: each is asked again by the next pause, resume or update once
         ``trainer_client.cut_out.ASK_AGAIN_SECONDS`` passed, and taken back once it answers
         (an update then sends it the whole weights). A run that must end with every server on
-        its last weights steps on until this is empty."""
+        its last weights steps on until this is empty and an update committed with no
+        ``WeightUpdateResult.cut_out``: a server taken back by a pause or a resume has the
+        updates it missed only once the next update sends it the whole weights."""
         return dict(self._core.cut_out)
 
     @property

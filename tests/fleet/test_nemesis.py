@@ -124,7 +124,8 @@ async def test_a_mixed_run_of_faults_loses_nothing_and_every_host_ends_at_one_ve
             Planned("kill", (s1,), 3, after=3),
         ]
         # The kill's restart, 20 s. A server still cut out then is asked again after
-        # ASK_AGAIN_SECONDS and taken back: the loop steps on until none is (whole_seconds).
+        # ASK_AGAIN_SECONDS and taken back: the loop steps on until an update reaches every
+        # server (whole_seconds).
         seconds = sum(p.seconds + p.after for p in planned) + 20
         common = {"seconds": seconds, "deadline": 120.0}
         streams = start_job(
@@ -155,7 +156,7 @@ async def test_a_mixed_run_of_faults_loses_nothing_and_every_host_ends_at_one_ve
     assert [f.kind for f in nemesis.faults] == [p.kind for p in planned]
     rl_result = results["rl"]
     assert rl_result["given_up"] == [] and rl_result["rewards"], rl_result
-    assert rl_result["cut_out_at_the_end"] == {}, rl_result["cut_out_at_the_end"]
+    assert rl_result["left_out_at_the_end"] == {}, rl_result["left_out_at_the_end"]
     committed = [u for u in history.updates if u.committed]
     assert committed, history.updates
     # Every host back, on the version the RL loop committed last.
