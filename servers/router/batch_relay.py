@@ -14,6 +14,10 @@ are read then (never before), each request continues on another server from the 
 its tokens so far (``skyrl_grpc.continuation``), and the continuation's chunks are rewritten so
 the caller reads one uninterrupted request. A request that cannot move (several samples, a
 constrained output past its first token, no moves left) ends with its own UNAVAILABLE error.
+A server cut off rather than dead still runs the requests it lost: where a moved request comes
+back to it and it refuses the caller's request id ALREADY_EXISTS, the router aborts that orphan
+there and sends the request again (``ProxyOptions.max_orphan_aborts`` times at most), as it does
+for a stream (``migration.abort_orphan``).
 Where no member serves (all lost at once), the batch, or its requests that move, are held
 until one serves again (``holds.CallHolds``) before they are placed.
 A server's refusal of the whole call (a bad token, a malformed batch) ends the call with that
@@ -34,6 +38,7 @@ import grpc
 from servers.common.grpc_types import Context
 from servers.common.interceptors import abort_with_status
 from servers.router.backends import Backend
+from servers.router.migration import abort_orphan
 from servers.router.proxy import Proxy, forwarded_metadata
 from servers.router.upstreams import Metadata
 from skyrl_grpc.batch_shape import batch_shape
@@ -77,6 +82,9 @@ class _Request:
     continued: bool = False
     base: int = 0
     tried: set[str] = field(default_factory=set)
+    # The servers it was lost from (one may still run it: an orphan), and the orphans aborted.
+    lost_from: set[str] = field(default_factory=set)
+    orphan_aborts: int = 0
 
     def __post_init__(self) -> None:
         self.original = self.request
@@ -114,6 +122,8 @@ class BatchRelay:
         self._queue: asyncio.Queue[tuple[_Part, bytes | BaseException | None]] = asyncio.Queue()
         self._parts: set[_Part] = set()
         self._sent = False  # something reached the caller
+        # Requests a server refused as orphans of their own (their id still runs there).
+        self._orphans: list[tuple[Backend, _Request]] = []
 
     def _read_request(self) -> None:
         try:
@@ -187,11 +197,19 @@ class BatchRelay:
 
     def _forward(self, part: _Part, raw: bytes) -> bytes:
         """What to send the caller of a part's answer: as it is, or rewritten where a request
-        runs as a continuation. A part that may be lost keeps its answers to read then."""
-        part.backlog.append(raw)
-        if not part.continued:
+        runs as a continuation, or refused as its own orphan (taken out: ``_orphans``). A part
+        that may be lost keeps its answers to read then."""
+        if not part.continued and not self._may_meet_orphans(part):
+            part.backlog.append(raw)
             return raw
         message = data_plane_pb2.GenerateBatchResponse.FromString(raw)
+        orphans = [e for e in message.errors if self._is_orphan(part, e)]
+        for error in orphans:
+            message.errors.remove(error)
+            request = self._requests[error.index]
+            part.requests.remove(request)  # the part's call goes on without it
+            self._proxy.end(part.backend, False)
+            self._orphans.append((part.backend, request))
         for chunk in message.chunks:
             request = self._requests[chunk.batch_index]
             if request.continued:
@@ -200,7 +218,38 @@ class BatchRelay:
                 chunk.ClearField("prompt_logprobs")
                 if request.sent_chunks:
                     chunk.ClearField("request_id")
-        return message.SerializeToString()
+        forwarded = message.SerializeToString()
+        part.backlog.append(forwarded)
+        return forwarded
+
+    def _may_meet_orphans(self, part: _Part) -> bool:
+        return any(
+            part.backend.address in r.lost_from and r.original.request_id for r in part.requests
+        )
+
+    def _is_orphan(self, part: _Part, error: data_plane_pb2.BatchError) -> bool:
+        """A request refused ALREADY_EXISTS by a server it was lost from, under the caller's own
+        id, with aborts left: that server still runs it."""
+        request = self._requests[error.index]
+        return (
+            error.code == grpc.StatusCode.ALREADY_EXISTS.value[0]
+            and part.backend.address in request.lost_from
+            and bool(request.original.request_id)
+            and request.orphan_aborts < self._proxy.options.max_orphan_aborts
+        )
+
+    async def _send_orphans_again(self) -> list[bytes]:
+        """Each orphan aborted on its server, its request sent again (to the same server, as
+        placement keeps its session there); returns the errors of those no server took."""
+        orphans, self._orphans = self._orphans, []
+        for backend, request in orphans:
+            await abort_orphan(backend.channel, request.original.request_id, self._metadata)
+        backoff = max(r.orphan_aborts for _, r in orphans)
+        await asyncio.sleep(self._proxy.options.retry_backoff_seconds * 2**backoff)
+        for backend, request in orphans:
+            request.orphan_aborts += 1
+            request.tried.discard(backend.address)
+        return self._place([request for _, request in orphans])
 
     def _lost(self, part: _Part, why: str) -> tuple[list[_Request], list[bytes]]:
         """A part's server is gone: its answers so far read, its unfinished requests either
@@ -211,6 +260,7 @@ class BatchRelay:
         for request in part.requests:
             if request.done:
                 continue
+            request.lost_from.add(part.backend.address)
             if self._may_move(request):
                 if request.sent_chunks:
                     request.migrations += 1
@@ -279,6 +329,9 @@ class BatchRelay:
                         self._end_part(part, failed=False)
                     else:
                         out.extend(await self._failed(part, event))
+                if self._orphans:
+                    out.extend(await self._send_orphans_again())
+                out = [raw for raw in out if raw]
                 if out:
                     self._sent = True
                     yield b"".join(out)

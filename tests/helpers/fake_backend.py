@@ -159,6 +159,52 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
             ],
         )
 
+    async def GenerateBatch(self, request, context):  # type: ignore[no-untyped-def]
+        """The batch's requests in lockstep, a message per step: a request whose id runs here
+        is refused ALREADY_EXISTS alone; ``fail_after_tokens`` ends the whole call (leaving the
+        ids running with ``orphan_on_failure``)."""
+        self._begin(context)
+        refused, running = [], []
+        for index, asked in zip(request.indices, request.requests, strict=True):
+            if asked.request_id in self.running_ids:
+                message = f"request_id {asked.request_id!r} is already in flight"
+                code = grpc.StatusCode.ALREADY_EXISTS.value[0]
+                refused.append(data_plane_pb2.BatchError(index=index, code=code, message=message))
+            else:
+                self.running_ids.add(asked.request_id)
+                running.append((index, asked))
+        if refused:
+            yield data_plane_pb2.GenerateBatchResponse(errors=refused)
+        orphaned = False
+        try:
+            steps = max((a.sampling_params.max_tokens or 8 for _, a in running), default=0)
+            for i in range(steps):
+                if self.fail_after_tokens is not None and i == self.fail_after_tokens:
+                    orphaned = self.orphan_on_failure
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} failed")
+                await asyncio.sleep(self.delay)
+                chunks = []
+                for index, asked in running:
+                    max_tokens = asked.sampling_params.max_tokens or 8
+                    if i >= max_tokens:
+                        continue
+                    reason = (
+                        generation_pb2.FINISH_REASON_LENGTH
+                        if i == max_tokens - 1
+                        else generation_pb2.FINISH_REASON_UNSPECIFIED
+                    )
+                    chunks.append(
+                        data_plane_pb2.GenerateStreamResponse(
+                            request_id=asked.request_id, batch_index=index, token_ids=[i],
+                            finish_reason=reason,
+                            usage=generation_pb2.Usage(completion_tokens=i + 1),
+                        )
+                    )  # fmt: skip
+                yield data_plane_pb2.GenerateBatchResponse(chunks=chunks)
+        finally:
+            if not orphaned:
+                self.running_ids.difference_update(asked.request_id for _, asked in running)
+
     async def Abort(self, request, context):  # type: ignore[no-untyped-def]
         self.observed.aborted.extend(request.request_ids)
         aborted = [i for i in request.request_ids if i in self.running_ids]

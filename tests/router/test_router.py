@@ -300,6 +300,48 @@ async def test_a_stream_moved_back_to_a_server_still_running_it_aborts_it_there_
         await backend.stop()
 
 
+async def test_a_batch_moved_back_to_a_server_still_running_it_aborts_its_orphans_there() -> None:
+    """As for a stream: a batch's requests lost from a server cut off rather than dead still
+    run there, and it refuses their continuations ALREADY_EXISTS; the router aborts each
+    orphan and sends the request again. Each request reads one uninterrupted answer, and no
+    error reaches the caller."""
+    backend = await FakeBackend("cut-off", delay=0.05).start()
+    router = await start_router([backend])
+    backend.servicer.fail_after_tokens = 2
+    backend.servicer.orphan_on_failure = True
+    batch = data_plane_pb2.GenerateBatchRequest(
+        requests=[request(6), request(6)], session_ids=["s-0", "s-1"]
+    )
+    batch.requests[0].request_id, batch.requests[1].request_id = "agent-0", "agent-1"
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    errors: list[str] = []
+    try:
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            call = data_plane_pb2_grpc.DataPlaneStub(channel).GenerateBatch(batch)
+            messages = call.__aiter__()
+            while sum(map(len, tokens.values())) < 4:  # two tokens of each before the loss
+                message = await messages.__anext__()
+                for chunk in message.chunks:
+                    tokens[chunk.batch_index] += chunk.token_ids
+                errors += [e.message for e in message.errors]
+            await backend.set_serving(False)
+            await until(lambda: router.proxy.holding == 1, what="the batch held")
+            assert backend.servicer.running_ids == {"agent-0", "agent-1"}  # the orphans
+            backend.servicer.fail_after_tokens = None
+            await backend.set_serving(True)
+            async for message in messages:
+                for chunk in message.chunks:
+                    tokens[chunk.batch_index] += chunk.token_ids
+                errors += [e.message for e in message.errors]
+        assert errors == []
+        assert tokens == {0: [0, 1, 0, 1, 2, 3], 1: [0, 1, 0, 1, 2, 3]}
+        assert sorted(backend.observed.aborted) == ["agent-0", "agent-1"]
+        assert backend.servicer.running_ids == set()
+    finally:
+        await router.stop(0)
+        await backend.stop()
+
+
 async def test_retry_before_first_chunk_but_never_after(router_on_stand_ins: StandIns) -> None:
     backends, router, channel = router_on_stand_ins
     first_choice = router.pool.owner("retry-me")
