@@ -57,6 +57,9 @@ class Call:
     finish_reason: str = ""  # "" when the call ended without one
     session: str = ""
     server: str = ""  # where it ran (the router's x-skyrl-backend), "" if unknown
+    # When its first message came (0.0: unknown): ``server`` was settled by then, not at
+    # ``started`` (a server lost before it answered had the call moved on).
+    answered: float = 0.0
     expected: list[int] | None = None  # the undisturbed answer, where it is known
 
     @property
@@ -190,13 +193,15 @@ def _check_results(calls: list[Call]) -> list[Violation]:
 
 
 def _check_sessions(calls: list[Call], outages: list[Outage]) -> list[Violation]:
-    """A session stays on its server unless that server was unreachable before it moved, it
-    moves onto a server healed from an outage (bounded-load placement evening out the load the
-    outage left: every session it moved sits on the others; the call there shows it healed,
-    also where the outage's recorded end came later: a restarted server is routable before
-    whoever restarted it reads that it is ready), or the weights changed between
-    its two calls (the KV cache a session is kept for never crosses weight versions, so a move
-    then costs nothing: placement keeps calls off a server still behind the newest version)."""
+    """A session stays on its server unless that server was unreachable before it moved (by
+    the time the call that moved was answered: a call sent before the outage began moves when
+    its server is lost before answering), it moves onto a server healed from an outage
+    (bounded-load placement evening out the load the outage left: every session it moved sits
+    on the others; the call there shows it healed, also where the outage's recorded end came
+    later: a restarted server is routable before whoever restarted it reads that it is ready),
+    or the weights changed between its two calls (the KV cache a session is kept for never
+    crosses weight versions, so a move then costs nothing: placement keeps calls off a server
+    still behind the newest version)."""
     found: list[Violation] = []
     by_session: dict[str, list[Call]] = defaultdict(list)
     for call in calls:
@@ -207,13 +212,14 @@ def _check_sessions(calls: list[Call], outages: list[Outage]) -> list[Violation]
         for before, after in pairwise(ordered):
             if after.server == before.server:
                 continue
+            # The move was made by the time its call was answered (a call sent to its server
+            # before an outage began moves when the server is lost, before its first message).
+            moved_by = after.answered or after.started
             unreachable = any(
-                o.server == before.server and o.start <= after.started and o.end >= before.started
+                o.server == before.server and o.start <= moved_by and o.end >= before.started
                 for o in outages
             )
-            onto_healed = any(
-                o.server == after.server and o.start <= after.started for o in outages
-            )
+            onto_healed = any(o.server == after.server and o.start <= moved_by for o in outages)
             new_weights = (
                 bool(before.messages and after.messages)
                 and after.messages[0].weight_version != before.messages[-1].weight_version

@@ -175,6 +175,7 @@ async def streams(arguments: dict[str, Any]) -> dict[str, Any]:
                 async for chunk in call:
                     now = time.monotonic()
                     gap, last = max(gap, now - last), now
+                    record.answered = record.answered or now
                     record.messages.append(
                         Message(
                             list(chunk.token_ids),

@@ -106,6 +106,12 @@ def test_a_session_moves_only_off_a_server_that_was_unreachable() -> None:
     assert check(History(on_b, outages=[late])) == []
     # Not onto a server whose outage began after the move (nothing healed there yet).
     assert kinds(History(on_b, outages=[Outage("a", 15.2, 16.0)])) == ["session"]
+    # A call sent to its server before the outage began, which moved when it was lost before
+    # answering: the move is judged when the call was answered, not when it was sent.
+    sent_before = stream("r2", started=10.6, ended=14.5, server="b", answered=12.0)
+    assert check(History([first, sent_before], outages=[cut])) == []
+    answered_before = stream("r2", started=10.6, ended=14.5, server="b", answered=10.7)
+    assert kinds(History([first, answered_before], outages=[cut])) == ["session"]
 
 
 def test_a_session_may_move_when_the_weights_changed_between_its_calls() -> None:

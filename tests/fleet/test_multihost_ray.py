@@ -213,7 +213,12 @@ def test_a_worker_cut_off_then_killed_is_placed_again_and_caught_up_before_traff
     # may then move sessions onto it to even out the load the death piled on the others, as
     # onto any server healed from an outage.
     history.outages.append(Outage(new, cut_at, killed_at + back_after))
-    assert [str(v) for v in check(history)] == []
+    # What a failure needs to be read: each call's server and times from the cut.
+    calls = [
+        (c.key, c.server, round(c.started - cut_at, 1), round(c.answered - cut_at, 1), c.status)
+        for c in sorted(history.calls, key=lambda c: c.started)
+    ]
+    assert [str(v) for v in check(history)] == [], (servers, back, killed_at - cut_at, calls)
     assert all(call.status == "OK" for call in final_attempts(history))
     # Placed again on the spare node, at the fleet's version before it took any call.
     assert fleet.host_of(new) is spare[0], (new, back)
