@@ -326,6 +326,36 @@ async def test_duplicate_in_flight_request_id_is_already_exists(
     watcher.call.cancel()
 
 
+async def test_an_aborted_id_is_free_at_once_though_its_stream_has_not_ended(
+    engine_server: Any, data: data_plane_pb2_grpc.DataPlaneAsyncStub
+) -> None:
+    """A server cut off from its caller still runs the request that caller lost, and the
+    stream ends only once its dead connection is found (what the caller is not reading stays
+    unread meanwhile). The caller, a router moving the stream back here, aborts it and sends
+    it again under the same id: that must not wait for the orphan's end."""
+    from vllm import SamplingParams
+
+    engine = engine_server.state.parts().engine
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    orphan = engine.generate("moved-back", REFERENCE_PROMPTS[0], params, lambda out: [out])
+    await orphan.__anext__()  # running; then nobody reads it, as on a dead connection
+    assert await engine.abort(["moved-back"]) == ["moved-back"]
+    again = stream_request(REFERENCE_PROMPTS[0], SP(max_tokens=4), request_id="moved-back")
+    tokens = [t async for chunk in data.GenerateStream(again) for t in chunk.token_ids]
+    assert len(tokens) == 4
+    await orphan.aclose()  # the orphan's end, found at last, frees nothing another holds
+    watcher = StreamWatcher(
+        data, stream_request(REFERENCE_PROMPTS[0], LONG, request_id="moved-back")
+    )
+    await watcher.until_tokens(1)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:  # still one request per id at a time
+        await data.Generate(
+            data_plane_pb2.GenerateRequest(prompt_token_ids=[1, 2], request_id="moved-back")
+        )
+    assert raised.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    watcher.call.cancel()
+
+
 async def test_client_cancel_aborts_request_in_engine(
     data: data_plane_pb2_grpc.DataPlaneAsyncStub,
     control: control_plane_pb2_grpc.ControlPlaneAsyncStub,

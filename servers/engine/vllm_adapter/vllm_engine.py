@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import (
     AsyncIterator,
     Callable,
@@ -109,6 +110,9 @@ class VllmEngine:
         self.world_size = parallel.world_size * parallel.data_parallel_size
         self._load = load
         self._in_flight: set[str] = set()
+        # Ids freed by an abort whose requests have not ended yet (each one's ``finished``
+        # still to come): see ``abort``.
+        self._aborted_unfinished: Counter[str] = Counter()
         self.paused = False
         from vllm.platforms import current_platform
 
@@ -316,6 +320,14 @@ class VllmEngine:
 
     def finished(self, request_id: str) -> None:
         """The request taken in by ``submission`` has ended."""
+        if self._aborted_unfinished[request_id] > 0:
+            # An aborted request ending late: its id was freed at the abort, and may name
+            # another request now. (Where that other one ends first, its end is taken for the
+            # aborted one's, and the id reads in flight until the aborted one ends too.)
+            self._aborted_unfinished[request_id] -= 1
+            if not self._aborted_unfinished[request_id]:
+                del self._aborted_unfinished[request_id]
+            return
         self._in_flight.discard(request_id)
 
     def refusal(self, error: Exception, started: bool) -> Exception:
@@ -368,9 +380,18 @@ class VllmEngine:
         return self._engine_loop.group(transform)
 
     async def abort(self, request_ids: Sequence[str]) -> list[str]:
+        """Aborts those of ``request_ids`` in flight here (returned), freeing their ids."""
         known = [r for r in request_ids if r in self._in_flight]
         if known:
             await self._call(self.llm.abort(known))
+        # The ids are free at once (vLLM tells requests apart by ids of its own), not when
+        # each request's stream ends: a stream whose caller was cut off (a router that lost
+        # this server to a partition) ends only once its connection is found dead, and the
+        # caller sending the request again here, with the same id, must not wait for that.
+        for request_id in known:
+            if request_id in self._in_flight:
+                self._in_flight.discard(request_id)
+                self._aborted_unfinished[request_id] += 1
         return known
 
     # -- control ------------------------------------------------------------------------------
