@@ -49,6 +49,12 @@ def liveness_options(seconds: float) -> list[ChannelOption]:
         ("grpc.keepalive_timeout_ms", half),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # Reconnect within about that long of a partition's heal: a connection attempt that
+        # no answer reaches is given up after half of it (gRPC's least connect timeout,
+        # 20 s by default, would leave it to the kernel's SYN retries: 1, 2, 4, 8 s apart),
+        # and the next one starts at most half of it later.
+        ("grpc.min_reconnect_backoff_ms", half),
+        ("grpc.max_reconnect_backoff_ms", half),
     ]
 
 

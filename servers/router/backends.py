@@ -333,7 +333,17 @@ class BackendPool:
                     raise
                 backend.recheck_requested = False
             self._set_state(backend, UNHEALTHY)
+            await self._until_worth_watching(backend)
+
+    async def _until_worth_watching(self, backend: Backend) -> None:
+        """Until its channel reconnects (a server healed from a partition is watched again,
+        and routed to, at once), or ``check_interval`` at the latest; a watch that ended on a
+        connected channel waits the whole interval (no loop of calls a server refuses)."""
+        if backend.channel.get_state() == grpc.ChannelConnectivity.READY:
             await asyncio.sleep(self.check_interval)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(backend.channel.channel_ready(), self.check_interval)
 
     async def _watch_status(self, backend: Backend) -> None:
         """Follows the backend's ServerStatus (pause, weight version, load); a server without

@@ -195,6 +195,26 @@ async def test_stopped_backend_is_ejected_and_restarted_one_rejoins(
     await restarted.stop()
 
 
+async def test_a_backend_back_is_routed_to_once_its_channel_reconnects_not_a_check_later() -> None:
+    """A server healed from a partition (here: stopped, then listening again on its port) is
+    watched again as soon as the router's channel reconnects, which it retries within about
+    half the backend liveness: not after the health check interval (a minute here)."""
+    backend = await FakeBackend("healed").start()
+    port = backend.port
+    options = RouterOptions(backends=[backend.address], health_check_interval=60.0)
+    router = RouterServer(options)
+    await router.start()
+    try:
+        await router.wait_healthy(1)
+        await backend.stop()
+        await until(lambda: not router.pool.healthy(), what="the stopped backend ejected")
+        backend = await FakeBackend("healed-again", port=port).start()
+        await router.wait_healthy(1, timeout=20)
+    finally:
+        await router.stop(0)
+        await backend.stop()
+
+
 async def test_no_healthy_backend_is_unavailable_with_reason(router_on_stand_ins: StandIns) -> None:
     backends, router, channel = router_on_stand_ins
     router.proxy.options.hold_seconds = 0.2  # held that long (below: held until one serves)
