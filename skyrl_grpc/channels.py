@@ -52,9 +52,10 @@ def liveness_options(seconds: float) -> list[ChannelOption]:
         # Reconnect within about that long of a partition's heal: a connection attempt that
         # no answer reaches is given up after half of it (gRPC's least connect timeout,
         # 20 s by default, would leave it to the kernel's SYN retries: 1, 2, 4, 8 s apart),
-        # and the next one starts at most half of it later.
-        ("grpc.min_reconnect_backoff_ms", half),
-        ("grpc.max_reconnect_backoff_ms", half),
+        # and the next one starts at most half of it later (never later than every channel's
+        # 2 s: a long liveness must not slow the reconnection to a restarted server).
+        ("grpc.min_reconnect_backoff_ms", min(half, 20_000)),
+        ("grpc.max_reconnect_backoff_ms", min(half, 2_000)),
     ]
 
 
