@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from collections.abc import (
     AsyncIterator,
     Callable,
@@ -34,8 +33,9 @@ from servers.engine.vllm_adapter.engine_logs import death_cause, root_cause
 from servers.engine.vllm_adapter.engine_loop import EngineLoop, StreamGroup
 from servers.engine.vllm_adapter.lifecycle_calls import AsyncLLMLifecycle
 from servers.engine.vllm_adapter.load_tracker import Load, LoadTracker
+from servers.engine.vllm_adapter.request_ids import InFlightIds
 from servers.engine.vllm_adapter.tokenizer_calls import TokenizerCalls
-from skyrl_grpc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from skyrl_grpc.errors import FailedPrecondition, InvalidArgument, Unavailable
 from skyrl_grpc.tiny_model import embedded_model_name
 
 log = logging.getLogger(__name__)
@@ -109,10 +109,7 @@ class VllmEngine:
         self.data_parallel_size = parallel.data_parallel_size
         self.world_size = parallel.world_size * parallel.data_parallel_size
         self._load = load
-        self._in_flight: set[str] = set()
-        # Ids freed by an abort whose requests have not ended yet (each one's ``finished``
-        # still to come): see ``abort``.
-        self._aborted_unfinished: Counter[str] = Counter()
+        self._in_flight = InFlightIds()
         self.paused = False
         from vllm.platforms import current_platform
 
@@ -282,12 +279,7 @@ class VllmEngine:
         that also counts its prompt's cache hits. ``cache_salt``: the prefix-cache namespace
         it runs in (blocks are only reused within one). ``trace_headers``: the W3C trace
         context vLLM's own span of the request (``llm_request``) joins."""
-        if request_id in self._in_flight:
-            raise AlreadyExists(
-                f"request_id {request_id!r} is already in flight: use a unique id, or leave it "
-                "empty for the server to assign one"
-            )
-        self._in_flight.add(request_id)
+        self._in_flight.take(request_id)
         self.requests_started += 1
         counted = False
 
@@ -320,15 +312,7 @@ class VllmEngine:
 
     def finished(self, request_id: str) -> None:
         """The request taken in by ``submission`` has ended."""
-        if self._aborted_unfinished[request_id] > 0:
-            # An aborted request ending late: its id was freed at the abort, and may name
-            # another request now. (Where that other one ends first, its end is taken for the
-            # aborted one's, and the id reads in flight until the aborted one ends too.)
-            self._aborted_unfinished[request_id] -= 1
-            if not self._aborted_unfinished[request_id]:
-                del self._aborted_unfinished[request_id]
-            return
-        self._in_flight.discard(request_id)
+        self._in_flight.finished(request_id)
 
     def refusal(self, error: Exception, started: bool) -> Exception:
         """What a request's failure means to its caller: the engine's death (UNAVAILABLE,
@@ -384,14 +368,7 @@ class VllmEngine:
         known = [r for r in request_ids if r in self._in_flight]
         if known:
             await self._call(self.llm.abort(known))
-        # The ids are free at once (vLLM tells requests apart by ids of its own), not when
-        # each request's stream ends: a stream whose caller was cut off (a router that lost
-        # this server to a partition) ends only once its connection is found dead, and the
-        # caller sending the request again here, with the same id, must not wait for that.
-        for request_id in known:
-            if request_id in self._in_flight:
-                self._in_flight.discard(request_id)
-                self._aborted_unfinished[request_id] += 1
+        self._in_flight.aborted(known)  # free at once: see ``request_ids``
         return known
 
     # -- control ------------------------------------------------------------------------------
