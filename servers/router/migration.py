@@ -39,6 +39,8 @@ class StreamMigration:
         self._unparsed: list[bytes] = []
         self._tokens: list[int] = []
         self.lost: list[str] = []
+        # Servers lost before they answered it (the router then tried it again, unchanged).
+        self._unanswered_on: set[str] = set()
         self._finished = False
 
     def _parse_backlog(self) -> None:
@@ -109,13 +111,18 @@ class StreamMigration:
             return False
         return resumable(self._request) or not self.tokens
 
+    def lost_unanswered(self, address: str) -> None:
+        """``address`` was lost before it answered the request (which is then tried again)."""
+        self._unanswered_on.add(address)
+
     def orphaned_on(self, address: str) -> str | None:
-        """The request's id where the stream was lost from ``address`` and the id is the
-        caller's: a server that was cut off rather than dead may still run it (it has not
-        seen the stream end), and refuses the continuation's same id ALREADY_EXISTS."""
-        if address not in self.lost or not self._request.request_id:
+        """The request's id where the stream was lost from ``address`` (mid-stream, or before
+        its first message) and the id is the caller's: a server that was cut off rather than
+        dead may still run it (it has not seen the stream end), and refuses the same id again
+        ALREADY_EXISTS."""
+        if address not in self.lost and address not in self._unanswered_on:
             return None
-        return self._request.request_id
+        return self._request.request_id or None
 
     def continuation(self, lost_backend: str) -> bytes:
         """The request for the next backend: prompt + tokens so far, the budget that is left."""

@@ -243,6 +243,8 @@ class Proxy:
                         # Nothing of this upstream reached the caller: safe to try elsewhere.
                         if not (replayable and self._may_retry(error, retries)):
                             raise
+                        if migration is not None and server_lost(error):
+                            migration.lost_unanswered(worker)
                         self.pool.mark_unavailable(backend)
                         self.metrics.retries.labels(method).inc()
                         await asyncio.sleep(self.options.retry_backoff_seconds * 2**retries)

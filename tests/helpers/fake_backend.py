@@ -65,6 +65,8 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
         # an Abort names it.
         self.running_ids: set[str] = set()
         self.orphan_on_failure = False
+        # ``fail_after_tokens`` fails one stream only (the next ones run whole).
+        self.fail_once = False
 
     def _begin(self, context: grpc.aio.ServicerContext) -> None:  # type: ignore[type-arg]
         self.observed.calls += 1
@@ -100,6 +102,8 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
             for i in range(max_tokens):
                 if self.fail_after_tokens is not None and i == self.fail_after_tokens:
                     orphaned = self.orphan_on_failure
+                    if self.fail_once:
+                        self.fail_after_tokens = None
                     await context.abort(
                         *(
                             self.fail_mid_stream_with

@@ -320,6 +320,30 @@ async def test_a_stream_moved_back_to_a_server_still_running_it_aborts_it_there_
         await backend.stop()
 
 
+async def test_a_stream_lost_before_its_first_token_aborts_its_orphan_before_it_goes_again() -> (
+    None
+):
+    """A stream whose server was lost before it answered is tried again, unchanged, with the
+    caller's request id: where it comes back to that server (the only one), which was cut off
+    rather than dead and still runs it, the router aborts the orphan there first."""
+    backend = await FakeBackend("cut-off", delay=0.02).start()
+    router = await start_router([backend])
+    backend.servicer.fail_after_tokens = 0
+    backend.servicer.orphan_on_failure = backend.servicer.fail_once = True
+    try:
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            asked = request(4)
+            asked.request_id = "agent-8"
+            call = data_plane_pb2_grpc.DataPlaneStub(channel).GenerateStream(asked)
+            tokens = [t async for chunk in call for t in chunk.token_ids]
+        assert tokens == [0, 1, 2, 3]
+        assert backend.observed.aborted == ["agent-8"]
+        assert backend.servicer.running_ids == set()
+    finally:
+        await router.stop(0)
+        await backend.stop()
+
+
 async def test_a_batch_moved_back_to_a_server_still_running_it_aborts_its_orphans_there() -> None:
     """As for a stream: a batch's requests lost from a server cut off rather than dead still
     run there, and it refuses their continuations ALREADY_EXISTS; the router aborts each
