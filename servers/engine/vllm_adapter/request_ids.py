@@ -27,6 +27,9 @@ class InFlightIds:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._running
 
+    def __len__(self) -> int:
+        return len(self._running)
+
     def take(self, request_id: str) -> None:
         """ALREADY_EXISTS if ``request_id`` runs."""
         if request_id in self._running:
