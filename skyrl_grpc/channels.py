@@ -49,11 +49,18 @@ def liveness_options(seconds: float) -> list[ChannelOption]:
         ("grpc.keepalive_timeout_ms", half),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
-        # Reconnect within about that long of a partition's heal: a connection attempt that
-        # no answer reaches is given up after half of it (gRPC's least connect timeout,
-        # 20 s by default, would leave it to the kernel's SYN retries: 1, 2, 4, 8 s apart),
-        # and the next one starts at most half of it later (never later than every channel's
-        # 2 s: a long liveness must not slow the reconnection to a restarted server).
+    ]
+
+
+def prompt_reconnect_options(seconds: float) -> list[ChannelOption]:
+    """Channel options that reconnect within about ``seconds`` of a partition's heal: a
+    connection attempt no answer reaches is given up after half of it (gRPC's least connect
+    timeout, 20 s by default, would leave it to the kernel's SYN retries: 1, 2, 4, 8 s apart),
+    and the next one starts at most half of it later (never later than every channel's 2 s:
+    a long liveness must not slow the reconnection to a restarted server). The router's to its
+    servers, whose health it watches again as soon as they reconnect."""
+    half = max(round(seconds * 500), 100)
+    return [
         ("grpc.min_reconnect_backoff_ms", min(half, 20_000)),
         ("grpc.max_reconnect_backoff_ms", min(half, 2_000)),
     ]

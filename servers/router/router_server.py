@@ -39,7 +39,7 @@ from servers.router.options import RouterOptions, build_parser, options_from_arg
 from servers.router.proxy import Proxy
 from servers.router.siblings import Siblings
 from skyrl_grpc import tracing
-from skyrl_grpc.channels import liveness_options, open_channel
+from skyrl_grpc.channels import liveness_options, open_channel, prompt_reconnect_options
 from skyrl_grpc.names import DATA_PLANE, ROUTER_ADMIN, WATCH_BACKENDS
 from skyrl_grpc.v1 import router_pb2_grpc
 
@@ -62,7 +62,10 @@ class RouterServer:
                 open_channel,
                 tls=options.backend_tls,
                 max_message_bytes=options.max_message_bytes,
-                extra_options=liveness_options(options.backend_liveness_seconds),
+                extra_options=[
+                    *liveness_options(options.backend_liveness_seconds),
+                    *prompt_reconnect_options(options.backend_liveness_seconds),
+                ],
             ),
             check_interval=options.health_check_interval,
             balancing=options.balancing,

@@ -185,9 +185,9 @@ async def test_a_server_cut_off_from_a_self_routing_trainer_loses_no_token_and_m
     server). The client's generation channel loses the server within its liveness
     (``direct_liveness_seconds``, 2 s), each generation on it moves to the other server with
     its tokens so far, and new ones avoid it meanwhile: every answer equals the undisturbed
-    one, and no call takes longer than the slowest undisturbed one by much more than the
-    liveness. Calls carry no session here, so the generations moved are checked by their
-    answers, not by where their sessions went."""
+    one, and no call takes much longer than the liveness plus the slowest undisturbed one on
+    the other server's doubled load. Calls carry no session here, so the generations moved are
+    checked by their answers, not by where their sessions went."""
     fleet, expected = fault_fleet, reference(fault_fleet)
     arguments = {
         "router": fleet.router,
@@ -225,7 +225,12 @@ async def test_a_server_cut_off_from_a_self_routing_trainer_loses_no_token_and_m
         f"{max(before):.2f} s, through it {max(through):.2f} s"
     )
     assert before and through, (before, through)
-    assert max(through) <= max(before) + STALL_BOUND, (before, through)
+    # The liveness, then the rest of the call on the other server, which now runs both
+    # servers' calls and the moved ones' prompts again: up to twice the slowest undisturbed
+    # call, with 1.5 s for a busy machine (a clean-clone run: 4.11 s against 0.55 s before).
+    # With the control channel's keepalive instead of the liveness it took 5.92 s.
+    bound = LIVENESS_SECONDS + 2 * max(before) + 1.5
+    assert max(through) <= bound, (before, through)
     # Generations ran on the server cut off: they waited for the liveness, then moved.
     assert max(through) >= LIVENESS_SECONDS / 2, (before, through)
 
