@@ -174,7 +174,8 @@ def test_up_gives_up_on_a_server_still_starting_at_its_start_timeout(tmp_path: P
         assert up.proc.wait(timeout=120) == 1
     finally:
         up.stop()
-    up.wait_for("skyrl-grpc up: server-0 was still starting", 0)
+    lines = up.output(timeout=30)  # every line, read to the end (its reader may lag the exit)
+    assert any("skyrl-grpc up: server-0 was still starting" in line for line in lines), lines
     assert "--start-timeout" in up.lines[-1], up.lines
     assert not any("Traceback" in line for line in up.lines), up.lines
     # Stopped and waited for before up exits (left to its own supervisor watch, a server
@@ -317,6 +318,12 @@ class Up:
                 assert not self._closed, f"up exited before {fragment!r}: {self.lines}"
                 self._new_line.wait(left)
             return next(line for line in self.lines if fragment in line)
+
+    def output(self, timeout: float) -> list[str]:
+        """Every line up printed, once its output has ended (it exited)."""
+        with self._new_line:
+            assert self._new_line.wait_for(lambda: self._closed, timeout), self.lines
+            return list(self.lines)
 
     def type(self, line: str) -> None:
         assert self.proc.stdin is not None
