@@ -102,10 +102,9 @@ class _Part:
     requests: list[_Request]
     backlog: list[bytes] = field(default_factory=list)  # its answers, read only if it is lost
     task: asyncio.Task[None] | None = None
-
-    @property
-    def continued(self) -> bool:
-        return any(r.continued for r in self.requests)
+    # Its answers are read as they come (set once it is placed; its requests' moves are made
+    # before): a request runs as a continuation, or may meet an orphan of its own there.
+    reads_answers: bool = False
 
 
 class BatchRelay:
@@ -163,6 +162,11 @@ class BatchRelay:
                 part = parts[backend.address] = _Part(backend, [])
             part.requests.append(request)
         for part in parts.values():
+            address = part.backend.address
+            part.reads_answers = any(
+                r.continued or (address in r.lost_from and r.original.request_id)
+                for r in part.requests
+            )
             self._parts.add(part)
             part.task = asyncio.ensure_future(self._read(part))
         return failed
@@ -199,7 +203,7 @@ class BatchRelay:
         """What to send the caller of a part's answer: as it is, or rewritten where a request
         runs as a continuation, or refused as its own orphan (taken out: ``_orphans``). A part
         that may be lost keeps its answers to read then."""
-        if not part.continued and not self._may_meet_orphans(part):
+        if not part.reads_answers:
             part.backlog.append(raw)
             return raw
         message = data_plane_pb2.GenerateBatchResponse.FromString(raw)
@@ -221,11 +225,6 @@ class BatchRelay:
         forwarded = message.SerializeToString()
         part.backlog.append(forwarded)
         return forwarded
-
-    def _may_meet_orphans(self, part: _Part) -> bool:
-        return any(
-            part.backend.address in r.lost_from and r.original.request_id for r in part.requests
-        )
 
     def _is_orphan(self, part: _Part, error: data_plane_pb2.BatchError) -> bool:
         """A request refused ALREADY_EXISTS by a server it was lost from, under the caller's own
