@@ -19,7 +19,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORTED: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop_token_ids", "stop_strings", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "skip_special_tokens", "logit_bias", "allowed_token_ids", "structured_output", "return_routed_experts", "routed_experts_prompt_start")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop_token_ids", "stop_strings", "seed", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "skip_special_tokens", "logit_bias", "allowed_token_ids", "structured_output", "return_routed_experts", "routed_experts_prompt_start", "routed_experts_as_sets")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class SamplingParams(_message.Message):
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_PROMPT_START_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_AS_SETS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -69,21 +70,28 @@ class SamplingParams(_message.Message):
     structured_output: StructuredOutput
     return_routed_experts: bool
     routed_experts_prompt_start: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., return_routed_experts: _Optional[bool] = ..., routed_experts_prompt_start: _Optional[int] = ...) -> None: ...
+    routed_experts_as_sets: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., return_routed_experts: _Optional[bool] = ..., routed_experts_prompt_start: _Optional[int] = ..., routed_experts_as_sets: _Optional[bool] = ...) -> None: ...
 
 class RoutedExperts(_message.Message):
-    __slots__ = ("ids", "tokens", "layers", "per_token", "width")
+    __slots__ = ("ids", "tokens", "layers", "per_token", "width", "bits", "as_sets", "experts")
     IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    AS_SETS_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
     ids: bytes
     tokens: int
     layers: int
     per_token: int
     width: int
-    def __init__(self, ids: _Optional[bytes] = ..., tokens: _Optional[int] = ..., layers: _Optional[int] = ..., per_token: _Optional[int] = ..., width: _Optional[int] = ...) -> None: ...
+    bits: int
+    as_sets: bool
+    experts: int
+    def __init__(self, ids: _Optional[bytes] = ..., tokens: _Optional[int] = ..., layers: _Optional[int] = ..., per_token: _Optional[int] = ..., width: _Optional[int] = ..., bits: _Optional[int] = ..., as_sets: _Optional[bool] = ..., experts: _Optional[int] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")

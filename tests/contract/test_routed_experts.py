@@ -1,5 +1,6 @@
 """Routed experts (routing replay, "R3") as the contract carries them: packed in the fewest
-bytes that hold the ids, with their shape; taken from vLLM's own output types with a MoE
+bytes that hold the ids (or each token's experts in a layer as one set's rank, in the fewest
+bits), with their shape; taken from vLLM's own output types with a MoE
 model's real shapes (this CPU build of vLLM cannot capture them: the refusal is tested with the
 engine), kept whole through the stream's merges, folded into the sample and handed to the
 trainer as the array vLLM gave."""
@@ -32,46 +33,109 @@ def _experts(tokens: int, experts: int = EXPERTS, seed: int = 0) -> np.ndarray:
     return rng.integers(0, experts, size=(tokens, LAYERS, PER_TOKEN)).astype(np.int32)
 
 
-@pytest.mark.parametrize(("experts", "width"), [(128, 1), (256, 1), (257, 2), (70_000, 4)])
+def _top_k(tokens: int, experts: int, per_token: int = PER_TOKEN, seed: int = 0) -> np.ndarray:
+    """What a router's top-k gives: ``per_token`` distinct ids per token and layer, in the
+    order of their (random) gate weights."""
+    rng = np.random.default_rng(seed)
+    weights = rng.random((tokens, LAYERS, experts))
+    return np.argsort(-weights, axis=2)[:, :, :per_token]
+
+
+@pytest.mark.parametrize(
+    ("experts", "bits", "width"), [(128, 8, 1), (256, 8, 1), (257, 16, 2), (70_000, 32, 4)]
+)
 def test_ids_travel_in_the_fewest_bytes_that_hold_them_and_come_back_equal(
-    experts: int, width: int
+    experts: int, bits: int, width: int
 ) -> None:
     array = _experts(10, experts)
     array[0, 0, 0] = experts - 1  # the largest id is there
     packed = pack(array)
-    assert packed.width == width
+    assert (packed.bits, packed.width, packed.as_sets) == (bits, width, False)
     assert (packed.tokens, packed.layers, packed.per_token) == array.shape
-    assert len(packed.ids) == array.size * width  # nothing but the ids
+    assert len(packed.ids) == (array.size * bits + 7) // 8  # nothing but the ids
     back = unpack(packed)
     assert back.shape == array.shape and np.array_equal(back, array)
 
 
-def test_on_the_wire_they_take_the_packed_ids_and_three_quarters_of_vllms_base64_npy() -> None:
+def test_whole_bytes_read_the_same_by_their_width_alone() -> None:
+    """At 8, 16 and 32 bits the packing is little-endian bytes, which ``width`` describes for
+    a reader of the byte packing (the contract's first form)."""
+    for experts, kind in ((256, np.uint8), (65_536, np.uint16)):
+        array = _experts(4, experts)
+        array[0, 0, 0] = experts - 1
+        packed = pack(array)
+        assert packed.ids == array.astype(np.dtype(kind).newbyteorder("<")).tobytes()
+        packed.bits = 0  # as a message of the byte packing arrives
+        assert np.array_equal(unpack(packed), array)
+
+
+@pytest.mark.parametrize(
+    ("experts", "per_token", "bits"),
+    # Qwen3-30B-A3B, gpt-oss, DeepSeek-V3, Kimi K2, the embedded MoE (4 experts, top-2)
+    [(128, 8, 41), (128, 4, 24), (256, 8, 49), (384, 8, 54), (4, 2, 3)],
+)
+def test_as_sets_each_tokens_experts_are_one_rank_and_come_back_as_the_same_sets(
+    experts: int, per_token: int, bits: int
+) -> None:
+    array = _top_k(9, experts, per_token)
+    array[0, 0, :] = np.arange(experts - per_token, experts)  # the largest set: the top rank
+    array[0, 1, :] = np.arange(per_token)  # the smallest: rank 0
+    packed = pack(array, as_sets=True)
+    assert (packed.as_sets, packed.experts, packed.bits) == (True, experts, bits)
+    assert len(packed.ids) == (9 * LAYERS * bits + 7) // 8
+    back = unpack(packed)
+    # the same experts for every token and layer, each set in ascending order
+    assert back.shape == array.shape and np.array_equal(back, np.sort(array, axis=2))
+
+
+def test_arrays_whose_sets_do_not_fit_are_packed_in_order() -> None:
+    repeated = _top_k(3, 128)
+    repeated[1, 2, 1] = repeated[1, 2, 0]  # not a set: an id twice
+    too_many = _top_k(3, 512, per_token=10)  # C(512, 10) is beyond 64 bits
+    for array in (repeated, too_many):
+        packed = pack(array, as_sets=True)
+        assert not packed.as_sets and np.array_equal(unpack(packed), array)
+
+
+def test_on_the_wire_they_take_the_packed_ids_and_under_vllms_base64_npy() -> None:
     """vLLM's own servers send the same array as base64 of its .npy bytes (numpy2base64), in
-    the capture's dtype (uint8 up to 256 experts, else uint16): the same bytes per id as here,
-    plus a third for base64 and the .npy header."""
+    the capture's dtype (uint8 up to 256 experts, else uint16): a third more than its bytes,
+    and the .npy header. Ordered here, a byte an id for 128 experts; as sets, a rank of 41
+    bits for each token's 8 (Qwen3-30B-A3B's shape)."""
     from vllm.utils.serial_utils import numpy2base64
 
-    array = _experts(len(PROMPT) + len(OUTPUT) - 1).astype(np.uint8)  # vLLM's own dtype here
-    message = generation_pb2.RoutedExperts()
-    message.CopyFrom(pack(array))
-    wire = len(message.SerializeToString())
+    tokens = len(PROMPT) + len(OUTPUT) - 1
+    array = _top_k(tokens, EXPERTS).astype(np.uint8)  # vLLM's own dtype here
     theirs = len(numpy2base64(array))
-    print(f"routed experts on the wire: {wire} bytes; vLLM's base64 .npy: {theirs} bytes")
-    assert wire <= 1.1 * array.size  # the packed ids and a few bytes of shape
-    assert wire <= 0.76 * theirs
-    # and the same ids vLLM's own encoding decodes to
+    for as_sets, bits_per_id, at_most in ((False, 8, 0.76), (True, 41 / 8, 0.5)):
+        message = generation_pb2.RoutedExperts()
+        message.CopyFrom(pack(array, as_sets=as_sets))
+        wire = len(message.SerializeToString())
+        print(f"as sets {as_sets}: {wire} bytes on the wire; vLLM's base64 .npy: {theirs}")
+        assert wire <= 1.1 * array.size * bits_per_id / 8  # the packed values and the shape
+        assert wire <= at_most * theirs
+    # and, ordered, the same ids vLLM's own encoding decodes to
     npy = base64.b64decode(numpy2base64(array))
-    assert npy.endswith(array.tobytes()) and np.array_equal(unpack(message), array)
+    assert npy.endswith(array.tobytes()) and np.array_equal(unpack(pack(array)), array)
 
 
 def test_unpacking_refuses_what_does_not_match_its_shape() -> None:
-    packed = pack(_experts(3))
-    packed.ids = packed.ids[:-1]
-    with pytest.raises(ValueError, match="bytes, want"):
-        unpack(packed)
+    for packed in (pack(_experts(3)), pack(_top_k(3, EXPERTS), as_sets=True)):
+        packed.ids = packed.ids[:-1]
+        with pytest.raises(ValueError, match="bytes, want"):
+            unpack(packed)
+    beyond = pack(_top_k(1, 16, per_token=2), as_sets=True)  # ranks below C(16, 2) = 120
+    beyond.ids = _rank_bytes(120, beyond.bits, beyond.layers)
+    with pytest.raises(ValueError, match="a rank beyond C\\(16, 2\\)"):
+        unpack(beyond)
     with pytest.raises(ValueError, match="want \\[tokens, layers, top-k\\]"):
         pack(np.zeros((3, 4), dtype=np.int32))
+
+
+def _rank_bytes(rank: int, bits: int, count: int) -> bytes:
+    """``count`` copies of ``rank`` packed in ``bits`` bits each, least significant bit first."""
+    whole = sum(rank << (bits * i) for i in range(count))
+    return whole.to_bytes((count * bits + 7) // 8, "little")
 
 
 def _outputs(experts: np.ndarray | None) -> list[object]:
@@ -89,13 +153,18 @@ def _outputs(experts: np.ndarray | None) -> list[object]:
     ]
 
 
-def _converted(asked: bool, experts: np.ndarray | None) -> list[object]:
+def _converted(asked: bool, experts: np.ndarray | None, as_sets: bool = False) -> list[object]:
     sampling = generation_pb2.SamplingParams(
-        max_tokens=len(OUTPUT), return_routed_experts=asked, routed_experts_prompt_start=2
+        max_tokens=len(OUTPUT),
+        return_routed_experts=asked,
+        routed_experts_prompt_start=2,
+        routed_experts_as_sets=as_sets,
     )
     params = build_sampling_params(sampling, n=1, max_tokens=len(OUTPUT), detokenize=False)
     assert params.routed_experts_prompt_start == (2 if asked else 0)
-    converter = StreamConverter("r", PROMPT, params, False, routed_experts=asked)
+    converter = StreamConverter(
+        "r", PROMPT, params, False, routed_experts=asked, routed_experts_as_sets=as_sets
+    )
     return [chunk for output in _outputs(experts) for chunk in converter.chunks(output, 3)]
 
 
@@ -113,6 +182,17 @@ def test_the_samples_last_message_carries_them_and_the_trainer_gets_vllms_array(
     assert result.routed_experts is not None
     assert result.routed_experts.shape == (len(PROMPT) - 2 + len(OUTPUT) - 1, LAYERS, PER_TOKEN)
     assert np.array_equal(result.routed_experts, experts)
+
+
+def test_a_request_asking_for_sets_gets_each_tokens_experts_in_ascending_order() -> None:
+    experts = _top_k(len(PROMPT) - 2 + len(OUTPUT) - 1, EXPERTS)
+    (*_, last) = _converted(True, experts, as_sets=True)
+    assert last.routed_experts.as_sets  # type: ignore[attr-defined]
+    assembler = ResponseAssembler()
+    assembler.add(last)  # type: ignore[arg-type]
+    (sample,) = assembler.samples()
+    result = GenerationResult.from_sample(PROMPT, sample, with_logprobs=False)
+    assert np.array_equal(result.routed_experts, np.sort(experts, axis=2))
 
 
 def test_a_request_that_did_not_ask_gets_none_though_vllm_captured_them() -> None:

@@ -191,10 +191,13 @@ class StreamConverter:
         sampling_params: VllmSamplingParams,
         include_text: bool,
         routed_experts: bool = False,
+        routed_experts_as_sets: bool = False,
     ) -> None:
         self.request_id = request_id
-        # Whether the request asked for its routed experts (vLLM captures every request's).
+        # Whether the request asked for its routed experts (vLLM captures every request's),
+        # and packed as sets (SamplingParams.routed_experts_as_sets).
         self._routed_experts = routed_experts
+        self._routed_experts_as_sets = routed_experts_as_sets
         self._prompt_token_ids = prompt_token_ids
         self._logprobs = sampling_params.logprobs
         self._prompt_logprobs = sampling_params.prompt_logprobs
@@ -233,7 +236,9 @@ class StreamConverter:
                 chunk.text = completion.text
             experts = getattr(completion, "routed_experts", None)  # on the last output only
             if self._routed_experts and experts is not None:
-                chunk.routed_experts.CopyFrom(routed_experts.pack(experts))
+                chunk.routed_experts.CopyFrom(
+                    routed_experts.pack(experts, as_sets=self._routed_experts_as_sets)
+                )
             chunk.usage.CopyFrom(self._usage)
             result.append(chunk)
         if result:

@@ -115,6 +115,7 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
                 params,
                 include_text,
                 routed_experts=sampling.return_routed_experts,
+                routed_experts_as_sets=sampling.routed_experts_as_sets,
             ),
             ChunkCoalescer(stream_interval),
             lambda: parts.weights.version,
