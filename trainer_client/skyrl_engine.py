@@ -58,6 +58,7 @@ except Exception as error:  # pydantic's PydanticUserError on an unpatched SkyRL
 from skyrl_grpc.concurrency import all_or_cancel
 from trainer_client.client import InferenceClient
 from trainer_client.exceptions import InferenceError
+from trainer_client.results import GenerationResult
 from trainer_client.weights.weight_updates import WeightTransport
 
 log = logging.getLogger(__name__)
@@ -224,14 +225,13 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
         sessions: Sequence[Hashable | None] = input_batch.get("session_ids") or [None] * len(
             prompts
         )
-        # One batched call per server (GenerateBatch); one failure cancels the rest of the
-        # batch (their requests are aborted on the servers).
-        results = await self.client.generate_batch(
+        starts = input_batch.get("routed_experts_prompt_starts")
+        results = await self._generate_batches(
             prompts,
             sampling,
-            session_ids=[None if s is None else str(s) for s in sessions],
-            include_text=True,
-            lora=lora,
+            [None if s is None else str(s) for s in sessions],
+            lora,
+            starts,
         )
         with_logprobs = sampling.get("logprobs") is not None
         return InferenceEngineOutput(
@@ -240,9 +240,51 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
             stop_reasons=[r.finish_reason.value for r in results],  # vLLM's names, as SkyRL's
             response_logprobs=[list(r.logprobs or []) for r in results] if with_logprobs else None,
             prompt_logprobs=None,
-            rollout_expert_indices=None,
+            # SkyRL's R3: [tokens, layers, top-k] per prompt, from each prompt's start
+            rollout_expert_indices=(
+                None if starts is None else [r.routed_experts for r in results]
+            ),
             rollout_sample_support=None,
         )
+
+    async def _generate_batches(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: dict[str, Any],
+        sessions: list[str | None],
+        lora: str,
+        experts_starts: Sequence[int] | None,
+    ) -> list[GenerationResult]:
+        """The batch as batched calls (one GenerateBatch per server; one failure cancels the
+        rest, aborting their requests on the servers). With SkyRL's
+        ``routed_experts_prompt_starts``, each prompt asks for its routed experts from its
+        start: prompts that share a start share a batch, since a batch takes one sampling."""
+        if experts_starts is None:
+            return await self.client.generate_batch(
+                prompts, sampling, session_ids=sessions, include_text=True, lora=lora
+            )
+        if len(experts_starts) != len(prompts):
+            raise ValueError(
+                f"{len(experts_starts)} routed_experts_prompt_starts for {len(prompts)} prompts"
+            )
+        by_start: dict[int, list[int]] = {}
+        for index, start in enumerate(experts_starts):
+            by_start.setdefault(int(start), []).append(index)
+        groups = list(by_start.items())
+        answers = await all_or_cancel(
+            self.client.generate_batch(
+                [prompts[i] for i in indices],
+                {**sampling, "return_routed_experts": True, "routed_experts_prompt_start": start},
+                session_ids=[sessions[i] for i in indices],
+                include_text=True,
+                lora=lora,
+            )
+            for start, indices in groups
+        )
+        results: dict[int, GenerationResult] = {}
+        for (_, indices), answer in zip(groups, answers, strict=True):
+            results.update(zip(indices, answer, strict=True))
+        return [results[i] for i in range(len(prompts))]
 
     def _adapter_of(self, model: str | None) -> str:
         """The LoRA adapter a request's ``model`` names ("" for the base model); the servers

@@ -55,7 +55,9 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
         # LoRA adapters it serves: a request naming another is NOT_FOUND, as on an engine.
         self.adapters: set[str] = set()
         # The routed experts ([tokens, layers, top-k]) a request that asks for them gets on its
-        # last message, packed as the engine's converter packs vLLM's (None: it never asks).
+        # last message, packed as the engine's converter packs vLLM's (None: it never asks);
+        # or a function of the rows a request's array covers (the prompt's from its
+        # routed_experts_prompt_start, then the output's but the last) that makes them.
         self.routed_experts: Any = None
         # Whether each request asked for its routed experts.
         self.asked_experts: list[bool] = []
@@ -131,7 +133,7 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
                     ),
                 )
                 if last and asked and self.routed_experts is not None:
-                    chunk.routed_experts.CopyFrom(routed_experts.pack(self.routed_experts))
+                    chunk.routed_experts.CopyFrom(self._experts_of(request, max_tokens))
                 yield chunk
             self.observed.completed += 1
         except (asyncio.CancelledError, GeneratorExit):
@@ -170,12 +172,14 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
         self._begin(context)
         refused, running = [], []
         for index, asked in zip(request.indices, request.requests, strict=True):
-            if asked.request_id in self.running_ids:
+            self.asked_experts.append(asked.sampling_params.return_routed_experts)
+            if asked.request_id and asked.request_id in self.running_ids:
                 message = f"request_id {asked.request_id!r} is already in flight"
                 code = grpc.StatusCode.ALREADY_EXISTS.value[0]
                 refused.append(data_plane_pb2.BatchError(index=index, code=code, message=message))
             else:
-                self.running_ids.add(asked.request_id)
+                if asked.request_id:  # empty: the server names it, as an engine does
+                    self.running_ids.add(asked.request_id)
                 running.append((index, asked))
         if refused:
             yield data_plane_pb2.GenerateBatchResponse(errors=refused)
@@ -197,17 +201,30 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
                         if i == max_tokens - 1
                         else generation_pb2.FINISH_REASON_UNSPECIFIED
                     )
-                    chunks.append(
-                        data_plane_pb2.GenerateStreamResponse(
-                            request_id=asked.request_id, batch_index=index, token_ids=[i],
-                            finish_reason=reason,
-                            usage=generation_pb2.Usage(completion_tokens=i + 1),
-                        )
+                    chunk = data_plane_pb2.GenerateStreamResponse(
+                        request_id=asked.request_id, batch_index=index, token_ids=[i],
+                        finish_reason=reason,
+                        usage=generation_pb2.Usage(completion_tokens=i + 1),
                     )  # fmt: skip
+                    wants = asked.sampling_params.return_routed_experts
+                    if i == max_tokens - 1 and wants and self.routed_experts is not None:
+                        chunk.routed_experts.CopyFrom(self._experts_of(asked, max_tokens))
+                    chunks.append(chunk)
                 yield data_plane_pb2.GenerateBatchResponse(chunks=chunks)
         finally:
             if not orphaned:
                 self.running_ids.difference_update(asked.request_id for _, asked in running)
+
+    def _experts_of(
+        self, request: data_plane_pb2.GenerateStreamRequest, tokens: int
+    ) -> generation_pb2.RoutedExperts:
+        """The routed experts of ``request``'s sample of ``tokens`` tokens, packed as it asked."""
+        sampling = request.sampling_params
+        experts = self.routed_experts
+        if callable(experts):
+            start = sampling.routed_experts_prompt_start
+            experts = experts(len(request.prompt_token_ids) - start + tokens - 1)
+        return routed_experts.pack(experts, as_sets=sampling.routed_experts_as_sets)
 
     async def Abort(self, request, context):  # type: ignore[no-untyped-def]
         self.observed.aborted.extend(request.request_ids)
