@@ -184,6 +184,43 @@ def test_the_samples_last_message_carries_them_and_the_trainer_gets_vllms_array(
     assert np.array_equal(result.routed_experts, experts)
 
 
+def test_n_samples_each_carry_their_own_experts_aligned_with_their_tokens() -> None:
+    """With n > 1 vLLM finishes each sample with its own array (the prompt's rows and that
+    sample's outputs but the last); each reaches its own sample, in a merged backlog too."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    lengths = {0: 6, 1: 3}  # sample 1 stops early: fewer rows
+    arrays = {i: _top_k(len(PROMPT) + n - 1, EXPERTS, seed=i) for i, n in lengths.items()}
+    sampling = generation_pb2.SamplingParams(max_tokens=6, return_routed_experts=True)
+    params = build_sampling_params(sampling, n=2, max_tokens=6, detokenize=False)
+    converter = StreamConverter("r", PROMPT, params, False, routed_experts=True)
+
+    def step(first: bool) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=i,
+                text="",
+                token_ids=OUTPUT[:n] if first else [],
+                cumulative_logprob=None,
+                logprobs=None,
+                routed_experts=None if first else arrays[i],
+                finish_reason=None if first else "length",
+            )  # fmt: skip
+            for i, n in lengths.items()
+        ]
+        return RequestOutput("r", None, PROMPT, None, outputs, finished=not first)
+
+    chunks = [c for output in (step(True), step(False)) for c in converter.chunks(output, 1)]
+    assembler = ResponseAssembler()
+    for chunk in merge_backlog(chunks):
+        assembler.add(chunk)
+    for index, sample in enumerate(assembler.samples()):
+        result = GenerationResult.from_sample(PROMPT, sample, with_logprobs=False)
+        assert len(result.token_ids) == lengths[index]
+        assert result.routed_experts.shape[0] == len(PROMPT) + lengths[index] - 1
+        assert np.array_equal(result.routed_experts, arrays[index])
+
+
 def test_a_request_asking_for_sets_gets_each_tokens_experts_in_ascending_order() -> None:
     experts = _top_k(len(PROMPT) - 2 + len(OUTPUT) - 1, EXPERTS)
     (*_, last) = _converted(True, experts, as_sets=True)
