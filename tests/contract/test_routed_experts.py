@@ -205,7 +205,7 @@ def test_n_samples_each_carry_their_own_experts_aligned_with_their_tokens() -> N
                 logprobs=None,
                 routed_experts=None if first else arrays[i],
                 finish_reason=None if first else "length",
-            )  # fmt: skip
+            )
             for i, n in lengths.items()
         ]
         return RequestOutput("r", None, PROMPT, None, outputs, finished=not first)
