@@ -25,7 +25,7 @@ from pathlib import Path
 from servers import fleet_commands
 from servers.common.process import configure_logging, exit_on_sigterm
 from servers.engine import options as engine_options
-from servers.fleet import Fleet, FleetStartFailed
+from servers.fleet import Fleet, FleetStartFailed, gateway
 from servers.fleet.local import LocalFleet, served_model_directory
 from servers.router import router_server as router
 
@@ -258,14 +258,24 @@ def _up(args: argparse.Namespace, server_args: list[str]) -> None:
             where = " (on each actor's node)" if args.ray else ""
             print(f"logs: {Path(args.log_dir).resolve()}{where}")
         fleet.supervise()  # a server that dies is reported and started again
-        admin = fleet_commands.serve_fleet_admin(fleet, host, args.admin_port, args.admin_token)
-        threading.Thread(target=fleet_commands.read_commands, args=(fleet,), daemon=True).start()
-        print("Ctrl-C to stop; type `scale N` to grow or shrink the fleet", flush=True)
-        while not stopping.wait(0.5):
-            pass
-        print("stopping ...", flush=True)
-        if admin is not None:
-            admin.stop(grace=None)
+        log_dir = Path(args.log_dir) if args.log_dir else None
+        smg = gateway.launch_for(fleet, host, args.gateway_port, log_dir) if args.gateway else None
+        try:
+            if smg is not None:
+                print(f"SMG (OpenAI API): {smg.base}/v1")
+            admin = fleet_commands.serve_fleet_admin(fleet, host, args.admin_port, args.admin_token)
+            threading.Thread(
+                target=fleet_commands.read_commands, args=(fleet,), daemon=True
+            ).start()
+            print("Ctrl-C to stop; type `scale N` to grow or shrink the fleet", flush=True)
+            while not stopping.wait(0.5):
+                pass
+            print("stopping ...", flush=True)
+            if admin is not None:
+                admin.stop(grace=None)
+        finally:
+            if smg is not None:
+                smg.close()
     print("stopped", flush=True)
 
 
@@ -364,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_stack_arguments(up, servers=2, router_port=50050, base_port=50051)
     fleet_commands.add_admin_arguments(up)
+    gateway.add_gateway_arguments(up)
     up.set_defaults(func=_up)
     fleet_commands.add_scale_command(commands)
 
@@ -391,6 +402,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
         serve.parse_args(rest)
         if any(a.split("=")[0] in ("--host", "--port") for a in rest):
             raise SystemExit("skyrl-grpc up: servers' ports are --base-port / --server-ports")
+    if args.command == "up":
+        gateway.refuse_unreachable(args.gateway, rest)
     elif rest and args.command != "demo":
         build_parser().parse_args(argv)  # reports the unknown arguments and exits
     return args, rest
