@@ -35,6 +35,18 @@ MODELS = {
         num_attention_heads=16,
         num_key_value_heads=4,
     ),
+    # The 94M one's bytes as a mixture of experts in Mixtral's architecture: each layer's MLP
+    # split into 4 experts of a quarter of its width, top-2 (plus a 4x1024 router per layer):
+    # what an update into vLLM's fused expert tensors costs against the dense layout.
+    "94m-moe": dict(
+        hidden_size=1024,
+        intermediate_size=704,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        num_experts=4,
+        experts_per_token=2,
+    ),
     # ~27M: where eight servers of the 94M one do not fit in one machine's memory (the
     # multi-host testbed's 8 hosts).
     "27m": dict(

@@ -50,7 +50,15 @@ from scripts.bench_common import (
     tree_processes,
     write_report,
 )
-from scripts.bench_models import AdamMaster, GiB, engine_servers, load_model, own_memory, perturbed
+from scripts.bench_models import (
+    MODELS,
+    AdamMaster,
+    GiB,
+    engine_servers,
+    load_model,
+    own_memory,
+    perturbed,
+)
 from scripts.grpc_floor import raw_grpc
 from scripts.process_memory import PeakMemory
 
@@ -264,6 +272,13 @@ def main() -> None:
         "the gloo collective (collective)",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--model",
+        default="294m",
+        choices=sorted(MODELS),
+        help="the benchmark model (scripts/bench_models.py); 94m-moe: the 94m model's bytes as "
+        "a mixture of experts, against 94m for the dense layout",
+    )
     parser.add_argument("--rl-lrs", default="1e-6,1e-5", help="learning rates of RL-like steps")
     parser.add_argument(
         "--patch-compression",
@@ -276,7 +291,7 @@ def main() -> None:
 
     import torch
 
-    model, tensors, total, parameters = load_model(args.dtype)
+    model, tensors, total, parameters = load_model(args.dtype, args.model)
     print(f"model: {parameters / 1e6:.0f}M parameters, {total / GiB:.2f} GiB {args.dtype}")
     torch.set_num_threads(1)
     # The fastest round, with the CPU it took (sender and receiver are both this process).
@@ -294,7 +309,8 @@ def main() -> None:
     reload_floor = statistics.median(f for f, _ in floors) if floors else 0.0
     reload_cpu = statistics.median(c for _, c in floors) if floors else 0.0
     lines = [
-        f"\n#### {parameters / 1e6:.0f}M parameters ({total / GiB:.2f} GiB {args.dtype}), "
+        f"\n#### {parameters / 1e6:.0f}M parameters ({total / GiB:.2f} GiB {args.dtype}"
+        f"{', a mixture of experts' if MODELS[args.model].get('num_experts') else ''}), "
         f"{args.servers} server(s), TP={args.tp}\n",
         f"Floors, same run: loopback TCP of the full bytes {tcp:.2f} s ({tcp_cpu:.2f} s of CPU, "
         f"sender and receiver), gloo broadcast {gloo:.2f} s, vLLM's reload of the whole model "
@@ -335,6 +351,8 @@ def main() -> None:
             f"{row['cpu_trainer']:.2f}, {row['cpu_servers']:.2f} |"
         )
     block = f"bench_weight_sync {args.dtype} servers={args.servers} tp={args.tp}"
+    if args.model != "294m":  # the default's block keeps its name
+        block += f" model={args.model}"
     write_report(args.output, lines, block)
 
 
