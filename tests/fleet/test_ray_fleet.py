@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from servers.engine.process.scratch import PREFIX as SCRATCH_PREFIX
-from servers.fleet import FleetStartFailed
+from servers.fleet import FleetStartFailed, gateway
 from servers.fleet.ray_group import RayFleet
 from skyrl_grpc.v1.data_plane_pb2 import GenerateRequest
 from skyrl_grpc.v1.data_plane_pb2_grpc import DataPlaneStub
@@ -146,6 +146,15 @@ def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(
         actor: Any = Rollouts
         tokens, paused, still_paused = ray.get(actor.remote().run.remote(client), timeout=120)
         assert tokens == result.token_ids and paused and not still_paused
+        # ``up --gateway smg`` on Ray: SMG in front of the actors' servers, as locally.
+        smg = gateway.launch_for(group, "127.0.0.1", 0, None)
+        try:
+            body = {"model": models["data"][0]["id"], "prompt": "hello", "max_tokens": 4}
+            answer = httpx.post(f"{smg.base}/v1/completions", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+            assert set(smg.workers()) == {gateway.worker_url(s) for s in servers}
+        finally:
+            smg.close()
     finally:
         group.close()
     wait_until(lambda: not any(map(running, tree)), 30, f"the fleet's processes gone: {tree}")
