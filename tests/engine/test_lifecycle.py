@@ -358,13 +358,15 @@ async def test_up_scales_its_fleet_over_fleet_admin_and_from_its_standard_input(
 
 @pytest.mark.timeout(FLEET_TEST_TIMEOUT)
 def test_a_killed_up_takes_its_router_and_servers_with_it(tmp_path: Path) -> None:
-    """kill -9 of ``skyrl-grpc up`` (nothing in it runs): its router and servers end
-    themselves, and with them their engines; none is left re-parented to init."""
-    up = Up(tmp_path / "logs", servers=1)
+    """kill -9 of ``skyrl-grpc up`` (nothing in it runs): its router, servers and gateway (SMG,
+    ``--gateway smg``) end themselves, and with them their engines; none is left re-parented
+    to init."""
+    up = Up(tmp_path / "logs", servers=1, server_flags=["--gateway", "smg", "--gateway-port", "0"])
     try:
         up.wait_for("Ctrl-C to stop", ENGINE_START_SECONDS)
         fleet = psutil.Process(up.proc.pid).children(recursive=True)
         commands = [" ".join(p.cmdline()) for p in fleet]
+        assert any(p.name().startswith("smg") for p in fleet), [p.name() for p in fleet]
         assert any("servers.router" in c for c in commands), commands
         assert any("servers.engine" in c for c in commands), commands
         assert any("EngineCore" in p.name() for p in fleet), [p.name() for p in fleet]
