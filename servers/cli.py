@@ -259,7 +259,14 @@ def _up(args: argparse.Namespace, server_args: list[str]) -> None:
             print(f"logs: {Path(args.log_dir).resolve()}{where}")
         fleet.supervise()  # a server that dies is reported and started again
         log_dir = Path(args.log_dir) if args.log_dir else None
-        smg = gateway.launch_for(fleet, host, args.gateway_port, log_dir) if args.gateway else None
+        try:
+            smg = (
+                gateway.launch_for(fleet, host, args.gateway_port, log_dir)
+                if args.gateway
+                else None
+            )
+        except RuntimeError as error:  # one line, as a fleet that fails to start
+            raise FleetStartFailed(f"--gateway {args.gateway}: {error}") from None
         try:
             if smg is not None:
                 print(f"SMG (OpenAI API): {smg.base}/v1")

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -141,11 +142,13 @@ class SmgGateway:
         command += ["--log-level", "warn"]
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._log = open(self.log_dir / "smg.log", "a")  # closed with the gateway
+            self._log = open(self.log_dir / "smg.log", "a+")  # closed with the gateway
+        else:  # kept only to say why, should it fail to start
+            self._log = tempfile.TemporaryFile("w+")
         self._process = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
-            stdout=self._log or subprocess.DEVNULL,
+            stdout=self._log,
             stderr=subprocess.STDOUT,
             process_group=0,  # its own group: stopped as one, whatever it starts
             preexec_fn=_die_with_parent,
@@ -161,7 +164,13 @@ class SmgGateway:
             time.sleep(0.2)
 
     def _see_log(self) -> str:
-        return f"; see {self.log_dir / 'smg.log'}" if self.log_dir is not None else ""
+        """Its output's last lines, and where the rest is."""
+        assert self._log is not None
+        self._log.flush()
+        self._log.seek(0)
+        tail = " | ".join(line.strip() for line in self._log.read().splitlines()[-3:])
+        where = f"; see {self.log_dir / 'smg.log'}" if self.log_dir is not None else ""
+        return f": {tail or 'no output'}{where}"
 
     def _lists(self, servers: Sequence[str]) -> bool:
         try:

@@ -113,3 +113,23 @@ def test_up_refuses_smg_in_front_of_servers_it_could_not_call() -> None:
     assert result.returncode != 0
     assert "--gateway smg cannot call servers started with --data-token" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_gateway_that_cannot_start_says_why_in_its_error() -> None:
+    """SMG on a port already taken exits at once; the error carries its own reason (``up``
+    prints it as its one line), and nothing is left running."""
+    import socket
+
+    from servers.fleet.gateway import SmgGateway
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        smg = SmgGateway("127.0.0.1", port)
+        try:
+            with pytest.raises(RuntimeError, match=r"smg exited .*Address already in use"):
+                smg.start(["127.0.0.1:9"], timeout=60)
+        finally:
+            smg.close()
+        assert smg._process is not None and smg._process.poll() is not None
