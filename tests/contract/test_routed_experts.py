@@ -88,6 +88,22 @@ def test_as_sets_each_tokens_experts_are_one_rank_and_come_back_as_the_same_sets
     assert back.shape == array.shape and np.array_equal(back, np.sort(array, axis=2))
 
 
+@pytest.mark.parametrize("bits", [1, 3, 7, 9, 13, 17, 31, 33, 41, 49, 54, 63, 64])
+def test_values_packed_in_any_width_from_1_to_64_bits_come_back(bits: int) -> None:
+    """The bit packing under set ranks, at widths that straddle 64-bit words every way, for
+    counts that end mid-word and mid-byte."""
+    from skyrl_grpc.routed_experts import _pack_bits, _unpack_bits
+
+    rng = np.random.default_rng(bits)
+    for count in (0, 1, 2, 3, 7, 64, 1000):
+        values = rng.integers(0, 2 ** min(bits, 63), size=count, dtype=np.uint64)
+        if bits == 64 and count:
+            values[0] = np.uint64(2**64 - 1)  # the top bit too
+        packed = _pack_bits(values, bits)
+        assert len(packed) == (count * bits + 7) // 8
+        assert np.array_equal(_unpack_bits(packed, count, bits).astype(np.uint64), values)
+
+
 def test_arrays_whose_sets_do_not_fit_are_packed_in_order() -> None:
     repeated = _top_k(3, 128)
     repeated[1, 2, 1] = repeated[1, 2, 0]  # not a set: an id twice
