@@ -130,7 +130,7 @@ class SmgGateway:
         """Launches SMG over ``servers`` and returns once it lists the model and each of them;
         raises RuntimeError naming its log if it exits or does not within ``timeout``."""
         if not self.executable.exists():
-            raise RuntimeError(f"--gateway smg: {self.executable} not found (pip install smg)")
+            raise RuntimeError(f"{self.executable} not found (pip install smg)")
         command = [str(self.executable), "launch", "--host", self.host, "--port", str(self.port)]
         command += ["--worker-urls", *(worker_url(s) for s in servers)]
         command += ["--sticky-sessions", "--routing-key-headers", SESSION_ID]

@@ -133,3 +133,17 @@ def test_a_gateway_that_cannot_start_says_why_in_its_error() -> None:
         finally:
             smg.close()
         assert smg._process is not None and smg._process.poll() is not None
+
+
+def test_a_missing_smg_is_named_once_with_how_to_install_it() -> None:
+    """``up`` prefixes the error with ``--gateway smg``; the gateway's own message names the
+    executable it looked for (it once repeated the prefix)."""
+    from servers.fleet.gateway import SmgGateway
+
+    smg = SmgGateway("127.0.0.1", 1, executable=Path("/nonexistent/smg"))
+    try:
+        with pytest.raises(RuntimeError) as missing:
+            smg.start(["127.0.0.1:9"])
+    finally:
+        smg.close()
+    assert str(missing.value) == "/nonexistent/smg not found (pip install smg)"
