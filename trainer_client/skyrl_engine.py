@@ -259,27 +259,22 @@ class SkyRLInferenceEngine(InferenceEngineInterface):  # type: ignore[misc]
         rest, aborting their requests on the servers). With SkyRL's
         ``routed_experts_prompt_starts``, each prompt asks for its routed experts from its
         start: prompts that share a start share a batch, since a batch takes one sampling."""
-        starts: Sequence[int | None] = [None] * len(prompts)
-        if experts_starts is not None:
-            if len(experts_starts) != len(prompts):
-                raise ValueError(
-                    f"{len(experts_starts)} routed_experts_prompt_starts for {len(prompts)} prompts"
-                )
-            starts = [int(start) for start in experts_starts]
-        by_start: dict[int | None, list[int]] = {}
-        for index, start in enumerate(starts):
-            by_start.setdefault(start, []).append(index)
+        if experts_starts is None:
+            return await self.client.generate_batch(
+                prompts, sampling, session_ids=sessions, include_text=True, lora=lora
+            )
+        if len(experts_starts) != len(prompts):
+            raise ValueError(
+                f"{len(experts_starts)} routed_experts_prompt_starts for {len(prompts)} prompts"
+            )
+        by_start: dict[int, list[int]] = {}
+        for index, start in enumerate(experts_starts):
+            by_start.setdefault(int(start), []).append(index)
         groups = list(by_start.items())
         answers = await all_or_cancel(
             self.client.generate_batch(
                 [prompts[i] for i in indices],
-                sampling
-                if start is None
-                else {
-                    **sampling,
-                    "return_routed_experts": True,
-                    "routed_experts_prompt_start": start,
-                },
+                {**sampling, "return_routed_experts": True, "routed_experts_prompt_start": start},
                 session_ids=[sessions[i] for i in indices],
                 include_text=True,
                 lora=lora,
