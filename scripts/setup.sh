@@ -91,6 +91,9 @@ if [ ${#missing[@]} -gt 0 ]; then
     log "${missing[*]} not installed and cannot be here (needs root and apt-get): the metrics tests that run them will fail"
   fi
 fi
+# vLLM's own gRPC contract (its Rust front end's Inference and Control), from vLLM's release,
+# generated into skyrl_grpc.vllm_api with buf (idempotent; see the script).
+"$py" "$root/scripts/vllm_protos.py"
 # SkyRL on Python 3.11: its TypedDict imports from typing_extensions (idempotent; see the script).
 "$py" "$root/scripts/skyrl_py311.py"
 log "ready: $venv"

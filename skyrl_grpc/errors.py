@@ -72,6 +72,13 @@ class Aborted(SkyrlError):
     code = grpc.StatusCode.ABORTED
 
 
+class Unimplemented(SkyrlError):
+    """The call, or a field of it, has no mapping on this server (e.g. a field of another
+    protocol it serves); the message says what to send instead."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class DataLoss(SkyrlError):
     """Bytes arrived corrupted (a checksum did not match)."""
 

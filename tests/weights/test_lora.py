@@ -285,6 +285,60 @@ async def test_unloaded_or_unknown_adapters_are_not_found_and_the_base_still_ser
     await client.close()
 
 
+async def test_vllms_control_loads_an_adapter_and_vllms_inference_generates_with_it(
+    lora_fleet: tuple[Any, list[Any]], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Through vLLM's own gRPC contract (its Rust front end's Control and Inference), on one
+    server: LoadLora from a directory, generation by lora_name equal to this stack's and to the
+    merged reference, ListLoras, UnloadLora, then NOT_FOUND."""
+    from safetensors.torch import save_file
+
+    from skyrl_grpc.vllm_api import control_pb2 as vc
+    from skyrl_grpc.vllm_api import control_pb2_grpc, inference_pb2_grpc
+    from skyrl_grpc.vllm_api import inference_pb2 as vi
+
+    server = lora_fleet[1][0]
+    tensors, config = make_adapter(tiny_model_dir, 9)
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+
+    def request(prompt: list[int], lora: str) -> vi.GenerateRequest:
+        return vi.GenerateRequest(
+            token_ids=vi.TokenIds(ids=prompt),
+            lora_name=lora,
+            stopping=vi.StoppingCriteria(max_new_tokens=GREEDY["max_tokens"], ignore_eos=True),
+            response=vi.ResponseOptions(output_token_ids=True),
+        )
+
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        control = control_pb2_grpc.ControlStub(channel)
+        inference = inference_pb2_grpc.InferenceStub(channel)
+        loaded = await control.LoadLora(
+            vc.LoadLoraRequest(lora_name="vllm-loaded", source_path=str(tmp_path))
+        )
+        assert loaded.adapter.lora_name == "vllm-loaded"
+        assert loaded.adapter.source_path == str(tmp_path)
+        expected = await asyncio.to_thread(
+            merged_reference, tiny_model_dir, (tensors, config), PROMPTS
+        )
+        direct = InferenceClient(server.address, [server.address])
+        try:
+            for prompt, reference in zip(PROMPTS, expected, strict=True):
+                answer = await inference.Generate(request(prompt, "vllm-loaded"))
+                assert list(answer.outputs.token_ids) == reference
+                ours = await direct.generate(prompt, GREEDY, lora="vllm-loaded")
+                assert ours.token_ids == reference
+        finally:
+            await direct.close()
+        listed = await control.ListLoras(vc.ListLorasRequest())
+        assert "vllm-loaded" in [a.lora_name for a in listed.adapters]
+        await control.UnloadLora(vc.UnloadLoraRequest(lora_name="vllm-loaded"))
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await inference.Generate(request(PROMPTS[0], "vllm-loaded"))
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "vllm-loaded" in (missing.value.details() or "")
+
+
 async def test_a_server_without_lora_says_how_to_enable_it(engine_server: Any) -> None:
     client = InferenceClient(engine_server.address, [engine_server.address])
     with pytest.raises(ServerError) as refused:

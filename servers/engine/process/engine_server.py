@@ -29,6 +29,7 @@ import asyncio
 import gc
 import logging
 import time
+import uuid
 from pathlib import Path
 from typing import NoReturn
 
@@ -69,6 +70,7 @@ from servers.engine.service.control_plane import ControlPlaneServicer, add_contr
 from servers.engine.service.data_plane import DataPlaneServicer
 from servers.engine.service.push_socket import PushSocketServer
 from servers.engine.service.status import ServerStatusServicer, StatusChanges
+from servers.engine.service.vllm_api import CONTROL, INFERENCE, ServerIdentity, add_vllm_api
 from servers.engine.service.vllm_protocol import (
     VLLM_ENGINE,
     VLLM_ENGINE_OPEN,
@@ -86,7 +88,7 @@ from skyrl_grpc.v1 import data_plane_pb2_grpc, status_pb2_grpc
 log = logging.getLogger(__name__)
 DATA_PLANE_PREFIX = f"/{DATA_PLANE}/"
 # The services that answer only while the engine serves (health says NOT_SERVING otherwise).
-GENERATING_SERVICES = (DATA_PLANE, CONTROL_PLANE, VLLM_ENGINE)
+GENERATING_SERVICES = (DATA_PLANE, CONTROL_PLANE, VLLM_ENGINE, INFERENCE, CONTROL)
 # How often the engine's liveness is checked (vLLM notices its process exit at once).
 ENGINE_WATCH_SECONDS = 0.2
 # How often idle sessions are looked for (at most; a quarter of the idle time if shorter).
@@ -117,7 +119,8 @@ class EngineServer:
         data_token = options.data_token or ""
         # vLLM's own protocol generates as the DataPlane does: the data plane's token guards it.
         tokens = {CONTROL_PLANE: options.control_token or "", DATA_PLANE: data_token}
-        tokens[VLLM_ENGINE] = data_token
+        tokens[VLLM_ENGINE] = tokens[INFERENCE] = data_token
+        tokens[CONTROL] = tokens[CONTROL_PLANE]  # vLLM's Control as our ControlPlane
         # Prometheus metrics, when asked for (``--metrics-port``).
         self.metrics = (
             ServerMetrics(self._serving_status) if options.metrics_port is not None else None
@@ -128,7 +131,7 @@ class EngineServer:
                 BearerTokenInterceptor(tokens, open_methods=VLLM_ENGINE_OPEN),
                 ErrorMappingInterceptor(
                     counter=self.calls,
-                    counted_services=(DATA_PLANE, CONTROL_PLANE),
+                    counted_services=(DATA_PLANE, CONTROL_PLANE, INFERENCE, CONTROL),
                     size_limit=self._request_size_limit,
                     max_message_bytes=options.max_message_bytes,
                     observer=self.metrics.grpc if self.metrics is not None else None,
@@ -154,6 +157,7 @@ class EngineServer:
         self._engine_task: asyncio.Task[None] | None = None
         self._tasks = BackgroundTasks()
         self._stopped = asyncio.Event()
+        self._shutdown: asyncio.Task[None] | None = None
 
     def _serving_status(self) -> ServingStatus | None:
         """What ServerStatus streams now (None before the engine serves)."""
@@ -205,6 +209,15 @@ class EngineServer:
         )
         add_control_plane(control, self.server)
         self.vllm_engine = add_vllm_engine(lambda: state.parts().engine, self.server)
+        engine = self.options.engine
+        add_vllm_api(
+            self.server,
+            data_plane,
+            control,
+            lambda: (state.parts().control_plane, state.parts().data_plane),
+            ServerIdentity(uuid.uuid4().hex, engine.tool_call_parser, engine.reasoning_parser),
+            self._shutdown_soon,
+        )
 
         status = ServerStatusServicer(
             self._serving_status, lambda: state.draining, self.status_changes
@@ -217,6 +230,8 @@ class EngineServer:
                 CONTROL_PLANE,
                 SERVER_STATUS,
                 VLLM_ENGINE,
+                INFERENCE,
+                CONTROL,
                 health.SERVICE_NAME,
                 reflection.SERVICE_NAME,
             ],
@@ -346,6 +361,11 @@ class EngineServer:
             await parts.shutdown()
         self._stopped.set()
         log.info("stopped %s", self.address)
+
+    def _shutdown_soon(self) -> None:
+        """vLLM's Control.Shutdown: drains as SIGTERM does, once the call has answered."""
+        if self._shutdown is None:
+            self._shutdown = asyncio.get_running_loop().create_task(self.drain())
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()

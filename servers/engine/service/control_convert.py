@@ -25,6 +25,8 @@ from servers.engine.peers.stream_items import (
     parameter_spec,
     push_item,
 )
+from servers.engine.service.vllm_control_convert import CONTROL as VLLM_CONTROL
+from servers.engine.service.vllm_inference_convert import INFERENCE as VLLM_INFERENCE
 from servers.engine.service.vllm_protocol import VLLM_ENGINE
 from servers.engine.transfer.assembly import ParamLayout
 from servers.engine.transfer.protocol import Checksum
@@ -206,7 +208,7 @@ _PAUSE_MODES = {
 
 
 # The gRPC services an engine server answers (``process.engine_server`` registers each).
-PROTOCOLS = (DATA_PLANE, CONTROL_PLANE, SERVER_STATUS, VLLM_ENGINE)
+PROTOCOLS = (DATA_PLANE, CONTROL_PLANE, SERVER_STATUS, VLLM_ENGINE, VLLM_INFERENCE, VLLM_CONTROL)
 
 
 def server_info_to_proto(server: ServerDescription) -> cp.GetServerInfoResponse:
