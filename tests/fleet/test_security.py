@@ -28,6 +28,9 @@ from skyrl_grpc.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
+from skyrl_grpc.vllm_api import control_pb2 as vc
+from skyrl_grpc.vllm_api import control_pb2_grpc, inference_pb2_grpc
+from skyrl_grpc.vllm_api import inference_pb2 as vi
 from tests.helpers.fake_backend import FakeBackend
 from trainer_client import FanOutError, InferenceClient, ServerError
 
@@ -100,6 +103,22 @@ async def test_tokens_guard_control_and_data_planes(
         )
         probe = vllm_engine_pb2.HealthCheckRequest()
         assert await code_of(vllm.HealthCheck(probe)) == grpc.StatusCode.UNAVAILABLE
+        # vLLM's Rust front end's services: its Control as the ControlPlane, its Inference as
+        # the DataPlane.
+        vllm_control = control_pb2_grpc.ControlStub(channel)
+        vllm_pause = vc.PauseGenerationRequest(mode=vc.PAUSE_MODE_KEEP)
+        for token, code in ((None, "UNAUTHENTICATED"), ("data-s3cret", "UNAUTHENTICATED"),
+                            ("control-s3cret", "UNAVAILABLE")):  # fmt: skip
+            metadata = () if token is None else (bearer(token),)
+            called = vllm_control.PauseGeneration(vllm_pause, metadata=metadata)
+            assert await code_of(called) == getattr(grpc.StatusCode, code)
+        vllm_inference = inference_pb2_grpc.InferenceStub(channel)
+        by_ids = vi.GenerateRequest(token_ids=vi.TokenIds(ids=[1]))
+        for token, code in ((None, "UNAUTHENTICATED"), ("control-s3cret", "UNAUTHENTICATED"),
+                            ("data-s3cret", "UNAVAILABLE")):  # fmt: skip
+            metadata = () if token is None else (bearer(token),)
+            generated = vllm_inference.Generate(by_ids, metadata=metadata)
+            assert await code_of(generated) == getattr(grpc.StatusCode, code)
         # Probes and discovery stay open.
         health = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="")
