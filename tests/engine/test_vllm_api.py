@@ -22,12 +22,15 @@ from safetensors.torch import load_file
 
 from skyrl_grpc.process_group import join_group, master_store
 from skyrl_grpc.tensor_bytes import sha256_of
+from skyrl_grpc.v1 import control_plane_pb2 as cp
+from skyrl_grpc.v1 import control_plane_pb2_grpc
 from skyrl_grpc.vllm_api import control_pb2 as vc
 from skyrl_grpc.vllm_api import control_pb2_grpc, inference_pb2_grpc
 from skyrl_grpc.vllm_api import inference_pb2 as vi
 from tests.conftest import REFERENCE_PROMPTS
 from tests.helpers.weights import GREEDY, MAX_TOKENS, perturbed
 from trainer_client import InferenceClient
+from trainer_client.weights.weight_sending import push_messages
 
 pytestmark = [pytest.mark.engine]
 INFERENCE, CONTROL = "vllm.Inference", "vllm.Control"
@@ -251,10 +254,12 @@ async def vllm_update(
 
 
 async def test_vllm_control_updates_weights_as_vllms_trainer_sends_them(
-    engine_server: Any, vllm_stubs: Any, tiny_model_dir: Path
+    engine_server: Any, engine_channel: grpc.aio.Channel, vllm_stubs: Any, tiny_model_dir: Path
 ) -> None:
-    """Packed buffers, then one tensor at a time: each update serves exactly the weights sent
-    (checksums, and greedy tokens the same through both protocols), under the version named."""
+    """Packed buffers, in-band chunks, one tensor at a time: each update serves exactly the
+    weights sent (checksums, and greedy tokens the same through both protocols), under the
+    version named or the next."""
+    engine_server_channel = engine_channel
     inference, control = vllm_stubs
     ours = InferenceClient(engine_server.address, [engine_server.address])
     address = engine_server.address
@@ -273,9 +278,20 @@ async def test_vllm_control_updates_weights_as_vllms_trainer_sends_them(
             list((await inference.Generate(greedy(REFERENCE_PROMPTS[0]))).outputs.token_ids)
             == on_ours
         )
-        # Unpacked, without a version: the next number.
-        await vllm_update(control, original, None, packed=False)
+        # In-band: vLLM's Start and Finish around this stack's PushWeights, one update;
+        # without a version, Finish makes it the next number.
+        pushed = perturbed(original, seed=12)
+        await control.StartWeightUpdate(vc.StartWeightUpdateRequest())
+        stub = control_plane_pb2_grpc.ControlPlaneStub(engine_server_channel)
+        messages = push_messages(pushed.items(), chunk_bytes=1 << 20)
+        await stub.PushWeights(iter([cp.PushWeightsRequest.FromString(m) for m in messages]))
+        await control.FinishWeightUpdate(vc.FinishWeightUpdateRequest())
         assert (await ours.weight_versions())[address] == before + 2
+        sums = (await ours.weight_checksums())[address]
+        assert sums == {n: sha256_of(t) for n, t in pushed.items()}
+        # Unpacked, one tensor per broadcast: the original weights back.
+        await vllm_update(control, original, str(before + 3), packed=False)
+        assert (await ours.weight_versions())[address] == before + 3
         sums = (await ours.weight_checksums())[address]
         assert sums == {n: sha256_of(t) for n, t in original.items()}
     finally:
@@ -342,3 +358,24 @@ async def test_vllm_control_refuses_what_it_cannot_map_and_keeps_serving(
         assert words in (refused.value.details() or ""), refused.value.details()
     whole = await inference.Generate(greedy(REFERENCE_PROMPTS[0]))
     assert len(whole.outputs.token_ids) == MAX_TOKENS
+
+
+async def test_vllm_control_shutdown_drains_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shutdown drains as SIGTERM does: the call answers, then the server stops. (Its engine is
+    never started: the subject is the call's path to the server's drain.)"""
+    from servers.engine.options import ServerOptions
+    from servers.engine.process.engine_server import EngineServer
+    from servers.engine.vllm_adapter.vllm_engine import VllmEngine
+
+    async def never_ready(*_: object) -> None:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(VllmEngine, "start", never_ready)
+    server = EngineServer(ServerOptions())
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            await control_pb2_grpc.ControlStub(channel).Shutdown(vc.ShutdownRequest())
+        await asyncio.wait_for(server.wait_stopped(), timeout=60)
+    finally:
+        await server.drain(grace=0)
