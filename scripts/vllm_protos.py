@@ -21,6 +21,7 @@ import ssl
 import subprocess
 import sys
 import tarfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -40,6 +41,7 @@ FILES = {
 MODULE = ROOT / "build" / "vllm-proto"
 PACKAGE = ROOT / "skyrl_grpc" / "vllm_api"
 STAMP = PACKAGE / ".generated-from"
+ATTEMPTS = 3
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "skyrl-grpc"
 
 
@@ -53,8 +55,16 @@ def _archive() -> bytes:
         return cached.read_bytes()
     cafile = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
     context = ssl.create_default_context(cafile=cafile)
-    with urllib.request.urlopen(ARCHIVE_URL, timeout=300, context=context) as response:
-        data: bytes = response.read()
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            with urllib.request.urlopen(ARCHIVE_URL, timeout=300, context=context) as response:
+                data: bytes = response.read()
+            break
+        except OSError as error:  # a network hiccup: PyPI's CDN answers the next try
+            if attempt == ATTEMPTS:
+                raise SystemExit(f"could not download {ARCHIVE_URL}: {error}") from error
+            print(f"[setup] {ARCHIVE_URL}: {error}; trying again", file=sys.stderr)
+            time.sleep(5 * attempt)
     if _sha256(data) != ARCHIVE_SHA256:
         raise SystemExit(f"{ARCHIVE_URL}: SHA-256 {_sha256(data)}, expected {ARCHIVE_SHA256}")
     CACHE.mkdir(parents=True, exist_ok=True)
