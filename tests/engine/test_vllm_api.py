@@ -157,6 +157,9 @@ async def test_vllm_services_are_in_health_reflection_and_capabilities(engine_se
         model = await control.GetModelInfo(vc.GetModelInfoRequest())
         assert model.served_model_name == engine.served_model_name
         assert model.supports_token_ids_input and not model.supports_lora
+        # No KV-event publisher on these servers: no sources (SMG's cache-aware policy sees none).
+        assert not (await control.GetKvEventSources(vc.GetKvEventSourcesRequest())).sources
+        assert not (await control.ListLoras(vc.ListLorasRequest())).adapters
 
 
 async def test_vllm_control_pauses_and_resumes_this_servers_generation(
@@ -176,9 +179,14 @@ async def test_vllm_control_pauses_and_resumes_this_servers_generation(
         assert len((await waiting).outputs.token_ids) == MAX_TOKENS
         assert not (await control.IsPaused(vc.IsPausedRequest())).paused
         # A CPU engine cannot sleep: refused, saying so, and nothing is paused.
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await control.Sleep(vc.SleepRequest(level=1, mode=vc.PAUSE_MODE_WAIT))
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        for call in (
+            control.Sleep(vc.SleepRequest(level=1, mode=vc.PAUSE_MODE_WAIT)),
+            control.WakeUp(vc.WakeUpRequest()),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "cpu" in (refused.value.details() or "")
         assert not (await control.IsSleeping(vc.IsSleepingRequest())).sleeping
         assert not (await control.IsPaused(vc.IsPausedRequest())).paused
         # Abort by request id ends a running stream with ABORTED (held by a pause in KEEP
