@@ -93,7 +93,8 @@ def all_uses() -> list[Use]:
         use
         for package in PACKAGES
         for path in sorted((ROOT / package).rglob("*.py"))
-        if "v1" not in path.relative_to(ROOT).parts[:2]  # generated stubs
+        # Generated stubs: ours, and vLLM's gRPC contract (whose proto package is "vllm").
+        if not {"v1", "vllm_api"} & set(path.relative_to(ROOT).parts[:2])
         for use in vllm_uses(path)
     ]
 
