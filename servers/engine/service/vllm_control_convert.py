@@ -63,10 +63,24 @@ def json_object(data: bytes, field: str) -> dict[str, Any]:
     return value
 
 
-def _take(info: dict[str, Any], key: str, kind: type, field: str) -> Any:
-    value = info.get(key)
+_REQUIRED = object()
+
+
+def _take(info: dict[str, Any], key: str, kind: type, field: str, default: Any = _REQUIRED) -> Any:
+    """``info[key]`` if it is a JSON value of ``kind`` (``default`` when absent, if given)."""
+    value = info.get(key, default)
     if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
         raise InvalidArgument(f"{field}.{key} must be a JSON {kind.__name__}, got {value!r}")
+    return value
+
+
+def _count(
+    info: dict[str, Any], key: str, field: str, default: Any = _REQUIRED, limit: int = 1 << 32
+) -> int:
+    """``info[key]`` as a whole number in 0 .. ``limit`` - 1."""
+    value: int = _take(info, key, int, field, default)
+    if not 0 <= value < limit:
+        raise InvalidArgument(f"{field}.{key} = {value}: must be in 0 .. {limit - 1}")
     return value
 
 
@@ -109,15 +123,17 @@ def init_weight_transfer(
     request = cp.InitWeightTransferRequest(
         backend=_BACKENDS[backend],
         master_address=_take(info, "master_address", str, field),
-        master_port=_take(info, "master_port", int, field),
-        rank_offset=_take(info, "rank_offset", int, field),
-        world_size=_take(info, "world_size", int, field),
-        group_name=info.get("group_name", ""),
-        timeout_seconds=info.get("timeout_seconds", 0),
+        master_port=_count(info, "master_port", field),
+        rank_offset=_count(info, "rank_offset", field),
+        world_size=_count(info, "world_size", field),
+        group_name=_take(info, "group_name", str, field, ""),
+        timeout_seconds=_count(info, "timeout_seconds", field, 0),
     )
     packing = Packing(
-        packed=bool(info.get("packed", False)),
-        buffer_bytes=int(info.get("packed_buffer_size_bytes", VLLM_PACKED_BUFFER_BYTES)),
+        packed=_take(info, "packed", bool, field, False),
+        buffer_bytes=_count(
+            info, "packed_buffer_size_bytes", field, VLLM_PACKED_BUFFER_BYTES, limit=1 << 62
+        ),
     )
     return request, packing
 
@@ -129,7 +145,12 @@ def _parameter(name: str, dtype_name: str, shape: list[int], where: str) -> cp.P
             f"{where}: dtype {dtype_name!r} cannot be transferred; "
             f"use one of {sorted(dtypes.BY_TORCH)}"
         )
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument(f"{where}: the name must be a non-empty string, got {name!r}")
+    sizes = isinstance(shape, list) and all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape
+    )
+    if not sizes:
         raise InvalidArgument(f"{where}: shape {shape!r} is not a list of sizes")
     return cp.ParameterSpec(name=name, dtype=info.proto, shape=shape)
 
@@ -153,6 +174,8 @@ def update_weights(data: bytes, packing: Packing) -> cp.UpdateWeightsRequest:
     for i, (name, dtype_name, shape) in enumerate(zip(names, dtype_names, shapes, strict=True)):
         spec = _parameter(name, dtype_name, shape, f"{field}.names[{i}] ({name})")
         size = dtypes.num_bytes(shape, dtypes.from_proto(spec.dtype))
+        if size >= 1 << 48:
+            raise InvalidArgument(f"{field}.names[{i}] ({name}): shape {shape} is no parameter's")
         if bucket is None:
             bucket = request.buckets.add()
         bucket.parameters.add(parameter=spec, offset_bytes=bucket.size_bytes)
