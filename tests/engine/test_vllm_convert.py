@@ -1,6 +1,7 @@
-"""vLLM's weight-transfer JSON read as this stack's requests (``vllm_control_convert``): the
-buckets are exactly the broadcasts vLLM's own trainer makes (its ``pack_tensors``), and bad JSON
-is refused INVALID_ARGUMENT naming the key, never an internal error."""
+"""vLLM's requests read as this stack's (``vllm_control_convert``, ``vllm_inference_convert``):
+the buckets of its weight-transfer JSON are exactly the broadcasts vLLM's own trainer makes (its
+``pack_tensors``), and bad JSON or counts out of this stack's range are refused
+INVALID_ARGUMENT naming the key, never an internal error."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import pytest
 import torch
 
 from servers.engine.service import vllm_control_convert as convert
+from servers.engine.service import vllm_inference_convert as inference_convert
 from skyrl_grpc.errors import InvalidArgument, Unimplemented
+from skyrl_grpc.vllm_api import inference_pb2 as vi
 
 INIT = {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 3}
 
@@ -112,4 +115,29 @@ def test_a_unique_id_rendezvous_is_unimplemented_saying_what_to_send() -> None:
 def test_bad_update_info_is_refused_naming_the_tensor(info: dict[str, Any], words: str) -> None:
     with pytest.raises(InvalidArgument) as refused:
         convert.update_weights(json.dumps(info).encode(), convert.Packing())
+    assert words in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "words"),
+    [
+        ({"sampling": vi.RandomSampling(top_k=1 << 31)}, "sampling.top_k"),
+        ({"stopping": vi.StoppingCriteria(max_new_tokens=(1 << 32) - 1)}, "max_new_tokens"),
+        ({"stopping": vi.StoppingCriteria(min_new_tokens=1 << 31)}, "min_new_tokens"),
+        (
+            {
+                "response": vi.ResponseOptions(
+                    output_logprobs=True, output_candidates=vi.CandidateTokens(top_n=1 << 31)
+                )
+            },
+            "output_candidates.top_n",
+        ),
+    ],
+)
+def test_counts_beyond_this_stacks_range_are_refused_naming_the_field(
+    request_fields: dict[str, Any], words: str
+) -> None:
+    request = vi.GenerateRequest(token_ids=vi.TokenIds(ids=[1, 2]), **request_fields)
+    with pytest.raises(InvalidArgument) as refused:
+        inference_convert.sampling_params(request)
     assert words in str(refused.value)

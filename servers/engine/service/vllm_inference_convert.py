@@ -57,11 +57,18 @@ class ResponseShape:
         )
 
 
+def _int32(value: int, field: str) -> int:
+    """vLLM's unsigned 32-bit count as this stack's signed one (whose limits are far below)."""
+    if value >= 1 << 31:
+        raise InvalidArgument(f"{field} = {value}: too large (at most {(1 << 31) - 1})")
+    return value
+
+
 def _candidates(selector: vi.CandidateTokens, field: str) -> int:
     """How many alternatives per position a CandidateTokens asks for (0: the token's only)."""
     kind = selector.WhichOneof("select")
     if kind == "top_n":
-        return selector.top_n
+        return _int32(selector.top_n, f"{field}.top_n")
     if kind == "all" and selector.all:
         raise unsupported(f"{field}.all", "ask for top_n (up to the server's --max-logprobs)")
     if kind == "token_ids" and selector.token_ids.ids:
@@ -116,7 +123,7 @@ def sampling_params(request: vi.GenerateRequest) -> gen.SamplingParams:
     )
     sampling = request.sampling
     if sampling.HasField("top_k"):
-        params.top_k = sampling.top_k
+        params.top_k = _int32(sampling.top_k, "sampling.top_k")
     if sampling.HasField("top_p"):
         params.top_p = sampling.top_p
     if sampling.HasField("min_p"):
@@ -134,9 +141,9 @@ def sampling_params(request: vi.GenerateRequest) -> gen.SamplingParams:
         params.structured_output.CopyFrom(structured)
     stopping = request.stopping
     if stopping.max_new_tokens:
-        params.max_tokens = stopping.max_new_tokens
+        params.max_tokens = _int32(stopping.max_new_tokens, "stopping.max_new_tokens")
     if stopping.min_new_tokens:
-        params.min_tokens = stopping.min_new_tokens
+        params.min_tokens = _int32(stopping.min_new_tokens, "stopping.min_new_tokens")
     params.stop_token_ids.extend(stopping.stop_token_ids)
     params.stop_strings.extend(stopping.stop_strings)
     params.ignore_eos = stopping.ignore_eos
