@@ -51,8 +51,10 @@ def _sha256(data: bytes) -> str:
 
 def _archive() -> bytes:
     cached = CACHE / Path(ARCHIVE_URL).name
-    if cached.exists() and _sha256(cached.read_bytes()) == ARCHIVE_SHA256:
-        return cached.read_bytes()
+    if cached.exists():
+        kept = cached.read_bytes()
+        if _sha256(kept) == ARCHIVE_SHA256:
+            return kept
     cafile = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
     context = ssl.create_default_context(cafile=cafile)
     for attempt in range(1, ATTEMPTS + 1):

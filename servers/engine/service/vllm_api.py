@@ -43,27 +43,26 @@ class VllmInference(inference_pb2_grpc.InferenceServicer):
         self._data_plane = data_plane
         self._parts = parts
 
-    async def _request(
-        self, request: vi.GenerateRequest, context: Context
-    ) -> dp.GenerateStreamRequest:
+    async def _prompt(self, request: vi.GenerateRequest, context: Context) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
-            prompt = list(request.token_ids.ids)
-        elif kind == "text":
+            return list(request.token_ids.ids)
+        if kind == "text":
             tokens = await self._data_plane.Tokenize(dp.TokenizeRequest(text=request.text), context)
-            prompt = list(tokens.token_ids)
-        else:
-            raise InvalidArgument("prompt is required: set text or token_ids")
-        model = self._parts().describe_model()
-        return inference_convert.generate_stream_request(request, prompt, model.served_model_name)
+            return list(tokens.token_ids)
+        raise InvalidArgument("prompt is required: set text or token_ids")
 
     async def GenerateStream(
         self, request: vi.GenerateRequest, context: Context
     ) -> AsyncIterator[vi.GenerateResponse]:
-        ours = await self._request(request, context)
+        prompt = await self._prompt(request, context)
+        model = self._parts().describe_model()
         shape = inference_convert.ResponseShape.of(request)
-        eos = self._parts().describe_model().eos_token_ids
-        outputs = inference_convert.SequenceOutputs(shape, ours.sampling_params.stop_token_ids, eos)
+        ours = inference_convert.generate_stream_request(
+            request, prompt, model.served_model_name, shape
+        )
+        stop_ids = ours.sampling_params.stop_token_ids
+        outputs = inference_convert.SequenceOutputs(shape, stop_ids, model.eos_token_ids)
         first = True
         async for message in self._data_plane.GenerateStream(ours, context):
             if first:  # as vLLM's front end: the prompt's facts first, on their own

@@ -160,10 +160,13 @@ def sampling_params(request: vi.GenerateRequest) -> gen.SamplingParams:
 
 
 def generate_stream_request(
-    request: vi.GenerateRequest, prompt_token_ids: list[int], served_model_name: str
+    request: vi.GenerateRequest,
+    prompt_token_ids: list[int],
+    served_model_name: str,
+    shape: ResponseShape,
 ) -> dp.GenerateStreamRequest:
     """The DataPlane's request for a vLLM GenerateRequest whose prompt is ``prompt_token_ids``
-    (the text tokenized, when it came as text)."""
+    (the text tokenized, when it came as text) and whose answer is shaped as ``shape``."""
     if request.model and request.model != served_model_name:
         raise InvalidArgument(
             f"model = {request.model!r}: this server serves {served_model_name!r} (or leave "
@@ -176,7 +179,7 @@ def generate_stream_request(
         prompt_token_ids=prompt_token_ids,
         sampling_params=sampling_params(request),
         n=request.sampling.num_sequences or 1,
-        include_text=ResponseShape.of(request).output_text,
+        include_text=shape.output_text,
         lora=request.lora_name,
     )
 
