@@ -4,7 +4,10 @@ Two places resubmit a sample that was cut short: the trainer client after a paus
 (``trainer_client.abort_retry``) and the router when a server dies mid-stream
 (``servers.router.migration``). Both send the prompt plus every token generated so far with
 what is left of the budget, so the result reads like one uninterrupted generation; this module
-is that rule, written once.
+is that rule, written once. The continuation also names the weight version of the tokens so
+far (``min_weight_version``): it goes on only on a server at least that new, so a sample's
+weight versions never go backwards (a server restarted on older weights, or one a partition
+kept from the last update, is never where it continues).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ def resumable(request: data_plane_pb2.GenerateStreamRequest) -> bool:
 
 
 def continue_request(
-    request: data_plane_pb2.GenerateStreamRequest, generated: Sequence[int]
+    request: data_plane_pb2.GenerateStreamRequest, generated: Sequence[int], version: int
 ) -> data_plane_pb2.GenerateStreamRequest:
-    """``request`` continued after ``generated`` tokens of its (single) sample.
+    """``request`` continued after ``generated`` tokens of its (single) sample, the newest of
+    them made at weight ``version``.
 
     The prompt grows by the generated tokens; ``max_tokens`` and ``min_tokens`` shrink by their
     count (an unset ``max_tokens`` stays unset: the server fills the context, as before). Prompt
@@ -44,6 +48,7 @@ def continue_request(
     if params.HasField("min_tokens"):
         params.min_tokens = max(params.min_tokens - done, 0)
     params.ClearField("prompt_logprobs")
+    continued.min_weight_version = max(continued.min_weight_version, version)
     if continued.HasField("chat_output"):
         # The server's chat parser reads the tokens so far before the new ones.
         continued.chat_output.resumed_tokens += done

@@ -311,13 +311,18 @@ class DirectRoutes:
                 return False
         return True
 
-    def pick(self, session_id: str | None, tried: Iterable[str] = ()) -> str | None:
-        """The server for a call, or None when none is eligible (or there is no view)."""
+    def pick(
+        self, session_id: str | None, tried: Iterable[str] = (), min_version: int = 0
+    ) -> str | None:
+        """The server for a call (serving ``min_version`` or newer), or None when none is
+        eligible (or there is no view): the call then goes through the router."""
         if self.policy is None:
             return None
         now = time.monotonic()
-        skipped = {a for a, until in self._unavailable.items() if until > now}
-        chosen = self.policy.choose(session_id, self.members, frozenset(skipped | set(tried)))
+        skipped = frozenset({a for a, until in self._unavailable.items() if until > now})
+        chosen = self.policy.choose(
+            session_id, self.members, skipped | frozenset(tried), min_version
+        )
         return None if chosen is None else chosen.address
 
     def begin(self, address: str) -> None:

@@ -75,14 +75,17 @@ class Generation:
         )
         self._experts_checked = (servers, now)
 
-    async def _target(self, session_id: str | None, tried: set[str]) -> str | None:
-        """The server a generation goes to directly, or None to go through the router."""
+    async def _target(
+        self, session_id: str | None, tried: set[str], min_version: int = 0
+    ) -> str | None:
+        """The server a generation goes to directly, or None to go through the router (also
+        when no server the client sees serves ``min_version``: the router holds it for one)."""
         if not self.config.direct:
             return None
         routes = self._core.connections.routes()
         if not await routes.ready():
             return None
-        return routes.pick(session_id, tried)
+        return routes.pick(session_id, tried, min_version)
 
     async def _attempt(
         self,
@@ -95,7 +98,7 @@ class Generation:
         used directly that turns out gone is marked unavailable and added to ``tried`` before
         its ``Unavailable`` is raised, so the caller may move on elsewhere; a router whose
         connection broke is added too (the caller goes on through the same address)."""
-        target = await self._target(session_id, tried)
+        target = await self._target(session_id, tried, request.min_weight_version)
         address = target or self.config.router
         call = self._core.data(address).GenerateStream(
             request,

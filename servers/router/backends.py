@@ -224,17 +224,19 @@ class BackendPool:
         """Members passing health checks, standbys too."""
         return [b for b in self.backends if b.healthy]
 
-    def serving(self) -> list[Backend]:
-        """Members data-plane calls may go to: healthy, not standbys."""
-        return [b for b in self.backends if b.eligible]
+    def serving(self, min_version: int = 0) -> list[Backend]:
+        """Members data-plane calls may go to: healthy, not standbys (and serving weight
+        ``min_version`` or newer)."""
+        return [b for b in self.backends if b.eligible and b.weight_version >= min_version]
 
     # -- routing ------------------------------------------------------------------------------
 
     def choose(
-        self, session_id: str | None, exclude: frozenset[str] = frozenset()
+        self, session_id: str | None, exclude: frozenset[str] = frozenset(), min_version: int = 0
     ) -> Backend | None:
-        """The backend for a call (see ``placement``: never one that is behind)."""
-        return self.placement.choose(session_id, self._backends, exclude)
+        """The backend for a call (see ``placement``: never one that is behind, nor older than
+        ``min_version``)."""
+        return self.placement.choose(session_id, self._backends, exclude, min_version)
 
     def owner(self, session_id: str) -> str | None:
         """Which backend a session maps to now (for tests and debugging); a session that lives
@@ -300,11 +302,12 @@ class BackendPool:
         if self._on_change is not None:
             self._on_change(backend)
 
-    async def until_serving(self, seconds: float) -> bool:
-        """Whether a member takes data-plane calls (``serving``) now, or within ``seconds``."""
+    async def until_serving(self, seconds: float, min_version: int = 0) -> bool:
+        """Whether a member takes data-plane calls (``serving``, at ``min_version`` or newer)
+        now, or within ``seconds``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
-        while not self.serving():
+        while not self.serving(min_version):
             left = deadline - loop.time()
             if left <= 0:
                 return False

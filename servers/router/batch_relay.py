@@ -11,7 +11,8 @@ concatenated are one message whose repeated fields hold both's entries.
 A server lost mid-batch (its call fails UNAVAILABLE, or it reports a request UNAVAILABLE) moves
 its unfinished requests as GenerateStream calls move (``StreamMigration``): its answers so far
 are read then (never before), each request continues on another server from the prompt plus
-its tokens so far (``skyrl_grpc.continuation``), and the continuation's chunks are rewritten so
+its tokens so far (``skyrl_grpc.continuation``) on a server at least as new as those tokens'
+weights, and the continuation's chunks are rewritten so
 the caller reads one uninterrupted request. A request that cannot move (several samples, a
 constrained output past its first token, no moves left) ends with its own UNAVAILABLE error.
 A server cut off rather than dead still runs the requests it lost: where a moved request comes
@@ -73,6 +74,7 @@ class _Request:
     # tokens, how many samples finished, whether it ended (finished or failed).
     tokens: list[int] = field(default_factory=list)
     finished_samples: int = 0
+    version: int = 0  # the newest weight version of its tokens
     done: bool = False
     sent_chunks: bool = False  # the caller has had a chunk of it (and its request id)
     retries: int = 0  # moves before anything of it was sent
@@ -88,6 +90,7 @@ class _Request:
 
     def __post_init__(self) -> None:
         self.original = self.request
+        self.version = self.request.min_weight_version
 
     @property
     def samples(self) -> int:
@@ -135,11 +138,13 @@ class BatchRelay:
 
     # -- sending ------------------------------------------------------------------------------
 
-    async def _held(self) -> bool:
-        """``CallHolds.hold``: whether it waited for a member to serve again and one does; a wait
-        in vain leaves each request's own error to ``_place``."""
+    async def _held(self, requests: list[_Request]) -> bool:
+        """``CallHolds.hold``: whether it waited for a member to serve again (one new enough
+        for each of ``requests``) and one does; a wait in vain leaves each request's own error
+        to ``_place``."""
+        floor = max((r.request.min_weight_version for r in requests), default=0)
         try:
-            return await self._proxy.holds.hold(self._context)
+            return await self._proxy.holds.hold(self._context, floor)
         except Unavailable:
             return False
 
@@ -150,7 +155,9 @@ class BatchRelay:
         failed = []
         for request in requests:
             try:
-                backend = self._proxy.pick(request.session or None, request.tried)
+                backend = self._proxy.pick(
+                    request.session or None, request.tried, request.request.min_weight_version
+                )
             except SkyrlError as error:
                 request.done = True
                 failed.append(_errors((request.index, error.code, str(error))))
@@ -263,7 +270,9 @@ class BatchRelay:
             if self._may_move(request):
                 if request.sent_chunks:
                     request.migrations += 1
-                    request.request = continue_request(request.original, request.tokens)
+                    request.request = continue_request(
+                        request.original, request.tokens, request.version
+                    )
                     request.continued = True
                     request.base = len(request.tokens)
                 else:
@@ -313,8 +322,9 @@ class BatchRelay:
         """The merged stream of the caller's call."""
         try:
             self._read_request()
-            await self._held()
-            for error in self._place(list(self._requests.values())):
+            requests = list(self._requests.values())
+            await self._held(requests)
+            for error in self._place(requests):
                 yield error
             while self._parts:
                 item = [await self._queue.get()]
@@ -357,7 +367,7 @@ class BatchRelay:
                     part.backend.address,
                 )
                 await asyncio.sleep(self._proxy.options.retry_backoff_seconds)
-                if await self._held():  # the one back may be one tried before
+                if await self._held(moving):  # the one back may be one tried before
                     for request in moving:
                         request.tried.clear()
                 errors += self._place(moving)
@@ -382,6 +392,8 @@ def _apply(backlog: list[bytes], requests: dict[int, _Request]) -> None:
             request.sent_chunks = True
             if request.samples == 1:
                 request.tokens.extend(chunk.token_ids)
+                if chunk.token_ids:
+                    request.version = max(request.version, chunk.weight_version)
             if chunk.finish_reason:
                 request.finished_samples += 1
                 if request.finished_samples >= request.samples:

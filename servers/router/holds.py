@@ -4,7 +4,9 @@ When every member is lost together (the router's own link flapping, a partition,
 switch rebooting), a call that finds none serving waits for one to serve again: up to
 ``--hold-seconds`` and its own deadline (answered ``HOLD_ANSWER_SECONDS`` before it, so its
 caller learns why). A stream whose server was lost waits so too, then moves there. What the
-router says when there is none (``no_backend_reason``) is written here once.
+router says when there is none (``no_backend_reason``) is written here once. A continuation
+(``min_weight_version``: its tokens came from those weights) waits so for a member that serves
+them or newer, rather than going on older ones.
 """
 
 from __future__ import annotations
@@ -26,12 +28,18 @@ log = logging.getLogger(__name__)
 HOLD_ANSWER_SECONDS = 0.5
 
 
-def no_backend_reason(pool: BackendPool, tried: set[str]) -> str:
-    """Why no backend takes a call, as its UNAVAILABLE says: none at all, every one ``tried``
-    failed, or each member's state."""
+def no_backend_reason(pool: BackendPool, tried: set[str], min_version: int = 0) -> str:
+    """Why no backend takes a call, as its UNAVAILABLE says: none at all, none new enough for
+    a continuation, every one ``tried`` failed, or each member's state."""
     members = pool.backends
     if not members:
         return "the router has no backends: add one with RouterAdmin/AddBackend"
+    if pool.serving() and not pool.serving(min_version):
+        versions = ", ".join(f"{b.address} {b.weight_version}" for b in pool.serving())
+        return (
+            f"the request continues a sample made at weight version {min_version} "
+            f"(min_weight_version) and no healthy backend serves it or newer yet ({versions})"
+        )
     if tried and pool.serving():
         return f"every backend tried failed ({', '.join(sorted(tried))})"
     states = ", ".join(
@@ -52,13 +60,13 @@ class CallHolds:
         self._seconds = seconds  # --hold-seconds, read at each hold (tests change it)
         self.holding = 0
 
-    async def hold(self, context: Context) -> bool:
-        """When the router has members and none serves, waits for one to serve again, up to
-        the hold's seconds and the call's deadline; whether it waited and one serves now.
-        False at once where there is nothing to wait for (one serves, no members, no hold, no
-        time left); a wait in vain raises UNAVAILABLE, saying so."""
+    async def hold(self, context: Context, min_version: int = 0) -> bool:
+        """When the router has members and none serves (at ``min_version`` or newer), waits
+        for one to, up to the hold's seconds and the call's deadline; whether it waited and one
+        serves now. False at once where there is nothing to wait for (one serves, no members,
+        no hold, no time left); a wait in vain raises UNAVAILABLE, saying so."""
         pool, hold = self._pool, self._seconds()
-        if hold <= 0 or not pool.backends or pool.serving():
+        if hold <= 0 or not pool.backends or pool.serving(min_version):
             return False
         remaining = context.time_remaining()
         seconds = hold if remaining is None else min(hold, remaining - HOLD_ANSWER_SECONDS)
@@ -67,7 +75,7 @@ class CallHolds:
         began = time.perf_counter()
         self.holding += 1
         try:
-            served = await pool.until_serving(seconds)
+            served = await pool.until_serving(seconds, min_version)
         finally:
             self.holding -= 1
         held = time.perf_counter() - began
@@ -76,6 +84,6 @@ class CallHolds:
             log.info("a call held %.1f s while no backend served", held)
             return True
         raise Unavailable(
-            f"router: {no_backend_reason(pool, set())}; held the call {seconds:.1f} s for one "
-            "to serve again (--hold-seconds)"
+            f"router: {no_backend_reason(pool, set(), min_version)}; held the call "
+            f"{seconds:.1f} s for one to serve (--hold-seconds)"
         )

@@ -4,7 +4,8 @@ The router forwards raw bytes, except for GenerateStream calls it may migrate: i
 chunk (without changing it) to remember the tokens generated so far (the HTTP edge's chunks
 arrive parsed, and are read as they are). When the backend is lost
 mid-stream, ``StreamMigration`` builds the continuation request (prompt + tokens so far, with the
-remaining budget: ``skyrl_grpc.continuation``) for another backend, and rewrites the
+remaining budget and its tokens' weight version: ``skyrl_grpc.continuation``) for another
+backend at that version or newer, and rewrites the
 continuation's chunks so the caller sees one uninterrupted stream (usage counted from the
 original prompt). Only single-sample streams migrate, and constrained ones only before their
 first token; others fail UNAVAILABLE naming the lost server. A server cut off rather than dead
@@ -38,6 +39,8 @@ class StreamMigration:
         # the hot path (no failure) pays one list append per chunk.
         self._unparsed: list[bytes] = []
         self._tokens: list[int] = []
+        # The newest weight version of its tokens (or the caller's own floor): where it may go.
+        self._version = request.min_weight_version
         self.lost: list[str] = []
         # Servers lost before they answered it (the router then tried it again, unchanged).
         self._unanswered_on: set[str] = set()
@@ -45,15 +48,26 @@ class StreamMigration:
 
     def _parse_backlog(self) -> None:
         for raw in self._unparsed:
-            chunk = data_plane_pb2.GenerateStreamResponse.FromString(raw)
-            self._tokens.extend(chunk.token_ids)
-            self._finished = self._finished or bool(chunk.finish_reason)
+            self._read(data_plane_pb2.GenerateStreamResponse.FromString(raw))
         self._unparsed.clear()
+
+    def _read(self, chunk: data_plane_pb2.GenerateStreamResponse) -> None:
+        self._tokens.extend(chunk.token_ids)
+        self._finished = self._finished or bool(chunk.finish_reason)
+        if chunk.token_ids:
+            self._version = max(self._version, chunk.weight_version)
 
     @property
     def tokens(self) -> list[int]:
         self._parse_backlog()
         return self._tokens
+
+    @property
+    def min_version(self) -> int:
+        """The oldest weights it may go on with: its tokens' newest version (a backend older
+        than that would turn its versions backwards)."""
+        self._parse_backlog()
+        return self._version
 
     @property
     def finished(self) -> bool:
@@ -87,16 +101,14 @@ class StreamMigration:
                 return message
             return self._rewrite(data_plane_pb2.GenerateStreamResponse.FromString(message))
         if not self.lost:
-            self._tokens.extend(message.token_ids)
-            self._finished = self._finished or bool(message.finish_reason)
+            self._read(message)
             return message
         return self._rewrite(message, serialize=False)
 
     def _rewrite(self, chunk: data_plane_pb2.GenerateStreamResponse, serialize: bool = True) -> Any:
         """A continuation's chunk as the caller's stream goes on (its bytes, or itself)."""
-        self._finished = self._finished or bool(chunk.finish_reason)
         generated_before = len(self._tokens)
-        self._tokens.extend(chunk.token_ids)
+        self._read(chunk)
         chunk.request_id = self._request.request_id or chunk.request_id
         chunk.usage.prompt_tokens = self._prompt_tokens
         chunk.usage.completion_tokens = generated_before + len(chunk.token_ids)
@@ -127,7 +139,7 @@ class StreamMigration:
     def continuation(self, lost_backend: str) -> bytes:
         """The request for the next backend: prompt + tokens so far, the budget that is left."""
         self.lost.append(lost_backend)
-        return continue_request(self._request, self.tokens).SerializeToString()
+        return continue_request(self._request, self.tokens, self.min_version).SerializeToString()
 
 
 async def abort_orphan(channel: grpc.aio.Channel, request_id: str, metadata: Metadata) -> None:

@@ -138,10 +138,11 @@ class Proxy:
         stream = self.multiplexers.open(address, backend.channel, request, metadata, parsed)
         return WithFallback(stream, plain, lambda: self.multiplexers.unsupported(address))
 
-    def pick(self, session: str | None, tried: set[str]) -> Backend:
-        """The backend for a call (UNAVAILABLE, saying why, when there is none)."""
+    def pick(self, session: str | None, tried: set[str], min_version: int = 0) -> Backend:
+        """The backend for a call, serving ``min_version`` or newer (UNAVAILABLE, saying why,
+        when there is none)."""
         home = self.pool.placement.sessions.home(session) if session else None
-        backend = self.pool.choose(session, frozenset(tried))
+        backend = self.pool.choose(session, frozenset(tried), min_version)
         if backend is not None:
             decision = (
                 "load"
@@ -161,19 +162,19 @@ class Proxy:
                     "they resume; this router fails fast instead of waiting (--fail-when-paused)"
                 )
             return backend
-        raise Unavailable(f"router: {no_backend_reason(self.pool, tried)}")
+        raise Unavailable(f"router: {no_backend_reason(self.pool, tried, min_version)}")
 
     async def _pick_or_hold(
-        self, session: str | None, tried: set[str], context: Context
+        self, session: str | None, tried: set[str], context: Context, min_version: int = 0
     ) -> Backend:
-        """``pick``, or where no member serves, ``pick`` once ``hold`` saw one serve again (a
-        backend tried before may be it: it came back)."""
+        """``pick``, or where no member serves (``min_version`` or newer), ``pick`` once
+        ``hold`` saw one serve (a backend tried before may be it: it came back)."""
         try:
-            return self.pick(session, tried)
+            return self.pick(session, tried, min_version)
         except Unavailable:
-            if not await self.holds.hold(context):
+            if not await self.holds.hold(context, min_version):
                 raise
-        return self.pick(session, set())
+        return self.pick(session, set(), min_version)
 
     def _may_retry(self, error: grpc.aio.AioRpcError, retries: int) -> bool:
         return server_lost(error) and retries < self.options.max_retries
@@ -217,7 +218,8 @@ class Proxy:
         meter = StreamMeter(self.metrics, started) if method == GENERATE_STREAM else None
         try:
             while True:
-                backend = await self._pick_or_hold(session, tried, context)
+                floor = 0 if migration is None else migration.min_version
+                backend = await self._pick_or_hold(session, tried, context, floor)
                 worker = backend.address
                 tried.add(backend.address)
                 self.begin(backend, method)

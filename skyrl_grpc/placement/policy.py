@@ -21,7 +21,9 @@ left) is placed by the policy:
 Under every policy a backend that is behind -- healthy, but serving an older weight version
 than another healthy one (a server restarted or added since the fleet's last update, until the
 trainer's next update reaches it) -- gets no calls while one on the newest version can take
-them: a rollout never mixes the fleet's weights with stale ones.
+them: a rollout never mixes the fleet's weights with stale ones. A continuation goes further
+(``min_version``, its tokens' version): never to a backend older than its tokens, even when that
+backend is the newest one left (the others lost), so a sample's versions never go backwards.
 
 Both are deterministic functions of what they are shown (membership, reported sessions and
 load): two router replicas, a router that restarted, and a trainer client routing itself place
@@ -68,11 +70,13 @@ class Candidate(Protocol):
 C = TypeVar("C", bound=Candidate)
 
 
-def behind(backends: Mapping[str, Candidate]) -> frozenset[str]:
-    """Eligible backends serving an older weight version than the newest eligible one's."""
+def behind(backends: Mapping[str, Candidate], min_version: int = 0) -> frozenset[str]:
+    """Eligible backends serving an older weight version than the newest eligible one's, or
+    than ``min_version``."""
     eligible = [b for b in backends.values() if b.eligible]
     newest = max((b.weight_version for b in eligible), default=0)
-    return frozenset(b.address for b in eligible if b.weight_version < newest)
+    floor = max(newest, min_version)
+    return frozenset(b.address for b in eligible if b.weight_version < floor)
 
 
 Eligible = Callable[[str], bool]
@@ -112,9 +116,11 @@ class PlacementPolicy:
         session_id: str | None,
         backends: Mapping[str, C],
         exclude: frozenset[str] = frozenset(),
+        min_version: int = 0,
     ) -> C | None:
-        """The backend for a call, among eligible ``backends`` not in ``exclude`` nor behind."""
-        exclude = exclude | behind(backends)
+        """The backend for a call, among eligible ``backends`` not in ``exclude`` nor behind
+        (the newest eligible version, or ``min_version``)."""
+        exclude = exclude | behind(backends, min_version)
 
         def eligible(address: str) -> bool:
             backend = backends.get(address)

@@ -38,7 +38,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[_generation_pb2.Sample, _Mapping]]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_generation_pb2.Logprobs, _Mapping]] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "n", "include_text", "stream_interval", "lora", "chat_output")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "n", "include_text", "stream_interval", "lora", "chat_output", "min_weight_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class GenerateStreamRequest(_message.Message):
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     CHAT_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _generation_pb2.SamplingParams
@@ -55,7 +56,8 @@ class GenerateStreamRequest(_message.Message):
     stream_interval: int
     lora: str
     chat_output: _chat_tools_pb2.ChatOutput
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., include_text: _Optional[bool] = ..., stream_interval: _Optional[int] = ..., lora: _Optional[str] = ..., chat_output: _Optional[_Union[_chat_tools_pb2.ChatOutput, _Mapping]] = ...) -> None: ...
+    min_weight_version: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., include_text: _Optional[bool] = ..., stream_interval: _Optional[int] = ..., lora: _Optional[str] = ..., chat_output: _Optional[_Union[_chat_tools_pb2.ChatOutput, _Mapping]] = ..., min_weight_version: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("request_id", "sample_index", "token_ids", "logprobs", "finish_reason", "stop", "usage", "weight_version", "prompt_logprobs", "text", "lora_version", "chat_delta", "chat_message", "batch_index", "routed_experts")

@@ -43,9 +43,11 @@ def test_budget_used_up_by_aborted_tokens_ends_as_length() -> None:
     from trainer_client.abort_retry import AbortRetry
 
     retry = AbortRetry([1, 2], generation_pb2.SamplingParams(max_tokens=3))
+    assert retry.request().min_weight_version == 0
+    retry.add(data_plane_pb2.GenerateStreamResponse(token_ids=[5], weight_version=3))
     retry.add(
         data_plane_pb2.GenerateStreamResponse(
-            token_ids=[5, 6], finish_reason=generation_pb2.FINISH_REASON_ABORTED
+            token_ids=[6], finish_reason=generation_pb2.FINISH_REASON_ABORTED, weight_version=3
         )
     )
     assert retry.should_resubmit()
@@ -53,6 +55,8 @@ def test_budget_used_up_by_aborted_tokens_ends_as_length() -> None:
     assert (
         list(request.prompt_token_ids) == [1, 2, 5, 6] and request.sampling_params.max_tokens == 1
     )
+    # It goes on only where the weights are at least those of its tokens.
+    assert request.min_weight_version == 3
     retry.add(
         data_plane_pb2.GenerateStreamResponse(
             token_ids=[7], finish_reason=generation_pb2.FINISH_REASON_ABORTED

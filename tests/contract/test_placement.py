@@ -334,11 +334,17 @@ def test_a_backend_behind_the_fleets_weights_gets_no_calls_until_it_catches_up(
     picks = {chosen.choose(f"s{i}", backends).address for i in range(40)}  # type: ignore[union-attr]
     picks |= {chosen.choose(None, backends).address for _ in range(5)}  # type: ignore[union-attr]
     assert picks == {"a", "b"}
-    # An ineligible backend does not count: with only "c" healthy, it serves.
+    # An ineligible backend does not count: with only "c" healthy, it serves...
     views[0].eligible = views[1].eligible = False
     assert chosen.choose("alone", backends).address == "c"  # type: ignore[union-attr]
+    # ... but never a continuation of tokens made at 3: a sample's versions never go back.
+    assert behind(backends, min_version=3) == {"c"}
+    assert chosen.choose("alone", backends, min_version=3) is None
+    assert chosen.choose(None, backends, min_version=3) is None
+    assert chosen.choose(None, backends, min_version=0).address == "c"  # type: ignore[union-attr]
     # Caught up: it takes calls again.
     views[0].eligible = views[1].eligible = True
     views[2].weight_version = 3
     assert behind(backends) == frozenset()
     assert "c" in {chosen.choose(f"t{i}", backends).address for i in range(40)}  # type: ignore[union-attr]
+    assert behind(backends, min_version=4) == {"a", "b", "c"}  # none made those weights yet

@@ -245,7 +245,7 @@ async def test_a_resumed_generation_parses_as_one_uninterrupted(tool_router: Any
             tokens = [t for m in full for t in m.token_ids]
             cut = len(full[0].token_ids) + len(full[1].token_ids)
             assert 0 < cut < len(tokens) - 2
-            resumed = await run(continue_request(request, tokens[:cut]))
+            resumed = await run(continue_request(request, tokens[:cut], 0))
             assert [t for m in resumed for t in m.token_ids] == tokens[cut:]
             if whole_messages:
                 text = "".join(m.text for m in full)

@@ -642,3 +642,30 @@ async def test_routed_experts_asked_of_a_server_that_does_not_capture_them_are_r
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "--enable-return-routed-experts" in (refused.value.details() or "")
     assert len(await greedy(data, [1, 2, 3], 2)) == 2
+
+
+async def test_a_continuation_newer_than_the_served_weights_is_refused_naming_both(
+    data: data_plane_pb2_grpc.DataPlaneAsyncStub,
+) -> None:
+    """A continuation of tokens made at a weight version this server does not have yet
+    (``min_weight_version``): FAILED_PRECONDITION naming both versions, before the engine sees
+    it, so a sample's versions never go backwards; at its own version it runs."""
+    first = [c async for c in data.GenerateStream(_floor_request(0))]
+    serving = first[0].weight_version
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        async for _ in data.GenerateStream(_floor_request(serving + 1)):
+            pass
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = refused.value.details() or ""
+    assert f"serves weight version {serving}" in details
+    assert f"min_weight_version {serving + 1}" in details
+    tokens = [t async for c in data.GenerateStream(_floor_request(serving)) for t in c.token_ids]
+    assert len(tokens) == 2
+
+
+def _floor_request(min_weight_version: int) -> data_plane_pb2.GenerateStreamRequest:
+    return data_plane_pb2.GenerateStreamRequest(
+        prompt_token_ids=[1, 2, 3],
+        sampling_params=SP(temperature=0.0, max_tokens=2),
+        min_weight_version=min_weight_version,
+    )

@@ -19,7 +19,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from servers.common.listener import ServerTls, bind, server_options
 from skyrl_grpc import routed_experts
-from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc, generation_pb2
+from skyrl_grpc.v1 import (
+    data_plane_pb2,
+    data_plane_pb2_grpc,
+    generation_pb2,
+    status_pb2,
+    status_pb2_grpc,
+)
 
 DATA_PLANE = "skyrl.inference.v1.DataPlane"
 
@@ -69,6 +75,9 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
         self.orphan_on_failure = False
         # ``fail_after_tokens`` fails one stream only (the next ones run whole).
         self.fail_once = False
+        # The weight version its tokens are stamped with; a request whose min_weight_version
+        # is newer is refused FAILED_PRECONDITION, as on an engine (``set_version``).
+        self.weight_version = 0
 
     def _begin(self, context: grpc.aio.ServicerContext) -> None:  # type: ignore[type-arg]
         self.observed.calls += 1
@@ -87,6 +96,12 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
         if request.lora and request.lora not in self.adapters:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no LoRA adapter named {request.lora!r}"
+            )
+        if request.min_weight_version > self.weight_version:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{self.name} serves weight version {self.weight_version}, older than "
+                f"min_weight_version {request.min_weight_version}",
             )
         max_tokens = request.sampling_params.max_tokens or 8
         asked = request.sampling_params.return_routed_experts
@@ -123,6 +138,7 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
                 chunk = data_plane_pb2.GenerateStreamResponse(
                     request_id=request.request_id or self.name,
                     token_ids=[i],
+                    weight_version=self.weight_version,
                     finish_reason=(
                         generation_pb2.FINISH_REASON_LENGTH
                         if last
@@ -203,7 +219,7 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
                     )
                     chunk = data_plane_pb2.GenerateStreamResponse(
                         request_id=asked.request_id, batch_index=index, token_ids=[i],
-                        finish_reason=reason,
+                        finish_reason=reason, weight_version=self.weight_version,
                         usage=generation_pb2.Usage(completion_tokens=i + 1),
                     )  # fmt: skip
                     wants = asked.sampling_params.return_routed_experts
@@ -241,14 +257,38 @@ class FakeDataPlane(data_plane_pb2_grpc.DataPlaneServicer):
         return data_plane_pb2.GetModelInfoResponse(served_model_name=self.name, vocab_size=16)
 
 
+class FakeStatus(status_pb2_grpc.ServerStatusServicer):
+    """ServerStatus.Watch as an engine answers it, reporting only the weight version (sent
+    at once, then at each ``FakeBackend.set_version``)."""
+
+    def __init__(self, data_plane: FakeDataPlane) -> None:
+        self._data_plane = data_plane
+        self.changed = asyncio.Event()
+
+    async def Watch(self, request, context):  # type: ignore[no-untyped-def]
+        while True:
+            self.changed.clear()
+            yield status_pb2.WatchResponse(
+                weight_version=self._data_plane.weight_version, sessions_complete=True
+            )
+            await self.changed.wait()
+
+
 class FakeBackend:
-    """An in-process fake engine server with health; ``start()`` binds ``port`` (0: any)."""
+    """An in-process fake engine server with health; ``start()`` binds ``port`` (0: any).
+    ``status``: it also serves ServerStatus (its weight version, for the router to follow)."""
 
     def __init__(
-        self, name: str = "fake", delay: float = 0.002, port: int = 0, per_stream_delay: float = 0.0
+        self,
+        name: str = "fake",
+        delay: float = 0.002,
+        port: int = 0,
+        per_stream_delay: float = 0.0,
+        status: bool = False,
     ) -> None:
         # A stand-in: the DataPlane methods it does not serve answer UNIMPLEMENTED.
         self.servicer = FakeDataPlane(name, delay, per_stream_delay)  # type: ignore[abstract]
+        self.status = FakeStatus(self.servicer) if status else None
         self.health = health.aio.HealthServicer()
         self.requested_port = port
         self.server: grpc.aio.Server | None = None
@@ -268,6 +308,8 @@ class FakeBackend:
         self.server = grpc.aio.server(options=server_options())
         data_plane_pb2_grpc.add_DataPlaneServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if self.status is not None:
+            status_pb2_grpc.add_ServerStatusServicer_to_server(self.status, self.server)
         self.port = bind(self.server, f"127.0.0.1:{self.port or self.requested_port}", tls)
         await self.server.start()
         await self.health.set(DATA_PLANE, health_pb2.HealthCheckResponse.SERVING)
@@ -280,6 +322,12 @@ class FakeBackend:
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         await self.health.set(DATA_PLANE, status)
+
+    def set_version(self, version: int) -> None:
+        """Serves weight ``version`` from now (and reports it, with ``status``)."""
+        self.servicer.weight_version = version
+        if self.status is not None:
+            self.status.changed.set()
 
     async def stop(self) -> None:
         if self.server is not None:

@@ -22,9 +22,12 @@ def request(**params: object) -> Request:
     )
 
 
-def chunk(tokens: list[int], finish: int = 0, request_id: str = "r-1") -> bytes:
+def chunk(
+    tokens: list[int], finish: int = 0, request_id: str = "r-1", version: int = 0
+) -> bytes:
     return Chunk(
         request_id=request_id,
+        weight_version=version,
         token_ids=tokens,
         finish_reason=finish,  # type: ignore[arg-type]
         usage=generation_pb2.Usage(prompt_tokens=3, completion_tokens=len(tokens)),
@@ -34,7 +37,7 @@ def chunk(tokens: list[int], finish: int = 0, request_id: str = "r-1") -> bytes:
 
 def test_a_continuation_extends_the_prompt_and_spends_the_budget() -> None:
     original = request(max_tokens=10, min_tokens=4, prompt_logprobs=2, temperature=0.5)
-    continued = continue_request(original, [7, 8, 9])
+    continued = continue_request(original, [7, 8, 9], 0)
     assert list(continued.prompt_token_ids) == [1, 2, 3, 7, 8, 9]
     assert continued.sampling_params.max_tokens == 7
     assert continued.sampling_params.min_tokens == 1
@@ -45,9 +48,35 @@ def test_a_continuation_extends_the_prompt_and_spends_the_budget() -> None:
     # The original is left as it was.
     assert list(original.prompt_token_ids) == [1, 2, 3]
     assert original.sampling_params.max_tokens == 10
-    unbounded = continue_request(request(min_tokens=2), [5, 5, 5])
+    unbounded = continue_request(request(min_tokens=2), [5, 5, 5], 0)
     assert not unbounded.sampling_params.HasField("max_tokens")  # the context bounds it
     assert unbounded.sampling_params.min_tokens == 0
+
+
+def test_a_continuation_goes_on_no_older_than_its_tokens_weights() -> None:
+    """A continuation names its tokens' newest weight version (``min_weight_version``), never
+    less than the floor the request already had."""
+    assert continue_request(request(max_tokens=9), [4, 5], 4).min_weight_version == 4
+    floored = request(max_tokens=9)
+    floored.min_weight_version = 6
+    assert continue_request(floored, [4], 4).min_weight_version == 6
+    assert continue_request(floored, [4], 7).min_weight_version == 7
+
+
+def test_a_migration_moves_only_to_weights_as_new_as_its_tokens() -> None:
+    """The stream's floor is the newest version among its tokens (a final chunk with no token,
+    stamped later, does not count), read from the unparsed chunks and from a continuation's."""
+    migration = StreamMigration(request(max_tokens=20), max_migrations=3)
+    assert migration.min_version == 0
+    migration.observe(chunk([10], version=3))
+    migration.observe(chunk([11, 12], version=4))
+    assert migration.min_version == 4
+    continuation = Request.FromString(migration.continuation("10.0.0.1:1"))
+    assert continuation.min_weight_version == 4
+    migration.observe(chunk([13], version=5))
+    migration.observe(chunk([], version=9))  # no token: nothing was made at 9
+    assert migration.min_version == 5
+    assert Request.FromString(migration.continuation("10.0.0.2:1")).min_weight_version == 5
 
 
 def test_only_single_sample_generate_streams_migrate() -> None:
@@ -114,6 +143,6 @@ def test_a_constrained_stream_migrates_only_before_its_first_token() -> None:
     migration.observe(chunk([4, 5]))
     assert migration.can_migrate()
     # The continuation tells the chat parser which prompt tokens are the sample's own.
-    continued = continue_request(continue_request(plain_chat, [4, 5]), [6])
+    continued = continue_request(continue_request(plain_chat, [4, 5], 0), [6], 0)
     assert continued.chat_output.resumed_tokens == 3
     assert list(continued.prompt_token_ids) == [1, 2, 3, 4, 5, 6]

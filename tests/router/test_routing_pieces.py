@@ -129,6 +129,13 @@ async def test_a_server_that_failed_is_skipped_for_a_while_and_tried_ones_are_no
     routes.mark_unavailable("a")
     assert {routes.pick(None) for _ in range(5)} == {"b"}
     assert routes.pick(None, tried=["b"]) is None
+    # A continuation of tokens made at version 2 goes through the router (held there for a
+    # server that new) rather than to "b", the only one left, serving 1.
+    view = _view({"b": HEALTHY}, {})
+    view.backends[0].weight_version = 1
+    routes.apply(view)
+    assert routes.members["b"].weight_version == 1
+    assert routes.pick(None, min_version=2) is None and routes.pick(None, min_version=1) == "b"
     # A member the feed no longer lists is gone from the view.
     routes.apply(_view({"b": HEALTHY}, {}))
     assert set(routes.members) == {"b"}

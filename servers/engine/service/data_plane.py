@@ -154,6 +154,8 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         """A Generate / GenerateStream request of ``n`` (checked) samples, checked and
         prepared."""
         prompt = validate.prompt(request.prompt_token_ids, parts.limits, "prompt_token_ids")
+        if isinstance(request, data_plane_pb2.GenerateStreamRequest):
+            validate.weight_floor(request.min_weight_version, parts.weights.version)
         return self._prepare(
             parts,
             request.request_id,

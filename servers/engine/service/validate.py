@@ -147,6 +147,20 @@ def batch(
     return indices, sessions
 
 
+def weight_floor(min_weight_version: int, serving: int) -> None:
+    """A continuation (``min_weight_version``) goes on only here where this server's weights
+    are at least as new as its tokens' (its versions never go backwards)."""
+    if min_weight_version < 0:
+        raise InvalidArgument(f"min_weight_version must be >= 0, got {min_weight_version}")
+    if min_weight_version > serving:
+        raise FailedPrecondition(
+            f"this server serves weight version {serving}, older than the request's "
+            f"min_weight_version {min_weight_version} (it continues a sample made at that "
+            "version): send it to a server that has the update (the router and the trainer "
+            "client place it so)"
+        )
+
+
 def session_id(value: str) -> None:
     if not value:
         raise InvalidArgument("session_id is empty: name the session to finish")
