@@ -9,12 +9,7 @@ from typing import Final, Literal, TypeAlias, TypedDict
 import grpc
 
 from skyrl_grpc import tracing
-from skyrl_grpc.channels import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    liveness_options,
-    open_channel,
-    prompt_reconnect_options,
-)
+from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, liveness_options, open_channel
 from skyrl_grpc.metadata import bearer
 from skyrl_grpc.tls import TlsConfig
 
@@ -135,16 +130,8 @@ class ClientConfig:
 
     def open_channel(self, address: str, liveness_seconds: float | None = None) -> grpc.aio.Channel:
         """A channel to ``address``; with ``liveness_seconds``, one that loses a peer answering
-        no keepalive ping within that long (``skyrl_grpc.channels.liveness_options``), and
-        gives up a connection attempt no answer reaches as soon (``prompt_reconnect_options``):
-        a call placed on a server whose host is cut off then fails over within the liveness,
-        instead of waiting in a reconnection that gRPC would give 20 s (a generation once sat
-        7.98 s there, the server taken back by placement while its host was still cut off)."""
-        extra = (
-            [*liveness_options(liveness_seconds), *prompt_reconnect_options(liveness_seconds)]
-            if liveness_seconds
-            else []
-        )
+        no keepalive ping within that long (``skyrl_grpc.channels.liveness_options``)."""
+        extra = liveness_options(liveness_seconds) if liveness_seconds else []
         return open_channel(
             address, tls=self.tls, max_message_bytes=self.max_message_bytes, extra_options=extra
         )

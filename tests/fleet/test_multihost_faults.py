@@ -230,9 +230,8 @@ async def test_a_server_cut_off_from_a_self_routing_trainer_loses_no_token_and_m
     # servers' calls and the moved ones' prompts again: up to twice the slowest undisturbed
     # call, with 1.5 s for a busy machine (a clean-clone run: 4.11 s against 0.55 s before).
     # With the control channel's keepalive instead of the liveness it took 5.92 s. The liveness
-    # is allowed twice: one clean-clone run took 7.98 s against 1.33 s before, a generation
-    # placed on the cut server once its skip ended and left in gRPC's 20 s reconnection (the
-    # client's generation channels now give a connection attempt up within the liveness).
+    # is allowed twice: one clean-clone run took 7.98 s against 1.33 s before (not yet
+    # explained; noted on issue 76), still well inside the 10 s partition.
     bound = 2 * LIVENESS_SECONDS + 2 * max(before) + 1.5
     assert max(through) <= bound, (before, through)
     # Generations ran on the server cut off: they waited for the liveness, then moved.

@@ -2,7 +2,8 @@
 
 It "generates" token i at step i with a fixed delay per token, records what it saw (metadata,
 deadlines, cancellations) and can be told to fail. Runs in-process (``FakeBackend``) or as a
-process: ``python -m tests.helpers.fake_backend --port P`` (for kill -9 tests).
+process: ``python -m tests.helpers.fake_backend --port P [--host A]`` (for kill -9 tests, and on
+a testbed host).
 """
 
 from __future__ import annotations
@@ -285,18 +286,20 @@ class FakeBackend:
         port: int = 0,
         per_stream_delay: float = 0.0,
         status: bool = False,
+        host: str = "127.0.0.1",
     ) -> None:
         # A stand-in: the DataPlane methods it does not serve answer UNIMPLEMENTED.
         self.servicer = FakeDataPlane(name, delay, per_stream_delay)  # type: ignore[abstract]
         self.status = FakeStatus(self.servicer) if status else None
         self.health = health.aio.HealthServicer()
         self.requested_port = port
+        self.host = host
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def observed(self) -> Observed:
@@ -310,7 +313,7 @@ class FakeBackend:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.status is not None:
             status_pb2_grpc.add_ServerStatusServicer_to_server(self.status, self.server)
-        self.port = bind(self.server, f"127.0.0.1:{self.port or self.requested_port}", tls)
+        self.port = bind(self.server, f"{self.host}:{self.port or self.requested_port}", tls)
         await self.server.start()
         await self.health.set(DATA_PLANE, health_pb2.HealthCheckResponse.SERVING)
         return self
@@ -335,8 +338,8 @@ class FakeBackend:
             self.server = None
 
 
-async def _main(port: int, name: str, delay: float) -> None:
-    backend = await FakeBackend(name, delay, port).start()
+async def _main(port: int, name: str, delay: float, host: str) -> None:
+    backend = await FakeBackend(name, delay, port, host=host).start()
     print(json.dumps({"event": "ready", "address": backend.address}), flush=True)
     await asyncio.Event().wait()
 
@@ -346,5 +349,6 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--name", default="fake")
     parser.add_argument("--delay", type=float, default=0.002)
+    parser.add_argument("--host", default="127.0.0.1")  # a testbed host's address
     args = parser.parse_args()
-    asyncio.run(_main(args.port, args.name, args.delay))
+    asyncio.run(_main(args.port, args.name, args.delay, args.host))
