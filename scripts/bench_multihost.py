@@ -11,8 +11,10 @@ each update timed from ``update_weights`` until every server committed:
 - **full**: every parameter, after a warm-up update;
 - **delta**: an RL step's patch (1% of each tensor's elements changed) against the last push;
 
-relayed (the client's default: ``weight_relay_fanout`` 2, two relay trees) and sent to every
-server directly (``weight_relay_fanout=0``), interleaved round by round (where the trainer's
+relayed down two trees (``weight_relay_fanout`` 2, the default before ``auto``) and sent to every
+server directly (``weight_relay_fanout=0``; ``--modes`` adds ``chain``, fan-out 1: one chain, and
+``auto``, the client's default),
+interleaved round by round (where the trainer's
 link is slower than the servers', relayed only: direct is then N times the floor). The floor is the
 update's bytes over the slowest link they must cross: the trainer's uplink, or a server's
 downlink (every server receives them once). Printed per row: floor, measured (median and
@@ -49,8 +51,12 @@ from scripts.bench_models import build_model
 from testbed import Host, Testbed
 from testbed.peers import vllm_http_command
 from testbed.stack import ROOT, run_job, start_server
+from trainer_client.config import RelayFanout
 
-MODES = {"relay": 2, "direct": 0}
+# The client's ``weight_relay_fanout`` of each mode: "relay" two trees (the default before
+# "auto"), "chain" one, "auto" the client's default (a chain for the whole weights up to 32
+# hosts, two trees for patches).
+MODES: dict[str, RelayFanout] = {"relay": 2, "direct": 0, "chain": 1, "auto": "auto"}
 # A job's updates: a warm-up (whole: the client has no base yet, and keeps one), a delta
 # against it, a full update (every parameter).
 STEPS = [{"edit": 1}, {"edit": 2}, {"edit": 3, "delta": False}]
@@ -247,6 +253,11 @@ def main() -> None:
     parser.add_argument("--distance", action="store_true", help="per-step streams instead")
     parser.add_argument("--rtts", default="0,40", help="round trips (ms) for --distance")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--modes",
+        default="relay,direct",
+        help=f"of {', '.join(MODES)} (where the trainer's link is slower, direct is left out)",
+    )
     parser.add_argument("--json", default="", help="write the rows here too")
     parser.add_argument(
         "--add-to",
@@ -277,7 +288,10 @@ def main() -> None:
         for ratio in ratios:
             if ratio != 1 and count != args.ratio_hosts:
                 continue
-            modes = list(MODES) if ratio >= 1 else ["relay"]
+            asked = args.modes.split(",")
+            if unknown := set(asked) - set(MODES):
+                parser.error(f"--modes: {', '.join(sorted(unknown))}: use {', '.join(MODES)}")
+            modes = [m for m in asked if ratio >= 1 or m != "direct"]
             try:
                 rows += measure(
                     count, args.rate, ratio, args.rounds, modes, Path(args.logs), args.model

@@ -13,7 +13,19 @@ from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, liveness_options, ope
 from skyrl_grpc.metadata import bearer
 from skyrl_grpc.tls import TlsConfig
 
-__all__ = ["DEFAULT", "ClientConfig", "ClientSettings", "Plane", "Timeout", "TlsConfig"]
+__all__ = [
+    "DEFAULT",
+    "ClientConfig",
+    "ClientSettings",
+    "Plane",
+    "RelayFanout",
+    "Timeout",
+    "TlsConfig",
+]
+
+# ``ClientConfig.weight_relay_fanout``: the relay trees' fan-out (1: a chain; 0: no relay), or
+# "auto" (``trainer_client.weights.relay_plan.fanout_for``).
+RelayFanout: TypeAlias = int | Literal["auto"]
 
 #: Which of a server's services a call goes to: each may require its own bearer token
 #: (``serve --data-token`` / ``--control-token``).
@@ -98,12 +110,12 @@ class ClientConfig:
     # shares, each streamed once by the trainer down a relay tree of its own, every forwarding
     # server with that many children and forwarding in one tree only (on a host, in a chain:
     # trainer_client.weights.relay_plan), so what the trainer sends does not grow with the
-    # fleet and every host's link carries the update once each way. 2: two trees, log-deep
-    # (1.16x the link's floor at 4 hosts on the testbed, docs/weights.md); 1: a chain, one
-    # forwarding per hop but as deep as the fleet; 0: the trainer streams to every server (the
-    # faster where the trainer's link carries N copies in the time a server's carries one:
-    # 1.11x the floor at 4 hosts with a 4x link, where the trees take 1.29x).
-    weight_relay_fanout: int = 2
+    # fleet and every host's link carries the update once each way. "auto": one chain up to
+    # 32 hosts (one stream per link: 1.10x the link's floor at 4 hosts on the testbed, 1.14x
+    # with a trainer's link 4x a server's; docs/weights.md), two trees above (log-deep);
+    # k >= 2: k trees; 1: always a chain; 0: the trainer streams to every server (its link
+    # carries N copies).
+    weight_relay_fanout: RelayFanout = "auto"
     # OpenTelemetry traces over OTLP/gRPC to this host:port (vLLM's flag's name): a span per
     # update_weights and generate_batch, and the W3C trace context on every call, so the
     # servers' spans (each weight update phase, each generation) join the trainer's trace.
@@ -156,5 +168,5 @@ class ClientSettings(TypedDict, total=False):
     cut_out_unreachable: bool
     extra_metadata: tuple[tuple[str, str], ...]
     push_socket: bool
-    weight_relay_fanout: int
+    weight_relay_fanout: RelayFanout
     otlp_traces_endpoint: str | None

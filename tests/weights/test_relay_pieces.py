@@ -22,7 +22,14 @@ from servers.engine.domain.weights.relay_role import (
 from servers.engine.peers.peer_streams import Failure, Item, stage_stream
 from skyrl_grpc.errors import InvalidArgument, PermissionDenied
 from trainer_client.weights.relay_plan import RelayTree as PlanTree
-from trainer_client.weights.relay_plan import relay_for, relay_plan
+from trainer_client.weights.relay_plan import (
+    FAST_STREAM_BYTES_PER_SECOND,
+    PACE_MIN_BYTES,
+    RelayPace,
+    fanout_for,
+    relay_for,
+    relay_plan,
+)
 from trainer_client.weights.update_plan import (
     PushedWeights,
     Sending,
@@ -77,6 +84,43 @@ def test_every_hosts_link_carries_the_update_at_most_once_each_way(fanout: int) 
             assert received <= 1, (hosts, address)
         depth = max(len(_path(tree, a)) for tree in trees for a in servers)
         assert depth <= (hosts if fanout == 1 else 1 + math.ceil(math.log2(hosts + 1))), hosts
+
+
+def test_auto_relays_whole_weights_down_one_chain_up_to_32_hosts_and_two_trees_else() -> None:
+    """``auto`` (the default) by each group's hosts, not its servers: one stream per link
+    while the chain's fill is small, the trees' log depth beyond, for patches (whose time is
+    the hops' latency) and on links a core's stream cannot fill."""
+    for hosts, trees_expected in [(2, 1), (32, 1), (33, 2), (200, 2)]:
+        servers = [f"10.0.{h // 200}.{h % 200}:1" for h in range(hosts)]
+        trees = relay_plan([servers], "auto").trees_of(servers[0])
+        assert len(trees) == trees_expected, hosts
+        if trees_expected == 1:
+            assert max(len(_path(trees[0], a)) for a in servers) == hosts  # a chain
+    # 40 servers on 20 hosts: a chain of the hosts, each host's second server below its first.
+    paired = [f"10.0.1.{h}:{port}" for h in range(20) for port in (1, 2)]
+    (chain,) = relay_plan([paired], "auto").trees_of(paired[0])
+    assert chain.children["10.0.1.0:1"] == ("10.0.1.0:2", "10.0.1.1:1")
+    assert fanout_for(paired, "auto") == 1 and fanout_for(paired, 3) == 3
+    # Patches, and links found fast: two trees, whatever the hosts.
+    plan = relay_plan([paired, paired[:4]], "auto", whole=[False, True])
+    assert [len(trees) for trees in plan.groups] == [2, 1]
+    assert [len(t) for t in relay_plan([paired], "auto", fast_links=True).groups] == [2]
+    assert fanout_for(paired, 1, whole=False, fast_links=True) == 1  # asked for: kept
+    for wrong in ("chain", -1, True):
+        with pytest.raises(ValueError, match="give 'auto', 0"):
+            fanout_for(paired, wrong)  # type: ignore[arg-type]
+
+
+def test_the_pace_is_fast_once_a_long_stream_ran_faster_than_a_core_moves_one() -> None:
+    pace = RelayPace()
+    pace.observe(PACE_MIN_BYTES, PACE_MIN_BYTES / FAST_STREAM_BYTES_PER_SECOND * 2)
+    pace.observe(PACE_MIN_BYTES - 1, 1e-6)  # short: says nothing
+    pace.observe(PACE_MIN_BYTES, 0.0)
+    assert not pace.fast
+    pace.observe(PACE_MIN_BYTES, PACE_MIN_BYTES / FAST_STREAM_BYTES_PER_SECOND / 2)
+    assert pace.fast
+    pace.observe(PACE_MIN_BYTES, 100.0)  # once fast, kept: a slow stream is a busy moment
+    assert pace.fast
 
 
 def _path(tree: PlanTree, address: str) -> list[str]:

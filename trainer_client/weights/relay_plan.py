@@ -7,7 +7,7 @@ any fleet size.
 
 The servers that get the same bytes (patches against the update's base, the same patches
 compressed, or the whole weights: ``UpdatePlan``) form one group. A group's update is split
-into ``fanout`` shares (``ClientConfig.weight_relay_fanout``, 2 by default), each sent down a
+into ``fanout`` shares (``ClientConfig.weight_relay_fanout``; ``auto`` below), each sent down a
 relay tree of its own in which every forwarding server has ``fanout`` children; the servers
 that forward in tree ``i`` are the hosts ``i``, ``i + fanout``, ... and every other host is a
 leaf of it, so a host forwards in one tree only and its uplink carries one share ``fanout``
@@ -15,10 +15,18 @@ times: the update once (the trees NCCL's double binary tree broadcast uses, gene
 tree's depth is ``log_fanout`` of the hosts, so the time the pipeline takes to fill is a few
 frames at 1000 hosts. ``fanout`` 1 is a chain: one share, every host forwarding it once.
 
-Servers on one host (one Ray node) relay in a chain from the host's first server, in every
-tree, before anything crosses hosts: loopback carries the copies. Each relayed server gets a
-ticket the trainer chooses, so one round of StartWeightUpdate hands every server its place
-and its children's tickets.
+``auto`` (the default) picks per group: a chain for the whole weights up to
+``CHAIN_MAX_HOSTS`` hosts, two trees otherwise. Measured on the testbed (docs/weights.md): a
+chain gives every downlink and uplink one stream, where two trees give each downlink two, which
+TCP does not share evenly (full updates at 4 hosts: 1.10x the link's floor against the trees'
+1.15x, and 1.14x against 1.25x with a trainer's link 4x a server's); but a chain's every hop
+adds its latency in turn, which a patch (an RL step's delta, a few MB) feels and the trees' log
+depth does not (at 8 hosts a chain's delta took 3.0 s, the trees' 1.0 s), and its fill, a
+chunk's time per hop (1/512 of the update), reaches 6% of the floor at ``CHAIN_MAX_HOSTS``. Where
+one stream is held by a core rather than by the link (``RelayPace``: the trainer's stream into
+a chain ran faster than ``FAST_STREAM_BYTES_PER_SECOND``; ``scripts/simulate_relay.py``: two
+trees are 1.5x faster than a chain at 100 Gbit/s), the trees' streams side by side win: after
+such an update, ``auto`` relays down two trees.
 """
 
 from __future__ import annotations
@@ -29,10 +37,56 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from skyrl_grpc.push_socket_client import host_of
-from trainer_client.weights.update_plan import ServerState, UpdatePlan, Variant
+from trainer_client.config import RelayFanout
+from trainer_client.weights.update_plan import WHOLE, ServerState, UpdatePlan, Variant
 
 # Bytes of randomness in a ticket (the servers take 16 or more).
 TICKET_BYTES = 16
+# ``auto``: a group of up to this many hosts relays the whole weights down one chain.
+CHAIN_MAX_HOSTS = 32
+AUTO_TREES = 2
+# A relayed stream faster than this (25 Gbit/s; one relay stream moves ~6 GB/s of a core):
+# the link is not what holds a chain, a core is.
+FAST_STREAM_BYTES_PER_SECOND = 3.1e9
+# Streams shorter than this say little about the link's pace (a delta's, a handshake's).
+PACE_MIN_BYTES = 64 << 20
+
+
+class RelayPace:
+    """What the trainer's relayed streams of whole weights showed of the links: ``fast``
+    once one ran faster than ``FAST_STREAM_BYTES_PER_SECOND``."""
+
+    def __init__(self) -> None:
+        self.fast = False
+
+    def observe(self, sent_bytes: int, seconds: float) -> None:
+        if sent_bytes >= PACE_MIN_BYTES and seconds > 0:
+            self.fast = self.fast or sent_bytes / seconds > FAST_STREAM_BYTES_PER_SECOND
+
+
+def hosts_of(servers: Sequence[str]) -> dict[str, list[str]]:
+    """``servers`` by host, in order (an address with no host part is a host of its own)."""
+    by_host: dict[str, list[str]] = {}
+    for address in servers:
+        by_host.setdefault(host_of(address) or address, []).append(address)
+    return by_host
+
+
+def fanout_for(
+    servers: Sequence[str], fanout: RelayFanout, whole: bool = True, fast_links: bool = False
+) -> int:
+    """The fan-out a group of ``servers`` relays with: ``fanout`` itself, or ``auto``'s choice
+    (a chain for the ``whole`` weights up to ``CHAIN_MAX_HOSTS`` hosts on links slower than a
+    core's stream, else ``AUTO_TREES`` trees)."""
+    if fanout == "auto":
+        chain = whole and not fast_links and len(hosts_of(servers)) <= CHAIN_MAX_HOSTS
+        return 1 if chain else AUTO_TREES
+    if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 0:
+        raise ValueError(
+            f"weight_relay_fanout {fanout!r}: give 'auto', 0 (no relay), 1 (a chain) or the "
+            "trees' fan-out"
+        )
+    return fanout
 
 
 @dataclass(frozen=True)
@@ -76,12 +130,23 @@ class RelayPlan:
         return ()
 
 
-def relay_plan(groups: Iterable[Sequence[str]], fanout: int) -> RelayPlan:
+def relay_plan(
+    groups: Iterable[Sequence[str]],
+    fanout: RelayFanout,
+    whole: Sequence[bool] | None = None,
+    fast_links: bool = False,
+) -> RelayPlan:
     """``fanout`` relay trees over each group of servers in ``groups`` (each group gets the same
-    bytes), or as many as the group has hosts; a group of one server is one tree of one."""
-    if fanout < 1:
+    bytes: the ``whole`` weights or not, default all; ``auto``: ``fanout_for`` each), or as
+    many as the group has hosts; a group of one server is one tree of one."""
+    if fanout != "auto" and fanout_for((), fanout) < 1:
         raise ValueError(f"relay fan-out {fanout}: give 1 or more (0 turns relaying off)")
-    planned = tuple(_trees(servers, fanout) for servers in groups)
+    listed = list(groups)
+    kinds = [True] * len(listed) if whole is None else list(whole)
+    planned = tuple(
+        _trees(servers, fanout_for(servers, fanout, kind, fast_links))
+        for servers, kind in zip(listed, kinds, strict=True)
+    )
     tickets = {
         address: secrets.token_bytes(TICKET_BYTES)
         for trees in planned
@@ -95,9 +160,7 @@ def _trees(servers: Sequence[str], fanout: int) -> tuple[RelayTree, ...]:
     tree whose forwarding heads are those of that tree's hosts (``i``, ``i + fanout``, ...)
     first, the other heads leaves; each head's own servers in a chain below it, first among
     its children."""
-    by_host: dict[str, list[str]] = {}
-    for address in servers:
-        by_host.setdefault(host_of(address) or address, []).append(address)
+    by_host = hosts_of(servers)
     heads = [members[0] for members in by_host.values()]
     local: dict[str, str] = {}
     for members in by_host.values():
@@ -118,15 +181,21 @@ def _trees(servers: Sequence[str], fanout: int) -> tuple[RelayTree, ...]:
     return tuple(trees)
 
 
-def relay_for(plan: UpdatePlan, states: Mapping[str, ServerState], fanout: int) -> RelayPlan | None:
+def relay_for(
+    plan: UpdatePlan,
+    states: Mapping[str, ServerState],
+    fanout: RelayFanout,
+    fast_links: bool = False,
+) -> RelayPlan | None:
     """The relay plan of ``plan``'s servers that relay down trees (``states``: what each said
     before the update; one that did not answer, or an older server, is streamed to
-    directly), one group per variant of the update; None when fewer than two relay or
-    ``fanout`` is 0."""
+    directly), one group per variant of the update (``fast_links``: ``RelayPace.fast``);
+    None when fewer than two relay or ``fanout`` is 0."""
     relaying = [a for a in plan.servers if (s := states.get(a)) is not None and s.relays]
-    if fanout <= 0 or len(relaying) < 2:
+    if fanout_for(relaying, fanout) == 0 or len(relaying) < 2:
         return None
     groups: dict[Variant, list[str]] = {}
     for address in relaying:
         groups.setdefault(plan.variant(address), []).append(address)
-    return relay_plan(groups.values(), fanout)
+    whole = [variant == WHOLE for variant in groups]
+    return relay_plan(groups.values(), fanout, whole, fast_links)

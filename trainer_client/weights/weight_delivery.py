@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,7 @@ from trainer_client.weights.push_lanes import (
     open_push_socket,
     relay_failures,
 )
-from trainer_client.weights.relay_plan import RelayPlan
+from trainer_client.weights.relay_plan import RelayPace, RelayPlan
 from trainer_client.weights.update_plan import (
     WHOLE,
     PushedWeights,
@@ -87,6 +88,8 @@ class WeightDelivery:
     def __init__(self, core: ClientCore, local: LocalWeights) -> None:
         self._core = core
         self._local = local
+        # How fast relayed streams ran: ``auto`` relays on fast links down trees.
+        self.pace = RelayPace()
 
     async def broadcast(
         self,
@@ -333,10 +336,14 @@ class WeightDelivery:
 
         async def push(target: tuple[str, Variant, tuple[int, int], int | None, list[str]]) -> None:
             address, variant, share, tree, reached = target
+            began = time.monotonic()
             try:
                 await send_all(address, variant, share, tree, reached)
             except RelayFailed as failed:
                 failures.update(failed.failures)
+                return
+            if tree is not None and variant == WHOLE:  # what the links' pace allows
+                self.pace.observe(shares.bytes(*share), time.monotonic() - began)
 
         targets: list[tuple[str, Variant, tuple[int, int], int | None, list[str]]] = []
         for trees in relay.groups if relay is not None else ():

@@ -254,9 +254,9 @@ class WeightUpdates:
                 state=calls.state,
             )
             if sender is None:
-                calls.relay = relay_for(
-                    plan, await calls.known_states(addresses), self.config.weight_relay_fanout
-                )
+                states = await calls.known_states(addresses)
+                fanout, fast = self.config.weight_relay_fanout, self.delivery.pace.fast
+                calls.relay = relay_for(plan, states, fanout, fast)
 
             async def transfer(reached: Sequence[str]) -> dict[str, BaseException]:
                 if sender is not None:
