@@ -19,10 +19,11 @@ frames at 1000 hosts. ``fanout`` 1 is a chain: one share, every host forwarding 
 ``CHAIN_MAX_HOSTS`` hosts, two trees otherwise. Measured on the testbed (docs/weights.md): a
 chain gives every downlink and uplink one stream, where two trees give each downlink two, which
 TCP does not share evenly (full updates at 4 hosts: 1.10x the link's floor against the trees'
-1.15x, and 1.14x against 1.25x with a trainer's link 4x a server's); but a chain's every hop
-adds its latency in turn, which a patch (an RL step's delta, a few MB) feels and the trees' log
-depth does not (at 8 hosts a chain's delta took 3.0 s, the trees' 1.0 s), and its fill, a
-chunk's time per hop (1/512 of the update), reaches 6% of the floor at ``CHAIN_MAX_HOSTS``. Where
+1.15x, and 1.13x against 1.31x with a trainer's link 4x a server's); but a chain's every hop
+adds its latency in turn, which a patch (an RL step's delta, a few MB, all latency) feels at a
+fleet's size and the trees' log depth does not (on the testbed's 4 and 8 hosts the two were
+even), and its fill, a chunk's time per hop (1/512 of the update), reaches 6% of the floor at
+``CHAIN_MAX_HOSTS``. Where
 one stream is held by a core rather than by the link (``RelayPace``: the trainer's stream into
 a chain ran faster than ``FAST_STREAM_BYTES_PER_SECOND``; ``scripts/simulate_relay.py``: two
 trees are 1.5x faster than a chain at 100 Gbit/s), the trees' streams side by side win: after
