@@ -1,9 +1,10 @@
 """How long an in-band weight update takes to reach every server, and what the trainer sends,
 at N = 1 ... 1024 server hosts, each host with a link of its own (issue: off one host):
 streamed by the trainer to each server (direct), down one relay tree of fan-out 2 (what the
-servers did before), down a chain, and down ``k`` relay trees each carrying 1/k of the update
-with every host forwarding in one of them (``trainer_client.weights.relay_plan``: k = 2, the
-client's default).
+servers did before), down a chain, down ``k`` relay trees each carrying 1/k of the update
+with every host forwarding in one of them (``trainer_client.weights.relay_plan``), and as the
+client's default (``auto``: the whole weights down a chain up to 32 hosts on links a stream
+fills, patches and the rest down 2 trees).
 
 The model, per host link of ``R`` bytes/s each way (the trainer's ``R_t``): a link carries
 what crosses it at the rate TCP leaves of it (``efficiency``: IP, TCP and Ethernet headers);
@@ -52,6 +53,11 @@ MODELS = {"7B": 7e9 * 2, "70B": 70e9 * 2}  # bfloat16 bytes
 LINKS_GBIT = (25, 100, 400)
 FLEETS = [2**i for i in range(11)]  # 1 ... 1024
 TOPOLOGIES = {"direct": 0, "one tree of 2": -2, "chain": 1, "2 trees": 2}
+AUTO = "auto (default)"
+# relay_plan's ``auto``: a chain for the whole weights up to this many hosts, on links slower
+# than FAST_STREAM (bytes/s), else 2 trees.
+CHAIN_MAX_HOSTS = 32
+FAST_STREAM = 3.1e9
 # An RL step's patch: ~1% of elements changed, each an index and a value (docs/weights.md).
 DELTA_FRACTION = 0.03
 
@@ -122,12 +128,19 @@ def transfer_seconds(
     return share / pace + depth(hosts, max(topology, 1)) * (chunk / pace + HOP_SECONDS)
 
 
+def auto_topology(kind: str, hosts: int, link: float) -> int:
+    """What the client's ``auto`` relays with (``relay_plan.fanout_for``): 1 a chain, 2 trees."""
+    chain = kind == "full" and hosts <= CHAIN_MAX_HOSTS and link < FAST_STREAM
+    return 1 if chain else 2
+
+
 def fleet_table(core: float) -> tuple[list[str], dict[str, Any]]:
+    names = [*TOPOLOGIES, AUTO]
     lines = [
         "| model | update | link | N | floor s | "
-        + " | ".join(f"{name} s" for name in TOPOLOGIES)
-        + " | 2 trees x floor |",
-        "|---|---|---|---|---|" + "---|" * len(TOPOLOGIES) + "---|",
+        + " | ".join(f"{name} s" for name in names)
+        + " | auto x floor |",
+        "|---|---|---|---|---|" + "---|" * len(names) + "---|",
     ]
     curves: dict[str, Any] = {}
     for model, size in MODELS.items():
@@ -141,6 +154,10 @@ def fleet_table(core: float) -> tuple[list[str], dict[str, Any]]:
                     ]
                     for name, k in TOPOLOGIES.items()
                 }
+                rows[AUTO] = [
+                    rows["chain" if auto_topology(kind, n, link) == 1 else "2 trees"][i]
+                    for i, n in enumerate(FLEETS)
+                ]
                 curves[f"{model} {kind} {gbit}"] = rows
                 floor = update / (gbit * 1e9 / 8)
                 for index, count in enumerate(FLEETS):
@@ -148,8 +165,8 @@ def fleet_table(core: float) -> tuple[list[str], dict[str, Any]]:
                         continue
                     lines.append(
                         f"| {model} | {kind} | {gbit} Gbit/s | {count} | {floor:.2f} | "
-                        + " | ".join(f"{rows[name][index]:.2f}" for name in TOPOLOGIES)
-                        + f" | {rows['2 trees'][index] / floor:.2f} |"
+                        + " | ".join(f"{rows[name][index]:.2f}" for name in names)
+                        + f" | {rows[AUTO][index] / floor:.2f} |"
                     )
     return lines, curves
 
@@ -167,12 +184,18 @@ def check(rows: list[dict[str, Any]], core: float) -> list[str]:
         if r["hosts"] == 1 and r["trainer_ratio"] == 1
     }
     for row in rows:
-        one = alone.get((row["mode"], row["kind"], row["model"]))
+        # One host relays to no one: a chain's and auto's fixed costs are the trees' there.
+        relayed = "direct" if row["mode"] == "direct" else "relay"
+        one = alone.get((row["mode"], row["kind"], row["model"])) or alone.get(
+            (relayed, row["kind"], row["model"])
+        )
         if one is None:
             continue
         link = row["rate_mbit"] * 1e6 / 8 * EFFICIENCY
         trainer = link * row["trainer_ratio"]
-        topology = 2 if row["mode"] == "relay" else 0
+        topology = {"relay": 2, "chain": 1, "direct": 0}.get(row["mode"])
+        if topology is None:  # auto
+            topology = auto_topology(row["kind"], row["hosts"], link)
         fixed = _median(one["seconds"]) - transfer_seconds(
             one["update_bytes"], 1, topology, link, link, core
         )
@@ -209,6 +232,10 @@ def plot(curves: dict[str, Any], path: Path) -> None:
             axis = axes[row][column]
             for name in TOPOLOGIES:
                 axis.plot(FLEETS, curves[f"{model} full {gbit}"][name], label=name, marker=".")
+            axis.plot(
+                FLEETS, curves[f"{model} full {gbit}"][AUTO], label=AUTO, color="black",
+                linestyle="--",
+            )  # fmt: skip
             floor = MODELS[model] / (gbit * 1e9 / 8)
             axis.axhline(floor, color="grey", linestyle=":", label="floor")
             axis.set_xscale("log", base=2)

@@ -46,7 +46,7 @@ TICKET_BYTES = 16
 # ``auto``: a group of up to this many hosts relays the whole weights down one chain.
 CHAIN_MAX_HOSTS = 32
 AUTO_TREES = 2
-# A relayed stream faster than this (25 Gbit/s; one relay stream moves ~6 GB/s of a core):
+# A relayed stream faster than this (25 Gbit/s; one relay stream moves 5-6 GB/s of a core):
 # the link is not what holds a chain, a core is.
 FAST_STREAM_BYTES_PER_SECOND = 3.1e9
 # Streams shorter than this say little about the link's pace (a delta's, a handshake's).
