@@ -156,9 +156,7 @@ class ClientCore:
         if not cut_out:
             await wait_while_starting(self.channel, servers, wait_for_starting)
             return await fan_out(operation, servers, call)
-        servers, _ = await rejoining(
-            self.cut_out, servers, self.answers, self.connections.spawn
-        )
+        servers, _ = await rejoining(self.cut_out, servers, self.answers, self.connections.spawn)
 
         async def once_started(address: str) -> T:
             await wait_while_starting(self.channel, [address], wait_for_starting)

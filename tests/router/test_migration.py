@@ -22,9 +22,7 @@ def request(**params: object) -> Request:
     )
 
 
-def chunk(
-    tokens: list[int], finish: int = 0, request_id: str = "r-1", version: int = 0
-) -> bytes:
+def chunk(tokens: list[int], finish: int = 0, request_id: str = "r-1", version: int = 0) -> bytes:
     return Chunk(
         request_id=request_id,
         weight_version=version,

@@ -21,7 +21,6 @@ from servers.engine.domain.weights.relay_role import (
 )
 from servers.engine.peers.peer_streams import Failure, Item, stage_stream
 from skyrl_grpc.errors import InvalidArgument, PermissionDenied
-from trainer_client.weights.relay_plan import RelayTree as PlanTree
 from trainer_client.weights.relay_plan import (
     FAST_STREAM_BYTES_PER_SECOND,
     PACE_MIN_BYTES,
@@ -30,6 +29,7 @@ from trainer_client.weights.relay_plan import (
     relay_for,
     relay_plan,
 )
+from trainer_client.weights.relay_plan import RelayTree as PlanTree
 from trainer_client.weights.update_plan import (
     PushedWeights,
     Sending,
