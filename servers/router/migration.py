@@ -142,6 +142,19 @@ class StreamMigration:
         return continue_request(self._request, self.tokens, self.min_version).SerializeToString()
 
 
+def floor_of(method: str, request: Any) -> int:
+    """A GenerateStream request's ``min_weight_version`` (a continuation the caller made: it
+    goes on no older weights, migration or not); 0 for any other call."""
+    if method != GENERATE_STREAM:
+        return 0
+    if isinstance(request, data_plane_pb2.GenerateStreamRequest):
+        return request.min_weight_version
+    try:
+        return data_plane_pb2.GenerateStreamRequest.FromString(request).min_weight_version
+    except Exception:
+        return 0  # the backend will answer INVALID_ARGUMENT
+
+
 async def abort_orphan(channel: grpc.aio.Channel, request_id: str, metadata: Metadata) -> None:
     """Aborts ``request_id`` on the server of ``channel``, where a stream moved away from it
     left it running (best effort: the continuation's next try says whether it is gone)."""

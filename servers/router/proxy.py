@@ -37,7 +37,7 @@ from servers.router.backends import Backend, BackendPool
 from servers.router.fleet_view import FleetEvents
 from servers.router.holds import CallHolds, no_backend_reason
 from servers.router.metrics import RouterMetrics
-from servers.router.migration import StreamMigration, abort_orphan
+from servers.router.migration import StreamMigration, abort_orphan, floor_of
 from servers.router.multiplex import Multiplexers, WithFallback
 from servers.router.upstreams import (
     Metadata,
@@ -218,7 +218,7 @@ class Proxy:
         meter = StreamMeter(self.metrics, started) if method == GENERATE_STREAM else None
         try:
             while True:
-                floor = 0 if migration is None else migration.min_version
+                floor = migration.min_version if migration else floor_of(method, request)
                 backend = await self._pick_or_hold(session, tried, context, floor)
                 worker = backend.address
                 tried.add(backend.address)

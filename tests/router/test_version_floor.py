@@ -124,3 +124,27 @@ async def test_a_batch_request_moves_only_to_a_server_as_new_as_its_tokens(fleet
     assert errors == []
     assert [t for t, _ in received] == [0, 1, 0, 1, 2, 3]
     assert {v for _, v in received} == {NEWEST}
+
+
+async def test_a_callers_continuation_goes_on_no_older_weights_with_migration_off(
+    fleet: Fleet,
+) -> None:
+    """A continuation the caller made (a trainer client resubmitting after an abort names its
+    tokens' version) is placed by its floor even where the router would not migrate it: with
+    the newest server gone, it is held and then refused UNAVAILABLE naming the floor, never
+    sent to the old server (which would refuse it FAILED_PRECONDITION)."""
+    fleet.router.proxy.options.max_migrations = 0
+    fleet.router.proxy.options.hold_seconds = 0.3
+    await fleet.new.set_serving(False)
+    await until(lambda: not fleet.router.pool.serving(NEWEST), what="the new server ejected")
+    continuation = _request()
+    continuation.min_weight_version = NEWEST
+    stub = data_plane_pb2_grpc.DataPlaneStub(fleet.channel)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async for _ in stub.GenerateStream(continuation):
+            pass
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE, raised.value.details()
+    assert f"made at weight version {NEWEST} (min_weight_version)" in (
+        raised.value.details() or ""
+    )
+    assert fleet.old.observed.calls == 0
