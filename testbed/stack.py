@@ -124,11 +124,13 @@ def start_router(
 
 
 @dataclass
-class Up(_Output):
-    """``skyrl-grpc up`` on a host, as an operator runs it: every line it prints (``lines``:
-    seconds on the host's monotonic clock, and the line)."""
+class Printed(_Output):
+    """A process on a host read by the lines it prints (``lines``: seconds on the host's
+    monotonic clock, and the line)."""
 
     lines: list[tuple[float, str]] = field(default_factory=list)
+    # What the process is called when it exits too soon.
+    name = "the process"
 
     def _take(self, line: str | None) -> bool:
         self.lines.append((time.monotonic(), "EXITED" if line is None else line))
@@ -143,7 +145,7 @@ class Up(_Output):
                 if at >= after and words in line:
                     return line
                 if line == "EXITED":
-                    raise RuntimeError(f"up on {self.host.name} exited before {words!r}")
+                    raise RuntimeError(f"{self.name} on {self.host.name} exited before {words!r}")
             return None
 
         return self._wait(found, repr(words), timeout)
@@ -151,6 +153,13 @@ class Up(_Output):
     def printed(self, words: str, after: float = 0.0) -> list[str]:
         with self._changed:
             return [line for at, line in self.lines if at >= after and words in line]
+
+
+@dataclass
+class Up(Printed):
+    """``skyrl-grpc up`` on a host, as an operator runs it: every line it prints."""
+
+    name = "up"
 
     def started(self) -> tuple[str, list[str]]:
         """The router's address and the servers' (once the fleet is up)."""

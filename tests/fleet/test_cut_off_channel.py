@@ -12,22 +12,15 @@ import json
 import sys
 from pathlib import Path
 
+from testbed.stack import ROOT, Printed, Process
 from tests.helpers.hosts import open_testbed
 
-ROOT = Path(__file__).resolve().parents[2]
 LIVENESS_SECONDS = 2.0
 # The probe's call deadline: a call left to gRPC's reconnection waits all of it.
 CALL_SECONDS = 15.0
 PORT = 50051
-
-
-def _line(process: object, prefix: str) -> str:
-    """The next line of ``process``'s output that starts with ``prefix`` (its end fails)."""
-    stdout = process.stdout  # type: ignore[attr-defined]
-    for line in stdout:
-        if line.startswith(prefix):
-            return str(line[len(prefix) :].strip())
-    raise AssertionError(f"the process ended before printing {prefix!r}")
+# Seconds a line the probe prints may take: it waits a minute at most for the loss.
+PROBE_SECONDS = 90.0
 
 
 def test_a_call_on_a_cut_off_servers_channel_fails_over_within_the_liveness(
@@ -40,19 +33,22 @@ def test_a_call_on_a_cut_off_servers_channel_fails_over_within_the_liveness(
              "--host", server_host.address, "--port", str(PORT)],
             cwd=ROOT,
         )  # fmt: skip
-        assert json.loads(_line(server, ""))["event"] == "ready"
+        Process(server_host, server).until("ready")
         address = f"{server_host.address}:{PORT}"
-        probe = client_host.popen(
-            [sys.executable, "-m", "tests.helpers.channel_probe",
-             address, str(LIVENESS_SECONDS), str(CALL_SECONDS)],
-            cwd=ROOT,
-            log=log,
+        probe = Printed(
+            client_host,
+            client_host.popen(
+                [sys.executable, "-m", "tests.helpers.channel_probe",
+                 address, str(LIVENESS_SECONDS), str(CALL_SECONDS)],
+                cwd=ROOT,
+                log=log,
+            ),
         )  # fmt: skip
-        _line(probe, "READY")
+        probe.until("READY", PROBE_SECONDS)
         bed.cut_between(server_host, client_host)
-        _line(probe, "LOST")  # the keepalive found the server gone
-        result = json.loads(_line(probe, "RESULT "))
-        assert probe.wait(timeout=30) == 0
+        probe.until("LOST", PROBE_SECONDS)  # the keepalive found the server gone
+        result = json.loads(probe.until("RESULT ", PROBE_SECONDS).split(" ", 1)[1])
+        assert probe.popen.wait(timeout=30) == 0
     assert result["code"] == "UNAVAILABLE", result
     # A connection attempt is given up after half the liveness; allowed twice, with room.
     assert result["seconds"] <= 2 * LIVENESS_SECONDS, result

@@ -11,9 +11,11 @@ and prints ``RESULT {"code", "seconds"}``: how that call ended and how long it t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -23,6 +25,23 @@ from trainer_client.config import ClientConfig
 LOST_WITHIN_SECONDS = 60.0
 
 
+async def _until(
+    channel: grpc.aio.Channel,
+    arrived: Callable[[grpc.ChannelConnectivity], bool],
+    deadline: float,
+) -> grpc.ChannelConnectivity:
+    """The channel's state once ``arrived`` accepts it (or at ``deadline``), an idle channel
+    asked to connect meanwhile."""
+    state = channel.get_state()
+    while not arrived(state) and time.monotonic() < deadline:
+        if state == grpc.ChannelConnectivity.IDLE:
+            channel.get_state(try_to_connect=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(channel.wait_for_state_change(state), 1.0)
+        state = channel.get_state()
+    return state
+
+
 async def probe(address: str, liveness: float, call_seconds: float) -> None:
     channel = ClientConfig(router=address).open_channel(address, liveness)
     stub = data_plane_pb2_grpc.DataPlaneStub(channel)
@@ -30,23 +49,10 @@ async def probe(address: str, liveness: float, call_seconds: float) -> None:
     await stub.GetModelInfo(request, timeout=30)
     print("READY", flush=True)
     deadline = time.monotonic() + LOST_WITHIN_SECONDS
-    state = channel.get_state()
-    while state == grpc.ChannelConnectivity.READY and time.monotonic() < deadline:
-        try:
-            await asyncio.wait_for(channel.wait_for_state_change(state), 1.0)
-        except TimeoutError:
-            pass
-        state = channel.get_state()
+    state = await _until(channel, lambda s: s != grpc.ChannelConnectivity.READY, deadline)
     print(f"LOST {state.name}", flush=True)
     # The channel tries the server again (CONNECTING): a call now waits on that attempt.
-    while state != grpc.ChannelConnectivity.CONNECTING and time.monotonic() < deadline:
-        if state == grpc.ChannelConnectivity.IDLE:
-            channel.get_state(try_to_connect=True)
-        try:
-            await asyncio.wait_for(channel.wait_for_state_change(state), 1.0)
-        except TimeoutError:
-            pass
-        state = channel.get_state()
+    state = await _until(channel, lambda s: s == grpc.ChannelConnectivity.CONNECTING, deadline)
     print(f"RECONNECTING {state.name}", flush=True)
     began = time.monotonic()
     code = "OK"
