@@ -41,8 +41,6 @@ class AbortRetry:
         # Of the prompt, tokens the server took from its prefix cache (first attempt).
         self.cached_prompt_tokens = 0
         self._assembler = ResponseAssembler()
-        # The newest weight version of the tokens so far: a continuation goes on no older.
-        self._version = 0
         self._budget = (
             sampling_params.max_tokens if sampling_params.HasField("max_tokens") else None
         )
@@ -67,15 +65,16 @@ class AbortRetry:
         if generated and not resumable(first):
             # A constrained output cannot go on mid-way: the sample starts over.
             self._assembler = ResponseAssembler()
-            self._version = 0
             return first
-        return continue_request(first, generated, self._version) if generated else first
+        if not generated:
+            return first
+        # A continuation goes on no older weights than its tokens' newest.
+        newest = max(span.weight_version for span in self.sample().weight_versions)
+        return continue_request(first, generated, newest)
 
     def add(self, chunk: data_plane_pb2.GenerateStreamResponse) -> None:
         if self.retries == 0 and chunk.HasField("usage"):
             self.cached_prompt_tokens = chunk.usage.cached_prompt_tokens
-        if chunk.token_ids:
-            self._version = max(self._version, chunk.weight_version)
         self._assembler.add(chunk)
 
     def message(self) -> chat_tools_pb2.ChatMessageOut | None:

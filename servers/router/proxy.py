@@ -216,9 +216,10 @@ class Proxy:
         code = grpc.StatusCode.OK
         worker = ""
         meter = StreamMeter(self.metrics, started) if method == GENERATE_STREAM else None
+        asked_floor = 0 if migration else floor_of(method, request)  # read once, not per try
         try:
             while True:
-                floor = migration.min_version if migration else floor_of(method, request)
+                floor = migration.min_version if migration else asked_floor
                 backend = await self._pick_or_hold(session, tried, context, floor)
                 worker = backend.address
                 tried.add(backend.address)
