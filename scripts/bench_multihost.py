@@ -279,6 +279,9 @@ def main() -> None:
         output = args.output.replace("weights.md", "performance.md")
         write_report(output, lines, "distance-streams")
         return
+    asked = args.modes.split(",")
+    if unknown := set(asked) - set(MODES):
+        parser.error(f"--modes: {', '.join(sorted(unknown))}: use {', '.join(MODES)}")
     hosts = [int(h) for h in args.hosts.split(",")]
     ratios = [float(r) for r in args.trainer_ratios.split(",")]
     began = time.monotonic()
@@ -288,9 +291,6 @@ def main() -> None:
         for ratio in ratios:
             if ratio != 1 and count != args.ratio_hosts:
                 continue
-            asked = args.modes.split(",")
-            if unknown := set(asked) - set(MODES):
-                parser.error(f"--modes: {', '.join(sorted(unknown))}: use {', '.join(MODES)}")
             modes = [m for m in asked if ratio >= 1 or m != "direct"]
             try:
                 rows += measure(

@@ -38,6 +38,7 @@ from typing import Any
 import psutil
 
 from scripts.bench_common import ROOT, add_output_argument, write_report
+from trainer_client.weights.relay_plan import CHAIN_MAX_HOSTS, FAST_STREAM_BYTES_PER_SECOND
 
 # TCP's goodput over the link's rate at MTU 1500 (1448 payload bytes per 1514 on the wire),
 # as measured on the testbed: 191.4 Mbit/s through a 200 Mbit/s tbf.
@@ -54,10 +55,6 @@ LINKS_GBIT = (25, 100, 400)
 FLEETS = [2**i for i in range(11)]  # 1 ... 1024
 TOPOLOGIES = {"direct": 0, "one tree of 2": -2, "chain": 1, "2 trees": 2}
 AUTO = "auto (default)"
-# relay_plan's ``auto``: a chain for the whole weights up to this many hosts, on links slower
-# than FAST_STREAM (bytes/s), else 2 trees.
-CHAIN_MAX_HOSTS = 32
-FAST_STREAM = 3.1e9
 # An RL step's patch: ~1% of elements changed, each an index and a value (docs/weights.md).
 DELTA_FRACTION = 0.03
 
@@ -129,8 +126,9 @@ def transfer_seconds(
 
 
 def auto_topology(kind: str, hosts: int, link: float) -> int:
-    """What the client's ``auto`` relays with (``relay_plan.fanout_for``): 1 a chain, 2 trees."""
-    chain = kind == "full" and hosts <= CHAIN_MAX_HOSTS and link < FAST_STREAM
+    """What the client's ``auto`` relays with (``relay_plan.fanout_for``, its bounds): 1 a
+    chain, 2 trees."""
+    chain = kind == "full" and hosts <= CHAIN_MAX_HOSTS and link < FAST_STREAM_BYTES_PER_SECOND
     return 1 if chain else 2
 
 
