@@ -8,6 +8,11 @@ Both merge what a lagging reader has not taken yet: vLLM's output collector merg
 waiting for a stream; this server's streams take every step that arrived since they last
 wrote, merged (``skyrl_grpc.stream_chunks.merge_backlog``).
 
+The server runs twice: on its default loop (uvloop, as vLLM's servers run) and on asyncio's
+(``--event-loop asyncio``), side by side. Beside tokens/s: the CPU per 1000 tokens of the
+server's own process (vLLM's API server process for vLLM; the engine core apart) and of this
+process, the one Python client reading every stream.
+
 Run: .venv/bin/python -m scripts.bench_stream_messages [--rounds 3] [--output docs/performance.md]
 """
 
@@ -19,9 +24,12 @@ import statistics
 import time
 from typing import Any
 
+import psutil
+
 from scripts.bench_common import (
     ProcessTree,
     add_output_argument,
+    cpu_seconds,
     median_range,
     write_report,
 )
@@ -33,14 +41,20 @@ TOKENS = 128
 
 
 async def measure(
-    run: RunBatch, counted: MessageCount, streams: int, batch: int
+    run: RunBatch, counted: MessageCount, streams: int, batch: int, server: psutil.Process
 ) -> dict[str, float]:
-    """One round of ``streams`` concurrent streams: tokens/s and tokens per message."""
+    """One round of ``streams`` concurrent streams: tokens/s, tokens per message, and the CPU
+    ms per 1000 tokens of ``server`` (the serving process) and of this process (the client)."""
     before = counted.messages
-    started = time.perf_counter()
+    started, server_cpu, client_cpu = time.perf_counter(), cpu_seconds(server), time.process_time()
     tokens = await run(streams, TOKENS, batch)
     seconds = time.perf_counter() - started
-    return {"tok_s": tokens / seconds, "per_message": tokens / (counted.messages - before)}
+    return {
+        "tok_s": tokens / seconds,
+        "per_message": tokens / (counted.messages - before),
+        "server_cpu": 1e6 * (cpu_seconds(server) - server_cpu) / tokens,
+        "client_cpu": 1e6 * (time.process_time() - client_cpu) / tokens,
+    }
 
 
 def main() -> None:
@@ -50,12 +64,18 @@ def main() -> None:
     add_output_argument(parser, "performance.md")
     args = parser.parse_args()
     sizes = [int(s) for s in args.streams.split(",")]
-    names = ["server GenerateStream", "vllm-http"]
+    ours, on_asyncio, vllm = "server GenerateStream", "server, --event-loop asyncio", "vllm-http"
+    names = [ours, on_asyncio, vllm]
     results: dict[tuple[str, int], list[dict[str, float]]] = {
         (n, s): [] for n in names for s in sizes
     }
-    with LocalFleet(1) as fleet, vllm_http_server() as http:
-        trees = {names[0]: ProcessTree(*fleet.pids), names[1]: ProcessTree(http.process.pid)}
+    with (
+        LocalFleet(1) as fleet,
+        LocalFleet(1, engine_args=["--event-loop", "asyncio"]) as asyncio_fleet,
+        vllm_http_server() as http,
+    ):
+        roots = {ours: fleet.pids[0], on_asyncio: asyncio_fleet.pids[0], vllm: http.process.pid}
+        trees = {name: ProcessTree(pid) for name, pid in roots.items()}
         for tree in trees.values():
             tree.freeze()
 
@@ -63,21 +83,23 @@ def main() -> None:
             # The clients' channels and sessions belong to this loop: made here.
             counted = {name: MessageCount() for name in names}
             runs = {
-                names[0]: grpc_streams(
-                    fleet.addresses.servers[0], 0, sessions=False, counted=counted[names[0]]
-                ),
-                names[1]: http_streams(http.address, SERVED_NAME, counted[names[1]]),
+                name: grpc_streams(server.addresses.servers[0], 0, False, counted[name])
+                for name, server in ((ours, fleet), (on_asyncio, asyncio_fleet))
             }
+            runs[vllm] = http_streams(http.address, SERVED_NAME, counted[vllm])
             for name, run in runs.items():  # first generations are slow
                 trees[name].thaw()
                 await run(16, TOKENS, 0)
                 trees[name].freeze()
             for round_index in range(args.rounds):
-                order = names if round_index % 2 == 0 else names[::-1]
-                for name in order:
+                shift = round_index % len(names)
+                for name in names[shift:] + names[:shift]:
                     trees[name].thaw()
                     for streams in sizes:
-                        figures = await measure(runs[name], counted[name], streams, round_index + 1)
+                        figures = await measure(
+                            runs[name], counted[name], streams, round_index + 1,
+                            psutil.Process(roots[name]),
+                        )  # fmt: skip
                         results[(name, streams)].append(figures)
                         print(f"round {round_index + 1} {name} {streams}: {figures}", flush=True)
                     trees[name].freeze()
@@ -91,31 +113,35 @@ def main() -> None:
     lines = [
         f"`python -m scripts.bench_stream_messages --rounds {args.rounds}` (streams of "
         f"{TOKENS} tokens, greedy, 16-token prompts; one engine server direct against vLLM's "
-        "HTTP server, same engine settings; medians, ranges in brackets; 2 cores).",
+        "HTTP server, same engine settings; the three taking turns; medians, ranges in "
+        "brackets; CPU: ms per 1000 tokens of the serving process, the engine core apart, and "
+        "of the one client process; 2 cores).",
         "",
-        "| streams | contender | tokens/s | tokens per message (event) |",
-        "| --- | --- | --- | --- |",
+        "| streams | contender | tokens/s | tokens per message (event) | server CPU | client CPU |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
+    columns = (("tok_s", 0), ("per_message", 2), ("server_cpu", 0), ("client_cpu", 0))
     for streams in sizes:
         for name in names:
             runs = results[(name, streams)]
-            lines.append(
-                f"| {streams} | {name} | {median_range([r['tok_s'] for r in runs], 0)} | "
-                f"{median_range([r['per_message'] for r in runs], 2)} |"
-            )
-    lines += ["", "Server / vLLM's HTTP server (median of per-round ratios):", ""]
+            cells = [median_range([r[key] for r in runs], digits) for key, digits in columns]
+            lines.append(f"| {streams} | {name} | {' | '.join(cells)} |")
+    lines += ["", "Against vLLM's HTTP server (median of per-round ratios):", ""]
     for streams in sizes:
-        ours, theirs = results[(names[0], streams)], results[(names[1], streams)]
+        theirs = results[(vllm, streams)]
+        for name in (ours, on_asyncio):
 
-        def ratio(key: str, ours: Any = ours, theirs: Any = theirs) -> float:
-            return float(
-                statistics.median(a[key] / b[key] for a, b in zip(ours, theirs, strict=True))
+            def ratio(
+                key: str, mine: Any = results[(name, streams)], theirs: Any = theirs
+            ) -> float:
+                pairs = zip(mine, theirs, strict=True)
+                return float(statistics.median(a[key] / b[key] for a, b in pairs))
+
+            lines.append(
+                f"- {streams} streams, {name}: tokens/s {ratio('tok_s'):.2f} (target >= 1.0), "
+                f"tokens per message {ratio('per_message'):.2f} (target >= 1.0), server CPU "
+                f"per token {ratio('server_cpu'):.2f}"
             )
-
-        lines.append(
-            f"- {streams} streams: tokens/s {ratio('tok_s'):.2f} (target >= 1.0), tokens per "
-            f"message {ratio('per_message'):.2f} (target >= 1.0)"
-        )
     write_report(args.output, lines, "stream-messages")
 
 

@@ -132,7 +132,9 @@ def http_streams(base_url: str, model: str, counted: MessageCount | None = None)
 
     async def run(samples: int, tokens: int, batch: int) -> int:
         if not sessions:
-            connector = aiohttp.TCPConnector(limit=0)
+            # Idle connections dropped before uvicorn's 5 s keep-alive ends them: a benchmark
+            # that pauses the server (freezing it between rounds) never reuses a closing one.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2)
             timeout = aiohttp.ClientTimeout(total=None)
             sessions.append(aiohttp.ClientSession(connector=connector, timeout=timeout))
         session = sessions[0]

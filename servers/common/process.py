@@ -120,12 +120,13 @@ async def serve_until_stopped(
     announce("stopped", address=server.address)
 
 
-def run_until_done(main: Awaitable[None]) -> None:
+def run_until_done(main: Awaitable[None], loop: asyncio.AbstractEventLoop | None = None) -> None:
     """``asyncio.run(main)`` without its last step, waiting for the loop's worker threads: a
     server stopped while its engine's modules still import in one (seconds, more on a busy
     host) would otherwise stay up until the import finished. For a process that ends with
-    ``exit_now`` right after, which ends such threads with it."""
-    loop = asyncio.new_event_loop()
+    ``exit_now`` right after, which ends such threads with it. ``loop``: the loop to run it on
+    (default: a new asyncio one)."""
+    loop = loop or asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     loop.run_until_complete(main)
 

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from servers.common.event_loops import UVLOOP, add_event_loop_argument
 from servers.common.flag_types import json_object
 from servers.common.listener import (
     ServerTls,
@@ -104,6 +105,9 @@ class EngineOptions:
     # vLLM captures the experts each MoE layer routes every token to (its flag), which requests
     # may then ask for (SamplingParams.return_routed_experts); vLLM refuses where it cannot.
     enable_return_routed_experts: bool = False
+    # The loop the server's gRPC calls and vLLM's engine client each run on (one apiece):
+    # uvloop, as in vLLM's own servers, or asyncio's (servers/common/event_loops.py).
+    event_loop: str = UVLOOP
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -241,16 +245,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--enable-lora", action="store_true", help="serve LoRA adapters (LoadLoraAdapter)"
     )
     group.add_argument(
-        "--max-loras",
-        type=int,
-        default=d.max_loras,
-        help="LoRA adapters usable in one batch (default %(default)s)",
+        "--max-loras", type=int, default=d.max_loras, help="LoRA adapters usable in one batch"
     )
     group.add_argument(
-        "--max-lora-rank",
-        type=int,
-        default=d.max_lora_rank,
-        help="largest LoRA rank accepted (default %(default)s)",
+        "--max-lora-rank", type=int, default=d.max_lora_rank, help="largest LoRA rank accepted"
     )
     group.add_argument(
         "--max-cpu-loras",
@@ -294,6 +292,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM's flag: capture the experts each MoE layer routes every token to, for "
         "requests that ask (return_routed_experts); vLLM's CPU build cannot",
     )
+    add_event_loop_argument(group, d.event_loop, "the server's gRPC and vLLM's engine client")
 
 
 def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
@@ -327,6 +326,7 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         structured_outputs_config=args.structured_outputs_config,
         enable_return_routed_experts=args.enable_return_routed_experts,
+        event_loop=args.event_loop,
     )
 
 

@@ -40,6 +40,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from servers.common.event_loops import ASYNCIO
 from servers.common.supervision import RestartPolicy, ServerSupervisor
 from servers.fleet import ROUTED_EXPERTS_FLAG, Fleet, FleetAddresses, FleetStartFailed
 from servers.fleet.ray_actors import EngineServerActor, RouterActor, server_options
@@ -238,6 +239,9 @@ class RayFleet(Fleet):
             server_args += ["--catch-up-from", ",".join(peers)]
         ports = self.options.server_ports
         port = ports[index] if ports is not None and index < len(ports) else 0
+        # The server runs on the actor's loop, which Ray makes (uvloop unless RAY_USE_UVLOOP
+        # is 0) before the server's code runs: --event-loop asyncio is asked of Ray.
+        asyncio_loop = self._server.engine.event_loop == ASYNCIO
         return (
             ray.remote(EngineServerActor)
             .options(
@@ -245,6 +249,7 @@ class RayFleet(Fleet):
                 num_cpus=bundle.get("CPU", 0),
                 num_gpus=bundle.get("GPU", 0),
                 resources=self.options.resources,
+                runtime_env={"env_vars": {"RAY_USE_UVLOOP": "0"}} if asyncio_loop else None,
             )
             .remote(
                 server_args,

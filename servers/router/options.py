@@ -8,6 +8,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from servers.common.event_loops import ASYNCIO, add_event_loop_argument
 from servers.common.listener import (
     ServerTls,
     add_message_size_argument,
@@ -155,12 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=proxy.max_migrations,
         help="0 turns stream migration off",
     )
-    parser.add_argument(
-        "--event-loop",
-        choices=("asyncio", "uvloop"),
-        default="asyncio",
-        help="the event loop the router runs on (gRPC and the HTTP edge share it)",
-    )
+    add_event_loop_argument(parser, ASYNCIO, "the router (its gRPC and the HTTP edge share it)")
     parser.add_argument(
         "--no-multiplex",
         action="store_true",

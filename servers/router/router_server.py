@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from servers.common.event_loops import new_event_loop
 from servers.common.interceptors import BearerTokenInterceptor, ErrorMappingInterceptor
 from servers.common.listener import (
     bind,
@@ -235,12 +236,8 @@ def main(argv: list[str] | None = None) -> None:
 
         asyncio.run(serve_replicas(args, sys.argv[1:] if argv is None else argv))
         return
-    if args.event_loop == "uvloop":
-        import uvloop
-
-        uvloop.run(serve(options_from_args(args)))
-    else:
-        asyncio.run(serve(options_from_args(args)))
+    with asyncio.Runner(loop_factory=lambda: new_event_loop(args.event_loop)) as runner:
+        runner.run(serve(options_from_args(args)))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from servers.common.event_loops import new_event_loop
 from servers.common.interceptors import BearerTokenInterceptor, CallCounter, ErrorMappingInterceptor
 from servers.common.listener import RECEIVE_HEADROOM, bind, server_options
 from servers.common.process import (
@@ -414,7 +415,7 @@ def run(options: ServerOptions) -> NoReturn:
     exit_with_supervisor()
     code = 0
     try:
-        run_until_done(serve(options, errors))
+        run_until_done(serve(options, errors), new_event_loop(options.engine.event_loop))
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
     except BaseException:  # said, and the process still ends now, its threads with it

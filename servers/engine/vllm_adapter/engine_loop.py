@@ -62,8 +62,12 @@ class _Relay:
 class EngineLoop:
     """A private event loop running in a daemon thread until ``close()``."""
 
-    def __init__(self, name: str = "vllm-engine") -> None:
-        self.loop = asyncio.new_event_loop()
+    def __init__(
+        self,
+        name: str = "vllm-engine",
+        new_loop: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop,
+    ) -> None:
+        self.loop = new_loop()
         self._relays: dict[asyncio.AbstractEventLoop, _Relay] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()

@@ -25,6 +25,7 @@ from collections.abc import (
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
+from servers.common.event_loops import new_event_loop
 from servers.engine.options import EngineOptions, RequestLimits
 from servers.engine.vllm_adapter import core_preload, engine_args
 from servers.engine.vllm_adapter.engine_args import Platform, engine_arguments, resolved_model
@@ -241,7 +242,7 @@ class VllmEngine:
         core_preload.set_environment(arguments.environment)
         async_args = AsyncEngineArgs(**arguments.args)
         load = LoadTracker()
-        engine_loop = EngineLoop()
+        engine_loop = EngineLoop(new_loop=lambda: new_event_loop(options.event_loop))
 
         try:
             llm = await engine_loop.run(
