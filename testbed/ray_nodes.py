@@ -28,6 +28,9 @@ HEALTH_ENV = {
     "RAY_health_check_period_ms": "1000",
     "RAY_health_check_failure_threshold": "5",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # No token authentication, whatever ~/.ray holds: a token there (any local ``ray.init()``
+    # writes one) turned it on for the head, whose nodes then never registered.
+    "RAY_AUTH_MODE": "disabled",
     "PYTHONPATH": str(ROOT),
     # Engine servers at the niceness every other process has (Ray's default, 15, starves them
     # whenever anything else keeps the cores busy).

@@ -20,7 +20,9 @@ from servers.common.process import read_announcement
 from testbed import Host
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE_ENV = {"PYTHONPATH": str(ROOT)}
+# The stack's processes on a host: this checkout's code; a Ray driver among them (``up --ray``)
+# speaks to the testbed's Ray cluster without token authentication, as its nodes run.
+ENGINE_ENV = {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
 START_SECONDS = 300.0
 JOB_RESULT = "JOB-RESULT "
 T = TypeVar("T")
