@@ -1,10 +1,11 @@
 """The event loops a server process runs on (``--event-loop``): uvloop or asyncio's own.
 
-uvloop is the engine server's default, as it is in vLLM's own HTTP and gRPC servers: each
-message of a per-step stream costs grpc's asyncio layer a completion, a wake-up of the loop and
-a task step, and uvloop's loop does those in C. Measured with 64 streams of 128 tokens against
-vLLM's HTTP server (``scripts/bench_stream_messages.py``): 0.80x its tokens/s on asyncio's loop,
-1.00x on uvloop, the server's own CPU per token 80 ms against 64 per 1000 tokens.
+uvloop is the engine server's default, as it is in vLLM's own HTTP and gRPC servers (and in Ray's
+actors): each message of a per-step stream costs grpc's asyncio layer a wake-up of the loop and a
+task step, which uvloop's loop does in C. Measured with 64 and 256 streams of 128 tokens beside
+vLLM's HTTP server (``scripts/bench_stream_messages.py``, both start orders): the server's CPU
+per token 0.87-0.97x asyncio's. The router keeps asyncio's by default: on uvloop its CPU per
+token moved within the runs' spread (``docs/performance.md``).
 """
 
 from __future__ import annotations
