@@ -108,7 +108,7 @@ def main() -> None:
         started: dict[str, EdgeTarget] = {}
         stack.callback(thaw_all, trees)
 
-        def start_vllms() -> None:
+        def start_vllm() -> None:
             served: Any = stack.enter_context(vllm_grpc_server())
             gateway, base, model = stack.enter_context(smg_gateway(served.address))
             tree = ProcessTree(served.process.pid, gateway.process.pid)
@@ -127,7 +127,7 @@ def main() -> None:
             tree.freeze()
 
         for start in (
-            (start_ours, start_vllms) if args.this_server_first else (start_vllms, start_ours)
+            (start_ours, start_vllm) if args.this_server_first else (start_vllm, start_ours)
         ):
             start()
         targets = {name: started[name] for name in (VLLM, OURS, EDGE)}

@@ -74,8 +74,14 @@ def main() -> None:
         LocalFleet(1, engine_args=["--event-loop", "asyncio"]) as asyncio_fleet,
         vllm_http_server() as http,
     ):
+        # Each contender frozen whole while another runs (a fleet's idle router too); its
+        # serving process measured.
+        trees = {
+            ours: ProcessTree(*fleet.pids),
+            on_asyncio: ProcessTree(*asyncio_fleet.pids),
+            vllm: ProcessTree(http.process.pid),
+        }
         roots = {ours: fleet.pids[0], on_asyncio: asyncio_fleet.pids[0], vllm: http.process.pid}
-        trees = {name: ProcessTree(pid) for name, pid in roots.items()}
         for tree in trees.values():
             tree.freeze()
 

@@ -61,16 +61,16 @@ class AbortRetry:
             lora=self.lora,
             chat_output=self.chat_output,
         )
-        generated = self.token_ids
-        if generated and not resumable(first):
+        sample = self.sample()  # assembled once: its tokens and their weight versions
+        if not sample.token_ids:
+            return first
+        if not resumable(first):
             # A constrained output cannot go on mid-way: the sample starts over.
             self._assembler = ResponseAssembler()
             return first
-        if not generated:
-            return first
         # A continuation goes on no older weights than its tokens' newest.
-        newest = max(span.weight_version for span in self.sample().weight_versions)
-        return continue_request(first, generated, newest)
+        newest = max(span.weight_version for span in sample.weight_versions)
+        return continue_request(first, list(sample.token_ids), newest)
 
     def add(self, chunk: data_plane_pb2.GenerateStreamResponse) -> None:
         if self.retries == 0 and chunk.HasField("usage"):
