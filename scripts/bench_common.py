@@ -237,8 +237,9 @@ def vllm_grpc_server() -> Iterator[Launched]:
     port = free_port("127.0.0.1")
     command = [
         sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server", *flags,
-        "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats",
+        "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
+    # Its stats stay on, vLLM's default, as this project's servers keep them (vllm_http_command).
     with launched_process(command, env, "vllm-grpc") as launched:
         launched.address = f"127.0.0.1:{port}"
         _wait_grpc(launched, "vLLM's gRPC server")

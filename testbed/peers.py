@@ -131,6 +131,8 @@ def vllm_http_command(
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags,
         "--stream-interval", str(stream_interval),
         "--host", host, "--port", str(port),
-        "--uvicorn-log-level", "warning", "--disable-log-stats", *extra_args,
+        "--uvicorn-log-level", "warning", *extra_args,
     ]  # fmt: skip
+    # vLLM's stats stay on, its default: this project's servers always keep them (their load
+    # reports and vllm:* metrics come from them), so both do the same bookkeeping per step.
     return command, env
