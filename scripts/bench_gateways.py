@@ -98,8 +98,8 @@ def main() -> None:
     parser.add_argument(
         "--this-server-first",
         action="store_true",
-        help="start this stack's server before vLLM's (default: after it); on this 2-core VM "
-        "the server started first has measured slower, whichever it is",
+        help="start this stack's server before vLLM's (default: after it), to see whether "
+        "the order matters (on this 2-core VM: within the spread between runs)",
     )
     add_output_argument(parser, "performance.md")
     args = parser.parse_args()
