@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import logging
+import shlex
 import signal
 import subprocess
 import sys
@@ -261,7 +262,9 @@ def _up(args: argparse.Namespace, server_args: list[str]) -> None:
         log_dir = Path(args.log_dir) if args.log_dir else None
         try:
             smg = (
-                gateway.launch_for(fleet, host, args.gateway_port, log_dir)
+                gateway.launch_for(
+                    fleet, host, args.gateway_port, log_dir, shlex.split(args.gateway_args)
+                )
                 if args.gateway
                 else None
             )
@@ -270,6 +273,7 @@ def _up(args: argparse.Namespace, server_args: list[str]) -> None:
         try:
             if smg is not None:
                 print(f"SMG (OpenAI API): {smg.base}/v1")
+                print(f"SMG metrics: http://{host}:{smg.metrics_port}/metrics")
             admin = fleet_commands.serve_fleet_admin(fleet, host, args.admin_port, args.admin_token)
             threading.Thread(
                 target=fleet_commands.read_commands, args=(fleet,), daemon=True
@@ -410,7 +414,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
         if any(a.split("=")[0] in ("--host", "--port") for a in rest):
             raise SystemExit("skyrl-grpc up: servers' ports are --base-port / --server-ports")
     if args.command == "up":
-        gateway.refuse_unreachable(args.gateway, rest)
+        gateway.refuse_unreachable(args.gateway, rest, args.gateway_args)
     elif rest and args.command != "demo":
         build_parser().parse_args(argv)  # reports the unknown arguments and exits
     return args, rest

@@ -71,10 +71,21 @@ def add_gateway_arguments(up: argparse.ArgumentParser) -> None:
         default=30000,
         help="the gateway's OpenAI HTTP port on the router's host (0: any free port)",
     )
+    up.add_argument(
+        "--gateway-args",
+        default="",
+        help="more of the gateway's own flags, as one string, e.g. "
+        "--gateway-args='--tool-call-parser qwen' (needs --gateway)",
+    )
 
 
-def refuse_unreachable(gateway: str | None, server_args: Sequence[str]) -> None:
-    """One line, before anything starts, where the gateway cannot reach the servers."""
+def refuse_unreachable(
+    gateway: str | None, server_args: Sequence[str], gateway_args: str = ""
+) -> None:
+    """One line, before anything starts, where the gateway cannot reach the servers (or is
+    given flags without being asked for)."""
+    if gateway_args and not gateway:
+        raise SystemExit("skyrl-grpc up: --gateway-args needs --gateway smg")
     used = [f for f in UNREACHABLE_WITH if any(a.split("=")[0] == f for a in server_args)]
     if gateway and used:
         raise SystemExit(
@@ -89,10 +100,15 @@ def serving(fleet: Fleet) -> list[str]:
     return [s for s in fleet.addresses.servers if s not in fleet.addresses.standbys]
 
 
-def launch_for(fleet: Fleet, host: str, port: int, log_dir: Path | None) -> SmgGateway:
+def launch_for(
+    fleet: Fleet, host: str, port: int, log_dir: Path | None, extra_args: Sequence[str] = ()
+) -> SmgGateway:
     """SMG over ``fleet``'s serving servers on ``host:port`` (0: any free port), kept current
-    as the fleet changes."""
-    gateway = SmgGateway(host, port or free_port(host), log_dir=log_dir, on_event=fleet.on_event)
+    as the fleet changes; ``extra_args``: more of SMG's flags."""
+    gateway = SmgGateway(
+        host, port or free_port(host), log_dir=log_dir, on_event=fleet.on_event,
+        extra_args=extra_args,
+    )  # fmt: skip
     try:
         gateway.start(serving(fleet))
     except BaseException:
@@ -103,8 +119,10 @@ def launch_for(fleet: Fleet, host: str, port: int, log_dir: Path | None) -> SmgG
 
 
 class SmgGateway:
-    """One ``smg launch`` process over the servers ``start`` is given, on ``host:port``;
-    ``sync`` makes its workers the servers it is given. ``close`` stops it."""
+    """One ``smg launch`` process over the servers ``start`` is given, on ``host:port``, its
+    Prometheus metrics on ``host:metrics_port`` (a free port: SMG's default, 29000 on every
+    interface, would keep a second gateway on the host from starting); ``sync`` makes its
+    workers the servers it is given. ``close`` stops it."""
 
     def __init__(
         self,
@@ -114,8 +132,11 @@ class SmgGateway:
         log_dir: Path | None = None,
         on_event: Callable[[str], None] = print,
         executable: Path = SMG_EXECUTABLE,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.host, self.port = host, port
+        self.metrics_port = free_port(host)
+        self.extra_args = list(extra_args)
         self.base = f"http://{host}:{port}"
         self.log_dir = log_dir
         self.on_event = on_event
@@ -139,7 +160,8 @@ class SmgGateway:
         # this fleet's to say (``sync``), not SMG's to forget.
         command += ["--health-check-interval-secs", "1", "--health-failure-threshold", "2"]
         command += ["--health-success-threshold", "1", "--no-remove-unhealthy-workers"]
-        command += ["--log-level", "warn"]
+        command += ["--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port)]
+        command += ["--log-level", "warn", *self.extra_args]
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_dir / "smg.log", "a+")  # closed with the gateway

@@ -115,6 +115,18 @@ def test_up_refuses_smg_in_front_of_servers_it_could_not_call() -> None:
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+def test_up_refuses_gateway_flags_without_a_gateway() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "servers.cli", "up", "--gateway-args=--tool-call-parser qwen"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert result.stderr.strip() == "skyrl-grpc up: --gateway-args needs --gateway smg"
+
+
 def test_a_gateway_that_cannot_start_says_why_in_its_error() -> None:
     """SMG on a port already taken exits at once; the error carries its own reason (``up``
     prints it as its one line), and nothing is left running."""
