@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,23 +20,13 @@ from safetensors.torch import load_file
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from servers.engine.service.vllm_protocol import VLLM_ENGINE
-from testbed.peers import launched_process
 from tests.conftest import REFERENCE_PROMPTS
-from tests.helpers.waits import until
+from tests.helpers.smg import MODEL, smg_over
 from tests.helpers.weights import GREEDY, MAX_TOKENS, next_version, perturbed
 from trainer_client import InferenceClient
 
 pytestmark = [pytest.mark.engine]
-SMG = Path(sys.executable).with_name("smg")
-SMG_START_SECONDS = 120.0
-MODEL = "skyrl-tiny-llama"
 SESSION_HEADER = "x-session-id"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def greedy_request(prompt: list[int], stream: bool) -> vllm_engine_pb2.GenerateRequest:
@@ -104,37 +92,10 @@ async def test_a_bad_vllm_engine_request_is_refused_and_the_server_keeps_serving
 
 @pytest.fixture(scope="module")
 async def smg(engine_server: Any, second_engine_server: Any) -> AsyncIterator[str]:
-    """SMG launched over both shared engine servers, sessions kept by ``x-session-id``; its
-    HTTP address once it lists the model and both workers."""
-    port, metrics = free_port(), free_port()
-    workers = [f"grpc://{s.address}" for s in (engine_server, second_engine_server)]
-    command = [str(SMG), "launch", "--worker-urls", *workers, "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--prometheus-port", str(metrics), "--log-level", "warn"]
-    command += ["--sticky-sessions", "--routing-key-headers", SESSION_HEADER]
-    with launched_process(command, None, "smg") as gateway:
-        base = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(base_url=base, timeout=2) as http:
-
-            async def lists_both() -> bool:
-                if gateway.process.poll() is not None:
-                    code = gateway.process.returncode
-                    raise AssertionError(f"smg exited {code}; its log: {gateway.log}")
-                try:
-                    models = (await http.get("/v1/models")).json()
-                    workers = (await http.get("/workers")).json()
-                except (httpx.HTTPError, ValueError):
-                    return False
-                listed = workers.get("workers", workers) if isinstance(workers, dict) else workers
-                names = [m.get("id") for m in models.get("data", [])]
-                return MODEL in names and len(listed) == 2
-
-            await until(
-                lists_both,
-                timeout=SMG_START_SECONDS,
-                what="SMG to list the model and both workers",
-                interval=0.2,
-            )
-        yield base
+    """SMG launched over both shared engine servers, as ``up --gateway smg`` launches it
+    (sessions kept by ``x-session-id``); its HTTP address once it lists both."""
+    async with smg_over([engine_server.address, second_engine_server.address]) as gateway:
+        yield gateway.base
 
 
 def completion(base: str, prompt: str, session: str = "", **extra: Any) -> dict[str, Any]:
