@@ -49,6 +49,8 @@ async def test_up_keeps_smg_in_front_of_the_fleet_as_servers_come_die_and_go(
     tmp_path: Path,
 ) -> None:
     flags = ["--admin-port", "0", "--gateway", "smg", "--gateway-port", "0"]
+    # One of SMG's own flags through up, seen in its metrics: a request-duration bucket.
+    flags += ["--gateway-args=--prometheus-duration-buckets 0.25 7.5"]
     up = Up(tmp_path / "logs", servers=1, server_flags=flags)
     try:
         await asyncio.to_thread(up.wait_for, "Ctrl-C to stop", ENGINE_START_SECONDS)
@@ -58,6 +60,9 @@ async def test_up_keeps_smg_in_front_of_the_fleet_as_servers_come_die_and_go(
         assert await asyncio.to_thread(completion, base, "a") == 200
         gateway = smg_processes(up)
         assert len(gateway) == 1, [p.cmdline() for p in gateway]
+        url = up.wait_for("SMG metrics: ", 1).split(": ", 1)[1]
+        metrics = await asyncio.to_thread(httpx.get, url, timeout=10)
+        assert metrics.status_code == 200 and 'le="7.5"' in metrics.text, metrics.text[-2000:]
 
         # A server added: SMG's workers follow, and it serves through it.
         admin = up.wait_for("fleet admin: ", 1).split(": ", 1)[1]
