@@ -7,6 +7,7 @@ structured-outputs settings (vLLM's servicer takes no logit bias)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
@@ -17,9 +18,11 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
+from servers.fleet.gateway import SmgGateway
+from skyrl_grpc.tiny_model import TINY_MODEL_NAME as MODEL
 from tests.conftest import running_engine_server
 from tests.helpers.hermes_stack import MESSAGES, MODEL_THREADS, TOOLS, hermes_model
-from tests.helpers.smg import MODEL, smg_over
+from tests.helpers.smg import smg_over
 
 pytestmark = [pytest.mark.engine]
 # Hermes' markup (Qwen's too: SMG's "qwen" parser reads it) around one call.
@@ -28,9 +31,9 @@ CALL_TOKENS = 200
 
 
 @pytest.fixture(scope="module")
-async def smg_with_parser() -> AsyncIterator[str]:
+async def smg_with_parser() -> AsyncIterator[SmgGateway]:
     """An engine server on the Hermes-template model, compact JSON under a schema, and SMG
-    over it with its Hermes-style parser; SMG's base URL."""
+    over it with its Hermes-style parser."""
     model: Path = hermes_model()
     async for server in running_engine_server(
         model=str(model),
@@ -40,7 +43,7 @@ async def smg_with_parser() -> AsyncIterator[str]:
         structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
     ):
         async with smg_over([server.address], "--tool-call-parser", "qwen") as gateway:
-            yield gateway.base
+            yield gateway
 
 
 async def whole_and_streamed(base: str, **request: Any) -> tuple[Any, list[Any]]:
@@ -73,9 +76,11 @@ def streamed_calls(chunks: list[Any]) -> tuple[list[tuple[str, str]], str | None
     return [(names[i], arguments[i]) for i in sorted(names)], finish
 
 
-async def test_smg_parses_a_call_in_free_text_whole_and_streamed(smg_with_parser: str) -> None:
+async def test_smg_parses_a_call_in_free_text_whole_and_streamed(
+    smg_with_parser: SmgGateway,
+) -> None:
     whole, chunks = await whole_and_streamed(
-        smg_with_parser, tool_choice="auto", extra_body={"regex": re.escape(CALL)}
+        smg_with_parser.base, tool_choice="auto", extra_body={"regex": re.escape(CALL)}
     )
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls", choice
@@ -86,9 +91,9 @@ async def test_smg_parses_a_call_in_free_text_whole_and_streamed(smg_with_parser
     assert finish == "tool_calls"
 
 
-async def test_smg_forces_a_call_by_name_whole_and_streamed(smg_with_parser: str) -> None:
+async def test_smg_forces_a_call_by_name_whole_and_streamed(smg_with_parser: SmgGateway) -> None:
     named = {"type": "function", "function": {"name": "get_time"}}
-    whole, chunks = await whole_and_streamed(smg_with_parser, tool_choice=named)
+    whole, chunks = await whole_and_streamed(smg_with_parser.base, tool_choice=named)
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     [call] = choice.message.tool_calls
@@ -98,20 +103,14 @@ async def test_smg_forces_a_call_by_name_whole_and_streamed(smg_with_parser: str
     assert streamed_calls(chunks) == ([("get_time", call.function.arguments)], "tool_calls")
 
 
-async def test_a_second_gateway_starts_beside_the_first(smg_with_parser: str) -> None:
+async def test_a_second_gateway_starts_beside_the_first(smg_with_parser: SmgGateway) -> None:
     """Each gateway's metrics get a port of their own on its host (SMG's default, 29000 on
     every interface, kept a second one on the same host from starting)."""
     first = smg_with_parser
+    servers = [url.removeprefix("grpc://") for url in await asyncio.to_thread(first.workers)]
     async with httpx.AsyncClient(timeout=10) as http:
-        served = (await http.get(f"{first}/v1/models")).json()
-        async with smg_over(list(await gateway_workers(http, first))) as second:
+        served = (await http.get(f"{first.base}/v1/models")).json()
+        async with smg_over(servers) as second:
             assert (await http.get(f"{second.base}/v1/models")).json() == served
             metrics = await http.get(f"http://127.0.0.1:{second.metrics_port}/metrics")
             assert metrics.status_code == 200 and "smg_" in metrics.text
-
-
-async def gateway_workers(http: httpx.AsyncClient, base: str) -> list[str]:
-    """The engine servers (host:port) a gateway lists."""
-    listed: Any = (await http.get(f"{base}/workers")).json()
-    listed = listed.get("workers", listed) if isinstance(listed, dict) else listed
-    return [w["url"].removeprefix("grpc://") for w in listed]

@@ -20,8 +20,9 @@ from safetensors.torch import load_file
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from servers.engine.service.vllm_protocol import VLLM_ENGINE
+from skyrl_grpc.tiny_model import TINY_MODEL_NAME as MODEL
 from tests.conftest import REFERENCE_PROMPTS
-from tests.helpers.smg import MODEL, smg_over
+from tests.helpers.smg import smg_over
 from tests.helpers.weights import GREEDY, MAX_TOKENS, next_version, perturbed
 from trainer_client import InferenceClient
 

@@ -12,8 +12,6 @@ from collections.abc import AsyncIterator, Sequence
 from servers.fleet.gateway import SmgGateway
 from skyrl_grpc.process_group import free_port
 
-MODEL = "skyrl-tiny-llama"
-
 
 @contextlib.asynccontextmanager
 async def smg_over(servers: Sequence[str], *flags: str) -> AsyncIterator[SmgGateway]:
