@@ -24,7 +24,8 @@ table goes to docs/weights.md; ``--json`` keeps the rows for ``scripts/simulate_
 ``--distance``: per-step streams across a link with a round trip of ``--rtts`` ms instead (a
 client host and a server host, each delaying what it sends by half of it: ``testbed.delay``),
 64 concurrent greedy streams of 128 tokens on the embedded model from the client host
-(``scripts/remote_rollouts``): this server's ``GenerateStream`` per request and its
+(``scripts/remote_rollouts``): this server's ``GenerateStream`` per request, the trainer
+client's ``stream`` per request (over one ``GenerateMultiplex`` call) and this server's
 ``GenerateBatch`` for the whole batch, against vLLM's HTTP server's streamed completions on the
 same host and engine settings, the idle contender frozen, rounds interleaved; the table goes
 to docs/performance.md.
@@ -141,7 +142,7 @@ def measure(
     return rows
 
 
-CONTENDERS = ("grpc-streams", "grpc-batch", "vllm-http")
+CONTENDERS = ("grpc-streams", "client-streams", "grpc-batch", "vllm-http")
 VLLM_HTTP_PORT = 8000
 STREAMS, TOKENS = 64, 128
 
@@ -178,10 +179,10 @@ def distance(rtts: list[float], rate: float, rounds: int, logs: Path) -> list[st
         wait = "import time,urllib.request as u\nfor _ in range(600):\n try:\n  u.urlopen(HEALTH,timeout=2); break\n except OSError: time.sleep(1)"
         client.run([sys.executable, "-c", wait.replace("HEALTH", repr(health))], JOB_SECONDS)
         trees = {"vllm-http": ProcessTree(http.pid)}
-        trees["grpc-streams"] = trees["grpc-batch"] = ProcessTree(engine.popen.pid)
+        ours = ("grpc-streams", "client-streams", "grpc-batch")
+        trees.update({name: ProcessTree(engine.popen.pid) for name in ours})
         addresses = {
-            "grpc-streams": address,
-            "grpc-batch": address,
+            **{name: address for name in ours},
             "vllm-http": f"{server.address}:{VLLM_HTTP_PORT}",
         }
         try:

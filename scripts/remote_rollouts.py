@@ -14,7 +14,13 @@ import sys
 import time
 from typing import Any
 
-from scripts.rollout_clients import RunBatch, grpc_batch, grpc_streams, http_streams
+from scripts.rollout_clients import (
+    RunBatch,
+    client_streams,
+    grpc_batch,
+    grpc_streams,
+    http_streams,
+)
 from testbed.peers import SERVED_NAME
 
 JOB_RESULT = "JOB-RESULT "
@@ -23,11 +29,15 @@ JOB_RESULT = "JOB-RESULT "
 def contender(name: str, address: str) -> RunBatch:
     if name == "grpc-streams":
         return grpc_streams(address, 0, sessions=False)
+    if name == "client-streams":  # no router: the client routes from the server's status
+        return client_streams("127.0.0.1:1", [address])
     if name == "grpc-batch":
         return grpc_batch(address, 0)
     if name == "vllm-http":
         return http_streams(f"http://{address}", SERVED_NAME)
-    raise ValueError(f"contender {name!r}: grpc-streams, grpc-batch or vllm-http")
+    raise ValueError(
+        f"contender {name!r}: grpc-streams, client-streams, grpc-batch or vllm-http"
+    )
 
 
 async def rounds(arguments: dict[str, Any]) -> dict[str, Any]:

@@ -122,6 +122,31 @@ def trainer_client(router: str, servers: list[str], direct: bool) -> RunBatch:
     return run
 
 
+def client_streams(
+    router: str, servers: list[str], multiplex: bool = True, counted: MessageCount | None = None
+) -> RunBatch:
+    """The trainer client's ``stream`` per prompt, all at once, a message per engine step,
+    straight to the server (``multiplex``: over one GenerateMultiplex call; else a
+    GenerateStream call each). ``counted``: each chunk a stream reads counted there."""
+    client = InferenceClient(router, servers, multiplex=multiplex)
+    sampling = {"temperature": 0.0, "ignore_eos": True}
+
+    async def run(samples: int, tokens: int, batch: int) -> int:
+        async def one(sample: int) -> int:
+            count = 0
+            prompt = prompt_for(sample, batch)
+            limited = {**sampling, "max_tokens": tokens}
+            async for chunk in client.stream(prompt, limited, stream_interval=0):
+                count += len(chunk.token_ids)
+                if counted is not None:
+                    counted.messages += 1
+            return count
+
+        return sum(await asyncio.gather(*(one(s) for s in range(samples))))
+
+    return run
+
+
 def http_streams(base_url: str, model: str, counted: MessageCount | None = None) -> RunBatch:
     """vLLM's OpenAI API: a streamed ``/v1/completions`` per prompt (token ids), all at once
     (``counted``: each event counted there)."""

@@ -86,6 +86,11 @@ class ClientConfig:
     # router's view (trainer_client.direct), instead of through the router: the same
     # placement without the extra hop. False: everything goes through the router.
     direct: bool = True
+    # Direct path: the streams of generations to one server share one GenerateMultiplex call
+    # (skyrl_grpc.multiplex), whose one message per engine step carries every stream's new
+    # tokens: the client reads a message a step, not a message a step per stream. False: a
+    # GenerateStream call each.
+    multiplex: bool = True
     # Direct path: how many times one generation moves on after its server failed (before the
     # first token: a retry; after: the prompt plus the tokens so far, as the router migrates).
     max_direct_failovers: int = 4
@@ -125,12 +130,18 @@ class ClientConfig:
     def metadata(self, plane: Plane) -> tuple[tuple[str, str], ...]:
         """The metadata of a call to ``plane``: the extra pairs, that plane's token and the
         current trace context (tracing on)."""
+        pairs = self.call_metadata(plane)
+        if tracing.enabled():
+            pairs = (*pairs, *tracing.headers().items())
+        return pairs
+
+    def call_metadata(self, plane: Plane) -> tuple[tuple[str, str], ...]:
+        """What every call to ``plane`` carries whatever it is for: the extra pairs and that
+        plane's token (no trace context; a multiplexed call's requests each carry their own)."""
         pairs = list(self.extra_metadata)
         token = (self.data_token if plane == "data" else self.control_token) or self.token
         if token:
             pairs.append(bearer(token))
-        if tracing.enabled():
-            pairs.extend(tracing.headers().items())
         return tuple(pairs)
 
     def timeout(self, plane: Plane, timeout: Timeout) -> float | None:
@@ -163,6 +174,7 @@ class ClientSettings(TypedDict, total=False):
     stream_interval: int
     max_message_bytes: int
     direct: bool
+    multiplex: bool
     max_direct_failovers: int
     direct_liveness_seconds: float
     cut_out_unreachable: bool

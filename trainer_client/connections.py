@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from skyrl_grpc.multiplex import Multiplexers
 from trainer_client.config import ClientConfig
 from trainer_client.direct import DirectRoutes
 
@@ -38,6 +39,8 @@ class LoopResources:
         self.channels: dict[str, grpc.aio.Channel] = {}
         # Channels of generations sent straight to a server (``Connections.data_channel``).
         self.data_channels: dict[str, grpc.aio.Channel] = {}
+        # The streams of direct generations, one GenerateMultiplex call per server.
+        self.multiplexers = Multiplexers()
         self.routes: DirectRoutes | None = None
         self.background: set[asyncio.Task[Any]] = set()
         self.watcher: asyncio.Task[None] | None = None
@@ -52,6 +55,7 @@ class LoopResources:
         if self.routes is not None:
             await self.routes.close()
             self.routes = None
+        await self.multiplexers.close()
         channels = [*self.channels.values(), *self.data_channels.values()]
         self.channels, self.data_channels = {}, {}
         for channel in channels:
@@ -132,12 +136,17 @@ class Connections:
             resources.data_channels[address] = channel
         return channel
 
+    def multiplexers(self) -> Multiplexers:
+        """The running loop's multiplexed calls (``ClientConfig.multiplex``)."""
+        return self._resources().multiplexers
+
     def reopen(self, address: str) -> None:
         """Drops the running loop's channel to ``address``: the next call opens a fresh one,
         which connects at once. A channel whose connection attempt began while the server was
         cut off waits out that attempt (gRPC's 20 s) after the heal. The old channel closes in
         the background, its calls given ``REOPEN_GRACE_SECONDS`` to end."""
         resources = self._resources()
+        resources.multiplexers.retire(address)  # its requests end on the old channel
         for channels in (resources.channels, resources.data_channels):
             old = channels.pop(address, None)
             if old is not None:

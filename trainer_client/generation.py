@@ -29,6 +29,7 @@ from trainer_client.exceptions import ServerError
 from trainer_client.fleet_info import ModelInfo, ServerInfo, refuse_unless_all
 from trainer_client.results import GenerationResult
 from trainer_client.sampling import Message, Sampling, chat_messages, sampling_params
+from trainer_client.stream_calls import open_stream
 from trainer_client.tool_use import AssistantMessage, Tool, ToolChoice, tool_use
 
 log = logging.getLogger(__name__)
@@ -94,23 +95,23 @@ class Generation:
         tried: set[str],
         timeout: Timeout,
     ) -> AsyncGenerator[data_plane_pb2.GenerateStreamResponse, None]:
-        """One stream of one generation, directly to a server or through the router. A server
-        used directly that turns out gone is marked unavailable and added to ``tried`` before
-        its ``Unavailable`` is raised, so the caller may move on elsewhere; a router whose
-        connection broke is added too (the caller goes on through the same address)."""
+        """One stream of one generation, directly to a server (over its multiplexed call:
+        ``stream_calls``) or through the router. A server used directly that turns out gone
+        is marked unavailable and added to ``tried`` before its ``Unavailable`` is raised, so
+        the caller may move on elsewhere; a router whose connection broke is added too (the
+        caller goes on through the same address)."""
         target = await self._target(session_id, tried, request.min_weight_version)
         address = target or self.config.router
-        call = self._core.data(address).GenerateStream(
-            request,
-            timeout=self._core.deadline("data", timeout),
-            metadata=self._core.metadata("data", session_id),
-        )
+        deadline = self._core.deadline("data", timeout)
+        metadata = self._core.metadata("data", session_id)
+        call = open_stream(self._core, target, request, deadline, metadata)
         routes = self._core.connections.routes() if target is not None else None
         if routes is not None and target is not None:
             routes.begin(target)
         try:
-            async for chunk in call:
-                yield chunk
+            async with contextlib.aclosing(call.chunks()) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         except grpc.aio.AioRpcError as error:
             if server_lost(error):
                 if routes is not None and target is not None:

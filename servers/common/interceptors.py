@@ -329,7 +329,7 @@ def _rejecting_handler(handler: Handler, message: str) -> Handler:
 
     async def reject_stream(request: Any, context: Context) -> AsyncIterator[Any]:
         # Not for a stream of requests too: a long-lived one (GenerateMultiplex) never ends,
-        # and its caller settles that status with a plain call (servers/router/multiplex.py).
+        # and its caller settles that status with a plain call (skyrl_grpc/multiplex.py).
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - abort raises
 

@@ -38,7 +38,6 @@ from servers.router.fleet_view import FleetEvents
 from servers.router.holds import CallHolds, no_backend_reason
 from servers.router.metrics import RouterMetrics
 from servers.router.migration import StreamMigration, abort_orphan, floor_of
-from servers.router.multiplex import Multiplexers, WithFallback
 from servers.router.upstreams import (
     Metadata,
     Starter,
@@ -50,6 +49,7 @@ from servers.router.upstreams import (
 from skyrl_grpc import tracing
 from skyrl_grpc.errors import SkyrlError, Unavailable, call_status, server_lost
 from skyrl_grpc.metadata import ROUTED_TO, session_of
+from skyrl_grpc.multiplex import Multiplexers, WithFallback
 from skyrl_grpc.names import ABORT, FINISH_SESSION, GENERATE_STREAM
 from skyrl_grpc.v1 import data_plane_pb2
 

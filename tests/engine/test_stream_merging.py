@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from servers.router.multiplex import MuxStream
+from skyrl_grpc.multiplex import MuxStream
 from skyrl_grpc.stream_chunks import merge_backlog
 from skyrl_grpc.v1 import chat_tools_pb2 as chat
 from skyrl_grpc.v1 import data_plane_pb2 as pb

@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 import pytest
 
-from servers.router.multiplex import Multiplexer, WithFallback
 from skyrl_grpc.errors import TRANSPORT_BROKE
+from skyrl_grpc.multiplex import Multiplexer, WithFallback
 from skyrl_grpc.names import GENERATE_STREAM
 from skyrl_grpc.v1 import data_plane_pb2, data_plane_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen

@@ -1,27 +1,29 @@
-"""The router's streams to a server over one GenerateMultiplex call.
+"""A caller's streams to a server over one GenerateMultiplex call: the router's forwarded
+GenerateStream calls, and the trainer client's generations sent straight to a server.
 
-Forwarding every GenerateStream as its own call to the server costs a gRPC message per request
-per engine step at the server and again at the router's reading end: with 64 streams, 64
-messages a step, each worth one token. The router instead keeps one long-lived
-GenerateMultiplex call per server (and per caller credential: a server's data token is checked
-on the call, so callers with different tokens never share one), adds each forwarded
-GenerateStream request to it, and the server sends one message per engine step for all of them
-(TGI's router does the same with its shards). ``Multiplexer.open`` returns a ``MuxStream``:
-the request's own chunks, read like a forwarded call's answers (``upstreams.Upstream``), so retries
-and migration work unchanged. Chunks that wait while the caller is slow are merged
-(``skyrl_grpc.stream_chunks``): a slow reader costs fewer messages, not more latency.
+Every GenerateStream as its own call costs a gRPC message per request per engine step at the
+server and again at the reading end: with 64 streams, 64 messages a step, each worth one
+token. A caller instead keeps one long-lived GenerateMultiplex call per server (and per
+caller credential: a server's data token is checked on the call, so callers with different
+tokens never share one), adds each request to it, and the server sends one message per engine
+step for all of them (TGI's router does the same with its shards). ``Multiplexer.open`` returns
+a ``MuxStream``: the request's own chunks, read like a call's answers (``read``, ``cancel``,
+``done``), so retries and migration work unchanged. Chunks that wait while the reader is slow
+are merged (``skyrl_grpc.stream_chunks``): a slow reader costs fewer messages, not more latency.
 
 A request's error (``BatchError``) fails its stream with that status; the call failing (the
-server lost) fails every stream on it, each then retried or migrated by the proxy as if its own
-call had failed; the next request opens a new call. A server without GenerateMultiplex (an
-older one) answers UNIMPLEMENTED once and gets plain calls from then on.
+server lost) fails every stream on it, each then retried or migrated by its caller (the
+router's proxy, the client's failover) as if its own call had failed; the next request opens a
+new call. A server without GenerateMultiplex (an older one) answers UNIMPLEMENTED once and gets
+plain calls from then on.
 
-That answer can reach the router disguised: a server without the method answers at once,
-without reading, and when its status beats the router's write of the first request, grpc's
+That answer can reach the caller disguised: a server without the method answers at once,
+without reading, and when its status beats the caller's write of the first request, grpc's
 client reports the call as INTERNAL "Internal error from Core" (1 new call in 300 to 1000 here,
-more on a busy machine) -- what a broken connection also looks like. A call that fails so before the
-server sent anything is settled by a plain call to the same server (``WithFallback``): a server
-without the method answers it, a lost one fails it UNAVAILABLE and the proxy moves on.
+more on a busy machine) -- what a broken connection also looks like. A call that fails so
+before the server sent anything is settled by a plain call to the same server
+(``WithFallback``): a server without the method answers it, a lost one fails it UNAVAILABLE
+and the caller moves on.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ class MuxStream:
 
 
 class Multiplexer:
-    """One GenerateMultiplex call to a server, shared by the router's forwarded streams."""
+    """One GenerateMultiplex call to a server, shared by its caller's streams."""
 
     def __init__(self, channel: grpc.aio.Channel, metadata: Metadata) -> None:
         self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
@@ -167,7 +169,7 @@ class Multiplexer:
             requests=[request], session_ids=[session], indices=[index]
         )
         message = data_plane_pb2.GenerateMultiplexRequest(add=add)
-        if tracing.enabled():  # the router's span of the request (current here)
+        if tracing.enabled():  # the caller's span of the request (current here)
             message.trace_context.update(tracing.headers())
         self._outbox.put_nowait(message.SerializeToString())
         return stream
@@ -196,14 +198,14 @@ class Multiplexer:
         except grpc.aio.AioRpcError as error:
             failure = error
         except asyncio.CancelledError:
-            failure = _error(grpc.StatusCode.UNAVAILABLE, "the router closed the call")
+            failure = _error(grpc.StatusCode.UNAVAILABLE, "the caller closed the call")
         self.failed = failure
         for stream in list(self._streams.values()):
             stream.fail(failure)
         self._streams.clear()
 
     def retire(self) -> None:
-        """No new requests: the router's side of the call is closed, and the server ends it
+        """No new requests: the caller's side of the call is closed, and the server ends it
         once the requests running on it have ended (a draining server finishes them)."""
         self._outbox.put_nowait(None)
 
@@ -221,7 +223,7 @@ class Multiplexer:
 
 
 class Multiplexers:
-    """The router's multiplexed calls, one per (server, caller credential)."""
+    """A caller's multiplexed calls, one per (server, caller credential)."""
 
     def __init__(self) -> None:
         self._calls: dict[tuple[str, Metadata], Multiplexer] = {}
@@ -230,7 +232,7 @@ class Multiplexers:
         self._unsupported: set[str] = set()
 
     def supported(self, address: str) -> bool:
-        """Whether ``address`` takes GenerateMultiplex (as far as the router knows)."""
+        """Whether ``address`` takes GenerateMultiplex (as far as the caller knows)."""
         return address not in self._unsupported
 
     def addresses(self) -> list[str]:
@@ -244,13 +246,18 @@ class Multiplexers:
         request: data_plane_pb2.GenerateStreamRequest,
         metadata: Metadata,
         parsed: bool = False,
+        call_metadata: Metadata | None = None,
     ) -> MuxStream:
+        """``request`` (its session in ``metadata``) on ``address``'s call that carries
+        ``call_metadata`` (None: the credential in ``metadata``), opened on ``channel`` if
+        there is none."""
         session = session_of(metadata) or ""
-        credential = tuple((k, v) for k, v in metadata if k == AUTHORIZATION)
-        key = (address, credential)
+        if call_metadata is None:
+            call_metadata = tuple((k, v) for k, v in metadata if k == AUTHORIZATION)
+        key = (address, call_metadata)
         mux = self._calls.get(key)
         if mux is None or not mux.alive:
-            mux = self._calls[key] = Multiplexer(channel, credential)
+            mux = self._calls[key] = Multiplexer(channel, call_metadata)
         return mux.open(request, session, parsed)
 
     def unsupported(self, address: str) -> None:
@@ -269,7 +276,7 @@ class Multiplexers:
             mux.on_end(self._retired.discard)
 
     async def close(self) -> None:
-        """Ends every call now (the router stops)."""
+        """Ends every call now (the caller stops)."""
         for mux in [*self._calls.values(), *self._retired]:
             await mux.close()
         self._calls.clear()

@@ -1,0 +1,96 @@
+"""A generation's stream from a server: over the one GenerateMultiplex call the client keeps to
+that server (``ClientConfig.multiplex``, direct generations), or a GenerateStream call of its own
+(through the router, or to a server without GenerateMultiplex).
+
+On a GenerateStream call per generation, 64 concurrent streams cost 64 gRPC messages an engine
+step at the server and in the client, each worth a token; grpc's asyncio client spends tens of
+microseconds on each, on the trainer's cores. Multiplexed, the server sends one message a step
+for all of them and the client hands each stream its chunk (``skyrl_grpc.multiplex``, the
+router's own way to its servers). Either way a stream reads the same chunks and fails the same
+way: a server lost fails it UNAVAILABLE, its deadline DEADLINE_EXCEEDED (on a multiplexed call
+the client keeps the deadline and cancels the request, which aborts it on the server), and
+closing it cancels the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import grpc
+
+from skyrl_grpc.multiplex import WithFallback
+from skyrl_grpc.v1 import data_plane_pb2
+from trainer_client.client_core import ClientCore
+
+Chunk = data_plane_pb2.GenerateStreamResponse
+Metadata = tuple[tuple[str, str], ...]
+
+
+class StreamCall:
+    """One generation's chunks (``chunks``), and ``cancel``."""
+
+    def __init__(self, call: Any, deadline: float | None, multiplexed: bool) -> None:
+        self._call = call
+        self._multiplexed = multiplexed
+        self._deadline_at = (
+            None if deadline is None else asyncio.get_running_loop().time() + deadline
+        )
+
+    async def chunks(self) -> AsyncGenerator[Chunk, None]:
+        if not self._multiplexed:  # grpc keeps the call's deadline
+            async for chunk in self._call:
+                yield chunk
+            return
+        while True:
+            if self._deadline_at is None:
+                chunk = await self._call.read()
+            else:
+                try:
+                    async with asyncio.timeout_at(self._deadline_at):
+                        chunk = await self._call.read()
+                except TimeoutError:
+                    raise grpc.aio.AioRpcError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.aio.Metadata(),
+                        grpc.aio.Metadata(),
+                        "Deadline Exceeded",
+                    ) from None
+            if chunk is grpc.aio.EOF:
+                return
+            yield chunk
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+def open_stream(
+    core: ClientCore,
+    target: str | None,
+    request: data_plane_pb2.GenerateStreamRequest,
+    deadline: float | None,
+    metadata: Metadata,
+) -> StreamCall:
+    """``request``'s stream from the server ``target`` (None: through the router), with
+    ``deadline`` seconds (None: none) and the call ``metadata`` (its session's header)."""
+    stub = core.data(target)
+
+    def plain() -> Any:
+        return stub.GenerateStream(request, timeout=deadline, metadata=metadata)
+
+    if target is None or not core.config.multiplex:
+        return StreamCall(plain(), deadline, multiplexed=False)
+    multiplexers = core.connections.multiplexers()
+    if not multiplexers.supported(target):
+        return StreamCall(plain(), deadline, multiplexed=False)
+    stream = multiplexers.open(
+        target,
+        core.connections.data_channel(target),
+        request,
+        metadata,
+        parsed=True,
+        call_metadata=core.config.call_metadata("data"),
+    )
+    fallback = WithFallback(stream, plain, lambda: multiplexers.unsupported(target))
+    return StreamCall(fallback, deadline, multiplexed=True)
