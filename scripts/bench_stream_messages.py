@@ -1,5 +1,6 @@
 """Per-step streams under load: tokens per message and throughput of the engine server's own
-``GenerateStream`` (one server, direct) against vLLM's HTTP server's streamed completions
+``GenerateStream`` (one server, direct), and of the trainer client's ``stream`` (over one
+``GenerateMultiplex`` call to that server), against vLLM's HTTP server's streamed completions
 (tokens per server-sent event), at 64 and 256 concurrent streams of 128 tokens, rounds
 interleaved (issue 70, item 3: a busy server sends fewer, fuller messages; one stream alone
 still gets a message per engine step).
@@ -33,7 +34,13 @@ from scripts.bench_common import (
     median_range,
     write_report,
 )
-from scripts.rollout_clients import MessageCount, RunBatch, grpc_streams, http_streams
+from scripts.rollout_clients import (
+    MessageCount,
+    RunBatch,
+    client_streams,
+    grpc_streams,
+    http_streams,
+)
 from servers.fleet.local import LocalFleet
 from testbed.peers import SERVED_NAME, vllm_http_server
 
@@ -49,9 +56,11 @@ async def measure(
     started, server_cpu, client_cpu = time.perf_counter(), cpu_seconds(server), time.process_time()
     tokens = await run(streams, TOKENS, batch)
     seconds = time.perf_counter() - started
+    messages = counted.messages - before
     return {
         "tok_s": tokens / seconds,
-        "per_message": tokens / (counted.messages - before),
+        # Not counted for the multiplexed client (one message a step carries every stream).
+        "per_message": tokens / messages if messages else float("nan"),
         "server_cpu": 1e6 * (cpu_seconds(server) - server_cpu) / tokens,
         "client_cpu": 1e6 * (time.process_time() - client_cpu) / tokens,
     }
@@ -65,7 +74,8 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(s) for s in args.streams.split(",")]
     ours, on_asyncio, vllm = "server GenerateStream", "server, --event-loop asyncio", "vllm-http"
-    names = [ours, on_asyncio, vllm]
+    client = "trainer client stream (multiplexed)"
+    names = [ours, client, on_asyncio, vllm]
     results: dict[tuple[str, int], list[dict[str, float]]] = {
         (n, s): [] for n in names for s in sizes
     }
@@ -78,10 +88,16 @@ def main() -> None:
         # serving process measured.
         trees = {
             ours: ProcessTree(*fleet.pids),
+            client: ProcessTree(*fleet.pids),
             on_asyncio: ProcessTree(*asyncio_fleet.pids),
             vllm: ProcessTree(http.process.pid),
         }
-        roots = {ours: fleet.pids[0], on_asyncio: asyncio_fleet.pids[0], vllm: http.process.pid}
+        roots = {
+            ours: fleet.pids[0],
+            client: fleet.pids[0],
+            on_asyncio: asyncio_fleet.pids[0],
+            vllm: http.process.pid,
+        }
         for tree in trees.values():
             tree.freeze()
 
@@ -93,6 +109,9 @@ def main() -> None:
                 for name, server in ((ours, fleet), (on_asyncio, asyncio_fleet))
             }
             runs[vllm] = http_streams(http.address, SERVED_NAME, counted[vllm])
+            # InferenceClient.stream per prompt, straight to the server over one
+            # GenerateMultiplex call (its router's view picks the server).
+            runs[client] = client_streams(fleet.addresses.router, [fleet.addresses.servers[0]])
             for name, run in runs.items():  # first generations are slow
                 trees[name].thaw()
                 await run(16, TOKENS, 0)
@@ -119,7 +138,7 @@ def main() -> None:
     lines = [
         f"`python -m scripts.bench_stream_messages --rounds {args.rounds}` (streams of "
         f"{TOKENS} tokens, greedy, 16-token prompts; one engine server direct against vLLM's "
-        "HTTP server, same engine settings; the three taking turns; medians, ranges in "
+        "HTTP server, same engine settings; the four taking turns; medians, ranges in "
         "brackets; CPU: ms per 1000 tokens of the serving process, the engine core apart, and "
         "of the one client process; 2 cores).",
         "",
@@ -131,11 +150,13 @@ def main() -> None:
         for name in names:
             runs = results[(name, streams)]
             cells = [median_range([r[key] for r in runs], digits) for key, digits in columns]
+            if name == client:  # its streams' chunks arrive in one message a step for all
+                cells[1] = "one message a step for every stream"
             lines.append(f"| {streams} | {name} | {' | '.join(cells)} |")
     lines += ["", "Against vLLM's HTTP server (median of per-round ratios):", ""]
     for streams in sizes:
         theirs = results[(vllm, streams)]
-        for name in (ours, on_asyncio):
+        for name in (ours, client, on_asyncio):
 
             def ratio(
                 key: str, mine: Any = results[(name, streams)], theirs: Any = theirs
@@ -143,10 +164,15 @@ def main() -> None:
                 pairs = zip(mine, theirs, strict=True)
                 return float(statistics.median(a[key] / b[key] for a, b in pairs))
 
+            per_message = (
+                ""
+                if name == client
+                else f"tokens per message {ratio('per_message'):.2f} (target >= 1.0), "
+            )
             lines.append(
                 f"- {streams} streams, {name}: tokens/s {ratio('tok_s'):.2f} (target >= 1.0), "
-                f"tokens per message {ratio('per_message'):.2f} (target >= 1.0), server CPU "
-                f"per token {ratio('server_cpu'):.2f}"
+                f"{per_message}server CPU per token {ratio('server_cpu'):.2f}, client CPU per "
+                f"token {ratio('client_cpu'):.2f}"
             )
     write_report(args.output, lines, "stream-messages")
 

@@ -35,9 +35,7 @@ def contender(name: str, address: str) -> RunBatch:
         return grpc_batch(address, 0)
     if name == "vllm-http":
         return http_streams(f"http://{address}", SERVED_NAME)
-    raise ValueError(
-        f"contender {name!r}: grpc-streams, client-streams, grpc-batch or vllm-http"
-    )
+    raise ValueError(f"contender {name!r}: grpc-streams, client-streams, grpc-batch or vllm-http")
 
 
 async def rounds(arguments: dict[str, Any]) -> dict[str, Any]:
