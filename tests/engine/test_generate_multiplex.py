@@ -186,3 +186,49 @@ async def test_the_router_multiplexes_streams_to_a_server(engine_server: Any) ->
             long_call.cancel()
         await until(lambda: engines_idle(watcher), 60, "the cancelled stream aborted on the server")
     await watcher.close()
+
+
+async def test_a_draining_server_ends_a_callers_multiplexed_call_once_its_requests_end(
+    tiny_model_dir: Any,
+) -> None:
+    """A caller (router, client) keeps its call open between requests. A draining server
+    refuses what is added now (UNAVAILABLE: to be sent elsewhere), lets the running request
+    finish, and ends the call itself then, rather than holding the drain for its grace."""
+    from servers.engine.options import EngineOptions, ServerOptions
+    from servers.engine.process.engine_server import EngineServer
+    from skyrl_grpc.multiplex import Multiplexer
+
+    grace = 60.0
+    server = EngineServer(ServerOptions(engine=EngineOptions(), drain_grace_seconds=grace))
+    await server.start()
+    draining: asyncio.Future[None] | None = None
+    try:
+        await asyncio.wait_for(server.wait_ready(), 300)
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            mux = Multiplexer(channel, ())
+            idle = mux.open(indexed(0), "", parsed=True)
+            while (await idle.read()) is not grpc.aio.EOF:  # done: the call stays open
+                pass
+            running = mux.open(indexed(1, LONG), "", parsed=True)
+            first = await running.read()
+            assert first.token_ids
+            draining = asyncio.ensure_future(server.drain())
+            await until(lambda: server.state.draining)
+            late = mux.open(indexed(2), "", parsed=True)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await late.read()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "draining" in (refused.value.details() or "")
+            tokens = list(first.token_ids)
+            while (chunk := await running.read()) is not grpc.aio.EOF:
+                tokens.extend(chunk.token_ids)
+            assert len(tokens) == LONG.max_tokens  # the running request finished whole
+            await asyncio.wait_for(asyncio.shield(draining), grace / 2)  # not held for the grace
+            await until(lambda: mux.failed is not None, what="the call's end read")
+            assert mux.failed is not None
+            assert mux.failed.details() == "the multiplexed call ended"  # ended by the server
+    finally:
+        if draining is None:
+            await server.drain(grace=1)
+        else:
+            await draining  # within the grace whatever happened

@@ -153,6 +153,7 @@ class EngineServer:
         self.push_socket: PushSocketServer | None = None
         # vLLM's own protocol on this server (``service.vllm_protocol``), once started.
         self.vllm_engine: VllmEngineService | None = None
+        self.data_plane: DataPlaneServicer | None = None
         self.port = 0
         self.failure: str | None = None
         self._engine_task: asyncio.Task[None] | None = None
@@ -203,6 +204,7 @@ class EngineServer:
         state = self.state
         data_plane = DataPlaneServicer(lambda: state.parts().data_plane, self.admission)
         data_plane_pb2_grpc.add_DataPlaneServicer_to_server(data_plane, self.server)
+        self.data_plane = data_plane
         self.push_socket = self._open_push_socket()
         push_port = self.push_socket.port if self.push_socket is not None else 0
         control = ControlPlaneServicer(
@@ -343,6 +345,8 @@ class EngineServer:
             await self._stopped.wait()
             return
         self.state.draining = True
+        if self.data_plane is not None:  # a caller's idle multiplexed call holds no drain up
+            self.data_plane.end_multiplexed_calls()
         self.status_changes.announce()
         await self.health.enter_graceful_shutdown()
         grace = self.options.drain_grace_seconds if grace is None else grace

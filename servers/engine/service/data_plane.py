@@ -62,6 +62,16 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
     def __init__(self, parts: Callable[[], DataPlaneParts], admission: Admission) -> None:
         self._parts = parts
         self._admission = admission
+        # The GenerateMultiplex calls running (``end_multiplexed_calls``).
+        self._multiplexed: set[BatchRun] = set()
+
+    def end_multiplexed_calls(self) -> None:
+        """The server drains: each GenerateMultiplex call takes no more requests (those added
+        now are refused UNAVAILABLE, for the caller to send elsewhere) and ends once its
+        running ones have, so a caller's long-lived call does not hold the drain for its
+        grace."""
+        for batch in self._multiplexed:
+            batch.close()
 
     def _engine_for(self, request_id: str, n: int, context: Context) -> tuple[DataPlaneParts, int]:
         """The engine, once the request's cheapest checks pass (before any prompt work); the
@@ -218,9 +228,10 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         async def read() -> None:
             try:
                 async for message in request_iterator:
-                    if message.HasField("add"):
+                    adding = message.HasField("add")
+                    if adding and not self._refused_while_draining(batch, message):
                         if message.trace_context and tracing.enabled():
-                            # The router's span of the request, passed in the message: the
+                            # The caller's span of the request, passed in the message: the
                             # call's metadata is shared by every request on it.
                             name = f"{GENERATE_STREAM} (multiplexed)"
                             with tracing.server_span(name, message.trace_context):
@@ -235,11 +246,27 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
                 batch.close()
 
         reading = asyncio.ensure_future(read())
+        self._multiplexed.add(batch)
         try:
             async for response in batch.responses():
                 yield response  # type: ignore[misc]
         finally:
+            self._multiplexed.discard(batch)
             reading.cancel()
+
+    def _refused_while_draining(
+        self, batch: BatchRun, message: data_plane_pb2.GenerateMultiplexRequest
+    ) -> bool:
+        """Whether the server drains (``parts`` UNAVAILABLE), each request of ``message``
+        then refused with that."""
+        try:
+            self._parts()
+        except SkyrlError as error:
+            indices, _ = validate.batch(message.add, self._admission.capacity)
+            for index in indices:
+                batch.refuse(index, error)
+            return True
+        return False
 
     def _add_batch(
         self, parts: DataPlaneParts, batch: BatchRun, request: data_plane_pb2.GenerateBatchRequest
