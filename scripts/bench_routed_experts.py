@@ -4,7 +4,7 @@ as sets; and the trainer's batched generation (``generate_batch``: GenerateBatch
 numpy arrays) with experts carried against without, rounds interleaved on one server.
 
 The server's source is vLLM's ``RequestOutput`` as vLLM fills it on a GPU
-(``scripts.routed_experts_source``: this CPU build cannot capture them), arrays of
+(``testbed.routed_experts_source``: this CPU build cannot capture them), arrays of
 Qwen3-30B-A3B's shape (48 layers, 8 of 128 experts) on the embedded model's tokens: a real MoE
 generates far fewer tokens a second than the embedded model, so the cost per token of carrying
 them is a larger share here than it would be there.
@@ -56,6 +56,16 @@ def wire_bytes(shape: tuple[int, int, int], rows: int) -> dict[str, float]:
         figures[name] = float(len(message.SerializeToString()))
         back = routed_experts.unpack(message)
         assert np.array_equal(back, np.sort(array, axis=2) if as_sets else array)
+    # Streamed, each message carries its steps' rows in a message of its own: the prompt's
+    # on the first, then a step's (a message a step) or 16 steps' (the client's default
+    # stream_interval) on each after it.
+    for name, per_message in (("steps", 1), ("steps16", 16)):
+        parts = [array[:PROMPT]] + [
+            array[start : start + per_message] for start in range(PROMPT, rows, per_message)
+        ]
+        figures[name] = float(
+            sum(len(routed_experts.pack(part).SerializeToString()) for part in parts)
+        )
     return figures
 
 
@@ -96,8 +106,9 @@ def main() -> None:
         "(`python -m scripts.bench_routed_experts`):",
         "",
         "| model's routing (layers, top-k of experts) | vLLM's base64 `.npy` | narrowest integers "
-        "| ordered here (x vLLM) | as sets here (x vLLM) |",
-        "| --- | --- | --- | --- | --- |",
+        "| ordered here (x vLLM) | as sets here (x vLLM) | streamed, a message a step (x ordered)"
+        " | streamed, 16 steps a message (x ordered) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, layers, per_token, experts in SHAPES:
         f = wire_bytes((layers, per_token, experts), rows)
@@ -105,11 +116,13 @@ def main() -> None:
             f"| {name} ({layers}, {per_token} of {experts}) | {f['vllm'] / GENERATED:.0f} | "
             f"{f['narrowest'] / GENERATED:.0f} | {f['ordered'] / GENERATED:.0f} "
             f"({f['ordered'] / f['vllm']:.2f}) | {f['sets'] / GENERATED:.0f} "
-            f"({f['sets'] / f['vllm']:.2f}) |"
+            f"({f['sets'] / f['vllm']:.2f}) | {f['steps'] / GENERATED:.0f} "
+            f"({f['steps'] / f['ordered']:.2f}) | {f['steps16'] / GENERATED:.0f} "
+            f"({f['steps16'] / f['ordered']:.2f}) |"
         )
         print(lines[-1], flush=True)
 
-    local.ENGINE_MODULE = "scripts.routed_experts_source"  # the server with the GPU's source
+    local.ENGINE_MODULE = "testbed.routed_experts_source"  # the server with the GPU's source
     tok_s: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     with local.LocalFleet(1, ["--enable-return-routed-experts"]) as fleet:
         server = fleet.addresses.servers[0]

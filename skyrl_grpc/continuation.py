@@ -28,10 +28,15 @@ def resumable(request: data_plane_pb2.GenerateStreamRequest) -> bool:
 
 
 def continue_request(
-    request: data_plane_pb2.GenerateStreamRequest, generated: Sequence[int], version: int
+    request: data_plane_pb2.GenerateStreamRequest,
+    generated: Sequence[int],
+    version: int,
+    experts_rows: int = 0,
 ) -> data_plane_pb2.GenerateStreamRequest:
     """``request`` continued after ``generated`` tokens of its (single) sample, the newest of
-    them made at weight ``version``.
+    them made at weight ``version``, with ``experts_rows`` rows of its routed experts received
+    (the continuation's then start after them: the earlier tokens' routing is the one that
+    produced them, and none comes twice).
 
     The prompt grows by the generated tokens; ``max_tokens`` and ``min_tokens`` shrink by their
     count (an unset ``max_tokens`` stays unset: the server fills the context, as before). Prompt
@@ -48,6 +53,8 @@ def continue_request(
     if params.HasField("min_tokens"):
         params.min_tokens = max(params.min_tokens - done, 0)
     params.ClearField("prompt_logprobs")
+    if params.return_routed_experts:
+        params.routed_experts_prompt_start += experts_rows
     continued.min_weight_version = max(continued.min_weight_version, version)
     if continued.HasField("chat_output"):
         # The server's chat parser reads the tokens so far before the new ones.

@@ -1,9 +1,10 @@
 """The experts a mixture-of-experts model routed each token to (routing replay, "R3"), as the
-contract carries them (``RoutedExperts``): one packed array per sample, with its shape beside
-it; no per-message header, no base64.
+contract carries them (``RoutedExperts``): one packed array per message (a step's tokens, or a
+whole sample's), with its shape beside it; no base64, no ``.npy`` header.
 
-vLLM hands them over as an integer array ``[tokens, layers, experts per token]`` on a
-sample's last output (``CompletionOutput.routed_experts``); ``pack`` makes the message,
+vLLM hands them over as an integer array ``[tokens, layers, experts per token]``
+(``CompletionOutput.routed_experts``); the server sends each engine step's rows with that
+step's tokens, and ``concatenate`` joins a sample's steps; ``pack`` makes the message,
 ``unpack`` gives the array back (``numpy``, unsigned, the narrowest of 1, 2 or 4 bytes).
 
 Two packings, both exact for what routing replay uses:
@@ -167,6 +168,54 @@ def unpack(message: generation_pb2.RoutedExperts) -> Any:
         )
     ids = _sets_from_ranks(ranks, message.experts, message.per_token)
     return ids.astype(_kind(max(1, (message.experts - 1).bit_length()))).reshape(shape)
+
+
+def concatenate(
+    earlier: generation_pb2.RoutedExperts, later: generation_pb2.RoutedExperts
+) -> generation_pb2.RoutedExperts:
+    """One message holding ``earlier``'s tokens then ``later``'s (a sample's steps merged):
+    ordered ids of one width are joined as they are; otherwise both are unpacked and packed
+    again, as sets if either was."""
+    if earlier.tokens == 0:
+        return later
+    if later.tokens == 0:
+        return earlier
+    if (earlier.layers, earlier.per_token) != (later.layers, later.per_token):
+        raise ValueError(
+            f"routed experts of {earlier.layers} layers, {earlier.per_token} per token and of "
+            f"{later.layers}, {later.per_token} cannot be joined"
+        )
+    if not earlier.as_sets and not later.as_sets and earlier.bits == later.bits:
+        joined = generation_pb2.RoutedExperts()
+        joined.CopyFrom(earlier)
+        joined.tokens += later.tokens
+        joined.ids = earlier.ids + later.ids  # whole bytes: 8, 16 or 32 bits an id
+        return joined
+    if earlier.as_sets and later.as_sets:  # a set's rank does not depend on the base: join
+        # the ranks, in the bits the larger base needs
+        ranks = [
+            _unpack_bits(part.ids, part.tokens * part.layers, part.bits)
+            for part in (earlier, later)
+        ]
+        joined = generation_pb2.RoutedExperts(
+            tokens=earlier.tokens + later.tokens,
+            layers=earlier.layers,
+            per_token=earlier.per_token,
+            as_sets=True,
+            experts=max(earlier.experts, later.experts),
+        )
+        joined.bits = max(1, (comb(joined.experts, joined.per_token) - 1).bit_length())
+        joined.ids = _pack_bits(np.concatenate(ranks), joined.bits)
+        return joined
+    both = np.concatenate([unpack(earlier), unpack(later)])
+    return pack(both, as_sets=earlier.as_sets or later.as_sets)
+
+
+def as_sets(message: generation_pb2.RoutedExperts) -> generation_pb2.RoutedExperts:
+    """``message`` packed as sets (as it is where it already was)."""
+    if message.as_sets or message.tokens == 0:
+        return message
+    return pack(unpack(message), as_sets=True)
 
 
 def npy_base64(message: generation_pb2.RoutedExperts) -> str:

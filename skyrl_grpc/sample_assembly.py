@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from skyrl_grpc import routed_experts
 from skyrl_grpc.v1 import chat_tools_pb2, data_plane_pb2, generation_pb2
 
 
@@ -68,9 +69,13 @@ class ResponseAssembler:
             sample.finish_reason = chunk.finish_reason
             if chunk.HasField("stop"):
                 sample.stop.CopyFrom(chunk.stop)
-        if chunk.HasField("routed_experts"):  # whole, on the last message (a continued
-            # sample's covers its earlier tokens too: they were the continuation's prompt)
-            sample.routed_experts.CopyFrom(chunk.routed_experts)
+        if chunk.HasField("routed_experts"):  # each step's rows after those before (a
+            # continuation starts where the rows received end: ``continuation``)
+            if sample.HasField("routed_experts"):
+                joined = routed_experts.concatenate(sample.routed_experts, chunk.routed_experts)
+                sample.routed_experts.CopyFrom(joined)
+            else:
+                sample.routed_experts.CopyFrom(chunk.routed_experts)
 
     def samples(self) -> list[generation_pb2.Sample]:
         """The samples ordered by index, texts joined."""

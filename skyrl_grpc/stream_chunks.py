@@ -9,6 +9,7 @@ one version that produced its tokens) nor past a sample's end, and text as a del
 
 from __future__ import annotations
 
+from skyrl_grpc import routed_experts
 from skyrl_grpc.v1 import data_plane_pb2
 
 Chunk = data_plane_pb2.GenerateStreamResponse
@@ -17,10 +18,16 @@ Chunk = data_plane_pb2.GenerateStreamResponse
 def merge_into(earlier: Chunk, later: Chunk) -> None:
     """``later``'s tokens appended to ``earlier`` (one sample, one weight version): MergeFrom
     appends repeated fields (token ids, logprobs) and keeps the newest scalars (finish reason,
-    cumulative usage); text is a delta, so it is concatenated."""
+    cumulative usage); text is a delta, so it is concatenated, and so are routed experts (each
+    step's rows)."""
     text = earlier.text + later.text
+    experts = None
+    if earlier.HasField("routed_experts") and later.HasField("routed_experts"):
+        experts = routed_experts.concatenate(earlier.routed_experts, later.routed_experts)
     earlier.MergeFrom(later)
     earlier.text = text
+    if experts is not None:  # each step's rows, joined (MergeFrom would keep the later's)
+        earlier.routed_experts.CopyFrom(experts)
 
 
 def merge_backlog(

@@ -16,6 +16,10 @@ cannot run (not root, a tool missing) ``Testbed()`` raises ``TestbedUnavailable`
         engine = server.popen([sys.executable, "-m", "servers.engine", "--host", server.address])
         bed.cut(server)      # the host's link drops every packet
         bed.heal(server)
+
+Beside the hosts, the stand-ins the tests and benchmarks share for what this machine lacks:
+``routed_experts_source``, an engine server whose vLLM hands over routed experts step by step
+as a GPU runner does (vLLM's CPU build captures none).
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ class AbortRetry:
             return first
         # A continuation goes on no older weights than its tokens' newest.
         newest = max(span.weight_version for span in sample.weight_versions)
-        return continue_request(first, list(sample.token_ids), newest)
+        rows = sample.routed_experts.tokens  # the continuation's routing starts after them
+        return continue_request(first, list(sample.token_ids), newest, rows)
 
     def add(self, chunk: data_plane_pb2.GenerateStreamResponse) -> None:
         if self.retries == 0 and chunk.HasField("usage"):

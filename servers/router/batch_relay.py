@@ -75,6 +75,7 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     finished_samples: int = 0
     version: int = 0  # the newest weight version of its tokens
+    experts_rows: int = 0  # rows of routed experts its chunks carried (a continuation's start)
     done: bool = False
     sent_chunks: bool = False  # the caller has had a chunk of it (and its request id)
     retries: int = 0  # moves before anything of it was sent
@@ -271,7 +272,7 @@ class BatchRelay:
                 if request.sent_chunks:
                     request.migrations += 1
                     request.request = continue_request(
-                        request.original, request.tokens, request.version
+                        request.original, request.tokens, request.version, request.experts_rows
                     )
                     request.continued = True
                     request.base = len(request.tokens)
@@ -392,6 +393,7 @@ def _apply(backlog: list[bytes], requests: dict[int, _Request]) -> None:
             request.sent_chunks = True
             if request.samples == 1:
                 request.tokens.extend(chunk.token_ids)
+                request.experts_rows += chunk.routed_experts.tokens
                 if chunk.token_ids:
                     request.version = max(request.version, chunk.weight_version)
             if chunk.finish_reason:

@@ -39,6 +39,7 @@ class StreamMigration:
         # the hot path (no failure) pays one list append per chunk.
         self._unparsed: list[bytes] = []
         self._tokens: list[int] = []
+        self._experts_rows = 0  # rows of routed experts forwarded (a continuation's start)
         # The newest weight version of its tokens (or the caller's own floor): where it may go.
         self._version = request.min_weight_version
         self.lost: list[str] = []
@@ -53,6 +54,7 @@ class StreamMigration:
 
     def _read(self, chunk: data_plane_pb2.GenerateStreamResponse) -> None:
         self._tokens.extend(chunk.token_ids)
+        self._experts_rows += chunk.routed_experts.tokens
         self._finished = self._finished or bool(chunk.finish_reason)
         if chunk.token_ids:
             self._version = max(self._version, chunk.weight_version)
@@ -139,7 +141,10 @@ class StreamMigration:
     def continuation(self, lost_backend: str) -> bytes:
         """The request for the next backend: prompt + tokens so far, the budget that is left."""
         self.lost.append(lost_backend)
-        return continue_request(self._request, self.tokens, self.min_version).SerializeToString()
+        continued = continue_request(
+            self._request, self.tokens, self.min_version, self._experts_rows
+        )
+        return continued.SerializeToString()
 
 
 def floor_of(method: str, request: Any) -> int:

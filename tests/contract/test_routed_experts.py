@@ -2,8 +2,8 @@
 bytes that hold the ids (or each token's experts in a layer as one set's rank, in the fewest
 bits), with their shape; taken from vLLM's own output types with a MoE
 model's real shapes (this CPU build of vLLM cannot capture them: the refusal is tested with the
-engine), kept whole through the stream's merges, folded into the sample and handed to the
-trainer as the array vLLM gave."""
+engine), each step's rows joined through the stream's merges and into the sample, and handed
+to the trainer as the array vLLM gave."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from servers.engine.service.data_convert import StreamConverter, build_sampling_params
-from skyrl_grpc.routed_experts import pack, unpack
+from skyrl_grpc.routed_experts import concatenate, pack, unpack
 from skyrl_grpc.sample_assembly import ResponseAssembler
 from skyrl_grpc.stream_chunks import merge_backlog
-from skyrl_grpc.v1 import generation_pb2
+from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
 from trainer_client.results import GenerationResult
 
 # Qwen3-30B-A3B's shape: 48 MoE layers, 8 of 128 experts per token; a 5-token prompt, 6 output
@@ -181,7 +181,10 @@ def _converted(asked: bool, experts: np.ndarray | None, as_sets: bool = False) -
     converter = StreamConverter(
         "r", PROMPT, params, False, routed_experts=asked, routed_experts_as_sets=as_sets
     )
-    return [chunk for output in _outputs(experts) for chunk in converter.chunks(output, 3)]
+    chunks = [chunk for output in _outputs(experts) for chunk in converter.chunks(output, 3)]
+    for chunk in chunks:
+        converter.sendable(chunk)  # as the server sends each message (``RequestMessages``)
+    return list(chunks)
 
 
 def test_the_samples_last_message_carries_them_and_the_trainer_gets_vllms_array() -> None:
@@ -198,6 +201,37 @@ def test_the_samples_last_message_carries_them_and_the_trainer_gets_vllms_array(
     assert result.routed_experts is not None
     assert result.routed_experts.shape == (len(PROMPT) - 2 + len(OUTPUT) - 1, LAYERS, PER_TOKEN)
     assert np.array_equal(result.routed_experts, experts)
+
+
+@pytest.mark.parametrize("as_sets", [False, True])
+def test_steps_rows_join_into_the_samples_array_in_merges_and_in_the_sample(as_sets: bool) -> None:
+    """Each step's message carries its own rows (the vLLM adapter hands them over per step),
+    packed in its own width: ids below 256 in one step and above in the next, sets of a few
+    experts and of many. A slow reader's merged backlog and the sample join them in order."""
+    steps = [_top_k(4, 200, seed=1), _top_k(1, 300, seed=2), _top_k(2, 40, seed=3)]
+    chunks = []
+    for index, rows in enumerate(steps):
+        chunk = data_plane_pb2.GenerateStreamResponse(token_ids=[index + 1])
+        chunk.routed_experts.CopyFrom(pack(rows, as_sets=as_sets))
+        chunks.append(chunk)
+    whole = np.concatenate(steps)
+    want = np.sort(whole, axis=2) if as_sets else whole
+    (merged,) = merge_backlog([copy_of(c) for c in chunks])
+    assert list(merged.token_ids) == [1, 2, 3]
+    assert np.array_equal(unpack(merged.routed_experts), want)
+    assembler = ResponseAssembler()
+    for chunk in chunks:
+        assembler.add(chunk)
+    (sample,) = assembler.samples()
+    assert np.array_equal(unpack(sample.routed_experts), want)
+    with pytest.raises(ValueError, match="cannot be joined"):
+        concatenate(pack(steps[0]), pack(_top_k(1, 200, per_token=3)))
+
+
+def copy_of(chunk: data_plane_pb2.GenerateStreamResponse) -> data_plane_pb2.GenerateStreamResponse:
+    copied = data_plane_pb2.GenerateStreamResponse()
+    copied.CopyFrom(chunk)
+    return copied
 
 
 def test_n_samples_each_carry_their_own_experts_aligned_with_their_tokens() -> None:

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from servers.router.migration import StreamMigration
+from skyrl_grpc import routed_experts
 from skyrl_grpc.continuation import continue_request
 from skyrl_grpc.names import GENERATE_STREAM
 from skyrl_grpc.v1 import data_plane_pb2, generation_pb2
@@ -75,6 +78,34 @@ def test_a_migration_moves_only_to_weights_as_new_as_its_tokens() -> None:
     migration.observe(chunk([], version=9))  # no token: nothing was made at 9
     assert migration.min_version == 5
     assert Request.FromString(migration.continuation("10.0.0.2:1")).min_weight_version == 5
+
+
+def test_a_migrated_stream_asks_for_the_routed_experts_after_those_it_forwarded() -> None:
+    """Each message carries its steps' routing (the prompt's from its start on the first, then
+    a row per token before the message's last): a continuation starts where the rows the
+    caller has end, each time it moves, so no token's row comes twice."""
+    original = request(max_tokens=20, return_routed_experts=True, routed_experts_prompt_start=1)
+    migration = StreamMigration(original, max_migrations=3)
+
+    def with_rows(tokens: list[int], rows: int) -> bytes:
+        message = Chunk.FromString(chunk(tokens))
+        experts = np.zeros((rows, 2, 2), dtype=np.uint8)
+        message.routed_experts.CopyFrom(routed_experts.pack(experts))
+        return message.SerializeToString()
+
+    migration.observe(with_rows([10], 2))  # the prompt's 3 tokens from 1
+    migration.observe(with_rows([11, 12], 2))
+    first = Request.FromString(migration.continuation("10.0.0.1:1"))
+    assert list(first.prompt_token_ids) == [1, 2, 3, 10, 11, 12]
+    assert first.sampling_params.routed_experts_prompt_start == 1 + 4  # the rows it forwarded
+    migration.observe(with_rows([13], 1))  # from the continuation: the row of 12
+    second = Request.FromString(migration.continuation("10.0.0.2:1"))
+    assert second.sampling_params.routed_experts_prompt_start == 1 + 5
+    plain = StreamMigration(request(max_tokens=20), max_migrations=3)
+    plain.observe(chunk([10, 11]))
+    assert Request.FromString(plain.continuation("10.0.0.1:1")).sampling_params == (
+        generation_pb2.SamplingParams(max_tokens=18)
+    )
 
 
 def test_only_single_sample_generate_streams_migrate() -> None:

@@ -234,11 +234,9 @@ class StreamConverter:
                 chunk.stop.CopyFrom(stop)
             if self._include_text and completion.text:
                 chunk.text = completion.text
-            experts = getattr(completion, "routed_experts", None)  # on the last output only
-            if self._routed_experts and experts is not None:
-                chunk.routed_experts.CopyFrom(
-                    routed_experts.pack(experts, as_sets=self._routed_experts_as_sets)
-                )
+            experts = getattr(completion, "routed_experts", None)  # its steps' rows
+            if self._routed_experts and experts is not None:  # as sets once sent: ``sendable``
+                chunk.routed_experts.CopyFrom(routed_experts.pack(experts))
             chunk.usage.CopyFrom(self._usage)
             result.append(chunk)
         if result:
@@ -251,6 +249,13 @@ class StreamConverter:
                         )
                     )
         return result
+
+    def sendable(self, message: data_plane_pb2.GenerateStreamResponse) -> None:
+        """``message`` (the steps merged into one) as it leaves: its routed experts packed as
+        sets where the request asked, once per message rather than per step (the steps'
+        ordered rows are joined as a copy)."""
+        if self._routed_experts_as_sets and message.HasField("routed_experts"):
+            message.routed_experts.CopyFrom(routed_experts.as_sets(message.routed_experts))
 
 
 class ChunkCoalescer:

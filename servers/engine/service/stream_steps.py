@@ -38,6 +38,7 @@ class RequestMessages:
         chunks = self._converter.chunks(output, self._weight_version())
         ready = [ready for chunk in chunks for ready in self._coalescer.push(chunk)]
         for message in ready:
+            self._converter.sendable(message)
             if self._lora_version:
                 message.lora_version = self._lora_version
             if self._parsing is not None:

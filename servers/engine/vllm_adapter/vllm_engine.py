@@ -35,6 +35,7 @@ from servers.engine.vllm_adapter.engine_loop import EngineLoop, StreamGroup
 from servers.engine.vllm_adapter.lifecycle_calls import AsyncLLMLifecycle
 from servers.engine.vllm_adapter.load_tracker import Load, LoadTracker
 from servers.engine.vllm_adapter.request_ids import InFlightIds
+from servers.engine.vllm_adapter.routed_experts_steps import RoutedExpertsSteps
 from servers.engine.vllm_adapter.tokenizer_calls import TokenizerCalls
 from skyrl_grpc.errors import FailedPrecondition, InvalidArgument, Unavailable
 from skyrl_grpc.tiny_model import embedded_model_name
@@ -283,6 +284,8 @@ class VllmEngine:
         self._in_flight.take(request_id)
         self.requests_started += 1
         counted = False
+        by_step = self.options.enable_return_routed_experts  # each output its steps' routing
+        experts = RoutedExpertsSteps(self.llm.output_processor, request_id) if by_step else None
 
         def count_then(output: Any) -> Iterable[U]:
             nonlocal counted
@@ -290,7 +293,7 @@ class VllmEngine:
                 counted = True
                 self.prompt_tokens += len(prompt_token_ids)
                 self.cached_prompt_tokens += output.num_cached_tokens
-            return transform(output)
+            return transform(output if experts is None else experts.attach(output))
 
         salt = cache_salt
         lora_request = self._base_adapter
