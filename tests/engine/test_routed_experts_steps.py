@@ -2,18 +2,21 @@
 as a GPU runner does (``testbed.routed_experts_source``; this CPU build captures none), behind
 a real router. Every message carries the rows of the tokens its steps fed through the model,
 aligned token by token on each path (a call per stream, the client's and the router's
-multiplexed calls, a batch), and a sample continued after an abort gets each token's row once.
+multiplexed calls, a batch, n samples, a LoRA adapter's requests), and a sample continued after
+an abort gets each token's row once.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from servers.fleet import local
+from tests.helpers.adapters import make_adapter
 from tests.helpers.waits import ENGINE_START_SECONDS, running_on_engines, until
 from trainer_client import InferenceClient
 
@@ -36,9 +39,8 @@ def fleet() -> Iterator[local.LocalFleet]:
     default = local.ENGINE_MODULE
     local.ENGINE_MODULE = "testbed.routed_experts_source"
     env = {"ROUTED_EXPERTS_SHAPE": f"{LAYERS},{PER_TOKEN},{EXPERTS}"}
-    started = local.LocalFleet(
-        1, ["--enable-return-routed-experts"], env=env, start_timeout=ENGINE_START_SECONDS
-    )
+    flags = ["--enable-return-routed-experts", "--enable-lora", "--max-lora-rank", "8"]
+    started = local.LocalFleet(1, flags, env=env, start_timeout=ENGINE_START_SECONDS)
     try:
         started.__enter__()
     finally:
@@ -109,6 +111,25 @@ async def test_a_batch_and_n_samples_each_get_their_rows(fleet: local.LocalFleet
         for sample in samples:
             assert sample.routed_experts.shape[0] == len(PROMPT) - START + TOKENS - 1
     finally:
+        await client.close()
+
+
+async def test_a_lora_requests_messages_carry_their_rows(
+    fleet: local.LocalFleet, tiny_model_dir: Path
+) -> None:
+    server = fleet.addresses.servers[0]
+    client = InferenceClient(fleet.addresses.router, [server])
+    tensors, config = make_adapter(tiny_model_dir, seed=3)
+    try:
+        await client.load_lora("routed", tensors=tensors, config=config)
+        chunks = [
+            c async for c in client.stream(PROMPT, SAMPLING, lora="routed", stream_interval=0)
+        ]
+        assert {c.lora_version for c in chunks} == {1}  # generated with the adapter
+        per_message = aligned(chunks)
+        assert sum(1 for rows in per_message if rows) > len(per_message) // 2, per_message
+    finally:
+        await client.unload_lora("routed")
         await client.close()
 
 
