@@ -15,7 +15,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -46,6 +46,16 @@ class MessageCount:
         self.messages = 0
 
 
+async def tokens_read(chunks: AsyncIterable[Any], counted: MessageCount | None) -> int:
+    """The tokens of a stream's chunks, each chunk counted in ``counted`` (if given)."""
+    count = 0
+    async for chunk in chunks:
+        count += len(chunk.token_ids)
+        if counted is not None:
+            counted.messages += 1
+    return count
+
+
 # -- the clients ----------------------------------------------------------------------------
 
 
@@ -68,12 +78,7 @@ def grpc_streams(
             request = greedy(tokens, interval)
             request.prompt_token_ids.extend(prompt_for(sample, batch))
             metadata = ((SESSION_ID, f"rollout-{sample}"),) if sessions else ()
-            count = 0
-            async for chunk in stub.GenerateStream(request, metadata=metadata):
-                count += len(chunk.token_ids)
-                if counted is not None:
-                    counted.messages += 1
-            return count
+            return await tokens_read(stub.GenerateStream(request, metadata=metadata), counted)
 
         return sum(await asyncio.gather(*(one(s) for s in range(samples))))
 
@@ -133,14 +138,9 @@ def client_streams(
 
     async def run(samples: int, tokens: int, batch: int) -> int:
         async def one(sample: int) -> int:
-            count = 0
-            prompt = prompt_for(sample, batch)
             limited = {**sampling, "max_tokens": tokens}
-            async for chunk in client.stream(prompt, limited, stream_interval=0):
-                count += len(chunk.token_ids)
-                if counted is not None:
-                    counted.messages += 1
-            return count
+            chunks = client.stream(prompt_for(sample, batch), limited, stream_interval=0)
+            return await tokens_read(chunks, counted)
 
         return sum(await asyncio.gather(*(one(s) for s in range(samples))))
 
