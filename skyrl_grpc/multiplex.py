@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 Metadata = tuple[tuple[str, str | bytes], ...]
 
 
-def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """A call's failure made here, read by callers as grpc's own (no metadata)."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
@@ -193,12 +194,12 @@ class Multiplexer:
                 for error in message.errors:
                     stream = self._streams.pop(error.index, None)
                     if stream is not None:
-                        stream.fail(_error(status_of(error.code), error.message))
-            failure = _error(grpc.StatusCode.UNAVAILABLE, "the multiplexed call ended")
+                        stream.fail(rpc_error(status_of(error.code), error.message))
+            failure = rpc_error(grpc.StatusCode.UNAVAILABLE, "the multiplexed call ended")
         except grpc.aio.AioRpcError as error:
             failure = error
         except asyncio.CancelledError:
-            failure = _error(grpc.StatusCode.UNAVAILABLE, "the caller closed the call")
+            failure = rpc_error(grpc.StatusCode.UNAVAILABLE, "the caller closed the call")
         self.failed = failure
         for stream in list(self._streams.values()):
             stream.fail(failure)

@@ -89,6 +89,11 @@ def _binomials(experts: int, per_token: int) -> Any:
     return table
 
 
+def _set_bits(experts: int, per_token: int) -> int:
+    """Bits per set's rank: the fewest that hold C(experts, per_token) - 1."""
+    return max(1, (comb(experts, per_token) - 1).bit_length())
+
+
 def _set_ranks(array: Any, experts: int) -> Any | None:
     """Each ``[token, layer]`` row's set of ids ranked (``sum C(id_i, i + 1)`` over its ids in
     ascending order); None where a row repeats an id or the ranks do not fit 64 bits."""
@@ -138,7 +143,7 @@ def pack(experts: Any, *, as_sets: bool = False) -> generation_pb2.RoutedExperts
     if ranks is not None:
         message.as_sets = True
         message.experts = largest + 1
-        message.bits = max(1, (comb(largest + 1, per_token) - 1).bit_length())
+        message.bits = _set_bits(largest + 1, per_token)
         message.ids = _pack_bits(ranks, message.bits)
         return message
     message.bits = next(width for width, kind in _KINDS if largest <= np.iinfo(kind).max)
@@ -204,7 +209,7 @@ def concatenate(
             as_sets=True,
             experts=max(earlier.experts, later.experts),
         )
-        joined.bits = max(1, (comb(joined.experts, joined.per_token) - 1).bit_length())
+        joined.bits = _set_bits(joined.experts, joined.per_token)
         joined.ids = _pack_bits(np.concatenate(ranks), joined.bits)
         return joined
     both = np.concatenate([unpack(earlier), unpack(later)])

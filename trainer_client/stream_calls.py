@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from skyrl_grpc.multiplex import WithFallback
+from skyrl_grpc.multiplex import WithFallback, rpc_error
 from skyrl_grpc.v1 import data_plane_pb2
 from trainer_client.client_core import ClientCore
 
@@ -51,12 +51,8 @@ class StreamCall:
                     async with asyncio.timeout_at(self._deadline_at):
                         chunk = await self._call.read()
                 except TimeoutError:
-                    raise grpc.aio.AioRpcError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        grpc.aio.Metadata(),
-                        grpc.aio.Metadata(),
-                        "Deadline Exceeded",
-                    ) from None
+                    deadline = grpc.StatusCode.DEADLINE_EXCEEDED
+                    raise rpc_error(deadline, "Deadline Exceeded") from None
             if chunk is grpc.aio.EOF:
                 return
             yield chunk
