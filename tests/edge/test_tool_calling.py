@@ -217,9 +217,12 @@ async def test_the_trainer_client_gets_the_edges_tool_calls_typed(
 
 async def test_a_resumed_generation_parses_as_one_uninterrupted(tool_router: Any) -> None:
     """What an abort retry or a mid-stream move sends (``skyrl_grpc.continuation``): the prompt
-    plus the tokens so far, ``resumed_tokens`` naming them. The parsed message (whole) and the
-    deltas after the cut (streamed) are those of the uninterrupted generation. (Tools offered
-    but no choice forcing a call: a constrained output starts over instead of resuming.)"""
+    plus the tokens so far, ``resumed_tokens`` naming them. The parsed message (whole), the
+    deltas after the cut (streamed) and the text after it are those of the uninterrupted
+    generation -- at a cut between messages and at every cut inside a character (the random
+    model's byte tokens spread one over several; vLLM's own detokenizer began such a
+    continuation's text with its prompt's). (Tools offered but no choice forcing a call: a
+    constrained output starts over instead of resuming.)"""
     from skyrl_grpc.continuation import continue_request
     from skyrl_grpc.v1 import generation_pb2
 
@@ -236,6 +239,10 @@ async def test_a_resumed_generation_parses_as_one_uninterrupted(tool_router: Any
         ) -> list[data_plane_pb2.GenerateStreamResponse]:
             return [m async for m in stub.GenerateStream(request)]
 
+        async def text_of(token_ids: list[int]) -> str:
+            request = data_plane_pb2.DetokenizeRequest(token_ids=token_ids)
+            return str((await stub.Detokenize(request)).text)
+
         for whole_messages in (True, False):
             request = data_plane_pb2.GenerateStreamRequest(
                 prompt_token_ids=tokenized.token_ids, sampling_params=sampling, include_text=True,
@@ -243,17 +250,24 @@ async def test_a_resumed_generation_parses_as_one_uninterrupted(tool_router: Any
             )  # fmt: skip
             full = await run(request)
             tokens = [t for m in full for t in m.token_ids]
-            cut = len(full[0].token_ids) + len(full[1].token_ids)
-            assert 0 < cut < len(tokens) - 2
-            resumed = await run(continue_request(request, tokens[:cut], 0))
-            assert [t for m in resumed for t in m.token_ids] == tokens[cut:]
-            if whole_messages:
-                text = "".join(m.text for m in full)
-                assert full[-1].chat_message.content == text
-                assert resumed[-1].chat_message == full[-1].chat_message
-            else:
-                after = "".join(m.chat_delta.content for m in full[2:])
-                assert "".join(m.chat_delta.content for m in resumed) == after
+            full_text = "".join(m.text for m in full)
+            texts = [await text_of(tokens[:cut]) for cut in range(len(tokens))]
+            inside = [cut for cut in range(1, len(tokens) - 2) if texts[cut].endswith("\ufffd")]
+            assert inside, "the model's output has no character spread over tokens"
+            between = len(full[0].token_ids) + len(full[1].token_ids)
+            assert 0 < between < len(tokens) - 2
+            for cut in sorted({between, *inside}):
+                resumed = await run(continue_request(request, tokens[:cut], 0))
+                assert [t for m in resumed for t in m.token_ids] == tokens[cut:]
+                # Given out before the cut: the text up to the last whole character.
+                given = max(k for k in range(cut + 1) if not texts[k].endswith("\ufffd"))
+                assert texts[given] + "".join(m.text for m in resumed) == full_text, cut
+                if whole_messages:
+                    assert full[-1].chat_message.content == full_text
+                    assert resumed[-1].chat_message == full[-1].chat_message, cut
+                else:
+                    after = "".join(m.chat_delta.content for m in full)[len(texts[given]) :]
+                    assert "".join(m.chat_delta.content for m in resumed) == after, cut
 
 
 async def test_grpc_bad_tool_use_is_invalid_argument_and_auto_needs_the_flag(

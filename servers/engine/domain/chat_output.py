@@ -24,6 +24,7 @@ from servers.engine.vllm_adapter.chat_parser_calls import (
     SampleParser,
     new_call_id,
 )
+from skyrl_grpc.partial_characters import held_back
 
 
 @dataclass
@@ -147,10 +148,13 @@ class ChatOutputParsing:
 
     def resume(self, decode: Callable[[list[int]], str]) -> None:
         """Reads the sample's output so far (``resumed_tokens``) into its parser; what it
-        yields was sent before, by the server that generated it."""
+        yields was sent before, by the server that generated it. Its text is what was given
+        out before the cut: tokens holding part of a character gave out none (the engine's
+        text of the continuation begins with that character)."""
         if not self._resumed:
             return
-        text = decode(self._resumed)
+        held = held_back(decode, self._resumed)
+        text = decode(self._resumed[: len(self._resumed) - held])
         parser = self._parsers[0]
         if self.whole_messages or parser is None:
             self._texts[0], self._token_ids[0] = text, list(self._resumed)

@@ -27,7 +27,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from servers.common.event_loops import new_event_loop
 from servers.engine.options import EngineOptions, RequestLimits
-from servers.engine.vllm_adapter import core_preload, engine_args
+from servers.engine.vllm_adapter import core_preload, detokenizer_choice, engine_args
 from servers.engine.vllm_adapter.engine_args import Platform, engine_arguments, resolved_model
 from servers.engine.vllm_adapter.engine_client_view import EngineClientView
 from servers.engine.vllm_adapter.engine_logs import death_cause, root_cause
@@ -235,6 +235,7 @@ class VllmEngine:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        detokenizer_choice.install()
         platform = Platform(
             is_cpu=current_platform.device_type == "cpu",
             sleep_mode_available=bool(current_platform.is_sleep_mode_available()),
