@@ -1,5 +1,6 @@
 """Which handler serves each DataPlane method on the router: the proxy's forwarding path
-(``proxy``), its fan-outs (Abort, FinishSession everywhere) and batches (``batch_relay``)."""
+(``proxy``), its fan-outs (Abort, FinishSession everywhere), batches (``batch_relay``) and
+multiplexed calls (``multiplex_relay``)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,16 @@ import grpc
 
 from servers.common.grpc_types import Handler
 from servers.router.batch_relay import relay_batch
+from servers.router.multiplex_relay import relay_multiplex
 from servers.router.proxy import Proxy
-from skyrl_grpc.names import ABORT, DATA_PLANE, DATA_PLANE_SERVICE, FINISH_SESSION, GENERATE_BATCH
+from skyrl_grpc.names import (
+    ABORT,
+    DATA_PLANE,
+    DATA_PLANE_SERVICE,
+    FINISH_SESSION,
+    GENERATE_BATCH,
+    GENERATE_MULTIPLEX,
+)
 
 
 class ForwardingHandler(grpc.GenericRpcHandler):
@@ -37,6 +46,8 @@ class ForwardingHandler(grpc.GenericRpcHandler):
             return grpc.unary_unary_rpc_method_handler(self._proxy.finish_session_everywhere)
         if method == GENERATE_BATCH:
             return grpc.unary_stream_rpc_method_handler(partial(relay_batch, self._proxy))
+        if method == GENERATE_MULTIPLEX:
+            return grpc.stream_stream_rpc_method_handler(partial(relay_multiplex, self._proxy))
         shape = self._streaming.get(method, (True, True))
         # partial keeps the coroutine / async-generator nature grpc inspects to drive the call.
         if shape == (False, False):

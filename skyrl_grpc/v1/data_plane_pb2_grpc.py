@@ -169,13 +169,14 @@ class DataPlaneServicer:
 
     def GenerateMultiplex(self, request_iterator, context):
         """Many generations over one long-lived call, for a proxy in front of the server (the
-        router keeps one per server, as TGI's router does with its shards): requests join and
-        leave while it runs, and one message per engine step carries the new tokens of every
-        request that advanced, so a server's per-message cost is paid per step, not per request
-        and step. Each request is admitted, refused and reported by its index as in GenerateBatch;
-        cancelling one (GenerateMultiplexRequest.cancel) aborts it; the call ends once the caller
-        has closed its side and every request has ended. Metadata (a data token) applies to every
-        request of the call.
+        router keeps one per server, as TGI's router does with its shards) or a client with many
+        streams: requests join and leave while it runs, and one message per engine step carries
+        the new tokens of every request that advanced, so a server's per-message cost is paid per
+        step, not per request and step. Each request is admitted, refused and reported by its
+        index as in GenerateBatch; cancelling one (GenerateMultiplexRequest.cancel) aborts it; the
+        call ends once the caller has closed its side and every request has ended. Metadata (a
+        data token) applies to every request of the call. Through the router, each request is
+        placed by its session and moved off a lost server as a GenerateStream call would be.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

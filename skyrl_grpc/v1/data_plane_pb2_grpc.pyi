@@ -74,13 +74,14 @@ class DataPlaneStub:
     """
     GenerateMultiplex: _grpc.StreamStreamMultiCallable[_data_plane_pb2.GenerateMultiplexRequest, _data_plane_pb2.GenerateMultiplexResponse]
     """Many generations over one long-lived call, for a proxy in front of the server (the
-    router keeps one per server, as TGI's router does with its shards): requests join and
-    leave while it runs, and one message per engine step carries the new tokens of every
-    request that advanced, so a server's per-message cost is paid per step, not per request
-    and step. Each request is admitted, refused and reported by its index as in GenerateBatch;
-    cancelling one (GenerateMultiplexRequest.cancel) aborts it; the call ends once the caller
-    has closed its side and every request has ended. Metadata (a data token) applies to every
-    request of the call.
+    router keeps one per server, as TGI's router does with its shards) or a client with many
+    streams: requests join and leave while it runs, and one message per engine step carries
+    the new tokens of every request that advanced, so a server's per-message cost is paid per
+    step, not per request and step. Each request is admitted, refused and reported by its
+    index as in GenerateBatch; cancelling one (GenerateMultiplexRequest.cancel) aborts it; the
+    call ends once the caller has closed its side and every request has ended. Metadata (a
+    data token) applies to every request of the call. Through the router, each request is
+    placed by its session and moved off a lost server as a GenerateStream call would be.
     """
     Chat: _grpc.UnaryUnaryMultiCallable[_data_plane_pb2.ChatRequest, _data_plane_pb2.ChatResponse]
     """Applies the model's chat template to the messages, then generates; returns tokens and text."""
@@ -148,13 +149,14 @@ class DataPlaneAsyncStub(DataPlaneStub):
     """
     GenerateMultiplex: _aio.StreamStreamMultiCallable[_data_plane_pb2.GenerateMultiplexRequest, _data_plane_pb2.GenerateMultiplexResponse]  # type: ignore[assignment]
     """Many generations over one long-lived call, for a proxy in front of the server (the
-    router keeps one per server, as TGI's router does with its shards): requests join and
-    leave while it runs, and one message per engine step carries the new tokens of every
-    request that advanced, so a server's per-message cost is paid per step, not per request
-    and step. Each request is admitted, refused and reported by its index as in GenerateBatch;
-    cancelling one (GenerateMultiplexRequest.cancel) aborts it; the call ends once the caller
-    has closed its side and every request has ended. Metadata (a data token) applies to every
-    request of the call.
+    router keeps one per server, as TGI's router does with its shards) or a client with many
+    streams: requests join and leave while it runs, and one message per engine step carries
+    the new tokens of every request that advanced, so a server's per-message cost is paid per
+    step, not per request and step. Each request is admitted, refused and reported by its
+    index as in GenerateBatch; cancelling one (GenerateMultiplexRequest.cancel) aborts it; the
+    call ends once the caller has closed its side and every request has ended. Metadata (a
+    data token) applies to every request of the call. Through the router, each request is
+    placed by its session and moved off a lost server as a GenerateStream call would be.
     """
     Chat: _aio.UnaryUnaryMultiCallable[_data_plane_pb2.ChatRequest, _data_plane_pb2.ChatResponse]  # type: ignore[assignment]
     """Applies the model's chat template to the messages, then generates; returns tokens and text."""
@@ -243,13 +245,14 @@ class DataPlaneServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_data_plane_pb2.GenerateMultiplexResponse], _abc.AsyncIterator[_data_plane_pb2.GenerateMultiplexResponse]]:
         """Many generations over one long-lived call, for a proxy in front of the server (the
-        router keeps one per server, as TGI's router does with its shards): requests join and
-        leave while it runs, and one message per engine step carries the new tokens of every
-        request that advanced, so a server's per-message cost is paid per step, not per request
-        and step. Each request is admitted, refused and reported by its index as in GenerateBatch;
-        cancelling one (GenerateMultiplexRequest.cancel) aborts it; the call ends once the caller
-        has closed its side and every request has ended. Metadata (a data token) applies to every
-        request of the call.
+        router keeps one per server, as TGI's router does with its shards) or a client with many
+        streams: requests join and leave while it runs, and one message per engine step carries
+        the new tokens of every request that advanced, so a server's per-message cost is paid per
+        step, not per request and step. Each request is admitted, refused and reported by its
+        index as in GenerateBatch; cancelling one (GenerateMultiplexRequest.cancel) aborts it; the
+        call ends once the caller has closed its side and every request has ended. Metadata (a
+        data token) applies to every request of the call. Through the router, each request is
+        placed by its session and moved off a lost server as a GenerateStream call would be.
         """
 
     @_abc_1.abstractmethod
