@@ -1,6 +1,7 @@
 """Per-step streams under load: tokens per message and throughput of the engine server's own
 ``GenerateStream`` (one server, direct), and of the trainer client's ``stream`` (over one
-``GenerateMultiplex`` call to that server), against vLLM's HTTP server's streamed completions
+``GenerateMultiplex`` call to that server, or to the router in front of it), against vLLM's
+HTTP server's streamed completions
 (tokens per server-sent event), at 64 and 256 concurrent streams of 128 tokens, rounds
 interleaved (issue 70, item 3: a busy server sends fewer, fuller messages; one stream alone
 still gets a message per engine step).
@@ -11,8 +12,9 @@ wrote, merged (``skyrl_grpc.stream_chunks.merge_backlog``).
 
 The server runs twice: on its default loop (uvloop, as vLLM's servers run) and on asyncio's
 (``--event-loop asyncio``), side by side. Beside tokens/s: the CPU per 1000 tokens of the
-server's own process (vLLM's API server process for vLLM; the engine core apart) and of this
-process, the one Python client reading every stream.
+server's own process (vLLM's API server process for vLLM; the engine core apart; through the
+router, the server's and the router's) and of this process, the one Python client reading every
+stream.
 
 Run: .venv/bin/python -m scripts.bench_stream_messages [--rounds 3] [--output docs/performance.md]
 """
@@ -47,13 +49,18 @@ from testbed.peers import SERVED_NAME, vllm_http_server
 TOKENS = 128
 
 
+def serving_cpu(processes: list[psutil.Process]) -> float:
+    return sum(cpu_seconds(process) for process in processes)
+
+
 async def measure(
-    run: RunBatch, counted: MessageCount, streams: int, batch: int, server: psutil.Process
+    run: RunBatch, counted: MessageCount, streams: int, batch: int, server: list[psutil.Process]
 ) -> dict[str, float]:
     """One round of ``streams`` concurrent streams: tokens/s, tokens per message, and the CPU
-    ms per 1000 tokens of ``server`` (the serving process) and of this process (the client)."""
+    ms per 1000 tokens of ``server`` (the serving processes) and of this process (the client)."""
     before = counted.messages
-    started, server_cpu, client_cpu = time.perf_counter(), cpu_seconds(server), time.process_time()
+    started, server_cpu = time.perf_counter(), serving_cpu(server)
+    client_cpu = time.process_time()
     tokens = await run(streams, TOKENS, batch)
     seconds = time.perf_counter() - started
     messages = counted.messages - before
@@ -61,7 +68,7 @@ async def measure(
         "tok_s": tokens / seconds,
         # Not counted for the multiplexed client (one message a step carries every stream).
         "per_message": tokens / messages if messages else float("nan"),
-        "server_cpu": 1e6 * (cpu_seconds(server) - server_cpu) / tokens,
+        "server_cpu": 1e6 * (serving_cpu(server) - server_cpu) / tokens,
         "client_cpu": 1e6 * (time.process_time() - client_cpu) / tokens,
     }
 
@@ -75,7 +82,9 @@ def main() -> None:
     sizes = [int(s) for s in args.streams.split(",")]
     ours, on_asyncio, vllm = "server GenerateStream", "server, --event-loop asyncio", "vllm-http"
     client = "trainer client stream (multiplexed)"
-    names = [ours, client, on_asyncio, vllm]
+    routed = "trainer client stream through the router (multiplexed)"
+    names = [ours, client, routed, on_asyncio, vllm]
+    multiplexed = (client, routed)
     results: dict[tuple[str, int], list[dict[str, float]]] = {
         (n, s): [] for n in names for s in sizes
     }
@@ -89,14 +98,16 @@ def main() -> None:
         trees = {
             ours: ProcessTree(*fleet.pids),
             client: ProcessTree(*fleet.pids),
+            routed: ProcessTree(*fleet.pids),
             on_asyncio: ProcessTree(*asyncio_fleet.pids),
             vllm: ProcessTree(http.process.pid),
         }
         roots = {
-            ours: fleet.pids[0],
-            client: fleet.pids[0],
-            on_asyncio: asyncio_fleet.pids[0],
-            vllm: http.process.pid,
+            ours: fleet.pids[:1],
+            client: fleet.pids[:1],
+            routed: fleet.pids,  # the server, then the router
+            on_asyncio: asyncio_fleet.pids[:1],
+            vllm: [http.process.pid],
         }
         for tree in trees.values():
             tree.freeze()
@@ -112,6 +123,10 @@ def main() -> None:
             # InferenceClient.stream per prompt, straight to the server over one
             # GenerateMultiplex call (its router's view picks the server).
             runs[client] = client_streams(fleet.addresses.router, [fleet.addresses.servers[0]])
+            # The same, every stream through the router over one GenerateMultiplex call to it.
+            runs[routed] = client_streams(
+                fleet.addresses.router, [fleet.addresses.servers[0]], direct=False
+            )
             for name, run in runs.items():  # first generations are slow
                 trees[name].thaw()
                 await run(16, TOKENS, 0)
@@ -123,7 +138,7 @@ def main() -> None:
                     for streams in sizes:
                         figures = await measure(
                             runs[name], counted[name], streams, round_index + 1,
-                            psutil.Process(roots[name]),
+                            [psutil.Process(pid) for pid in roots[name]],
                         )  # fmt: skip
                         results[(name, streams)].append(figures)
                         print(f"round {round_index + 1} {name} {streams}: {figures}", flush=True)
@@ -138,9 +153,10 @@ def main() -> None:
     lines = [
         f"`python -m scripts.bench_stream_messages --rounds {args.rounds}` (streams of "
         f"{TOKENS} tokens, greedy, 16-token prompts; one engine server direct against vLLM's "
-        "HTTP server, same engine settings; the four taking turns; medians, ranges in "
-        "brackets; CPU: ms per 1000 tokens of the serving process, the engine core apart, and "
-        "of the one client process; 2 cores).",
+        "HTTP server, same engine settings; the five taking turns; medians, ranges in "
+        "brackets; CPU: ms per 1000 tokens of the serving processes (through the router, the "
+        "server's and the router's), the engine core apart, and of the one client process; "
+        "2 cores).",
         "",
         "| streams | contender | tokens/s | tokens per message (event) | server CPU | client CPU |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -150,13 +166,13 @@ def main() -> None:
         for name in names:
             runs = results[(name, streams)]
             cells = [median_range([r[key] for r in runs], digits) for key, digits in columns]
-            if name == client:  # its streams' chunks arrive in one message a step for all
+            if name in multiplexed:  # its streams' chunks arrive in one message a step for all
                 cells[1] = "one message a step for every stream"
             lines.append(f"| {streams} | {name} | {' | '.join(cells)} |")
     lines += ["", "Against vLLM's HTTP server (median of per-round ratios):", ""]
     for streams in sizes:
         theirs = results[(vllm, streams)]
-        for name in (ours, client, on_asyncio):
+        for name in (ours, client, routed, on_asyncio):
 
             def ratio(
                 key: str, mine: Any = results[(name, streams)], theirs: Any = theirs
@@ -166,7 +182,7 @@ def main() -> None:
 
             per_message = (
                 ""
-                if name == client
+                if name in multiplexed
                 else f"tokens per message {ratio('per_message'):.2f} (target >= 1.0), "
             )
             lines.append(

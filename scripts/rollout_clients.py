@@ -128,12 +128,17 @@ def trainer_client(router: str, servers: list[str], direct: bool) -> RunBatch:
 
 
 def client_streams(
-    router: str, servers: list[str], multiplex: bool = True, counted: MessageCount | None = None
+    router: str,
+    servers: list[str],
+    multiplex: bool = True,
+    counted: MessageCount | None = None,
+    direct: bool = True,
 ) -> RunBatch:
     """The trainer client's ``stream`` per prompt, all at once, a message per engine step,
-    straight to the server (``multiplex``: over one GenerateMultiplex call; else a
-    GenerateStream call each). ``counted``: each chunk a stream reads counted there."""
-    client = InferenceClient(router, servers, multiplex=multiplex)
+    straight to the server (``direct=False``: through the router; ``multiplex``: over one
+    GenerateMultiplex call; else a GenerateStream call each). ``counted``: each chunk a stream
+    reads counted there."""
+    client = InferenceClient(router, servers, multiplex=multiplex, direct=direct)
     sampling = {"temperature": 0.0, "ignore_eos": True}
 
     async def run(samples: int, tokens: int, batch: int) -> int:

@@ -86,9 +86,10 @@ class ClientConfig:
     # router's view (trainer_client.direct), instead of through the router: the same
     # placement without the extra hop. False: everything goes through the router.
     direct: bool = True
-    # Direct path: the streams of generations to one server share one GenerateMultiplex call
-    # (skyrl_grpc.multiplex), whose one message per engine step carries every stream's new
-    # tokens: the client reads a message a step, not a message a step per stream. False: a
+    # The streams of generations to one server (direct) or through the router share one
+    # GenerateMultiplex call (skyrl_grpc.multiplex), whose one message per engine step carries
+    # every stream's new tokens: the client reads a message a step, not a message a step per
+    # stream (the router places each request of its call by its session). False: a
     # GenerateStream call each.
     multiplex: bool = True
     # Direct path: how many times one generation moves on after its server failed (before the

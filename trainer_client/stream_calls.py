@@ -1,6 +1,7 @@
-"""A generation's stream from a server: over the one GenerateMultiplex call the client keeps to
-that server (``ClientConfig.multiplex``, direct generations), or a GenerateStream call of its own
-(through the router, or to a server without GenerateMultiplex).
+"""A generation's stream from a server or the router: over the one GenerateMultiplex call the
+client keeps to each (``ClientConfig.multiplex``; through the router, each request of the call is
+placed by its session: ``servers.router.multiplex_relay``), or a GenerateStream call of its own
+(``multiplex=False``, or to one without GenerateMultiplex).
 
 On a GenerateStream call per generation, 64 concurrent streams cost 64 gRPC messages an engine
 step at the server and in the client, each worth a token; grpc's asyncio client spends tens of
@@ -75,18 +76,22 @@ def open_stream(
     def plain() -> Any:
         return stub.GenerateStream(request, timeout=deadline, metadata=metadata)
 
-    if target is None or not core.config.multiplex:
+    if not core.config.multiplex:
         return StreamCall(plain(), deadline, multiplexed=False)
+    if target is None:  # the router places each request of the call by its session
+        address, channel = core.config.router, core.channel(core.config.router)
+    else:
+        address, channel = target, core.connections.data_channel(target)
     multiplexers = core.connections.multiplexers()
-    if not multiplexers.supported(target):
+    if not multiplexers.supported(address):
         return StreamCall(plain(), deadline, multiplexed=False)
     stream = multiplexers.open(
-        target,
-        core.connections.data_channel(target),
+        address,
+        channel,
         request,
         metadata,
         parsed=True,
         call_metadata=core.config.call_metadata("data"),
     )
-    fallback = WithFallback(stream, plain, lambda: multiplexers.unsupported(target))
+    fallback = WithFallback(stream, plain, lambda: multiplexers.unsupported(address))
     return StreamCall(fallback, deadline, multiplexed=True)

@@ -1,4 +1,4 @@
-"""The trainer client's direct streams over one GenerateMultiplex call per server
+"""The trainer client's streams over one GenerateMultiplex call per server, or to the router
 (``ClientConfig.multiplex``, ``trainer_client.stream_calls``), against a real engine server
 behind a real router: the same chunks as a GenerateStream call each, one call for all of them,
 deadlines and cancellation aborting the request on the server."""
@@ -106,3 +106,30 @@ async def test_a_stream_left_early_ends_its_request_on_the_server(
         await until(lambda: unfinished(engine_server) == 0, what="the request aborted")
     finally:
         await multiplexed.resume()
+
+
+async def test_streams_through_the_router_share_one_call_to_it_and_read_the_same(
+    one_server_router: Any, engine_server: Any
+) -> None:
+    """``direct=False``: every generation goes through the router, its streams over one
+    GenerateMultiplex call to it (``servers.router.multiplex_relay``), each placed with its
+    session and relayed on over the router's own call to the server."""
+    servers = [engine_server.address]
+    routed = InferenceClient(one_server_router.address, servers, direct=False)
+    plain = InferenceClient(one_server_router.address, servers, direct=False, multiplex=False)
+    try:
+        prompts = [[1, 40 + i, 7, 400 + i] for i in range(8)]
+        sampling = {**GREEDY, "max_tokens": 16, "logprobs": 0}
+        relayed = await asyncio.gather(*(read(routed, p, sampling) for p in prompts))
+        assert routed.connections.multiplexers().addresses() == [one_server_router.address]
+        own_calls = await asyncio.gather(*(read(plain, p, sampling) for p in prompts))
+        assert plain.connections.multiplexers().addresses() == []
+        assert [len(tokens) for tokens, _, _ in relayed] == [16] * len(prompts)
+        assert relayed == own_calls
+        # A session's requests keep its home on the router, as a call of their own would.
+        await routed.generate([1, 2, 3], {**GREEDY, "max_tokens": 2}, session_id="agent-1")
+        placement = one_server_router.proxy.pool.placement.sessions
+        assert placement.home("agent-1") == engine_server.address
+    finally:
+        await routed.close()
+        await plain.close()
