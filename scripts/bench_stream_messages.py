@@ -1,7 +1,7 @@
 """Per-step streams under load: tokens per message and throughput of the engine server's own
 ``GenerateStream`` (one server, direct), and of the trainer client's ``stream`` (over one
-``GenerateMultiplex`` call to that server, or to the router in front of it), against vLLM's
-HTTP server's streamed completions
+``GenerateMultiplex`` call to that server, or to the router in front of it; through the router
+also a ``GenerateStream`` call each), against vLLM's HTTP server's streamed completions
 (tokens per server-sent event), at 64 and 256 concurrent streams of 128 tokens, rounds
 interleaved (issue 70, item 3: a busy server sends fewer, fuller messages; one stream alone
 still gets a message per engine step).
@@ -83,7 +83,8 @@ def main() -> None:
     ours, on_asyncio, vllm = "server GenerateStream", "server, --event-loop asyncio", "vllm-http"
     client = "trainer client stream (multiplexed)"
     routed = "trainer client stream through the router (multiplexed)"
-    names = [ours, client, routed, on_asyncio, vllm]
+    routed_calls = "trainer client stream through the router (a call each)"
+    names = [ours, client, routed, routed_calls, on_asyncio, vllm]
     multiplexed = (client, routed)
     results: dict[tuple[str, int], list[dict[str, float]]] = {
         (n, s): [] for n in names for s in sizes
@@ -99,6 +100,7 @@ def main() -> None:
             ours: ProcessTree(*fleet.pids),
             client: ProcessTree(*fleet.pids),
             routed: ProcessTree(*fleet.pids),
+            routed_calls: ProcessTree(*fleet.pids),
             on_asyncio: ProcessTree(*asyncio_fleet.pids),
             vllm: ProcessTree(http.process.pid),
         }
@@ -106,6 +108,7 @@ def main() -> None:
             ours: fleet.pids[:1],
             client: fleet.pids[:1],
             routed: fleet.pids,  # the server, then the router
+            routed_calls: fleet.pids,
             on_asyncio: asyncio_fleet.pids[:1],
             vllm: [http.process.pid],
         }
@@ -126,6 +129,13 @@ def main() -> None:
             # The same, every stream through the router over one GenerateMultiplex call to it.
             runs[routed] = client_streams(
                 fleet.addresses.router, [fleet.addresses.servers[0]], direct=False
+            )
+            runs[routed_calls] = client_streams(
+                fleet.addresses.router,
+                [fleet.addresses.servers[0]],
+                multiplex=False,
+                counted=counted[routed_calls],
+                direct=False,
             )
             for name, run in runs.items():  # first generations are slow
                 trees[name].thaw()
@@ -153,7 +163,7 @@ def main() -> None:
     lines = [
         f"`python -m scripts.bench_stream_messages --rounds {args.rounds}` (streams of "
         f"{TOKENS} tokens, greedy, 16-token prompts; one engine server direct against vLLM's "
-        "HTTP server, same engine settings; the five taking turns; medians, ranges in "
+        "HTTP server, same engine settings; the six taking turns; medians, ranges in "
         "brackets; CPU: ms per 1000 tokens of the serving processes (through the router, the "
         "server's and the router's), the engine core apart, and of the one client process; "
         "2 cores).",
@@ -172,7 +182,7 @@ def main() -> None:
     lines += ["", "Against vLLM's HTTP server (median of per-round ratios):", ""]
     for streams in sizes:
         theirs = results[(vllm, streams)]
-        for name in (ours, client, routed, on_asyncio):
+        for name in (ours, client, routed, routed_calls, on_asyncio):
 
             def ratio(
                 key: str, mine: Any = results[(name, streams)], theirs: Any = theirs
