@@ -35,9 +35,10 @@ class StreamMigration:
         self._request = request
         self._prompt_tokens = len(request.prompt_token_ids)
         self.max_migrations = max_migrations
-        # Chunks before the first migration are kept as bytes and parsed only if one happens:
-        # the hot path (no failure) pays one list append per chunk.
-        self._unparsed: list[bytes] = []
+        # Chunks before the first migration are kept as they came (bytes, or parsed for the
+        # HTTP edge) and read only if one happens: the hot path (no failure) pays one list
+        # append per chunk.
+        self._unread: list[bytes | data_plane_pb2.GenerateStreamResponse] = []
         self._tokens: list[int] = []
         self._experts_rows = 0  # rows of routed experts forwarded (a continuation's start)
         # The newest weight version of its tokens (or the caller's own floor): where it may go.
@@ -48,9 +49,11 @@ class StreamMigration:
         self._finished = False
 
     def _parse_backlog(self) -> None:
-        for raw in self._unparsed:
-            self._read(data_plane_pb2.GenerateStreamResponse.FromString(raw))
-        self._unparsed.clear()
+        for chunk in self._unread:
+            if isinstance(chunk, bytes):
+                chunk = data_plane_pb2.GenerateStreamResponse.FromString(chunk)
+            self._read(chunk)
+        self._unread.clear()
 
     def _read(self, chunk: data_plane_pb2.GenerateStreamResponse) -> None:
         self._tokens.extend(chunk.token_ids)
@@ -97,14 +100,11 @@ class StreamMigration:
     def observe(self, message: Any) -> Any:
         """Records a chunk (its bytes, or the chunk parsed); returns what to send the caller,
         in the same form (rewritten after a migration)."""
-        if isinstance(message, bytes):
-            if not self.lost:
-                self._unparsed.append(message)
-                return message
-            return self._rewrite(data_plane_pb2.GenerateStreamResponse.FromString(message))
         if not self.lost:
-            self._read(message)
+            self._unread.append(message)
             return message
+        if isinstance(message, bytes):
+            return self._rewrite(data_plane_pb2.GenerateStreamResponse.FromString(message))
         return self._rewrite(message, serialize=False)
 
     def _rewrite(self, chunk: data_plane_pb2.GenerateStreamResponse, serialize: bool = True) -> Any:

@@ -64,11 +64,16 @@ class StreamedAnswer:
         self.call = call
         # The event's head up to its choices: `data: {"id":...,"choices":[`.
         self._head = b"data: " + orjson.dumps(render.chunk(call, []))[:-2]
-        self._usages: dict[int, gen.Usage] = {}  # per prompt (its first choice's index)
+        # Per prompt (its first choice's index): its last message, whose usage ends the stream
+        # (read then, not per step).
+        self._lasts: dict[int, data_plane_pb2.GenerateStreamResponse] = {}
         self._started: set[int] = set()
         self._tools_streamed: set[int] = set()
         self._text_sent: dict[int, int] = {}  # characters of each choice's text sent so far
-        self._ids_sent: dict[int, list[int]] = {}  # each choice's tokens sent so far
+        # Each choice's tokens sent so far, kept when the call asks for logprobs (their token
+        # texts read in context).
+        self._ids_sent: dict[int, list[int]] = {}
+        self._keeps_ids = call.sampling.HasField("logprobs")
         # Every step through ``render``'s dicts (the tests' reference for the fast path).
         self.always_dicts = False
 
@@ -94,10 +99,11 @@ class StreamedAnswer:
                 message.finish_reason, message.stop, text, call
             )
         logprobs = message.logprobs if message.HasField("logprobs") else None
-        self._ids_sent.setdefault(index, []).extend(message.token_ids)
+        if self._keeps_ids:
+            self._ids_sent.setdefault(index, []).extend(message.token_ids)
         first = index not in self._started
         self._started.add(index)
-        self._usages[offset] = message.usage
+        self._lasts[offset] = message
         opening = b""
         delta = None
         if call.chat:
@@ -147,7 +153,7 @@ class StreamedAnswer:
         """What ends the stream: the usage event (when asked for), then [DONE]."""
         if not self.call.include_usage:
             return DONE
-        usage = render.usage_of(self._usages.values())
+        usage = render.usage_of(m.usage for m in self._lasts.values())
         return event(render.chunk(self.call, [], usage)) + DONE
 
 
