@@ -232,7 +232,15 @@ def with_context(metadata: tuple[tuple[str, V], ...]) -> tuple[tuple[str, V | st
     tracing is off: the caller's context then passes through as it came)."""
     if _tracer is None:
         return metadata
+    return with_carried(metadata, headers())
+
+
+def with_carried(
+    metadata: tuple[tuple[str, V], ...], carried: Mapping[str, str]
+) -> tuple[tuple[str, V | str], ...]:
+    """``metadata`` with its trace context replaced by the one ``carried`` holds (W3C
+    headers, as a message may carry them; other entries of ``carried`` left out)."""
     kept: tuple[tuple[str, V | str], ...] = tuple(
         (key, value) for key, value in metadata if key not in _CONTEXT_KEYS
     )
-    return kept + tuple(headers().items())
+    return kept + tuple((key, value) for key, value in carried.items() if key in _CONTEXT_KEYS)

@@ -22,15 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
-from typing import Any, NoReturn, cast
-
-import grpc
+from typing import Any
 
 from servers.common.grpc_types import Context
 from servers.common.interceptors import abort_with_status
+from servers.router.inner_call import CallFailed, InnerCall
 from servers.router.proxy import Proxy, forwarded_metadata
 from servers.router.upstreams import Metadata
-from skyrl_grpc.batch_shape import batch_shape
+from skyrl_grpc import tracing
+from skyrl_grpc.batch_shape import batch_shape, check_unused
 from skyrl_grpc.errors import InvalidArgument, SkyrlError
 from skyrl_grpc.metadata import SESSION_ID
 from skyrl_grpc.names import GENERATE_MULTIPLEX
@@ -38,39 +38,6 @@ from skyrl_grpc.stream_chunks import merge_backlog
 from skyrl_grpc.v1 import data_plane_pb2
 
 Chunk = data_plane_pb2.GenerateStreamResponse
-# The W3C trace context a request's message may carry, in place of the call's.
-_TRACE_KEYS = ("traceparent", "tracestate")
-
-
-class RequestFailed(Exception):
-    """One request's GenerateStream path ended with a status: its ``BatchError``."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-class _RequestContext:
-    """The call's context as one request's GenerateStream path reads it: the call's metadata
-    with the request's session and trace context, and the call's deadline. Its status ends
-    this request only (``RequestFailed``); the call's headers are the relay's to send."""
-
-    def __init__(self, call: Context, metadata: Metadata) -> None:
-        self._call = call
-        self._metadata = metadata
-
-    def invocation_metadata(self) -> Metadata:
-        return self._metadata
-
-    def time_remaining(self) -> float | None:
-        return self._call.time_remaining()
-
-    async def send_initial_metadata(self, _: Any) -> None:
-        return None
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", _: Any = ()) -> NoReturn:
-        raise RequestFailed(code, details)
 
 
 class MultiplexRelay:
@@ -112,15 +79,10 @@ class MultiplexRelay:
 
     def _add(self, batch: data_plane_pb2.GenerateBatchRequest, trace: Any) -> None:
         indices, sessions = batch_shape(batch)
-        if in_use := sorted(i for i in indices if i in self._running or i in self._waiting):
-            raise InvalidArgument(
-                f"indices {in_use} are in use by running requests of this call; "
-                "an index can be used again once its request has ended"
-            )
-        call = self._metadata
-        if trace:
-            call = tuple((k, v) for k, v in call if k not in _TRACE_KEYS)
-            call += tuple((k, v) for k, v in trace.items() if k in _TRACE_KEYS)
+        # A request that ended but whose last chunks wait to be sent still holds its index.
+        check_unused(indices, self._running.keys() | self._waiting.keys())
+        # The request's own trace context, where its message carries one, in place of the call's.
+        call = tracing.with_carried(self._metadata, trace) if trace else self._metadata
         for index, request, session in zip(indices, batch.requests, sessions, strict=True):
             metadata = (*call, (SESSION_ID, session)) if session else call
             self._running[index] = asyncio.ensure_future(self._run(index, request, metadata))
@@ -136,7 +98,7 @@ class MultiplexRelay:
     async def _run(
         self, index: int, request: data_plane_pb2.GenerateStreamRequest, metadata: Metadata
     ) -> None:
-        context = cast(Context, _RequestContext(self._context, metadata))
+        context = InnerCall(metadata, self._context.time_remaining).context()
         first = True
         try:
             relayed = self._proxy.generation(request, context)
@@ -148,7 +110,7 @@ class MultiplexRelay:
                     first = False
                     self._waiting.setdefault(index, []).append(chunk)
                     self._ready.set()
-        except RequestFailed as failed:
+        except CallFailed as failed:
             error = data_plane_pb2.BatchError(
                 index=index, code=failed.code.value[0], message=failed.details
             )
@@ -177,8 +139,7 @@ class MultiplexRelay:
             while True:
                 await self._ready.wait()
                 self._ready.clear()
-                if self._failure is not None:
-                    await read_to_end(reading)
+                if self._failure is not None:  # the reader has stopped: the call ends now
                     await abort_with_status(self._failure, self._context, GENERATE_MULTIPLEX)
                 if message := self._take():
                     yield message
@@ -187,13 +148,6 @@ class MultiplexRelay:
         finally:
             reading.cancel()
             await _cancelled(self._running.values())
-
-
-async def read_to_end(reading: asyncio.Future[None]) -> None:
-    """The caller's stream read to its end before its call's error status is sent (a caller
-    still sending otherwise sees a transport error instead of the status)."""
-    with contextlib.suppress(Exception):
-        await reading
 
 
 async def _cancelled(tasks: Iterable[asyncio.Task[None]]) -> None:

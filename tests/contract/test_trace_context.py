@@ -58,3 +58,17 @@ def test_formatting_is_what_the_propagator_injects(flags: int) -> None:
     TraceContextTextMapPropagator().inject(carrier, context)
     assert format_traceparent(int(TRACE, 16), int(SPAN, 16), flags) == carrier["traceparent"]
     assert parse_traceparent(carrier["traceparent"]) == (int(TRACE, 16), int(SPAN, 16), flags)
+
+
+def test_a_carried_context_replaces_the_calls_and_nothing_else() -> None:
+    """``with_carried``: what a multiplexed request's message carries (``trace_context``) in
+    place of its call's trace context; the call's other metadata kept, other keys of the
+    carried map left out."""
+    from skyrl_grpc.tracing import with_carried
+
+    call = (("authorization", "Bearer t"), ("traceparent", HEADERS[0]), ("tracestate", "a=1"))
+    carried = {"traceparent": HEADERS[1], "x-other": "no"}
+    assert with_carried(call, carried) == (
+        ("authorization", "Bearer t"),
+        ("traceparent", HEADERS[1]),
+    )

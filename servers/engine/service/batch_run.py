@@ -25,7 +25,8 @@ from servers.engine.domain.weights.serving import ServingWeights
 from servers.engine.service.stream_steps import BatchSteps
 from servers.engine.vllm_adapter.engine_loop import Ended
 from servers.engine.vllm_adapter.vllm_engine import VllmEngine
-from skyrl_grpc.errors import InvalidArgument, SkyrlError
+from skyrl_grpc.batch_shape import check_unused
+from skyrl_grpc.errors import SkyrlError
 from skyrl_grpc.stream_chunks import merge_backlog
 from skyrl_grpc.v1 import data_plane_pb2
 
@@ -91,13 +92,9 @@ class BatchRun:
         self._group.fail(index, error)
 
     def check_unused(self, indices: Iterable[int]) -> None:
-        """INVALID_ARGUMENT when one of ``indices`` names a request still running: the
-        caller's bookkeeping is wrong, and its reports would mix two requests."""
-        if in_use := sorted(set(indices) & self._running.keys()):
-            raise InvalidArgument(
-                f"indices {in_use} are in use by running requests of this call; "
-                "an index can be used again once its request has ended"
-            )
+        """INVALID_ARGUMENT when one of ``indices`` names a request still running
+        (``batch_shape.check_unused``)."""
+        check_unused(indices, self._running)
 
     def add(self, index: int, prepared: PreparedRequest) -> None:
         """A request to run after those added before it (admission is first come, first

@@ -14,8 +14,8 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, MutableMapping
-from typing import Any, NoReturn, cast
+from collections.abc import Awaitable, Callable, Generator, Mapping, MutableMapping
+from typing import Any
 
 import grpc
 import orjson
@@ -23,9 +23,10 @@ import uvicorn
 
 from servers.common.grpc_types import Context
 from servers.router.http_edge.http_status import error_body
+from servers.router.inner_call import CallFailed, InnerCall
 from skyrl_grpc import tracing
 from skyrl_grpc.errors import InvalidArgument, SkyrlError
-from skyrl_grpc.metadata import AUTHORIZATION, ROUTED_TO, SESSION_ID
+from skyrl_grpc.metadata import AUTHORIZATION, SESSION_ID
 
 log = logging.getLogger(__name__)
 
@@ -38,37 +39,6 @@ _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
-class EdgeError(Exception):
-    """A call on the forwarding path ended with a gRPC status."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-class EdgeCall:
-    """What ``Proxy`` reads of a gRPC call's context, for a call the edge makes."""
-
-    def __init__(self, metadata: Metadata) -> None:
-        self._metadata = metadata
-        self.routed_to: str | None = None
-
-    def invocation_metadata(self) -> Metadata:
-        return self._metadata
-
-    def time_remaining(self) -> float | None:
-        return None  # HTTP has no deadline: the client's disconnect cancels instead
-
-    async def send_initial_metadata(self, metadata: Iterable[tuple[str, str]]) -> None:
-        self.routed_to = dict(metadata).get(ROUTED_TO)
-
-    async def abort(
-        self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()
-    ) -> NoReturn:
-        raise EdgeError(code, details)
-
-
 class Request:
     """One HTTP request as the handlers read it."""
 
@@ -77,7 +47,7 @@ class Request:
         self.metadata = metadata
 
     def call(self) -> Context:
-        return cast(Context, EdgeCall(self.metadata))
+        return InnerCall(self.metadata).context()
 
 
 class Responder:
@@ -196,9 +166,9 @@ class AsgiApp:
             if not watcher.done():
                 raise
             log.info("client disconnected from %s: call cancelled", scope["path"])
-        except (EdgeError, SkyrlError) as error:
+        except (CallFailed, SkyrlError) as error:
             code = error.code
-            message = error.details if isinstance(error, EdgeError) else str(error)
+            message = error.details if isinstance(error, CallFailed) else str(error)
             status, body = error_body(code, message)
             if not responder.started:
                 await responder.json(status, body)
