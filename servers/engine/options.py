@@ -19,6 +19,8 @@ from servers.common.listener import (
     add_tls_arguments,
     tls_from_args,
 )
+from servers.engine.request_limits import RequestLimits as RequestLimits
+from servers.engine.request_limits import add_limit_arguments, limits_from_args
 from skyrl_grpc.channels import DEFAULT_MAX_MESSAGE_BYTES, MiB
 from skyrl_grpc.placement.session_directory import SESSION_IDLE_SECONDS
 from skyrl_grpc.tiny_model import TINY_MODEL_NAME as TINY_MODEL_NAME
@@ -74,6 +76,11 @@ class EngineOptions:
     # weight bytes it holds (``servers/engine/worker/heap.py``); 0: after every update;
     # negative: never.
     weight_heap_slack: float = 1.0
+    # Reload each decoder layer of an update as soon as all its tensors arrived, set aside,
+    # and swap them in at the commit (``servers/engine/worker/prepared_layers.py``: CPU
+    # engines in eager mode); False: the commit reloads them (one copy of the model less
+    # during a full update).
+    weight_commit_prepare: bool = True
     # When the server prepares for its first weight update (``domain.weights.readiness``):
     # the memory a full update stages into (1x the model at TP rank 0) allocated beside the
     # first generation ("first-generation": a server that never serves holds none; every layer
@@ -109,26 +116,6 @@ class EngineOptions:
     # uvloop, as in vLLM's own servers, or asyncio's (servers/common/event_loops.py).
     event_loop: str = UVLOOP
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What one request may ask of a server, and how much generation it takes at once. Every
-    refusal names the limit and the flag that raises it; all are checked before the engine
-    sees the request (and before the prompt is even tokenized)."""
-
-    # Samples per request (n).
-    max_n: int = 128
-    # Prompt tokens; None: what the model's context leaves room for (one token for output).
-    max_prompt_tokens: int | None = None
-    # Bytes of a caller-chosen request_id (it is echoed in every message and log line).
-    max_request_id_bytes: int = 256
-    # Top logprobs per position (logprobs, prompt_logprobs): vLLM computes them all per step.
-    max_logprobs: int = 20
-    # Samples generating at once (a request of n samples counts n); more wait their turn.
-    max_concurrent_samples: int = 1024
-    # Requests waiting for a turn; beyond this, RESOURCE_EXHAUSTED.
-    max_queued_requests: int = 4096
 
 
 @dataclass
@@ -225,6 +212,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "negative: never (default %(default)s)",
     )
     group.add_argument(
+        "--no-weight-commit-prepare",
+        action="store_true",
+        help="reload the updated layers at the commit instead of as their tensors arrive "
+        "(a CPU engine in eager mode otherwise prepares them ahead and its commit swaps them "
+        "in: faster commits, one more copy of the updated layers until then)",
+    )
+    group.add_argument(
         "--weight-staging",
         choices=STAGING_CHOICES,
         default=d.weight_staging,
@@ -313,6 +307,7 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
         weight_update_lease_seconds=args.weight_update_lease_seconds,
         weight_stage_batch_bytes=args.weight_stage_batch_bytes,
         weight_heap_slack=args.weight_heap_slack,
+        weight_commit_prepare=not args.no_weight_commit_prepare,
         weight_staging=args.weight_staging,
         allow_non_finite_weights=args.allow_non_finite_weights,
         session_idle_seconds=args.session_idle_seconds,
@@ -383,48 +378,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_tls_arguments(parser)
     add_engine_arguments(parser)
     return parser
-
-
-def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = RequestLimits()
-    group = parser.add_argument_group("request limits (refused with a message naming the flag)")
-    group.add_argument("--max-n", type=int, default=defaults.max_n, help="samples per request")
-    group.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=defaults.max_prompt_tokens,
-        help="prompt tokens per request (default: the model's context minus one)",
-    )
-    group.add_argument("--max-request-id-bytes", type=int, default=defaults.max_request_id_bytes)
-    group.add_argument(
-        "--max-logprobs",
-        type=int,
-        default=defaults.max_logprobs,
-        help="top logprobs per position (logprobs, prompt_logprobs)",
-    )
-    group.add_argument(
-        "--max-concurrent-samples",
-        type=int,
-        default=defaults.max_concurrent_samples,
-        help="samples generating at once; more requests wait their turn",
-    )
-    group.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=defaults.max_queued_requests,
-        help="requests waiting for a turn; beyond this: RESOURCE_EXHAUSTED",
-    )
-
-
-def limits_from_args(args: argparse.Namespace) -> RequestLimits:
-    return RequestLimits(
-        max_n=args.max_n,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_request_id_bytes=args.max_request_id_bytes,
-        max_logprobs=args.max_logprobs,
-        max_concurrent_samples=args.max_concurrent_samples,
-        max_queued_requests=args.max_queued_requests,
-    )
 
 
 def options_from_args(args: argparse.Namespace) -> ServerOptions:

@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from servers.engine.options import TINY_MODEL_NAME, EngineOptions, RequestLimits
+from servers.engine.options import (
+    TINY_MODEL_NAME,
+    EngineOptions,
+    RequestLimits,
+    add_engine_arguments,
+    engine_options_from_args,
+)
 from servers.engine.vllm_adapter import core_preload
 from servers.engine.vllm_adapter.engine_args import (
     ContextTooLong,
@@ -35,6 +41,7 @@ def test_the_tiny_model_on_cpu_runs_in_one_process_on_one_thread() -> None:
     assert args["kv_cache_memory_bytes"] == 2 << 30
     assert env == {
         "SKYRL_WEIGHT_HEAP_SLACK": "1",
+        "SKYRL_WEIGHT_COMMIT_PREPARE": "1",
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -100,6 +107,7 @@ def test_gpu_arguments_and_extra_arguments_win() -> None:
     assert made.args["max_num_seqs"] == 7
     assert made.environment == {  # nothing of CPU serving
         "SKYRL_WEIGHT_HEAP_SLACK": "1",
+        "SKYRL_WEIGHT_COMMIT_PREPARE": "1",
     }
 
 
@@ -137,6 +145,15 @@ def test_the_weight_heap_slack_reaches_the_workers_environment() -> None:
         assert made.environment["SKYRL_WEIGHT_HEAP_SLACK"] == "-1"
     half = engine_arguments(EngineOptions(weight_heap_slack=0.5), RequestLimits(), CPU, "/m")
     assert half.environment["SKYRL_WEIGHT_HEAP_SLACK"] == "0.5"
+
+
+def test_preparing_layers_ahead_of_the_commit_reaches_the_workers_environment() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    for argv, value in (([], "1"), (["--no-weight-commit-prepare"], "0")):
+        options = engine_options_from_args(parser.parse_args(["--model", "/m", *argv]))
+        made = engine_arguments(options, RequestLimits(), CPU, "/m")
+        assert made.environment["SKYRL_WEIGHT_COMMIT_PREPARE"] == value
 
 
 def test_the_engine_core_forks_from_a_preloaded_process_only_where_that_is_safe() -> None:

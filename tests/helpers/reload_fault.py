@@ -7,8 +7,9 @@ patch them from its own process. This module is a vLLM general plugin instead:
 vLLM spawns get this process's ``sys.path`` and load every general plugin they find), each one
 wraps the weight-transfer engine's ``reload_weights``. The wrapper breaks a reload after a few
 tensors (some layers reloaded, the rest not) when the trigger file named by ``TRIGGER`` in the
-environment exists and names its tensor-parallel rank (or ``any``); the first to break removes
-it, so one reload breaks per trigger.
+environment holds a line naming its tensor-parallel rank (or ``any``) and when the reload runs
+(``prepare``: a layer prepared as its tensors arrive, ``prepared_layers``; ``commit``; ``any``);
+the first to break removes that line, so one reload breaks per line armed.
 """
 
 from __future__ import annotations
@@ -41,26 +42,34 @@ def install() -> None:
     engine.reload_weights = breakable
 
 
-def arm(trigger: Path, rank: int | None = None) -> None:
-    """Breaks the next reload on ``rank`` (None: whichever reloads first)."""
-    trigger.write_text("any" if rank is None else str(rank))
+def arm(trigger: Path, rank: int | None = None, during: str = "any") -> None:
+    """Breaks the next reload on ``rank`` (None: whichever reloads first) that runs
+    ``during`` (``prepare``, ``commit`` or ``any``); arming again adds one more."""
+    with trigger.open("a") as lines:
+        lines.write(f"{'any' if rank is None else rank} {during}\n")
 
 
 def _triggered() -> bool:
     from vllm.distributed import get_tensor_model_parallel_rank
 
-    path = os.environ[TRIGGER]
+    from servers.engine.worker.prepared_layers import setting_aside
+
+    path = Path(os.environ[TRIGGER])
     try:
-        wanted = Path(path).read_text().strip()
+        armed = path.read_text().splitlines()
     except FileNotFoundError:
         return False
-    if wanted not in ("any", str(get_tensor_model_parallel_rank())):
-        return False
-    try:
-        os.remove(path)  # one reload breaks per trigger
-    except FileNotFoundError:
-        return False
-    return True
+    now = "prepare" if setting_aside() else "commit"
+    for index, line in enumerate(armed):
+        rank, during = line.split()
+        if rank in ("any", str(get_tensor_model_parallel_rank())) and during in ("any", now):
+            rest = armed[:index] + armed[index + 1 :]  # one reload breaks per line
+            if rest:
+                path.write_text("".join(f"{kept}\n" for kept in rest))
+            else:
+                path.unlink(missing_ok=True)
+            return True
+    return False
 
 
 def _broken_after(weights: Iterable[Any], count: int) -> Iterator[Any]:

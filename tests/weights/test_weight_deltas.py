@@ -293,9 +293,11 @@ async def test_a_tensor_parallel_server_takes_deltas_and_rolls_back_exactly(
         compressed = a_training_step(base, seed=43)
         await client.update_weights(compressed.items(), version + 3, compress_patches=True)
         assert await served_checksums(client) == dict.fromkeys(both, expected_checksums(compressed))
-        # A reload broken off part-way on rank 1 alone (rank 0 reloaded its shard): both ranks
-        # restore in step, and the fleet rolls the TP=1 server back.
-        reload_fault.arm(trigger, rank=1)
+        # A reload broken off part-way on rank 1 alone (rank 0 reloaded its shard): a layer
+        # prepared as it arrived (both ranks drop it in step: the commit reloads it), then the
+        # commit's reload: both ranks restore in step, and the fleet rolls the TP=1 server back.
+        reload_fault.arm(trigger, rank=1, during="prepare")
+        reload_fault.arm(trigger, rank=1, during="commit")
         with pytest.raises(WeightUpdateError) as raised:
             await client.update_weights(a_training_step(compressed, seed=45).items(), version + 4)
         assert not trigger.exists(), "no reload broke"

@@ -241,10 +241,11 @@ async def test_a_reload_that_fails_part_way_leaves_every_server_on_its_old_weigh
     tmp_path: Path,
 ) -> None:
     """vLLM's layerwise reload raising in the middle of the new weights (some layers already
-    reloaded, the rest not) fails that server's commit: it reloads its previous weights, the
-    fleet rolls back the server that had committed, the error says what happened, and the next
-    update succeeds. The fault is a plugin in a fresh server's engine core
-    (``tests.helpers.reload_fault``)."""
+    reloaded, the rest not). Preparing a layer as it arrives (``prepared_layers``): the commit
+    reloads that layer instead, and the update serves the new weights. The commit's reload:
+    that server's commit fails, it reloads its previous weights, the fleet rolls back the
+    server that had committed, the error says what happened, and the next update succeeds. The
+    fault is a plugin in a fresh server's engine core (``tests.helpers.reload_fault``)."""
     from tests.conftest import running_engine_server
     from tests.helpers import reload_fault
 
@@ -257,8 +258,15 @@ async def test_a_reload_that_fails_part_way_leaves_every_server_on_its_old_weigh
         servers = [fresh.address, engine_server.address]
         client = InferenceClient(servers[0], servers, direct=False)
         await client.update_weights(original.items(), await next_version(client))  # one version
+        reload_fault.arm(trigger, during="prepare")
+        await client.update_weights(new_weights.items(), await next_version(client))
+        assert not trigger.exists(), "no preparation broke"
+        assert (await greedy_per_server(servers))[fresh.address] == new_weights_reference
+        await client.update_weights(original.items(), await next_version(client))
         before = await client.weight_versions()
-        reload_fault.arm(trigger)
+        # The commit reloads a layer only when its preparation failed: both break.
+        reload_fault.arm(trigger, during="prepare")
+        reload_fault.arm(trigger, during="commit")
         with pytest.raises(WeightUpdateError) as raised:
             await client.update_weights(new_weights.items(), await next_version(client))
         assert not trigger.exists(), "no reload broke"

@@ -161,6 +161,9 @@ Rpc = Callable[[str, tuple[Any, ...]], Awaitable[list[Any]]]
 
 # The server's --weight-heap-slack, as its engine's workers inherit it (``heap.HeapKeeper``).
 HEAP_SLACK_ENVIRONMENT = "SKYRL_WEIGHT_HEAP_SLACK"
+# The server's --no-weight-commit-prepare, as its engine's workers inherit it ("0": off;
+# ``worker.prepared_layers``).
+COMMIT_PREPARE_ENVIRONMENT = "SKYRL_WEIGHT_COMMIT_PREPARE"
 
 # What vLLM's worker says when ``start_weight_update`` finds a session still open.
 STALE_SESSION = "weight update is already active"

@@ -11,7 +11,7 @@ from typing import Any
 
 from servers.engine.options import EngineOptions, RequestLimits
 from servers.engine.transfer.protocol import BACKEND as WEIGHT_TRANSFER_BACKEND
-from servers.engine.transfer.protocol import HEAP_SLACK_ENVIRONMENT
+from servers.engine.transfer.protocol import COMMIT_PREPARE_ENVIRONMENT, HEAP_SLACK_ENVIRONMENT
 from skyrl_grpc.tiny_model import embedded_model_name, embedded_model_path
 
 
@@ -39,6 +39,7 @@ def engine_arguments(
     # Read by the weight-transfer engine in each worker (vLLM's config has no place for it).
     environment: dict[str, str] = {
         HEAP_SLACK_ENVIRONMENT: f"{options.weight_heap_slack:g}",
+        COMMIT_PREPARE_ENVIRONMENT: "1" if options.weight_commit_prepare else "0",
     }
     dtype = options.dtype
     embedded = embedded_model_name(options.model)

@@ -13,10 +13,10 @@ checkpoint coordinates nor ``load_weights`` can be written into the serving para
 weights reach them through vLLM's layerwise reload of checkpoint tensors. The engine keeps the
 serving weights as the checkpoint holds them (``checkpoint.ServingCheckpoint``, read from the
 model's safetensors files on first use): whole tensors are staged beside it, patches written into
-it in place with a record of what they overwrote. Nothing touches the serving model before
-``finish_weight_update``, which reloads only the decoder layers the update touched (vLLM fuses
-q/k/v and gate/up within a layer, so a layer is reloaded whole; an untouched layer keeps its
-kernel tensors). A fleet transaction needs that separation: every server stages, then all commit.
+it in place with a record of what they overwrote. Nothing the serving model uses changes before
+``finish_weight_update``: a decoder layer is reloaded, set aside, once all its tensors arrived
+(``prepared_layers``; vLLM fuses q/k/v and gate/up, so a layer is reloaded whole), and the finish
+swaps those in and reloads what was not prepared. A fleet transaction needs that separation.
 
 What a transaction needs beyond vLLM's lifecycle rides in the update payload (``SkyrlUpdate``):
 ``discard`` ends the open update without applying it, ``restore_previous`` serves the weights
@@ -45,6 +45,7 @@ from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise
 
 from servers.engine.transfer.handoff import HandoffReader
 from servers.engine.transfer.protocol import (
+    COMMIT_PREPARE_ENVIRONMENT,
     HEAP_SLACK_ENVIRONMENT,
     Bucket,
     Group,
@@ -53,12 +54,12 @@ from servers.engine.transfer.protocol import (
     empty_report,
 )
 from servers.engine.worker import patch_kernels
-from servers.engine.worker.checkpoint import ServingCheckpoint
+from servers.engine.worker.checkpoint import ServingCheckpoint, read_checkpoint
 from servers.engine.worker.heap import HeapKeeper, give_heap_back, touch_heap
+from servers.engine.worker.prepared_layers import PreparedLayers, set_aside, swap_is_sound
 from servers.engine.worker.reload_logs import quiet_reload_logs
-from servers.engine.worker.shared_copy import SharedCopy, copied
 from servers.engine.worker.tp_share import Plan, Row, StreamAborted, TensorParallelShare
-from servers.engine.worker.worker_receive import apply_patch, copy_into, receive_buckets
+from servers.engine.worker.worker_receive import apply_patch, receive_buckets, stage
 from skyrl_grpc.dtypes import num_elements, torch_name
 from skyrl_grpc.host_memory import freed_memory_trim
 from skyrl_grpc.tensor_bytes import sha256_of
@@ -112,6 +113,12 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self.share = TensorParallelShare()
         self._handoff = HandoffReader()
         self._heap: HeapKeeper | None = None
+        # Layers of the open update reloaded as their tensors arrived, swapped in at the commit.
+        prepare = os.environ.get(COMMIT_PREPARE_ENVIRONMENT, "1") != "0"
+        self.prepared = PreparedLayers(
+            prepare and swap_is_sound(self.device, self.model_config.enforce_eager)
+        )
+        self._groups: list[list[str]] = []
         # Heap the reload at start gave back, touched again with the staging memory.
         self._given_back = 0
         if self.holds_copy:
@@ -135,7 +142,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         if not self.holds_copy:
             raise RuntimeError("only tensor-parallel rank 0 keeps the serving checkpoint")
         if self._checkpoint is None:
-            tensors, shared = self._read_checkpoint()
+            tensors, shared = read_checkpoint(self._checkpoint_files(), self.model_config.model)
             self._checkpoint = ServingCheckpoint(lambda: tensors, shared)
         return self._checkpoint
 
@@ -144,23 +151,6 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         from pathlib import Path
 
         return sorted(Path(self.model_config.model).glob("*.safetensors"))
-
-    def _read_checkpoint(self) -> tuple[dict[str, Any], SharedCopy | None]:
-        """The serving weights as the checkpoint holds them, copied into shared memory the
-        other tensor-parallel ranks read (``shared_copy``), or into this process's own memory
-        where none can be made."""
-        from safetensors.torch import load_file
-
-        # load_file maps the files: their tensors would be read at the first reload and copied
-        # page by page at the first write (patches, or a full update reusing them: ~0.7 GB of
-        # page faults in the second update of a 0.3B bf16 model). Copied into memory of their
-        # own now, once, while the engine starts.
-        mapped: dict[str, Any] = {}
-        for path in self._checkpoint_files():
-            mapped.update(load_file(str(path), device="cpu"))
-        if not mapped:
-            raise RuntimeError(f"no safetensors weights in {self.model_config.model} to update")
-        return copied(mapped)
 
     # -- vLLM's lifecycle ------------------------------------------------------------------
 
@@ -198,6 +188,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         """Opens an update: staging left by an update that never finished is dropped."""
         self.report = empty_report()
         self._restoring = False
+        self.prepared.clear()
         if self._checkpoint is not None:
             self._checkpoint.discard()
         if self._heap is None:  # where the worker stands before its first update
@@ -215,14 +206,17 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
     def receive_weights(self, update_info: SkyrlUpdate) -> None:
         self.report = empty_report()
         if update_info.discard:
+            self.prepared.clear()
             if self.holds_copy:
                 self.report["changed"] = self.serving.discard()
         elif update_info.restore_previous:
             self._restoring = True
-        elif update_info.receive:
-            self._receive(update_info.receive, update_info.check_finite)
-        elif self.holds_copy:
-            self._stage(update_info.stage, update_info.handoff)
+        elif update_info.receive or update_info.stage:
+            if update_info.receive:
+                self._receive(update_info.receive, update_info.check_finite)
+            elif self.holds_copy:
+                self._stage(update_info.stage, update_info.handoff)
+            self._prepare_arrived()
 
     def finish_weight_update(self) -> None:
         """Applies the open update (or the restore) to the serving model, on every rank in
@@ -251,6 +245,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self.report = empty_report()
         if self._restoring:
             self._restoring = False
+            self.prepared.clear()
             names = self.serving.committed_names() if holder else set()
             if holder:
                 self.report["changed"] = self.serving.revert_commit()
@@ -258,8 +253,9 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             return
         names = self.serving.open_names() if holder else set()
         error = ""
+        reloaded: set[str] = set()
         try:
-            self._reload(names, pending=True)
+            reloaded = self._reload(self.prepared.to_reload(names), pending=True)
         except StreamAborted as exc:
             error = str(exc)
         except Exception as exc:
@@ -267,11 +263,13 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             error = f"{type(exc).__name__}: {exc}"
         # Every rank restores if any failed: they reload in lockstep.
         if not self.share.outcome(not error):
+            self.prepared.clear()
             if holder:
                 self.serving.discard()
             self._reload(names)
             self.report["error"] = error or "another tensor-parallel rank failed to reload"
             return
+        self.prepared.swap_in(reloaded.__contains__)
         if holder:
             self.report["changed"] = self.serving.commit()
 
@@ -307,42 +305,15 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
     # -- receiving --------------------------------------------------------------------------
 
     def _stage(self, params: list[StagedParameter], handoff: str) -> None:
-        """Stages in-band parameters (verified by the server). A patch is applied to the serving
-        copy in place (bit for bit, as integers; what it overwrote recorded) and checked against
-        its SHA-256 when it carries one; on a mismatch nothing of the call stays staged."""
+        """Stages in-band parameters (verified by the server): ``worker_receive.stage``."""
         if handoff:
             self.report["handoff_error"] = self._handoff.why_unreadable(handoff)
             if self.report["handoff_error"]:
                 return
-        serving = self.serving
-        mark = serving.mark()
-        mismatches: list[str] = []
-        non_finite: list[str] = []
-        for param in params:
-            dtype = getattr(torch, param["dtype"])
-            region = param.get("region")
-            chunks: list[bytes | memoryview] = (
-                [self._handoff.view(handoff, region)] if region else param["chunks"]
-            )
-            if param.get("patch"):
-                payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                tensor, finite = apply_patch(serving, param, payload)
-                if not finite:
-                    non_finite.append(param["name"])
-                expected = param.get("sha256", b"")
-                if expected and sha256_of(tensor) != expected:
-                    mismatches.append(param["name"])
-                continue
-            # A whole value, possibly in pieces: one copy, into a tensor made at its first.
-            if param["offset"] == 0:
-                buffer = serving.buffer_for(param["name"], param["shape"], dtype)
-                serving.stage_whole(param["name"], buffer)
-            copy_into(serving.staged_whole(param["name"]), param["offset"], chunks)
-        if mismatches:
-            serving.revert_to(mark)
-        self.report["params"] = sum(1 for param in params if param["last"])
-        self.report["mismatches"] = mismatches
-        self.report["non_finite"] = non_finite
+        staged = stage(self.serving, params, lambda region: self._handoff.view(handoff, region))
+        self.report.update(staged)  # type: ignore[typeddict-item]
+        if not staged["mismatches"]:
+            self.prepared.arrived(param["name"] for param in params if param["last"])
 
     def _receive(self, buckets: list[Bucket], check_finite: bool) -> None:
         """Receives each bucket by broadcast from rank 0 and stages its parameters: whole ones
@@ -377,6 +348,8 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
                     received.mismatches.append(param["name"])
             if received.mismatches:
                 serving.revert_to(mark)
+            else:
+                self.prepared.arrived(p["name"] for bucket in buckets for p in bucket["params"])
         self.report["bytes"] = received.bytes
         self.report["params"] = sum(len(bucket["params"]) for bucket in buckets)
         self.report["mismatches"] = received.mismatches
@@ -399,10 +372,36 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
 
     # -- applying ---------------------------------------------------------------------------
 
-    def _reload(self, names: set[str], pending: bool = False) -> None:
+    def _prepare_arrived(self) -> None:
+        """Reloads, set aside for the commit (``prepared_layers``), the decoder layers every
+        tensor of which has arrived in the open update; a failure leaves them to the commit."""
+        if not self.prepared.enabled:  # alike on every rank
+            return
+        ready: list[str] = []
+        if self.holds_copy and self._checkpoint is not None:
+            if not self._groups:
+                self._groups = layerwise_groups(list(self.serving.tensors))
+            ready = self.prepared.ready(self._groups)
+        if self.share.size == 1 and not ready:
+            return
+        error = ""
+        planned: set[str] = set()
+        with set_aside(self.model) as unit:
+            try:
+                planned = self._reload(set(ready), pending=True)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        # Every rank keeps the unit or none does: the holder's commit plan counts on it.
+        if self.share.outcome(not error):
+            unit.names = frozenset(planned)
+            self.prepared.add(unit)
+        else:
+            log.warning("preparing layers ahead of the commit failed (%s): it reloads them", error)
+
+    def _reload(self, names: set[str], pending: bool = False) -> set[str]:
         """Reloads the decoder layers holding ``names`` through vLLM's layerwise reload: whole
         layers (fused parameters need all their parts), from the open update when ``pending``,
-        else from the serving copy."""
+        else from the serving copy. Returns the names reloaded (alike on every rank)."""
         weights: dict[str, Any] | None = None
         plan: Plan | None = None
         path = ""  # where the other ranks read the copy (``shared_copy``)
@@ -422,7 +421,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             path = self.serving.shared.path if self.serving.shared is not None else ""
         plan = self.share.agree(plan, path)
         if not plan:
-            return
+            return set()
         # vLLM warns for every layer a reload leaves as it was: expected here, not a failure.
         with quiet_reload_logs():
             try:
@@ -436,6 +435,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             except BaseException:
                 self._end_broken_reload()
                 raise
+        return {row.name for row in plan}
 
     def _end_broken_reload(self) -> None:
         """Ends the layerwise reload a failure broke off: without it the layers not reached stay

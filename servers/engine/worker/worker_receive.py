@@ -1,13 +1,13 @@
 """What a worker does with the bytes of an update (``transfer_engine``): broadcast buckets
 received and checked (``receive_buckets``), in-band pieces copied into place (``copy_into``),
-patches applied to the checkpoint-format copy (``apply_patch``)."""
+patches applied to the checkpoint-format copy (``apply_patch``), both staged (``stage``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -55,6 +55,50 @@ def apply_patch(
         return tensor, True
     written = np.take(tensor.view(-1).view(bits_of(dtype.itemsize)).numpy(), indices)
     return tensor, all_finite(written.data, param["dtype"])
+
+
+class Staged(TypedDict):
+    """What ``stage`` did: parameters completed, and those refused or flagged."""
+
+    params: int
+    mismatches: list[str]
+    non_finite: list[str]
+
+
+def stage(
+    serving: ServingCheckpoint,
+    params: list[StagedParameter],
+    region_view: Callable[[Any], memoryview],
+) -> Staged:
+    """Stages in-band parameters (verified by the server; those with a ``region`` lie in the
+    server's handoff buffer, read through ``region_view``). A patch is applied to the serving
+    copy in place (bit for bit, as integers; what it overwrote recorded) and checked against
+    its SHA-256 when it carries one; on a mismatch nothing of the call stays staged."""
+    mark = serving.mark()
+    mismatches: list[str] = []
+    non_finite: list[str] = []
+    for param in params:
+        dtype = getattr(torch, param["dtype"])
+        region = param.get("region")
+        chunks: list[bytes | memoryview] = [region_view(region)] if region else param["chunks"]
+        if param.get("patch"):
+            payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            tensor, finite = apply_patch(serving, param, payload)
+            if not finite:
+                non_finite.append(param["name"])
+            expected = param.get("sha256", b"")
+            if expected and sha256_of(tensor) != expected:
+                mismatches.append(param["name"])
+            continue
+        # A whole value, possibly in pieces: one copy, into a tensor made at its first.
+        if param["offset"] == 0:
+            buffer = serving.buffer_for(param["name"], param["shape"], dtype)
+            serving.stage_whole(param["name"], buffer)
+        copy_into(serving.staged_whole(param["name"]), param["offset"], chunks)
+    if mismatches:
+        serving.revert_to(mark)
+    completed = sum(1 for param in params if param["last"])
+    return Staged(params=completed, mismatches=mismatches, non_finite=non_finite)
 
 
 @dataclass
