@@ -86,8 +86,10 @@ def measure(
     modes: list[str],
     logs: Path,
     model_size: str = "auto",
+    extra_flags: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
-    """Each of ``modes``' full and delta updates at ``hosts`` server hosts."""
+    """Each of ``modes``' full and delta updates at ``hosts`` server hosts (every server
+    started with ``extra_flags`` too)."""
     size = model_for(hosts, model_size)
     model = str(build_model("float32", size))
     trainer_rate = rate * trainer_ratio
@@ -95,7 +97,7 @@ def measure(
     with Testbed() as bed:
         trainer = bed.add_host("trainer", trainer_rate)
         servers = [bed.add_host(f"s{i}", rate) for i in range(hosts)]
-        flags = server_flags(hosts)
+        flags = (*server_flags(hosts), *extra_flags)
         started = [start_server(h, "--model", model, *flags, log_dir=logs) for h in servers]
         addresses = [s.until("ready", timeout=1800)["address"] for s in started]
         for round_ in range(rounds):
@@ -272,6 +274,11 @@ def main() -> None:
         help="the builder's size for every point (auto: 94m up to 4 hosts, 27m above)",
     )
     parser.add_argument("--logs", default="/tmp/bench-multihost-logs")
+    parser.add_argument(
+        "--server-flags",
+        default="",
+        help="more flags for every engine server, e.g. --no-weight-commit-prepare",
+    )
     add_output_argument(parser, "weights.md")
     args = parser.parse_args()
     if args.distance:
@@ -295,7 +302,14 @@ def main() -> None:
             modes = [m for m in asked if ratio >= 1 or m != "direct"]
             try:
                 rows += measure(
-                    count, args.rate, ratio, args.rounds, modes, Path(args.logs), args.model
+                    count,
+                    args.rate,
+                    ratio,
+                    args.rounds,
+                    modes,
+                    Path(args.logs),
+                    args.model,
+                    tuple(args.server_flags.split()),
                 )
             except Exception as error:  # the other points still run, and this one is said
                 failed.append(f"- {count} hosts, trainer link x{ratio:g}: {error}")

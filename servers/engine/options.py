@@ -78,9 +78,9 @@ class EngineOptions:
     weight_heap_slack: float = 1.0
     # Reload each decoder layer of an update as soon as all its tensors arrived, set aside,
     # and swap them in at the commit (``servers/engine/worker/prepared_layers.py``: CPU
-    # engines in eager mode); False: the commit reloads them (one copy of the model less
-    # during a full update).
-    weight_commit_prepare: bool = True
+    # engines in eager mode); False: the commit reloads them (one copy of the updated layers
+    # less until the commit, and no reload competing with the transfer for the cores).
+    weight_commit_prepare: bool = False
     # When the server prepares for its first weight update (``domain.weights.readiness``):
     # the memory a full update stages into (1x the model at TP rank 0) allocated beside the
     # first generation ("first-generation": a server that never serves holds none; every layer
@@ -212,11 +212,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "negative: never (default %(default)s)",
     )
     group.add_argument(
-        "--no-weight-commit-prepare",
+        "--weight-commit-prepare",
         action="store_true",
-        help="reload the updated layers at the commit instead of as their tensors arrive "
-        "(a CPU engine in eager mode otherwise prepares them ahead and its commit swaps them "
-        "in: faster commits, one more copy of the updated layers until then)",
+        help="on a CPU engine in eager mode, reload each updated layer as soon as its tensors "
+        "arrived and swap them in at the commit (a commit of milliseconds; costs one more "
+        "copy of the updated layers until then, and cores the transfer may need: for servers "
+        "with cores of their own behind a slower link; elsewhere the commit reloads them)",
     )
     group.add_argument(
         "--weight-staging",
@@ -307,7 +308,7 @@ def engine_options_from_args(args: argparse.Namespace) -> EngineOptions:
         weight_update_lease_seconds=args.weight_update_lease_seconds,
         weight_stage_batch_bytes=args.weight_stage_batch_bytes,
         weight_heap_slack=args.weight_heap_slack,
-        weight_commit_prepare=not args.no_weight_commit_prepare,
+        weight_commit_prepare=args.weight_commit_prepare,
         weight_staging=args.weight_staging,
         allow_non_finite_weights=args.allow_non_finite_weights,
         session_idle_seconds=args.session_idle_seconds,

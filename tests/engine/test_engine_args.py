@@ -41,7 +41,7 @@ def test_the_tiny_model_on_cpu_runs_in_one_process_on_one_thread() -> None:
     assert args["kv_cache_memory_bytes"] == 2 << 30
     assert env == {
         "SKYRL_WEIGHT_HEAP_SLACK": "1",
-        "SKYRL_WEIGHT_COMMIT_PREPARE": "1",
+        "SKYRL_WEIGHT_COMMIT_PREPARE": "0",
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -107,7 +107,7 @@ def test_gpu_arguments_and_extra_arguments_win() -> None:
     assert made.args["max_num_seqs"] == 7
     assert made.environment == {  # nothing of CPU serving
         "SKYRL_WEIGHT_HEAP_SLACK": "1",
-        "SKYRL_WEIGHT_COMMIT_PREPARE": "1",
+        "SKYRL_WEIGHT_COMMIT_PREPARE": "0",
     }
 
 
@@ -150,7 +150,7 @@ def test_the_weight_heap_slack_reaches_the_workers_environment() -> None:
 def test_preparing_layers_ahead_of_the_commit_reaches_the_workers_environment() -> None:
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
-    for argv, value in (([], "1"), (["--no-weight-commit-prepare"], "0")):
+    for argv, value in (([], "0"), (["--weight-commit-prepare"], "1")):
         options = engine_options_from_args(parser.parse_args(["--model", "/m", *argv]))
         made = engine_arguments(options, RequestLimits(), CPU, "/m")
         assert made.environment["SKYRL_WEIGHT_COMMIT_PREPARE"] == value

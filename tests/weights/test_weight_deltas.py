@@ -266,7 +266,9 @@ async def test_a_tensor_parallel_server_takes_deltas_and_rolls_back_exactly(
     monkeypatch.setenv(reload_fault.TRIGGER, str(trigger))
     monkeypatch.syspath_prepend(str(reload_fault.plugin_directory(tmp_path)))
     single = delta_fleet.servers[0]
-    async for tp_server in running_engine_server(tensor_parallel_size=2):
+    async for tp_server in running_engine_server(
+        tensor_parallel_size=2, weight_commit_prepare=True
+    ):
         both = [single, tp_server.address]
         client = InferenceClient(single, both, direct=False)
         info = (await client.server_info())[tp_server.address]

@@ -254,7 +254,7 @@ async def test_a_reload_that_fails_part_way_leaves_every_server_on_its_old_weigh
     # The engine core is spawned with this process's sys.path (multiprocessing sets it there).
     monkeypatch.syspath_prepend(str(reload_fault.plugin_directory(tmp_path)))
     original = pushed_fleet.original
-    async for fresh in running_engine_server():
+    async for fresh in running_engine_server(weight_commit_prepare=True):
         servers = [fresh.address, engine_server.address]
         client = InferenceClient(servers[0], servers, direct=False)
         await client.update_weights(original.items(), await next_version(client))  # one version

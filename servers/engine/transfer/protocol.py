@@ -161,7 +161,7 @@ Rpc = Callable[[str, tuple[Any, ...]], Awaitable[list[Any]]]
 
 # The server's --weight-heap-slack, as its engine's workers inherit it (``heap.HeapKeeper``).
 HEAP_SLACK_ENVIRONMENT = "SKYRL_WEIGHT_HEAP_SLACK"
-# The server's --no-weight-commit-prepare, as its engine's workers inherit it ("0": off;
+# The server's --weight-commit-prepare, as its engine's workers inherit it ("1": on;
 # ``worker.prepared_layers``).
 COMMIT_PREPARE_ENVIRONMENT = "SKYRL_WEIGHT_COMMIT_PREPARE"
 

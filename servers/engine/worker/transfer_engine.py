@@ -114,7 +114,7 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self._handoff = HandoffReader()
         self._heap: HeapKeeper | None = None
         # Layers of the open update reloaded as their tensors arrived, swapped in at the commit.
-        prepare = os.environ.get(COMMIT_PREPARE_ENVIRONMENT, "1") != "0"
+        prepare = os.environ.get(COMMIT_PREPARE_ENVIRONMENT, "0") == "1"
         self.prepared = PreparedLayers(
             prepare and swap_is_sound(self.device, self.model_config.enforce_eager)
         )
