@@ -154,6 +154,11 @@ def test_preparing_layers_ahead_of_the_commit_reaches_the_workers_environment() 
         options = engine_options_from_args(parser.parse_args(["--model", "/m", *argv]))
         made = engine_arguments(options, RequestLimits(), CPU, "/m")
         assert made.environment["SKYRL_WEIGHT_COMMIT_PREPARE"] == value
+    # Refused in one line where a swap is unsound.
+    for platform, eager in ((GPU, True), (CPU, False)):
+        options = EngineOptions(weight_commit_prepare=True, enforce_eager=eager)
+        with pytest.raises(ValueError, match="--weight-commit-prepare: CPU engines in eager mode"):
+            engine_arguments(options, RequestLimits(), platform, "/m")
 
 
 def test_the_engine_core_forks_from_a_preloaded_process_only_where_that_is_safe() -> None:

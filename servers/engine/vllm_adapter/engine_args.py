@@ -36,6 +36,11 @@ def engine_arguments(
     options: EngineOptions, limits: RequestLimits, platform: Platform, model_path: str
 ) -> EngineArguments:
     """What vLLM starts with for these options on this platform."""
+    if options.weight_commit_prepare and not (platform.is_cpu and options.enforce_eager):
+        raise ValueError(
+            "--weight-commit-prepare: CPU engines in eager mode only (elsewhere CUDA graphs or "
+            "compiled code hold the tensors a commit must write into)"
+        )
     # Read by the weight-transfer engine in each worker (vLLM's config has no place for it).
     environment: dict[str, str] = {
         HEAP_SLACK_ENVIRONMENT: f"{options.weight_heap_slack:g}",
