@@ -214,10 +214,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--weight-commit-prepare",
         action="store_true",
-        help="on a CPU engine in eager mode, reload each updated layer as soon as its tensors "
-        "arrived and swap them in at the commit (a commit of milliseconds; costs one more "
-        "copy of the updated layers until then, and cores the transfer may need: for servers "
-        "with cores of their own behind a slower link; elsewhere the commit reloads them)",
+        help="reload each updated layer as soon as its tensors arrived and swap them in at "
+        "the commit (a commit of milliseconds; costs one more copy of the updated layers until "
+        "then, and cores the transfer may need: for servers with cores of their own behind a "
+        "slower link); CPU engines in eager mode only",
     )
     group.add_argument(
         "--weight-staging",
