@@ -53,6 +53,12 @@ def _state(module: torch.nn.Module) -> dict[str, Any]:
     return state
 
 
+def _tensor_ids(state: dict[str, Any]) -> Iterator[int]:
+    """The ids of the tensors a module's ``_state`` holds."""
+    for table in (state["_parameters"], state["_buffers"]):
+        yield from (id(tensor) for tensor in table.values() if tensor is not None)
+
+
 def _put(module: torch.nn.Module, state: dict[str, Any]) -> None:
     module.__dict__.clear()
     module.__dict__.update(state)
@@ -104,22 +110,15 @@ def set_aside(model: torch.nn.Module) -> Iterator[PreparedUnit]:
     it is kept in the unit yielded (not swappable when one of its tensors is another module's
     too). The unit's ``names`` are set by the caller."""
     before = {module: _state(module) for module in model.modules()}
-    counts: dict[int, int] = {}
+    owners: dict[int, int] = {}  # by tensor id: how many modules hold it
     for state in before.values():
-        for table in (state["_parameters"], state["_buffers"]):
-            for tensor in table.values():
-                if tensor is not None:
-                    counts[id(tensor)] = counts.get(id(tensor), 0) + 1
+        for tensor_id in _tensor_ids(state):
+            owners[tensor_id] = owners.get(tensor_id, 0) + 1
     unit = PreparedUnit(frozenset())
 
     def keep_aside(layer: torch.nn.Module, info: Any) -> None:
         old = before[layer]
-        shares = any(
-            counts.get(id(tensor), 0) > 1
-            for table in (old["_parameters"], old["_buffers"])
-            for tensor in table.values()
-            if tensor is not None
-        )
+        shares = any(owners[tensor_id] > 1 for tensor_id in _tensor_ids(old))
         unit.swappable = unit.swappable and not shares
         unit.swaps.append(_Swap.between(layer, old, _state(layer)))
         _put(layer, old)
@@ -156,14 +155,14 @@ class PreparedLayers:
         self._stale = set()
 
     def arrived(self, names: Iterable[str]) -> None:
+        if not self.enabled:  # nothing will be prepared: nothing to track
+            return
         names = set(names)
         self._stale |= names & self._prepared
         self._arrived |= names
 
     def ready(self, groups: list[list[str]]) -> list[str]:
         """The names of every group complete in this update and not prepared yet."""
-        if not self.enabled:
-            return []
         return [
             name
             for group in groups

@@ -114,10 +114,8 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
         self._handoff = HandoffReader()
         self._heap: HeapKeeper | None = None
         # Layers of the open update reloaded as their tensors arrived, swapped in at the commit.
-        prepare = os.environ.get(COMMIT_PREPARE_ENVIRONMENT, "0") == "1"
-        self.prepared = PreparedLayers(
-            prepare and swap_is_sound(self.device, self.model_config.enforce_eager)
-        )
+        sound = swap_is_sound(self.device, self.model_config.enforce_eager)
+        self.prepared = PreparedLayers(sound and os.environ.get(COMMIT_PREPARE_ENVIRONMENT) == "1")
         self._groups: list[list[str]] = []
         # Heap the reload at start gave back, touched again with the staging memory.
         self._given_back = 0
@@ -311,9 +309,11 @@ class SkyrlWeightTransferEngine(WeightTransferEngine[SkyrlGroup, SkyrlUpdate]):
             if self.report["handoff_error"]:
                 return
         staged = stage(self.serving, params, lambda region: self._handoff.view(handoff, region))
-        self.report.update(staged)  # type: ignore[typeddict-item]
+        self.report["params"] = len(staged["completed"])
+        self.report["mismatches"] = staged["mismatches"]
+        self.report["non_finite"] = staged["non_finite"]
         if not staged["mismatches"]:
-            self.prepared.arrived(param["name"] for param in params if param["last"])
+            self.prepared.arrived(staged["completed"])
 
     def _receive(self, buckets: list[Bucket], check_finite: bool) -> None:
         """Receives each bucket by broadcast from rank 0 and stages its parameters: whole ones

@@ -58,9 +58,9 @@ def apply_patch(
 
 
 class Staged(TypedDict):
-    """What ``stage`` did: parameters completed, and those refused or flagged."""
+    """What ``stage`` did: the parameters it completed, and those refused or flagged."""
 
-    params: int
+    completed: list[str]
     mismatches: list[str]
     non_finite: list[str]
 
@@ -97,8 +97,8 @@ def stage(
         copy_into(serving.staged_whole(param["name"]), param["offset"], chunks)
     if mismatches:
         serving.revert_to(mark)
-    completed = sum(1 for param in params if param["last"])
-    return Staged(params=completed, mismatches=mismatches, non_finite=non_finite)
+    completed = [param["name"] for param in params if param["last"]]
+    return Staged(completed=completed, mismatches=mismatches, non_finite=non_finite)
 
 
 @dataclass
