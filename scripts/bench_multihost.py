@@ -277,7 +277,7 @@ def main() -> None:
     parser.add_argument(
         "--server-flags",
         default="",
-        help="more flags for every engine server, e.g. --no-weight-commit-prepare",
+        help="more flags for every engine server, e.g. --weight-commit-prepare",
     )
     add_output_argument(parser, "weights.md")
     args = parser.parse_args()
