@@ -131,11 +131,67 @@ class MuxStream:
         return self._done and not self._chunks
 
 
+# The most requests one merged message adds (a server refuses a message of more than its
+# capacity whole where it predates taking them one by one: 5120 by default).
+MERGED_REQUESTS = 64
+
+
+class Outbox:
+    """A multiplexed call's messages to send, those that waited while a write was under way
+    merged into one: a burst of opened streams (a batch, or 64 edge requests that began
+    together) costs one gRPC write instead of one each, and a write costs the caller ~60 us of
+    CPU whatever its size. Adds are merged in order, so the server admits them in the order
+    they were opened; a message carrying its own trace context is sent alone (the context is
+    its requests')."""
+
+    def __init__(self) -> None:
+        self._waiting: deque[data_plane_pb2.GenerateMultiplexRequest] = deque()
+        self._ready = asyncio.Event()
+        self._closed = False
+
+    def put(self, message: data_plane_pb2.GenerateMultiplexRequest) -> None:
+        """``message`` to send: its adds name one session and one index per request."""
+        self._waiting.append(message)
+        self._ready.set()
+
+    def close(self) -> None:
+        """Nothing more: ``take`` returns None once what waits has been taken."""
+        self._closed = True
+        self._ready.set()
+
+    async def take(self) -> data_plane_pb2.GenerateMultiplexRequest | None:
+        """The next message to write (what waited merged into it), or None once closed."""
+        while not self._waiting:
+            if self._closed:
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+        message = self._waiting.popleft()
+        while self._waiting and _mergeable(message, self._waiting[0]):
+            following = self._waiting.popleft()
+            message.add.requests.extend(following.add.requests)
+            message.add.session_ids.extend(following.add.session_ids)
+            message.add.indices.extend(following.add.indices)
+            message.cancel.extend(following.cancel)
+        return message
+
+
+def _mergeable(
+    message: data_plane_pb2.GenerateMultiplexRequest,
+    following: data_plane_pb2.GenerateMultiplexRequest,
+) -> bool:
+    return (
+        not message.trace_context
+        and not following.trace_context
+        and len(message.add.requests) + len(following.add.requests) <= MERGED_REQUESTS
+    )
+
+
 class Multiplexer:
     """One GenerateMultiplex call to a server, shared by its caller's streams."""
 
     def __init__(self, channel: grpc.aio.Channel, metadata: Metadata) -> None:
-        self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._outbox = Outbox()
         self._streams: dict[int, MuxStream] = {}
         self._next_index = 0
         self.failed: grpc.aio.AioRpcError | None = None
@@ -152,8 +208,8 @@ class Multiplexer:
         return self.failed is None
 
     async def _requests(self) -> AsyncIterator[bytes]:
-        while (message := await self._outbox.get()) is not None:
-            yield message
+        while (message := await self._outbox.take()) is not None:
+            yield message.SerializeToString()
 
     def open(
         self, request: data_plane_pb2.GenerateStreamRequest, session: str, parsed: bool = False
@@ -172,13 +228,12 @@ class Multiplexer:
         message = data_plane_pb2.GenerateMultiplexRequest(add=add)
         if tracing.enabled():  # the caller's span of the request (current here)
             message.trace_context.update(tracing.headers())
-        self._outbox.put_nowait(message.SerializeToString())
+        self._outbox.put(message)
         return stream
 
     def cancel(self, index: int) -> None:
         if self._streams.pop(index, None) is not None and self.failed is None:
-            message = data_plane_pb2.GenerateMultiplexRequest(cancel=[index])
-            self._outbox.put_nowait(message.SerializeToString())
+            self._outbox.put(data_plane_pb2.GenerateMultiplexRequest(cancel=[index]))
 
     async def _read(self) -> None:
         try:
@@ -208,7 +263,7 @@ class Multiplexer:
     def retire(self) -> None:
         """No new requests: the caller's side of the call is closed, and the server ends it
         once the requests running on it have ended (a draining server finishes them)."""
-        self._outbox.put_nowait(None)
+        self._outbox.close()
 
     def on_end(self, callback: Callable[[Multiplexer], None]) -> None:
         """Calls ``callback(self)`` once the call has ended."""
@@ -217,7 +272,7 @@ class Multiplexer:
     async def close(self) -> None:
         """Ends the call now: those running are cut (their streams fail UNAVAILABLE, to be
         retried or migrated elsewhere)."""
-        self._outbox.put_nowait(None)
+        self._outbox.close()
         self._call.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader

@@ -104,6 +104,41 @@ async def test_each_limit_refuses_before_the_engine_and_names_its_flag(
     assert engine.requests_started == started + 3
 
 
+async def test_a_multiplexed_add_of_more_requests_than_the_server_holds_runs_each_in_turn(
+    limited: EngineServer,
+) -> None:
+    """A caller merges the streams it opened while it wrote into one message (``Outbox``): a
+    multiplexed add is not a batch to refuse whole above the server's capacity (6 here), each
+    of its requests is admitted in its turn, and the call goes on."""
+    count = 10
+    assert count > limited.admission.capacity
+    requests = [
+        data_plane_pb2.GenerateStreamRequest(prompt_token_ids=[1, 40 + i, 3], sampling_params=SHORT)
+        for i in range(count)
+    ]
+    closed = asyncio.Event()
+
+    async def messages() -> AsyncIterator[data_plane_pb2.GenerateMultiplexRequest]:
+        add = data_plane_pb2.GenerateBatchRequest(requests=requests, indices=range(count))
+        yield data_plane_pb2.GenerateMultiplexRequest(add=add)
+        await closed.wait()  # the caller's side stays open until every request ended
+
+    tokens: dict[int, int] = {}
+    finished: set[int] = set()
+    async with grpc.aio.insecure_channel(limited.address) as channel:
+        call = data_plane_pb2_grpc.DataPlaneStub(channel).GenerateMultiplex(messages())
+        async for message in call:
+            assert not message.errors, message.errors
+            for chunk in message.chunks:
+                tokens[chunk.batch_index] = tokens.get(chunk.batch_index, 0) + len(chunk.token_ids)
+                if chunk.finish_reason:
+                    finished.add(chunk.batch_index)
+            if len(finished) == count:
+                closed.set()
+        assert await call.code() == grpc.StatusCode.OK
+    assert tokens == dict.fromkeys(range(count), SHORT.max_tokens)
+
+
 async def test_text_that_cannot_fit_is_refused_before_the_tokenizer(limited: EngineServer) -> None:
     data = stub(limited)
     for call in (

@@ -235,9 +235,9 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
                             # call's metadata is shared by every request on it.
                             name = f"{GENERATE_STREAM} (multiplexed)"
                             with tracing.server_span(name, message.trace_context):
-                                self._add_batch(parts, batch, message.add)
+                                self._add_batch(parts, batch, message.add, bounded=False)
                         else:
-                            self._add_batch(parts, batch, message.add)
+                            self._add_batch(parts, batch, message.add, bounded=False)
                     for index in message.cancel:
                         batch.cancel(index)
             except Exception as error:  # a malformed message: the call ends with its status
@@ -262,18 +262,25 @@ class DataPlaneServicer(data_plane_pb2_grpc.DataPlaneServicer):
         try:
             self._parts()
         except SkyrlError as error:
-            indices, _ = validate.batch(message.add, self._admission.capacity)
+            indices, _ = validate.batch(message.add, None)
             for index in indices:
                 batch.refuse(index, error)
             return True
         return False
 
     def _add_batch(
-        self, parts: DataPlaneParts, batch: BatchRun, request: data_plane_pb2.GenerateBatchRequest
+        self,
+        parts: DataPlaneParts,
+        batch: BatchRun,
+        request: data_plane_pb2.GenerateBatchRequest,
+        bounded: bool = True,
     ) -> None:
         """Each request of ``request`` checked, prepared and added to ``batch``, or refused
-        there; a malformed batch (its shape) is refused whole."""
-        indices, sessions = validate.batch(request, self._admission.capacity)
+        there; a malformed batch (its shape; ``bounded``: more requests than the server holds)
+        is refused whole. A multiplexed call's adds are not bounded: a caller merges the
+        requests opened while it wrote into one message, each then admitted as if alone."""
+        capacity = self._admission.capacity if bounded else None
+        indices, sessions = validate.batch(request, capacity)
         batch.check_unused(indices)
         for index, item, session in zip(indices, request.requests, sessions, strict=True):
             try:

@@ -133,13 +133,14 @@ def request_id(value: str, limits: ModelLimits) -> None:
 
 
 def batch(
-    request: data_plane_pb2.GenerateBatchRequest, capacity: int
+    request: data_plane_pb2.GenerateBatchRequest, capacity: int | None
 ) -> tuple[list[int], list[str]]:
-    """A batch's shape: some requests, no more than the server holds at once (``capacity``),
-    and ``indices`` / ``session_ids`` each empty or one per request. Returns every request's
-    index and session ("" for none). Each request's own checks come later, one by one."""
+    """A batch's shape: some requests, no more than the server holds at once (``capacity``;
+    None: any number, each admitted or refused alone), and ``indices`` / ``session_ids`` each
+    empty or one per request. Returns every request's index and session ("" for none). Each
+    request's own checks come later, one by one."""
     indices, sessions = batch_shape(request)
-    if len(indices) > capacity:
+    if capacity is not None and len(indices) > capacity:
         raise InvalidArgument(
             f"the batch has {len(indices)} requests; this server runs and queues at most "
             f"{capacity} (--max-concurrent-samples plus --max-queued-requests): split the batch"
