@@ -247,11 +247,20 @@ def vllm_grpc_server() -> Iterator[Launched]:
 
 
 @contextlib.contextmanager
-def skyrl_router(backends: list[str], *flags: str) -> Iterator[Launched]:
-    """This project's router (``skyrl-grpc route``) in front of ``backends``, with ``flags``."""
+def skyrl_router(backends: list[str], *flags: str, source: str = "") -> Iterator[Launched]:
+    """This project's router (``skyrl-grpc route``) in front of ``backends``, with ``flags``;
+    run from the checkout at ``source`` where one is given (another commit's router, measured
+    beside this one's)."""
     port = free_port("127.0.0.1")
+    module = ["-m", "servers.router.router_server"]
+    if source:
+        module = [
+            "-c",
+            f"import runpy, sys; sys.path.insert(0, {source!r}); "
+            "runpy.run_module('servers.router.router_server', run_name='__main__')",
+        ]
     command = [
-        sys.executable, "-m", "servers.router.router_server", "--host", "127.0.0.1",
+        sys.executable, *module, "--host", "127.0.0.1",
         "--port", str(port), "--backends", ",".join(backends), *flags,
     ]  # fmt: skip
     with launched_process(command, None, "skyrl-router") as launched:

@@ -51,6 +51,9 @@ def bench_serve(base_url: str, model: str, rounds_dir: Path, tag: str) -> dict[s
 # SMG in gRPC mode over vLLM's own gRPC server: a gateway that tokenizes, relays token ids
 # and detokenizes, as the edge does (vllm-router relays vLLM's HTTP server's bytes).
 SMG = "SMG (gRPC, over vLLM's gRPC server)"
+# A router run from another checkout (``bench_rollout --edge-baseline``): a change measured beside
+# the router before it.
+BASELINE = "edge (baseline checkout)"
 
 
 @dataclass
@@ -115,12 +118,12 @@ def edge_section(rounds: int, targets: dict[str, EdgeTarget]) -> list[str]:
         pairs = zip(results[name], results[to], strict=True)
         return statistics.median(e[key] / r[key] for e, r in pairs)
 
-    for reference in ("vllm-router", SMG):
+    for reference in ("vllm-router", SMG, BASELINE):
         if reference not in results:
             continue
         lines += ["", f"Against {reference} (median of per-round ratios):", ""]
         for name in results:
-            if not name.startswith("edge"):
+            if not name.startswith("edge") or name == reference:
                 continue
             lines.append(
                 f"- {name}: output tokens/s {ratio(name, 'output_tok_s', reference):.2f} "

@@ -54,7 +54,7 @@ from scripts.bench_common import (
     vllm_router,
     write_report,
 )
-from scripts.bench_edge import SMG, EdgeTarget, edge_section
+from scripts.bench_edge import BASELINE, SMG, EdgeTarget, edge_section
 from scripts.bench_gateways import smg_gateway
 from scripts.rollout_clients import (
     InProcess,
@@ -296,6 +296,21 @@ def contenders(
             TINY_MODEL_NAME,
             ProcessTree(replicated.process.pid),
         )
+        if args.edge_baseline:  # another checkout's router, its flags the fleet's router's
+            baseline_http = free_port("127.0.0.1")
+            flags = list(fleet.router_args)
+            at = flags.index("--http-port")
+            flags[at + 1] = str(baseline_http)
+            baseline = stack.enter_context(
+                skyrl_router([server], *flags, source=args.edge_baseline)
+            )
+            group.tree.add(baseline.process.pid)
+            edge_targets[BASELINE] = EdgeTarget(
+                group.tree,
+                f"http://127.0.0.1:{baseline_http}",
+                TINY_MODEL_NAME,
+                ProcessTree(baseline.process.pid),
+            )
         group.tree.freeze()
         # Thawed before anything is stopped (this runs first): a process stopped while its
         # parent is killed never sees the parent go (a router replica left frozen for good).
@@ -333,6 +348,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-rollouts", action="store_true")
     parser.add_argument("--no-vllm-grpc", action="store_true")
     parser.add_argument("--router-loop", choices=("asyncio", "uvloop"), default="asyncio")
+    parser.add_argument(
+        "--edge-baseline",
+        default="",
+        metavar="DIR",
+        help="also the edge of a router run from the checkout at DIR (e.g. `git worktree add "
+        "DIR HEAD~1`), in front of the same server: a change to the router measured beside it",
+    )
     add_output_argument(parser, "performance.md")
     return parser.parse_args()
 
