@@ -3,7 +3,9 @@ answers, so a trainer needs no protobuf (the conversions are the ``from_proto`` 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -243,14 +245,31 @@ class WeightCommit:
         return cls(response.weight_version, response.parameters_updated)
 
 
+class UpdatePhases(dict[str, float]):
+    """Seconds each phase of a weight update took, as the trainer waited for it: ``start``
+    (every server opened it), ``transfer`` (every byte sent and every server's staging
+    answered: a server's own staging after the last byte is in it), ``commit`` (every server
+    put the new weights in service), ``release`` (with ``release_memory``) and ``record`` (the
+    pushed weights kept as the next delta's base)."""
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self[phase] = self.get(phase, 0.0) + time.monotonic() - began
+
+
 class WeightUpdateResult(dict[str, WeightCommit]):
     """Each server's answer to the commit of a weight update (by address), and what the update
     moved: ``bytes_sent``, every byte this client itself sent (in-band: each stream once when
     relayed, whatever the fleet's size; over the collective: what rank 0 broadcast);
     ``bytes_received``, each server's parameter data; ``relayed``, whether the servers relayed
-    the update to each other; ``cut_out``, the servers left out of it because they could not be
-    reached (``update_weights(cut_out_unreachable=True)``), with why: they keep their previous
-    weights until a later update takes them back."""
+    the update to each other; ``phases``, where the trainer waited (``UpdatePhases``);
+    ``cut_out``, the servers left out of it because they could not be reached
+    (``update_weights(cut_out_unreachable=True)``), with why: they keep their previous weights
+    until a later update takes them back."""
 
     def __init__(
         self,
@@ -259,11 +278,13 @@ class WeightUpdateResult(dict[str, WeightCommit]):
         bytes_sent: int,
         bytes_received: Mapping[str, int],
         relayed: bool,
+        phases: Mapping[str, float] | None = None,
     ) -> None:
         super().__init__(commits)
         self.bytes_sent = bytes_sent
         self.bytes_received = dict(bytes_received)
         self.relayed = relayed
+        self.phases = UpdatePhases(phases or {})
         self.cut_out: dict[str, str] = {}
 
 

@@ -4,6 +4,7 @@ previous version with nothing open, and the next update succeeds."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -11,6 +12,7 @@ import grpc
 import pytest
 
 from trainer_client.exceptions import ServerError
+from trainer_client.fleet_info import UpdatePhases
 from trainer_client.weights.weight_transaction import WeightUpdateError, run_weight_transaction
 
 SERVERS = ["s1:1", "s2:2", "s3:3"]
@@ -213,3 +215,25 @@ async def test_the_fleet_commit_releases_every_rollback_copy_when_asked() -> Non
         SERVERS[1]: None,
         SERVERS[2]: None,
     }
+
+
+async def test_each_phase_the_trainer_waited_for_is_timed() -> None:
+    """``phases``: start, transfer, commit and release, each timed around what it waited for
+    (lower bounds, which hold on a busy machine)."""
+    fleet = Fleet()
+    pause = 0.05
+
+    async def slow_transfer(addresses: Sequence[str]) -> dict[str, BaseException]:
+        await asyncio.sleep(pause)
+        return await fleet.transfer(addresses)
+
+    async def slow_release(address: str, version: int) -> None:
+        await asyncio.sleep(2 * pause)
+        await Fleet.release(fleet, address, version)
+
+    fleet.release = slow_release  # type: ignore[method-assign]
+    phases = UpdatePhases()
+    await run_weight_transaction(SERVERS, 8, fleet, slow_transfer, release=True, phases=phases)
+    assert set(phases) == {"start", "transfer", "commit", "release"}
+    assert phases["transfer"] >= pause and phases["release"] >= 2 * pause
+    assert all(seconds >= 0 for seconds in phases.values())

@@ -6,6 +6,7 @@ the serving weights unchanged."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +90,12 @@ async def test_a_delta_gives_the_same_weights_as_a_full_push(delta_fleet: DeltaF
     assert client.last_push_bytes == dict.fromkeys(servers, full_bytes)
 
     stepped = a_training_step(first, seed=22)
-    await client.update_weights(stepped.items(), version + 1)
+    began = time.monotonic()
+    result = await client.update_weights(stepped.items(), version + 1)
+    waited = time.monotonic() - began
+    # Where it waited: each phase timed once, within the call (the record: the delta's base).
+    assert set(result.phases) == {"start", "transfer", "commit", "record"}
+    assert 0 < sum(result.phases.values()) <= waited
     # ~2% of the elements, each as a 4-byte index and a 4-byte value: about 4% of the bytes.
     assert all(0 < sent < 0.1 * full_bytes for sent in client.last_push_bytes.values())
     checksums = await served_checksums(client)

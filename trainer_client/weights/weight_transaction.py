@@ -33,6 +33,7 @@ import grpc
 
 from trainer_client.exceptions import InferenceError, ServerError
 from trainer_client.fanout import failures_of
+from trainer_client.fleet_info import UpdatePhases
 
 R = TypeVar("R", covariant=True)
 log = logging.getLogger(__name__)
@@ -119,19 +120,23 @@ async def run_weight_transaction(
     transfer: Transfer,
     *,
     release: bool = False,
+    phases: UpdatePhases | None = None,
 ) -> dict[str, R]:
     """Commits ``version`` on every server or on none, returning each server's answer to the
-    commit; see the module docstring."""
+    commit (and the seconds of each phase in ``phases``); see the module docstring."""
+    timed = (phases if phases is not None else UpdatePhases()).timed
     before: dict[str, int] = {}
 
     async def start(address: str) -> None:
         before[address] = await calls.start(address, version)
 
-    started_failures = await failures_of(servers, start)
+    with timed("start"):
+        started_failures = await failures_of(servers, start)
     if started_failures:
         await _abort(servers, version, calls, "StartWeightUpdate", started_failures, before)
     try:
-        transfer_failures = await transfer(servers)
+        with timed("transfer"):
+            transfer_failures = await transfer(servers)
     except BaseException as error:  # the transfer itself broke (e.g. the caller cancelled)
         await _cancel_everywhere(servers, calls)
         raise error
@@ -142,11 +147,13 @@ async def run_weight_transaction(
     async def finish(address: str) -> None:
         committed[address] = await calls.finish(address, version)
 
-    finish_failures = await failures_of(servers, finish)
+    with timed("commit"):
+        finish_failures = await failures_of(servers, finish)
     if finish_failures:
         await _undo_commits(servers, version, calls, finish_failures, before, set(committed))
     if release:
-        missed = await failures_of(servers, lambda address: calls.release(address, version))
+        with timed("release"):
+            missed = await failures_of(servers, lambda address: calls.release(address, version))
         for address, failure in missed.items():
             log.warning(
                 "%s keeps its previous weights until its next update: the release after the "

@@ -23,6 +23,7 @@ from trainer_client.exceptions import FailedPrecondition
 from trainer_client.fanout import fan_out
 from trainer_client.fleet_info import (
     ServerInfo,
+    UpdatePhases,
     WeightCommit,
     WeightUpdateResult,
     refuse_unless_all,
@@ -110,11 +111,8 @@ class WeightUpdates:
         )
         by_server = dict(zip(servers, offsets, strict=True))
         self.local.group_servers = list(servers)
-        proto_backend = (
-            cp.WEIGHT_TRANSFER_BACKEND_GLOO
-            if backend == "gloo"
-            else cp.WEIGHT_TRANSFER_BACKEND_NCCL
-        )
+        nccl = backend == "nccl"
+        proto_backend = cp.WEIGHT_TRANSFER_BACKEND_NCCL if nccl else cp.WEIGHT_TRANSFER_BACKEND_GLOO
 
         async def init_or_give_up(address: str) -> cp.InitWeightTransferResponse:
             request = cp.InitWeightTransferRequest(
@@ -220,7 +218,7 @@ class WeightUpdates:
         On any failure (a server unreachable, a rejected chunk or version, a timeout) the update
         is cancelled on every server and rolled back where it was already committed, then
         ``WeightUpdateError`` names each server, what happened there and the version it serves
-        now. Returns each server's answer to the commit (the version, parameters replaced).
+        now. Returns each server's answer to the commit, and where the update waited (``phases``).
         """
         tensors = list(named_tensors)
         if weight_version is not None and weight_version <= 0:
@@ -265,12 +263,15 @@ class WeightUpdates:
                     plan, reached, tensors, calls.push_sockets, calls.relay, calls.one_stream
                 )
 
-            commits = await self._commit(plan, calls, transfer, tensors, delta, release_memory)
+            commits, phases = await self._commit(
+                plan, calls, transfer, tensors, delta, release_memory
+            )
             return WeightUpdateResult(
                 commits,
                 bytes_sent=self.local.last_sent_bytes,
                 bytes_received=dict(self.local.last_push_bytes),
                 relayed=calls.relay is not None,
+                phases=phases,
             )
 
         if not cut_out_unreachable:
@@ -317,15 +318,15 @@ class WeightUpdates:
         tensors: list[tuple[str, Any]],
         delta: bool,
         release: bool,
-    ) -> dict[str, WeightCommit]:
+    ) -> tuple[dict[str, WeightCommit], UpdatePhases]:
         """Runs the update as one fleet-wide transaction, then keeps what was pushed as the
-        base of the next delta; returns each server's commit."""
-        # A first record (none to copy into) is all new memory: it is cloned in a thread beside
-        # the transfer instead of after the commit (faulting in the 0.3B benchmark model's
-        # 1.1 GB took 4.3 s on its VM, longer than the update itself). A later record copies
-        # into the previous one, which the transfer reads, so only after the commit.
-        # Memory reserved for it (``reserve_delta_base``) is written instead, and taken: a
-        # thread given up on below may still be writing into it.
+        base of the next delta; returns each server's commit and the phases' seconds."""
+        # A first record (none to copy into) is all new memory: cloned in a thread beside the
+        # transfer, not after the commit (faulting in the 0.3B model's 1.1 GB took 4.3 s on its
+        # VM). A later record copies into the previous one, which the transfer reads, so only
+        # after the commit. Memory reserved for it (``reserve_delta_base``) is written instead,
+        # and taken: a thread given up on below may still be writing into it.
+        phases = UpdatePhases()
         fresh_record = None
         if delta and plan.base is None:
             reserved, self.local.reserved_record = self.local.reserved_record, None
@@ -334,18 +335,19 @@ class WeightUpdates:
             )
         try:
             commits = await run_weight_transaction(
-                plan.servers, plan.version, calls, transfer, release=release
+                plan.servers, plan.version, calls, transfer, release=release, phases=phases
             )
         except BaseException:
             if fresh_record is not None:
                 fresh_record.cancel()  # its thread ends on its own; the copy is dropped
             raise
         self.local.last_pushed = None
-        if fresh_record is not None:
-            self.local.last_pushed = await fresh_record
-        elif delta:
-            self.local.last_pushed = PushedWeights.after(plan.base, plan.version, tensors)
-        return commits
+        with phases.timed("record"):
+            if fresh_record is not None:
+                self.local.last_pushed = await fresh_record
+            elif delta:
+                self.local.last_pushed = PushedWeights.after(plan.base, plan.version, tensors)
+        return commits, phases
 
     async def reserve_delta_base(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Allocates now, e.g. at the trainer's start, the copy of the pushed weights this
@@ -359,8 +361,7 @@ class WeightUpdates:
         (``weight_sending.HostStaging``): pinning 1.17 GB took 0.95 s on an H200's host."""
         tensors = list(named_tensors)
         self.local.reserved_record = await asyncio.to_thread(reserve_record, tensors)
-        on_gpu = cuda_bytes(tensors)
-        if on_gpu:
+        if on_gpu := cuda_bytes(tensors):
             await asyncio.to_thread(self.local.host_staging.reset, on_gpu)
 
     async def _current_group(
