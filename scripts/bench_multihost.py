@@ -139,6 +139,11 @@ def measure(
                 # last byte (each server's, its slowest; the hosts share this machine's cores).
                 "commit": statistics.median(max(s["commit_seconds"].values()) for s in steps),
                 "sent_ratio": max(s["bytes_sent"] for s in steps) / update_bytes,
+                # Where the trainer waited (``WeightUpdateResult.phases``), medians.
+                "phases": {
+                    phase: statistics.median(s["phases"].get(phase, 0.0) for s in steps)
+                    for phase in PHASES
+                },
             }
         )
     return rows
@@ -220,6 +225,30 @@ def distance(rtts: list[float], rate: float, rounds: int, logs: Path) -> list[st
             lines.append(
                 f"| {rtt:g} ms | {name} | {median_range(rates, 0)} | {against:.2f} | {kept:.2f} |"
             )
+    return lines
+
+
+PHASES = ("start", "transfer", "commit", "record")
+
+
+def phase_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Where the trainer waited in each row's updates (``UpdatePhases``: the transfer ends
+    once every server staged what it received), medians in seconds."""
+    lines = [
+        "| hosts | update | mode | links (trainer : servers) | floor | "
+        + " | ".join(PHASES)
+        + " |",
+        "|---|---|---|---|---|" + "---|" * len(PHASES),
+    ]
+    for row in rows:
+        if "phases" not in row:  # a row kept from a run before the phases were recorded
+            continue
+        links = f"{row['rate_mbit'] * row['trainer_ratio']:g} : {row['rate_mbit']:g} Mbit/s"
+        cells = " | ".join(f"{row['phases'][phase]:.3f}" for phase in PHASES)
+        lines.append(
+            f"| {row['hosts']} | {row['kind']} | {row['mode']} | {links} | {row['floor']:.2f} "
+            f"| {cells} |"
+        )
     return lines
 
 
@@ -332,6 +361,11 @@ def main() -> None:
         "4.5% of a full frame: the best measurable is ~1.05x):",
         "",
         *table(rows),
+        "",
+        "Where the trainer waited (`WeightUpdateResult.phases`, medians in seconds; the "
+        "transfer ends once every server staged what it received):",
+        "",
+        *phase_table(rows),
         *(["", "Not measured:", *failed] if failed else []),
     ]
     write_report(args.output, lines, "multihost-updates")

@@ -133,6 +133,7 @@ async def update(arguments: dict[str, Any]) -> dict[str, Any]:
                 "bytes_received": result.bytes_received,
                 "relayed": result.relayed,
                 "versions": {a: c.weight_version for a, c in result.items()},
+                "phases": dict(result.phases),  # where the trainer waited
             }
             if result.cut_out:
                 record["cut_out"] = result.cut_out
