@@ -439,11 +439,27 @@ async def test_pause_keep_freezes_and_resumes_with_nothing_lost(
     for w in watchers:
         await w.until_tokens(2)
     await control.Pause(cp.PauseRequest(mode=cp.PAUSE_MODE_KEEP))
-    frozen = [len(w.tokens) for w in watchers]
     # As long as ten steps took before the pause, on this machine now: an engine that went on
     # generating would have sent tokens in that time however slow the machine (a fixed sleep
     # could be shorter than one step on a busy one).
     step = max(b - a for w in watchers for a, b in itertools.pairwise(w.times))
+
+    async def gone_quiet() -> list[int]:
+        """The streams' tokens once none came for two steps: what the last step before the
+        pause made may still be on its way when Pause answers (a busy machine's client reads
+        it later), and an engine still generating never goes quiet."""
+        counts = [len(w.tokens) for w in watchers]
+        while True:
+            await asyncio.sleep(max(0.25, 2 * step))
+            now = [len(w.tokens) for w in watchers]
+            if now == counts:
+                return now
+            counts = now
+
+    try:
+        frozen = await asyncio.wait_for(gone_quiet(), max(30.0, 100 * step))
+    except TimeoutError:
+        pytest.fail("tokens kept arriving after Pause(KEEP) answered")
     await asyncio.sleep(max(0.5, 10 * step))
     assert [len(w.tokens) for w in watchers] == frozen, "tokens arrived while paused"
     assert all(not w.task.done() for w in watchers)
