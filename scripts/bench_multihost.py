@@ -231,6 +231,11 @@ def distance(rtts: list[float], rate: float, rounds: int, logs: Path) -> list[st
 PHASES = ("start", "transfer", "commit", "record")
 
 
+def links(row: dict[str, Any]) -> str:
+    """A row's links, the trainer's and the servers'."""
+    return f"{row['rate_mbit'] * row['trainer_ratio']:g} : {row['rate_mbit']:g} Mbit/s"
+
+
 def phase_table(rows: list[dict[str, Any]]) -> list[str]:
     """Where the trainer waited in each row's updates (``UpdatePhases``: the transfer ends
     once every server staged what it received), medians in seconds."""
@@ -243,10 +248,9 @@ def phase_table(rows: list[dict[str, Any]]) -> list[str]:
     for row in rows:
         if "phases" not in row:  # a row kept from a run before the phases were recorded
             continue
-        links = f"{row['rate_mbit'] * row['trainer_ratio']:g} : {row['rate_mbit']:g} Mbit/s"
         cells = " | ".join(f"{row['phases'][phase]:.3f}" for phase in PHASES)
         lines.append(
-            f"| {row['hosts']} | {row['kind']} | {row['mode']} | {links} | {row['floor']:.2f} "
+            f"| {row['hosts']} | {row['kind']} | {row['mode']} | {links(row)} | {row['floor']:.2f} "
             f"| {cells} |"
         )
     return lines
@@ -261,10 +265,8 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     for row in rows:
         seconds = row["seconds"]
         spread = f"{statistics.median(seconds):.2f} s ({min(seconds):.2f}-{max(seconds):.2f})"
-        ratio = row["trainer_ratio"]
-        links = f"{row['rate_mbit'] * ratio:g} : {row['rate_mbit']:g} Mbit/s"
         lines.append(
-            f"| {row['hosts']} | {row['model']} | {links} | {row['kind']} | {row['mode']} | "
+            f"| {row['hosts']} | {row['model']} | {links(row)} | {row['kind']} | {row['mode']} | "
             f"{row['update_bytes'] / 1e6:.1f} MB | {row['floor']:.2f} s | {spread} | "
             f"{row['x_floor']:.3f} | {row['commit']:.2f} s | {row['sent_ratio']:.2f}x |"
         )
