@@ -100,6 +100,8 @@ def edge_section(rounds: int, targets: dict[str, EdgeTarget]) -> list[str]:
     vllm-router."""
     results = serve_rounds(rounds, targets)
     lines = [
+        f"Medians of {rounds} interleaved rounds, ranges in brackets.",
+        "",
         "| target | output tok/s | mean ITL (ms) | p99 ITL (ms) | p99 TTFT (ms) "
         "| routing CPU s / 1k tokens |",
         "| --- | --- | --- | --- | --- | --- |",

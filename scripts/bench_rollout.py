@@ -319,14 +319,17 @@ def contenders(
 
 
 async def main(args: argparse.Namespace) -> None:
-    lines = [
-        "### Rollouts: every way to get a batch out of one engine",
-        "",
-        f"`python -m scripts.bench_rollout --rounds {args.rounds} --samples {args.samples}` "
-        f"({args.tokens} tokens a sample, 16-token prompts, greedy; medians of {args.rounds} "
-        "interleaved rounds, ranges in brackets; the embedded model, 2 cores).",
-        "",
-    ]
+    lines: list[str] = []
+    if not args.no_rollouts:
+        # The rollouts' header names their rounds; an edge-only run (--no-rollouts) has none.
+        lines += [
+            "### Rollouts: every way to get a batch out of one engine",
+            "",
+            f"`python -m scripts.bench_rollout --rounds {args.rounds} --samples {args.samples}` "
+            f"({args.tokens} tokens a sample, 16-token prompts, greedy; medians of {args.rounds} "
+            "interleaved rounds, ranges in brackets; the embedded model, 2 cores).",
+            "",
+        ]
     with contenders(args) as (groups, edge):
         if not args.no_rollouts:
             runs = await rollouts(args, groups)

@@ -144,7 +144,5 @@ async def test_a_callers_continuation_goes_on_no_older_weights_with_migration_of
         async for _ in stub.GenerateStream(continuation):
             pass
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE, raised.value.details()
-    assert f"made at weight version {NEWEST} (min_weight_version)" in (
-        raised.value.details() or ""
-    )
+    assert f"made at weight version {NEWEST} (min_weight_version)" in (raised.value.details() or "")
     assert fleet.old.observed.calls == 0
