@@ -182,7 +182,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "vLLM's own per request (queue, prefill, decode), each weight update phase, the "
         "catch-up; default: none",
     )
-    group.add_argument("--seed", type=int, default=d.seed)
+    group.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="vLLM's sampling seed, for requests without one of their own (default %(default)s); "
+        "a fleet (`up`, Ray) gives its server i this seed + i, so no two draw alike",
+    )
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument(
         "--no-preload-engine-core",

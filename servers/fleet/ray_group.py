@@ -51,6 +51,7 @@ from servers.fleet.ray_waits import (
     not_dead_yet,
     sliced,
 )
+from servers.fleet.seeds import server_seed
 from servers.fleet.standbys import StandbyRoles
 
 # The niceness Ray's raylet gives the workers it starts (Ray's default: 15).
@@ -237,6 +238,8 @@ class RayFleet(Fleet):
         peers = [a for i, a in enumerate(self.addresses.servers) if i != index]
         if catch_up and peers:
             server_args += ["--catch-up-from", ",".join(peers)]
+        # The engine options over the flags, with this server's own seed (``seeds``).
+        seed = server_seed(server_args, index, self.options.engine)
         ports = self.options.server_ports
         port = ports[index] if ports is not None and index < len(ports) else 0
         # The server runs on the actor's loop, which Ray makes (uvloop unless RAY_USE_UVLOOP
@@ -253,7 +256,7 @@ class RayFleet(Fleet):
             )
             .remote(
                 server_args,
-                self.options.engine,
+                {**self.options.engine, "seed": seed},
                 self.options.host,
                 self._env,
                 port=port,

@@ -130,6 +130,36 @@ def test_up_passes_every_serve_flag_to_every_server_locally_and_on_ray() -> None
         server_options(["--port", "5"], {}, "127.0.0.1")
 
 
+def test_up_gives_each_server_a_seed_of_its_own_from_the_one_it_is_given() -> None:
+    """vLLM samples from one generator seeded with ``--seed``: servers seeded alike return the
+    same samples for the same batch. Server i of a fleet gets ``--seed`` + i, locally (its
+    command line, a restarted or standby server's too) and on Ray (engine options over the
+    flags; ``test_ray_fleet`` samples on the actors)."""
+    from servers.cli import build_parser, make_fleet
+    from servers.engine.options import build_parser as serve_parser
+    from servers.fleet.local import LocalFleet
+    from servers.fleet.seeds import server_seed
+
+    for given, first in (([], 0), (["--seed", "5"], 5), (["--seed=11"], 11)):
+        args, rest = build_parser().parse_known_args(["up", "--servers", "2", "--standby", "1"])
+        local = make_fleet(args, [*rest, *given])
+        assert isinstance(local, LocalFleet)
+        spawned: list[list[str]] = []
+
+        def spawn(name: str, module: str, argv: list[str], into: list[list[str]] = spawned) -> None:
+            into.append(argv)
+
+        local._spawn = spawn  # type: ignore[method-assign,assignment]
+        local.server_metrics_ports = [None] * 3  # no process to learn a metrics port from
+        for index in (0, 1, 2, 1):  # the last: server 1 restarted in its place
+            local._spawn_server(index, catch_up=index == 1)
+        seeds = [serve_parser().parse_known_args(argv)[0].seed for argv in spawned]
+        assert seeds == [first, first + 1, first + 2, first + 1], spawned
+    # On Ray the engine options passed over the flags decide, seed included.
+    assert [server_seed(["--seed", "5"], i, {"seed": 9}) for i in range(2)] == [9, 10]
+    assert [server_seed(["--seed", "5"], i, {"dtype": "float32"}) for i in range(2)] == [5, 6]
+
+
 def test_up_tells_its_router_when_its_servers_capture_routed_experts() -> None:
     """``up --enable-return-routed-experts`` (a server flag, vLLM's): the router's edge returns
     them (``route --routed-experts``), locally and on Ray; without it, the router asks none."""

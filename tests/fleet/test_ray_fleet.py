@@ -118,6 +118,15 @@ def test_ray_fleet_serves_through_its_router_and_leaves_no_processes(
     try:
         assert len(scratch) == 2 and all(path.is_dir() for path in scratch), scratch
         assert len(servers) == 2 and router not in servers
+        # Each actor's server seeded apart (``servers.fleet.seeds``): the same batch, sampled
+        # on each alone before anything else ran there, comes back different.
+        sampling = {"temperature": 1.0, "max_tokens": 12}
+        sampled = []
+        for server in servers:
+            with BlockingInferenceClient(server, [server]) as alone:
+                batch = alone.generate_batch([[1, 5, 9]] * 4, sampling)
+            sampled.append([r.token_ids for r in batch])
+        assert sampled[0] != sampled[1], sampled
         client = BlockingInferenceClient(router, servers)
         result = client.generate([1, 2, 3], {"temperature": 0.0, "max_tokens": 6})
         assert len(result.token_ids) == 6
