@@ -95,6 +95,8 @@ def test_openai_fields_become_sampling_params_and_bad_ones_name_themselves() -> 
         ({"prompt": []}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
         ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "n": 0}, "'n' = 0"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": -2}, "'n' = -2"),
         ({"prompt": "x", "stop": 3}, "stop"),
         ({"messages": []}, "messages"),
     ]

@@ -240,6 +240,8 @@ def read_generation(body: Json, chat: bool) -> GenerationCall:
             raise InvalidArgument(f"'{key}' is not supported by this server")
     best_of = body.get("best_of")
     n = _get(body, "n", int, 1)
+    if n < 1:  # OpenAI's and vLLM's servers refuse it; the contract would read 0 as 1
+        raise InvalidArgument(f"'n' = {n}: the number of samples must be >= 1")
     if best_of is not None and best_of != n:
         raise InvalidArgument("'best_of' other than 'n' is not supported by this server")
     stream_options = body.get("stream_options") or {}
