@@ -62,7 +62,7 @@ class BatchGeneration:
         self,
         calls: BatchCalls,
         prompts: Sequence[Sequence[int]],
-        params: generation_pb2.SamplingParams,
+        params: Sequence[generation_pb2.SamplingParams],
         sessions: Sequence[str | None],
         include_text: bool,
         lora: str,
@@ -72,15 +72,15 @@ class BatchGeneration:
         config = calls.config
         self._prompts = [list(p) for p in prompts]
         self._sessions = list(sessions)
-        self._params = params
+        self._params = list(params)  # each prompt's own
         self._include_text = include_text
         self._lora = lora
         self._timeout = config.timeout("data", timeout)
         self._samples = [
             AbortRetry(
-                prompt, params, include_text, config.max_abort_retries, config.stream_interval, lora
+                prompt, own, include_text, config.max_abort_retries, config.stream_interval, lora
             )
-            for prompt in self._prompts
+            for prompt, own in zip(self._prompts, self._params, strict=True)
         ]
         # Servers each prompt's calls failed on, used directly (skipped for it from then).
         self._tried: list[set[str]] = [set() for _ in self._prompts]
@@ -109,7 +109,10 @@ class BatchGeneration:
             result = self._single.get(index)
             if result is None:
                 result = GenerationResult.from_sample(
-                    prompt, sample.sample(), self._params.HasField("logprobs"), sample.retries
+                    prompt,
+                    sample.sample(),
+                    self._params[index].HasField("logprobs"),
+                    sample.retries,
                 )
                 result.cached_prompt_tokens = sample.cached_prompt_tokens
             results.append(result)
@@ -205,7 +208,7 @@ class BatchGeneration:
             *(
                 self._uses.generate_one(
                     self._prompts[i],
-                    self._params,
+                    self._params[i],
                     self._sessions[i],
                     self._include_text,
                     self._lora,

@@ -260,7 +260,21 @@ class Generation:
             return []
         sessions = session_ids or [None] * len(prompts)
         params = sampling_params(sampling)
-        await self._check_experts(params)
+        return await self._batch(
+            prompts, [params] * len(prompts), sessions, include_text, lora, timeout
+        )
+
+    async def _batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[generation_pb2.SamplingParams],
+        sessions: Sequence[str | None],
+        include_text: bool,
+        lora: str,
+        timeout: Timeout,
+    ) -> list[GenerationResult]:
+        """``prompts`` as batched calls, each with its own ``params``."""
+        await self._check_experts(params[0])
         calls = BatchCalls(
             config=self.config,
             target=self._target,
@@ -273,6 +287,7 @@ class Generation:
         batch = BatchGeneration(calls, prompts, params, sessions, include_text, lora, timeout)
         return await batch.run()
 
+    @tracing.traced("sample")
     async def sample(
         self,
         prompt_token_ids: Sequence[int],
@@ -285,15 +300,17 @@ class Generation:
         timeout: Timeout = DEFAULT,
     ) -> list[GenerationResult]:
         """``n`` independent samples of one prompt. Without a session they spread over servers
-        by load; with one, they all go to the session's server (sharing its prefix cache)."""
-        return await self.generate_batch(
-            [prompt_token_ids] * n,
-            sampling,
-            session_ids=[session_id] * n,
-            include_text=include_text,
-            lora=lora,
-            timeout=timeout,
-        )
+        by load; with one, they all go to the session's server (sharing its prefix cache). With
+        a ``seed``, sample ``i`` is drawn with ``seed + i``, as vLLM seeds the ``n`` samples of
+        one request: one seed n times would give the same sample n times."""
+        if n < 1:
+            return []
+        params = sampling_params(sampling)
+        copies = [params] * n
+        if params.HasField("seed"):
+            copies = [sampling_params(params, seed=params.seed + i) for i in range(n)]
+        prompts = [prompt_token_ids] * n
+        return await self._batch(prompts, copies, [session_id] * n, include_text, lora, timeout)
 
     async def chat(
         self,

@@ -71,6 +71,16 @@ async def test_sample_without_session_spreads_by_load(
     assert all(after[a] > before[a] for a in after)  # both servers took some
 
 
+async def test_seeded_samples_are_each_drawn_with_a_seed_of_their_own(
+    client: InferenceClient,
+) -> None:
+    """``sample(n)`` with a seed: sample i is drawn with seed + i, as vLLM seeds the n samples of
+    one request (the same seed on every copy gave one sample n times)."""
+    sampling = {"temperature": 1.0, "max_tokens": 16, "ignore_eos": True, "seed": 11}
+    samples = await client.sample(prompts(1)[0], sampling, n=4)
+    assert len({tuple(s.token_ids) for s in samples}) == 4, [s.token_ids for s in samples]
+
+
 async def test_pause_abort_mid_batch_then_resume_loses_and_duplicates_nothing(
     client: InferenceClient,
 ) -> None:
