@@ -84,11 +84,18 @@ def serve_fleet_admin(fleet: Fleet, host: str, port: int | None, token: str | No
 
 def scale_command(args: argparse.Namespace, _: list[str]) -> None:
     """``skyrl-grpc scale``: FleetAdmin.Scale, then the fleet's servers."""
+    import grpc
+
     from skyrl_grpc.fleet_admin import FleetAdminClient, FleetAdminError
 
     with FleetAdminClient(args.fleet, token=args.admin_token) as client:
         try:
             members = client.scale(args.servers, timeout=args.timeout)
         except FleetAdminError as error:
-            raise SystemExit(f"skyrl-grpc scale: {error}") from None
+            hint = ""
+            if error.code == grpc.StatusCode.UNAVAILABLE:  # nothing answers there
+                hint = (
+                    f" (is `skyrl-grpc up --admin-port {args.fleet.rpartition(':')[2]}` running?)"
+                )
+            raise SystemExit(f"skyrl-grpc scale: {error}{hint}") from None
     print_servers(FleetAddresses(members.router, members.servers, members.standbys))

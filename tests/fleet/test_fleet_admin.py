@@ -16,6 +16,7 @@ import pytest
 
 from servers.fleet import FleetAddresses
 from servers.fleet.admin import FleetScaler, serve
+from skyrl_grpc.process_group import free_port
 from trainer_client import FleetAdminClient, FleetAdminError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,3 +137,9 @@ def test_the_scale_command_prints_the_fleet_or_says_why_not(
     refused = scale("0")
     assert refused.returncode == 1
     assert refused.stderr.strip().startswith("skyrl-grpc scale: INVALID_ARGUMENT:"), refused.stderr
+    # Nothing at the address: the flag `up` was to be started with, named.
+    port = free_port("127.0.0.1")
+    command = [sys.executable, "-m", "servers.cli", "scale", "3", "--fleet", f"127.0.0.1:{port}"]
+    nobody = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert nobody.returncode == 1 and "UNAVAILABLE" in nobody.stderr
+    assert f"skyrl-grpc up --admin-port {port}" in nobody.stderr, nobody.stderr
