@@ -128,8 +128,9 @@ async def engine_channel(engine_server: Any) -> AsyncIterator[grpc.aio.Channel]:
 
 @pytest.fixture(scope="session")
 async def second_engine_server(engine_server: Any) -> AsyncIterator[Any]:
-    """A second real engine server, for fan-out and multi-server tests."""
-    async for server in running_engine_server():
+    """A second real engine server, for fan-out and multi-server tests; seeded apart from the
+    first, as a fleet seeds its servers (``servers.fleet.seeds``)."""
+    async for server in running_engine_server(seed=1):
         yield server
 
 

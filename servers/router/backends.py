@@ -358,7 +358,13 @@ class BackendPool:
             try:
                 async for status in stub.Watch(request):
                     changed = status.paused != backend.status.paused
+                    seeded = status.HasField("sampling_seed") and (
+                        status.sampling_seed != backend.status.sampling_seed
+                        or not backend.status.HasField("sampling_seed")
+                    )
                     backend.status = status
+                    if seeded:
+                        self._warn_of_a_shared_seed(backend)
                     sessions.report(
                         backend.address,
                         status.sessions_added,
@@ -377,6 +383,26 @@ class BackendPool:
             # its next turn, and a reconnect reports them all again.
             backend.status = status_pb2.WatchResponse()  # unknown until it reports again
             await asyncio.sleep(self.check_interval)
+
+    def _warn_of_a_shared_seed(self, backend: Backend) -> None:
+        """A server that reports the sampling seed another one does: handed alike batches, the
+        two return alike samples (a prompt's group spread over them gets duplicates)."""
+        seed = backend.status.sampling_seed
+        alike = [
+            other.address
+            for other in self._backends.values()
+            if other is not backend
+            and other.status.HasField("sampling_seed")
+            and other.status.sampling_seed == seed
+        ]
+        if alike:
+            log.warning(
+                "backend %s samples with seed %d, as %s: alike batches get alike samples; "
+                "start each server with a --seed of its own (skyrl-grpc up does)",
+                backend.address,
+                seed,
+                ", ".join(alike),
+            )
 
     def _session_moved(self, session: str, left: str, went: str) -> None:
         """A session moved away from ``left``: tell it, so it stops reporting (and every

@@ -79,6 +79,9 @@ def fleet_view(pool: BackendPool, events: FleetEvents, replica: int | None) -> d
                 "in_flight": backend.in_flight,
                 "live_sessions": sessions[backend.address],
                 "adapters": list(status.adapters),
+                "sampling_seed": (
+                    status.sampling_seed if status.HasField("sampling_seed") else None
+                ),
                 "recent_updates": [
                     {
                         "weight_version": record.weight_version,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fskyrl/inference/v1/status.proto\x12\x12skyrl.inference.v1\"/\n\x0cWatchRequest\x12\x1f\n\x0binterval_ms\x18\x01 \x01(\rR\nintervalMs\"\xcc\x04\n\rWatchResponse\x12\x16\n\x06paused\x18\x01 \x01(\x08R\x06paused\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12)\n\x10running_requests\x18\x03 \x01(\rR\x0frunningRequests\x12)\n\x10waiting_requests\x18\x04 \x01(\rR\x0fwaitingRequests\x12$\n\x0ekv_cache_usage\x18\x05 \x01(\x02R\x0ckvCacheUsage\x12\x1a\n\x08\x64raining\x18\x06 \x01(\x08R\x08\x64raining\x12#\n\rlive_sessions\x18\x07 \x01(\rR\x0cliveSessions\x12%\n\x0esessions_added\x18\x08 \x03(\tR\rsessionsAdded\x12)\n\x10sessions_removed\x18\t \x03(\tR\x0fsessionsRemoved\x12+\n\x11sessions_complete\x18\n \x01(\x08R\x10sessionsComplete\x12#\n\rprompt_tokens\x18\x0b \x01(\x04R\x0cpromptTokens\x12\x30\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0c \x01(\x04R\x12\x63\x61\x63hedPromptTokens\x12\x1a\n\x08\x61\x64\x61pters\x18\r \x03(\tR\x08\x61\x64\x61pters\x12M\n\x0erecent_updates\x18\x0e \x03(\x0b\x32&.skyrl.inference.v1.WeightUpdateRecordR\rrecentUpdates\"\xbe\x02\n\x12WeightUpdateRecord\x12%\n\x0eweight_version\x18\x01 \x01(\x03R\rweightVersion\x12\x18\n\x07outcome\x18\x02 \x01(\tR\x07outcome\x12]\n\rphase_seconds\x18\x03 \x03(\x0b\x32\x38.skyrl.inference.v1.WeightUpdateRecord.PhaseSecondsEntryR\x0cphaseSeconds\x12\x14\n\x05\x62ytes\x18\x04 \x01(\x04R\x05\x62ytes\x12\x31\n\x15\x65nded_at_unix_seconds\x18\x05 \x01(\x01R\x12\x65ndedAtUnixSeconds\x1a?\n\x11PhaseSecondsEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\x01R\x05value:\x02\x38\x01\x32^\n\x0cServerStatus\x12N\n\x05Watch\x12 .skyrl.inference.v1.WatchRequest\x1a!.skyrl.inference.v1.WatchResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fskyrl/inference/v1/status.proto\x12\x12skyrl.inference.v1\"/\n\x0cWatchRequest\x12\x1f\n\x0binterval_ms\x18\x01 \x01(\rR\nintervalMs\"\x88\x05\n\rWatchResponse\x12\x16\n\x06paused\x18\x01 \x01(\x08R\x06paused\x12%\n\x0eweight_version\x18\x02 \x01(\x03R\rweightVersion\x12)\n\x10running_requests\x18\x03 \x01(\rR\x0frunningRequests\x12)\n\x10waiting_requests\x18\x04 \x01(\rR\x0fwaitingRequests\x12$\n\x0ekv_cache_usage\x18\x05 \x01(\x02R\x0ckvCacheUsage\x12\x1a\n\x08\x64raining\x18\x06 \x01(\x08R\x08\x64raining\x12#\n\rlive_sessions\x18\x07 \x01(\rR\x0cliveSessions\x12%\n\x0esessions_added\x18\x08 \x03(\tR\rsessionsAdded\x12)\n\x10sessions_removed\x18\t \x03(\tR\x0fsessionsRemoved\x12+\n\x11sessions_complete\x18\n \x01(\x08R\x10sessionsComplete\x12#\n\rprompt_tokens\x18\x0b \x01(\x04R\x0cpromptTokens\x12\x30\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0c \x01(\x04R\x12\x63\x61\x63hedPromptTokens\x12\x1a\n\x08\x61\x64\x61pters\x18\r \x03(\tR\x08\x61\x64\x61pters\x12M\n\x0erecent_updates\x18\x0e \x03(\x0b\x32&.skyrl.inference.v1.WeightUpdateRecordR\rrecentUpdates\x12(\n\rsampling_seed\x18\x0f \x01(\x03H\x00R\x0csamplingSeed\x88\x01\x01\x42\x10\n\x0e_sampling_seed\"\xbe\x02\n\x12WeightUpdateRecord\x12%\n\x0eweight_version\x18\x01 \x01(\x03R\rweightVersion\x12\x18\n\x07outcome\x18\x02 \x01(\tR\x07outcome\x12]\n\rphase_seconds\x18\x03 \x03(\x0b\x32\x38.skyrl.inference.v1.WeightUpdateRecord.PhaseSecondsEntryR\x0cphaseSeconds\x12\x14\n\x05\x62ytes\x18\x04 \x01(\x04R\x05\x62ytes\x12\x31\n\x15\x65nded_at_unix_seconds\x18\x05 \x01(\x01R\x12\x65ndedAtUnixSeconds\x1a?\n\x11PhaseSecondsEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\x01R\x05value:\x02\x38\x01\x32^\n\x0cServerStatus\x12N\n\x05Watch\x12 .skyrl.inference.v1.WatchRequest\x1a!.skyrl.inference.v1.WatchResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,11 +36,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHREQUEST']._serialized_start=55
   _globals['_WATCHREQUEST']._serialized_end=102
   _globals['_WATCHRESPONSE']._serialized_start=105
-  _globals['_WATCHRESPONSE']._serialized_end=693
-  _globals['_WEIGHTUPDATERECORD']._serialized_start=696
-  _globals['_WEIGHTUPDATERECORD']._serialized_end=1014
-  _globals['_WEIGHTUPDATERECORD_PHASESECONDSENTRY']._serialized_start=951
-  _globals['_WEIGHTUPDATERECORD_PHASESECONDSENTRY']._serialized_end=1014
-  _globals['_SERVERSTATUS']._serialized_start=1016
-  _globals['_SERVERSTATUS']._serialized_end=1110
+  _globals['_WATCHRESPONSE']._serialized_end=753
+  _globals['_WEIGHTUPDATERECORD']._serialized_start=756
+  _globals['_WEIGHTUPDATERECORD']._serialized_end=1074
+  _globals['_WEIGHTUPDATERECORD_PHASESECONDSENTRY']._serialized_start=1011
+  _globals['_WEIGHTUPDATERECORD_PHASESECONDSENTRY']._serialized_end=1074
+  _globals['_SERVERSTATUS']._serialized_start=1076
+  _globals['_SERVERSTATUS']._serialized_end=1170
 # @@protoc_insertion_point(module_scope)

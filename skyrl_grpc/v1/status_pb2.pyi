@@ -13,7 +13,7 @@ class WatchRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class WatchResponse(_message.Message):
-    __slots__ = ("paused", "weight_version", "running_requests", "waiting_requests", "kv_cache_usage", "draining", "live_sessions", "sessions_added", "sessions_removed", "sessions_complete", "prompt_tokens", "cached_prompt_tokens", "adapters", "recent_updates")
+    __slots__ = ("paused", "weight_version", "running_requests", "waiting_requests", "kv_cache_usage", "draining", "live_sessions", "sessions_added", "sessions_removed", "sessions_complete", "prompt_tokens", "cached_prompt_tokens", "adapters", "recent_updates", "sampling_seed")
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class WatchResponse(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     RECENT_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_SEED_FIELD_NUMBER: _ClassVar[int]
     paused: bool
     weight_version: int
     running_requests: int
@@ -42,7 +43,8 @@ class WatchResponse(_message.Message):
     cached_prompt_tokens: int
     adapters: _containers.RepeatedScalarFieldContainer[str]
     recent_updates: _containers.RepeatedCompositeFieldContainer[WeightUpdateRecord]
-    def __init__(self, paused: _Optional[bool] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., draining: _Optional[bool] = ..., live_sessions: _Optional[int] = ..., sessions_added: _Optional[_Iterable[str]] = ..., sessions_removed: _Optional[_Iterable[str]] = ..., sessions_complete: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., recent_updates: _Optional[_Iterable[_Union[WeightUpdateRecord, _Mapping]]] = ...) -> None: ...
+    sampling_seed: int
+    def __init__(self, paused: _Optional[bool] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., draining: _Optional[bool] = ..., live_sessions: _Optional[int] = ..., sessions_added: _Optional[_Iterable[str]] = ..., sessions_removed: _Optional[_Iterable[str]] = ..., sessions_complete: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., recent_updates: _Optional[_Iterable[_Union[WeightUpdateRecord, _Mapping]]] = ..., sampling_seed: _Optional[int] = ...) -> None: ...
 
 class WeightUpdateRecord(_message.Message):
     __slots__ = ("weight_version", "outcome", "phase_seconds", "bytes", "ended_at_unix_seconds")

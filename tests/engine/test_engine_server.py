@@ -167,6 +167,23 @@ async def test_seeded_sampling_is_reproducible(
     assert first != other
 
 
+async def test_the_status_stream_reports_the_seed_the_sampler_started_with(
+    engine_server: Any, second_engine_server: Any
+) -> None:
+    """What a router names servers that sample alike by (``sampling_seed``)."""
+    from skyrl_grpc.v1 import status_pb2, status_pb2_grpc
+
+    seeds = []
+    for server in (engine_server, second_engine_server):
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            call = status_pb2_grpc.ServerStatusStub(channel).Watch(status_pb2.WatchRequest())
+            status = await call.read()
+            call.cancel()
+        assert isinstance(status, status_pb2.WatchResponse) and status.HasField("sampling_seed")
+        seeds.append(status.sampling_seed)
+    assert seeds == [0, 1]  # the default, and the second server's own (tests/conftest.py)
+
+
 async def test_n_samples_are_independent_and_indexed(
     data: data_plane_pb2_grpc.DataPlaneAsyncStub,
 ) -> None:

@@ -301,8 +301,12 @@ async def test_the_fleet_page_shows_the_servers_an_update_and_a_server_lost_and_
         try:
             page = await browser.new_page()
             await page.goto(f"http://{host}:{fleet.http_port}/fleet")
-            for server in servers:  # both, healthy
+            for index, server in enumerate(servers):  # both, healthy, each with its own seed
                 await page.wait_for_selector(row("servers", server, " td.state.healthy"))
+                await page.wait_for_function(
+                    "([selector, seed]) => document.querySelector(selector)?.textContent === seed",
+                    arg=[row("servers", server, " td.seed"), str(index)],
+                )
 
             client = InferenceClient(fleet.addresses.router, servers)
             version = max((await client.weight_versions()).values()) + 1

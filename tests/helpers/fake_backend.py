@@ -265,12 +265,15 @@ class FakeStatus(status_pb2_grpc.ServerStatusServicer):
     def __init__(self, data_plane: FakeDataPlane) -> None:
         self._data_plane = data_plane
         self.changed = asyncio.Event()
+        self.sampling_seed: int | None = None  # reported when set
 
     async def Watch(self, request, context):  # type: ignore[no-untyped-def]
         while True:
             self.changed.clear()
             yield status_pb2.WatchResponse(
-                weight_version=self._data_plane.weight_version, sessions_complete=True
+                weight_version=self._data_plane.weight_version,
+                sessions_complete=True,
+                sampling_seed=self.sampling_seed,
             )
             await self.changed.wait()
 

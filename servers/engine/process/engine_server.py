@@ -223,7 +223,7 @@ class EngineServer:
         )
 
         status = ServerStatusServicer(
-            self._serving_status, lambda: state.draining, self.status_changes
+            self._serving_status, lambda: state.draining, self.status_changes, engine.seed
         )
         status_pb2_grpc.add_ServerStatusServicer_to_server(status, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -40,17 +40,20 @@ class StatusChanges:
 
 class ServerStatusServicer(status_pb2_grpc.ServerStatusServicer):
     """``serving``: the status now (None while the engine starts); ``draining``: whether the
-    server is shutting down; ``changes``: where changes are announced."""
+    server is shutting down; ``changes``: where changes are announced; ``sampling_seed``: the
+    seed the engine's sampler started with."""
 
     def __init__(
         self,
         serving: Callable[[], ServingStatus | None],
         draining: Callable[[], bool],
         changes: StatusChanges,
+        sampling_seed: int | None = None,
     ) -> None:
         self._serving = serving
         self._draining = draining
         self._changes = changes
+        self._sampling_seed = sampling_seed
 
     def snapshot(
         self, reported: frozenset[str] | None
@@ -62,6 +65,8 @@ class ServerStatusServicer(status_pb2_grpc.ServerStatusServicer):
         if now is None:
             status.sessions_complete = True
             return status, None
+        if self._sampling_seed is not None:
+            status.sampling_seed = self._sampling_seed
         status.paused = now.paused
         status.weight_version = now.weight_version
         status.running_requests = now.running_requests

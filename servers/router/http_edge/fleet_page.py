@@ -29,7 +29,7 @@ FLEET_HTML = b"""<!doctype html>
 <table id="servers">
  <thead><tr><th>server</th><th>health</th><th>weight version</th><th>running</th>
  <th>waiting</th><th>KV cache</th><th>in flight</th><th>sessions</th><th>adapters</th>
- </tr></thead>
+ <th>seed</th></tr></thead>
  <tbody></tbody>
 </table>
 <h2>Last weight updates</h2>
@@ -75,6 +75,7 @@ function draw(fleet) {
     cell(row, String(s.in_flight));
     cell(row, String(s.live_sessions), "sessions");
     cell(row, s.adapters.join(", ") || "-", "adapters");
+    cell(row, s.sampling_seed === null ? "-" : String(s.sampling_seed), "seed");
     return row;
   }));
   const updates = fleet.servers.flatMap(s => s.recent_updates.map(u => [s.address, u]));
