@@ -12,6 +12,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -20,6 +21,7 @@ import psutil
 import pytest
 
 from servers.engine.options import TINY_MODEL_NAME
+from servers.router.replicas import REPLICA_RESTARTS
 from skyrl_grpc.metadata import ROUTED_TO, SESSION_ID
 from skyrl_grpc.v1 import data_plane_pb2_grpc, router_pb2, router_pb2_grpc
 from skyrl_grpc.v1 import generation_pb2 as gen
@@ -40,7 +42,8 @@ OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 class Replicas:
     """``python -m servers.router --replicas 2`` in front of the two shared engine servers."""
 
-    def __init__(self, backends: list[str]) -> None:
+    def __init__(self, backends: list[str], log: Path) -> None:
+        self.log = log  # the supervisor's and replicas' logs
         self.process = ServerProcess(
             "--replicas", "2",
             "--backends", ",".join(backends),
@@ -48,6 +51,7 @@ class Replicas:
             "--metrics-port", "0",
             "--health-check-interval", "0.2",
             command=("-m", "servers.router"),
+            stderr=log,
         )  # fmt: skip
         self.address = self.process.address
         listening = next(e for _, e in self.process.events if e["event"] == "listening")
@@ -74,10 +78,13 @@ class Replicas:
 
 
 @pytest.fixture(scope="module")
-async def replicas(engine_server: Any, second_engine_server: Any) -> AsyncIterator[Replicas]:
+async def replicas(
+    engine_server: Any, second_engine_server: Any, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Replicas]:
     # The engine servers run on this test process's loop: nothing here may block it.
     backends = [engine_server.address, second_engine_server.address]
-    started = await asyncio.to_thread(Replicas, backends)
+    log = tmp_path_factory.mktemp("replicas") / "router.log"
+    started = await asyncio.to_thread(Replicas, backends, log)
     try:
         await until(lambda: all_see(started.address, 2), 60, "both backends healthy", 0.1)
         yield started
@@ -231,7 +238,7 @@ async def test_a_replica_killed_under_load_is_replaced_and_new_calls_go_on(
     """kill -9 of one replica while sessions run through both: calls on new connections keep
     succeeding at once (the kernel sends them to the replica left), the OpenAI SDK's streams
     the dead replica held end with an error rather than hang, the trainer client's calls on the
-    shared address all succeed, and the replica is back within 5 s."""
+    shared address all succeed, and the replica is back at the supervisor's first try."""
     import openai
 
     from trainer_client import InferenceClient
@@ -278,6 +285,7 @@ async def test_a_replica_killed_under_load_is_replaced_and_new_calls_go_on(
     workers += [asyncio.ensure_future(trainer_traffic()), asyncio.ensure_future(sdk_traffic())]
     workers += [asyncio.ensure_future(sdk_traffic())]
     await until(lambda: outcomes["ok"] >= 20, what="traffic through both replicas")
+    logged = len(replicas.log.read_text().splitlines())  # what came before the kill
     os.kill(victim, signal.SIGKILL)
     killed, killed_at = time.monotonic(), time.time()
     ok_at_kill = outcomes["ok"]
@@ -305,8 +313,13 @@ async def test_a_replica_killed_under_load_is_replaced_and_new_calls_go_on(
     stop.set()
     await asyncio.wait_for(asyncio.gather(*workers), 120)  # none hangs
     await trainer.close()
-    assert replaced_after < 2.5, f"replaced {replaced_after:.1f} s after the kill"
-    print(f"replica back (listening) {back_after:.1f} s after the kill")
+    # Replaced at its first try, after the supervisor's first delay (0.5 s, no backoff): read
+    # from its own log, not timed here (a busy machine delays processes by seconds).
+    after = replicas.log.read_text().splitlines()[logged:]
+    died = [line for line in after if "died" in line]
+    assert len(died) == 1 and "exit code -9" in died[0], died
+    assert f"restarting in {REPLICA_RESTARTS.first_delay:.0f} s" in died[0], died
+    print(f"replaced {replaced_after:.1f} s and listening {back_after:.1f} s after the kill")
     assert outcomes["trainer ok"] and outcomes["sdk ok"], outcomes
     # Only calls the dead replica held can have failed: far fewer than went on.
     assert outcomes["failed"] <= 8, outcomes
