@@ -36,12 +36,19 @@ def merge_backlog(
     """Messages that piled up while the reader was slow, merged so it gets fewer: a sample's
     chunks since its previous message become one, as ``ChunkCoalescer`` merges them (never
     across a weight-version change or a sample's end; chunks carrying parsed chat deltas are
-    kept as they are, a delta's pieces being the parser's to split)."""
+    kept as they are, a delta's pieces being the parser's to split).
+
+    A request's usage is cumulative, and a reader takes the last message's as the request's:
+    a sample merged into its earlier place can leave an older count last (n samples of one
+    step, the backlog starting mid-step: 45 of 48 tokens counted). Each request's last merged
+    chunk carries its newest usage."""
     if len(messages) < 2:
         return messages
     merged: list[Chunk] = []
     last: dict[tuple[int, int], Chunk] = {}
+    newest: dict[int, Chunk] = {}  # each request's (batch index's) newest message
     for message in messages:
+        newest[message.batch_index] = message
         key = (message.batch_index, message.sample_index)
         earlier = last.get(key)
         if (
@@ -55,4 +62,9 @@ def merge_backlog(
             continue
         merged.append(message)
         last[key] = message
+    ends = {chunk.batch_index: chunk for chunk in merged}  # each request's last chunk
+    for index, chunk in ends.items():
+        latest = newest[index]
+        if latest.HasField("usage") and chunk.usage != latest.usage:
+            chunk.usage.CopyFrom(latest.usage)
     return merged

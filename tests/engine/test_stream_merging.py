@@ -55,6 +55,23 @@ def test_a_backlog_of_two_samples_becomes_a_message_each_with_the_same_contents(
     assert merged[0].text == "<1><3><5>" and merged[0].finish_reason == stop
 
 
+def test_a_backlog_begun_mid_step_ends_with_each_requests_newest_usage() -> None:
+    """Usage is cumulative and read from the last message: n=3 samples, the backlog starting
+    after sample 0's chunk of a step. Merged in first-appearance order (1, 2, 0), sample 0's
+    chunk ends the list; it carries the newest count (a clean-clone CI run read 45 of 48)."""
+    waiting, counted = [], 0
+    for step, sample in [(1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]:
+        counted += 1
+        waiting.append(
+            chunk(sample, 10 * step + sample, usage=gen.Usage(completion_tokens=counted))
+        )
+    other = chunk(0, 99, batch_index=1, usage=gen.Usage(completion_tokens=7))  # another request's
+    merged = merge_backlog([*waiting[:3], other, *waiting[3:]])
+    assert [(m.batch_index, m.sample_index) for m in merged] == [(0, 1), (0, 2), (0, 0), (1, 0)]
+    assert merged[2].usage.completion_tokens == 5  # this request's newest, on its last chunk
+    assert merged[3].usage.completion_tokens == 7  # the other request keeps its own
+
+
 def test_no_merge_across_a_version_change_a_finish_or_a_chat_delta() -> None:
     stop = gen.FINISH_REASON_STOP
     across_version = merge_backlog([chunk(0, 1, version=1), chunk(0, 2, version=2)])
