@@ -37,7 +37,7 @@ from servers.common.process import read_announcement, with_flag
 from servers.common.reaper import EXIT_WITH_SUPERVISOR
 from servers.common.supervision import RestartPolicy, ServerSupervisor
 from servers.fleet import ROUTED_EXPERTS_FLAG, Fleet, FleetAddresses, FleetStartFailed
-from servers.fleet.seeds import SEED_FLAG, server_seed
+from servers.fleet.seeds import SEED_FLAG, fleet_seed, server_seed
 from servers.fleet.standbys import StandbyRoles
 from skyrl_grpc.tiny_model import embedded_model_path
 
@@ -184,7 +184,7 @@ class LocalFleet(Fleet):
         """Server ``index``; with ``catch_up``, it reads the fleet's current weights from the
         other servers before it serves (a restarted or added server)."""
         args = ["--host", self.host, "--port", str(self.server_ports[index]), *self.engine_args]
-        args = with_flag(args, SEED_FLAG, str(server_seed(self.engine_args, index)))
+        args = with_flag(args, SEED_FLAG, str(server_seed(fleet_seed(self.engine_args), index)))
         metrics = self._metrics_port_of(index)
         if metrics is not None:
             args = with_flag(args, "--metrics-port", str(metrics))

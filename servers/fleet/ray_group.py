@@ -239,7 +239,7 @@ class RayFleet(Fleet):
         if catch_up and peers:
             server_args += ["--catch-up-from", ",".join(peers)]
         # The engine options over the flags, with this server's own seed (``seeds``).
-        seed = server_seed(server_args, index, self.options.engine)
+        seed = server_seed(self._server.engine.seed, index)
         ports = self.options.server_ports
         port = ports[index] if ports is not None and index < len(ports) else 0
         # The server runs on the actor's loop, which Ray makes (uvloop unless RAY_USE_UVLOOP

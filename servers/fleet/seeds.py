@@ -13,25 +13,21 @@ at any time, the same for a server restarted in its place, and reproducible run 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 SEED_FLAG = "--seed"
 
 
-def fleet_seed(server_args: Sequence[str], engine: Mapping[str, Any] | None = None) -> int:
-    """The seed given to the fleet: ``engine``'s ``seed`` (``EngineOptions`` fields, over the
-    flags), else ``--seed`` among ``server_args``, else the servers' default."""
-    if engine is not None and "seed" in engine:
-        return int(engine["seed"])
+def fleet_seed(server_args: Sequence[str]) -> int:
+    """The seed given to the fleet: ``--seed`` among ``server_args`` (read by the serve
+    command's own parser), else the servers' default. A fleet that has the servers' options
+    parsed already (``RayFleet``: engine options over the flags) reads it there."""
     from servers.engine.options import build_parser
 
     parsed, _ = build_parser().parse_known_args(list(server_args))
     return int(parsed.seed)
 
 
-def server_seed(
-    server_args: Sequence[str], index: int, engine: Mapping[str, Any] | None = None
-) -> int:
+def server_seed(fleet_seed: int, index: int) -> int:
     """Server ``index``'s seed: the fleet's plus its index."""
-    return fleet_seed(server_args, engine) + index
+    return fleet_seed + index

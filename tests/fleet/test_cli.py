@@ -138,6 +138,7 @@ def test_up_gives_each_server_a_seed_of_its_own_from_the_one_it_is_given() -> No
     from servers.cli import build_parser, make_fleet
     from servers.engine.options import build_parser as serve_parser
     from servers.fleet.local import LocalFleet
+    from servers.fleet.ray_group import RayFleet
     from servers.fleet.seeds import server_seed
 
     for given, first in (([], 0), (["--seed", "5"], 5), (["--seed=11"], 11)):
@@ -156,8 +157,10 @@ def test_up_gives_each_server_a_seed_of_its_own_from_the_one_it_is_given() -> No
         seeds = [serve_parser().parse_known_args(argv)[0].seed for argv in spawned]
         assert seeds == [first, first + 1, first + 2, first + 1], spawned
     # On Ray the engine options passed over the flags decide, seed included.
-    assert [server_seed(["--seed", "5"], i, {"seed": 9}) for i in range(2)] == [9, 10]
-    assert [server_seed(["--seed", "5"], i, {"dtype": "float32"}) for i in range(2)] == [5, 6]
+    for engine, first in (({"seed": 9}, 9), ({"dtype": "float32"}, 5)):
+        ray_fleet = RayFleet(2, server_args=["--seed", "5"], engine=engine)
+        seeds = [server_seed(ray_fleet._server.engine.seed, i) for i in range(2)]
+        assert seeds == [first, first + 1], (engine, seeds)
 
 
 def test_up_tells_its_router_when_its_servers_capture_routed_experts() -> None:
