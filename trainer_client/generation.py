@@ -260,22 +260,15 @@ class Generation:
             return []
         sessions = session_ids or [None] * len(prompts)
         params = sampling_params(sampling)
-        return await self._batch(
-            prompts, [params] * len(prompts), sessions, include_text, lora, timeout
-        )
+        await self._check_experts(params)
+        every = [params] * len(prompts)
+        calls = self._batch_calls()
+        batch = BatchGeneration(calls, prompts, every, sessions, include_text, lora, timeout)
+        return await batch.run()
 
-    async def _batch(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: Sequence[generation_pb2.SamplingParams],
-        sessions: Sequence[str | None],
-        include_text: bool,
-        lora: str,
-        timeout: Timeout,
-    ) -> list[GenerationResult]:
-        """``prompts`` as batched calls, each with its own ``params``."""
-        await self._check_experts(params[0])
-        calls = BatchCalls(
+    def _batch_calls(self) -> BatchCalls:
+        """What a ``BatchGeneration`` of this client uses."""
+        return BatchCalls(
             config=self.config,
             target=self._target,
             stub=self._core.data,
@@ -284,8 +277,6 @@ class Generation:
             generate_one=self._generate,
             detokenize=self.detokenize,
         )
-        batch = BatchGeneration(calls, prompts, params, sessions, include_text, lora, timeout)
-        return await batch.run()
 
     @tracing.traced("sample")
     async def sample(
@@ -306,11 +297,14 @@ class Generation:
         if n < 1:
             return []
         params = sampling_params(sampling)
+        await self._check_experts(params)
         copies = [params] * n
         if params.HasField("seed"):
             copies = [sampling_params(params, seed=params.seed + i) for i in range(n)]
-        prompts = [prompt_token_ids] * n
-        return await self._batch(prompts, copies, [session_id] * n, include_text, lora, timeout)
+        prompts, sessions = [prompt_token_ids] * n, [session_id] * n
+        calls = self._batch_calls()
+        batch = BatchGeneration(calls, prompts, copies, sessions, include_text, lora, timeout)
+        return await batch.run()
 
     async def chat(
         self,
