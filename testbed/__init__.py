@@ -29,6 +29,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from servers.engine.process import scratch
 from testbed.netns import (
     CommandFailed,
     TestbedUnavailable,
@@ -125,16 +127,20 @@ class Host:
         )
 
     def kill(self) -> None:
-        """The host dies: every process in its namespace killed at once (SIGKILL)."""
+        """The host dies: every process in its namespace killed at once (SIGKILL). Its disk
+        goes with it: the engine servers' scratch directories, which their watchdogs (killed
+        too) would have removed, are removed from the temporary directory the hosts share."""
+        doomed = pids_in(self.ns)
         for process in self.processes:  # each started in a session (and group) of its own
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-        for pid in pids_in(self.ns):
+        for pid in doomed + [pid for pid in pids_in(self.ns) if pid not in doomed]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         for process in self.processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=10)
+        remove_scratch([*doomed, *(p.pid for p in self.processes)])
         self.processes.clear()
 
 
@@ -328,15 +334,22 @@ def _bucket(rate_mbit: float) -> list[str]:
 def remove_namespaces(names: Sequence[str], timeout: float = 20.0) -> None:
     """Kills what lives in each namespace and removes it (its veth ends and a bridge in it
     go with it)."""
-    for ns in names:
-        for pid in pids_in(ns):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    doomed = [pid for ns in names for pid in pids_in(ns)]
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + timeout
     for ns in names:
         while pids_in(ns) and time.monotonic() < deadline:
             time.sleep(0.05)
         ip("netns", "del", ns, check=False)
+    remove_scratch(doomed)
+
+
+def remove_scratch(pids: Sequence[int]) -> None:
+    """Removes the scratch directories of the killed processes ``pids`` (see ``Host.kill``)."""
+    for path in scratch.directories_of(pids):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def sweep_stale() -> None:
