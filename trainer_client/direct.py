@@ -58,6 +58,7 @@ class Member:
     reported_load: int = 0
     in_flight: int = 0
     weight_version: int = 0
+    sampling_seed: int | None = None  # None: the server reports none
 
 
 class DirectRoutes:
@@ -94,6 +95,7 @@ class DirectRoutes:
         # router at once instead of waiting for a view that may never come).
         self._first_answer = asyncio.Event()
         self._warned_fallback = False
+        self._warned_seeds: set[tuple[int, tuple[str, ...]]] = set()
         self._task = asyncio.ensure_future(self._follow())
 
     # -- the feed -----------------------------------------------------------------------------
@@ -178,6 +180,11 @@ class DirectRoutes:
                     weight_version=reported.weight_version if reported is not None else 0,
                     running_requests=reported.running_requests if reported is not None else 0,
                     waiting_requests=reported.waiting_requests if reported is not None else 0,
+                    sampling_seed=(
+                        reported.sampling_seed
+                        if reported is not None and reported.HasField("sampling_seed")
+                        else None
+                    ),
                 )
             )
             if reported is not None:
@@ -219,8 +226,30 @@ class DirectRoutes:
             member.paused = backend.paused
             member.reported_load = backend.running_requests + backend.waiting_requests
             member.weight_version = backend.weight_version
+            if backend.HasField("sampling_seed"):
+                member.sampling_seed = backend.sampling_seed
         self._apply_sessions(update)
+        self._warn_of_shared_seeds()
         self._first_answer.set()
+
+    def _warn_of_shared_seeds(self) -> None:
+        """Servers that report one sampling seed, once per such set (the router says the same
+        in its log, which a trainer may never read): a prompt's group spread over them by this
+        client gets alike samples."""
+        by_seed: dict[int, list[str]] = defaultdict(list)
+        for member in self.members.values():
+            if member.sampling_seed is not None:
+                by_seed[member.sampling_seed].append(member.address)
+        for seed, addresses in by_seed.items():
+            shared = (seed, tuple(sorted(addresses)))
+            if len(addresses) > 1 and shared not in self._warned_seeds:
+                self._warned_seeds.add(shared)
+                log.warning(
+                    "servers %s all sample with seed %d: alike batches get alike samples; "
+                    "start each server with a --seed of its own (skyrl-grpc up does)",
+                    ", ".join(shared[1]),
+                    seed,
+                )
 
     def _apply_sessions(self, update: router_pb2.WatchBackendsResponse) -> None:
         assert self.policy is not None

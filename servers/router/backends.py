@@ -104,6 +104,9 @@ class Backend:
             prompt_tokens=self.status.prompt_tokens,
             cached_prompt_tokens=self.status.cached_prompt_tokens,
             standby=self.standby,
+            sampling_seed=(
+                self.status.sampling_seed if self.status.HasField("sampling_seed") else None
+            ),
         )
 
 

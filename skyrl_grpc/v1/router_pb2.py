@@ -24,43 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fskyrl/inference/v1/router.proto\x12\x12skyrl.inference.v1\"\xf3\x03\n\x07\x42\x61\x63kend\x12\x18\n\x07\x61\x64\x64ress\x18\x01 \x01(\tR\x07\x61\x64\x64ress\x12\x36\n\x05state\x18\x02 \x01(\x0e\x32 .skyrl.inference.v1.BackendStateR\x05state\x12\x1b\n\tin_flight\x18\x03 \x01(\rR\x08inFlight\x12%\n\x0etotal_requests\x18\x04 \x01(\x04R\rtotalRequests\x12\'\n\x0f\x66\x61iled_requests\x18\x05 \x01(\x04R\x0e\x66\x61iledRequests\x12\x16\n\x06paused\x18\x06 \x01(\x08R\x06paused\x12%\n\x0eweight_version\x18\x07 \x01(\x03R\rweightVersion\x12)\n\x10running_requests\x18\x08 \x01(\rR\x0frunningRequests\x12)\n\x10waiting_requests\x18\t \x01(\rR\x0fwaitingRequests\x12#\n\rlive_sessions\x18\n \x01(\rR\x0cliveSessions\x12#\n\rprompt_tokens\x18\x0b \x01(\x04R\x0cpromptTokens\x12\x30\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0c \x01(\x04R\x12\x63\x61\x63hedPromptTokens\x12\x18\n\x07standby\x18\r \x01(\x08R\x07standby\"\x15\n\x13ListBackendsRequest\"O\n\x14ListBackendsResponse\x12\x37\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32\x1b.skyrl.inference.v1.BackendR\x08\x62\x61\x63kends\"G\n\x11\x41\x64\x64\x42\x61\x63kendRequest\x12\x18\n\x07\x61\x64\x64ress\x18\x01 \x01(\tR\x07\x61\x64\x64ress\x12\x18\n\x07standby\x18\x02 \x01(\x08R\x07standby\"K\n\x12\x41\x64\x64\x42\x61\x63kendResponse\x12\x35\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0b\x32\x1b.skyrl.inference.v1.BackendR\x07\x62\x61\x63kend\"0\n\x14RemoveBackendRequest\x12\x18\n\x07\x61\x64\x64ress\x18\x01 \x01(\tR\x07\x61\x64\x64ress\"\x17\n\x15RemoveBackendResponse\"/\n\x13\x44rainBackendRequest\x12\x18\n\x07\x61\x64\x64ress\x18\x01 \x01(\tR\x07\x61\x64\x64ress\"F\n\x14\x44rainBackendResponse\x12.\n\x13remaining_in_flight\x18\x01 \x01(\rR\x11remainingInFlight\"G\n\x11SetStandbyRequest\x12\x18\n\x07\x61\x64\x64ress\x18\x01 \x01(\tR\x07\x61\x64\x64ress\x12\x18\n\x07standby\x18\x02 \x01(\x08R\x07standby\"K\n\x12SetStandbyResponse\x12\x35\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0b\x32\x1b.skyrl.inference.v1.BackendR\x07\x62\x61\x63kend\"\x16\n\x14WatchBackendsRequest\"K\n\x10SessionPlacement\x12\x1d\n\nsession_id\x18\x01 \x01(\tR\tsessionId\x12\x18\n\x07\x61\x64\x64ress\x18\x02 \x01(\tR\x07\x61\x64\x64ress\"\x9c\x02\n\x15WatchBackendsResponse\x12\x37\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32\x1b.skyrl.inference.v1.BackendR\x08\x62\x61\x63kends\x12\x1c\n\tplacement\x18\x02 \x01(\tR\tplacement\x12\x18\n\x07\x65psilon\x18\x03 \x01(\x01R\x07\x65psilon\x12\x1a\n\x08\x63omplete\x18\x04 \x01(\x08R\x08\x63omplete\x12K\n\x0esessions_added\x18\x05 \x03(\x0b\x32$.skyrl.inference.v1.SessionPlacementR\rsessionsAdded\x12)\n\x10sessions_removed\x18\x06 \x03(\tR\x0fsessionsRemoved*\x81\x01\n\x0c\x42\x61\x63kendState\x12\x1d\n\x19\x42\x41\x43KEND_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x42\x41\x43KEND_STATE_HEALTHY\x10\x01\x12\x1b\n\x17\x42\x41\x43KEND_STATE_UNHEALTHY\x10\x02\x12\x1a\n\x16\x42\x41\x43KEND_STATE_DRAINING\x10\x03\x32\xdb\x04\n\x0bRouterAdmin\x12\x61\n\x0cListBackends\x12\'.skyrl.inference.v1.ListBackendsRequest\x1a(.skyrl.inference.v1.ListBackendsResponse\x12[\n\nAddBackend\x12%.skyrl.inference.v1.AddBackendRequest\x1a&.skyrl.inference.v1.AddBackendResponse\x12\x64\n\rRemoveBackend\x12(.skyrl.inference.v1.RemoveBackendRequest\x1a).skyrl.inference.v1.RemoveBackendResponse\x12\x61\n\x0c\x44rainBackend\x12\'.skyrl.inference.v1.DrainBackendRequest\x1a(.skyrl.inference.v1.DrainBackendResponse\x12[\n\nSetStandby\x12%.skyrl.inference.v1.SetStandbyRequest\x1a&.skyrl.inference.v1.SetStandbyResponse\x12\x66\n\rWatchBackends\x12(.skyrl.inference.v1.WatchBackendsRequest\x1a).skyrl.inference.v1.WatchBackendsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fskyrl/inference/v1/router.proto\x12\x12skyrl.inference.v1\"\xaf\x04\n\x07\x42\x61\x63kend\x12\x18\n\x07\x61\x64\x64ress\x18\x01 \x01(\tR\x07\x61\x64\x64ress\x12\x36\n\x05state\x18\x02 \x01(\x0e\x32 .skyrl.inference.v1.BackendStateR\x05state\x12\x1b\n\tin_flight\x18\x03 \x01(\rR\x08inFlight\x12%\n\x0etotal_requests\x18\x04 \x01(\x04R\rtotalRequests\x12\'\n\x0f\x66\x61iled_requests\x18\x05 \x01(\x04R\x0e\x66\x61iledRequests\x12\x16\n\x06paused\x18\x06 \x01(\x08R\x06paused\x12%\n\x0eweight_version\x18\x07 \x01(\x03R\rweightVersion\x12)\n\x10running_requests\x18\x08 \x01(\rR\x0frunningRequests\x12)\n\x10waiting_requests\x18\t \x01(\rR\x0fwaitingRequests\x12#\n\rlive_sessions\x18\n \x01(\rR\x0cliveSessions\x12#\n\rprompt_tokens\x18\x0b \x01(\x04R\x0cpromptTokens\x12\x30\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0c \x01(\x04R\x12\x63\x61\x63hedPromptTokens\x12\x18\n\x07standby\x18\r \x01(\x08R\x07standby\x12(\n\rsampling_seed\x18\x0e \x01(\x03H\x00R\x0csamplingSeed\x88\x01\x01\x42\x10\n\x0e_sampling_seed\"\x15\n\x13ListBackendsRequest\"O\n\x14ListBackendsResponse\x12\x37\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32\x1b.skyrl.inference.v1.BackendR\x08\x62\x61\x63kends\"G\n\x11\x41\x64\x64\x42\x61\x63kendRequest\x12\x18\n\x07\x61\x64\x64ress\x18\x01 \x01(\tR\x07\x61\x64\x64ress\x12\x18\n\x07standby\x18\x02 \x01(\x08R\x07standby\"K\n\x12\x41\x64\x64\x42\x61\x63kendResponse\x12\x35\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0b\x32\x1b.skyrl.inference.v1.BackendR\x07\x62\x61\x63kend\"0\n\x14RemoveBackendRequest\x12\x18\n\x07\x61\x64\x64ress\x18\x01 \x01(\tR\x07\x61\x64\x64ress\"\x17\n\x15RemoveBackendResponse\"/\n\x13\x44rainBackendRequest\x12\x18\n\x07\x61\x64\x64ress\x18\x01 \x01(\tR\x07\x61\x64\x64ress\"F\n\x14\x44rainBackendResponse\x12.\n\x13remaining_in_flight\x18\x01 \x01(\rR\x11remainingInFlight\"G\n\x11SetStandbyRequest\x12\x18\n\x07\x61\x64\x64ress\x18\x01 \x01(\tR\x07\x61\x64\x64ress\x12\x18\n\x07standby\x18\x02 \x01(\x08R\x07standby\"K\n\x12SetStandbyResponse\x12\x35\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0b\x32\x1b.skyrl.inference.v1.BackendR\x07\x62\x61\x63kend\"\x16\n\x14WatchBackendsRequest\"K\n\x10SessionPlacement\x12\x1d\n\nsession_id\x18\x01 \x01(\tR\tsessionId\x12\x18\n\x07\x61\x64\x64ress\x18\x02 \x01(\tR\x07\x61\x64\x64ress\"\x9c\x02\n\x15WatchBackendsResponse\x12\x37\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32\x1b.skyrl.inference.v1.BackendR\x08\x62\x61\x63kends\x12\x1c\n\tplacement\x18\x02 \x01(\tR\tplacement\x12\x18\n\x07\x65psilon\x18\x03 \x01(\x01R\x07\x65psilon\x12\x1a\n\x08\x63omplete\x18\x04 \x01(\x08R\x08\x63omplete\x12K\n\x0esessions_added\x18\x05 \x03(\x0b\x32$.skyrl.inference.v1.SessionPlacementR\rsessionsAdded\x12)\n\x10sessions_removed\x18\x06 \x03(\tR\x0fsessionsRemoved*\x81\x01\n\x0c\x42\x61\x63kendState\x12\x1d\n\x19\x42\x41\x43KEND_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x42\x41\x43KEND_STATE_HEALTHY\x10\x01\x12\x1b\n\x17\x42\x41\x43KEND_STATE_UNHEALTHY\x10\x02\x12\x1a\n\x16\x42\x41\x43KEND_STATE_DRAINING\x10\x03\x32\xdb\x04\n\x0bRouterAdmin\x12\x61\n\x0cListBackends\x12\'.skyrl.inference.v1.ListBackendsRequest\x1a(.skyrl.inference.v1.ListBackendsResponse\x12[\n\nAddBackend\x12%.skyrl.inference.v1.AddBackendRequest\x1a&.skyrl.inference.v1.AddBackendResponse\x12\x64\n\rRemoveBackend\x12(.skyrl.inference.v1.RemoveBackendRequest\x1a).skyrl.inference.v1.RemoveBackendResponse\x12\x61\n\x0c\x44rainBackend\x12\'.skyrl.inference.v1.DrainBackendRequest\x1a(.skyrl.inference.v1.DrainBackendResponse\x12[\n\nSetStandby\x12%.skyrl.inference.v1.SetStandbyRequest\x1a&.skyrl.inference.v1.SetStandbyResponse\x12\x66\n\rWatchBackends\x12(.skyrl.inference.v1.WatchBackendsRequest\x1a).skyrl.inference.v1.WatchBackendsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'skyrl_grpc.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BACKENDSTATE']._serialized_start=1546
-  _globals['_BACKENDSTATE']._serialized_end=1675
+  _globals['_BACKENDSTATE']._serialized_start=1606
+  _globals['_BACKENDSTATE']._serialized_end=1735
   _globals['_BACKEND']._serialized_start=56
-  _globals['_BACKEND']._serialized_end=555
-  _globals['_LISTBACKENDSREQUEST']._serialized_start=557
-  _globals['_LISTBACKENDSREQUEST']._serialized_end=578
-  _globals['_LISTBACKENDSRESPONSE']._serialized_start=580
-  _globals['_LISTBACKENDSRESPONSE']._serialized_end=659
-  _globals['_ADDBACKENDREQUEST']._serialized_start=661
-  _globals['_ADDBACKENDREQUEST']._serialized_end=732
-  _globals['_ADDBACKENDRESPONSE']._serialized_start=734
-  _globals['_ADDBACKENDRESPONSE']._serialized_end=809
-  _globals['_REMOVEBACKENDREQUEST']._serialized_start=811
-  _globals['_REMOVEBACKENDREQUEST']._serialized_end=859
-  _globals['_REMOVEBACKENDRESPONSE']._serialized_start=861
-  _globals['_REMOVEBACKENDRESPONSE']._serialized_end=884
-  _globals['_DRAINBACKENDREQUEST']._serialized_start=886
-  _globals['_DRAINBACKENDREQUEST']._serialized_end=933
-  _globals['_DRAINBACKENDRESPONSE']._serialized_start=935
-  _globals['_DRAINBACKENDRESPONSE']._serialized_end=1005
-  _globals['_SETSTANDBYREQUEST']._serialized_start=1007
-  _globals['_SETSTANDBYREQUEST']._serialized_end=1078
-  _globals['_SETSTANDBYRESPONSE']._serialized_start=1080
-  _globals['_SETSTANDBYRESPONSE']._serialized_end=1155
-  _globals['_WATCHBACKENDSREQUEST']._serialized_start=1157
-  _globals['_WATCHBACKENDSREQUEST']._serialized_end=1179
-  _globals['_SESSIONPLACEMENT']._serialized_start=1181
-  _globals['_SESSIONPLACEMENT']._serialized_end=1256
-  _globals['_WATCHBACKENDSRESPONSE']._serialized_start=1259
-  _globals['_WATCHBACKENDSRESPONSE']._serialized_end=1543
-  _globals['_ROUTERADMIN']._serialized_start=1678
-  _globals['_ROUTERADMIN']._serialized_end=2281
+  _globals['_BACKEND']._serialized_end=615
+  _globals['_LISTBACKENDSREQUEST']._serialized_start=617
+  _globals['_LISTBACKENDSREQUEST']._serialized_end=638
+  _globals['_LISTBACKENDSRESPONSE']._serialized_start=640
+  _globals['_LISTBACKENDSRESPONSE']._serialized_end=719
+  _globals['_ADDBACKENDREQUEST']._serialized_start=721
+  _globals['_ADDBACKENDREQUEST']._serialized_end=792
+  _globals['_ADDBACKENDRESPONSE']._serialized_start=794
+  _globals['_ADDBACKENDRESPONSE']._serialized_end=869
+  _globals['_REMOVEBACKENDREQUEST']._serialized_start=871
+  _globals['_REMOVEBACKENDREQUEST']._serialized_end=919
+  _globals['_REMOVEBACKENDRESPONSE']._serialized_start=921
+  _globals['_REMOVEBACKENDRESPONSE']._serialized_end=944
+  _globals['_DRAINBACKENDREQUEST']._serialized_start=946
+  _globals['_DRAINBACKENDREQUEST']._serialized_end=993
+  _globals['_DRAINBACKENDRESPONSE']._serialized_start=995
+  _globals['_DRAINBACKENDRESPONSE']._serialized_end=1065
+  _globals['_SETSTANDBYREQUEST']._serialized_start=1067
+  _globals['_SETSTANDBYREQUEST']._serialized_end=1138
+  _globals['_SETSTANDBYRESPONSE']._serialized_start=1140
+  _globals['_SETSTANDBYRESPONSE']._serialized_end=1215
+  _globals['_WATCHBACKENDSREQUEST']._serialized_start=1217
+  _globals['_WATCHBACKENDSREQUEST']._serialized_end=1239
+  _globals['_SESSIONPLACEMENT']._serialized_start=1241
+  _globals['_SESSIONPLACEMENT']._serialized_end=1316
+  _globals['_WATCHBACKENDSRESPONSE']._serialized_start=1319
+  _globals['_WATCHBACKENDSRESPONSE']._serialized_end=1603
+  _globals['_ROUTERADMIN']._serialized_start=1738
+  _globals['_ROUTERADMIN']._serialized_end=2341
 # @@protoc_insertion_point(module_scope)

@@ -19,7 +19,7 @@ BACKEND_STATE_UNHEALTHY: BackendState
 BACKEND_STATE_DRAINING: BackendState
 
 class Backend(_message.Message):
-    __slots__ = ("address", "state", "in_flight", "total_requests", "failed_requests", "paused", "weight_version", "running_requests", "waiting_requests", "live_sessions", "prompt_tokens", "cached_prompt_tokens", "standby")
+    __slots__ = ("address", "state", "in_flight", "total_requests", "failed_requests", "paused", "weight_version", "running_requests", "waiting_requests", "live_sessions", "prompt_tokens", "cached_prompt_tokens", "standby", "sampling_seed")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class Backend(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STANDBY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_SEED_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: BackendState
     in_flight: int
@@ -46,7 +47,8 @@ class Backend(_message.Message):
     prompt_tokens: int
     cached_prompt_tokens: int
     standby: bool
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[BackendState, str]] = ..., in_flight: _Optional[int] = ..., total_requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., live_sessions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., standby: _Optional[bool] = ...) -> None: ...
+    sampling_seed: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[BackendState, str]] = ..., in_flight: _Optional[int] = ..., total_requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_version: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., live_sessions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., standby: _Optional[bool] = ..., sampling_seed: _Optional[int] = ...) -> None: ...
 
 class ListBackendsRequest(_message.Message):
     __slots__ = ()
