@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from servers.engine.process import scratch
+from servers.common import reaper
 from testbed.netns import (
     CommandFailed,
     TestbedUnavailable,
@@ -128,9 +128,11 @@ class Host:
 
     def kill(self) -> None:
         """The host dies: every process in its namespace killed at once (SIGKILL). Its disk
-        goes with it: the engine servers' scratch directories, which their watchdogs (killed
-        too) would have removed, are removed from the temporary directory the hosts share."""
+        goes with it: the directories its reapers' watchdogs (killed too) would have removed,
+        engine servers' scratch directories, are removed from the temporary directory the
+        hosts share."""
         doomed = pids_in(self.ns)
+        orphaned = _watched_directories(doomed)
         for process in self.processes:  # each started in a session (and group) of its own
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
@@ -140,7 +142,7 @@ class Host:
         for process in self.processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=10)
-        remove_scratch([*doomed, *(p.pid for p in self.processes)])
+        _remove(orphaned)
         self.processes.clear()
 
 
@@ -335,6 +337,7 @@ def remove_namespaces(names: Sequence[str], timeout: float = 20.0) -> None:
     """Kills what lives in each namespace and removes it (its veth ends and a bridge in it
     go with it)."""
     doomed = [pid for ns in names for pid in pids_in(ns)]
+    orphaned = _watched_directories(doomed)
     for pid in doomed:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -343,12 +346,17 @@ def remove_namespaces(names: Sequence[str], timeout: float = 20.0) -> None:
         while pids_in(ns) and time.monotonic() < deadline:
             time.sleep(0.05)
         ip("netns", "del", ns, check=False)
-    remove_scratch(doomed)
+    _remove(orphaned)
 
 
-def remove_scratch(pids: Sequence[int]) -> None:
-    """Removes the scratch directories of the killed processes ``pids`` (see ``Host.kill``)."""
-    for path in scratch.directories_of(pids):
+def _watched_directories(pids: Sequence[int]) -> list[Path]:
+    """What the reapers' watchdogs among ``pids`` are to remove (``servers.common.reaper``):
+    read before they are killed, removed after (see ``Host.kill``)."""
+    return [path for pid in pids if (path := reaper.watchdog_directory(pid)) is not None]
+
+
+def _remove(directories: Sequence[Path]) -> None:
+    for path in directories:
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -106,6 +106,20 @@ def reap_children_on_exit(
     return watchdog
 
 
+def watchdog_directory(pid: int) -> Path | None:
+    """The directory the watchdog ``pid`` is to remove once its server's group is gone; None
+    if ``pid`` is no such watchdog (or is gone). For whoever kills a watchdog before its time
+    (a testbed host's death kills every process on the host) and must do its last work."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    # Its command line: python -c _WATCHDOG group grace remove detach.
+    if len(argv) < 7 or argv[1:3] != [b"-c", _WATCHDOG.encode()] or not argv[5]:
+        return None
+    return Path(os.fsdecode(argv[5]))
+
+
 def exit_with_supervisor() -> None:
     """Where the process that started this one asked for it (``EXIT_WITH_SUPERVISOR``): once
     standard input reaches end-of-file (that process has died: it never writes and never

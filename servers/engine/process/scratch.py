@@ -20,7 +20,6 @@ import getpass
 import os
 import re
 import tempfile
-from collections.abc import Iterable
 from pathlib import Path
 
 PREFIX = "skyrl-engine-"
@@ -42,11 +41,3 @@ def use_scratch_directory() -> Path:
     os.environ["TMPDIR"] = str(scratch)
     tempfile.tempdir = str(scratch)  # gettempdir() caches its first answer
     return scratch
-
-
-def directories_of(pids: Iterable[int]) -> list[Path]:
-    """The scratch directories named by the processes ``pids``: for whoever kills a server's
-    watchdog with it (a testbed host's death, whose hosts share this machine's temporary
-    directory) and must then remove what the watchdog would have."""
-    root = Path(tempfile.gettempdir())
-    return [path for pid in set(pids) for path in root.glob(f"{PREFIX}{pid}-*")]
