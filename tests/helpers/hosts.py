@@ -48,7 +48,8 @@ class HostedFleet:
         it serves; returns once it is ready."""
         index = self.servers.index(host)
         peers = ",".join(a for i, a in enumerate(self.addresses) if i != index)
-        start_server(host, *ENGINE_FLAGS, "--catch-up-from", peers, log_dir=logs).until("ready")
+        flags = (*ENGINE_FLAGS, "--seed", str(index), "--catch-up-from", peers)
+        start_server(host, *flags, log_dir=logs).until("ready")
 
 
 def host_fleet(bed: Testbed, logs: Path, servers: int = 2, http_port: int = 8000) -> HostedFleet:
@@ -58,7 +59,12 @@ def host_fleet(bed: Testbed, logs: Path, servers: int = 2, http_port: int = 8000
     trainer = bed.add_host("trainer", RATE_MBIT)
     router_host = bed.add_host("router", RATE_MBIT)
     hosts = [bed.add_host(f"s{i}", RATE_MBIT) for i in range(servers)]
-    started = [start_server(host, *ENGINE_FLAGS, log_dir=logs) for host in hosts]
+    # Each with a seed of its own, as an operator starting servers by hand should give them
+    # (docs/serving.md) and as ``up`` does: alike seeds sample alike.
+    started = [
+        start_server(host, *ENGINE_FLAGS, "--seed", str(i), log_dir=logs)
+        for i, host in enumerate(hosts)
+    ]
     addresses = [server.until("ready")["address"] for server in started]
     router = start_router(router_host, addresses, "--http-port", str(http_port), log_dir=logs)
     router.until("ready")
