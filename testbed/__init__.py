@@ -131,12 +131,11 @@ class Host:
         goes with it: the directories its reapers' watchdogs (killed too) would have removed,
         engine servers' scratch directories, are removed from the temporary directory the
         hosts share."""
-        doomed = pids_in(self.ns)
-        orphaned = _watched_directories(doomed)
+        orphaned = _watched_directories(pids_in(self.ns))
         for process in self.processes:  # each started in a session (and group) of its own
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-        for pid in doomed + [pid for pid in pids_in(self.ns) if pid not in doomed]:
+        for pid in pids_in(self.ns):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         for process in self.processes:
