@@ -30,6 +30,7 @@ import grpc
 from skyrl_grpc.errors import server_lost
 from skyrl_grpc.placement import PlacementPolicy, make_policy
 from skyrl_grpc.placement.policy import DEFAULT_EPSILON
+from skyrl_grpc.sampling_seeds import ADVICE, reported_seed, shared_seeds
 from skyrl_grpc.v1 import router_pb2, router_pb2_grpc, status_pb2, status_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -180,11 +181,7 @@ class DirectRoutes:
                     weight_version=reported.weight_version if reported is not None else 0,
                     running_requests=reported.running_requests if reported is not None else 0,
                     waiting_requests=reported.waiting_requests if reported is not None else 0,
-                    sampling_seed=(
-                        reported.sampling_seed
-                        if reported is not None and reported.HasField("sampling_seed")
-                        else None
-                    ),
+                    sampling_seed=reported_seed(reported) if reported is not None else None,
                 )
             )
             if reported is not None:
@@ -233,22 +230,14 @@ class DirectRoutes:
         self._first_answer.set()
 
     def _warn_of_shared_seeds(self) -> None:
-        """Servers that report one sampling seed, once per such set (the router says the same
-        in its log, which a trainer may never read): a prompt's group spread over them by this
-        client gets alike samples."""
-        by_seed: dict[int, list[str]] = defaultdict(list)
-        for member in self.members.values():
-            if member.sampling_seed is not None:
-                by_seed[member.sampling_seed].append(member.address)
-        for seed, addresses in by_seed.items():
-            shared = (seed, tuple(sorted(addresses)))
-            if len(addresses) > 1 and shared not in self._warned_seeds:
-                self._warned_seeds.add(shared)
+        """Servers that report one sampling seed (``sampling_seeds``), once per such set: the
+        router says the same in its log, which a trainer may never read."""
+        seeds = {m.address: m.sampling_seed for m in self.members.values()}
+        for seed, addresses in shared_seeds(seeds).items():
+            if (seed, addresses) not in self._warned_seeds:
+                self._warned_seeds.add((seed, addresses))
                 log.warning(
-                    "servers %s all sample with seed %d: alike batches get alike samples; "
-                    "start each server with a --seed of its own (skyrl-grpc up does)",
-                    ", ".join(shared[1]),
-                    seed,
+                    "servers %s all sample with seed %d: %s", ", ".join(addresses), seed, ADVICE
                 )
 
     def _apply_sessions(self, update: router_pb2.WatchBackendsResponse) -> None:

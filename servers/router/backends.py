@@ -25,6 +25,7 @@ from skyrl_grpc.channels import open_channel
 from skyrl_grpc.errors import AlreadyExists, NotFound
 from skyrl_grpc.names import DATA_PLANE
 from skyrl_grpc.placement import make_policy
+from skyrl_grpc.sampling_seeds import ADVICE, reported_seed, shared_seeds
 from skyrl_grpc.session_moves import finish_moved_session
 from skyrl_grpc.v1 import (
     router_pb2,
@@ -104,9 +105,7 @@ class Backend:
             prompt_tokens=self.status.prompt_tokens,
             cached_prompt_tokens=self.status.cached_prompt_tokens,
             standby=self.standby,
-            sampling_seed=(
-                self.status.sampling_seed if self.status.HasField("sampling_seed") else None
-            ),
+            sampling_seed=reported_seed(self.status),
         )
 
 
@@ -388,23 +387,17 @@ class BackendPool:
             await asyncio.sleep(self.check_interval)
 
     def _warn_of_a_shared_seed(self, backend: Backend) -> None:
-        """A server that reports the sampling seed another one does: handed alike batches, the
-        two return alike samples (a prompt's group spread over them gets duplicates)."""
+        """A server that reports the sampling seed another one does (``sampling_seeds``)."""
         seed = backend.status.sampling_seed
-        alike = [
-            other.address
-            for other in self._backends.values()
-            if other is not backend
-            and other.status.HasField("sampling_seed")
-            and other.status.sampling_seed == seed
-        ]
+        seeds = {b.address: reported_seed(b.status) for b in self._backends.values()}
+        alike = [a for a in shared_seeds(seeds).get(seed, ()) if a != backend.address]
         if alike:
             log.warning(
-                "backend %s samples with seed %d, as %s: alike batches get alike samples; "
-                "start each server with a --seed of its own (skyrl-grpc up does)",
+                "backend %s samples with seed %d, as %s: %s",
                 backend.address,
                 seed,
                 ", ".join(alike),
+                ADVICE,
             )
 
     def _session_moved(self, session: str, left: str, went: str) -> None:

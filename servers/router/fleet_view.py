@@ -14,6 +14,7 @@ from collections import deque
 from typing import Any
 
 from servers.router.backends import HEALTHY, BackendPool
+from skyrl_grpc.sampling_seeds import reported_seed
 
 # Events kept for the page: enough to see the last restarts and migrations.
 EVENTS_KEPT = 50
@@ -79,9 +80,7 @@ def fleet_view(pool: BackendPool, events: FleetEvents, replica: int | None) -> d
                 "in_flight": backend.in_flight,
                 "live_sessions": sessions[backend.address],
                 "adapters": list(status.adapters),
-                "sampling_seed": (
-                    status.sampling_seed if status.HasField("sampling_seed") else None
-                ),
+                "sampling_seed": reported_seed(status),
                 "recent_updates": [
                     {
                         "weight_version": record.weight_version,
